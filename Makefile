@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install bench protos clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall only when the declared dependencies change.
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/main_job.sh runs/main
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+protos: $(STAMP)
+	$(BIN)/python -m protos.build
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from metaps.cli import main
+
+sys.exit(main())

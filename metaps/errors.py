@@ -1,0 +1,22 @@
+"""Errors shared by every subsystem.
+
+Each error names what is wrong (file, field, id, expected vs got) in its message.
+"""
+
+from __future__ import annotations
+
+
+class MetapsError(Exception):
+    """Base class of every error metaps raises on purpose."""
+
+
+class ConfigError(MetapsError):
+    """A job config (TOML) is malformed: unknown key, wrong type, bad value."""
+
+
+class SchemaError(MetapsError):
+    """A schema file is malformed, or data does not match its schema."""
+
+
+class DataError(MetapsError):
+    """Input data is bad: missing column, wrong type, NaN label, corrupt file."""

@@ -1,0 +1,51 @@
+"""Structured logging for every metaps process.
+
+Lines look like ``2026-11-29T12:00:00 INFO ps.server shard=0 msg="serving" port=5001``:
+``key=value`` pairs after the message, so fleets can grep and parse them.
+Use ``log.info("serving", extra=kv(port=port))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+_ROLE = os.environ.get("METAPS_ROLE", "")
+
+
+def kv(**fields: Any) -> dict[str, Any]:
+    """Fields for ``extra=``: rendered as ``key=value`` after the message."""
+    return {"kv": fields}
+
+
+class KeyValueFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+        parts = [ts, record.levelname, record.name]
+        if _ROLE:
+            parts.append(f"role={_ROLE}")
+        parts.append(f'msg="{record.getMessage()}"')
+        fields = getattr(record, "kv", None)
+        if fields:
+            parts.extend(f"{k}={v}" for k, v in fields.items())
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure(level: str | int = "INFO", role: str = "") -> None:
+    """Install the key=value formatter on the root logger (idempotent)."""
+    global _ROLE
+    if role:
+        _ROLE = role
+    root = logging.getLogger()
+    root.setLevel(level if isinstance(level, int) else level.upper())
+    for h in root.handlers:
+        if isinstance(h.formatter, KeyValueFormatter):
+            return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KeyValueFormatter())
+    root.addHandler(handler)

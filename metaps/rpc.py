@@ -1,0 +1,170 @@
+"""gRPC plumbing shared by the PS, the controller and their clients.
+
+* message size limits set on both ends (:data:`DEFAULT_MAX_MESSAGE_BYTES`);
+* a shared-token check: every call carries ``authorization: Bearer <token>``
+  metadata; a server built with :func:`make_server` refuses calls without it
+  (``UNAUTHENTICATED``);
+* optional TLS from PEM files;
+* the standard gRPC health service on every server.
+
+Example::
+
+    server = make_server(RpcConfig(token="s3cret"), max_workers=8)
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = make_channel(f"127.0.0.1:{port}", RpcConfig(token="s3cret"))
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+TOKEN_ENV = "METAPS_TOKEN"
+_AUTH_KEY = "authorization"
+
+
+@dataclass(frozen=True)
+class RpcConfig:
+    """RPC settings shared by every service of a job (``[rpc]`` in the job TOML).
+
+    Args:
+        token: shared secret; '' means read ``$METAPS_TOKEN``; still '' means no auth.
+        max_message_bytes: send and receive limit on both ends.
+        tls_cert / tls_key / tls_ca: PEM paths; all empty means plaintext.
+        timeout_s: default deadline of a unary call.
+    """
+
+    token: str = ""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    def resolved_token(self) -> str:
+        return self.token or os.environ.get(TOKEN_ENV, "")
+
+
+def channel_options(cfg: RpcConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.enable_retries", 0),  # our clients retry with their own backoff
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+
+
+class _TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose metadata lacks the job's bearer token."""
+
+    def __init__(self, token: str, exempt: tuple[str, ...] = ("/grpc.health.v1.Health/",)) -> None:
+        self._expected = f"Bearer {token}"
+        self._exempt = exempt
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token (metadata 'authorization')")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        if handler_call_details.method.startswith(self._exempt):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == _AUTH_KEY and value == self._expected:
+                return continuation(handler_call_details)
+        return self._deny
+
+
+def make_server(cfg: RpcConfig, max_workers: int = 8) -> grpc.Server:
+    """A thread-pool gRPC server with size limits and (if a token is set) auth."""
+    interceptors = []
+    token = cfg.resolved_token()
+    if token:
+        interceptors.append(_TokenAuthInterceptor(token))
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=interceptors,
+        options=channel_options(cfg),
+    )
+
+
+def add_port(server: grpc.Server, address: str, cfg: RpcConfig) -> int:
+    """Bind ``address`` (``host:0`` picks a free port) with TLS if configured."""
+    if cfg.tls_cert:
+        with open(cfg.tls_key, "rb") as fk, open(cfg.tls_cert, "rb") as fc:
+            creds = grpc.ssl_server_credentials([(fk.read(), fc.read())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind gRPC server to {address}")
+    return port
+
+
+def add_health(server: grpc.Server) -> health.HealthServicer:
+    """Register the standard health service; callers set statuses on it."""
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def make_channel(address: str, cfg: RpcConfig) -> grpc.Channel:
+    """A channel with size limits, TLS if configured and the token attached."""
+    opts = channel_options(cfg)
+    token = cfg.resolved_token()
+    if cfg.tls_ca or cfg.tls_cert:
+        ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
+        creds = grpc.ssl_channel_credentials(root_certificates=ca)
+        if token:
+            creds = grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(token)
+            )
+        return grpc.secure_channel(address, creds, options=opts)
+    channel = grpc.insecure_channel(address, options=opts)
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenClientInterceptor(token))
+    return channel
+
+
+class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every outgoing call."""
+
+    def __init__(self, token: str) -> None:
+        self._md = (_AUTH_KEY, f"Bearer {token}")
+
+    def _details(self, d: Any) -> Any:
+        md = list(d.metadata or ()) + [self._md]
+        return d._replace(metadata=md) if hasattr(d, "_replace") else _CallDetails(d, md)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+        return continuation(self._details(client_call_details), request)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
