@@ -1,0 +1,163 @@
+"""The job file: one TOML that every process of a fleet reads.
+
+Each top-level table is one subsystem's frozen config dataclass, owned by
+that subsystem::
+
+    [data]        metaps.job.DataConfig           where the Meta-IO datasets are
+    [ps]          ps.config.PsConfig              shards, tables, optimizers
+    [model]       models.config.ModelConfig       which CTR/CVR model
+    [meta]        models.meta.MetaConfig          G-Meta inner/outer loop
+    [train]       workers.config.TrainConfig      workers, mode, dense sync
+    [controller]  controller.config.ControllerConfig   DDS, monitor, policy
+    [faults]      metaps.faults.FaultConfig       injected stragglers/kills
+    [rpc]         metaps.rpc.RpcConfig            token, TLS, message limits
+    [delivery]    delivery.config.DeliveryConfig  bundles and publishing
+    [run]         metaps.job.RunConfig            run directory
+
+Example::
+
+    job = load_job("configs/local.toml")
+    job.ps.shards, job.train.mode, job.schema().tables
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from metaps.config import from_mapping, read_toml, to_dict
+from metaps.errors import ConfigError
+from metaps.rpc import RpcConfig
+
+if TYPE_CHECKING:
+    from meta_io.schema import Schema
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where training and evaluation data live.
+
+    Args:
+        train: a Meta-IO dataset directory (meta or plain layout).
+        eval: a held-out Meta-IO dataset (users unseen in training); '' for none.
+        schema: schema file; '' means the one embedded in the train manifest.
+    """
+
+    train: str = ""
+    eval: str = ""
+    schema: str = ""
+
+    def validate(self) -> None:
+        if not self.train:
+            raise ValueError("data.train (a Meta-IO dataset directory) is required")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run leaves its report, checkpoints, logs and plots."""
+
+    dir: str = "runs/default"
+    name: str = "metaps"
+
+
+def _section_types() -> dict[str, type]:
+    # Imported here so `metaps --help` does not pay for torch/fbgemm imports.
+    from controller.config import ControllerConfig
+    from delivery.config import DeliveryConfig
+    from metaps.faults import FaultConfig
+    from models.config import ModelConfig
+    from models.meta import MetaConfig
+    from ps.config import PsConfig
+    from workers.config import TrainConfig
+
+    return {
+        "data": DataConfig,
+        "ps": PsConfig,
+        "model": ModelConfig,
+        "meta": MetaConfig,
+        "train": TrainConfig,
+        "controller": ControllerConfig,
+        "faults": FaultConfig,
+        "rpc": RpcConfig,
+        "delivery": DeliveryConfig,
+        "run": RunConfig,
+    }
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Every section of a job file, parsed and validated."""
+
+    data: DataConfig
+    ps: Any
+    model: Any
+    meta: Any
+    train: Any
+    controller: Any
+    faults: Any
+    rpc: RpcConfig
+    delivery: Any
+    run: RunConfig
+    source: str = ""
+    """The file this job was read from ('' when built in code)."""
+
+    def schema(self) -> "Schema":
+        """The schema: the explicit file, else the one in the train manifest."""
+        from meta_io.schema import load_schema, schema_from_dict
+
+        if self.data.schema:
+            return load_schema(self.data.schema)
+        manifest = Path(self.data.train) / "manifest.json"
+        if not manifest.exists():
+            raise ConfigError(
+                f"{self.source or '<job>'}: data.schema is empty and {manifest} does not exist"
+            )
+        return schema_from_dict(json.loads(manifest.read_text())["schema"], where=str(manifest))
+
+    def table_configs(self) -> list[Any]:
+        """PS table configs for the schema's tables, dims taken from [model]."""
+        schema = self.schema()
+        dims = self.model.embedding_dims(schema.tables)
+        tables = self.ps.table_configs(schema.tables)
+        out = []
+        for t in tables:
+            if t.dim != dims[t.name]:
+                t = dataclasses.replace(t, dim=dims[t.name])
+            out.append(t)
+        return out
+
+    def with_overrides(self, **sections: Any) -> "JobConfig":
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: to_dict(getattr(self, name)) for name in _section_types()}
+
+
+def job_from_mapping(data: dict[str, Any], where: str = "<job>") -> JobConfig:
+    """Build a JobConfig from a parsed TOML mapping; missing sections take defaults."""
+    types = _section_types()
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {unknown}; known: {sorted(types)}")
+    sections: dict[str, Any] = {}
+    for name, cls in types.items():
+        sub = data.get(name, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{where}: '{name}' must be a table, got {type(sub).__name__}")
+        sections[name] = from_mapping(cls, sub, where=where, prefix=name)
+    return JobConfig(**sections, source=where)
+
+
+def load_job(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> JobConfig:
+    """Read a job TOML. ``overrides`` merge into sections before validation.
+
+    Relative data paths are resolved against the current directory (the
+    launcher runs every process from the same directory).
+    """
+    data = read_toml(path)
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return job_from_mapping(data, where=str(path))

@@ -1,0 +1,122 @@
+"""Where a worker gets embedding rows and dense parameters from.
+
+The training loop talks to a :class:`RowSource` only, so the distributed
+worker (:class:`RemoteRowSource`, gRPC to the PS fleet) and the local
+reference (:class:`LocalRowSource`, an in-process :class:`~ps.shard_store.ShardStore`
+with the very same optimizers) run the same code: that is what makes
+``metaps train-local`` a parity reference and a speed baseline.
+
+Example::
+
+    src = LocalRowSource(ShardStore(tables, shard_id=0, num_vshards=256, seed=0))
+    rows = src.pull({"item": np.array([3, 7])})        # {"item": float32 [2, dim]}
+    src.push({"item": (np.array([3, 7]), grads)})
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+IdsByTable = dict[str, np.ndarray]
+RowsByTable = dict[str, np.ndarray]
+GradsByTable = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+class RowSource(Protocol):
+    def pull(self, ids: IdsByTable) -> RowsByTable: ...
+
+    def pull_async(self, ids: IdsByTable) -> "Future[RowsByTable]": ...
+
+    def push(self, grads: GradsByTable, step: int) -> None: ...
+
+    def register_dense(self, params: dict[str, np.ndarray]) -> None: ...
+
+    def pull_dense(self, names: list[str]) -> dict[str, np.ndarray]: ...
+
+    def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None: ...
+
+    def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path: ...
+
+    def close(self) -> None: ...
+
+
+class _Done(Future):
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.set_result(value)
+
+
+class LocalRowSource:
+    """Rows and dense parameters in one in-process ShardStore (no RPC)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def pull(self, ids: IdsByTable) -> RowsByTable:
+        return {t: self.store.pull(t, v) for t, v in ids.items()}
+
+    def pull_async(self, ids: IdsByTable) -> "Future[RowsByTable]":
+        return _Done(self.pull(ids))
+
+    def push(self, grads: GradsByTable, step: int) -> None:
+        for table, (ids, g) in grads.items():
+            if len(ids):
+                self.store.push(table, ids, g)
+
+    def register_dense(self, params: dict[str, np.ndarray]) -> None:
+        for name, value in params.items():
+            self.store.dense.register(name, value)
+
+    def pull_dense(self, names: list[str]) -> dict[str, np.ndarray]:
+        return self.store.dense.pull(names)
+
+    def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None:
+        self.store.dense.push(grads)
+
+    def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
+        from ps.checkpoint import commit_checkpoint, save_shard
+
+        tmp = Path(root) / f"ckpt-{step}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_shard(self.store, tmp, 0)
+        return commit_checkpoint(tmp, info)
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteRowSource:
+    """Rows from the sharded PS fleet through :class:`ps.client.PsClient`."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def pull(self, ids: IdsByTable) -> RowsByTable:
+        return self.client.pull(ids)
+
+    def pull_async(self, ids: IdsByTable) -> "Future[RowsByTable]":
+        return self.client.pull_async(ids)
+
+    def push(self, grads: GradsByTable, step: int) -> None:
+        self.client.push(grads, step=step)
+
+    def register_dense(self, params: dict[str, np.ndarray]) -> None:
+        self.client.register_dense(params)
+
+    def pull_dense(self, names: list[str]) -> dict[str, np.ndarray]:
+        return self.client.pull_dense(names)
+
+    def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None:
+        self.client.push_dense(grads, step=step)
+
+    def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
+        from ps.coordinator import checkpoint_all
+
+        return checkpoint_all(self.client, Path(root), step, info)
+
+    def close(self) -> None:
+        self.client.close()

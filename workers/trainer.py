@@ -1,0 +1,224 @@
+"""The training step engine shared by ``metaps worker`` and ``metaps train-local``.
+
+One step, for a plain or a meta batch::
+
+    unique ids per table --pull--> rows [U_t, dim]          (RowSource)
+    model(rows) -> loss -> grads of dense params and rows   (models.meta)
+    row grads --push--> PS (aggregated per id by the client)
+    dense grads --push--> PS dense store, params --pull-->  (dense_sync = ps)
+             or --all-reduce--> local optimizer step         (dense_sync = allreduce)
+
+With ``overlap`` the pull of batch t+1 is issued before step t computes, so
+the network time hides behind compute; rows are then one step stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from meta_io.batch import MetaBatch, PlainBatch
+from metaps.log import kv
+from workers.config import DenseSync, TrainConfig, TrainMode
+from workers.row_source import RowSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    samples: int
+    tasks: int
+    pull_s: float
+    compute_s: float
+    push_s: float
+    total_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _ids_of(batch: MetaBatch | PlainBatch) -> dict[str, np.ndarray]:
+    return {t: u.numpy() for t, u in batch.unique_ids.items()}
+
+
+def _samples_of(batch: MetaBatch | PlainBatch) -> tuple[int, int]:
+    if isinstance(batch, MetaBatch):
+        return batch.support.num_rows() + batch.query.num_rows(), batch.num_tasks
+    return batch.features.num_rows(), 0
+
+
+class Trainer:
+    """Runs steps of one model against a RowSource.
+
+    Args:
+        model: a models.base.CtrModel (dense parameters only; rows come from ``rows``).
+        rows: where embedding rows and (in PS mode) dense parameters live.
+        cfg: the ``[train]`` section.
+        meta_cfg: the ``[meta]`` section (used when ``cfg.mode == "meta"``).
+        dense_optimizer: the ``[ps].dense_optimizer`` config (all-reduce mode steps locally with it).
+        rank / world: this worker's rank and the worker count (all-reduce mode).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: RowSource,
+        cfg: TrainConfig,
+        meta_cfg: Any,
+        dense_optimizer: Any = None,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        self.model = model
+        self.rows = rows
+        self.cfg = cfg
+        self.meta_cfg = meta_cfg
+        self.rank = rank
+        self.world = world
+        self.step_no = 0
+        self._names = [n for n, _ in model.named_parameters()]
+        self._local_opt: torch.optim.Optimizer | None = None
+        if cfg.dense_sync == DenseSync.PS:
+            # Every worker builds the model from the same seed, so registering is idempotent.
+            self.rows.register_dense(self._dense_numpy())
+            self._load_dense(self.rows.pull_dense(self._names))
+        else:
+            self._local_opt = _make_torch_optimizer(model, dense_optimizer)
+
+    # -- dense parameters -------------------------------------------------------
+    def _dense_numpy(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().numpy().copy() for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def _load_dense(self, values: dict[str, np.ndarray]) -> None:
+        for name, p in self.model.named_parameters():
+            p.copy_(torch.from_numpy(np.asarray(values[name]).reshape(p.shape)))
+
+    def _sync_dense(self, grads: dict[str, torch.Tensor]) -> None:
+        if self.cfg.dense_sync == DenseSync.PS:
+            self.rows.push_dense({n: g.detach().numpy() for n, g in grads.items()}, self.step_no)
+            self._load_dense(self.rows.pull_dense(self._names))
+            return
+        import torch.distributed as dist
+
+        assert self._local_opt is not None
+        flat = torch.cat([grads[n].reshape(-1) for n in self._names])
+        if self.world > 1:
+            dist.all_reduce(flat)
+            flat /= self.world
+        offset = 0
+        for name, p in self.model.named_parameters():
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        self._local_opt.step()
+        self._local_opt.zero_grad(set_to_none=True)
+
+    # -- one step -----------------------------------------------------------------
+    def compute(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray]) -> Any:
+        """Loss and gradients of one batch, given its pulled rows."""
+        from models.meta import meta_step, plain_step
+
+        rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_np.items()}
+        if self.cfg.mode == TrainMode.META:
+            if not isinstance(batch, MetaBatch):
+                raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
+            return meta_step(self.model, batch, rows, self.meta_cfg)
+        if isinstance(batch, MetaBatch):
+            # Plain training on a meta layout: support and query rows are all training rows.
+            return plain_step(self.model, _flatten_meta(batch), rows)
+        return plain_step(self.model, batch, rows)
+
+    def step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float) -> StepStats:
+        t0 = time.perf_counter()
+        result = self.compute(batch, rows_np)
+        t1 = time.perf_counter()
+        ids = _ids_of(batch)
+        self.rows.push(
+            {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads},
+            self.step_no,
+        )
+        self._sync_dense(result.dense_grads)
+        t2 = time.perf_counter()
+        samples, tasks = _samples_of(batch)
+        self.step_no += 1
+        return StepStats(
+            step=self.step_no,
+            loss=float(result.loss.detach() if hasattr(result, "loss") else result.outer_loss.detach()),
+            samples=samples,
+            tasks=tasks,
+            pull_s=pull_s,
+            compute_s=t1 - t0,
+            push_s=t2 - t1,
+            total_s=pull_s + (t2 - t0),
+            metrics=dict(getattr(result, "metrics", {}) or {}),
+        )
+
+    def run(self, batches: Iterable[MetaBatch | PlainBatch]) -> Iterator[StepStats]:
+        """Train on ``batches``; yields per-step stats. Honors ``overlap`` and ``max_steps``."""
+        it = iter(batches)
+        if not self.cfg.overlap:
+            for batch in it:
+                if self._at_limit():
+                    return
+                t0 = time.perf_counter()
+                rows = self.rows.pull(_ids_of(batch))
+                yield self.step(batch, rows, time.perf_counter() - t0)
+            return
+        # Overlapped: the pull of the next batch is in flight while this one computes.
+        nxt = next(it, None)
+        pending = self.rows.pull_async(_ids_of(nxt)) if nxt is not None else None
+        while nxt is not None and not self._at_limit():
+            batch, fut = nxt, pending
+            t0 = time.perf_counter()
+            rows = fut.result()
+            wait_s = time.perf_counter() - t0
+            nxt = next(it, None)
+            pending = self.rows.pull_async(_ids_of(nxt)) if nxt is not None else None
+            yield self.step(batch, rows, wait_s)
+
+    def _at_limit(self) -> bool:
+        return bool(self.cfg.max_steps) and self.step_no >= self.cfg.max_steps
+
+
+def _flatten_meta(batch: MetaBatch) -> PlainBatch:
+    """A meta batch as one plain batch of all its support and query slots."""
+    from meta_io.batch import FeatureBatch
+
+    def flat(fb: FeatureBatch) -> FeatureBatch:
+        return fb.map(lambda t: t.reshape(-1, *t.shape[2:]))
+
+    s, q = flat(batch.support), flat(batch.query)
+    cat = lambda a, b: torch.cat([a, b], dim=0)  # noqa: E731
+    merged = FeatureBatch(
+        ids={k: cat(s.ids[k], q.ids[k]) for k in s.ids},
+        dense=cat(s.dense, q.dense),
+        vectors={k: cat(s.vectors[k], q.vectors[k]) for k in s.vectors},
+        labels={k: cat(s.labels[k], q.labels[k]) for k in s.labels},
+        mask=cat(s.mask, q.mask),
+        scenario=cat(s.scenario, q.scenario),
+        oracle={k: cat(s.oracle[k], q.oracle[k]) for k in s.oracle},
+    )
+    return PlainBatch(features=merged, unique_ids=batch.unique_ids)
+
+
+def _make_torch_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    from ps.config import OptimizerKind
+
+    params = list(model.parameters())
+    if cfg is None or cfg.kind == OptimizerKind.ADAM:
+        lr = 1e-3 if cfg is None else cfg.lr
+        kw = {} if cfg is None else dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=lr, **kw)
+    if cfg.kind == OptimizerKind.ADAGRAD:
+        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.kind == OptimizerKind.SGD:
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"dense optimizer {cfg.kind.value} is not supported for dense parameters")
