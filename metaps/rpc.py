@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import hmac
 import os
 from concurrent import futures
 from dataclasses import dataclass
@@ -67,28 +68,59 @@ def channel_options(cfg: RpcConfig) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.enable_retries", 0),  # our clients retry with their own backoff
         ("grpc.keepalive_time_ms", 30_000),
+        # A restarted peer is found again within ~1 s instead of gRPC's default
+        # backoff (up to 120 s), so clients ride through a PS restart quickly.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
 class _TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose metadata lacks the job's bearer token."""
+    """Refuses every call whose metadata lacks the job's bearer token.
+
+    The refusal handler has the same streaming shape as the method it
+    replaces, so unary and streaming methods alike fail with UNAUTHENTICATED
+    (not a serialization error).
+    """
+
+    _MESSAGE = "missing or wrong auth token (metadata 'authorization: Bearer <token>')"
 
     def __init__(self, token: str, exempt: tuple[str, ...] = ("/grpc.health.v1.Health/",)) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
         self._exempt = exempt
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token (metadata 'authorization')")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self._MESSAGE)
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        def deny_stream(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self._MESSAGE)
+            yield  # pragma: no cover - abort raises
+
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny_stream),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny_stream),
+        }
+
+    def _authorized(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == _AUTH_KEY:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._expected):
+                    return True
+        return False
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         if handler_call_details.method.startswith(self._exempt):
             return continuation(handler_call_details)
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == _AUTH_KEY and value == self._expected:
-                return continuation(handler_call_details)
-        return self._deny
+        if self._authorized(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return None
+        return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
 
 
 def make_server(cfg: RpcConfig, max_workers: int = 8) -> grpc.Server:
@@ -143,7 +175,12 @@ def make_channel(address: str, cfg: RpcConfig) -> grpc.Channel:
     return channel
 
 
-class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds ``authorization: Bearer <token>`` to every outgoing call."""
 
     def __init__(self, token: str) -> None:
@@ -158,6 +195,12 @@ class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStream
 
     def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
         return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+        return continuation(self._details(client_call_details), request_iterator)
 
 
 class _CallDetails(grpc.ClientCallDetails):

@@ -1,0 +1,134 @@
+"""Raw little-endian buffers for ids, rows and gradients on the PS wire.
+
+Every tensor crosses gRPC as one ``bytes`` field (never ``repeated float``)::
+
+    ids     int64 LE   [n]           8*n bytes
+    values  fp32|fp16  [n, dim]      row-major, n*dim*(4|2) bytes
+    grads   fp32|fp16  [n, dim]
+
+Decoding is zero-copy (``np.frombuffer``; the arrays are read-only) and checks
+every length, so a malformed request is refused with a message naming the
+table, the field and the expected vs actual size.
+
+Example::
+
+    buf = encode_ids(np.array([3, 7], dtype=np.int64))
+    ids = decode_ids(buf, table="user")            # array([3, 7])
+    vals = decode_rows(encode_rows(rows, DType.FP16), DType.FP16, 2, 8, table="user", field="values")
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+from protos import ps_pb2
+
+
+class WireError(ValueError):
+    """A buffer on the wire does not have the size or dtype its header says."""
+
+
+class DType(str, enum.Enum):
+    """Value/gradient dtype on the wire."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+
+    @property
+    def numpy(self) -> np.dtype:
+        return _NUMPY[self]
+
+    @property
+    def proto(self) -> int:
+        return _PROTO[self]
+
+    @classmethod
+    def from_proto(cls, value: int, *, table: str = "", field: str = "dtype") -> "DType":
+        try:
+            return _FROM_PROTO[value]
+        except KeyError:
+            where = f"table '{table}': " if table else ""
+            raise WireError(
+                f"{where}{field} must be DTYPE_FP32 or DTYPE_FP16, got {ps_pb2.DType.Name(value) if value in ps_pb2.DType.values() else value}"
+            ) from None
+
+
+_NUMPY = {DType.FP32: np.dtype("<f4"), DType.FP16: np.dtype("<f2")}
+_PROTO = {DType.FP32: ps_pb2.DTYPE_FP32, DType.FP16: ps_pb2.DTYPE_FP16}
+_FROM_PROTO = {v: k for k, v in _PROTO.items()}
+_ID_DTYPE = np.dtype("<i8")
+
+
+def encode_ids(ids: np.ndarray) -> bytes:
+    """int64 ids as little-endian bytes."""
+    return np.ascontiguousarray(ids, dtype=_ID_DTYPE).tobytes()
+
+
+def decode_ids(buf: bytes, *, table: str = "") -> np.ndarray:
+    """Bytes -> read-only int64 [n]; refuses a length that is not a multiple of 8."""
+    if len(buf) % 8:
+        raise WireError(f"table '{table}': ids buffer has {len(buf)} bytes, not a multiple of 8 (int64 ids)")
+    return np.frombuffer(buf, dtype=_ID_DTYPE)
+
+
+def encode_rows(rows: np.ndarray, dtype: DType = DType.FP32) -> bytes:
+    """A [n, dim] float array as row-major bytes in ``dtype``."""
+    return np.ascontiguousarray(rows, dtype=dtype.numpy).tobytes()
+
+
+def decode_rows(buf: bytes, dtype: DType, n: int, dim: int, *, table: str = "", field: str = "values") -> np.ndarray:
+    """Bytes -> read-only [n, dim] array in ``dtype``; refuses a wrong length."""
+    itemsize = dtype.numpy.itemsize
+    want = n * dim * itemsize
+    if len(buf) != want:
+        raise WireError(
+            f"table '{table}': {field} buffer has {len(buf)} bytes, expected {want} "
+            f"= {n} ids x dim {dim} x {itemsize} bytes ({dtype.value})"
+        )
+    return np.frombuffer(buf, dtype=dtype.numpy).reshape(n, dim)
+
+
+def array_to_proto(name: str, arr: np.ndarray) -> ps_pb2.NamedArray:
+    """Any numpy array (little-endian) as a NamedArray message."""
+    arr = np.asarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = np.ascontiguousarray(arr)
+    return ps_pb2.NamedArray(name=name, dtype=arr.dtype.str, shape=list(arr.shape), data=arr.tobytes())
+
+
+def array_from_proto(msg: ps_pb2.NamedArray) -> np.ndarray:
+    """A NamedArray message back to a (writable) numpy array; checks the size."""
+    try:
+        dt = np.dtype(msg.dtype)
+    except TypeError:
+        raise WireError(f"array '{msg.name}': unknown dtype {msg.dtype!r}") from None
+    count = int(np.prod(msg.shape)) if len(msg.shape) else 1
+    if len(msg.data) != count * dt.itemsize:
+        raise WireError(
+            f"array '{msg.name}': {len(msg.data)} bytes, expected {count * dt.itemsize} for shape {list(msg.shape)} {msg.dtype}"
+        )
+    return np.frombuffer(msg.data, dtype=dt).reshape(tuple(msg.shape)).copy()
+
+
+def dense_to_proto(name: str, value: Any, dtype: DType = DType.FP32) -> ps_pb2.DenseTensor:
+    """A dense tensor (numpy or torch) as a DenseTensor message."""
+    arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+    return ps_pb2.DenseTensor(
+        name=name, shape=list(arr.shape), data=np.ascontiguousarray(arr, dtype=dtype.numpy).tobytes(), dtype=dtype.proto
+    )
+
+
+def dense_from_proto(msg: ps_pb2.DenseTensor) -> np.ndarray:
+    """A DenseTensor message -> float32 numpy array of its shape; checks the size."""
+    dtype = DType.from_proto(msg.dtype, table=msg.name, field="dense dtype")
+    count = int(np.prod(msg.shape)) if len(msg.shape) else 1
+    want = count * dtype.numpy.itemsize
+    if len(msg.data) != want:
+        raise WireError(
+            f"dense '{msg.name}': data has {len(msg.data)} bytes, expected {want} for shape {list(msg.shape)} ({dtype.value})"
+        )
+    return np.frombuffer(msg.data, dtype=dtype.numpy).reshape(tuple(msg.shape)).astype(np.float32)
