@@ -1,0 +1,782 @@
+"""Stateful Dynamic Data Sharding (DDS): who trains on which batches, durably.
+
+A shard is a range of record batches of one file of one dataset in one epoch.
+Each dataset (train and eval side by side) walks its epochs in order; inside
+an epoch every shard goes through::
+
+              get_shard (head of TODO; split if the worker wants smaller shards)
+     TODO  ----------------------------------------------->  DOING(worker, attempt, deadline)
+      ^  ^                                                      |   |
+      |  +---- worker died / lease expired / hang / failed -----+   | report done
+      |        (back to the HEAD of TODO, never dropped)            v
+      +------------- rollback_to(cut) <----------------------    DONE
+                                                (ledger entry replayed)
+
+    split:  TODO [s, e)  --(worker wants k < e-s)-->  DOING [s, s+k) + TODO head [s+k, e)
+            the parent record becomes SPLIT (kept, so late reports on it are recognised)
+
+When TODO is empty but shards are DOING, ``get_shard`` answers WAIT (one of
+them may come back). When every shard of an epoch is DONE the next epoch is
+created (shuffled with ``seed + epoch``) in the same transaction; after the
+last epoch the dataset answers DONE.
+
+Every transition is one LMDB write transaction (records + ledger + events), so
+a controller killed at any point restarts from the last committed transition.
+Memory holds the current epoch's records for speed and is rebuilt from LMDB on
+start (and after any failed transaction).
+
+Example::
+
+    dds = DynamicDataSharding(StateStore(tmp), DdsConfig(batches_per_shard=4),
+                              [DatasetSpec("train", [10, 7], DatasetKind.TRAIN, epochs=2)])
+    got = dds.get_shard(worker=0, dataset="train")
+    if got.status is GetStatus.SHARD:
+        dds.report(0, got.lease.shard_id, got.lease.attempt, "done", samples=256)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import re
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import lmdb
+
+from controller.config import DdsConfig
+from controller.ledger import Coverage, EntryKind, Ledger
+from controller.state import Event, EventLog, StateStore, dumps, loads
+from metaps.errors import MetapsError
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_ID_RE = re.compile(r"^(?P<ds>[A-Za-z0-9_.\-]+):(?P<epoch>\d+):(?P<file>\d+):(?P<start>\d+)-(?P<stop>\d+)$")
+
+
+class DdsError(MetapsError):
+    """A DDS request is invalid. ``code`` maps to a gRPC status in the servicer."""
+
+    code = "invalid_argument"
+
+
+class UnknownDataset(DdsError):
+    code = "not_found"
+
+
+class UnknownShard(DdsError):
+    code = "not_found"
+
+
+class StateMismatch(DdsError):
+    """The state directory was written for different datasets than the job's."""
+
+    code = "failed_precondition"
+
+
+class DatasetKind(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class ShardState(str, enum.Enum):
+    TODO = "todo"
+    DOING = "doing"
+    DONE = "done"
+    SPLIT = "split"
+
+
+class GetStatus(str, enum.Enum):
+    SHARD = "shard"
+    WAIT = "wait"
+    DONE = "done"
+
+
+class ReportStatus(str, enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What the DDS needs to know about a dataset.
+
+    Args:
+        name: unique name (letters, digits, ``_.-``).
+        batches_per_file: record batches in each file, by file index.
+        kind: ``train`` or ``eval``.
+        epochs: passes over the dataset.
+
+    Example::
+
+        DatasetSpec("train", [128, 128, 64], DatasetKind.TRAIN, epochs=2)
+    """
+
+    name: str
+    batches_per_file: tuple[int, ...]
+    kind: DatasetKind = DatasetKind.TRAIN
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batches_per_file", tuple(int(b) for b in self.batches_per_file))
+        object.__setattr__(self, "kind", DatasetKind(self.kind))
+
+    def validate(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"dataset name must match [A-Za-z0-9_.-]+, got {self.name!r}")
+        if not self.batches_per_file:
+            raise ValueError(f"dataset {self.name}: no files")
+        bad = [(i, b) for i, b in enumerate(self.batches_per_file) if b < 0]
+        if bad:
+            raise ValueError(f"dataset {self.name}: file {bad[0][0]} has {bad[0][1]} batches (must be >= 0)")
+        if self.total_batches == 0:
+            raise ValueError(f"dataset {self.name}: all {len(self.batches_per_file)} files are empty")
+        if self.epochs < 1:
+            raise ValueError(f"dataset {self.name}: epochs must be >= 1, got {self.epochs}")
+
+    @property
+    def total_batches(self) -> int:
+        return sum(self.batches_per_file)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "batches_per_file": list(self.batches_per_file),
+                "kind": self.kind.value, "epochs": self.epochs}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "DatasetSpec":
+        return DatasetSpec(d["name"], tuple(d["batches_per_file"]), DatasetKind(d["kind"]), int(d["epochs"]))
+
+    @staticmethod
+    def from_meta_io(name: str, path: str, kind: DatasetKind | str = DatasetKind.TRAIN, epochs: int = 1) -> "DatasetSpec":
+        """Read the batch counts from a Meta-IO dataset's index.
+
+        Example::
+
+            DatasetSpec.from_meta_io("train", "data/train", "train", epochs=2)
+        """
+        from meta_io.reader import MetaIODataset  # only when a real dataset is used
+
+        ds = MetaIODataset(path)
+        spec = DatasetSpec(name, tuple(ds.num_batches(f) for f in range(ds.num_files)), DatasetKind(kind), epochs)
+        spec.validate()
+        return spec
+
+
+@dataclass(frozen=True)
+class ShardLease:
+    """A shard handed to a worker. Report it back with ``shard_id`` and ``attempt``."""
+
+    shard_id: str
+    dataset: str
+    epoch: int
+    file: int
+    start: int
+    stop: int
+    attempt: int
+    lease_s: float
+
+    @property
+    def batches(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class GetResult:
+    status: GetStatus
+    lease: ShardLease | None = None
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """Outcome of a report.
+
+    Attributes:
+        accepted: the report changed the shard's state (done, or requeued on failure).
+        duplicate: the shard was already done (a retried report, or another attempt).
+        kind: ``done`` | ``retry`` (same attempt re-sent, no-op) | ``duplicate`` |
+            ``stale`` (lease lost) | ``requeued`` (failure).
+    """
+
+    accepted: bool
+    duplicate: bool
+    kind: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class DdsCut:
+    """DDS position at a checkpoint cut: the ledger head and each dataset's epoch."""
+
+    ledger_seq: int
+    epochs: dict[str, int]
+    time: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ledger_seq": self.ledger_seq, "epochs": dict(self.epochs), "time": self.time}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "DdsCut":
+        return DdsCut(int(d["ledger_seq"]), {k: int(v) for k, v in d["epochs"].items()}, float(d["time"]))
+
+
+@dataclass
+class _Shard:
+    dataset: str
+    epoch: int
+    file: int
+    start: int
+    stop: int
+    state: ShardState = ShardState.TODO
+    order: int = 0
+    worker: int = -1
+    attempt: int = 0
+    failures: int = 0
+    done_worker: int = -1
+    done_attempt: int = 0
+    # memory only: a restart grants a fresh lease instead of trusting old clocks
+    deadline: float = 0.0
+    leased_at: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.dataset}:{self.epoch}:{self.file}:{self.start}-{self.stop}"
+
+    @property
+    def key(self) -> bytes:
+        return shard_key(self.dataset, self.epoch, self.file, self.start, self.stop)
+
+    @property
+    def batches(self) -> int:
+        return self.stop - self.start
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "epoch": self.epoch, "file": self.file, "start": self.start,
+                "stop": self.stop, "state": self.state.value, "order": self.order, "worker": self.worker,
+                "attempt": self.attempt, "failures": self.failures, "done_worker": self.done_worker,
+                "done_attempt": self.done_attempt}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "_Shard":
+        return _Shard(**{**d, "state": ShardState(d["state"])})
+
+
+def shard_key(dataset: str, epoch: int, file: int, start: int, stop: int) -> bytes:
+    return f"{dataset}\x00{epoch:08d}\x00{file:08d}\x00{start:012d}\x00{stop:012d}".encode()
+
+
+def parse_shard_id(shard_id: str) -> tuple[str, int, int, int, int]:
+    """``"train:0:3:16-24"`` -> ``("train", 0, 3, 16, 24)``; DdsError if malformed."""
+    m = _ID_RE.match(shard_id or "")
+    if not m:
+        raise DdsError(f"malformed shard id {shard_id!r}: expected '<dataset>:<epoch>:<file>:<start>-<stop>'")
+    return m["ds"], int(m["epoch"]), int(m["file"]), int(m["start"]), int(m["stop"])
+
+
+@dataclass
+class _Live:
+    """In-memory mirror of one dataset's current epoch."""
+
+    spec: DatasetSpec
+    epoch: int = 0
+    order_head: int = 0
+    finished: bool = False
+    records: dict[str, _Shard] = field(default_factory=dict)
+    todo: deque[str] = field(default_factory=deque)
+    doing: dict[str, _Shard] = field(default_factory=dict)
+    sec_per_batch: float = 0.0  # EMA of completed shards, for the hang timeout
+
+    def meta(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_json(), "epoch": self.epoch, "order_head": self.order_head,
+                "finished": self.finished}
+
+
+class DynamicDataSharding:
+    """The DDS service object (thread-safe). See the module docstring for the states.
+
+    Args:
+        store: the controller's LMDB state.
+        cfg: shard size, lease, hang timeout, seed.
+        datasets: the job's datasets; on restart they must match what the state holds.
+        events: where incidents go (requeues, failing shards, epochs).
+        clock: ``time.time``-like, injectable for tests.
+    """
+
+    def __init__(self, store: StateStore, cfg: DdsConfig, datasets: Sequence[DatasetSpec],
+                 events: EventLog | None = None, clock: Callable[[], float] = time.time) -> None:
+        cfg.validate()
+        self._store = store
+        self._cfg = cfg
+        self._events = events
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.ledger = Ledger(store)
+        self._live: dict[str, _Live] = {}
+        self._slow: set[int] = set()
+        self._sizes: dict[int, int] = {}
+        names = [d.name for d in datasets]
+        if len(set(names)) != len(names):
+            raise DdsError(f"duplicate dataset names: {names}")
+        for d in datasets:
+            try:
+                d.validate()
+            except ValueError as exc:
+                raise DdsError(str(exc)) from None
+        self._init(datasets)
+
+    # ---------------------------------------------------------------- loading
+
+    def _init(self, datasets: Sequence[DatasetSpec]) -> None:
+        stored = {k.decode()[3:]: v for k, v in self._store.items("meta", b"ds/")}
+        with self._store.begin(write=True) as txn:
+            for spec in datasets:
+                if spec.name in stored:
+                    old = DatasetSpec.from_json(stored[spec.name]["spec"])
+                    if old != spec:
+                        raise StateMismatch(
+                            f"dataset {spec.name}: state dir {self._store.path} holds "
+                            f"{old.to_json()} but the job gives {spec.to_json()}; "
+                            f"use a fresh state dir or the original dataset"
+                        )
+                    continue
+                live = _Live(spec)
+                self._create_epoch(txn, live, 0)
+                self._put_meta(txn, live)
+                log.info("dataset added", extra=kv(dataset=spec.name, kind=spec.kind.value,
+                                                    batches=spec.total_batches, epochs=spec.epochs))
+        self._load_all()
+
+    def _load_all(self) -> None:
+        """Rebuild memory from LMDB (start, restart, after a rollback or a failed txn)."""
+        now = self._clock()
+        live_map: dict[str, _Live] = {}
+        for key, meta in self._store.items("meta", b"ds/"):
+            live = _Live(DatasetSpec.from_json(meta["spec"]), int(meta["epoch"]),
+                         int(meta["order_head"]), bool(meta["finished"]))
+            prefix = f"{live.spec.name}\x00{live.epoch:08d}\x00".encode()
+            todo = []
+            for _, body in self._store.items("shards", prefix):
+                rec = _Shard.from_json(body)
+                live.records[rec.id] = rec
+                if rec.state is ShardState.TODO:
+                    todo.append(rec)
+                elif rec.state is ShardState.DOING:
+                    rec.deadline, rec.leased_at = now + self._cfg.lease_s, now
+                    live.doing[rec.id] = rec
+            live.todo = deque(r.id for r in sorted(todo, key=lambda r: r.order))
+            live_map[live.spec.name] = live
+        self._live = live_map
+        self._slow = set(self._store.get_json("meta", "slow_workers", []))
+        self._sizes = {int(k): int(v) for k, v in self._store.get_json("meta", "worker_sizes", {}).items()}
+
+    def _create_epoch(self, txn: lmdb.Transaction, live: _Live, epoch: int) -> None:
+        spec, bps = live.spec, self._cfg.batches_per_shard
+        shards = [(f, s, min(s + bps, n)) for f, n in enumerate(spec.batches_per_file) for s in range(0, n, bps)]
+        rng = random.Random(self._cfg.seed * 1_000_003 + epoch * 7919 + zlib.crc32(spec.name.encode()))
+        rng.shuffle(shards)
+        live.epoch, live.order_head, live.records, live.doing = epoch, 0, {}, {}
+        live.todo = deque()
+        for i, (f, s, e) in enumerate(shards):
+            rec = _Shard(spec.name, epoch, f, s, e, order=i)
+            live.records[rec.id] = rec
+            live.todo.append(rec.id)
+            txn.put(rec.key, dumps(rec.to_json()), db=self._store.db("shards"))
+
+    def _put_meta(self, txn: lmdb.Transaction, live: _Live) -> None:
+        txn.put(f"ds/{live.spec.name}".encode(), dumps(live.meta()), db=self._store.db("meta"))
+
+    def _put(self, txn: lmdb.Transaction, rec: _Shard) -> None:
+        txn.put(rec.key, dumps(rec.to_json()), db=self._store.db("shards"))
+
+    def _txn(self) -> "_Transition":
+        return _Transition(self)
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def specs(self) -> dict[str, DatasetSpec]:
+        return {n: l.spec for n, l in self._live.items()}
+
+    def _get_live(self, dataset: str) -> _Live:
+        live = self._live.get(dataset)
+        if live is None:
+            raise UnknownDataset(f"unknown dataset {dataset!r}; known: {sorted(self._live)}")
+        return live
+
+    def shard_size(self, worker: int) -> int:
+        """Batches per shard this worker gets now (per-worker config, slow shrink)."""
+        base = self._sizes.get(worker) or self._cfg.worker_batches_per_shard.get(str(worker), self._cfg.batches_per_shard)
+        if worker in self._slow:
+            return max(1, base // self._cfg.slow_shrink)
+        return base
+
+    def finished(self) -> bool:
+        with self._lock:
+            return all(l.finished for l in self._live.values())
+
+    def holders(self) -> dict[int, list[str]]:
+        """Shard ids currently DOING, by worker."""
+        with self._lock:
+            out: dict[int, list[str]] = {}
+            for live in self._live.values():
+                for rec in live.doing.values():
+                    out.setdefault(rec.worker, []).append(rec.id)
+            return out
+
+    def progress(self) -> list[dict[str, Any]]:
+        """Per dataset: epoch, shard counts by state and batches done in this epoch."""
+        with self._lock:
+            out = []
+            for name, live in sorted(self._live.items()):
+                counts = {s.value: 0 for s in ShardState}
+                done_batches = 0
+                for rec in live.records.values():
+                    counts[rec.state.value] += 1
+                    if rec.state is ShardState.DONE:
+                        done_batches += rec.batches
+                out.append({
+                    "dataset": name, "kind": live.spec.kind.value, "epoch": live.epoch,
+                    "epochs": live.spec.epochs, "finished": live.finished,
+                    "shards_done": counts["done"], "shards_doing": counts["doing"],
+                    "shards_todo": counts["todo"],
+                    "shards_total": counts["done"] + counts["doing"] + counts["todo"],
+                    "batches_done": done_batches if not live.finished else live.spec.total_batches,
+                    "batches_total": live.spec.total_batches,
+                })
+            return out
+
+    def coverage(self) -> Coverage:
+        """Ledger coverage of every epoch started so far (all epochs once finished)."""
+        with self._lock:
+            epochs = {n: (l.spec.epochs if l.finished else l.epoch) for n, l in self._live.items()}
+            return self.ledger.coverage(self.specs, epochs)
+
+    # ---------------------------------------------------------------- transitions
+
+    def get_shard(self, worker: int, dataset: str) -> GetResult:
+        """Lease the head of TODO to ``worker`` (split to its shard size), or WAIT / DONE."""
+        _check_worker(worker)
+        with self._lock:
+            live = self._get_live(dataset)
+            if live.finished:
+                return GetResult(GetStatus.DONE)
+            if not live.todo:
+                return GetResult(GetStatus.WAIT)
+            now = self._clock()
+            with self._txn() as txn:
+                rec = live.records[live.todo.popleft()]
+                size = self.shard_size(worker)
+                if rec.batches > size:
+                    rec = self._split(txn, live, rec, size)
+                rec.state, rec.worker, rec.attempt = ShardState.DOING, worker, rec.attempt + 1
+                rec.deadline, rec.leased_at = now + self._cfg.lease_s, now
+                live.doing[rec.id] = rec
+                self._put(txn, rec)
+            return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start,
+                                                          rec.stop, rec.attempt, self._cfg.lease_s))
+
+    def _split(self, txn: lmdb.Transaction, live: _Live, parent: _Shard, size: int) -> _Shard:
+        head = _Shard(parent.dataset, parent.epoch, parent.file, parent.start, parent.start + size,
+                      order=parent.order)
+        rest = _Shard(parent.dataset, parent.epoch, parent.file, parent.start + size, parent.stop,
+                      order=parent.order, failures=parent.failures)
+        parent.state = ShardState.SPLIT
+        self._put(txn, parent)
+        self._put(txn, rest)
+        live.records[head.id] = head
+        live.records[rest.id] = rest
+        live.todo.appendleft(rest.id)  # the remainder keeps the parent's place: the head
+        return head
+
+    def report(self, worker: int, shard_id: str, attempt: int, status: ReportStatus | str,
+               samples: int = 0, elapsed_s: float = 0.0, error: str = "") -> ReportResult:
+        """Record a worker's result for a shard it leased.
+
+        ``done`` by the lease holder -> DONE + ledger ``done``; the same report again
+        -> ``retry`` (no-op); a done shard reported by another attempt -> ledger
+        ``duplicate``; a report after the lease was lost -> ledger ``stale``.
+        ``failed`` -> the shard returns to the head of TODO (never dropped).
+        """
+        _check_worker(worker)
+        try:
+            status = ReportStatus(status)
+        except ValueError:
+            raise DdsError(f"shard {shard_id}: status must be 'done' or 'failed', got {status!r}") from None
+        if attempt < 1:
+            raise DdsError(f"shard {shard_id}: attempt must be >= 1 (from the lease), got {attempt}")
+        if samples < 0 or elapsed_s < 0:
+            raise DdsError(f"shard {shard_id}: samples and elapsed_s must be >= 0, got {samples}, {elapsed_s}")
+        ds, epoch, f, start, stop = parse_shard_id(shard_id)
+        with self._lock:
+            live = self._get_live(ds)
+            rec = live.records.get(shard_id) if epoch == live.epoch else None
+            if rec is None and epoch < live.epoch:
+                body = self._read_shard(ds, epoch, f, start, stop)
+                rec = _Shard.from_json(body) if body else None
+            if rec is None:
+                raise UnknownShard(
+                    f"worker {worker}: unknown shard {shard_id} (dataset {ds} is in epoch {live.epoch}"
+                    f" with {len(live.records)} shards; file {f} has "
+                    f"{live.spec.batches_per_file[f] if f < len(live.spec.batches_per_file) else 'no such file'}"
+                    f" batches)"
+                )
+            now = self._clock()
+            holder = rec.state is ShardState.DOING and rec.worker == worker and rec.attempt == attempt
+            entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
+                         worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
+            if status is ReportStatus.FAILED:
+                if not holder:
+                    return ReportResult(False, rec.state is ShardState.DONE, "stale",
+                                        f"shard {shard_id} is {rec.state.value}, not held by worker {worker} attempt {attempt}")
+                with self._txn() as txn:
+                    rec.failures += 1
+                    self._requeue(txn, live, rec)
+                    if rec.failures >= self._cfg.warn_failures:
+                        log.error("shard keeps failing; requeued, not dropped",
+                                  extra=kv(shard=shard_id, failures=rec.failures, worker=worker, error=error))
+                        self._event(txn, f"dataset:{ds}", "shard_failing",
+                                    {"shard": shard_id, "failures": rec.failures, "worker": worker, "error": error},
+                                    "requeue")
+                return ReportResult(True, False, "requeued", f"shard {shard_id} requeued (failure {rec.failures})")
+            if rec.state is ShardState.DONE:
+                if rec.done_worker == worker and rec.done_attempt == attempt:
+                    return ReportResult(True, True, "retry", f"shard {shard_id} already recorded for this attempt")
+                with self._txn() as txn:
+                    self.ledger.append(txn, kind=EntryKind.DUPLICATE, **entry)
+                return ReportResult(False, True, "duplicate", f"shard {shard_id} was already done by worker {rec.done_worker}")
+            if not holder:
+                with self._txn() as txn:
+                    self.ledger.append(txn, kind=EntryKind.STALE, **entry)
+                return ReportResult(False, False, "stale",
+                                    f"worker {worker} attempt {attempt} lost the lease on {shard_id} "
+                                    f"(now {rec.state.value}{' by worker %d' % rec.worker if rec.state is ShardState.DOING else ''})")
+            with self._txn() as txn:
+                rec.state, rec.done_worker, rec.done_attempt = ShardState.DONE, worker, attempt
+                live.doing.pop(rec.id, None)
+                self._put(txn, rec)
+                self.ledger.append(txn, kind=EntryKind.DONE, **entry)
+                took = elapsed_s if elapsed_s > 0 else max(now - rec.leased_at, 0.0)
+                per = took / max(rec.batches, 1)
+                live.sec_per_batch = per if live.sec_per_batch == 0 else 0.8 * live.sec_per_batch + 0.2 * per
+                if not live.todo and not live.doing:
+                    self._advance(txn, live)
+            return ReportResult(True, False, "done")
+
+    def _read_shard(self, ds: str, epoch: int, f: int, start: int, stop: int) -> dict[str, Any] | None:
+        with self._store.begin() as txn:
+            raw = txn.get(shard_key(ds, epoch, f, start, stop), db=self._store.db("shards"))
+        return None if raw is None else loads(raw)
+
+    def _advance(self, txn: lmdb.Transaction, live: _Live) -> None:
+        done_epoch = live.epoch
+        if live.epoch + 1 < live.spec.epochs:
+            self._create_epoch(txn, live, live.epoch + 1)
+        else:
+            live.finished = True
+        self._put_meta(txn, live)
+        self._event(txn, f"dataset:{live.spec.name}", "epoch_done",
+                    {"epoch": done_epoch, "finished": live.finished})
+
+    def _requeue(self, txn: lmdb.Transaction, live: _Live, rec: _Shard) -> None:
+        live.doing.pop(rec.id, None)
+        live.order_head -= 1
+        rec.state, rec.worker, rec.order = ShardState.TODO, -1, live.order_head
+        live.todo.appendleft(rec.id)
+        self._put(txn, rec)
+        self._put_meta(txn, live)
+
+    def renew(self, worker: int) -> int:
+        """Extend the leases of every shard ``worker`` holds (called on its heartbeat)."""
+        with self._lock:
+            deadline = self._clock() + self._cfg.lease_s
+            n = 0
+            for live in self._live.values():
+                for rec in live.doing.values():
+                    if rec.worker == worker:
+                        rec.deadline = max(rec.deadline, deadline)
+                        n += 1
+            return n
+
+    def requeue_worker(self, worker: int, reason: str) -> list[str]:
+        """Return every shard ``worker`` holds, in EVERY dataset, to the head of TODO."""
+        with self._lock:
+            victims = [(live, rec) for live in self._live.values()
+                       for rec in list(live.doing.values()) if rec.worker == worker]
+            if not victims:
+                return []
+            with self._txn() as txn:
+                for live, rec in victims:
+                    self._requeue(txn, live, rec)
+                ids = [rec.id for _, rec in victims]
+                self._event(txn, f"worker:{worker}", "shards_requeued", {"shards": ids, "reason": reason}, "requeue")
+            return ids
+
+    def hang_limit_s(self, dataset: str, batches: int) -> float:
+        """Longest a shard may stay DOING even with heartbeats (hung-worker guard)."""
+        live = self._get_live(dataset)
+        if live.sec_per_batch <= 0:
+            return float("inf")
+        return max(self._cfg.hang_min_s, self._cfg.hang_factor * live.sec_per_batch * batches)
+
+    def expire(self) -> list[str]:
+        """Requeue shards whose lease ran out (no heartbeat) or that look hung."""
+        with self._lock:
+            now = self._clock()
+            victims = []
+            for live in self._live.values():
+                for rec in list(live.doing.values()):
+                    hung = now - rec.leased_at > self.hang_limit_s(live.spec.name, rec.batches)
+                    if now > rec.deadline or hung:
+                        victims.append((live, rec, "hang" if hung and now <= rec.deadline else "lease_expired"))
+            if not victims:
+                return []
+            with self._txn() as txn:
+                for live, rec, why in victims:
+                    worker = rec.worker
+                    self._requeue(txn, live, rec)
+                    self._event(txn, f"worker:{worker}", why, {"shard": rec.id, "attempt": rec.attempt}, "requeue")
+            return [rec.id for _, rec, _ in victims]
+
+    def set_slow(self, worker: int, slow: bool) -> None:
+        """Mark a worker slow (its next shards are ``slow_shrink`` times smaller) or not."""
+        with self._lock:
+            if (worker in self._slow) == slow:
+                return
+            (self._slow.add if slow else self._slow.discard)(worker)
+            self._store.put_json("meta", "slow_workers", sorted(self._slow))
+
+    def set_shard_size(self, worker: int, batches: int | None) -> None:
+        """Override one worker's base shard size (``None`` restores the config)."""
+        with self._lock:
+            if batches is None:
+                self._sizes.pop(worker, None)
+            else:
+                if batches < 1:
+                    raise DdsError(f"worker {worker}: shard size must be >= 1, got {batches}")
+                self._sizes[worker] = batches
+            self._store.put_json("meta", "worker_sizes", {str(k): v for k, v in self._sizes.items()})
+
+    @property
+    def slow_workers(self) -> set[int]:
+        return set(self._slow)
+
+    # ---------------------------------------------------------------- checkpoint cuts
+
+    def snapshot(self) -> DdsCut:
+        """The DDS position now: ledger head + each dataset's epoch."""
+        with self._lock:
+            return DdsCut(self.ledger.last_seq(), {n: l.epoch for n, l in self._live.items()}, self._clock())
+
+    def rollback_to(self, cut: DdsCut) -> list[str]:
+        """Roll back to ``cut``: shards done after it (and all DOING) return to TODO.
+
+        Ledger entries after the cut are marked ``replayed``; epochs started after
+        the cut are discarded. Returns the ids of the shards returned to TODO.
+        """
+        with self._lock:
+            returned: list[str] = []
+            try:
+                with self._store.begin(write=True) as txn:
+                    replayed = self.ledger.mark_replayed_after(txn, cut.ledger_seq)
+                    shards_db = self._store.db("shards")
+                    for name, live in self._live.items():
+                        cut_epoch = cut.epochs.get(name, 0)
+                        # drop epochs begun after the cut
+                        for e in range(cut_epoch + 1, live.epoch + 1):
+                            prefix = f"{name}\x00{e:08d}\x00".encode()
+                            cur = txn.cursor(shards_db)
+                            keys = []
+                            if cur.set_range(prefix):
+                                for k in cur.iternext(keys=True, values=False):
+                                    if not bytes(k).startswith(prefix):
+                                        break
+                                    keys.append(bytes(k))
+                            for k in keys:
+                                txn.delete(k, db=shards_db)
+                        head = live.order_head if cut_epoch == live.epoch else self._min_order(txn, name, cut_epoch)
+                        back = []
+                        for ent in replayed:
+                            if ent.dataset == name and ent.epoch == cut_epoch:
+                                back.append(shard_key(name, cut_epoch, ent.file, ent.start, ent.stop))
+                        prefix = f"{name}\x00{cut_epoch:08d}\x00".encode()
+                        cur = txn.cursor(shards_db)
+                        if cur.set_range(prefix):
+                            for k, v in cur:
+                                if not bytes(k).startswith(prefix):
+                                    break
+                                if loads(v)["state"] == ShardState.DOING.value:
+                                    back.append(bytes(k))
+                        for k in back:
+                            body = loads(txn.get(k, db=shards_db))
+                            head -= 1
+                            body.update(state=ShardState.TODO.value, worker=-1, order=head,
+                                        done_worker=-1, done_attempt=0)
+                            txn.put(k, dumps(body), db=shards_db)
+                            returned.append(_Shard.from_json(body).id)
+                        meta = {"spec": live.spec.to_json(), "epoch": cut_epoch, "order_head": head,
+                                "finished": live.finished and not back and cut_epoch == live.epoch}
+                        txn.put(f"ds/{name}".encode(), dumps(meta), db=self._store.db("meta"))
+                    self._event(txn, "controller", "rollback",
+                                {"cut_ledger_seq": cut.ledger_seq, "epochs": cut.epochs,
+                                 "replayed_entries": len(replayed), "shards_returned": len(returned)},
+                                "rollback")
+            finally:
+                self._load_all()
+            return returned
+
+    def _min_order(self, txn: lmdb.Transaction, name: str, epoch: int) -> int:
+        prefix = f"{name}\x00{epoch:08d}\x00".encode()
+        cur = txn.cursor(self._store.db("shards"))
+        low = 0
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if not bytes(k).startswith(prefix):
+                    break
+                low = min(low, int(loads(v)["order"]))
+        return low
+
+    def _event(self, txn: lmdb.Transaction, node: str, kind: str, evidence: dict[str, Any], action: str = "") -> None:
+        if self._events is not None:
+            self._events.record(Event(self._clock(), node, kind, evidence, action), txn)
+
+
+class _Transition:
+    """One LMDB write txn per transition; on any error memory is rebuilt from LMDB."""
+
+    def __init__(self, dds: DynamicDataSharding) -> None:
+        self._dds = dds
+        self._txn: lmdb.Transaction | None = None
+
+    def __enter__(self) -> lmdb.Transaction:
+        self._txn = self._dds._store.begin(write=True)
+        return self._txn
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._txn is not None
+        if exc_type is None:
+            try:
+                self._txn.commit()
+                return
+            except BaseException:
+                self._dds._load_all()
+                raise
+        self._txn.abort()
+        self._dds._load_all()
+
+
+def _check_worker(worker: int) -> None:
+    if not isinstance(worker, int) or worker < 0:
+        raise DdsError(f"worker index must be an int >= 0, got {worker!r}")
+
+
+__all__: Iterable[str] = [
+    "DatasetKind", "DatasetSpec", "DdsCut", "DdsError", "DynamicDataSharding", "GetResult", "GetStatus",
+    "ReportResult", "ReportStatus", "ShardLease", "ShardState", "StateMismatch", "UnknownDataset",
+    "UnknownShard", "parse_shard_id",
+]

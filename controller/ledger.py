@@ -1,0 +1,189 @@
+"""The completion ledger: one LMDB entry per shard completion report.
+
+Every ``done`` report leaves an entry (worker, shard, attempt, samples, time).
+The first accepted completion of a shard is ``done``; any later completion of
+the same range is a ``duplicate`` (its samples were trained twice), and a
+completion from a worker that had already lost its lease is ``stale`` (also
+duplicated samples). A rollback to a checkpoint cut marks the ``done`` entries
+after the cut ``replayed``: their samples will be trained again.
+
+Coverage is checkable from the ledger alone: for every dataset and epoch, the
+live (not replayed) ``done`` entries must tile every file's batch range exactly
+once.
+
+Example::
+
+    report = ledger.coverage({"train": spec})
+    assert report.complete, report.problems
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import lmdb
+
+from controller.state import StateStore, dumps, key_seq, loads, seq_key
+
+if TYPE_CHECKING:
+    from controller.dds import DatasetSpec
+
+
+class EntryKind(str, enum.Enum):
+    DONE = "done"            # first accepted completion of the shard
+    DUPLICATE = "duplicate"  # shard already done by another attempt
+    STALE = "stale"          # the reporter had lost its lease
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One completion report as stored."""
+
+    seq: int
+    time: float
+    kind: EntryKind
+    dataset: str
+    epoch: int
+    file: int
+    start: int
+    stop: int
+    worker: int
+    attempt: int
+    samples: int
+    elapsed_s: float
+    replayed: bool = False
+
+    @property
+    def batches(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class Coverage:
+    """Result of :meth:`Ledger.coverage`.
+
+    Attributes:
+        complete: every batch of every finished epoch done exactly once.
+        problems: human-readable gaps and overlaps (dataset, epoch, file, range).
+        done_entries / duplicate_entries / stale_entries / replayed_entries: counts.
+        duplicate_samples: samples trained more than once (duplicate + stale + replayed).
+    """
+
+    complete: bool = True
+    problems: list[str] = field(default_factory=list)
+    done_entries: int = 0
+    duplicate_entries: int = 0
+    stale_entries: int = 0
+    replayed_entries: int = 0
+    samples: int = 0
+    duplicate_samples: int = 0
+    duplicate_batches: int = 0
+
+
+class Ledger:
+    """Append-only completion ledger in the controller's LMDB.
+
+    Args:
+        store: the controller's :class:`~controller.state.StateStore`.
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._db = store.db("ledger")
+
+    def append(self, txn: lmdb.Transaction, **fields: Any) -> LedgerEntry:
+        """Add an entry inside ``txn`` (the transition's own transaction)."""
+        seq = self._store.next_seq(txn, "ledger")
+        entry = LedgerEntry(seq=seq, **fields)
+        txn.put(seq_key(seq), dumps(_to_json(entry)), db=self._db)
+        return entry
+
+    def last_seq(self) -> int:
+        """Sequence number of the newest entry, -1 when empty."""
+        with self._store.begin() as txn:
+            return self._store.next_seq(txn, "ledger") - 1
+
+    def entries(self, since: int = 0) -> list[LedgerEntry]:
+        return [e for e in self._iter() if e.seq >= since]
+
+    def _iter(self, txn: lmdb.Transaction | None = None) -> Iterable[LedgerEntry]:
+        if txn is None:
+            for _, body in self._store.items("ledger"):
+                yield _from_json(body)
+            return
+        cur = txn.cursor(self._db)
+        if cur.first():
+            for _, v in cur:
+                yield _from_json(loads(v))
+
+    def mark_replayed_after(self, txn: lmdb.Transaction, seq: int) -> list[LedgerEntry]:
+        """Mark live ``done`` entries newer than ``seq`` replayed; return them (pre-mark)."""
+        marked = []
+        cur = txn.cursor(self._db)
+        if cur.set_range(seq_key(seq + 1)):
+            for k, v in list(cur):
+                e = _from_json(loads(v))
+                if e.kind is EntryKind.DONE and not e.replayed:
+                    marked.append(e)
+                    txn.put(bytes(k), dumps({**_to_json(e), "replayed": True}), db=self._db)
+        return marked
+
+    def coverage(self, specs: Mapping[str, "DatasetSpec"], epochs: Mapping[str, int] | None = None) -> Coverage:
+        """Check that live ``done`` entries tile every batch exactly once.
+
+        Args:
+            specs: datasets to check, by name.
+            epochs: how many epochs of each dataset to check (default: all of them).
+        """
+        cov = Coverage()
+        ranges: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        for e in self._iter():
+            cov.samples += e.samples
+            if e.kind is EntryKind.DONE and not e.replayed:
+                cov.done_entries += 1
+                ranges.setdefault((e.dataset, e.epoch, e.file), []).append((e.start, e.stop))
+                continue
+            if e.kind is EntryKind.DONE:
+                cov.replayed_entries += 1
+            elif e.kind is EntryKind.DUPLICATE:
+                cov.duplicate_entries += 1
+            else:
+                cov.stale_entries += 1
+            cov.duplicate_samples += e.samples
+            cov.duplicate_batches += e.batches
+        for name, spec in specs.items():
+            n_epochs = spec.epochs if epochs is None else epochs.get(name, spec.epochs)
+            for epoch in range(n_epochs):
+                for f, total in enumerate(spec.batches_per_file):
+                    got = sorted(ranges.pop((name, epoch, f), []))
+                    pos = 0
+                    for start, stop in got:
+                        if start > pos:
+                            cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{pos}, {start}) never done")
+                        elif start < pos:
+                            cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{start}, {min(pos, stop)}) done more than once")
+                        pos = max(pos, stop)
+                    if pos < total:
+                        cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{pos}, {total}) never done")
+                    elif pos > total:
+                        cov.problems.append(f"dataset {name} epoch {epoch} file {f}: done up to batch {pos}, file has {total}")
+        for (name, epoch, f), got in sorted(ranges.items()):
+            if name in specs:
+                cov.problems.append(f"dataset {name} epoch {epoch} file {f}: {len(got)} completions outside the checked epochs/files")
+        cov.complete = not cov.problems
+        return cov
+
+
+def _to_json(e: LedgerEntry) -> dict[str, Any]:
+    d = asdict(e)
+    d["kind"] = e.kind.value
+    return d
+
+
+def _from_json(d: dict[str, Any]) -> LedgerEntry:
+    return LedgerEntry(**{**d, "kind": EntryKind(d["kind"])})
+
+
+__all__ = ["Coverage", "EntryKind", "Ledger", "LedgerEntry", "key_seq"]

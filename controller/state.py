@@ -1,0 +1,167 @@
+"""The controller's LMDB state directory and its event log.
+
+One LMDB environment holds everything the controller must not forget: DDS
+shard records and dataset cursors (``controller.dds``), the completion ledger
+(``controller.ledger``), decisions and incidents (:class:`EventLog`),
+registered nodes and checkpoint cuts. A restart opens the same directory and
+carries on.
+
+Example::
+
+    store = StateStore("/tmp/ctl")
+    events = EventLog(store)
+    events.record(Event.now("worker:3", "slow", {"ratio": 3.1}, "shrink_shards"))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import lmdb
+
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+DB_NAMES = (b"meta", b"shards", b"ledger", b"events", b"nodes", b"cuts")
+
+
+def seq_key(seq: int) -> bytes:
+    """Big-endian 8-byte key so LMDB's byte order is numeric order."""
+    return struct.pack(">Q", seq)
+
+
+def key_seq(key: bytes) -> int:
+    return struct.unpack(">Q", key)[0]
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def loads(raw: bytes) -> Any:
+    return json.loads(bytes(raw))
+
+
+class StateStore:
+    """An LMDB environment with the controller's named databases.
+
+    Args:
+        path: directory (created if missing).
+        fsync: fsync every commit (see ``ControllerConfig.fsync``).
+        map_size: LMDB map size (sparse; only used pages take disk).
+    """
+
+    def __init__(self, path: str | Path, fsync: bool = False, map_size: int = 1 << 32) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 2,
+            sync=fsync, metasync=fsync, lock=True,
+        )
+        self.dbs = {name.decode(): self.env.open_db(name) for name in DB_NAMES}
+
+    def db(self, name: str) -> Any:
+        return self.dbs[name]
+
+    def begin(self, write: bool = False) -> lmdb.Transaction:
+        return self.env.begin(write=write)
+
+    def next_seq(self, txn: lmdb.Transaction, db: str) -> int:
+        """One past the largest sequence key of ``db`` (0 when empty)."""
+        cur = txn.cursor(self.dbs[db])
+        return key_seq(cur.key()) + 1 if cur.last() else 0
+
+    def get_json(self, db: str, key: str, default: Any = None) -> Any:
+        with self.begin() as txn:
+            raw = txn.get(key.encode(), db=self.dbs[db])
+        return default if raw is None else loads(raw)
+
+    def put_json(self, db: str, key: str, value: Any) -> None:
+        with self.begin(write=True) as txn:
+            txn.put(key.encode(), dumps(value), db=self.dbs[db])
+
+    def items(self, db: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Any]]:
+        """Decoded ``(key, value)`` pairs of ``db`` whose key starts with ``prefix``."""
+        with self.begin() as txn:
+            cur = txn.cursor(self.dbs[db])
+            if not cur.set_range(prefix):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                yield bytes(k), loads(v)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decision or incident, for the run report.
+
+    Args:
+        time: unix seconds.
+        node: ``role:index`` (``worker:3``, ``ps:1``) or ``dataset:<name>`` or ``controller``.
+        kind: what happened (``slow``, ``restart``, ``move_vshards``, ``shard_failing``...).
+        evidence: the figures behind the decision.
+        action: what the controller did about it ('' for observations).
+    """
+
+    time: float
+    node: str
+    kind: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    action: str = ""
+    seq: int = -1
+
+    @staticmethod
+    def now(node: str, kind: str, evidence: dict[str, Any] | None = None, action: str = "") -> "Event":
+        return Event(time.time(), node, kind, dict(evidence or {}), action)
+
+
+class EventLog:
+    """Append-only, LMDB-backed list of :class:`Event`.
+
+    Example::
+
+        log = EventLog(store); log.record(Event.now("ps:1", "slow", {"latency": 0.4}))
+        [e.kind for e in log.list()]
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+
+    def record(self, event: Event, txn: lmdb.Transaction | None = None) -> Event:
+        """Store ``event`` (inside ``txn`` when given, so it commits with a transition)."""
+        with self._lock:
+            if txn is None:
+                with self._store.begin(write=True) as own:
+                    return self._put(own, event)
+            return self._put(txn, event)
+
+    def _put(self, txn: lmdb.Transaction, event: Event) -> Event:
+        seq = self._store.next_seq(txn, "events")
+        stored = Event(event.time, event.node, event.kind, event.evidence, event.action, seq)
+        body = asdict(stored)
+        txn.put(seq_key(seq), dumps(body), db=self._store.db("events"))
+        level = logging.ERROR if event.kind in ("shard_failing", "gave_up") else logging.INFO
+        log.log(level, "event", extra=kv(node=event.node, kind=event.kind, action=event.action or "-",
+                                          evidence=json.dumps(event.evidence, sort_keys=True)))
+        return stored
+
+    def list(self, since: int = 0, kind: str | None = None) -> list[Event]:
+        """Events with ``seq >= since``, oldest first, optionally of one kind."""
+        out = []
+        for _, body in self._store.items("events", b""):
+            if body["seq"] >= since and (kind is None or body["kind"] == kind):
+                out.append(Event(**body))
+        return out
