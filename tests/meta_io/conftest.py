@@ -98,7 +98,7 @@ def user_table(rows: dict[str, list]) -> pa.Table:
             "price": pa.array(rows["price"], pa.float64()),
             "ts": pa.array([t * 1000 for t in rows["ts"]], pa.timestamp("ms")),
             "clicked": pa.array(rows["clicked"], pa.int64()),
-            "bought": pa.array(rows["bought"], pa.bool_()),
+            "bought": pa.array([bool(b) for b in rows["bought"]], pa.bool_()),
             "note": pa.array(rows["note"], pa.string()),
             "unused": pa.array(rows["unused"], pa.int64()),
         }
