@@ -1,0 +1,327 @@
+"""Functional G-Meta / MAML step, vectorized over the tasks of a meta batch.
+
+Per task ``i`` (support S_i, query Q_i), with shared dense params ``p`` and the
+meta batch's gathered rows ``r``::
+
+    (p_0, r_0) = (p, r)
+    (p_k, r_k) = (p_{k-1}, r_{k-1}) - inner_lr * grad L(S_i; p_{k-1}, r_{k-1})   # adapted subset only
+    task loss  = L(Q_i; p_K, r_K)                       # mean over the task's real query rows
+    outer loss = mean over real tasks of the task loss
+    outputs    : d outer / d p  (dense grads),  d outer / d r  (row grads -> PS)
+
+``first_order=True`` stops the gradient through the inner gradients (FOMAML:
+row grads reach only rows the query touched); ``False`` differentiates through
+them (support rows get outer gradients too; memory grows with ``inner_steps``).
+
+Layout under ``torch.func.vmap`` (``vectorize=True``)::
+
+    params p   [..]        in_dims None  (shared)
+    rows   r   [U, D]      in_dims None  (shared; adapted copies become [T, U, D])
+    support    [T, S, ..]  in_dims 0
+    query      [T, Q, ..]  in_dims 0
+    -> task losses [T] -> masked mean -> torch.func.grad w.r.t. (p, r)
+
+``vectorize=False`` runs the same task function in a Python loop over tasks: the
+reference for tests and the baseline of ``bench.meta_step``.
+
+The model is never mutated: fast weights are passed with
+``torch.func.functional_call`` (``load_state_dict`` would cut the graph), and no
+graph outlives a call. The lookup index (``searchsorted`` + checks) is built once
+per batch outside the vmapped function.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, grad_and_value, vmap
+from torch.utils._pytree import tree_map
+
+from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
+from models.base import CtrModel
+from models.embedding import LookupIndex
+from models.losses import loss
+
+Params = dict[str, Tensor]
+Rows = dict[str, Tensor]
+
+
+class AdaptTarget(str, enum.Enum):
+    """Which parameters the inner loop adapts."""
+
+    DENSE = "dense"
+    ROWS = "rows"
+    BOTH = "both"
+
+
+@dataclass(frozen=True)
+class MetaConfig:
+    """Inner loop of the meta step.
+
+    Args:
+        inner_steps: SGD steps on each task's support set (0 = no adaptation).
+        inner_lr: inner SGD learning rate.
+        first_order: stop gradients through the inner gradients (FOMAML).
+        adapt: adapt the dense parameters, the gathered embedding rows, or both.
+        vectorize: ``vmap`` over tasks (True) or loop over them (reference).
+
+    Example::
+
+        cfg = MetaConfig(inner_steps=2, inner_lr=0.05, first_order=False, adapt=AdaptTarget.ROWS)
+    """
+
+    inner_steps: int = 1
+    inner_lr: float = 0.1
+    first_order: bool = True
+    adapt: AdaptTarget = AdaptTarget.BOTH
+    vectorize: bool = True
+
+    def validate(self) -> None:
+        object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
+        if self.inner_steps < 0:
+            raise ValueError(f"inner_steps must be >= 0, got {self.inner_steps}")
+        if not self.inner_lr > 0:
+            raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def adapts_dense(self) -> bool:
+        return self.adapt in (AdaptTarget.DENSE, AdaptTarget.BOTH)
+
+    @property
+    def adapts_rows(self) -> bool:
+        return self.adapt in (AdaptTarget.ROWS, AdaptTarget.BOTH)
+
+
+@dataclass
+class MetaStepResult:
+    """Outcome of one meta step.
+
+    Args:
+        outer_loss: scalar, mean over real tasks of the query loss after adaptation (detached).
+        dense_grads: ``model.named_parameters()`` name -> outer gradient.
+        row_grads: table -> ``[U_t, dim_t]`` outer gradient of the gathered rows (push to the PS).
+        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss``, ``tasks``.
+    """
+
+    outer_loss: Tensor
+    dense_grads: dict[str, Tensor]
+    row_grads: dict[str, Tensor]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# -- pytree plumbing: vmap maps over dicts of tensors, not over dataclasses ----
+def _tree(fb: FeatureBatch) -> dict[str, Any]:
+    return {
+        "ids": fb.ids,
+        "dense": fb.dense,
+        "vectors": fb.vectors,
+        "labels": fb.labels,
+        "mask": fb.mask,
+        "scenario": fb.scenario,
+        "oracle": fb.oracle,
+    }
+
+
+def _slice(tree: Any, i: int) -> Any:
+    return tree_map(lambda t: t[i], tree)
+
+
+def _dense_params(model: CtrModel) -> Params:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _check_rows(rows: Rows) -> Rows:
+    return {t: r.detach() for t, r in rows.items()}
+
+
+def _forward(
+    model: CtrModel, params: Params, rows: Rows, fb: FeatureBatch, index: LookupIndex, probabilities: bool = False
+) -> dict[str, Tensor]:
+    """The model with substituted dense params and rows (never mutates the module)."""
+    return functional_call(model, params, (fb, rows), {"index": index, "probabilities": probabilities})
+
+
+def _batch_loss(model: CtrModel, params: Params, rows: Rows, fb: FeatureBatch, index: LookupIndex) -> Tensor:
+    return loss(_forward(model, params, rows, fb, index), fb, model.heads)[0]
+
+
+def _adapt(
+    model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, index: LookupIndex, cfg: MetaConfig
+) -> tuple[Params, Rows, Tensor, Tensor]:
+    """Inner loop on one task's support: ``(fast params, fast rows, loss before, loss after)``.
+
+    A pure function of its inputs, so it runs the same under ``vmap`` and in a loop.
+    """
+    fast = {
+        "dense": dict(params) if cfg.adapts_dense else {},
+        "rows": dict(rows) if cfg.adapts_rows else {},
+    }
+
+    def support_loss(fast: dict[str, dict[str, Tensor]]) -> Tensor:
+        return _batch_loss(model, {**params, **fast["dense"]}, {**rows, **fast["rows"]}, support, index)
+
+    before = None
+    for _ in range(cfg.inner_steps):
+        g, value = grad_and_value(support_loss)(fast)
+        if before is None:
+            before = value.detach()
+        if cfg.first_order:
+            g = tree_map(torch.Tensor.detach, g)
+        fast = tree_map(lambda p, gp: p - cfg.inner_lr * gp, fast, g)
+    with torch.no_grad():  # a metric only: no graph
+        after = support_loss(fast)
+    if before is None:
+        before = after
+    return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, after
+
+
+def _task_weights(batch_task_mask: Tensor, query: FeatureBatch) -> Tensor:
+    """1.0 for real tasks with at least one real query row, else 0.0: ``[T]``."""
+    has_rows = query.mask.flatten(1).any(-1)
+    return (batch_task_mask.bool() & has_rows).to(torch.float32)
+
+
+def _over_tasks(fn: Callable[..., Any], cfg: MetaConfig, n_tasks: int, shared: tuple, per_task: tuple) -> Any:
+    """``fn(*shared, *per_task[i])`` for every task, stacked: vmap or a Python loop."""
+    if cfg.vectorize:
+        in_dims = (None,) * len(shared) + (0,) * len(per_task)
+        return vmap(fn, in_dims=in_dims, randomness="different")(*shared, *per_task)
+    outs = [fn(*shared, *(_slice(x, i) for x in per_task)) for i in range(n_tasks)]
+    return tree_map(lambda *xs: torch.stack(xs), *outs)
+
+
+def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: MetaConfig) -> MetaStepResult:
+    """One meta step: inner adaptation per task, outer gradients of the mean query loss.
+
+    Args:
+        model: any :class:`~models.base.CtrModel` (not mutated; its ``.grad``s untouched).
+        batch: T tasks, support ``[T, S, ..]`` and query ``[T, Q, ..]``.
+        rows: table -> ``[U_t, dim_t]`` rows of ``batch.unique_ids[t]``.
+        cfg: the inner loop.
+
+    Returns:
+        :class:`MetaStepResult`; ``row_grads`` is what the worker pushes to the PS,
+        ``dense_grads`` what it applies or syncs (:func:`assign_grads` helps).
+
+    Example::
+
+        res = meta_step(model, meta_batch, rows, MetaConfig(inner_steps=1, inner_lr=0.1))
+        ps.push(res.row_grads); assign_grads(model, res.dense_grads); opt.step()
+    """
+    sup_idx = model.lookup_index(batch.support, batch.unique_ids, rows)
+    qry_idx = model.lookup_index(batch.query, batch.unique_ids, rows)
+    weights = _task_weights(batch.task_mask, batch.query)
+    n_tasks = int(batch.task_mask.shape[0])
+
+    def task(params: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
+        fp, fr, before, after = _adapt(model, params, rows, FeatureBatch(**sup), sidx, cfg)
+        return _batch_loss(model, fp, fr, FeatureBatch(**qry), qidx), before, after
+
+    def outer(params: Params, rows: Rows):
+        q, before, after = _over_tasks(
+            task, cfg, n_tasks, (params, rows), (_tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
+        )
+        n = weights.sum().clamp_min(1.0)
+        total = (q * weights).sum() / n
+        stats = torch.stack([total, (before * weights).sum() / n, (after * weights).sum() / n, weights.sum()])
+        return total, stats.detach()
+
+    total, stats, dense_grads, row_grads = _grads(outer, model, rows)
+    q, before, after, tasks = stats.tolist()
+    metrics = {"query_loss": q, "support_loss_before": before, "support_loss_after": after, "tasks": tasks}
+    return MetaStepResult(outer_loss=total, dense_grads=dense_grads, row_grads=row_grads, metrics=metrics)
+
+
+def plain_step(model: CtrModel, batch: PlainBatch, rows: Rows) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """Ordinary supervised step over the same forward: ``(loss, dense_grads, row_grads)``.
+
+    Args:
+        model: the model (not mutated).
+        batch: B rows.
+        rows: table -> ``[U_t, dim_t]`` rows of ``batch.unique_ids[t]``.
+
+    Example::
+
+        loss, dense_grads, row_grads = plain_step(model, plain_batch, rows)
+    """
+    index = model.lookup_index(batch.features, batch.unique_ids, rows)
+
+    def objective(params: Params, rows: Rows):
+        total = _batch_loss(model, params, rows, batch.features, index)
+        return total, total.detach()
+
+    total, _, dense_grads, row_grads = _grads(objective, model, rows)
+    return total, dense_grads, row_grads
+
+
+def _grads(objective: Callable[[Params, Rows], tuple[Tensor, Tensor]], model: CtrModel, rows: Rows):
+    """The one gradient-extraction path of plain and meta steps.
+
+    Returns ``(value, aux, dense_grads, row_grads)`` of ``objective(params, rows)``.
+    """
+    (g_params, g_rows), (value, aux) = grad_and_value(objective, argnums=(0, 1), has_aux=True)(
+        _dense_params(model), _check_rows(rows)
+    )
+    return value.detach(), aux, g_params, g_rows
+
+
+def adapt_and_predict(
+    model: CtrModel,
+    support: FeatureBatch,
+    query: FeatureBatch,
+    rows: Rows,
+    unique_ids: dict[str, Tensor],
+    cfg: MetaConfig,
+) -> dict[str, Tensor]:
+    """Adapt on each task's support set, predict its query set (held-out evaluation).
+
+    Args:
+        model: the model (not mutated).
+        support: ``[T, S, ..]``.
+        query: ``[T, Q, ..]``.
+        rows: table -> ``[U_t, dim_t]`` rows of ``unique_ids[t]`` (ids of support and query).
+        unique_ids: table -> sorted ids.
+        cfg: the inner loop (``first_order`` is irrelevant here: no outer gradient).
+
+    Returns:
+        head -> probabilities ``[T, Q]`` (detached).
+
+    Example::
+
+        probs = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, cfg)
+    """
+    sup_idx = model.lookup_index(support, unique_ids, rows)
+    qry_idx = model.lookup_index(query, unique_ids, rows)
+    first = MetaConfig(cfg.inner_steps, cfg.inner_lr, True, cfg.adapt, cfg.vectorize)
+
+    def task(params: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
+        fp, fr, _, _ = _adapt(model, params, rows, FeatureBatch(**sup), sidx, first)
+        out = _forward(model, fp, fr, FeatureBatch(**qry), qidx, probabilities=True)
+        return tree_map(torch.Tensor.detach, out)
+
+    return _over_tasks(
+        task,
+        first,
+        int(support.mask.shape[0]),
+        (_dense_params(model), _check_rows(rows)),
+        (_tree(support), sup_idx, _tree(query), qry_idx),
+    )
+
+
+def assign_grads(model: CtrModel, dense_grads: dict[str, Tensor]) -> None:
+    """Set ``p.grad`` of every parameter from ``dense_grads`` (for a torch optimizer).
+
+    Raises:
+        KeyError: a parameter has no gradient in ``dense_grads``.
+    """
+    for name, p in model.named_parameters():
+        if name not in dense_grads:
+            raise KeyError(f"no gradient for parameter '{name}'")
+        p.grad = dense_grads[name].detach().clone()
