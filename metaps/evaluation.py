@@ -50,7 +50,7 @@ def _prepare(labels: ArrayLike, scores: ArrayLike, mask: ArrayLike | None) -> tu
     bad = (y != 0) & (y != 1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"labels must be 0 or 1; position {i} has {y[i]!r}")
+        raise ValueError(f"labels must be 0 or 1; position {i} has {y[i]:g}")
     return y, s.astype(np.float64)
 
 

@@ -1,0 +1,176 @@
+"""The AntM2C-like generator: determinism, schema, label logic, shape of the data."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from meta_io.generator import SCENES, GeneratedData, GeneratorConfig, generate, generator_schema
+from meta_io.schema import ColumnKind, Schema
+from meta_io.source import iter_source, normalized_arrow_schema
+from metaps.evaluation import auc
+
+
+def _read_all(data: GeneratedData) -> pa.Table:
+    return pa.concat_tables([pq.read_table(f) for f in data.files])
+
+
+SMALL = GeneratorConfig(rows=1500, users=150, items=100, seed=3, n_files=2, row_group_rows=400)
+
+
+def test_same_seed_same_data_different_seed_different(tmp_path: Path) -> None:
+    a = generate(tmp_path / "a", SMALL, progress=False)
+    b = generate(tmp_path / "b", SMALL, progress=False)
+    c = generate(tmp_path / "c", dataclasses.replace(SMALL, seed=4), progress=False)
+    ta, tb, tc = _read_all(a), _read_all(b), _read_all(c)
+    assert ta.equals(tb)
+    assert a.oracle_auc == b.oracle_auc
+    assert not ta.column("click").equals(tc.column("click"))
+    assert not ta.column("user_id").equals(tc.column("user_id"))
+
+
+def test_files_row_groups_and_schema_file(generated: GeneratedData, tiny_gen_config: GeneratorConfig, generated_schema: Schema) -> None:
+    cfg = tiny_gen_config
+    assert len(generated.files) == cfg.n_files
+    assert generated.rows == cfg.rows
+    assert sum(pq.ParquetFile(f).metadata.num_rows for f in generated.files) == cfg.rows
+    for f in generated.files:  # 1500 rows per file in row groups of <= 1000
+        md = pq.ParquetFile(f).metadata
+        assert md.num_row_groups == 2
+        assert max(md.row_group(i).num_rows for i in range(md.num_row_groups)) <= cfg.row_group_rows
+    assert generated.schema_path == generated.out_dir / "schema.json"
+    assert generated_schema == generator_schema(cfg)
+    assert generated.rows_per_s > 0 and generated.peak_rss_mb > 0 and generated.elapsed_s > 0
+
+
+def test_every_column_declared_with_its_kind(generated: GeneratedData, generated_schema: Schema, tiny_gen_config: GeneratorConfig) -> None:
+    cfg = tiny_gen_config
+    table = _read_all(generated)
+    assert table.column_names == [c.name for c in generated_schema.columns]
+    n_cat = cfg.n_user_features + cfg.n_item_features + cfg.n_context_features
+    assert len(generated_schema.of_kind(ColumnKind.SPARSE)) == 3 + n_cat  # user, item, scene + features
+    assert n_cat >= 20  # "dozens" of categorical features by default
+    assert len(generated_schema.of_kind(ColumnKind.MULTI_HOT)) == cfg.n_multi_hot
+    assert len(generated_schema.dense_columns) == cfg.n_dense
+    for col in generated_schema.columns:
+        t = table.schema.field(col.name).type
+        if col.kind in (ColumnKind.SPARSE, ColumnKind.TIMESTAMP):
+            assert t == pa.int64(), col.name
+        elif col.kind in (ColumnKind.MULTI_HOT, ColumnKind.TEXT):
+            assert t == pa.list_(pa.int64()), col.name
+            lengths = np.asarray(pa.compute.list_value_length(table.column(col.name)))
+            assert lengths.max() <= col.max_len and lengths.min() >= 0
+        elif col.kind == ColumnKind.VECTOR:
+            assert t == pa.list_(pa.float32())
+            lengths = np.asarray(pa.compute.list_value_length(table.column(col.name)))
+            assert (lengths == cfg.image_dim).all()
+        elif col.kind in (ColumnKind.DENSE, ColumnKind.ORACLE):
+            assert t == pa.float32(), col.name
+        elif col.kind == ColumnKind.LABEL:
+            assert t == pa.int8()
+    # ids are never negative (-1 is padding downstream)
+    for col in generated_schema.id_columns:
+        c = table.column(col.name)
+        vals = pa.compute.list_flatten(c) if col.kind != ColumnKind.SPARSE else c
+        assert pa.compute.min(vals).as_py() >= 0, col.name
+    # title lengths vary (variable-length text) and the normalized import works
+    title_len = np.asarray(pa.compute.list_value_length(table.column("title")))
+    assert title_len.min() < title_len.max() <= cfg.text_max_len
+    batches = list(iter_source(generated.out_dir, generated_schema, batch_rows=1000))
+    assert sum(b.num_rows for b in batches) == cfg.rows
+    assert all(b.table.schema == normalized_arrow_schema(generated_schema) for b in batches)
+
+
+def test_labels_conversion_only_after_click_and_oracle(generated: GeneratedData) -> None:
+    t = _read_all(generated)
+    click = t.column("click").to_numpy()
+    conv = t.column("conversion").to_numpy()
+    p_click = t.column("p_click").to_numpy()
+    p_conv = t.column("p_conversion").to_numpy()
+    assert set(np.unique(click)) == {0, 1} and set(np.unique(conv)) == {0, 1}
+    assert not ((conv == 1) & (click == 0)).any()
+    assert ((p_conv >= 0) & (p_conv <= p_click + 1e-7) & (p_click <= 1)).all()  # CTCVR <= CTR
+    for lab, p in (("click", p_click), ("conversion", p_conv)):
+        exact = auc(t.column(lab).to_numpy(), p)
+        assert 0.6 < generated.oracle_auc[lab] < 0.99
+        assert generated.oracle_auc[lab] == pytest.approx(exact, abs=2e-3)
+        # per-user terms carry real signal: removing them costs AUC
+        assert generated.oracle_auc_global[lab] < generated.oracle_auc[lab]
+    assert generated.oracle_auc["click"] - generated.oracle_auc_global["click"] > 0.02
+
+
+def test_scenarios_present_with_different_base_rates(generated: GeneratedData) -> None:
+    t = _read_all(generated)
+    scene = t.column("scene").to_numpy()
+    click = t.column("click").to_numpy()
+    assert sorted(np.unique(scene).tolist()) == list(range(len(SCENES)))
+    rates = np.array([click[scene == s].mean() for s in range(len(SCENES))])
+    assert rates.max() - rates.min() > 0.15
+    assert ((rates > 0.03) & (rates < 0.5)).all()
+    sizes = np.bincount(scene)
+    assert sizes.max() > 2 * sizes.min()  # scenarios differ in size too
+    assert generated.scene_rows == {s: int(sizes[s]) for s in range(len(SCENES))}
+    assert generated.scene_click_rate[0] == pytest.approx(rates[0])
+
+
+def test_zipf_popularity_and_cold_users(generated: GeneratedData, tiny_gen_config: GeneratorConfig) -> None:
+    cfg = tiny_gen_config
+    t = _read_all(generated)
+    per_user = np.bincount(t.column("user_id").to_numpy(), minlength=cfg.users)
+    warm = cfg.users - cfg.cold_users
+    cold = per_user[warm:]
+    assert ((cold >= 1) & (cold <= 5)).all()  # every cold user appears, with 1-5 rows
+    assert per_user[:warm].max() > 10 * np.median(per_user[per_user > 0])  # a heavy head
+    per_item = np.bincount(t.column("item_id").to_numpy(), minlength=cfg.items)
+    assert per_item.max() > 5 * np.median(per_item[per_item > 0])
+    times = t.column("log_time").to_numpy()
+    assert times.max() - times.min() > 5 * 86_400  # several days
+
+
+def test_features_are_informative(generated: GeneratedData) -> None:
+    """Item quality and the segment match score predict clicks; noise dense does not."""
+    t = _read_all(generated)
+    click = t.column("click").to_numpy()
+    assert auc(click, t.column("dense_2").to_numpy()) > 0.58  # item quality
+    assert auc(click, t.column("dense_3").to_numpy()) > 0.55  # segment x item match
+    assert abs(auc(click, t.column("dense_7").to_numpy()) - 0.5) < 0.05  # pure noise
+    assert auc(click, -t.column("ctx_f0").to_numpy().astype(float)) > 0.53  # position
+
+
+def test_progress_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="meta_io.generator"):
+        generate(tmp_path, dataclasses.replace(SMALL, rows=600, n_files=1), progress=True)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "meta_io.generator"]
+    assert "generating" in msgs and msgs[-1] == "generated"
+
+
+def test_rerun_replaces_old_parts(tmp_path: Path) -> None:
+    generate(tmp_path, dataclasses.replace(SMALL, n_files=3), progress=False)
+    data = generate(tmp_path, dataclasses.replace(SMALL, n_files=2), progress=False)
+    assert sorted(tmp_path.glob("part-*.parquet")) == data.files
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rows": 0}, "rows must be >= 1"),
+        ({"items": 3}, "items must be >= 5"),
+        ({"rows": 100, "users": 100}, "too few for 30 cold users"),
+        ({"cold_user_fraction": 1.0}, "cold_user_fraction must be in"),
+        ({"zipf_users": 0.0}, "zipf exponents must be > 0"),
+        ({"n_dense": -1}, "n_dense must be >= 0"),
+    ],
+)
+def test_config_validation(change: dict, message: str, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(SMALL, **change)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+    with pytest.raises(ValueError, match=message):
+        generate(tmp_path, cfg, progress=False)
+    assert not list(tmp_path.glob("*.parquet"))  # nothing written for a bad config
