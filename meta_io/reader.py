@@ -1,0 +1,330 @@
+"""Zero-copy reader of a Meta-IO dataset: memory-mapped IPC record batches -> torch.
+
+Opening a dataset reads ``manifest.json`` and ``index.arrow`` only; each data
+file is memory-mapped (``pa.memory_map`` + ``ipc.open_file``) the first time a
+batch of it is read. A record batch becomes a :class:`~meta_io.batch.MetaBatch`
+(meta layout) or :class:`~meta_io.batch.PlainBatch` (plain layout, leftover
+files) with no per-row Python.
+
+What is zero-copy (tensors are views of the mapped file, measured in
+tests/meta_io/test_reader.py)::
+
+    ids[col]       int64   [T, c, max_len] -> support/query are slices   zero-copy
+    vectors[col]   float32                                                zero-copy
+    labels, oracle float32                                                zero-copy
+    scenario       int64 (when the scenario column is an id column)       zero-copy
+    task_keys      int64 [T] (a strided view of __task_key)               zero-copy
+    dense          float32 [.., n_dense]: stacked from separate columns   copy
+    mask           bool: Arrow packs booleans as bits                     copy
+    unique_ids     torch.unique over the id columns                       new tensor
+
+The views are read-only memory: a consumer must not write into them (copy
+first, e.g. ``batch.map(torch.clone)``). ``torch.from_dlpack`` is used rather
+than ``torch.from_numpy`` because the latter warns on read-only arrays.
+
+Example::
+
+    ds = MetaIODataset("runs/main/metaio")
+    for batch in prefetch(ds.read_range(file=0, start=10, stop=20)):
+        batch.support.ids["item_id"].shape      # [T, S_c, 1]
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from meta_io import layout as L
+from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
+from meta_io.index import BatchIndex
+from meta_io.layout import BatchKind
+from meta_io.schema import LIST_KINDS, ColumnKind, Schema, schema_from_dict
+from metaps.errors import DataError, SchemaError
+
+
+def arrow_to_torch(arr: pa.Array) -> torch.Tensor:
+    """One Arrow column as a tensor: ``[n]`` or ``[n, list_size]`` for fixed-size lists.
+
+    Zero-copy (DLPack) for numeric columns without nulls; booleans (bit-packed
+    in Arrow) are unpacked into a new tensor.
+    """
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if pa.types.is_fixed_size_list(arr.type):
+        inner = arrow_to_torch(arr.flatten())
+        return inner.view(len(arr), arr.type.list_size)
+    if pa.types.is_boolean(arr.type):
+        return torch.from_numpy(arr.to_numpy(zero_copy_only=False))
+    if len(arr) == 0:
+        return torch.empty(0, dtype=_TORCH_DTYPES[arr.type])
+    if arr.null_count:
+        raise DataError(f"column of type {arr.type} has {arr.null_count} nulls; Meta-IO files never hold nulls")
+    return torch.from_dlpack(arr)
+
+
+_TORCH_DTYPES: dict[pa.DataType, torch.dtype] = {
+    pa.int64(): torch.int64,
+    pa.int32(): torch.int32,
+    pa.float32(): torch.float32,
+    pa.float64(): torch.float64,
+}
+
+
+class BatchConverter:
+    """Turns record batches of one dataset's schema into torch batches.
+
+    Args:
+        schema: the dataset's schema (from its manifest).
+    """
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.id_cols = schema.id_columns
+        self.dense_cols = [c.name for c in schema.dense_columns]
+        self.vector_cols = [c.name for c in schema.vector_columns]
+        self.tables: dict[str, list[str]] = {}
+        for c in self.id_cols:
+            self.tables.setdefault(c.table_name, []).append(c.name)
+        self.scenario_kind = schema.column(schema.scenario).kind if schema.scenario else None
+
+    def features(self, rb: pa.RecordBatch, shape: tuple[int, ...]) -> FeatureBatch:
+        """All features of ``rb`` with leading shape ``shape`` (its rows, reshaped)."""
+
+        def col(name: str) -> torch.Tensor:
+            return arrow_to_torch(rb.column(name))
+
+        ids = {}
+        for c in self.id_cols:
+            t = col(c.name)
+            width = c.max_len if c.kind in LIST_KINDS else 1
+            ids[c.name] = t.view(*shape, width)
+        if self.dense_cols:
+            dense = torch.stack([col(n) for n in self.dense_cols], dim=-1).view(*shape, len(self.dense_cols))
+        else:
+            dense = torch.zeros(*shape, 0)
+        vectors = {n: (v := col(n)).view(*shape, v.shape[-1]) for n in self.vector_cols}
+        labels = {lab: col(lab).view(shape) for lab in self.schema.labels}
+        oracle = {lab: col(name).view(shape) for lab, name in self.schema.oracle.items()}
+        mask = col(L.MASK_COL).view(shape)
+        if self.scenario_kind is None:
+            scenario = torch.zeros(shape, dtype=torch.int64)
+        else:
+            scenario = col(self.schema.scenario).view(shape)
+            if scenario.dtype != torch.int64:
+                scenario = scenario.to(torch.int64)
+        return FeatureBatch(ids=ids, dense=dense, vectors=vectors, labels=labels, mask=mask,
+                            scenario=scenario, oracle=oracle)
+
+    def unique_ids(self, fb: FeatureBatch) -> dict[str, torch.Tensor]:
+        """table -> sorted unique ids (>= 0) over every id column of that table."""
+        out = {}
+        for table, cols in self.tables.items():
+            flat = torch.cat([fb.ids[c].reshape(-1) for c in cols])
+            u = torch.unique(flat, sorted=True)
+            out[table] = u[int(torch.searchsorted(u, 0)) :]  # sorted: drop the -1 padding prefix
+        return out
+
+    def plain(self, rb: pa.RecordBatch) -> PlainBatch:
+        fb = self.features(rb, (rb.num_rows,))
+        return PlainBatch(features=fb, unique_ids=self.unique_ids(fb))
+
+    def meta(self, rb: pa.RecordBatch, task_slots: int, capacity: int, support: int) -> MetaBatch:
+        """A meta record batch of ``task_slots`` tasks of ``capacity`` slots, ``support`` of them support."""
+        shape = (task_slots, capacity)
+        full = self.features(rb, shape)
+        keys = arrow_to_torch(rb.column(L.TASK_KEY_COL)).view(shape)
+        return MetaBatch(
+            support=full.map(lambda t: t[:, :support]),
+            query=full.map(lambda t: t[:, support:]),
+            task_keys=keys[:, 0],
+            task_mask=full.mask[:, 0].clone(),
+            unique_ids=self.unique_ids(full),
+        )
+
+
+class _File:
+    """A lazily opened, memory-mapped data file with its expected shape."""
+
+    def __init__(self, path: Path, n_batches: int, n_bytes: int | None, columns: list[str]) -> None:
+        self.path = path
+        self.n_batches = n_batches
+        self.n_bytes = n_bytes
+        self.columns = columns
+        self.reader: ipc.RecordBatchFileReader | None = None
+
+    def open(self) -> ipc.RecordBatchFileReader:
+        if self.reader is not None:
+            return self.reader
+        p = self.path
+        if not p.exists():
+            raise DataError(f"{p}: data file listed in the manifest is missing")
+        size = p.stat().st_size
+        if self.n_bytes and size != self.n_bytes:
+            raise DataError(f"{p}: truncated or modified: manifest says {self.n_bytes} bytes, file has {size}")
+        try:
+            reader = ipc.open_file(pa.memory_map(str(p)))
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{p}: corrupt Arrow IPC file: {exc}") from None
+        if reader.num_record_batches != self.n_batches:
+            raise DataError(
+                f"{p}: expected {self.n_batches} record batches (index), file has {reader.num_record_batches}"
+            )
+        if reader.schema.names != self.columns:
+            raise DataError(f"{p}: columns {reader.schema.names} do not match the manifest's {self.columns}")
+        self.reader = reader
+        return reader
+
+    def batch(self, i: int) -> pa.RecordBatch:
+        try:
+            return self.open().get_batch(i)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{self.path}: corrupt record batch {i}: {exc}") from None
+
+
+class MetaIODataset:
+    """A built Meta-IO dataset folder, opened for reading.
+
+    Args:
+        path: the folder ``metaps meta-io build`` wrote.
+
+    Raises:
+        DataError: no manifest (an incomplete build), a corrupt manifest or index,
+            or an index that disagrees with the manifest.
+
+    Example::
+
+        ds = MetaIODataset("metaio/")
+        shards = [(f, 0, ds.num_batches(f)) for f in range(ds.num_files)]
+        batch = next(ds.read_range(*shards[0]))
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        mpath = self.path / L.MANIFEST_NAME
+        if not self.path.is_dir():
+            raise DataError(f"{self.path}: Meta-IO dataset folder not found")
+        if not mpath.exists():
+            raise DataError(
+                f"{mpath}: manifest not found: {self.path} is not a complete Meta-IO dataset "
+                "(a build writes its manifest last)"
+            )
+        try:
+            manifest = json.loads(mpath.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"{mpath}: corrupt manifest: {exc}") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != "metaio":
+            raise DataError(f"{mpath}: not a Meta-IO manifest (no \"format\": \"metaio\")")
+        if manifest.get("format_version") != L.FORMAT_VERSION:
+            raise DataError(
+                f"{mpath}: format_version {manifest.get('format_version')} is not supported "
+                f"(this reader reads {L.FORMAT_VERSION})"
+            )
+        self.manifest: dict[str, Any] = manifest
+        try:
+            self.schema: Schema = schema_from_dict(manifest["schema"], where=f"{mpath}: schema")
+            self.layout: str = L.Layout(manifest["layout"]).value
+            columns = list(manifest["columns"])
+            files, left = manifest["files"], manifest.get("leftover_files", [])
+        except (KeyError, ValueError, SchemaError) as exc:
+            raise DataError(f"{mpath}: malformed manifest: {exc}") from None
+        self.index = BatchIndex.read(self.path / L.INDEX_NAME)
+        main_kind = BatchKind.META if self.layout == L.Layout.META.value else BatchKind.PLAIN
+        main_cols = [n for n, _ in (L.META_COLUMNS if main_kind == BatchKind.META else L.PLAIN_COLUMNS)]
+        plain_cols = [n for n, _ in L.PLAIN_COLUMNS]
+        self._files = [self._file(f, columns + main_cols) for f in files]
+        self._leftover = [self._file(f, columns + plain_cols) for f in left]
+        # per file: index positions of its batches, in batch order
+        self._rows = [self.index.rows_of(main_kind, i) for i in range(len(self._files))]
+        self._left_rows = [self.index.rows_of(BatchKind.LEFTOVER, i) for i in range(len(self._leftover))]
+        for f, rows in zip(self._files + self._leftover, self._rows + self._left_rows):
+            if rows.size != f.n_batches:
+                raise DataError(
+                    f"{self.path / L.INDEX_NAME}: lists {rows.size} batches of {f.path.name}, manifest says {f.n_batches}"
+                )
+        self._kind = main_kind
+        self.converter = BatchConverter(self.schema)
+        self._lock = threading.Lock()
+
+    def _file(self, entry: dict[str, Any], columns: list[str]) -> _File:
+        return _File(self.path / entry["name"], int(entry["batches"]), int(entry.get("bytes") or 0), columns)
+
+    # -- shape --------------------------------------------------------------------------
+    @property
+    def num_files(self) -> int:
+        """Data files (``part-*.arrow``), the units data shards index into."""
+        return len(self._files)
+
+    def num_batches(self, file: int) -> int:
+        """Record batches in data file ``file``."""
+        self._check_file(file)
+        return self._files[file].n_batches
+
+    @property
+    def total_batches(self) -> int:
+        return sum(f.n_batches for f in self._files)
+
+    @property
+    def file_names(self) -> list[str]:
+        return [f.path.name for f in self._files]
+
+    def _check_file(self, file: int) -> None:
+        if not 0 <= file < len(self._files):
+            raise IndexError(f"{self.path}: file {file} out of range [0, {len(self._files)})")
+
+    # -- reading ------------------------------------------------------------------------
+    def read_range(self, file: int, start: int, stop: int) -> Iterator[MetaBatch | PlainBatch]:
+        """Record batches ``[start, stop)`` of data file ``file`` (one data shard).
+
+        Raises:
+            IndexError: ``file`` or the range is out of bounds.
+            DataError: the file is missing, truncated or corrupt (named).
+        """
+        self._check_file(file)
+        n = self._files[file].n_batches
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"{self._files[file].path}: batch range [{start}, {stop}) not within [0, {n}]")
+        return self._iter(self._files[file], self._rows[file], start, stop)
+
+    def iter_all(self) -> Iterator[MetaBatch | PlainBatch]:
+        """Every record batch of every data file, in file then batch order."""
+        for i in range(self.num_files):
+            yield from self.read_range(i, 0, self.num_batches(i))
+
+    def leftover(self) -> Iterator[PlainBatch]:
+        """The leftover rows of a meta layout (tasks of one row), as plain batches."""
+        for f, rows in zip(self._leftover, self._left_rows):
+            yield from self._iter(f, rows, 0, f.n_batches)
+
+    def _iter(self, f: _File, rows: np.ndarray, start: int, stop: int) -> Iterator[MetaBatch | PlainBatch]:
+        with self._lock:
+            f.open()
+        cols = self.index.cols
+        for b in range(start, stop):
+            pos = rows[b]
+            rb = f.batch(b)
+            expect = int(cols["n_slots"][pos])
+            if rb.num_rows != expect:
+                raise DataError(f"{f.path}: record batch {b} has {rb.num_rows} rows, index says {expect}")
+            if self.index.kind[pos] == BatchKind.META.value:
+                yield self.converter.meta(
+                    rb, int(cols["task_slots"][pos]), int(cols["capacity"][pos]), int(cols["support"][pos])
+                )
+            else:
+                yield self.converter.plain(rb)
+
+    def record_batch(self, file: int, batch: int) -> pa.RecordBatch:
+        """The raw Arrow record batch (for tools and tests)."""
+        self._check_file(file)
+        return self._files[file].batch(batch)
+
+    def leftover_record_batches(self) -> Iterator[pa.RecordBatch]:
+        for f in self._leftover:
+            for b in range(f.n_batches):
+                yield f.batch(b)
