@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,3 +118,12 @@ class PartitionMap:
     @classmethod
     def from_dict(cls, d: dict) -> "PartitionMap":
         return cls(int(d["version"]), int(d["num_shards"]), np.asarray(d["owners"], dtype=np.int32))
+
+
+def dense_owner(name: str, num_shards: int) -> int:
+    """The shard that holds dense parameter ``name``: a stable hash of the name.
+
+    Dense parameters do not move with vshards; after a restore onto another
+    shard count each shard loads the names it owns under the new count.
+    """
+    return zlib.crc32(name.encode()) % num_shards

@@ -1,0 +1,514 @@
+"""The worker-side PS client: dedup, route, fan out, retry, reassemble.
+
+A pull of several tables becomes at most one ``PullMany`` per shard (more
+only when a request would exceed the row or message limit), all in flight at
+once; a push likewise with ``PushMany``::
+
+    ids (any order, duplicates)        np.unique(return_inverse)
+    [7 3 7 9 3 5]  ---------------->   uniq [3 5 7 9], inv [2 0 2 3 0 1]
+                                        | vshard_of(uniq) -> owners[...] -> shard
+                                        | argsort by shard, split
+                  shard 0: [3 9]  shard 1: [5 7]     (PullMany futures in parallel)
+                                        | scatter replies into rows_uniq[4, dim]
+    rows = rows_uniq[inv]  <------------+
+
+Pushes aggregate gradients per id (``index_add``) before sending, so each id
+travels once per step. Failures are handled per shard sub-request:
+
+* ``UNAVAILABLE`` (a PS restarting): back off exponentially and resend, up to
+  ``retry_timeout_s``, with a log line when it starts and when it recovers;
+* ``FAILED_PRECONDITION`` + ``wrong_owner`` (a vshard moved, or the map
+  changed): refresh the map from every shard and re-route only the refused part
+  (a refused request was not applied, so nothing is applied twice);
+* ``RESOURCE_EXHAUSTED`` (too many rows / bytes): halve the request size and resend;
+* anything else (bad input): :class:`PsRequestError` with the server's message.
+
+Example::
+
+    client = PsClient(["127.0.0.1:5000", "127.0.0.1:5001"], RpcConfig(token="t"), worker_id="w0")
+    rows = client.pull({"user": user_ids, "item": item_ids})        # dict -> float32 [n, dim]
+    client.push({"user": (user_ids, user_grads)}, step=12)
+    fut = client.pull_async({"user": next_ids})                     # overlap with compute
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+import grpc
+import numpy as np
+import torch
+
+from metaps.errors import MetapsError
+from metaps.log import kv
+from metaps.rpc import RpcConfig, make_channel
+from ps import wire
+from ps.partition_map import PartitionMap, dense_owner
+from ps.server import ERROR_KEY, MAP_VERSION_KEY, WRONG_OWNER
+from protos import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PsClientError(MetapsError):
+    """The PS could not serve a request."""
+
+
+class PsRequestError(PsClientError):
+    """A shard refused a request as invalid (the server's message says why)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PsUnavailableError(PsClientError):
+    """A shard stayed unreachable for longer than the retry budget."""
+
+
+@dataclasses.dataclass
+class _Job:
+    """One table's part of a call: unique ids and what travels with them."""
+
+    table: str
+    ids: np.ndarray
+    grads: np.ndarray | None = None
+    out: np.ndarray | None = None
+
+
+def _rpc_kind(err: grpc.RpcError) -> str:
+    code = err.code()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        md = dict(err.trailing_metadata() or ())
+        if md.get(ERROR_KEY) == WRONG_OWNER:
+            return "wrong_owner"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return "unavailable"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "split"
+    return "fatal"
+
+
+class PsClient:
+    """Client of a PS fleet (one address per shard, in shard-id order).
+
+    Args:
+        addresses: ``host:port`` of shard 0..N-1.
+        rpc_cfg: token, TLS, message limits, per-call timeout.
+        value_dtype: "fp32" or "fp16" for pulled rows on the wire (returned as float32).
+        grad_dtype: "fp32" or "fp16" for pushed gradients on the wire.
+        worker_id: this worker's id (bounded staleness, barriers); '' = anonymous.
+        max_request_rows: rows per RPC at most (0: only the message limit bounds it).
+        retry_timeout_s: how long one call keeps retrying an unavailable shard.
+        backoff_s / max_backoff_s: first and largest retry pause.
+        register: register ``worker_id`` with every shard (its clock starts at ``start_step``).
+        start_step: the worker's clock when it registers (steps already completed).
+    """
+
+    def __init__(
+        self,
+        addresses: list[str],
+        rpc_cfg: RpcConfig | None = None,
+        *,
+        value_dtype: str = "fp32",
+        grad_dtype: str = "fp32",
+        worker_id: str = "",
+        max_request_rows: int = 0,
+        retry_timeout_s: float = 60.0,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        register: bool = False,
+        start_step: int = 0,
+    ) -> None:
+        if not addresses:
+            raise ValueError("PsClient needs at least one shard address")
+        self.addresses = list(addresses)
+        self.rpc_cfg = rpc_cfg or RpcConfig()
+        self.value_dtype = wire.DType(value_dtype)
+        self.grad_dtype = wire.DType(grad_dtype)
+        self.worker_id = worker_id
+        self.max_request_rows = max_request_rows
+        self.retry_timeout_s = retry_timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._channels = [make_channel(a, self.rpc_cfg) for a in self.addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        self._dims: dict[str, int] = {}
+        self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
+        self._map_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ps-client")
+        self._down: set[int] = set()
+        self._pmap: PartitionMap = self.refresh_map()
+        if self._pmap.num_shards != len(self.addresses):
+            raise PsClientError(
+                f"partition map has {self._pmap.num_shards} shards but {len(self.addresses)} addresses were given"
+            )
+        if register:
+            if not worker_id:
+                raise ValueError("register=True needs a worker_id")
+            self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=worker_id, step=start_step))
+
+    # -- lifecycle ------------------------------------------------------------------
+    def close(self, leave: bool = False) -> None:
+        """Close channels; ``leave`` first unregisters the worker so it holds nobody back."""
+        if leave and self.worker_id:
+            try:
+                self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, leave=True))
+            except PsClientError as exc:
+                log.warning("could not unregister worker", extra=kv(worker=self.worker_id, error=exc))
+        self._pool.shutdown(wait=False)
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> "PsClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def pmap(self) -> PartitionMap:
+        return self._pmap
+
+    # -- partition map ------------------------------------------------------------------
+    def refresh_map(self) -> PartitionMap:
+        """Fetch the map from every reachable shard; keep the newest; heal lagging shards."""
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = self.backoff_s
+        while True:
+            futs = [s.GetPartitionMap.future(ps_pb2.GetPartitionMapRequest(), timeout=self.rpc_cfg.timeout_s) for s in self._stubs]
+            maps: list[PartitionMap | None] = []
+            last_err: grpc.RpcError | None = None
+            for f in futs:
+                try:
+                    maps.append(PartitionMap.from_proto(f.result()))
+                except grpc.RpcError as exc:
+                    if _rpc_kind(exc) != "unavailable":
+                        raise PsRequestError(f"GetPartitionMap failed: {exc.details()}", exc.code()) from None
+                    maps.append(None)
+                    last_err = exc
+            live = [m for m in maps if m is not None]
+            if live:
+                break
+            if time.monotonic() > deadline:
+                raise PsUnavailableError(f"no PS shard reachable at {self.addresses}: {last_err.details() if last_err else ''}")
+            time.sleep(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+        newest = max(live, key=lambda m: m.version)
+        for i, m in enumerate(maps):
+            if m is not None and m.version < newest.version:
+                # A shard that missed an update (e.g. restarted) gets the newest map.
+                try:
+                    self._stubs[i].UpdatePartitionMap(newest.to_proto(), timeout=self.rpc_cfg.timeout_s)
+                    log.info("pushed newer partition map to lagging shard", extra=kv(shard=i, version=newest.version))
+                except grpc.RpcError as exc:
+                    log.warning("could not update lagging shard's map", extra=kv(shard=i, error=exc.details()))
+        with self._map_lock:
+            if not hasattr(self, "_pmap") or newest.version >= self._pmap.version:
+                self._pmap = newest
+        return self._pmap
+
+    # -- sparse ---------------------------------------------------------------------------
+    def pull(self, ids: Mapping[str, Any], *, step: int | None = None) -> dict[str, np.ndarray]:
+        """Rows of ``ids`` per table, in request order (float32 [n, dim]).
+
+        Args:
+            ids: table -> int64 ids (numpy or torch, any shape is flattened; duplicates fine).
+            step: this worker's training step (bounded staleness waits on the PS).
+        """
+        jobs, inverse = [], []
+        for table, t_ids in ids.items():
+            flat = _as_ids(t_ids, table)
+            uniq, inv = np.unique(flat, return_inverse=True)
+            jobs.append(_Job(table, uniq))
+            inverse.append(inv)
+        self._run("pull", jobs, step)
+        return {j.table: j.out[inv] for j, inv in zip(jobs, inverse)}
+
+    def pull_async(self, ids: Mapping[str, Any], *, step: int | None = None) -> concurrent.futures.Future:
+        """:meth:`pull` on a background thread; ``.result()`` gives its dict."""
+        frozen = {t: np.array(_as_ids(v, t)) for t, v in ids.items()}
+        return self._pool.submit(self.pull, frozen, step=step)
+
+    def push(self, grads: Mapping[str, tuple[Any, Any]], *, step: int | None = None) -> dict[str, dict[str, int]]:
+        """Apply gradients: table -> (ids [n], grads [n, dim]); duplicates are summed first.
+
+        With ``step`` (and a worker_id) every shard learns this worker finished
+        ``step``, even shards that got no rows from it.
+
+        Returns:
+            table -> counts summed over shards: rows, applied, dropped_nonfinite, skipped.
+        """
+        jobs = []
+        for table, (t_ids, t_grads) in grads.items():
+            flat = _as_ids(t_ids, table)
+            g = t_grads.detach().to("cpu", torch.float32) if isinstance(t_grads, torch.Tensor) else torch.from_numpy(
+                np.ascontiguousarray(t_grads, dtype=np.float32)
+            )
+            if g.ndim != 2 or g.shape[0] != flat.size:
+                raise ValueError(f"table '{table}': grads must be [n={flat.size}, dim], got shape {tuple(g.shape)}")
+            uniq, inv = np.unique(flat, return_inverse=True)
+            if uniq.size == flat.size:
+                agg = g.numpy()[np.argsort(inv)] if flat.size else g.numpy()
+            else:
+                agg = torch.zeros((uniq.size, g.shape[1]), dtype=torch.float32).index_add_(0, torch.from_numpy(inv), g).numpy()
+            jobs.append(_Job(table, uniq, grads=agg))
+        counts = self._run("push", jobs, step)
+        return counts
+
+    def barrier(self, step: int, timeout_s: float | None = None) -> None:
+        """Sync mode: return once every registered worker finished ``step`` on every shard."""
+        if not self.worker_id:
+            raise ValueError("barrier needs a worker_id")
+        t = timeout_s or self.rpc_cfg.timeout_s
+        req = ps_pb2.BarrierRequest(worker_id=self.worker_id, step=step, timeout_s=t)
+        self._broadcast("Barrier", req, timeout=t + 5)
+
+    # -- dense ------------------------------------------------------------------------------
+    def register_dense(self, params: Mapping[str, Any]) -> list[str]:
+        """Create dense parameters with initial values (existing names keep theirs)."""
+        by_shard: dict[int, list[ps_pb2.DenseTensor]] = {}
+        for name, value in params.items():
+            by_shard.setdefault(dense_owner(name, self.num_shards), []).append(wire.dense_to_proto(name, value))
+        created: list[str] = []
+        for resp in self._per_shard("RegisterDense", {s: ps_pb2.RegisterDenseRequest(params=p) for s, p in by_shard.items()}):
+            created.extend(resp.created)
+        return created
+
+    def pull_dense(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        by_shard: dict[int, list[str]] = {}
+        for n in names:
+            by_shard.setdefault(dense_owner(n, self.num_shards), []).append(n)
+        out: dict[str, np.ndarray] = {}
+        for resp in self._per_shard("PullDense", {s: ps_pb2.PullDenseRequest(names=n) for s, n in by_shard.items()}):
+            out.update({p.name: wire.dense_from_proto(p) for p in resp.params})
+        return out
+
+    def push_dense(self, grads: Mapping[str, Any]) -> None:
+        by_shard: dict[int, list[ps_pb2.DenseTensor]] = {}
+        for name, g in grads.items():
+            by_shard.setdefault(dense_owner(name, self.num_shards), []).append(wire.dense_to_proto(name, g))
+        self._per_shard(
+            "PushDense", {s: ps_pb2.PushDenseRequest(grads=g, worker_id=self.worker_id) for s, g in by_shard.items()}
+        )
+
+    # -- admin -----------------------------------------------------------------------------------
+    def stats(self) -> list[dict[str, Any]]:
+        import json
+
+        return [json.loads(r.json) for r in self._broadcast("Stats", ps_pb2.StatsRequest())]
+
+    def stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
+        return self._stubs[shard]
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _call_with_retry(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = self.backoff_s
+        while True:
+            try:
+                resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s)
+                self._note_up(shard)
+                return resp
+            except grpc.RpcError as exc:
+                if _rpc_kind(exc) != "unavailable":
+                    raise PsRequestError(f"shard {shard} ({self.addresses[shard]}) {method}: {exc.details()}", exc.code()) from None
+                self._note_down(shard, exc)
+                if time.monotonic() + delay > deadline:
+                    raise PsUnavailableError(
+                        f"shard {shard} ({self.addresses[shard]}) unavailable for {self.retry_timeout_s:.0f}s: {exc.details()}"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+
+    def _per_shard(self, method: str, requests: dict[int, Any], timeout: float | None = None) -> list[Any]:
+        """One call per shard, in parallel, each retried while its shard is unavailable."""
+        if len(requests) == 1:
+            (s, r), = requests.items()
+            return [self._call_with_retry(s, method, r, timeout)]
+        futs = [_THREADS.submit(self._call_with_retry, s, method, r, timeout) for s, r in requests.items()]
+        return [f.result() for f in futs]
+
+    def _broadcast(self, method: str, request: Any, timeout: float | None = None) -> list[Any]:
+        return self._per_shard(method, {s: request for s in range(self.num_shards)}, timeout)
+
+    def _note_down(self, shard: int, exc: grpc.RpcError) -> None:
+        if shard not in self._down:
+            self._down.add(shard)
+            log.warning(
+                "ps shard unavailable; retrying with backoff",
+                extra=kv(shard=shard, address=self.addresses[shard], error=exc.details()),
+            )
+
+    def _note_up(self, shard: int) -> None:
+        if shard in self._down:
+            self._down.discard(shard)
+            log.info("ps shard reachable again; continuing", extra=kv(shard=shard, address=self.addresses[shard]))
+
+    def _rows_per_call(self, jobs: list[_Job], kind: str) -> int:
+        dim = max([self._dims.get(j.table, 0) for j in jobs] + [1 if not self._dims else max(self._dims.values())])
+        if kind == "pull":
+            per_row = 8 + dim * self.value_dtype.numpy.itemsize
+        else:
+            per_row = 8 + dim * self.grad_dtype.numpy.itemsize
+        cap = max(1, int(self.rpc_cfg.max_message_bytes * 0.9) // per_row)
+        if self.max_request_rows:
+            cap = min(cap, self.max_request_rows)
+        if self._row_cap:
+            cap = min(cap, self._row_cap)
+        return cap
+
+    def _build(self, kind: str, parts: list[tuple[_Job, np.ndarray]], step: int | None, pmap: PartitionMap) -> Any:
+        if kind == "pull":
+            req = ps_pb2.PullManyRequest(
+                tables=[ps_pb2.TableIds(table=j.table, ids=wire.encode_ids(j.ids[p])) for j, p in parts],
+                map_version=pmap.version, want_fp16=self.value_dtype == wire.DType.FP16, worker_id=self.worker_id,
+            )
+        else:
+            req = ps_pb2.PushManyRequest(
+                tables=[
+                    ps_pb2.TableGrads(
+                        table=j.table, ids=wire.encode_ids(j.ids[p]),
+                        grads=wire.encode_rows(j.grads[p], self.grad_dtype), dtype=self.grad_dtype.proto,
+                    )
+                    for j, p in parts
+                ],
+                map_version=pmap.version, worker_id=self.worker_id,
+            )
+        if step is not None:
+            req.step = step
+        return req
+
+    def _run(self, kind: str, jobs: list[_Job], step: int | None) -> dict[str, dict[str, int]]:
+        """Route, fan out, retry and (for pulls) scatter replies into ``job.out``."""
+        counts = {j.table: {"rows": 0, "applied": 0, "dropped_nonfinite": 0, "skipped": 0} for j in jobs}
+        pending = [(j, np.arange(j.ids.size)) for j in jobs]
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = self.backoff_s
+        # With a step, every shard must hear it (clocks), even shards with no rows.
+        need_clock = set(range(self._pmap.num_shards)) if kind == "push" and step is not None and self.worker_id else set()
+        while pending or need_clock:
+            pmap = self._pmap
+            per_shard: dict[int, list[tuple[_Job, np.ndarray]]] = {}
+            for job, pos in pending:
+                if pos.size == 0:
+                    # No ids: still ask one shard when the dim is unknown (to shape an empty result).
+                    if kind == "pull" and job.table not in self._dims:
+                        per_shard.setdefault(0, []).append((job, pos))
+                    continue
+                owners = pmap.shard_of(job.ids[pos])
+                order = np.argsort(owners, kind="stable")
+                bounds = np.cumsum(np.bincount(owners, minlength=pmap.num_shards))[:-1]
+                for s, part in enumerate(np.split(pos[order], bounds)):
+                    if part.size:
+                        per_shard.setdefault(s, []).append((job, part))
+            for s in need_clock:
+                per_shard.setdefault(s, [])
+            cap = self._rows_per_call(jobs, kind)
+            calls = []
+            for s, parts in per_shard.items():
+                for chunk in _chunks(parts, cap):
+                    req = self._build(kind, chunk, step, pmap)
+                    method = self._stubs[s].PullMany if kind == "pull" else self._stubs[s].PushMany
+                    calls.append((s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s)))
+            pending = []
+            refresh = False
+            for s, chunk, fut in calls:
+                try:
+                    resp = fut.result()
+                except grpc.RpcError as exc:
+                    what = _rpc_kind(exc)
+                    if what == "fatal":
+                        for _, _, other in calls:
+                            other.cancel()
+                        raise PsRequestError(
+                            f"shard {s} ({self.addresses[s]}) refused {kind}: {exc.code().name}: {exc.details()}", exc.code()
+                        ) from None
+                    if what == "wrong_owner":
+                        refresh = True
+                    elif what == "unavailable":
+                        self._note_down(s, exc)
+                    elif what == "split":
+                        rows = sum(p.size for _, p in chunk)
+                        if rows <= 1:
+                            raise PsRequestError(f"shard {s}: a single row exceeds the limits: {exc.details()}", exc.code()) from None
+                        self._row_cap = max(1, rows // 2)
+                        log.info("request too large; splitting", extra=kv(shard=s, rows=rows, cap=self._row_cap))
+                    pending.extend(chunk)
+                    continue
+                self._note_up(s)
+                need_clock.discard(s)
+                if kind == "pull":
+                    for (job, pos), tv in zip(chunk, resp.tables):
+                        dtype = wire.DType.from_proto(tv.dtype, table=tv.table)
+                        vals = wire.decode_rows(tv.values, dtype, pos.size, tv.dim, table=tv.table)
+                        self._dims[job.table] = tv.dim
+                        if job.out is None:
+                            job.out = np.empty((job.ids.size, tv.dim), dtype=np.float32)
+                        job.out[pos] = vals
+                else:
+                    for tc in resp.tables:
+                        c = counts[tc.table]
+                        c["rows"] += tc.rows
+                        c["applied"] += tc.applied
+                        c["dropped_nonfinite"] += tc.dropped_nonfinite
+                        c["skipped"] += tc.skipped
+            if pending or need_clock:
+                if time.monotonic() + delay > deadline:
+                    raise PsUnavailableError(
+                        f"{kind} could not complete within {self.retry_timeout_s:.0f}s (shards down: {sorted(self._down)}, "
+                        f"map v{self._pmap.version})"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+                if refresh:
+                    self.refresh_map()
+            else:
+                delay = self.backoff_s
+        if kind == "pull":
+            for j in jobs:
+                if j.out is None:
+                    j.out = np.empty((j.ids.size, self._dims.get(j.table, 0)), dtype=np.float32)
+        return counts
+
+
+_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")
+
+
+def _as_ids(ids: Any, table: str) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"table '{table}': ids must be integers, got dtype {arr.dtype}")
+    return arr.reshape(-1).astype(np.int64, copy=False)
+
+
+def _chunks(parts: list[tuple[_Job, np.ndarray]], cap: int) -> Iterable[list[tuple[_Job, np.ndarray]]]:
+    """Pack (table, positions) parts into requests of at most ``cap`` rows."""
+    cur: list[tuple[_Job, np.ndarray]] = []
+    room = cap
+    for job, pos in parts:
+        if pos.size == 0:
+            cur.append((job, pos))
+            continue
+        start = 0
+        while start < pos.size:
+            take = min(room, pos.size - start)
+            cur.append((job, pos[start : start + take]))
+            start += take
+            room -= take
+            if room == 0:
+                yield cur
+                cur, room = [], cap
+    if cur or not parts:
+        yield cur

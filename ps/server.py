@@ -1,0 +1,708 @@
+"""One PS shard as a gRPC service: data RPCs, routing checks, migration, checkpoints.
+
+A :class:`PsServer` wraps one :class:`ps.shard_store.ShardStore` and serves the
+``metaps.ps.ParameterServer`` service (``protos/ps.proto``). Production runs one
+shard per process (``metaps ps``); tests run several in one process.
+
+Request admission, in order, for a data request (Pull/Push, single or Many)::
+
+    added latency (fault hook) -> decode + validate buffers (INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED) -> staleness wait (pulls) -> gate (shared; waits while
+    paused / while an admin change drains) -> map version + vshard ownership
+    (FAILED_PRECONDITION "wrong_owner") -> store -> step clock advance (pushes)
+
+Admin changes (map update, freeze, import, checkpoint, pause) take the gate
+exclusively: they wait for in-flight data requests, so a request is either
+wholly before or wholly after the change. A multi-table push is validated for
+every table before any table is touched, so a refused request changes nothing.
+
+Example::
+
+    store = ShardStore(tables, shard_id=0, num_vshards=256, seed=0)
+    server = PsServer(store, 0, PartitionMap.initial(1, 256), RpcConfig())
+    port = server.start("127.0.0.1:0")
+    ...
+    server.stop(grace=5)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from metaps.hashing import vshard_of
+from metaps.log import kv
+from metaps.rpc import RpcConfig, add_health, add_port, make_server
+from ps import wire
+from ps.partition_map import PartitionMap, dense_owner
+from ps.staleness import StalenessTimeout, StepClock
+from protos import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+WRONG_OWNER = "wrong_owner"
+ERROR_KEY = "metaps-error"
+MAP_VERSION_KEY = "metaps-map-version"
+
+
+class RpcAbort(Exception):
+    """Ends an RPC with ``code`` and a message; optional trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.metadata = metadata
+
+
+def _bad(message: str) -> RpcAbort:
+    return RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class _Gate:
+    """Shared entry for data requests, exclusive for admin changes, plus a pause.
+
+    Writer-preferring: once an admin change waits, new data requests wait too,
+    so a freeze or checkpoint cannot be starved by a stream of pushes.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._writer = False
+        self._paused_until = 0.0
+
+    @contextlib.contextmanager
+    def data(self, timeout_s: float) -> Iterator[None]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if not self._writer and now >= self._paused_until:
+                    break
+                if now >= deadline:
+                    raise RpcAbort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"shard paused (checkpoint or migration) for more than {timeout_s:.1f}s",
+                    )
+                self._cond.wait(min(deadline - now, max(self._paused_until - now, 0.0) or 0.5, 0.5))
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._writer = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    def pause(self, lease_s: float) -> None:
+        with self.exclusive():  # drain in-flight requests first: a consistent cut
+            self._paused_until = time.monotonic() + lease_s
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused_until = 0.0
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+
+class _StoreCollector:
+    """Table fill, admissions, evictions and memory read from the store at scrape time."""
+
+    def __init__(self, server: "PsServer") -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        shard = str(self._server.shard_id)
+        stats = self._server.store.stats()
+        fams: dict[str, GaugeMetricFamily] = {}
+        for table, st in (stats.get("tables", stats) or {}).items():
+            if not isinstance(st, dict):
+                continue
+            for key, value in st.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    name = f"metaps_ps_table_{key}"
+                    if name not in fams:
+                        fams[name] = GaugeMetricFamily(name, f"PS table {key} (from ShardStore.stats)", labels=["shard", "table"])
+                    fams[name].add_metric([shard, table], float(value))
+        mem = GaugeMetricFamily("metaps_ps_memory_bytes", "bytes held by the shard store", labels=["shard"])
+        mem.add_metric([shard], float(self._server.store.memory_bytes()))
+        yield from fams.values()
+        yield mem
+
+
+class PsMetrics:
+    """Prometheus metrics of one shard, in its own registry (several shards per test process)."""
+
+    def __init__(self, server: "PsServer", registry: CollectorRegistry | None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.rows_pulled = Counter("metaps_ps_rows_pulled", "rows pulled", ["shard", "table"], registry=r)
+        self.rows_pushed = Counter("metaps_ps_rows_pushed", "rows pushed", ["shard", "table"], registry=r)
+        self.nonfinite = Counter(
+            "metaps_ps_nonfinite_grads", "pushed rows with NaN/Inf gradients", ["shard", "table", "action"], registry=r
+        )
+        self.errors = Counter("metaps_ps_rpc_errors", "refused or failed RPCs", ["shard", "method", "code"], registry=r)
+        self.latency = Histogram(
+            "metaps_ps_rpc_seconds",
+            "RPC handling time",
+            ["shard", "method"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=r,
+        )
+        self.map_version = Gauge("metaps_ps_map_version", "partition map version", ["shard"], registry=r)
+        r.register(_StoreCollector(server))
+
+
+def _rpc(data: bool) -> Callable:
+    """Wrap a servicer method: fault delay, timing, error -> status mapping."""
+
+    def deco(fn: Callable) -> Callable:
+        method = fn.__name__
+
+        @functools.wraps(fn)
+        def wrapper(self: "PsServer", request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            shard = str(self.shard_id)
+            try:
+                if data and self.added_latency_s is not None:
+                    delay = float(self.added_latency_s())
+                    if delay > 0:
+                        time.sleep(delay)
+                return fn(self, request, context)
+            except RpcAbort as exc:
+                self.metrics.errors.labels(shard, method, exc.code.name).inc()
+                if exc.metadata:
+                    context.set_trailing_metadata(exc.metadata)
+                context.abort(exc.code, str(exc))
+            except (wire.WireError, _BadRequestTypes()) as exc:
+                self.metrics.errors.labels(shard, method, "INVALID_ARGUMENT").inc()
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except StalenessTimeout as exc:
+                self.metrics.errors.labels(shard, method, "DEADLINE_EXCEEDED").inc()
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            finally:
+                self.metrics.latency.labels(shard, method).observe(time.perf_counter() - t0)
+
+        return wrapper
+
+    return deco
+
+
+@functools.lru_cache(maxsize=1)
+def _BadRequestTypes() -> tuple[type, ...]:
+    """Storage's bad-input error types (imported lazily: ps.errors is another module)."""
+    types: list[type] = []
+    try:
+        from ps.errors import BadRequest
+
+        types.append(BadRequest)
+    except ImportError:  # pragma: no cover - storage always ships ps.errors
+        pass
+    return tuple(types) or (wire.WireError,)
+
+
+@dataclasses.dataclass
+class _Parsed:
+    table: str
+    ids: np.ndarray
+    grads: np.ndarray | None = None
+
+
+class PsServer(ps_pb2_grpc.ParameterServerServicer):
+    """The gRPC service of one PS shard.
+
+    Args:
+        store: this shard's ShardStore.
+        shard_id: this shard's id (0..num_shards-1).
+        pmap: the partition map it starts with.
+        rpc_cfg: token, TLS, message limits.
+        max_request_rows: refuse (RESOURCE_EXHAUSTED) requests with more rows; 0 = no limit.
+        max_staleness: pulls wait while the caller is further ahead of the slowest worker; < 0 = unbounded.
+        sync: synchronous steps (staleness 0 plus per-step Barrier).
+        nonfinite_grads: "reject" refuses a push with NaN/Inf (checked here for every
+            table before any is applied); "drop" lets the store drop and count them.
+        wait_timeout_s: longest a request waits for a pause or slower workers.
+        registry: Prometheus registry (default: a private one; the process entry passes the global one).
+        added_latency_s: fault hook; its value (seconds) is slept before every data RPC.
+        max_workers: gRPC handler threads.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        shard_id: int,
+        pmap: PartitionMap,
+        rpc_cfg: RpcConfig,
+        *,
+        max_request_rows: int = 0,
+        max_staleness: int = -1,
+        sync: bool = False,
+        nonfinite_grads: str = "reject",
+        wait_timeout_s: float = 60.0,
+        registry: CollectorRegistry | None = None,
+        added_latency_s: Callable[[], float] | None = None,
+        max_workers: int = 8,
+    ) -> None:
+        if not 0 <= shard_id < pmap.num_shards:
+            raise ValueError(f"shard_id {shard_id} out of range for a map of {pmap.num_shards} shards")
+        self.store = store
+        self.shard_id = shard_id
+        self.rpc_cfg = rpc_cfg
+        self.max_request_rows = max_request_rows
+        self.sync = sync
+        self.nonfinite_grads = nonfinite_grads
+        self.wait_timeout_s = wait_timeout_s
+        self.added_latency_s = added_latency_s
+        self.clock = StepClock(0 if sync else max_staleness)
+        self.metrics = PsMetrics(self, registry)
+        self._gate = _Gate()
+        self._frozen = np.zeros(pmap.num_vshards, dtype=bool)
+        self._frozen_until = 0.0
+        self._set_map(pmap)
+        self._server = make_server(rpc_cfg, max_workers=max_workers)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(self, self._server)
+        self._health = add_health(self._server)
+        self.port = 0
+        self._stopped = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------------
+    def start(self, address: str = "127.0.0.1:0") -> int:
+        """Bind and start serving; returns the port."""
+        self.port = add_port(self._server, address, self.rpc_cfg)
+        self._server.start()
+        log.info("ps shard serving", extra=kv(shard=self.shard_id, port=self.port, map_version=self.pmap.version))
+        return self.port
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let in-flight ones finish for ``grace`` seconds."""
+        self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server.stop(grace).wait()
+        self._stopped.set()
+        log.info("ps shard stopped", extra=kv(shard=self.shard_id))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    @property
+    def pmap(self) -> PartitionMap:
+        return self._pmap
+
+    def _set_map(self, pmap: PartitionMap) -> None:
+        self._pmap = pmap
+        self._owned = pmap.owned_mask(self.shard_id)
+        self.metrics.map_version.labels(str(self.shard_id)).set(pmap.version)
+
+    # -- request checks -------------------------------------------------------------
+    def _table(self, name: str) -> Any:
+        table = self.store.tables.get(name)
+        if table is None:
+            raise _bad(f"unknown table '{name}' on shard {self.shard_id}; known tables: {sorted(self.store.tables)}")
+        return table
+
+    def _dim(self, name: str) -> int:
+        t = self._table(name)
+        cfg = getattr(t, "cfg", None) or getattr(t, "config", None)
+        return int(getattr(t, "dim", None) or cfg.dim)
+
+    def _decode_ids(self, table: str, buf: bytes) -> np.ndarray:
+        ids = wire.decode_ids(buf, table=table)
+        if ids.size and ids.min() < 0:
+            row = int(np.argmax(ids < 0))
+            raise _bad(f"table '{table}': ids must be >= 0, got {int(ids[row])} at position {row}")
+        return ids
+
+    def _check_rows(self, total: int) -> None:
+        if self.max_request_rows and total > self.max_request_rows:
+            raise RpcAbort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request has {total} rows, shard limit max_request_rows is {self.max_request_rows}: split it",
+            )
+
+    def _check_owner(self, map_version: int, parsed: list[_Parsed]) -> None:
+        """Called inside the gate: the map cannot change until the request is done."""
+        pmap = self._pmap
+        md = ((ERROR_KEY, WRONG_OWNER), (MAP_VERSION_KEY, str(pmap.version)))
+        if map_version != pmap.version:
+            raise RpcAbort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{WRONG_OWNER}: request routed with partition map v{map_version}, shard {self.shard_id} has v{pmap.version}",
+                md,
+            )
+        frozen = self._frozen if time.monotonic() < self._frozen_until else None
+        for p in parsed:
+            if not p.ids.size:
+                continue
+            vs = vshard_of(p.ids, pmap.num_vshards)
+            ok = self._owned[vs] if frozen is None else self._owned[vs] & ~frozen[vs]
+            if not ok.all():
+                bad = int(np.argmin(ok))
+                v = int(vs[bad])
+                why = "is being migrated" if self._owned[v] else f"is owned by shard {int(pmap.owners[v])}"
+                raise RpcAbort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{WRONG_OWNER}: table '{p.table}' id {int(p.ids[bad])} (vshard {v}) {why}, not shard {self.shard_id} (map v{pmap.version})",
+                    md,
+                )
+
+    def _parse_pull(self, items: list[tuple[str, bytes]]) -> list[_Parsed]:
+        parsed = []
+        for table, ids in items:
+            self._table(table)
+            parsed.append(_Parsed(table, self._decode_ids(table, ids)))
+        self._check_rows(sum(p.ids.size for p in parsed))
+        return parsed
+
+    def _parse_push(self, items: list[tuple[str, bytes, bytes, int]]) -> list[_Parsed]:
+        parsed = []
+        for table, ids_buf, grads_buf, dtype in items:
+            dim = self._dim(table)
+            ids = self._decode_ids(table, ids_buf)
+            dt = wire.DType.from_proto(dtype, table=table, field="grad dtype")
+            grads = wire.decode_rows(grads_buf, dt, ids.size, dim, table=table, field="grads")
+            parsed.append(_Parsed(table, ids, grads))
+        self._check_rows(sum(p.ids.size for p in parsed))
+        if self.nonfinite_grads == "reject":
+            # Checked for every table before any is applied: a refused push changes nothing.
+            for p in parsed:
+                finite = np.isfinite(p.grads).all(axis=1)
+                if not finite.all():
+                    bad = np.nonzero(~finite)[0]
+                    self.metrics.nonfinite.labels(str(self.shard_id), p.table, "reject").inc(int(bad.size))
+                    raise _bad(
+                        f"table '{p.table}': {bad.size} gradient row(s) contain NaN/Inf "
+                        f"(first: id {int(p.ids[bad[0]])} at position {int(bad[0])}); nonfinite_grads='reject'"
+                    )
+        return parsed
+
+    def _wait_staleness(self, worker: str, step: int | None) -> None:
+        if worker and step is not None:
+            self.clock.wait_pull(worker, step, self.wait_timeout_s)
+
+    # -- sparse data ------------------------------------------------------------------
+    def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[ps_pb2.TableValues]:
+        dtype = wire.DType.FP16 if fp16 else wire.DType.FP32
+        out = []
+        with self._gate.data(self.wait_timeout_s):
+            self._check_owner(map_version, parsed)
+            for p in parsed:
+                rows = self.store.pull(p.table, p.ids)
+                out.append(
+                    ps_pb2.TableValues(
+                        table=p.table, values=wire.encode_rows(rows, dtype), dtype=dtype.proto,
+                        dim=int(rows.shape[1]) if rows.ndim == 2 else self._dim(p.table), rows=int(p.ids.size),
+                    )
+                )
+        shard = str(self.shard_id)
+        for p in parsed:
+            self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
+        return out
+
+    def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None) -> list[ps_pb2.PushCounts]:
+        out = []
+        with self._gate.data(self.wait_timeout_s):
+            self._check_owner(map_version, parsed)
+            for p in parsed:
+                grads = p.grads if p.grads.dtype == np.float32 else p.grads.astype(np.float32)
+                res = self.store.push(p.table, p.ids, grads)
+                out.append(self._counts(p, res))
+        shard = str(self.shard_id)
+        for p, c in zip(parsed, out):
+            self.metrics.rows_pushed.labels(shard, p.table).inc(int(p.ids.size))
+            if c.dropped_nonfinite:
+                self.metrics.nonfinite.labels(shard, p.table, "drop").inc(c.dropped_nonfinite)
+        if worker and step is not None:
+            self.clock.advance(worker, step)
+        return out
+
+    @staticmethod
+    def _counts(p: _Parsed, res: Any) -> ps_pb2.PushCounts:
+        def get(*names: str) -> int:
+            for n in names:
+                v = getattr(res, n, None)
+                if v is None and isinstance(res, dict):
+                    v = res.get(n)
+                if v is not None:
+                    return int(v)
+            return 0
+
+        n = int(p.ids.size)
+        dropped = get("dropped_nonfinite", "nonfinite", "dropped")
+        skipped = get("skipped", "rejected", "not_admitted")
+        applied = get("applied") if res is not None and (hasattr(res, "applied") or (isinstance(res, dict) and "applied" in res)) else n - dropped - skipped
+        return ps_pb2.PushCounts(table=p.table, rows=n, applied=applied, dropped_nonfinite=dropped, skipped=skipped)
+
+    @_rpc(data=True)
+    def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> ps_pb2.PullManyResponse:
+        parsed = self._parse_pull([(t.table, t.ids) for t in request.tables])
+        self._wait_staleness(request.worker_id, request.step if request.HasField("step") else None)
+        return ps_pb2.PullManyResponse(tables=self._pull(parsed, request.map_version, request.want_fp16))
+
+    @_rpc(data=True)
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:
+        parsed = self._parse_pull([(request.table, request.ids)])
+        self._wait_staleness(request.worker_id, request.step if request.HasField("step") else None)
+        tv = self._pull(parsed, request.map_version, request.want_fp16)[0]
+        return ps_pb2.PullResponse(values=tv.values, dtype=tv.dtype, dim=tv.dim, rows=tv.rows)
+
+    @_rpc(data=True)
+    def PushMany(self, request: ps_pb2.PushManyRequest, context: grpc.ServicerContext) -> ps_pb2.PushManyResponse:
+        parsed = self._parse_push([(t.table, t.ids, t.grads, t.dtype) for t in request.tables])
+        step = request.step if request.HasField("step") else None
+        return ps_pb2.PushManyResponse(tables=self._push(parsed, request.map_version, request.worker_id, step))
+
+    @_rpc(data=True)
+    def Push(self, request: ps_pb2.PushRequest, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        parsed = self._parse_push([(request.table, request.ids, request.grads, request.grad_dtype)])
+        step = request.step if request.HasField("step") else None
+        return ps_pb2.PushResponse(counts=self._push(parsed, request.map_version, request.worker_id, step)[0])
+
+    # -- dense ---------------------------------------------------------------------------
+    @_rpc(data=False)
+    def RegisterDense(self, request: ps_pb2.RegisterDenseRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterDenseResponse:
+        created = []
+        values = {p.name: wire.dense_from_proto(p) for p in request.params}
+        with self._gate.data(self.wait_timeout_s):
+            existing = set(self.store.dense.names()) if hasattr(self.store.dense, "names") else set()
+            for name, value in values.items():
+                if name in existing:
+                    continue
+                self.store.dense.register(name, value)
+                created.append(name)
+        return ps_pb2.RegisterDenseResponse(created=created)
+
+    @_rpc(data=True)
+    def PullDense(self, request: ps_pb2.PullDenseRequest, context: grpc.ServicerContext) -> ps_pb2.PullDenseResponse:
+        with self._gate.data(self.wait_timeout_s):
+            values = self.store.dense.pull(list(request.names))
+        return ps_pb2.PullDenseResponse(params=[wire.dense_to_proto(n, v) for n, v in values.items()])
+
+    @_rpc(data=True)
+    def PushDense(self, request: ps_pb2.PushDenseRequest, context: grpc.ServicerContext) -> ps_pb2.PushDenseResponse:
+        grads = {g.name: wire.dense_from_proto(g) for g in request.grads}
+        if self.nonfinite_grads == "reject":
+            for name, g in grads.items():
+                if not np.isfinite(g).all():
+                    raise _bad(f"dense '{name}': gradient contains NaN/Inf; nonfinite_grads='reject'")
+        with self._gate.data(self.wait_timeout_s):
+            self.store.dense.push(grads)
+        return ps_pb2.PushDenseResponse(applied=len(grads))
+
+    # -- partition map ----------------------------------------------------------------------
+    @_rpc(data=False)
+    def GetPartitionMap(self, request: ps_pb2.GetPartitionMapRequest, context: grpc.ServicerContext) -> ps_pb2.PartitionMap:
+        return self._pmap.to_proto()
+
+    @_rpc(data=False)
+    def UpdatePartitionMap(self, request: ps_pb2.PartitionMap, context: grpc.ServicerContext) -> ps_pb2.UpdatePartitionMapResponse:
+        try:
+            new = PartitionMap.from_proto(request)
+        except ValueError as exc:
+            raise _bad(f"bad partition map: {exc}") from None
+        with self._gate.exclusive():
+            cur = self._pmap
+            if new.num_vshards != cur.num_vshards or new.num_shards != cur.num_shards:
+                raise _bad(
+                    f"partition map shape {new.num_vshards} vshards/{new.num_shards} shards does not match "
+                    f"this job's {cur.num_vshards}/{cur.num_shards}"
+                )
+            if new.version > cur.version:
+                self._set_map(new)
+                log.info("partition map updated", extra=kv(shard=self.shard_id, version=new.version, owned=int(self._owned.sum())))
+            elif new.version < cur.version or not new.same_assignment(cur):
+                raise RpcAbort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"partition map v{new.version} is not newer than shard {self.shard_id}'s v{cur.version}",
+                    ((MAP_VERSION_KEY, str(cur.version)),),
+                )
+            return ps_pb2.UpdatePartitionMapResponse(version=self._pmap.version)
+
+    # -- migration ----------------------------------------------------------------------------
+    def _vshards(self, values: Any) -> np.ndarray:
+        vs = np.asarray(list(values), dtype=np.int64)
+        if vs.size and (vs.min() < 0 or vs.max() >= self._pmap.num_vshards):
+            raise _bad(f"vshards must be in 0..{self._pmap.num_vshards - 1}, got {vs.tolist()}")
+        return vs
+
+    @_rpc(data=False)
+    def FreezeVshards(self, request: ps_pb2.FreezeRequest, context: grpc.ServicerContext) -> ps_pb2.FreezeResponse:
+        vs = self._vshards(request.vshards)
+        with self._gate.exclusive():  # in-flight pushes to them finish first
+            if time.monotonic() >= self._frozen_until:
+                self._frozen[:] = False
+            self._frozen[vs] = bool(request.frozen)
+            if self._frozen.any():
+                self._frozen_until = time.monotonic() + (request.lease_s or 60.0)
+            frozen = np.nonzero(self._frozen)[0].tolist()
+        log.info("vshards frozen" if request.frozen else "vshards thawed", extra=kv(shard=self.shard_id, vshards=vs.tolist()))
+        return ps_pb2.FreezeResponse(frozen=frozen)
+
+    @_rpc(data=False)
+    def ExportVshards(self, request: ps_pb2.ExportRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.RowsChunk]:
+        vs = self._vshards(request.vshards)
+        limit = request.max_chunk_bytes or self.rpc_cfg.max_message_bytes // 2
+        with self._gate.data(self.wait_timeout_s):  # a consistent snapshot of the vshards
+            exported = self.store.export_vshards(vs)
+        for table, rows in exported.items():
+            yield from rows_to_chunks(table, rows, limit)
+
+    @_rpc(data=False)
+    def ImportVshards(self, request: ps_pb2.RowsChunk, context: grpc.ServicerContext) -> ps_pb2.ImportResponse:
+        self._table(request.table)
+        rows = rows_from_chunk(request)
+        with self._gate.exclusive():
+            self.store.import_rows(request.table, rows)
+        return ps_pb2.ImportResponse(rows=int(request.rows))
+
+    @_rpc(data=False)
+    def DropVshards(self, request: ps_pb2.VshardsRequest, context: grpc.ServicerContext) -> ps_pb2.DropResponse:
+        vs = self._vshards(request.vshards)
+        with self._gate.exclusive():
+            owned = vs[self._owned[vs]] if vs.size else vs
+            if owned.size:
+                raise RpcAbort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"shard {self.shard_id} still owns vshards {owned.tolist()} (map v{self._pmap.version}); refusing to drop them",
+                )
+            n = int(self.store.drop_vshards(vs))
+        log.info("vshards dropped", extra=kv(shard=self.shard_id, vshards=len(vs), rows=n))
+        return ps_pb2.DropResponse(rows=n)
+
+    # -- checkpoints, clocks, stats ---------------------------------------------------------------
+    @_rpc(data=False)
+    def PauseWrites(self, request: ps_pb2.PauseRequest, context: grpc.ServicerContext) -> ps_pb2.PauseResponse:
+        if request.paused:
+            self._gate.pause(request.lease_s or 60.0)
+        else:
+            self._gate.resume()
+        return ps_pb2.PauseResponse(paused=self._gate.paused)
+
+    @_rpc(data=False)
+    def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
+        from ps.coordinator import save_shard_checkpoint
+
+        if not request.dir:
+            raise _bad("Checkpoint needs a directory")
+        with self._gate.exclusive():
+            info = save_shard_checkpoint(self, request.dir, int(request.step))
+        return ps_pb2.CheckpointResponse(rows=int(info.get("rows", 0)), info_json=json.dumps(info, default=str))
+
+    @_rpc(data=False)
+    def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
+        from ps.coordinator import restore_shard_checkpoint
+
+        with self._gate.exclusive():
+            rows, step = restore_shard_checkpoint(self, request.dir)
+        return ps_pb2.RestoreResponse(rows=rows, step=step)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard_id,
+            "map_version": self._pmap.version,
+            "owned_vshards": int(self._owned.sum()),
+            "paused": self._gate.paused,
+            "clocks": self.clock.snapshot(),
+            "memory_bytes": int(self.store.memory_bytes()),
+            "store": self.store.stats(),
+        }
+
+    @_rpc(data=False)
+    def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
+        return ps_pb2.StatsResponse(json=json.dumps(self.stats(), default=_json_default))
+
+    @_rpc(data=False)
+    def RegisterWorker(self, request: ps_pb2.RegisterWorkerRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterWorkerResponse:
+        if not request.worker_id:
+            raise _bad("RegisterWorker needs a worker_id")
+        n = self.clock.leave(request.worker_id) if request.leave else self.clock.register(request.worker_id, int(request.step))
+        return ps_pb2.RegisterWorkerResponse(workers=n)
+
+    @_rpc(data=False)
+    def Barrier(self, request: ps_pb2.BarrierRequest, context: grpc.ServicerContext) -> ps_pb2.BarrierResponse:
+        m = self.clock.barrier(request.worker_id, int(request.step), request.timeout_s or self.wait_timeout_s)
+        return ps_pb2.BarrierResponse(min_clock=m)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+# -- TableRows <-> chunks -------------------------------------------------------------------------
+def _rows_fields(rows: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(rows):
+        return {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
+    return dict(rows)
+
+
+def _num_rows(fields: dict[str, Any]) -> int:
+    ids = fields.get("ids")
+    if ids is None:
+        raise ValueError(f"TableRows has no 'ids' field: {sorted(fields)}")
+    return int(np.asarray(ids).shape[0])
+
+
+def rows_to_chunks(table: str, rows: Any, max_bytes: int) -> Iterator[ps_pb2.RowsChunk]:
+    """Split one table's exported rows into messages of at most ~``max_bytes``.
+
+    Every array whose first axis is the row count is sliced; other fields (e.g.
+    scalars) travel whole in every chunk.
+    """
+    fields = _rows_fields(rows)
+    n = _num_rows(fields)
+    arrays = {k: np.asarray(v) for k, v in fields.items()}
+    per_row = sum(a.nbytes // max(n, 1) for a in arrays.values() if a.ndim and a.shape[0] == n) or 1
+    step = max(1, max_bytes // per_row)
+    for start in range(0, max(n, 1), step):
+        stop = min(n, start + step)
+        parts = [
+            wire.array_to_proto(k, a[start:stop] if (a.ndim and a.shape[0] == n) else a) for k, a in arrays.items()
+        ]
+        yield ps_pb2.RowsChunk(table=table, arrays=parts, rows=stop - start)
+
+
+def rows_from_chunk(chunk: ps_pb2.RowsChunk) -> Any:
+    """A RowsChunk back to a ``ps.shard_store.TableRows``."""
+    from ps.shard_store import TableRows
+
+    fields = {a.name: wire.array_from_proto(a) for a in chunk.arrays}
+    if dataclasses.is_dataclass(TableRows):
+        names = {f.name for f in dataclasses.fields(TableRows)}
+        missing = names - set(fields)
+        if missing:
+            raise wire.WireError(f"table '{chunk.table}': rows chunk lacks fields {sorted(missing)}")
+        fields = {k: (v.item() if v.ndim == 0 else v) for k, v in fields.items() if k in names}
+    if int(np.asarray(fields["ids"]).shape[0]) != chunk.rows:
+        raise wire.WireError(f"table '{chunk.table}': rows chunk says {chunk.rows} rows, ids have {len(fields['ids'])}")
+    return TableRows(**fields)
