@@ -319,6 +319,12 @@ class MetaIODataset:
             else:
                 yield self.converter.plain(rb)
 
+    def check_files(self) -> None:
+        """Open every data and leftover file (footer only): present, complete, as indexed."""
+        with self._lock:
+            for f in self._files + self._leftover:
+                f.open()
+
     def record_batch(self, file: int, batch: int) -> pa.RecordBatch:
         """The raw Arrow record batch (for tools and tests)."""
         self._check_file(file)
