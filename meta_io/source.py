@@ -306,9 +306,9 @@ class _FileState:
 
 
 def _first_bad(mask: np.ndarray, first_row: int) -> tuple[int, str]:
-    """(file row of the first True, ' (and N more rows)' suffix)."""
+    """(file row of the first True, ' (and N more in rows a-b)' suffix for this batch)."""
     idx = np.flatnonzero(mask)
-    more = f" (and {idx.size - 1} more rows)" if idx.size > 1 else ""
+    more = f" (and {idx.size - 1} more in rows {first_row}-{first_row + mask.size - 1})" if idx.size > 1 else ""
     return first_row + int(idx[0]), more
 
 
@@ -346,10 +346,17 @@ def _parse_floats(arr: pa.Array, st: _FileState, col: ColumnSpec, rows_of: np.nd
 # -- ids ---------------------------------------------------------------------------
 
 
-def _ids_from_text(arr: pa.Array, st: _FileState, col: ColumnSpec, rows_of: np.ndarray | None, first_row: int) -> np.ndarray:
-    """String ids -> int64: hashed, or integer-parsed (CSV int mode)."""
+def _ids_from_text(
+    arr: pa.Array, st: _FileState, col: ColumnSpec, rows_of: np.ndarray | None, first_row: int, parsed: bool
+) -> np.ndarray:
+    """String ids -> int64: hashed, or integer-parsed.
+
+    ``parsed``: the strings were cut out of text (a CSV cell, a token string),
+    so decimal integers may be meant as integers; the first batch of the file
+    decides. Typed Parquet strings are always hashed.
+    """
     arr = _decode(arr)
-    if not st.csv or col.hash:
+    if not parsed or col.hash:
         return hash_strings(arr)
     arr = pc.utf8_trim_whitespace(arr)
     is_int = _text_matches(arr, _INT_RE)
@@ -372,12 +379,14 @@ def _ids_from_text(arr: pa.Array, st: _FileState, col: ColumnSpec, rows_of: np.n
     return out.fill_null(PAD_ID).to_numpy(zero_copy_only=False)
 
 
-def _ids(arr: pa.Array, st: _FileState, col: ColumnSpec, rows_of: np.ndarray | None, first_row: int) -> np.ndarray:
+def _ids(
+    arr: pa.Array, st: _FileState, col: ColumnSpec, rows_of: np.ndarray | None, first_row: int, parsed: bool
+) -> np.ndarray:
     """Any accepted id array -> int64 numpy (nulls -> PAD_ID; negatives rejected)."""
     arr = _decode(arr)
     t = arr.type
     if _is_text(t):
-        return _ids_from_text(arr, st, col, rows_of, first_row)
+        return _ids_from_text(arr, st, col, rows_of, first_row, parsed)
     if not pa.types.is_integer(t):
         raise DataError(f"{st.where(col)}: expected integer or string ids, got {t}")
     if col.hash:
@@ -410,7 +419,7 @@ def _sparse(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int, sche
             row, more = _first_bad(~valid, first_row)
             raise DataError(f"{st.where(col, row)}: null task key{more} (every row needs a task)")
         st.null_ids[col.name] = st.null_ids.get(col.name, 0) + int((~valid).sum())
-    vals = _ids(arr, st, col, None, first_row)  # nulls already PAD_ID on every path
+    vals = _ids(arr, st, col, None, first_row, parsed=st.csv)  # nulls already PAD_ID on every path
     return pa.array(vals, pa.int64())
 
 
@@ -461,7 +470,8 @@ def _pad(values: np.ndarray, lengths: np.ndarray, width: int, fill, dtype) -> tu
 
 def _id_list(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
     arr = _decode(arr)
-    if _is_text(arr.type):
+    parsed = _is_text(arr.type)
+    if parsed:
         arr = _split_tokens(arr)
     values, lengths = _flatten(arr)
     values, lengths = _drop_empty_tokens(_decode(values), lengths)
@@ -469,7 +479,7 @@ def _id_list(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> 
     if values.null_count:
         row, more = _first_bad(np.bincount(row_of[~_valid(values)], minlength=lengths.size) > 0, first_row)
         raise DataError(f"{st.where(col, row)}: null element inside a list{more}")
-    ids = _ids(values, st, col, row_of, first_row) if len(values) else np.zeros(0, np.int64)
+    ids = _ids(values, st, col, row_of, first_row, parsed) if len(values) else np.zeros(0, np.int64)
     padded, truncated = _pad(ids, lengths, col.max_len, PAD_ID, np.int64)
     if truncated:
         st.truncated[col.name] = st.truncated.get(col.name, 0) + truncated
@@ -556,14 +566,18 @@ def _timestamp(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -
     t = arr.type
     if _is_text(t):
         arr = pc.utf8_trim_whitespace(arr)
-        if _text_matches(arr, r"^-?[0-9]+$").all():
-            return pc.cast(arr, pa.int64())
-        ok = _text_matches(arr, _ISO_RE)
-        if not ok.all():
-            row, more = _first_bad(~ok, first_row)
+        is_int = _text_matches(arr, r"^-?[0-9]+$")
+        is_iso = _text_matches(arr, _ISO_RE)
+        # One form per batch: all int seconds or all ISO times; name the first odd row.
+        bad = ~(is_int if is_int[0] else is_iso)
+        if bad.any():
+            row, more = _first_bad(bad, first_row)
+            form = "int seconds like row %d" % first_row if is_int[0] else "an ISO-8601 time like row %d" % first_row
             raise DataError(
-                f"{st.where(col, row)}: expected int seconds or an ISO-8601 time, got {arr[row - first_row].as_py()!r}{more}"
+                f"{st.where(col, row)}: expected {form}, got {arr[row - first_row].as_py()!r}{more}"
             )
+        if is_int[0]:
+            return pc.cast(arr, pa.int64())
         naive = pc.replace_substring_regex(arr, r"Z$", "")
         try:
             arr = pc.cast(naive, pa.timestamp("ns"))
