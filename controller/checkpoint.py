@@ -1,0 +1,106 @@
+"""Coordinated checkpoint cuts: the DDS side of a consistent checkpoint.
+
+Every ``checkpoint_interval_s`` the controller opens a cut: it snapshots the
+DDS (ledger head + epochs), stores it as *pending* with a ``cut_id`` and sends
+a ``checkpoint`` command carrying that id to every live worker and PS. When
+the checkpoint is written, its writer calls ``CheckpointDone(cut_id, step,
+dir)`` and the cut becomes *committed*. Recovery rolls the DDS back to the
+newest committed cut: shards done after it go back to TODO, their ledger
+entries are marked replayed.
+
+    trigger ---> PENDING(cut_id, dds snapshot) --CheckpointDone--> COMMITTED(step, dir)
+
+Samples of shards that were DOING at the cut were partly trained before the
+checkpoint was taken; they are replayed after a rollback (counted in the ledger
+as replayed, never lost).
+
+Example::
+
+    ckpt = CheckpointCoordinator(store, dds)
+    cut_id = ckpt.open_cut()
+    ckpt.commit(cut_id, step=1200, directory="runs/x/ckpt-1200")
+    ckpt.rollback_to_latest()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from controller.dds import DdsCut, DynamicDataSharding
+from controller.state import StateStore, key_seq, seq_key, dumps, loads
+from metaps.errors import MetapsError
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+
+class UnknownCut(MetapsError):
+    code = "not_found"
+
+
+class CheckpointCoordinator:
+    """Stores cuts in LMDB (``cuts`` database).
+
+    Args:
+        store: the controller's state.
+        dds: the DDS to snapshot and roll back.
+        clock: ``time.time``-like.
+    """
+
+    def __init__(self, store: StateStore, dds: DynamicDataSharding, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._dds = dds
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def open_cut(self) -> int:
+        """Snapshot the DDS now; return the new cut's id (pending until committed)."""
+        with self._lock:
+            cut = self._dds.snapshot()
+            with self._store.begin(write=True) as txn:
+                cut_id = max(1, self._store.next_seq(txn, "cuts"))
+                txn.put(seq_key(cut_id), dumps({"cut_id": cut_id, "state": "pending", "dds": cut.to_json(),
+                                                 "opened": self._clock(), "step": -1, "dir": ""}),
+                        db=self._store.db("cuts"))
+            log.info("checkpoint cut opened", extra=kv(cut_id=cut_id, ledger_seq=cut.ledger_seq))
+            return cut_id
+
+    def commit(self, cut_id: int, step: int, directory: str) -> dict[str, Any]:
+        """Record that the checkpoint of ``cut_id`` is written at ``directory``."""
+        with self._lock:
+            with self._store.begin(write=True) as txn:
+                raw = txn.get(seq_key(cut_id), db=self._store.db("cuts"))
+                if raw is None:
+                    raise UnknownCut(f"checkpoint cut {cut_id} was never opened (step {step}, dir {directory!r})")
+                body = loads(raw)
+                body.update(state="committed", step=int(step), dir=directory, committed=self._clock())
+                txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
+            log.info("checkpoint cut committed", extra=kv(cut_id=cut_id, step=step, dir=directory))
+            return body
+
+    def cuts(self) -> list[dict[str, Any]]:
+        return [body for _, body in self._store.items("cuts")]
+
+    def latest_committed(self) -> dict[str, Any] | None:
+        done = [c for c in self.cuts() if c["state"] == "committed"]
+        return done[-1] if done else None
+
+    def rollback_to(self, cut_id: int) -> list[str]:
+        """Roll the DDS back to a committed cut; returns the shards returned to TODO."""
+        body = next((c for c in self.cuts() if c["cut_id"] == cut_id), None)
+        if body is None or body["state"] != "committed":
+            raise UnknownCut(f"checkpoint cut {cut_id} is {'unknown' if body is None else body['state']}; "
+                             f"only committed cuts can be rolled back to")
+        return self._dds.rollback_to(DdsCut.from_json(body["dds"]))
+
+    def rollback_to_latest(self) -> list[str]:
+        latest = self.latest_committed()
+        if latest is None:
+            raise UnknownCut("no committed checkpoint cut to roll back to")
+        return self.rollback_to(int(latest["cut_id"]))
+
+
+__all__ = ["CheckpointCoordinator", "UnknownCut", "key_seq"]

@@ -1,0 +1,220 @@
+"""What workers, PS processes, agents and the launcher call on the controller.
+
+Calls retry with backoff while the controller is unreachable (it may be
+restarting; its state survives in LMDB), up to ``retry_s``; any other refusal
+raises :class:`ControllerError` with the controller's message (unknown worker,
+dataset or shard...).
+
+Worker loop::
+
+    ctl = ControllerClient("127.0.0.1:7070", RpcConfig(token="t"), role="worker", index=rank)
+    ctl.register(metrics_port=9100)
+    for lease in ctl.shards("train"):              # WAIT handled inside, stops at DONE
+        t0 = time.monotonic()
+        for b in range(lease.start, lease.stop): ...   # train on batches of file lease.file
+        ctl.report_shard(lease, "done", samples=n, elapsed_s=time.monotonic() - t0)
+        ctl.report_metrics(batch_times_s=times, samples_per_s=n / elapsed)
+    # in a side thread every heartbeat_s:
+    reply = ctl.heartbeat(step=step)   # renews leases; reply.batch_size (DD), reply.commands
+
+Launcher::
+
+    st = ControllerClient(addr, rpc).status()   # datasets, nodes, events, coverage, checkpoints
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import grpc
+
+from controller.dds import GetResult, GetStatus, ReportResult, ShardLease
+from controller.node_registry import Command
+from metaps.errors import MetapsError
+from metaps.rpc import RpcConfig, make_channel
+from protos import controller_pb2 as pb
+from protos import controller_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_STATUS = {pb.GetShardResponse.SHARD: GetStatus.SHARD, pb.GetShardResponse.WAIT: GetStatus.WAIT,
+           pb.GetShardResponse.DONE: GetStatus.DONE}
+
+
+class ControllerError(MetapsError):
+    """The controller refused a call; ``code`` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, method: str) -> None:
+        super().__init__(f"controller {method}: {code.name}: {message}")
+        self.code = code
+        self.details = message
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """Commands for this caller, and (workers) the batch size to use now (0 = job default)."""
+
+    commands: list[Command] = field(default_factory=list)
+    batch_size: int = 0
+    known: bool = True
+
+
+@dataclass(frozen=True)
+class Registration:
+    incarnation: int
+    heartbeat_s: float
+    lease_s: float
+    batch_size: int
+
+
+class ControllerClient:
+    """A channel to the controller for one node.
+
+    Args:
+        address: ``host:port``.
+        rpc_cfg: token / TLS / limits (same as the job's).
+        role: ``worker`` or ``ps``.
+        index: the node's index (worker rank or PS shard).
+        source: ``process`` (the worker/PS itself) or ``agent``.
+        retry_s: how long to keep retrying while the controller is unreachable.
+    """
+
+    def __init__(self, address: str, rpc_cfg: RpcConfig | None = None, role: str = "worker", index: int = 0,
+                 source: str = "process", retry_s: float = 60.0) -> None:
+        self.address = address
+        self.rpc_cfg = rpc_cfg or RpcConfig()
+        self.role, self.index, self.source = role, index, source
+        self.retry_s = retry_s
+        self._channel = make_channel(address, self.rpc_cfg)
+        self._stub = controller_pb2_grpc.ControllerStub(self._channel)
+        self._reg_args: dict[str, Any] | None = None
+
+    def _ref(self) -> pb.NodeRef:
+        return pb.NodeRef(role=self.role, index=self.index, source=self.source)
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        fn: Callable[..., Any] = getattr(self._stub, method)
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                return fn(request, timeout=timeout or self.rpc_cfg.timeout_s)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in _RETRYABLE and time.monotonic() + delay < deadline:
+                    log.debug("controller unreachable, retrying", extra={"kv": {"method": method, "code": code.name}})
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise ControllerError(code, exc.details() or "", method) from None
+
+    # ---------------------------------------------------------------- nodes
+
+    def register(self, address: str = "", metrics_port: int = 0, pid: int | None = None) -> Registration:
+        self._reg_args = {"address": address, "metrics_port": metrics_port, "pid": os.getpid() if pid is None else pid}
+        r = self._call("RegisterNode", pb.RegisterNodeRequest(node=self._ref(), **self._reg_args))
+        return Registration(r.incarnation, r.heartbeat_s, r.lease_s, r.batch_size)
+
+    def heartbeat(self, step: int = 0, rss_bytes: float = 0.0, cpu_percent: float = 0.0,
+                  metrics: Mapping[str, float] | None = None, child_alive: bool = False,
+                  child_restarts: int = 0) -> HeartbeatReply:
+        """Renew this node (and a worker's shard leases); get pending commands.
+
+        If the controller does not know this node (a fresh state dir), it registers again.
+        """
+        req = pb.HeartbeatRequest(node=self._ref(), step=step, rss_bytes=rss_bytes, cpu_percent=cpu_percent,
+                                  metrics=dict(metrics or {}), child_alive=child_alive, child_restarts=child_restarts)
+        r = self._call("Heartbeat", req)
+        if not r.known:
+            self.register(**(self._reg_args or {}))
+            r = self._call("Heartbeat", req)
+        cmds = [Command(c.id, c.kind, self.source, c.batch_size, c.cut_id, c.reason) for c in r.commands]
+        return HeartbeatReply(cmds, r.batch_size, r.known)
+
+    def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]:
+        """Report that ``role:index``'s process died; returns the shards requeued."""
+        r = self._call("NodeDown", pb.NodeDownRequest(node=pb.NodeRef(role=role, index=index), reason=reason,
+                                                      exit_code=exit_code))
+        return list(r.requeued)
+
+    # ---------------------------------------------------------------- shards
+
+    def get_shard(self, dataset: str) -> GetResult:
+        r = self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset))
+        status = _STATUS[r.status]
+        if status is not GetStatus.SHARD:
+            return GetResult(status)
+        s = r.shard
+        return GetResult(status, ShardLease(s.shard_id, s.dataset, s.epoch, s.file, s.start_batch, s.stop_batch,
+                                            s.attempt, r.lease_s))
+
+    def report_shard(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
+                     error: str = "") -> ReportResult:
+        r = self._call("ReportShard", pb.ReportShardRequest(
+            worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
+            samples=samples, elapsed_s=elapsed_s, error=error))
+        return ReportResult(r.accepted, r.duplicate, r.kind, r.message)
+
+    def shards(self, dataset: str, poll_s: float = 0.2) -> Iterator[ShardLease]:
+        """Leases until the dataset is DONE (sleeps ``poll_s`` on WAIT)."""
+        while True:
+            got = self.get_shard(dataset)
+            if got.status is GetStatus.DONE:
+                return
+            if got.status is GetStatus.WAIT:
+                time.sleep(poll_s)
+                continue
+            assert got.lease is not None
+            yield got.lease
+
+    # ---------------------------------------------------------------- metrics
+
+    def report_metrics(self, batch_times_s: Sequence[float] = (), samples_per_s: float = 0.0,
+                       ps_pull_latency_s: Mapping[int, float] | None = None,
+                       ps_push_latency_s: Mapping[int, float] | None = None,
+                       request_latency_s: float = 0.0, queue_depth: float = 0.0, samples: int = 0) -> None:
+        """Workers: batch times, samples/s, per-PS latency. PS: request latency, queue depth."""
+        self._call("ReportMetrics", pb.ReportMetricsRequest(
+            node=self._ref(), batch_times_s=list(batch_times_s), samples_per_s=samples_per_s,
+            ps_pull_latency_s=dict(ps_pull_latency_s or {}), ps_push_latency_s=dict(ps_push_latency_s or {}),
+            request_latency_s=request_latency_s, queue_depth=queue_depth, samples=samples))
+
+    # ---------------------------------------------------------------- job
+
+    def status(self, events_since: int = 0) -> dict[str, Any]:
+        """Progress per dataset, nodes, events, coverage and checkpoint cuts as plain data."""
+        r = self._call("GetStatus", pb.GetStatusRequest(events_since=events_since))
+        return {
+            "datasets": [_msg_dict(d) for d in r.datasets],
+            "nodes": [_msg_dict(n) for n in r.nodes],
+            "events": [{"seq": e.seq, "time": e.time, "node": e.node, "kind": e.kind,
+                        "evidence": json.loads(e.evidence_json or "{}"), "action": e.action} for e in r.events],
+            "finished": r.finished,
+            "coverage": json.loads(r.coverage_json or "{}"),
+            "checkpoints": json.loads(r.checkpoints_json or "[]"),
+        }
+
+    def checkpoint_done(self, cut_id: int, step: int, directory: str) -> None:
+        self._call("CheckpointDone", pb.CheckpointDoneRequest(cut_id=cut_id, step=step, dir=directory))
+
+    def shutdown(self, reason: str = "") -> None:
+        self._call("Shutdown", pb.ShutdownRequest(reason=reason))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ControllerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _msg_dict(msg: Any) -> dict[str, Any]:
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}

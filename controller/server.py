@@ -1,0 +1,243 @@
+"""The controller process: DDS + Monitor + Policy + node registry behind gRPC.
+
+``ControllerServer`` wires the parts together, serves ``protos/controller.proto``
+(token auth as the PS, via :func:`metaps.rpc.make_server`) and runs a
+background loop every ``tick_s``::
+
+    tick: expire leases / hung shards -> requeue
+          nodes silent > heartbeat_timeout_s -> DEAD, their shards requeued (every dataset)
+          close Monitor windows -> Policy.evaluate -> apply actions (each one an event)
+          checkpoint interval due -> open a cut, send `checkpoint` commands
+
+Example::
+
+    srv = ControllerServer(ControllerConfig(), "/tmp/ctl",
+                           [DatasetSpec("train", [64] * 4)], RpcConfig(token="t"))
+    port = srv.start("127.0.0.1:0")
+    ...
+    srv.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from controller.checkpoint import CheckpointCoordinator
+from controller.config import ControllerConfig
+from controller.dds import DatasetSpec, DynamicDataSharding
+from controller.monitor import Monitor
+from controller.node_registry import NodeRegistry
+from controller.policy import (Action, MoveVshards, Policy, Recovered, RestartNode, RestoreShards, SetBatchSizes,
+                               ShrinkShards, SlowDetected, make_policy)
+from controller.state import Event, EventLog, StateStore
+from metaps.log import kv
+from metaps.rpc import RpcConfig, add_health, add_port, make_server
+
+log = logging.getLogger(__name__)
+
+
+class PsMover(Protocol):
+    """Moves vshards (rows + optimizer state) between PS processes; blocks until done.
+
+    Implemented on top of ``ps.migration``; the ND policy's MoveVshards actions call it.
+    """
+
+    def move_vshards(self, src_ps: int, dst_ps: int, n_vshards: int) -> None: ...
+
+
+class ControllerServer:
+    """The whole controller. See the module docstring.
+
+    Args:
+        cfg: ``[controller]`` settings.
+        state_dir: LMDB state directory (reuse it to resume after a restart).
+        datasets: the job's datasets (must match the state dir's on restart).
+        rpc_cfg: token / TLS / message limits shared by the job.
+        policy: a custom :class:`~controller.policy.Policy` (default: ``cfg.policy``).
+        ps_mover: executes MoveVshards; None records the decision as skipped.
+        clock: ``time.time``-like.
+    """
+
+    def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
+                 rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.rpc_cfg = rpc_cfg or RpcConfig()
+        self.state_dir = Path(state_dir)
+        self.clock = clock
+        self.store = StateStore(self.state_dir, fsync=cfg.fsync)
+        self.events = EventLog(self.store)
+        self.dds = DynamicDataSharding(self.store, cfg.dds, datasets, self.events, clock)
+        self.monitor = Monitor(cfg.monitor, clock)
+        self.registry = NodeRegistry(self.store, clock)
+        self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
+        self.policy = policy or make_policy(cfg.policy, cfg)
+        self.ps_mover = ps_mover
+        self._server: Any = None
+        self._stop = threading.Event()
+        self.shutdown_requested = threading.Event()
+        self._loop: threading.Thread | None = None
+        self._last_ckpt = clock()
+        self._movers: list[threading.Thread] = []
+        self.address = ""
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, address: str | None = None) -> int:
+        """Serve on ``address`` (default ``cfg.address``); return the bound port."""
+        from controller.servicer import ControllerServicer
+        from protos import controller_pb2_grpc
+
+        address = address or self.cfg.address
+        self._server = make_server(self.rpc_cfg, max_workers=self.cfg.max_workers)
+        controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self), self._server)
+        add_health(self._server)
+        port = add_port(self._server, address, self.rpc_cfg)
+        self._server.start()
+        self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+        (self.state_dir / "address").write_text(self.address + "\n")
+        self._stop.clear()
+        self._loop = threading.Thread(target=self._run_loop, name="controller-tick", daemon=True)
+        self._loop.start()
+        log.info("controller serving", extra=kv(address=self.address, policy=self.policy.name,
+                                                datasets=",".join(sorted(self.dds.specs))))
+        return port
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving and the background loop; close LMDB."""
+        self._stop.set()
+        if self._loop is not None:
+            self._loop.join(timeout=max(5.0, 2 * self.cfg.tick_s))
+        for t in self._movers:
+            t.join(timeout=30)
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+        self.store.close()
+        log.info("controller stopped", extra=kv(address=self.address))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a Shutdown RPC arrives (True) or ``timeout`` passes (False)."""
+        return self.shutdown_requested.wait(timeout)
+
+    def _run_loop(self) -> None:
+        while not self._stop.wait(self.cfg.tick_s):
+            try:
+                self.tick()
+            except Exception:  # one bad tick must not stop lease expiry forever
+                log.exception("controller tick failed")
+
+    # ---------------------------------------------------------------- the loop
+
+    def tick(self) -> None:
+        """One pass of leases, liveness, policy and checkpoint trigger (public for tests)."""
+        self.dds.expire()
+        for info in self.registry.timed_out(self.cfg.heartbeat_timeout_s):
+            self.node_down(info.role, info.index, f"no heartbeat for {self.cfg.heartbeat_timeout_s}s")
+        now = self.clock()
+        self.apply(self.policy.evaluate(self.monitor.snapshot(now), now))
+        if self.cfg.checkpoint_interval_s > 0 and now - self._last_ckpt >= self.cfg.checkpoint_interval_s:
+            self._last_ckpt = now
+            self.trigger_checkpoint()
+
+    def trigger_checkpoint(self) -> int:
+        """Open a cut and send a ``checkpoint`` command to every live process."""
+        cut_id = self.checkpoints.open_cut()
+        targets = [i.name for i in self.registry.alive()]
+        for info in self.registry.alive():
+            self.registry.enqueue(info.role, info.index, "checkpoint", target="process", cut_id=cut_id)
+        self.events.record(Event.now("controller", "checkpoint", {"cut_id": cut_id, "targets": targets},
+                                     "checkpoint"))
+        return cut_id
+
+    def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]:
+        """A node's process died: mark it, requeue its shards in every dataset, record it."""
+        self.registry.mark_dead(role, index)
+        requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []
+        self.events.record(Event.now(f"{role}:{index}", "node_down",
+                                     {"reason": reason, "exit_code": exit_code, "requeued": requeued}, "requeue"))
+        return requeued
+
+    def apply(self, actions: Sequence[Action]) -> None:
+        """Carry out policy actions; each one becomes an event."""
+        for a in actions:
+            action = a.kind.value
+            evidence = dict(a.evidence)
+            role, _, idx = a.node.partition(":")
+            if isinstance(a, SlowDetected):
+                self.registry.set_slow(role, int(idx), True)
+                action = ""
+            elif isinstance(a, Recovered):
+                self.registry.set_slow(role, int(idx), False)
+                action = ""
+            elif isinstance(a, ShrinkShards):
+                self.dds.set_slow(a.worker, True)
+                evidence["shard_size"] = self.dds.shard_size(a.worker)
+            elif isinstance(a, RestoreShards):
+                self.dds.set_slow(a.worker, False)
+                evidence["shard_size"] = self.dds.shard_size(a.worker)
+            elif isinstance(a, RestartNode):
+                self.registry.enqueue(a.role, a.index, "restart", target="agent", reason="persistently slow")
+            elif isinstance(a, SetBatchSizes):
+                evidence["sizes"] = {str(k): v for k, v in a.sizes.items()}
+                for w, size in a.sizes.items():
+                    self.registry.set_batch_size(w, size)
+                    if self.registry.known("worker", w):
+                        self.registry.enqueue("worker", w, "set_batch_size", target="process", batch_size=size)
+            elif isinstance(a, MoveVshards):
+                evidence.update(src=a.src, dst=a.dst, n=a.n)
+                if self.ps_mover is None:
+                    action = "move_vshards skipped: no PsMover configured"
+                else:
+                    t = threading.Thread(target=self._move, args=(a,), name="vshard-move", daemon=True)
+                    self._movers = [m for m in self._movers if m.is_alive()] + [t]
+                    t.start()
+            self.events.record(Event(self.clock(), a.node, a.kind.value, evidence, action))
+
+    def _move(self, a: MoveVshards) -> None:
+        t0 = time.monotonic()
+        try:
+            assert self.ps_mover is not None
+            self.ps_mover.move_vshards(a.src, a.dst, a.n)
+            self.events.record(Event.now(a.node, "move_vshards_done",
+                                         {"src": a.src, "dst": a.dst, "n": a.n,
+                                          "seconds": round(time.monotonic() - t0, 3)}))
+        except Exception as exc:
+            log.exception("vshard move failed", extra=kv(src=a.src, dst=a.dst, n=a.n))
+            self.events.record(Event.now(a.node, "move_vshards_failed",
+                                         {"src": a.src, "dst": a.dst, "n": a.n, "error": str(exc)}))
+
+    # ---------------------------------------------------------------- status
+
+    def status(self, events_since: int = 0) -> dict[str, Any]:
+        """Progress, nodes, events, coverage and checkpoint cuts as plain data (the run report's input)."""
+        cov = self.dds.coverage()
+        nodes = []
+        for i in self.registry.nodes():
+            nodes.append({"role": i.role, "index": i.index, "state": i.state.value, "slow": i.slow,
+                          "last_heartbeat": i.last_heartbeat, "step": i.step, "rss_bytes": i.rss_bytes,
+                          "cpu_percent": i.cpu_percent, "batch_size": i.batch_size,
+                          "shard_size": self.dds.shard_size(i.index) if i.role == "worker" else 0,
+                          "address": i.address, "restarts": i.restarts})
+        return {
+            "datasets": self.dds.progress(),
+            "nodes": nodes,
+            "events": [e.__dict__ for e in self.events.list(since=events_since)],
+            "finished": self.dds.finished(),
+            "coverage": {"complete": cov.complete, "problems": cov.problems[:50],
+                         "done_entries": cov.done_entries, "duplicate_entries": cov.duplicate_entries,
+                         "stale_entries": cov.stale_entries, "replayed_entries": cov.replayed_entries,
+                         "samples": cov.samples, "duplicate_samples": cov.duplicate_samples,
+                         "duplicate_batches": cov.duplicate_batches},
+            "checkpoints": self.checkpoints.cuts(),
+        }
+
+
+def dump_status(status: dict[str, Any]) -> str:
+    return json.dumps(status, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,164 @@
+"""gRPC servicer for ``protos/controller.proto``: translation only.
+
+Requests become calls on :class:`controller.server.ControllerServer`'s parts;
+errors that name bad input (unknown worker, dataset or shard; malformed shard
+id; wrong role) become clear gRPC statuses:
+
+    DdsError / BadNode            -> INVALID_ARGUMENT
+    UnknownDataset / UnknownShard / UnknownNode / UnknownCut -> NOT_FOUND
+    StateMismatch                 -> FAILED_PRECONDITION
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
+from prometheus_client import Counter
+
+from controller.dds import GetStatus
+from controller.node_registry import UnknownNode, check_node
+from metaps.errors import MetapsError
+from protos import controller_pb2 as pb
+from protos import controller_pb2_grpc
+
+if TYPE_CHECKING:
+    from controller.server import ControllerServer
+
+log = logging.getLogger(__name__)
+
+SHARDS_LEASED = Counter("metaps_controller_shards_leased_total", "Shards handed to workers", ["dataset"])
+SHARD_REPORTS = Counter("metaps_controller_shard_reports_total", "Shard reports by outcome", ["kind"])
+
+_CODES = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+}
+_GET = {GetStatus.SHARD: pb.GetShardResponse.SHARD, GetStatus.WAIT: pb.GetShardResponse.WAIT,
+        GetStatus.DONE: pb.GetShardResponse.DONE}
+
+
+def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map metaps errors to gRPC statuses naming the problem."""
+
+    def wrapper(self: "ControllerServicer", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except MetapsError as exc:
+            code = _CODES.get(getattr(exc, "code", ""), grpc.StatusCode.INVALID_ARGUMENT)
+            log.warning("request refused: %s", exc)
+            context.abort(code, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def _node(ref: pb.NodeRef) -> tuple[str, int, str]:
+    source = ref.source or "process"
+    check_node(ref.role, ref.index, source)
+    return ref.role, ref.index, source
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServicer):
+    """One instance per server; thread-safe because every part it calls is."""
+
+    def __init__(self, server: "ControllerServer") -> None:
+        self.s = server
+
+    def _require_worker(self, worker: int) -> None:
+        if not self.s.registry.known("worker", worker):
+            raise UnknownNode(f"worker {worker} is not registered; call RegisterNode(role='worker', index={worker}) first")
+
+    @_guard
+    def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
+        role, index, source = _node(request.node)
+        info = self.s.registry.register(role, index, request.address, request.metrics_port, request.pid, source)
+        self.s.monitor.heartbeat(info.name)
+        return pb.RegisterNodeResponse(incarnation=info.incarnation, heartbeat_s=self.s.cfg.agent.heartbeat_s,
+                                       lease_s=self.s.cfg.dds.lease_s, batch_size=info.batch_size)
+
+    @_guard
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        role, index, source = _node(request.node)
+        got = self.s.registry.heartbeat(role, index, source, request.step, request.rss_bytes, request.cpu_percent,
+                                        dict(request.metrics), request.child_restarts if source == "agent" else -1)
+        if got is None:
+            return pb.HeartbeatResponse(known=False)
+        info, cmds = got
+        self.s.monitor.heartbeat(info.name)
+        if role == "worker" and source == "process":
+            self.s.dds.renew(index)
+        return pb.HeartbeatResponse(
+            known=True, batch_size=info.batch_size,
+            commands=[pb.Command(id=c.id, kind=c.kind, batch_size=c.batch_size, cut_id=c.cut_id, reason=c.reason)
+                      for c in cmds])
+
+    @_guard
+    def GetShard(self, request: pb.GetShardRequest, context: grpc.ServicerContext) -> pb.GetShardResponse:
+        self._require_worker(request.worker)
+        got = self.s.dds.get_shard(request.worker, request.dataset)
+        resp = pb.GetShardResponse(status=_GET[got.status])
+        if got.lease is not None:
+            l = got.lease
+            SHARDS_LEASED.labels(l.dataset).inc()
+            resp.lease_s = l.lease_s
+            resp.shard.CopyFrom(pb.Shard(shard_id=l.shard_id, dataset=l.dataset, epoch=l.epoch, file=l.file,
+                                         start_batch=l.start, stop_batch=l.stop, attempt=l.attempt))
+        return resp
+
+    @_guard
+    def ReportShard(self, request: pb.ReportShardRequest, context: grpc.ServicerContext) -> pb.ReportShardResponse:
+        self._require_worker(request.worker)
+        r = self.s.dds.report(request.worker, request.shard_id, request.attempt, request.status,
+                              request.samples, request.elapsed_s, request.error)
+        SHARD_REPORTS.labels(r.kind).inc()
+        return pb.ReportShardResponse(accepted=r.accepted, duplicate=r.duplicate, kind=r.kind, message=r.message)
+
+    @_guard
+    def ReportMetrics(self, request: pb.ReportMetricsRequest, context: grpc.ServicerContext) -> pb.ReportMetricsResponse:
+        role, index, _ = _node(request.node)
+        if not self.s.registry.known(role, index):
+            raise UnknownNode(f"{role}:{index} is not registered; call RegisterNode first")
+        if role == "worker":
+            self.s.monitor.record_worker(index, list(request.batch_times_s), request.samples_per_s,
+                                         dict(request.ps_pull_latency_s), dict(request.ps_push_latency_s))
+        else:
+            self.s.monitor.record_ps(index, request.request_latency_s, request.queue_depth)
+        return pb.ReportMetricsResponse()
+
+    @_guard
+    def NodeDown(self, request: pb.NodeDownRequest, context: grpc.ServicerContext) -> pb.NodeDownResponse:
+        role, index, _ = _node(request.node)
+        if not self.s.registry.known(role, index):
+            raise UnknownNode(f"{role}:{index} is not registered; nothing to requeue")
+        return pb.NodeDownResponse(requeued=self.s.node_down(role, index, request.reason, request.exit_code))
+
+    @_guard
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        st = self.s.status(events_since=request.events_since)
+        return pb.GetStatusResponse(
+            datasets=[pb.DatasetProgress(**d) for d in st["datasets"]],
+            nodes=[pb.NodeStatus(**n) for n in st["nodes"]],
+            events=[pb.Event(seq=e["seq"], time=e["time"], node=e["node"], kind=e["kind"],
+                             evidence_json=json.dumps(e["evidence"], sort_keys=True, default=str),
+                             action=e["action"]) for e in st["events"]],
+            finished=st["finished"],
+            coverage_json=json.dumps(st["coverage"], sort_keys=True),
+            checkpoints_json=json.dumps(st["checkpoints"], sort_keys=True),
+        )
+
+    @_guard
+    def CheckpointDone(self, request: pb.CheckpointDoneRequest, context: grpc.ServicerContext) -> pb.CheckpointDoneResponse:
+        self.s.checkpoints.commit(request.cut_id, request.step, request.dir)
+        return pb.CheckpointDoneResponse()
+
+    @_guard
+    def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownResponse:
+        log.info("shutdown requested: %s", request.reason or "-")
+        self.s.shutdown_requested.set()
+        return pb.ShutdownResponse()
