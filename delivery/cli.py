@@ -1,0 +1,110 @@
+"""``metaps deliver`` and ``metaps predict``.
+
+Examples::
+
+    metaps deliver --run runs/main --out bundles --incremental --keep 5 \\
+        --holdout data/holdout.parquet --max-auc-drop 0.005          # one shot (cron)
+    metaps deliver --run runs/main --out bundles --every 10m         # periodic loop
+    metaps predict --bundle bundles --data day2.parquet --out scores.parquet
+
+Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input),
+3 refused by the validation gate (the reasons are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from delivery.config import DeliveryConfig, RowDtype, parse_interval
+
+EXIT_REFUSED = 3
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("deliver", help="export a checkpoint as a serving bundle and publish it atomically")
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", type=Path, help="run directory (its latest checkpoint is delivered)")
+    src.add_argument("--checkpoint", type=Path, help="a checkpoint directory")
+    d.add_argument("--out", type=Path, required=True, help="publish root (versions + LATEST)")
+    d.add_argument("--incremental", action="store_true", help="publish a delta on LATEST when possible")
+    d.add_argument("--keep", type=int, default=5, help="versions to keep (chains are never broken; default 5)")
+    d.add_argument("--every", default="", help="run as a loop with this interval, e.g. 10m (needs --run)")
+    d.add_argument("--holdout", default="", help="holdout data for the AUC gate (Parquet/CSV or Meta-IO dir)")
+    d.add_argument("--holdout-rows", type=int, default=0, help="evaluate at most this many holdout rows (0 = all)")
+    d.add_argument("--max-auc-drop", type=float, default=0.01, help="refuse if AUC drops more than this (default 0.01)")
+    d.add_argument("--dtype", choices=[x.value for x in RowDtype], default="fp32", help="row storage (default fp32)")
+    d.add_argument("--max-chain", type=int, default=8, help="deltas on one base before a full bundle (default 8)")
+    d.add_argument("--force", action="store_true", help="deliver even if LATEST is from the same checkpoint")
+    d.add_argument("--max-ticks", type=int, default=None, help=argparse.SUPPRESS)
+    d.set_defaults(func=_deliver)
+
+    p = sub.add_parser("predict", help="score a Parquet/CSV file with a published bundle")
+    p.add_argument("--bundle", type=Path, required=True, help="a publish root (LATEST) or a bundle directory")
+    p.add_argument("--data", type=Path, required=True, help="Parquet/CSV file or folder, read with the bundle's schema")
+    p.add_argument("--out", type=Path, required=True, help="output Parquet file of scores")
+    p.add_argument("--batch-rows", type=int, default=4096, help="rows per prediction batch (default 4096)")
+    p.set_defaults(func=_predict)
+
+
+def _deliver(args: argparse.Namespace) -> int:
+    from delivery.job import PeriodicDelivery, Status, deliver_once
+    from metaps.config import from_mapping
+
+    cfg = from_mapping(
+        DeliveryConfig,
+        {"out": str(args.out), "incremental": args.incremental, "keep": args.keep, "dtype": args.dtype,
+         "max_chain": args.max_chain, "holdout": args.holdout, "max_auc_drop": args.max_auc_drop,
+         "holdout_rows": args.holdout_rows, "every": args.every},
+        where="metaps deliver",
+    )
+    if cfg.every:
+        if args.run is None:
+            print("metaps deliver: error: --every needs --run (a run directory to watch)", file=sys.stderr)
+            return 2
+        loop = PeriodicDelivery(cfg, args.run)
+        outcomes = loop.run(parse_interval(cfg.every), max_ticks=args.max_ticks)
+        for o in outcomes:
+            if o is not None:
+                print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind,
+                                  "checkpoint": str(o.checkpoint), "reason": o.reason}))
+        return 0
+    o = deliver_once(cfg, run=args.run, checkpoint=args.checkpoint, force=args.force)
+    print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind, "checkpoint": str(o.checkpoint),
+                      "auc": o.gate.auc if o.gate else {}}))
+    if o.status is Status.REFUSED:
+        print(f"metaps deliver: refused by the validation gate: {o.reason}", file=sys.stderr)
+        return EXIT_REFUSED
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from delivery.gate import holdout_batches
+    from delivery.loader import load_bundle
+
+    model = load_bundle(args.bundle)
+    writer = None
+    rows = 0
+    try:
+        for fb in holdout_batches(args.data, model.schema, args.batch_rows):
+            probs = model.predict(fb)
+            cols = {"row": pa.array(np.arange(rows, rows + fb.mask.numel(), dtype=np.int64))}
+            cols.update({f"p_{h}": pa.array(probs[h].reshape(-1).numpy()) for h in model.heads})
+            tab = pa.table(cols)
+            if writer is None:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                writer = pq.ParquetWriter(str(args.out), tab.schema)
+            writer.write_table(tab)
+            rows += tab.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+        model.close()
+    print(json.dumps({"bundle": model.version, "rows": rows, "out": str(args.out), "unknown_ids": model.unknown_ids}))
+    return 0

@@ -1,0 +1,373 @@
+"""Training checkpoint -> delivery bundle (full or incremental).
+
+Reading the checkpoint goes through :class:`CheckpointSource` (the only code
+here that knows ``ps.checkpoint``). Per table, its rows are concatenated across
+shards, sorted by id once, and written with bulk ``putmulti`` in id order::
+
+    checkpoint (N shards)            bundle staging dir
+    table user: shard0 rows ----+
+                shard1 rows ----+--> sort by id --> embeddings.lmdb  (user\\0<id>)
+    dense params (PS dense) --> build_model + load --> trace --> dense.pt
+    manifest info (schema, model, step, data range, metrics) --> manifest.json
+
+An incremental export against a parent bundle writes only rows with
+``last_step > parent watermark`` (the highest ``last_step`` the parent's source
+checkpoint held), and the ids the parent served that are gone now
+(``np.setdiff1d`` on sorted ids), into ``removed.arrow``.
+
+Example::
+
+    src = CheckpointSource.open(latest_checkpoint(run / "checkpoints"))
+    manifest = export_bundle(src, staging, "v000001", DeliveryConfig(out=root))
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from delivery.bundle import (
+    DENSE, EMBEDDINGS, REMOVED, BundleKind, BundleManifest, DeliveryError, EmbeddingReader, EmbeddingWriter,
+    TableInfo, checksum_files, table_prefix, write_manifest, write_removed,
+)
+from delivery.config import DeliveryConfig
+from delivery.dense import save_scripted, trace_dense
+from meta_io.schema import Schema, schema_from_dict
+from metaps.config import from_mapping
+from metaps.errors import ConfigError, MetapsError
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+REQUIRED_INFO = ("schema", "model")
+
+
+@dataclass
+class TableData:
+    """All rows of one table of a checkpoint, sorted by id."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+    last_step: np.ndarray
+
+
+class CheckpointSource:
+    """A committed training checkpoint, read for export.
+
+    Args:
+        path: the checkpoint directory (``.../checkpoints/ckpt-<step>``).
+        manifest: its parsed manifest (``ps.checkpoint.read_manifest``).
+
+    Raises (from :meth:`open`):
+        DeliveryError: missing checkpoint, unreadable manifest, or no schema/model info.
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.manifest = manifest
+        info = manifest.get("info", manifest)
+        missing = [k for k in REQUIRED_INFO if k not in info]
+        if missing:
+            raise DeliveryError(
+                f"{path}: checkpoint manifest has no {missing} info; the trainer must checkpoint with "
+                f"info={{'schema': ..., 'model': ..., 'step': ...}} to make it deliverable"
+            )
+        self.info = info
+        self.schema: Schema = schema_from_dict(info["schema"], where=f"{path}: manifest info.schema")
+        from models.config import ModelConfig
+
+        try:
+            self.model_cfg = from_mapping(ModelConfig, info["model"], where=f"{path}: manifest info.model")
+        except ConfigError as exc:
+            raise DeliveryError(str(exc)) from None
+        self.step = int(info.get("step", manifest.get("step", -1)))
+        self.table_dims = _manifest_tables(path, manifest)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "CheckpointSource":
+        p = Path(path)
+        if not p.is_dir():
+            raise DeliveryError(f"{p}: checkpoint directory not found")
+        from ps.checkpoint import read_manifest
+
+        try:
+            manifest = read_manifest(p)
+        except MetapsError as exc:
+            raise DeliveryError(f"{p}: not a committed checkpoint: {exc}") from None
+        except (OSError, ValueError) as exc:
+            raise DeliveryError(f"{p}: cannot read the checkpoint manifest: {exc}") from None
+        return cls(p, manifest)
+
+    def table(self, table: str) -> TableData:
+        """Every row of ``table`` across shards, sorted by id (one argsort, no per-row Python)."""
+        if table not in self.table_dims:
+            raise DeliveryError(f"{self.path}: checkpoint has no table '{table}'; it has {sorted(self.table_dims)}")
+        from ps.checkpoint import read_rows
+
+        dim = self.table_dims[table]
+        parts = list(read_rows(self.path, table))
+        if parts:
+            ids = np.concatenate([np.asarray(p.ids, np.int64) for p in parts])
+            w = np.concatenate([np.asarray(p.weights, np.float32).reshape(-1, dim) for p in parts])
+            ls = np.concatenate([np.asarray(p.last_step, np.int64) for p in parts])
+        else:
+            ids, w, ls = np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64)
+        order = np.argsort(ids, kind="stable")
+        ids, w, ls = ids[order], w[order], ls[order]
+        dup = np.flatnonzero(ids[1:] == ids[:-1])
+        if dup.size:
+            raise DeliveryError(
+                f"{self.path}: table '{table}': id {int(ids[dup[0] + 1])} is stored by more than one shard"
+            )
+        return TableData(ids, w, ls)
+
+    def dense(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Dense parameters by name (the model's ``named_parameters()`` names)."""
+        from ps.checkpoint import read_dense
+
+        values = read_dense(self.path)
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise DeliveryError(
+                f"{self.path}: checkpoint lacks dense parameters {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                f"({len(missing)} of {len(names)}); was it trained with dense_sync = 'ps'?"
+            )
+        return values
+
+
+def _manifest_tables(path: Path, manifest: dict[str, Any]) -> dict[str, int]:
+    tables = manifest.get("tables")
+    if isinstance(tables, dict):
+        out = {}
+        for name, v in tables.items():
+            out[name] = int(v["dim"] if isinstance(v, dict) else v)
+        return out
+    if isinstance(tables, list):
+        return {str(t["name"]): int(t["dim"]) for t in tables}
+    raise DeliveryError(f"{path}: checkpoint manifest has no 'tables' with dims")
+
+
+def resolve_checkpoint(run: str | Path | None = None, checkpoint: str | Path | None = None) -> Path:
+    """The checkpoint to deliver: ``checkpoint`` itself, or the latest one of run ``run``.
+
+    Raises:
+        DeliveryError: nothing given, the run has no checkpoints, the path is missing.
+    """
+    if checkpoint is not None:
+        p = Path(checkpoint)
+        if not p.is_dir():
+            raise DeliveryError(f"{p}: checkpoint directory not found")
+        return p
+    if run is None:
+        raise DeliveryError("give a run directory (--run) or a checkpoint directory (--checkpoint)")
+    root = Path(run)
+    if not root.is_dir():
+        raise DeliveryError(f"{root}: run directory not found")
+    from ps.checkpoint import latest_checkpoint
+
+    ckroot = root / "checkpoints"
+    latest = latest_checkpoint(ckroot) if ckroot.is_dir() else None
+    if latest is None:
+        raise DeliveryError(f"{root}: run has no committed checkpoint under {ckroot}")
+    return Path(latest)
+
+
+def warm_start_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint a continued training run should start from (``metaps launch --resume-from``).
+
+    Accepts a run directory, its ``checkpoints`` folder, or a checkpoint itself;
+    checks that the checkpoint carries the schema and model info.
+
+    Example::
+
+        ckpt = warm_start_checkpoint("runs/yesterday")   # runs/yesterday/checkpoints/ckpt-9000
+    """
+    p = Path(run_dir)
+    if (p / "checkpoints").is_dir() or not p.exists():
+        ckpt = resolve_checkpoint(run=p)
+    else:
+        from ps.checkpoint import latest_checkpoint
+
+        try:
+            CheckpointSource.open(p)
+            ckpt = p
+        except DeliveryError:
+            latest = latest_checkpoint(p)
+            if latest is None:
+                raise DeliveryError(f"{p}: neither a run, a checkpoints folder, nor a committed checkpoint") from None
+            ckpt = Path(latest)
+    CheckpointSource.open(ckpt)
+    return ckpt
+
+
+# -- parent state ---------------------------------------------------------------------
+@dataclass
+class ParentState:
+    """What an incremental export needs from the published parent version."""
+
+    version: str
+    base: str
+    watermark: int
+    live_ids: dict[str, np.ndarray]
+    dims: dict[str, int]
+    dtype: str
+    chain_length: int
+
+
+def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
+    """Live ids per table at the newest bundle of ``chain`` (newest first).
+
+    Base keys are enumerated from LMDB (C iteration), then each delta applies
+    ``(ids - removed) | written`` with sorted-set numpy ops.
+    """
+    from delivery.bundle import read_removed
+
+    newest = chain[0][1]
+    base_dir, base_m = chain[-1]
+    live: dict[str, np.ndarray] = {}
+    r = EmbeddingReader(base_dir / EMBEDDINGS, {t: i.dim for t, i in base_m.tables.items()}, base_m.dtype)
+    try:
+        for t, info in base_m.tables.items():
+            live[t] = r.scan(t, info.written, values=False)[0]
+    finally:
+        r.close()
+    for d, m in reversed(chain[:-1]):
+        rem = read_removed(d / REMOVED)
+        r = EmbeddingReader(d / EMBEDDINGS, {t: i.dim for t, i in m.tables.items()}, m.dtype)
+        try:
+            for t, info in m.tables.items():
+                cur = live.get(t, np.zeros(0, np.int64))
+                if t in rem:
+                    cur = np.setdiff1d(cur, rem[t], assume_unique=True)
+                written = r.scan(t, info.written, values=False)[0]
+                live[t] = np.union1d(cur, written)
+        finally:
+            r.close()
+    return ParentState(
+        version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
+        live_ids=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
+        chain_length=len(chain) - 1,
+    )
+
+
+# -- export ---------------------------------------------------------------------------
+def build_trained_model(src: CheckpointSource) -> tuple[torch.nn.Module, dict[str, int]]:
+    """The checkpoint's model with its trained dense parameters loaded."""
+    from models.factory import build_model
+
+    model = build_model(src.schema, src.model_cfg)
+    dims = dict(model.dims)
+    for t, dim in dims.items():
+        if t not in src.table_dims:
+            raise DeliveryError(f"{src.path}: checkpoint has no table '{t}' (model tables: {sorted(dims)})")
+        if src.table_dims[t] != dim:
+            raise DeliveryError(f"{src.path}: table '{t}': model expects dim {dim}, checkpoint has dim {src.table_dims[t]}")
+    names = [n for n, _ in model.named_parameters()]
+    values = src.dense(names)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            v = np.asarray(values[name], dtype=np.float32)
+            if v.size != p.numel():
+                raise DeliveryError(
+                    f"{src.path}: dense parameter '{name}': expected {tuple(p.shape)} ({p.numel()} values), got {v.shape}"
+                )
+            p.copy_(torch.from_numpy(v.reshape(p.shape)))
+    return model.eval(), dims
+
+
+def export_bundle(
+    src: CheckpointSource,
+    staging: Path,
+    version: str,
+    cfg: DeliveryConfig,
+    parent: ParentState | None = None,
+) -> BundleManifest:
+    """Write a bundle of checkpoint ``src`` into ``staging`` (full, or a delta on ``parent``).
+
+    Args:
+        src: the checkpoint.
+        staging: an empty directory (the publisher's ``.vNNNNNN.tmp``).
+        version: the version name this bundle will be published as.
+        cfg: delivery config (dtype, map size).
+        parent: the published parent for an incremental bundle; None = full.
+
+    Returns:
+        the manifest written to ``staging/manifest.json``.
+
+    Raises:
+        DeliveryError: bad checkpoint contents (missing table, dim mismatch, NaN rows,
+            missing dense parameters) or a parent incompatible with this checkpoint.
+    """
+    t0 = time.perf_counter()
+    model, dims = build_trained_model(src)
+    if parent is not None:
+        if parent.dtype != cfg.dtype.value:
+            raise DeliveryError(f"parent {parent.version} stores {parent.dtype} rows, this delivery {cfg.dtype.value}")
+        for t, dim in dims.items():
+            if parent.dims.get(t) != dim:
+                raise DeliveryError(
+                    f"table '{t}': dim {dim} in {src.path} but {parent.dims.get(t)} in parent {parent.version}"
+                )
+    writer = EmbeddingWriter(staging / EMBEDDINGS, cfg.dtype, cfg.map_size_gb)
+    tables: dict[str, TableInfo] = {}
+    removed: dict[str, np.ndarray] = {}
+    watermark = parent.watermark if parent is not None else -1
+    written_total = 0
+    try:
+        for t in sorted(dims, key=table_prefix):  # global key order -> append-mode writes
+            data = src.table(t)
+            if data.last_step.size:
+                watermark = max(watermark, int(data.last_step.max()))
+            if parent is None:
+                sel_ids, sel_rows = data.ids, data.weights
+                gone = np.zeros(0, np.int64)
+            else:
+                changed = data.last_step > parent.watermark
+                sel_ids, sel_rows = data.ids[changed], data.weights[changed]
+                gone = np.setdiff1d(parent.live_ids.get(t, np.zeros(0, np.int64)), data.ids, assume_unique=True)
+                removed[t] = gone
+            try:
+                writer.write_table(t, sel_ids, sel_rows)
+            except DeliveryError as exc:
+                raise DeliveryError(f"checkpoint {src.path}: {exc}") from None
+            written_total += sel_ids.shape[0]
+            tables[t] = TableInfo(dim=dims[t], rows=int(data.ids.shape[0]), written=int(sel_ids.shape[0]),
+                                  removed=int(gone.shape[0]))
+    finally:
+        writer.close()
+    if parent is not None:
+        write_removed(staging / REMOVED, removed)
+    scripted, spec = trace_dense(model, src.schema, dims)
+    save_scripted(scripted, str(staging / DENSE))
+    info = src.info
+    manifest = BundleManifest(
+        version=version,
+        kind=BundleKind.FULL if parent is None else BundleKind.DELTA,
+        parent=None if parent is None else parent.version,
+        base=version if parent is None else parent.base,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        source={"checkpoint": str(src.path.resolve()), "step": src.step, "row_watermark": watermark,
+                "num_shards": src.manifest.get("num_shards", src.manifest.get("shards"))},
+        data_range=info.get("data_range"),
+        metrics=dict(info.get("metrics") or {}),
+        schema=src.schema.to_dict(),
+        model=dict(info["model"]),
+        dtype=cfg.dtype,
+        tables=tables,
+        dense=spec.to_dict(),
+        files=checksum_files(staging),
+    )
+    write_manifest(staging, manifest)
+    log.info(
+        "bundle exported",
+        extra=kv(version=version, kind=manifest.kind.value, checkpoint=src.path, rows_written=written_total,
+                 removed=sum(len(v) for v in removed.values()), seconds=round(time.perf_counter() - t0, 3)),
+    )
+    return manifest

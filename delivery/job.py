@@ -1,0 +1,201 @@
+"""One delivery (checkpoint -> gate -> publish -> retention), and the periodic loop.
+
+One delivery, under the publish root's lock::
+
+    resolve checkpoint --(not newer than LATEST?)--> nothing to do
+          |
+    export into .vNNNNNN.tmp  (delta on LATEST if --incremental and the chain allows)
+          |
+    gate: consistency + holdout AUC vs LATEST --refused--> delete staging, exit 3
+          |
+    record gate metrics in the manifest, publish (rename + LATEST), keep K
+
+The periodic loop runs a delivery each ``every`` seconds; a tick only exports
+when the run's latest checkpoint is newer than what LATEST was built from, and
+does not retry a checkpoint the gate already refused.
+
+Example::
+
+    cfg = DeliveryConfig(out=Path("bundles"), incremental=True, keep=5)
+    outcome = deliver_once(cfg, run="runs/main")
+    run_periodic(cfg, run="runs/main", every_s=600)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from delivery.bundle import DeliveryError, read_manifest, write_manifest, checksum_files
+from delivery.config import DeliveryConfig
+from delivery.export import CheckpointSource, ParentState, export_bundle, parent_state, resolve_checkpoint
+from delivery.gate import GateReport, run_gate
+from delivery.loader import bundle_chain
+from delivery.publish import Publisher
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+
+class Status(str, enum.Enum):
+    PUBLISHED = "published"
+    UP_TO_DATE = "up_to_date"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class DeliveryOutcome:
+    """What one delivery did.
+
+    Args:
+        status: published, up_to_date (no newer checkpoint) or refused (gate).
+        checkpoint: the checkpoint considered.
+        version: the version published (or that would have been).
+        kind: 'full' or 'delta'.
+        gate: the gate report (None when nothing was exported).
+    """
+
+    status: Status
+    checkpoint: Path
+    version: str | None = None
+    kind: str | None = None
+    gate: GateReport | None = None
+
+    @property
+    def reason(self) -> str:
+        if self.status is Status.REFUSED and self.gate is not None:
+            return "; ".join(self.gate.reasons)
+        return self.status.value
+
+
+def _is_newer(src: CheckpointSource, published: Path | None) -> bool:
+    if published is None:
+        return True
+    m = read_manifest(published)
+    if Path(m.source.get("checkpoint", "")) == src.path.resolve():
+        return False
+    return src.step > m.source_step
+
+
+def _parent_for(cfg: DeliveryConfig, pub: Publisher, latest: str | None) -> ParentState | None:
+    """The parent for an incremental export, or None when a full bundle is due."""
+    if not cfg.incremental or latest is None:
+        return None
+    chain = bundle_chain(pub.root / latest)
+    if len(chain) - 1 >= cfg.max_chain:
+        log.info("delta chain at its limit; exporting a full bundle", extra=kv(chain=len(chain) - 1, max_chain=cfg.max_chain))
+        return None
+    m = chain[0][1]
+    if m.dtype != cfg.dtype:
+        log.info("dtype changed; exporting a full bundle", extra=kv(published=m.dtype.value, now=cfg.dtype.value))
+        return None
+    return parent_state(chain)
+
+
+def deliver_once(
+    cfg: DeliveryConfig, run: str | Path | None = None, checkpoint: str | Path | None = None, force: bool = False
+) -> DeliveryOutcome:
+    """Deliver the latest checkpoint of ``run`` (or ``checkpoint``) to ``cfg.out``.
+
+    Args:
+        cfg: the delivery config.
+        run: a run directory (its latest committed checkpoint is used).
+        checkpoint: a checkpoint directory (instead of ``run``).
+        force: deliver even if LATEST was built from the same or a newer checkpoint.
+
+    Raises:
+        DeliveryError: bad input (missing checkpoint, no schema/model info, bad rows, ...);
+            nothing already published is touched.
+    """
+    cfg.validate()
+    ckpt = resolve_checkpoint(run, checkpoint)
+    src = CheckpointSource.open(ckpt)
+    pub = Publisher(cfg.out)
+    with pub.locked():
+        latest = pub.latest()
+        published = pub.root / latest if latest else None
+        if not force and not _is_newer(src, published):
+            log.info("no newer checkpoint", extra=kv(checkpoint=ckpt, latest=latest))
+            return DeliveryOutcome(Status.UP_TO_DATE, ckpt, latest)
+        parent = _parent_for(cfg, pub, latest)
+        version = pub.next_version()
+        staging = pub.staging_dir(version)
+        try:
+            manifest = export_bundle(src, staging, version, cfg, parent)
+            report = run_gate(staging, published, cfg.holdout, cfg.max_auc_drop, cfg.holdout_rows)
+            if not report.ok:
+                log.warning("gate refused the bundle", extra=kv(version=version, reasons=report.reasons))
+                shutil.rmtree(staging)
+                return DeliveryOutcome(Status.REFUSED, ckpt, version, manifest.kind.value, report)
+            if cfg.holdout:
+                manifest = dataclasses.replace(manifest, gate=report.record(cfg.holdout))
+                manifest = dataclasses.replace(manifest, files=checksum_files(staging))
+                write_manifest(staging, manifest)
+            pub.publish(staging, version)
+        except BaseException:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        deleted = pub.retain(cfg.keep)
+    log.info("delivered", extra=kv(version=version, kind=manifest.kind.value, checkpoint=ckpt, deleted=deleted))
+    return DeliveryOutcome(Status.PUBLISHED, ckpt, version, manifest.kind.value, report)
+
+
+class PeriodicDelivery:
+    """A delivery each tick, only when the run has a newer checkpoint.
+
+    Args:
+        cfg: the delivery config.
+        run: the run directory to watch.
+
+    Example::
+
+        loop = PeriodicDelivery(cfg, "runs/main")
+        loop.run(every_s=600)            # until stop() or Ctrl-C
+    """
+
+    def __init__(self, cfg: DeliveryConfig, run: str | Path) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run)
+        self.refused: set[Path] = set()
+        self._stop = threading.Event()
+
+    def tick(self) -> DeliveryOutcome | None:
+        """One check-and-deliver; None when there is no checkpoint yet or it was refused before."""
+        try:
+            ckpt = resolve_checkpoint(run=self.run_dir)
+        except DeliveryError as exc:
+            log.info("nothing to deliver yet", extra=kv(reason=str(exc)))
+            return None
+        if ckpt in self.refused:
+            log.info("latest checkpoint was refused by the gate; waiting for a newer one", extra=kv(checkpoint=ckpt))
+            return None
+        outcome = deliver_once(self.cfg, checkpoint=ckpt)
+        if outcome.status is Status.REFUSED:
+            self.refused.add(ckpt)
+        return outcome
+
+    def run(self, every_s: float, max_ticks: int | None = None) -> list[DeliveryOutcome | None]:
+        """Tick every ``every_s`` seconds until :meth:`stop` (or ``max_ticks``)."""
+        outcomes: list[DeliveryOutcome | None] = []
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                outcomes.append(self.tick())
+            except DeliveryError as exc:
+                # A bad checkpoint must not end the loop; the next one may be fine.
+                log.error("delivery failed", extra=kv(run=self.run_dir, error=str(exc)))
+                outcomes.append(None)
+            if max_ticks is not None and len(outcomes) >= max_ticks:
+                break
+            self._stop.wait(max(0.0, every_s - (time.monotonic() - t0)))
+        return outcomes
+
+    def stop(self) -> None:
+        self._stop.set()

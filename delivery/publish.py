@@ -1,0 +1,245 @@
+"""Atomic publishing of bundles under a publish root, ``LATEST`` and keep-K retention.
+
+Layout of a publish root::
+
+    out/
+      .deliver.lock        flock'd by the one delivery running at a time
+      .v000008.tmp/        a bundle being written (never read; removed if stale)
+      v000005/             full
+      v000006/             delta, parent v000005
+      v000007/             delta, parent v000006
+      LATEST               "v000007\\n"
+
+Publishing a staged bundle:
+
+1. fsync every file of ``.v000008.tmp/`` and the directory itself;
+2. ``rename(.v000008.tmp, v000008)`` and fsync ``out/`` (the version appears whole);
+3. write ``LATEST.tmp``, fsync, ``rename(LATEST.tmp, LATEST)``, fsync ``out/``.
+
+A reader follows ``LATEST`` and only ever sees complete versions; a delivery
+killed at any point leaves the previous ``LATEST`` valid (at worst a stale
+``.tmp`` directory, removed by the next delivery).
+
+Retention keeps the ``keep`` newest versions, ``LATEST``, and every version a
+kept delta needs (its parents down to its base), so nothing kept is unloadable.
+
+Example::
+
+    pub = Publisher(Path("out"))
+    with pub.locked():
+        version = pub.next_version()
+        staging = pub.staging_dir(version)
+        ...                                   # write the bundle into staging
+        pub.publish(staging, version)
+        pub.retain(keep=5)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from delivery.bundle import DeliveryError, read_manifest
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+LOCK = ".deliver.lock"
+_VERSION = re.compile(r"^v(\d{6,})$")
+_STAGING = re.compile(r"^\.v(\d{6,})\.tmp$")
+
+
+def version_name(n: int) -> str:
+    """``7 -> 'v000007'``."""
+    return f"v{n:06d}"
+
+
+def version_number(name: str) -> int:
+    m = _VERSION.match(name)
+    if not m:
+        raise DeliveryError(f"{name!r} is not a bundle version name (expected like 'v000007')")
+    return int(m.group(1))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path``, then each directory (deepest first)."""
+    dirs = []
+    for root, _subdirs, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        dirs.append(Path(root))
+    for d in reversed(dirs):
+        fsync_dir(d)
+
+
+class Publisher:
+    """Versions under one publish root.
+
+    Args:
+        root: the publish root (created if missing).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise DeliveryError(f"{self.root}: publish root exists and is not a directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- reading ---------------------------------------------------------------------
+    def versions(self) -> list[str]:
+        """Published versions, oldest first."""
+        names = [p.name for p in self.root.iterdir() if p.is_dir() and _VERSION.match(p.name)]
+        return sorted(names, key=version_number)
+
+    def latest(self) -> str | None:
+        """The version ``LATEST`` names, or None if nothing is published.
+
+        Raises:
+            DeliveryError: ``LATEST`` names a version that does not exist.
+        """
+        path = self.root / LATEST
+        try:
+            name = path.read_text().strip()
+        except FileNotFoundError:
+            return None
+        version_number(name)
+        if not (self.root / name).is_dir():
+            raise DeliveryError(f"{path}: names {name!r}, which is not a published version under {self.root}")
+        return name
+
+    def chain(self, version: str) -> list[str]:
+        """``version`` and its parents down to the base, base first.
+
+        Raises:
+            DeliveryError: a parent is missing or the chain loops.
+        """
+        out = [version]
+        seen = {version}
+        m = read_manifest(self.root / version)
+        while m.parent is not None:
+            if m.parent in seen:
+                raise DeliveryError(f"{self.root}: bundle chain of {version} loops at {m.parent}")
+            if not (self.root / m.parent).is_dir():
+                raise DeliveryError(
+                    f"{self.root / out[-1]}: parent version {m.parent} is missing; the chain of {version} is broken"
+                )
+            out.append(m.parent)
+            seen.add(m.parent)
+            m = read_manifest(self.root / m.parent)
+        return out[::-1]
+
+    # -- writing ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the root's delivery lock (one delivery at a time); cleans stale staging dirs."""
+        fh = open(self.root / LOCK, "a+")
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DeliveryError(f"{self.root}: another delivery holds {self.root / LOCK}") from None
+            self.clean_stale()
+            yield
+        finally:
+            fh.close()
+
+    def clean_stale(self) -> list[str]:
+        """Remove staging dirs and ``LATEST.tmp`` left by a killed delivery (call under the lock)."""
+        removed = []
+        for p in self.root.iterdir():
+            if _STAGING.match(p.name) or p.name == LATEST + ".tmp":
+                if p.is_dir():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+                removed.append(p.name)
+        if removed:
+            log.warning("removed leftovers of an interrupted delivery", extra=kv(root=self.root, paths=removed))
+        return removed
+
+    def next_version(self) -> str:
+        nums = [version_number(v) for v in self.versions()]
+        return version_name(max(nums, default=0) + 1)
+
+    def staging_dir(self, version: str) -> Path:
+        """A fresh ``.vNNNNNN.tmp`` directory to write ``version`` into."""
+        version_number(version)
+        path = self.root / f".{version}.tmp"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir()
+        return path
+
+    def publish(self, staging: Path, version: str) -> Path:
+        """Make a staged bundle visible as ``version`` and point ``LATEST`` at it.
+
+        Raises:
+            DeliveryError: ``version`` is already published.
+        """
+        final = self.root / version
+        if final.exists():
+            raise DeliveryError(f"{final}: version already published; refusing to overwrite")
+        fsync_tree(staging)
+        os.rename(staging, final)
+        fsync_dir(self.root)
+        self.set_latest(version)
+        log.info("published", extra=kv(root=self.root, version=version))
+        return final
+
+    def set_latest(self, version: str) -> None:
+        """Point ``LATEST`` at ``version`` atomically (temp file, fsync, rename, fsync dir)."""
+        if not (self.root / version).is_dir():
+            raise DeliveryError(f"{self.root}: cannot point LATEST at missing version {version}")
+        tmp = self.root / (LATEST + ".tmp")
+        with tmp.open("w") as fh:
+            fh.write(version + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.rename(tmp, self.root / LATEST)
+        fsync_dir(self.root)
+
+    def retain(self, keep: int) -> list[str]:
+        """Delete versions beyond the ``keep`` newest, never breaking a kept chain.
+
+        Returns:
+            the deleted version names.
+        """
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        versions = self.versions()
+        wanted = set(versions[-keep:])
+        latest = self.latest()
+        if latest:
+            wanted.add(latest)
+        needed: set[str] = set()
+        for v in wanted:
+            needed.update(self.chain(v))
+        doomed = [v for v in versions if v not in needed]
+        for v in doomed:
+            # Rename aside first so a crash mid-delete never leaves a half version visible.
+            trash = self.root / f".{v}.tmp"
+            os.rename(self.root / v, trash)
+            shutil.rmtree(trash)
+        if doomed:
+            fsync_dir(self.root)
+            log.info("retention", extra=kv(root=self.root, deleted=doomed, kept=len(needed)))
+        return doomed
