@@ -547,8 +547,12 @@ def generate(out_dir: str | Path, cfg: GeneratorConfig, progress: bool = True) -
     arrow_schema = _arrow_schema(cfg, schema)
     world = _World(cfg)
 
-    auc_acc = {lab: StreamingAUC() for lab in ("click", "conversion")}
-    auc_glob = {lab: StreamingAUC() for lab in ("click", "conversion")}
+    # 2^16 buckets: within ~1e-4 of the exact AUC, and cheap per chunk.
+    auc_acc = {lab: StreamingAUC(bins=1 << 16) for lab in ("click", "conversion")}
+    auc_glob = {lab: StreamingAUC(bins=1 << 16) for lab in ("click", "conversion")}
+    # Dictionary-encode only the integer id columns: dictionaries of float
+    # columns never pay off and cost ~40% of the write time.
+    dict_cols = [c.name for c in schema.id_columns]
     scene_rows = np.zeros(len(SCENES), dtype=np.int64)
     scene_clicks = np.zeros(len(SCENES), dtype=np.int64)
 
@@ -562,7 +566,7 @@ def generate(out_dir: str | Path, cfg: GeneratorConfig, progress: bool = True) -
     last_log = t_start
     for f, nrows in enumerate(file_rows):
         path = out / f"part-{f:0{width}d}.parquet"
-        with pq.ParquetWriter(path, arrow_schema, compression="snappy") as writer:
+        with pq.ParquetWriter(path, arrow_schema, compression="snappy", use_dictionary=dict_cols) as writer:
             done = 0
             while done < nrows:
                 n = min(cfg.row_group_rows, nrows - done)
