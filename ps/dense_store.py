@@ -1,0 +1,178 @@
+"""Dense parameters held on a PS shard (when dense sync mode is "ps").
+
+Each named parameter is a float32 CPU tensor with its own ``torch.optim``
+optimizer (Adam, Adagrad or SGD), so a push to one parameter never steps
+another's state. Weight decay is L2, as for the sparse tables.
+
+Example::
+
+    d = DenseStore(OptimizerConfig(kind=OptimizerKind.ADAM, lr=1e-3))
+    d.register("mlp.0.weight", (16, 8))        # zeros
+    d.register("mlp.0.bias", np.ones(8, np.float32))
+    d.push({"mlp.0.bias": np.full(8, 0.1, np.float32)})
+    d.pull(["mlp.0.bias"])["mlp.0.bias"].shape  # (8,)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ps.config import DENSE_OPTIMIZERS, OptimizerConfig, OptimizerKind
+from ps.errors import BadRequest
+
+
+class DenseStore:
+    """Named dense parameters with per-parameter optimizers (thread-safe).
+
+    Args:
+        cfg: optimizer of every dense parameter (adam, adagrad or sgd).
+    """
+
+    def __init__(self, cfg: OptimizerConfig | None = None) -> None:
+        self.cfg = cfg or OptimizerConfig(kind=OptimizerKind.ADAM, lr=1e-3)
+        if self.cfg.kind not in DENSE_OPTIMIZERS:
+            raise ValueError(
+                f"dense optimizer must be one of {[k.value for k in DENSE_OPTIMIZERS]}, got {self.cfg.kind.value!r}"
+            )
+        self.lock = threading.RLock()
+        self._params: dict[str, torch.Tensor] = {}
+        self._opts: dict[str, torch.optim.Optimizer] = {}
+        self.pushes = 0
+
+    def _make_opt(self, p: torch.Tensor) -> torch.optim.Optimizer:
+        c = self.cfg
+        if c.kind == OptimizerKind.ADAM:
+            return torch.optim.Adam([p], lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+        if c.kind == OptimizerKind.ADAGRAD:
+            return torch.optim.Adagrad(
+                [p], lr=c.lr, eps=c.eps, weight_decay=c.weight_decay, initial_accumulator_value=c.initial_accumulator
+            )
+        return torch.optim.SGD([p], lr=c.lr, weight_decay=c.weight_decay)
+
+    # -- registry ------------------------------------------------------------------
+    def register(self, name: str, shape_or_value: Sequence[int] | np.ndarray) -> bool:
+        """Create a parameter (zeros of a shape, or a copy of a float32 value).
+
+        Idempotent: registering an existing name with the same shape does nothing
+        (the stored value wins). Returns True when the parameter was created.
+
+        Raises:
+            BadRequest: the name exists with another shape, or the value is not float32.
+        """
+        if isinstance(shape_or_value, np.ndarray):
+            if shape_or_value.dtype != np.float32:
+                raise BadRequest(f"dense '{name}': initial value must be float32, got {shape_or_value.dtype}")
+            shape = tuple(int(s) for s in shape_or_value.shape)
+            value = torch.from_numpy(shape_or_value.copy())
+        else:
+            shape = tuple(int(s) for s in shape_or_value)
+            if any(s < 0 for s in shape):
+                raise BadRequest(f"dense '{name}': shape must be non-negative, got {shape}")
+            value = torch.zeros(shape, dtype=torch.float32)
+        with self.lock:
+            if name in self._params:
+                have = tuple(self._params[name].shape)
+                if have != shape:
+                    raise BadRequest(f"dense '{name}': already registered with shape {have}, got {shape}")
+                return False
+            p = value.requires_grad_(False)
+            self._params[name] = p
+            self._opts[name] = self._make_opt(p)
+            return True
+
+    def names(self) -> list[str]:
+        with self.lock:
+            return list(self._params)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        with self.lock:
+            return {k: tuple(v.shape) for k, v in self._params.items()}
+
+    def _check_names(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in self._params]
+        if unknown:
+            raise BadRequest(f"unknown dense parameter(s) {unknown}; registered: {sorted(self._params)}")
+
+    def _check_values(self, values: Mapping[str, np.ndarray], what: str) -> None:
+        self._check_names(list(values))
+        for k, v in values.items():
+            want = tuple(self._params[k].shape)
+            if not isinstance(v, np.ndarray) or v.dtype != np.float32:
+                raise BadRequest(f"dense '{k}': {what} must be a float32 array, got {getattr(v, 'dtype', type(v).__name__)}")
+            if tuple(v.shape) != want and not (v.ndim == 1 and v.size == int(np.prod(want))):
+                raise BadRequest(f"dense '{k}': {what} shape {v.shape}, expected {want}")
+
+    # -- reads / writes ------------------------------------------------------------
+    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the named parameters (all when ``names`` is None)."""
+        with self.lock:
+            names = list(self._params) if names is None else list(names)
+            self._check_names(names)
+            return {n: self._params[n].numpy().copy() for n in names}
+
+    def push(self, grads: Mapping[str, np.ndarray]) -> int:
+        """One optimizer step per named gradient. All-or-nothing: validated first.
+
+        Raises:
+            BadRequest: unknown name, wrong dtype/shape, or NaN/Inf in a gradient.
+        """
+        with self.lock:
+            self._check_values(grads, "gradient")
+            for k, g in grads.items():
+                if not np.isfinite(g).all():
+                    raise BadRequest(f"dense '{k}': gradient holds NaN/Inf; push rejected")
+            for k, g in grads.items():
+                p = self._params[k]
+                p.grad = torch.from_numpy(np.array(g, dtype=np.float32).reshape(p.shape))
+                self._opts[k].step()
+                p.grad = None
+            self.pushes += 1
+            return len(grads)
+
+    def set(self, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite values (restore, all-reduce modes); optimizer state is kept."""
+        with self.lock:
+            self._check_values(values, "value")
+            for k, v in values.items():
+                p = self._params[k]
+                p.copy_(torch.from_numpy(np.asarray(v, dtype=np.float32).reshape(p.shape)))
+
+    # -- checkpoint ----------------------------------------------------------------
+    def state(self) -> dict[str, dict[str, np.ndarray]]:
+        """name -> {"value": array, "opt/<key>": array, ...} (copies)."""
+        with self.lock:
+            out: dict[str, dict[str, np.ndarray]] = {}
+            for k, p in self._params.items():
+                entry = {"value": p.numpy().copy()}
+                for sk, sv in self._opts[k].state.get(p, {}).items():
+                    entry[f"opt/{sk}"] = (sv.detach().cpu().numpy() if torch.is_tensor(sv) else np.asarray(sv)).copy()
+                out[k] = entry
+            return out
+
+    def load_state(self, state: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """Restore values and optimizer state (registers missing names)."""
+        with self.lock:
+            for k, entry in state.items():
+                value = np.asarray(entry["value"], dtype=np.float32)
+                if k in self._params and tuple(self._params[k].shape) != value.shape:
+                    raise BadRequest(f"dense '{k}': checkpoint shape {value.shape}, registered {tuple(self._params[k].shape)}")
+                self.register(k, value)
+                p = self._params[k]
+                p.copy_(torch.from_numpy(value))
+                opt_state = {sk[4:]: torch.from_numpy(np.array(sv)) for sk, sv in entry.items() if sk.startswith("opt/")}
+                self._opts[k].state[p] = opt_state if opt_state else {}
+                if not opt_state:
+                    self._opts[k].state.pop(p, None)
+
+    def memory_bytes(self) -> int:
+        with self.lock:
+            total = sum(p.numel() * 4 for p in self._params.values())
+            for k, p in self._params.items():
+                for sv in self._opts[k].state.get(p, {}).values():
+                    if torch.is_tensor(sv):
+                        total += sv.numel() * sv.element_size()
+            return int(total)

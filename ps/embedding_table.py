@@ -1,0 +1,536 @@
+"""One embedding table of one PS shard: fbgemm TBE rows + id map + metadata.
+
+Layout (C = capacity rows, D = dim)::
+
+    TBE weights      float32 [C, D]     SplitTableBatchedEmbeddingBagsCodegen
+                                         (HOST/CPU, or DEVICE/CUDA)
+    optimizer state  see ps.optimizers  (rows aligned with the weights)
+    IdMap            id -> row          fbgemm pruned hash map, 1.5 C slots
+    row_ids          int64 [C]          id held by each row, -1 = free
+    freq             int32 [C]          pushes that touched the row (LFU)
+    last_step        int32 [C]          table step of the last touching push (TTL)
+    version          int32 [C]          store version of the last change (deltas)
+    free             int32 [C]          stack of free rows (free[:n_free])
+    Admission        count-min sketch   bounded; only when admission is not immediate
+
+A push (ids may repeat) runs: validate -> sum duplicates -> NaN/Inf check ->
+look up rows -> admission of unknown ids -> evict if full -> init new rows ->
+fused/torch optimizer on the touched rows -> metadata. Everything is vectorized
+(torch / numpy / fbgemm ops); nothing loops per id in Python.
+
+Thread safety: the table itself is not locked; :class:`ps.shard_store.ShardStore`
+holds ``table.lock`` around every call.
+
+Example::
+
+    t = EmbeddingTable(TableConfig(name="user", dim=8, capacity=100), seed=0)
+    t.push(np.array([3, 3, 5]), np.ones((3, 8), np.float32))
+    t.pull(np.array([3, 9]))      # row of 3 (updated), initial value of 9
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import fbgemm_gpu  # noqa: F401
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+from metaps.log import kv
+from ps.admission import Admission
+from ps.config import NonfiniteMode, TableConfig
+from ps.errors import BadRequest
+from ps.eviction import pick_victims
+from ps.id_map import IdMap
+from ps.initializer import RowInitializer
+from ps.optimizers import make_optimizer, tbe_optim_type
+
+log = logging.getLogger(__name__)
+
+_REMOVED_LOG_MIN = 1 << 16
+
+
+@dataclass
+class TableRows:
+    """Rows of one table with everything needed to move or restore them.
+
+    Args:
+        ids: int64 [n].
+        weights: float32 [n, dim].
+        state: optimizer state per row, e.g. ``{"momentum": [n]}`` (rowwise adagrad),
+            ``{"momentum": [n, dim]}`` (adagrad), ``{"m", "v": [n, dim], "step": [n]}``
+            (adam), ``{"z", "n": [n, dim]}`` (ftrl), ``{}`` (sgd).
+        freq: int64 [n] push counts.
+        last_step: int64 [n] table step of the last push.
+    """
+
+    ids: np.ndarray
+    weights: np.ndarray
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    freq: np.ndarray | None = None
+    last_step: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = self.ids.shape[0]
+        if self.freq is None:
+            self.freq = np.zeros(n, dtype=np.int64)
+        if self.last_step is None:
+            self.last_step = np.zeros(n, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def take(self, idx: np.ndarray) -> "TableRows":
+        """The subset at positions ``idx``."""
+        return TableRows(
+            ids=self.ids[idx],
+            weights=self.weights[idx],
+            state={k: v[idx] for k, v in self.state.items()},
+            freq=self.freq[idx],
+            last_step=self.last_step[idx],
+        )
+
+    @staticmethod
+    def concat(parts: list["TableRows"], dim: int, state_spec: dict | None = None) -> "TableRows":
+        """Concatenate parts (an empty list gives empty rows of ``dim``)."""
+        if not parts:
+            state = {}
+            for k, (shape, dt) in (state_spec or {}).items():
+                state[k] = np.empty((0, *shape), dtype=dt)
+            return TableRows(np.empty(0, np.int64), np.empty((0, dim), np.float32), state)
+        return TableRows(
+            ids=np.concatenate([p.ids for p in parts]),
+            weights=np.concatenate([p.weights for p in parts]),
+            state={k: np.concatenate([p.state[k] for p in parts]) for k in parts[0].state},
+            freq=np.concatenate([p.freq for p in parts]),
+            last_step=np.concatenate([p.last_step for p in parts]),
+        )
+
+
+@dataclass
+class PushResult:
+    """What one push did (counts of unique ids, after summing duplicates).
+
+    Args:
+        applied: ids whose rows were updated.
+        unadmitted_dropped: ids not (yet) admitted; their gradients were dropped.
+        nonfinite_dropped: ids dropped because their gradient held NaN/Inf ("drop" mode).
+        evicted: rows evicted to make room.
+        admitted: ids that got a new row in this push.
+        full_dropped: admitted ids dropped because the table was full and nothing
+            could be evicted (eviction policy "none", or all rows in this push).
+    """
+
+    applied: int = 0
+    unadmitted_dropped: int = 0
+    nonfinite_dropped: int = 0
+    evicted: int = 0
+    admitted: int = 0
+    full_dropped: int = 0
+
+    def add(self, other: "PushResult") -> "PushResult":
+        return PushResult(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
+
+
+def check_ids(table: str, ids: object, what: str = "ids") -> np.ndarray:
+    """Validate an id array: numpy int64, 1-D, no -1. Returns it (raises BadRequest)."""
+    if not isinstance(ids, np.ndarray):
+        raise BadRequest(f"table '{table}': {what} must be a numpy int64 array, got {type(ids).__name__}")
+    if ids.dtype != np.int64:
+        raise BadRequest(f"table '{table}': {what} must be int64, got {ids.dtype}")
+    if ids.ndim != 1:
+        raise BadRequest(f"table '{table}': {what} must be 1-D, got shape {ids.shape}")
+    if ids.size and bool((ids == -1).any()):
+        pos = int(np.argmax(ids == -1))
+        raise BadRequest(f"table '{table}': {what}[{pos}] is -1 (the padding id is not a real id)")
+    return ids
+
+
+class EmbeddingTable:
+    """One table of one shard (see the module docstring).
+
+    Args:
+        cfg: the table's config.
+        seed: job seed (initial rows, admission).
+        device: "cpu" or "cuda".
+    """
+
+    def __init__(self, cfg: TableConfig, *, seed: int = 0, device: str = "cpu") -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.name = cfg.name
+        self.dim = cfg.dim
+        self.capacity = cfg.capacity
+        self.seed = int(seed)
+        self.device = torch.device(device)
+        self.lock = threading.RLock()
+        if self.device.type == "cuda":
+            spec = [(cfg.capacity, cfg.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)]
+            extra = {"device": self.device}
+        else:
+            spec = [(cfg.capacity, cfg.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)]
+            extra = {}
+        o = cfg.optimizer
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            spec,
+            optimizer=tbe_optim_type(o.kind),
+            learning_rate=o.lr,
+            eps=o.eps,
+            weight_decay=0.0,  # L2 is added to the gradient by ps.optimizers
+            pooling_mode=PoolingMode.SUM,
+            **extra,
+        )
+        # detach: same storage, but in-place writes need no autograd bookkeeping
+        self.weights: torch.Tensor = self.tbe.split_embedding_weights()[0].detach()
+        self.optimizer = make_optimizer(o, self.weights, self.tbe)
+        self.id_map = IdMap(cfg.capacity)
+        self.init = RowInitializer(cfg.name, cfg.dim, cfg.init, cfg.init_scale, self.seed)
+        self.admission = Admission(cfg.admission, cfg.capacity, self.seed)
+        c = cfg.capacity
+        self.row_ids = np.full(c, -1, dtype=np.int64)
+        self.freq = np.zeros(c, dtype=np.int32)
+        self.last_step = np.zeros(c, dtype=np.int32)
+        self.row_version = np.zeros(c, dtype=np.int32)
+        self._free = np.arange(c - 1, -1, -1, dtype=np.int32)  # pop from the end: rows 0, 1, 2, ...
+        self._n_free = c
+        self.step = 0
+        self.current_version = 1
+        self._removed: list[tuple[int, np.ndarray]] = []
+        self._removed_n = 0
+        self._removed_floor = 0  # removals at versions <= floor were forgotten
+        self.counters = {
+            "admissions": 0,
+            "evictions": 0,
+            "unadmitted_dropped": 0,
+            "nonfinite_dropped": 0,
+            "full_dropped": 0,
+            "pulls": 0,
+            "pull_ids": 0,
+            "pushes": 0,
+            "push_ids": 0,
+        }
+
+    # -- sizes ---------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Rows in use."""
+        return self.capacity - self._n_free
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated for this table (rows, optimizer state, map, metadata, sketch)."""
+        w = self.weights.numel() * self.weights.element_size()
+        meta = self.row_ids.nbytes + self.freq.nbytes + self.last_step.nbytes + self.row_version.nbytes
+        return int(
+            w + self.optimizer.memory_bytes() + self.id_map.memory_bytes() + meta + self._free.nbytes
+            + self.admission.memory_bytes()
+        )
+
+    def raw_bytes_per_row(self) -> int:
+        """Bytes of one row's weights + optimizer state (the 'raw' payload)."""
+        return int(
+            self.dim * 4
+            + sum(t[0:1].numel() * t.element_size() for t in self.optimizer.state_tensors().values())
+        )
+
+    # -- reads ---------------------------------------------------------------------
+    def lookup_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each id (-1 when the id has no row)."""
+        return self.id_map.lookup(ids).numpy()
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [n, dim] rows of ``ids`` (duplicates ok); unknown ids read as their initial value."""
+        check_ids(self.name, ids)
+        n = ids.shape[0]
+        self.counters["pulls"] += 1
+        self.counters["pull_ids"] += n
+        if n == 0:
+            return np.empty((0, self.dim), dtype=np.float32)
+        rows = self.id_map.lookup(ids)
+        known = rows >= 0
+        n_known = int(known.sum())
+        if n_known == n:
+            return self._gather(rows)
+        out = np.empty((n, self.dim), dtype=np.float32)
+        kn = known.numpy()
+        if n_known:
+            out[kn] = self._gather(rows[known])
+        out[~kn] = self.init(ids[~kn])
+        return out
+
+    def _gather(self, rows: torch.Tensor) -> np.ndarray:
+        return self.weights.index_select(0, rows.to(self.device)).detach().cpu().numpy()
+
+    # -- push ----------------------------------------------------------------------
+    def check_push(self, ids: object, grads: object) -> tuple[np.ndarray, np.ndarray]:
+        """Validate a push (raises BadRequest naming the problem); returns (ids, grads[n, dim])."""
+        ids = check_ids(self.name, ids)
+        n = ids.shape[0]
+        if not isinstance(grads, np.ndarray):
+            raise BadRequest(f"table '{self.name}': grads must be a numpy float32 array, got {type(grads).__name__}")
+        if grads.dtype != np.float32:
+            raise BadRequest(f"table '{self.name}': grads must be float32, got {grads.dtype}")
+        if grads.shape == (n, self.dim):
+            g = grads
+        elif grads.ndim == 1 and grads.shape[0] == n * self.dim:
+            g = grads.reshape(n, self.dim)
+        else:
+            raise BadRequest(
+                f"table '{self.name}': grads shape {grads.shape} does not match ids [{n}] x dim {self.dim} "
+                f"(expected ({n}, {self.dim}) or ({n * self.dim},))"
+            )
+        return ids, g
+
+    def push(self, ids: np.ndarray, grads: np.ndarray, nonfinite: NonfiniteMode = NonfiniteMode.REJECT) -> PushResult:
+        """Apply gradients (duplicates summed). Raises BadRequest before changing anything."""
+        ids, g = self.check_push(ids, grads)
+        res = PushResult()
+        n = ids.shape[0]
+        if n == 0:
+            return res
+        ids_t = torch.from_numpy(ids)
+        g_t = torch.from_numpy(g if g.flags.writeable else g.copy())
+        uniq, inv = torch.unique(ids_t, return_inverse=True)
+        agg = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32).index_add_(0, inv, g_t)
+        row_ok = torch.isfinite(g_t).all(dim=1)
+        agg_ok = torch.isfinite(agg).all(dim=1)
+        if not bool(row_ok.all()) or not bool(agg_ok.all()):
+            if NonfiniteMode(nonfinite) == NonfiniteMode.REJECT:
+                if not bool(row_ok.all()):
+                    bad = torch.nonzero(~row_ok).reshape(-1)
+                    first = int(bad[0])
+                    raise BadRequest(
+                        f"table '{self.name}': {bad.numel()} gradient row(s) hold NaN/Inf, first at row {first} "
+                        f"(id {int(ids[first])}); push rejected, table unchanged"
+                    )
+                bad_ids = uniq[~agg_ok]
+                raise BadRequest(
+                    f"table '{self.name}': summed gradients of {bad_ids.numel()} id(s) overflow to Inf, "
+                    f"first id {int(bad_ids[0])}; push rejected, table unchanged"
+                )
+            bad_u = ~agg_ok
+            bad_u[inv[~row_ok]] = True
+            res.nonfinite_dropped = int(bad_u.sum())
+            uniq, agg = uniq[~bad_u], agg[~bad_u]
+            self.counters["nonfinite_dropped"] += res.nonfinite_dropped
+
+        self.step += 1
+        self.counters["pushes"] += 1
+        self.counters["push_ids"] += n
+        rows = self.id_map.lookup(uniq)
+        new_pos = torch.nonzero(rows < 0).reshape(-1)
+        if new_pos.numel():
+            new_ids = uniq[new_pos].numpy()
+            admitted = self.admission.observe(new_ids)
+            res.unadmitted_dropped = int((~admitted).sum())
+            adm_pos = new_pos[torch.from_numpy(admitted)]
+            k = int(adm_pos.numel())
+            if k > self._n_free:
+                existing = rows[rows >= 0].numpy()
+                res.evicted = self._evict(k - self._n_free, protect=existing)
+            take = min(k, self._n_free)
+            res.full_dropped = k - take
+            if take:
+                got_pos = adm_pos[:take]
+                new_rows = self._alloc(uniq[got_pos].numpy())
+                rows[got_pos] = torch.from_numpy(new_rows)
+            res.admitted = take
+            self.counters["unadmitted_dropped"] += res.unadmitted_dropped
+            self.counters["full_dropped"] += res.full_dropped
+            self.counters["admissions"] += take
+        live = rows >= 0
+        if not bool(live.all()):
+            rows, agg = rows[live], agg[live]
+        res.applied = int(rows.numel())
+        if res.applied:
+            self.optimizer.apply(rows.to(self.device), agg.to(self.device))
+            r = rows.numpy()
+            self.freq[r] = np.minimum(self.freq[r].astype(np.int64) + 1, np.iinfo(np.int32).max)
+            self.last_step[r] = self.step
+            self.row_version[r] = self.current_version
+        return res
+
+    # -- allocation / eviction -----------------------------------------------------
+    def _alloc(self, ids: np.ndarray, init_values: bool = True) -> np.ndarray:
+        """Take rows for new unique ``ids`` (caller ensured enough are free); map and init them."""
+        k = ids.shape[0]
+        rows = self._free[self._n_free - k : self._n_free][::-1].astype(np.int64)
+        self._n_free -= k
+        rows_t = torch.from_numpy(rows)
+        dev_rows = rows_t.to(self.device)
+        if init_values:
+            self.weights[dev_rows] = torch.from_numpy(self.init(ids)).to(self.device)
+            self.optimizer.reset_rows(dev_rows)
+        self.row_ids[rows] = ids
+        self.freq[rows] = 0
+        self.last_step[rows] = self.step
+        self.row_version[rows] = self.current_version
+        self.id_map.insert(ids, rows_t)
+        return rows
+
+    def _release(self, rows: np.ndarray) -> np.ndarray:
+        """Unmap and free ``rows``; returns the ids they held."""
+        ids = self.row_ids[rows].copy()
+        self.id_map.remove(ids)
+        self.row_ids[rows] = -1
+        self.freq[rows] = 0
+        k = rows.shape[0]
+        self._free[self._n_free : self._n_free + k] = rows
+        self._n_free += k
+        return ids
+
+    def _evict(self, needed: int, protect: np.ndarray | None = None) -> int:
+        victims = pick_victims(
+            self.cfg.eviction, self.row_ids, self.freq, self.last_step, self.step, needed, protect
+        )
+        if victims.size == 0:
+            return 0
+        ids = self._release(victims)
+        self._log_removed(ids)
+        self.counters["evictions"] += int(victims.size)
+        log.debug("evicted rows", extra=kv(table=self.name, rows=int(victims.size), free=self._n_free))
+        return int(victims.size)
+
+    # -- removal log (incremental delivery) ----------------------------------------
+    def _log_removed(self, ids: np.ndarray) -> None:
+        self._removed.append((self.current_version, ids))
+        self._removed_n += ids.shape[0]
+        bound = max(4 * self.capacity, _REMOVED_LOG_MIN)
+        if self._removed_n <= bound:
+            return
+        # compact: keep each id's latest removal, forget ids that are present again
+        vers = np.concatenate([np.full(a.shape[0], v, np.int64) for v, a in self._removed])
+        allids = np.concatenate([a for _, a in self._removed])
+        order = np.lexsort((-vers, allids))
+        allids, vers = allids[order], vers[order]
+        first = np.ones(allids.shape[0], dtype=bool)
+        first[1:] = allids[1:] != allids[:-1]
+        allids, vers = allids[first], vers[first]
+        absent = self.lookup_rows(allids) < 0
+        allids, vers = allids[absent], vers[absent]
+        if allids.shape[0] > bound:  # still too many: forget the oldest
+            keep = np.argsort(vers, kind="stable")[-bound:]
+            dropped = np.setdiff1d(np.arange(vers.shape[0]), keep)
+            self._removed_floor = max(self._removed_floor, int(vers[dropped].max()))
+            allids, vers = allids[keep], vers[keep]
+        self._removed = [(int(v), allids[vers == v]) for v in np.unique(vers)]
+        self._removed_n = int(allids.shape[0])
+
+    def removed_ids(self, since_version: int) -> np.ndarray:
+        """Ids evicted at versions > since_version and not present now (sorted, unique)."""
+        if since_version < self._removed_floor:
+            raise BadRequest(
+                f"table '{self.name}': removals before version {self._removed_floor} were forgotten "
+                f"(log bounded); since_version {since_version} needs a full delivery"
+            )
+        parts = [a for v, a in self._removed if v > since_version]
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        ids = np.unique(np.concatenate(parts))
+        return ids[self.lookup_rows(ids) < 0]
+
+    # -- export / import / drop ----------------------------------------------------
+    def used_rows(self) -> np.ndarray:
+        return np.nonzero(self.row_ids >= 0)[0]
+
+    def export_rows(self, rows: np.ndarray) -> TableRows:
+        """TableRows of the given row indices (copies)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows_t = torch.from_numpy(rows).to(self.device)
+        return TableRows(
+            ids=self.row_ids[rows].copy(),
+            weights=self.weights.index_select(0, rows_t).detach().cpu().numpy(),
+            state=self.optimizer.export_state(rows_t),
+            freq=self.freq[rows].astype(np.int64),
+            last_step=self.last_step[rows].astype(np.int64),
+        )
+
+    def changed_rows(self, since_version: int) -> TableRows:
+        """Rows changed (pushed, admitted, imported) at versions > since_version."""
+        return self.export_rows(np.nonzero((self.row_ids >= 0) & (self.row_version > since_version))[0])
+
+    def check_rows(self, rows: TableRows) -> None:
+        """Validate rows for import (raises BadRequest naming the problem)."""
+        ids = check_ids(self.name, rows.ids, "rows.ids")
+        n = ids.shape[0]
+        w = rows.weights
+        if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.shape != (n, self.dim):
+            got = f"{getattr(w, 'dtype', type(w).__name__)} {getattr(w, 'shape', '')}"
+            raise BadRequest(f"table '{self.name}': rows.weights must be float32 ({n}, {self.dim}), got {got}")
+        if n and np.unique(ids).shape[0] != n:
+            raise BadRequest(f"table '{self.name}': rows.ids hold duplicates")
+        spec = self.optimizer.state_spec(self.dim)
+        if set(rows.state) != set(spec):
+            raise BadRequest(
+                f"table '{self.name}': optimizer state keys {sorted(rows.state)} do not match "
+                f"{self.cfg.optimizer.kind.value} state {sorted(spec)}"
+            )
+        for k, (shape, _dt) in spec.items():
+            got = np.asarray(rows.state[k])
+            if got.shape != (n, *shape):
+                raise BadRequest(
+                    f"table '{self.name}': optimizer state '{k}' shape {got.shape}, expected {(n, *shape)}"
+                )
+        for k in ("freq", "last_step"):
+            a = getattr(rows, k)
+            if np.asarray(a).shape != (n,):
+                raise BadRequest(f"table '{self.name}': rows.{k} shape {np.asarray(a).shape}, expected ({n},)")
+        if n > self.capacity:
+            raise BadRequest(f"table '{self.name}': importing {n} rows exceeds capacity {self.capacity}")
+
+    def import_rows(self, rows: TableRows) -> int:
+        """Insert or overwrite rows with their state and metadata. Returns rows evicted for room."""
+        self.check_rows(rows)
+        n = len(rows)
+        if n == 0:
+            return 0
+        cur = self.lookup_rows(rows.ids)
+        new = cur < 0
+        k = int(new.sum())
+        evicted = 0
+        if k > self._n_free:
+            if self.cfg.eviction.policy == "none":
+                raise BadRequest(
+                    f"table '{self.name}': importing {k} new rows needs room but only {self._n_free} rows are "
+                    f"free and eviction policy is 'none' (capacity {self.capacity})"
+                )
+            evicted = self._evict(k - self._n_free, protect=cur[~new])
+            if k > self._n_free:  # cannot happen: n <= capacity and only unprotected rows are evicted
+                raise BadRequest(f"table '{self.name}': could not free {k} rows for import")
+        if k:
+            cur[new] = self._alloc(rows.ids[new], init_values=False)
+        rows_t = torch.from_numpy(cur).to(self.device)
+        self.weights[rows_t] = torch.from_numpy(np.ascontiguousarray(rows.weights)).to(self.device)
+        self.optimizer.import_state(rows_t, rows.state)
+        self.freq[cur] = np.minimum(rows.freq, np.iinfo(np.int32).max).astype(np.int32)
+        self.last_step[cur] = np.asarray(rows.last_step).astype(np.int32)
+        self.row_version[cur] = self.current_version
+        return evicted
+
+    def drop_rows(self, rows: np.ndarray) -> int:
+        """Remove rows (migration: not logged as removals). Returns how many."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return 0
+        self._release(rows)
+        return int(rows.size)
+
+    def stats(self) -> dict:
+        return {
+            "rows": self.size,
+            "capacity": self.capacity,
+            "fill": self.size / self.capacity,
+            "dim": self.dim,
+            "optimizer": self.cfg.optimizer.kind.value,
+            "step": self.step,
+            "bytes": self.memory_bytes(),
+            "id_map_rebuilds": self.id_map.rebuilds,
+            **self.counters,
+        }

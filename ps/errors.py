@@ -1,0 +1,24 @@
+"""Errors raised by the parameter server's storage and service.
+
+``BadRequest`` is raised *before* anything is changed: a table is always left
+exactly as it was when a request is refused.
+"""
+
+from __future__ import annotations
+
+from metaps.errors import MetapsError
+
+
+class BadRequest(MetapsError):
+    """A pull/push/import names an unknown table or carries malformed data.
+
+    The message names the table and what was expected vs what was got, e.g.
+    ``table 'user': grads shape (3, 8) does not match ids [3] x dim 16``.
+    """
+
+
+class CheckpointError(MetapsError):
+    """A checkpoint directory or file is missing, incomplete or corrupt.
+
+    The message names the directory, file and (where relevant) LMDB key.
+    """

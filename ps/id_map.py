@@ -1,0 +1,162 @@
+"""Id -> row map of one table, on fbgemm's CPU open-addressing hash map.
+
+fbgemm's ``pruned_hashmap_insert`` / ``pruned_hashmap_lookup`` (int64 keys,
+linear probing, ~15-20M ops/s here) hold the map. Layout::
+
+    slots  int64 [S, 2]      S = ceil(load_factor * capacity) + 8
+    slot:  [ key | row ]      key -1 = never used; row -1 = removed (tombstone)
+
+fbgemm has no delete: :meth:`IdMap.remove` re-inserts the key with row -1 (a
+tombstone: lookups return -1, the slot keeps its key so probe chains stay
+intact). Tombstones are reclaimed by rebuilding the map from its live entries
+once used slots pass ``rebuild_at`` of S, so the cost is amortized over many
+removals. fbgemm's insert loops forever on a full table, so the map refuses an
+insert that would take it past capacity (live entries) and rebuilds before
+used slots (live + tombstones) could fill it.
+
+Id -1 is the map's empty-slot marker and the schema's padding id; it is refused.
+
+Example::
+
+    m = IdMap(capacity=4)
+    m.insert(np.array([10, 20]), np.array([0, 1]))
+    m.lookup(np.array([20, 30]))   # array([ 1, -1])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+EMPTY_KEY = -1
+
+
+class IdMap:
+    """Fixed-capacity int64 id -> int64 row map (see the module docstring).
+
+    Args:
+        capacity: most live entries the map holds.
+        load_factor: hash slots per entry of capacity (>= 1.2).
+        rebuild_at: fraction of slots in use (live + tombstones) that triggers a rebuild.
+    """
+
+    def __init__(self, capacity: int, load_factor: float = 1.5, rebuild_at: float = 0.85) -> None:
+        if capacity < 1:
+            raise ValueError(f"IdMap capacity must be >= 1, got {capacity}")
+        if load_factor < 1.2:
+            raise ValueError(f"IdMap load_factor must be >= 1.2, got {load_factor}")
+        self._capacity = int(capacity)
+        self._slots_n = int(np.ceil(load_factor * capacity)) + 8
+        # at full capacity live / slots <= 1 / load_factor; keep the trigger above it
+        self._rebuild_slots = max(int(rebuild_at * self._slots_n), self._capacity + 1)
+        self._table = torch.full((self._slots_n, 2), EMPTY_KEY, dtype=torch.int64)
+        self._table_offsets = torch.tensor([0, self._slots_n], dtype=torch.int64)
+        self._size = 0
+        self._used_slots = 0  # live + tombstones (slots whose key != -1)
+        self.rebuilds = 0
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Live entries."""
+        return self._size
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def memory_bytes(self) -> int:
+        return self._table.numel() * self._table.element_size()
+
+    def lookup(self, ids: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (int64 [n]); -1 for unknown ids. Returns an int64 CPU tensor."""
+        t = _as_ids(ids)
+        if t.numel() == 0:
+            return torch.empty(0, dtype=torch.int64)
+        offsets = torch.tensor([0, t.numel()], dtype=torch.int64)
+        return torch.ops.fbgemm.pruned_hashmap_lookup(t, offsets, self._table, self._table_offsets)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All live (ids, rows) as int64 arrays, in slot order."""
+        keys = self._table[:, 0]
+        rows = self._table[:, 1]
+        live = (keys != EMPTY_KEY) & (rows >= 0)
+        return keys[live].numpy().copy(), rows[live].numpy().copy()
+
+    # -- updates -------------------------------------------------------------------
+    def insert(self, ids: np.ndarray | torch.Tensor, rows: np.ndarray | torch.Tensor) -> None:
+        """Map unique ``ids`` to ``rows`` (an existing id is overwritten).
+
+        Raises:
+            ValueError: ids contain -1 or duplicates, lengths differ, or the map
+                would exceed capacity. Nothing is inserted then.
+        """
+        t = _as_ids(ids)
+        r = _as_ids(rows, what="rows")
+        if t.numel() != r.numel():
+            raise ValueError(f"IdMap.insert: {t.numel()} ids but {r.numel()} rows")
+        if t.numel() == 0:
+            return
+        if bool((r < 0).any()):
+            raise ValueError("IdMap.insert: rows must be >= 0 (use remove() to delete)")
+        if t.unique().numel() != t.numel():
+            raise ValueError("IdMap.insert: ids must be unique")
+        new = self.lookup(t) < 0
+        n_new = int(new.sum())
+        if self._size + n_new > self._capacity:
+            raise ValueError(
+                f"IdMap.insert: {n_new} new ids would exceed capacity {self._capacity} (size {self._size})"
+            )
+        # worst case every new id takes a fresh slot; rebuild first so the table never fills
+        if self._used_slots + n_new > self._rebuild_slots:
+            self._rebuild()
+        self._raw_insert(t, r)
+        self._size += n_new
+        # a re-inserted tombstoned key reuses its slot; counting it as fresh only
+        # overestimates, which makes the next rebuild come early (and exact again)
+        self._used_slots += n_new
+
+    def remove(self, ids: np.ndarray | torch.Tensor) -> int:
+        """Remove ``ids`` (unknown ids are ignored). Returns how many were removed."""
+        t = _as_ids(ids)
+        if t.numel() == 0:
+            return 0
+        t = t.unique()
+        present = t[self.lookup(t) >= 0]
+        n = int(present.numel())
+        if n:
+            self._raw_insert(present, torch.full_like(present, -1))  # tombstones
+            self._size -= n
+        return n
+
+    def clear(self) -> None:
+        self._table.fill_(EMPTY_KEY)
+        self._size = 0
+        self._used_slots = 0
+
+    # -- internals -----------------------------------------------------------------
+    def _raw_insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        offsets = torch.tensor([0, ids.numel()], dtype=torch.int64)
+        torch.ops.fbgemm.pruned_hashmap_insert(ids, rows, offsets, self._table, self._table_offsets)
+
+    def _rebuild(self) -> None:
+        ids, rows = self.items()
+        self._table.fill_(EMPTY_KEY)
+        if ids.size:
+            self._raw_insert(torch.from_numpy(ids), torch.from_numpy(rows))
+        self._used_slots = int(ids.size)
+        self.rebuilds += 1
+
+
+def _as_ids(x: np.ndarray | torch.Tensor, what: str = "ids") -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dtype != torch.int64:
+        raise ValueError(f"IdMap: {what} must be int64, got {t.dtype}")
+    t = t.reshape(-1).contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if what == "ids" and t.numel() and bool((t == EMPTY_KEY).any()):
+        raise ValueError("IdMap: id -1 is reserved (empty-slot marker / padding id)")
+    return t

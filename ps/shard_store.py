@@ -1,0 +1,238 @@
+"""Everything one PS shard stores: its embedding tables and its dense parameters.
+
+The gRPC service (ps/server.py) calls these methods from several threads. Each
+table has its own lock, so pulls and pushes of different tables run
+concurrently; :meth:`ShardStore.write_lock` holds every lock at once for a
+consistent checkpoint cut or a migration freeze.
+
+Versions (incremental delivery)::
+
+    version 1 --- pushes stamp rows 1 ---  bump_version() -> 1
+    version 2 --- pushes stamp rows 2 ---  bump_version() -> 2 ...
+
+``bump_version()`` closes the current version and returns it; a delivery that
+ran ``v = bump_version()`` then later ``changed_rows(t, since_version=v)`` gets
+every row changed after its cut (rows changed during the export may come twice,
+never zero times).
+
+Example::
+
+    store = ShardStore([TableConfig(name="user", dim=8, capacity=1000)], shard_id=0,
+                       num_vshards=16, seed=0)
+    store.push("user", np.array([1, 1, 2]), np.ones((3, 8), np.float32))
+    store.pull("user", np.array([2, 1]))          # float32 [2, 8]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from metaps.hashing import vshard_of
+from metaps.log import kv
+from ps.config import NonfiniteMode, OptimizerConfig, TableConfig
+from ps.dense_store import DenseStore
+from ps.embedding_table import EmbeddingTable, PushResult, TableRows, check_ids
+from ps.errors import BadRequest
+
+__all__ = ["ShardStore", "TableRows", "PushResult", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when available else 'cpu'; 'cuda' without a GPU is an error."""
+    d = getattr(device, "value", device)
+    if d == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if d == "cuda" and not torch.cuda.is_available():
+        raise ValueError("ps device 'cuda' requested but torch.cuda.is_available() is False")
+    if d not in ("cpu", "cuda"):
+        raise ValueError(f"ps device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return d
+
+
+class ShardStore:
+    """All tables of one PS shard plus its dense store.
+
+    Args:
+        tables: resolved table configs (``PsConfig.table_configs(names)``).
+        shard_id: this shard's index (for logs and checkpoints).
+        num_vshards: V of ``vshard = mix64(id) % V``.
+        seed: job seed (initial rows, admission).
+        device: "cpu", "cuda" or "auto".
+        nonfinite_grads: "reject" (raise BadRequest) or "drop" (drop those ids, counted).
+        dense_optimizer: optimizer of dense parameters (default Adam, lr 1e-3).
+    """
+
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        *,
+        shard_id: int,
+        num_vshards: int,
+        seed: int,
+        device: str = "cpu",
+        nonfinite_grads: str = "reject",
+        dense_optimizer: OptimizerConfig | None = None,
+    ) -> None:
+        if num_vshards < 1:
+            raise ValueError(f"num_vshards must be >= 1, got {num_vshards}")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names in {names}")
+        self.shard_id = int(shard_id)
+        self.num_vshards = int(num_vshards)
+        self.seed = int(seed)
+        self.device = resolve_device(device)
+        self.nonfinite_grads = NonfiniteMode(getattr(nonfinite_grads, "value", nonfinite_grads))
+        self.tables: dict[str, EmbeddingTable] = {
+            t.name: EmbeddingTable(t, seed=self.seed, device=self.device) for t in tables
+        }
+        self.dense = DenseStore(dense_optimizer)
+        self._version = 1
+        log.info(
+            "shard store ready",
+            extra=kv(shard=self.shard_id, tables=",".join(names), device=self.device, bytes=self.memory_bytes()),
+        )
+
+    # -- helpers -------------------------------------------------------------------
+    def table(self, name: str) -> EmbeddingTable:
+        """The named table (BadRequest naming the known tables otherwise)."""
+        t = self.tables.get(name)
+        if t is None:
+            raise BadRequest(f"unknown table '{name}'; this shard has {sorted(self.tables)}")
+        return t
+
+    @contextlib.contextmanager
+    def write_lock(self) -> Iterator[None]:
+        """Hold every table lock and the dense lock: no pull/push/import runs meanwhile."""
+        with contextlib.ExitStack() as stack:
+            for name in sorted(self.tables):
+                stack.enter_context(self.tables[name].lock)
+            stack.enter_context(self.dense.lock)
+            yield
+
+    @property
+    def version(self) -> int:
+        """The current (open) version that changes are stamped with."""
+        return self._version
+
+    # -- data path -----------------------------------------------------------------
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (int64 [n], any order, duplicates ok) as float32 [n, dim].
+
+        Ids without a row (not admitted yet, or evicted) read as their initial value.
+        """
+        t = self.table(table)
+        with t.lock:
+            return t.pull(ids)
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
+        """Apply gradients float32 [n, dim] to ``ids`` int64 [n]; duplicates are summed.
+
+        Raises:
+            BadRequest: unknown table, wrong dtype/shape, NaN/Inf under "reject".
+                The table is unchanged then.
+        """
+        t = self.table(table)
+        with t.lock:
+            return t.push(ids, grads, self.nonfinite_grads)
+
+    # -- migration -----------------------------------------------------------------
+    def _vshard_rows(self, t: EmbeddingTable, vshards: Sequence[int]) -> np.ndarray:
+        used = t.used_rows()
+        if used.size == 0:
+            return used
+        vs = vshard_of(t.row_ids[used], self.num_vshards)
+        return used[np.isin(vs, np.asarray(list(vshards), dtype=np.int64))]
+
+    def export_vshards(self, vshards: Sequence[int]) -> dict[str, TableRows]:
+        """Rows (with optimizer state and metadata) whose vshard is in ``vshards``, per table."""
+        out: dict[str, TableRows] = {}
+        for name, t in self.tables.items():
+            with t.lock:
+                out[name] = t.export_rows(self._vshard_rows(t, vshards))
+        return out
+
+    def import_rows(self, table: str, rows: TableRows) -> None:
+        """Insert or overwrite rows + optimizer state + metadata (BadRequest leaves the table unchanged)."""
+        t = self.table(table)
+        with t.lock:
+            evicted = t.import_rows(rows)
+        log.info("imported rows", extra=kv(shard=self.shard_id, table=table, rows=len(rows), evicted=evicted))
+
+    def drop_vshards(self, vshards: Sequence[int]) -> int:
+        """Remove every row of ``vshards`` from every table; returns rows removed."""
+        total = 0
+        for t in self.tables.values():
+            with t.lock:
+                total += t.drop_rows(self._vshard_rows(t, vshards))
+        log.info("dropped vshards", extra=kv(shard=self.shard_id, vshards=len(list(vshards)), rows=total))
+        return total
+
+    def vshard_row_counts(self) -> dict[str, np.ndarray]:
+        """Rows per vshard per table (int64 [num_vshards]): load picture for the coordinator."""
+        out = {}
+        for name, t in self.tables.items():
+            with t.lock:
+                used = t.used_rows()
+                out[name] = np.bincount(vshard_of(t.row_ids[used], self.num_vshards), minlength=self.num_vshards)
+        return out
+
+    # -- incremental delivery ------------------------------------------------------
+    def bump_version(self) -> int:
+        """Close the current version and return it; later changes get the next one."""
+        with self.write_lock():
+            closed = self._version
+            self._version += 1
+            for t in self.tables.values():
+                t.current_version = self._version
+            return closed
+
+    def changed_rows(self, table: str, since_version: int) -> TableRows:
+        """Rows changed at versions > since_version (all rows for since_version=0)."""
+        t = self.table(table)
+        with t.lock:
+            return t.changed_rows(since_version)
+
+    def removed_ids(self, table: str, since_version: int) -> np.ndarray:
+        """Ids evicted at versions > since_version that have no row now."""
+        t = self.table(table)
+        with t.lock:
+            return t.removed_ids(since_version)
+
+    # -- all rows (checkpoints) ----------------------------------------------------
+    def all_rows(self, table: str) -> TableRows:
+        t = self.table(table)
+        with t.lock:
+            return t.export_rows(t.used_rows())
+
+    # -- introspection -------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes allocated by all tables (rows, state, map, metadata) and dense params."""
+        return int(sum(t.memory_bytes() for t in self.tables.values()) + self.dense.memory_bytes())
+
+    def stats(self) -> dict:
+        """Per table: rows, capacity, fill, admissions, evictions, drops, pulls, pushes, bytes."""
+        tables = {}
+        for name, t in self.tables.items():
+            with t.lock:
+                tables[name] = t.stats()
+        return {
+            "shard": self.shard_id,
+            "version": self._version,
+            "device": self.device,
+            "tables": tables,
+            "dense_params": len(self.dense.names()),
+            "bytes": self.memory_bytes(),
+        }
+
+
+def check_table_ids(table: str, ids: np.ndarray) -> np.ndarray:
+    """Validate ids for ``table`` (re-exported for the service's early checks)."""
+    return check_ids(table, ids)
