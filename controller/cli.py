@@ -1,0 +1,90 @@
+"""``metaps controller`` and ``metaps agent`` subcommands.
+
+::
+
+    metaps controller --config job.toml [--address HOST:PORT] [--state-dir DIR]
+    metaps agent --config job.toml --role worker --index 3 [--controller HOST:PORT] [-- CMD ...]
+
+The controller serves until a Shutdown RPC or SIGTERM/SIGINT. Its datasets are
+the job's ``[data] train`` (``[train] epochs`` passes) and ``[data] eval``
+(``[controller] eval_epochs`` passes); it writes its address to
+``<state_dir>/address``. The agent finds the controller from ``--controller``,
+``$METAPS_CONTROLLER`` or ``<state_dir>/address``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from metaps.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("controller", help="run the AntDT controller (DDS, monitor, policy)")
+    p.add_argument("--config", required=True, help="job TOML")
+    p.add_argument("--address", default="", help="listen address (default [controller] address)")
+    p.add_argument("--state-dir", default="", help="LMDB state dir (default [controller] state_dir or <run.dir>/controller)")
+    p.set_defaults(func=run_controller)
+
+    a = subparsers.add_parser("agent", help="run and supervise one worker or PS process")
+    a.add_argument("--config", required=True, help="job TOML")
+    a.add_argument("--role", required=True, choices=["worker", "ps"])
+    a.add_argument("--index", required=True, type=int)
+    a.add_argument("--controller", default="", help="controller host:port")
+    a.add_argument("child", nargs=argparse.REMAINDER, help="child command after '--' (default: metaps ROLE ...)")
+    a.set_defaults(func=run_agent)
+
+
+def _state_dir(job: Any, override: str) -> Path:
+    return Path(override or job.controller.state_dir or Path(job.run.dir) / "controller")
+
+
+def job_datasets(job: Any) -> list[Any]:
+    """The DDS datasets of a job: train (``train.epochs`` passes) and eval if set."""
+    from controller.dds import DatasetKind, DatasetSpec
+
+    epochs = int(getattr(job.train, "epochs", 1))
+    out = [DatasetSpec.from_meta_io("train", job.data.train, DatasetKind.TRAIN, epochs)]
+    if job.data.eval:
+        out.append(DatasetSpec.from_meta_io("eval", job.data.eval, DatasetKind.EVAL, job.controller.eval_epochs))
+    return out
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    from controller.server import ControllerServer
+    from metaps.job import load_job
+
+    job = load_job(args.config)
+    server = ControllerServer(job.controller, _state_dir(job, args.state_dir), job_datasets(job), job.rpc)
+    server.start(args.address or None)
+    signal.signal(signal.SIGTERM, lambda *_: server.shutdown_requested.set())
+    signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())
+    server.wait()
+    server.stop()
+    return 0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from controller.agent import Agent, default_child_cmd
+    from metaps.job import load_job
+
+    job = load_job(args.config)
+    addr = args.controller or os.environ.get("METAPS_CONTROLLER", "")
+    if not addr:
+        f = _state_dir(job, "") / "address"
+        if not f.exists():
+            raise ConfigError(f"{args.config}: no controller address: pass --controller, set METAPS_CONTROLLER "
+                              f"or start the controller first (it writes {f})")
+        addr = f.read_text().strip()
+    child = [c for c in args.child if c != "--"] or default_child_cmd(args.role, args.index, args.config)
+    agent = Agent(job.controller.agent, args.role, args.index, addr, job.rpc, child)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())
+    return agent.run()

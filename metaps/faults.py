@@ -1,0 +1,168 @@
+"""Fault injection for tests, benchmarks and demos: stragglers, slow PS, kills.
+
+Mounted at ``[faults]`` of the job TOML::
+
+    [[faults.faults]]
+    target = "worker"      # worker | ps
+    index = 3
+    kind = "slow"          # slow: step time x factor
+    factor = 4.0
+    start_s = 10.0         # seconds after the job start
+    duration_s = 0.0       # 0 = until the end
+
+    [[faults.faults]]
+    target = "ps"
+    index = 1
+    kind = "latency"       # latency: added seconds per request
+    latency_s = 0.02
+
+    [[faults.faults]]
+    target = "worker"
+    index = 0
+    kind = "kill"          # kill: the process exits at at_s
+    at_s = 30.0
+
+Workers and PS build a :class:`FaultInjector` for themselves and ask it::
+
+    inj = FaultInjector(job.faults, "worker", rank, t0=job_start)
+    time.sleep(inj.step_delay(step_time))     # a slowed worker
+    time.sleep(inj.added_latency())           # in a PS request handler
+    if inj.kill_due(): os._exit(137)          # an injected crash
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class FaultTarget(str, enum.Enum):
+    WORKER = "worker"
+    PS = "ps"
+
+
+class FaultKind(str, enum.Enum):
+    SLOW = "slow"        # multiply step time by `factor`
+    LATENCY = "latency"  # add `latency_s` to every request
+    KILL = "kill"        # die at `at_s`
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault. See the module docstring for the TOML form.
+
+    Args:
+        target: ``worker`` or ``ps``.
+        index: the worker rank or PS shard.
+        kind: ``slow`` | ``latency`` | ``kill``.
+        factor: slow: step time multiplier (> 1).
+        latency_s: latency: seconds added per request (> 0).
+        start_s: slow/latency: seconds after t0 when it begins.
+        duration_s: slow/latency: how long it lasts; 0 = persistent.
+        at_s: kill: seconds after t0 when the process dies.
+    """
+
+    target: FaultTarget
+    index: int
+    kind: FaultKind
+    factor: float = 1.0
+    latency_s: float = 0.0
+    start_s: float = 0.0
+    duration_s: float = 0.0
+    at_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", FaultTarget(self.target))
+        object.__setattr__(self, "kind", FaultKind(self.kind))
+
+    def validate(self) -> None:
+        where = f"{self.kind.value} fault on {self.target.value} {self.index}"
+        if self.index < 0:
+            raise ValueError(f"{where}: index must be >= 0")
+        if self.kind is FaultKind.SLOW and not self.factor > 1.0:
+            raise ValueError(f"{where}: factor must be > 1, got {self.factor}")
+        if self.kind is FaultKind.LATENCY and not self.latency_s > 0:
+            raise ValueError(f"{where}: latency_s must be > 0, got {self.latency_s}")
+        if self.start_s < 0 or self.duration_s < 0 or self.at_s < 0:
+            raise ValueError(f"{where}: start_s, duration_s and at_s must be >= 0, "
+                             f"got {self.start_s}, {self.duration_s}, {self.at_s}")
+
+    def active(self, elapsed: float) -> bool:
+        """Whether a slow/latency fault applies ``elapsed`` seconds after t0."""
+        if elapsed < self.start_s:
+            return False
+        return self.duration_s == 0 or elapsed < self.start_s + self.duration_s
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """``[faults]``: the list of injected faults (empty = none).
+
+    Example::
+
+        FaultConfig(faults=[Fault("worker", 1, "slow", factor=4.0)])
+    """
+
+    faults: list[Fault] = field(default_factory=list)
+
+    def validate(self) -> None:
+        for i, f in enumerate(self.faults):
+            try:
+                f.validate()
+            except ValueError as exc:
+                raise ValueError(f"faults[{i}]: {exc}") from None
+
+    def for_node(self, role: str, index: int) -> list[Fault]:
+        return [f for f in self.faults if f.target.value == role and f.index == index]
+
+
+class FaultInjector:
+    """The faults that apply to one process, evaluated against time since ``t0``.
+
+    Args:
+        cfg: the job's ``[faults]``.
+        role: ``worker`` or ``ps``.
+        index: this process's rank / shard.
+        t0: job start (same clock as ``clock``); default: now.
+        clock: ``time.time`` by default, so processes of one job share t0.
+    """
+
+    def __init__(self, cfg: FaultConfig, role: str, index: int, t0: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        FaultTarget(role)
+        cfg.validate()
+        self._faults = cfg.for_node(role, index)
+        self._clock = clock
+        self.t0 = clock() if t0 is None else t0
+
+    def _elapsed(self, now: float | None) -> float:
+        return (self._clock() if now is None else now) - self.t0
+
+    @property
+    def empty(self) -> bool:
+        return not self._faults
+
+    def slowdown(self, now: float | None = None) -> float:
+        """Current step-time multiplier (1.0 = normal; active factors multiply)."""
+        e = self._elapsed(now)
+        m = 1.0
+        for f in self._faults:
+            if f.kind is FaultKind.SLOW and f.active(e):
+                m *= f.factor
+        return m
+
+    def step_delay(self, step_time_s: float, now: float | None = None) -> float:
+        """Extra seconds a slowed worker sleeps after a step that took ``step_time_s``."""
+        return max(0.0, step_time_s) * (self.slowdown(now) - 1.0)
+
+    def added_latency(self, now: float | None = None) -> float:
+        """Seconds a PS adds to the request it is serving now."""
+        e = self._elapsed(now)
+        return sum(f.latency_s for f in self._faults if f.kind is FaultKind.LATENCY and f.active(e))
+
+    def kill_due(self, now: float | None = None) -> bool:
+        """True once a kill fault's ``at_s`` has passed."""
+        e = self._elapsed(now)
+        return any(f.kind is FaultKind.KILL and e >= f.at_s for f in self._faults)
