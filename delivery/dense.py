@@ -179,7 +179,9 @@ def trace_dense(model: nn.Module, schema: Schema, dims: dict[str, int]) -> tuple
     wrapper = _FlatPredict(model, names, heads).eval()
     with warnings.catch_warnings():
         # The model's eager input checks (bool(tensor)) are not traced; the check below covers that.
+        # TorchScript is deprecated upstream but is still the self-contained serving format here.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         with torch.no_grad():
             scripted = torch.jit.trace(wrapper, flat_inputs(names, fb, uniq, rows), check_trace=False)
     fb2, uniq2, rows2 = example_inputs(schema, dims, rows=37, id_space=400, seed=2)
@@ -197,13 +199,16 @@ def trace_dense(model: nn.Module, schema: Schema, dims: dict[str, int]) -> tuple
 
 
 def save_scripted(module: torch.jit.ScriptModule, path: str) -> None:
-    torch.jit.save(module, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(module, path)
 
 
 def load_scripted(path: str) -> torch.jit.ScriptModule:
     """Load ``dense.pt`` (bytes first, so a truncated file is a clear error)."""
     try:
-        with open(path, "rb") as fh:
+        with open(path, "rb") as fh, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
             module = torch.jit.load(io.BytesIO(fh.read()), map_location="cpu")
     except (RuntimeError, OSError) as exc:
         raise DeliveryError(f"{path}: cannot load the TorchScript dense network: {exc}") from None
