@@ -49,7 +49,7 @@ from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from ps import wire
 from ps.partition_map import PartitionMap, dense_owner
-from ps.server import ERROR_KEY, MAP_VERSION_KEY, WRONG_OWNER
+from ps.server import ERROR_KEY, PUSH_COUNT_FIELDS, WRONG_OWNER
 from protos import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,8 @@ class PsClient:
         ``step``, even shards that got no rows from it.
 
         Returns:
-            table -> counts summed over shards: rows, applied, dropped_nonfinite, skipped.
+            table -> counts summed over shards: rows (unique ids) and the
+            ``ps.embedding_table.PushResult`` fields (applied, nonfinite_dropped, ...).
         """
         jobs = []
         for table, (t_ids, t_grads) in grads.items():
@@ -390,7 +391,7 @@ class PsClient:
 
     def _run(self, kind: str, jobs: list[_Job], step: int | None) -> dict[str, dict[str, int]]:
         """Route, fan out, retry and (for pulls) scatter replies into ``job.out``."""
-        counts = {j.table: {"rows": 0, "applied": 0, "dropped_nonfinite": 0, "skipped": 0} for j in jobs}
+        counts = {j.table: dict.fromkeys(("rows",) + PUSH_COUNT_FIELDS, 0) for j in jobs}
         pending = [(j, np.arange(j.ids.size)) for j in jobs]
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
@@ -458,10 +459,8 @@ class PsClient:
                 else:
                     for tc in resp.tables:
                         c = counts[tc.table]
-                        c["rows"] += tc.rows
-                        c["applied"] += tc.applied
-                        c["dropped_nonfinite"] += tc.dropped_nonfinite
-                        c["skipped"] += tc.skipped
+                        for name in c:
+                            c[name] += getattr(tc, name)
             if pending or need_clock:
                 if time.monotonic() + delay > deadline:
                     raise PsUnavailableError(

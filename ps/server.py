@@ -53,6 +53,8 @@ from protos import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 WRONG_OWNER = "wrong_owner"
+PUSH_COUNT_FIELDS = ("applied", "nonfinite_dropped", "unadmitted_dropped", "admitted", "evicted", "full_dropped")
+"""ps.embedding_table.PushResult fields carried back in PushCounts (summed by the client)."""
 ERROR_KEY = "metaps-error"
 MAP_VERSION_KEY = "metaps-map-version"
 
@@ -334,7 +336,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         return int(getattr(t, "dim", None) or cfg.dim)
 
     def _decode_ids(self, table: str, buf: bytes) -> np.ndarray:
-        ids = wire.decode_ids(buf, table=table)
+        # A writable copy (8 B/id): torch warns on read-only buffers, and the store may sort in place.
+        ids = wire.decode_ids(buf, table=table).copy()
         if ids.size and ids.min() < 0:
             row = int(np.argmax(ids < 0))
             raise _bad(f"table '{table}': ids must be >= 0, got {int(ids[row])} at position {row}")
@@ -437,28 +440,18 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         shard = str(self.shard_id)
         for p, c in zip(parsed, out):
             self.metrics.rows_pushed.labels(shard, p.table).inc(int(p.ids.size))
-            if c.dropped_nonfinite:
-                self.metrics.nonfinite.labels(shard, p.table, "drop").inc(c.dropped_nonfinite)
+            if c.nonfinite_dropped:
+                self.metrics.nonfinite.labels(shard, p.table, "drop").inc(c.nonfinite_dropped)
         if worker and step is not None:
             self.clock.advance(worker, step)
         return out
 
     @staticmethod
     def _counts(p: _Parsed, res: Any) -> ps_pb2.PushCounts:
-        def get(*names: str) -> int:
-            for n in names:
-                v = getattr(res, n, None)
-                if v is None and isinstance(res, dict):
-                    v = res.get(n)
-                if v is not None:
-                    return int(v)
-            return 0
-
-        n = int(p.ids.size)
-        dropped = get("dropped_nonfinite", "nonfinite", "dropped")
-        skipped = get("skipped", "rejected", "not_admitted")
-        applied = get("applied") if res is not None and (hasattr(res, "applied") or (isinstance(res, dict) and "applied" in res)) else n - dropped - skipped
-        return ps_pb2.PushCounts(table=p.table, rows=n, applied=applied, dropped_nonfinite=dropped, skipped=skipped)
+        c = ps_pb2.PushCounts(table=p.table, rows=int(p.ids.size))
+        for name in PUSH_COUNT_FIELDS:
+            setattr(c, name, int(getattr(res, name, 0) or 0))
+        return c
 
     @_rpc(data=True)
     def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> ps_pb2.PullManyResponse:
@@ -488,15 +481,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     # -- dense ---------------------------------------------------------------------------
     @_rpc(data=False)
     def RegisterDense(self, request: ps_pb2.RegisterDenseRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterDenseResponse:
-        created = []
         values = {p.name: wire.dense_from_proto(p) for p in request.params}
         with self._gate.data(self.wait_timeout_s):
-            existing = set(self.store.dense.names()) if hasattr(self.store.dense, "names") else set()
-            for name, value in values.items():
-                if name in existing:
-                    continue
-                self.store.dense.register(name, value)
-                created.append(name)
+            created = [name for name, value in values.items() if self.store.dense.register(name, value)]
         return ps_pb2.RegisterDenseResponse(created=created)
 
     @_rpc(data=True)
@@ -660,49 +647,104 @@ def _json_default(o: Any) -> Any:
 
 
 # -- TableRows <-> chunks -------------------------------------------------------------------------
-def _rows_fields(rows: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(rows):
-        return {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
-    return dict(rows)
-
-
-def _num_rows(fields: dict[str, Any]) -> int:
-    ids = fields.get("ids")
-    if ids is None:
-        raise ValueError(f"TableRows has no 'ids' field: {sorted(fields)}")
-    return int(np.asarray(ids).shape[0])
+#   RowsChunk.arrays: "ids" [k], "weights" [k, dim], "freq" [k], "last_step" [k],
+#                     "state.<name>" [k, ...] (optimizer state, e.g. state.momentum)
+_ROW_FIELDS = ("ids", "weights", "freq", "last_step")
 
 
 def rows_to_chunks(table: str, rows: Any, max_bytes: int) -> Iterator[ps_pb2.RowsChunk]:
-    """Split one table's exported rows into messages of at most ~``max_bytes``.
-
-    Every array whose first axis is the row count is sliced; other fields (e.g.
-    scalars) travel whole in every chunk.
-    """
-    fields = _rows_fields(rows)
-    n = _num_rows(fields)
-    arrays = {k: np.asarray(v) for k, v in fields.items()}
-    per_row = sum(a.nbytes // max(n, 1) for a in arrays.values() if a.ndim and a.shape[0] == n) or 1
+    """Split one table's exported ``TableRows`` into messages of about ``max_bytes`` at most."""
+    arrays = {k: np.asarray(getattr(rows, k)) for k in _ROW_FIELDS}
+    arrays.update({f"state.{k}": np.asarray(v) for k, v in rows.state.items()})
+    n = int(arrays["ids"].shape[0])
+    per_row = max(1, sum(a.nbytes for a in arrays.values()) // max(n, 1))
     step = max(1, max_bytes // per_row)
     for start in range(0, max(n, 1), step):
         stop = min(n, start + step)
-        parts = [
-            wire.array_to_proto(k, a[start:stop] if (a.ndim and a.shape[0] == n) else a) for k, a in arrays.items()
-        ]
-        yield ps_pb2.RowsChunk(table=table, arrays=parts, rows=stop - start)
+        yield ps_pb2.RowsChunk(
+            table=table, rows=stop - start, arrays=[wire.array_to_proto(k, a[start:stop]) for k, a in arrays.items()]
+        )
 
 
 def rows_from_chunk(chunk: ps_pb2.RowsChunk) -> Any:
-    """A RowsChunk back to a ``ps.shard_store.TableRows``."""
-    from ps.shard_store import TableRows
+    """A RowsChunk back to ``ps.embedding_table.TableRows`` (sizes checked by the store)."""
+    from ps.embedding_table import TableRows
 
     fields = {a.name: wire.array_from_proto(a) for a in chunk.arrays}
-    if dataclasses.is_dataclass(TableRows):
-        names = {f.name for f in dataclasses.fields(TableRows)}
-        missing = names - set(fields)
-        if missing:
-            raise wire.WireError(f"table '{chunk.table}': rows chunk lacks fields {sorted(missing)}")
-        fields = {k: (v.item() if v.ndim == 0 else v) for k, v in fields.items() if k in names}
-    if int(np.asarray(fields["ids"]).shape[0]) != chunk.rows:
-        raise wire.WireError(f"table '{chunk.table}': rows chunk says {chunk.rows} rows, ids have {len(fields['ids'])}")
-    return TableRows(**fields)
+    missing = [k for k in _ROW_FIELDS if k not in fields]
+    if missing:
+        raise wire.WireError(f"table '{chunk.table}': rows chunk lacks arrays {missing}")
+    if fields["ids"].shape[0] != chunk.rows:
+        raise wire.WireError(f"table '{chunk.table}': rows chunk says {chunk.rows} rows, ids have {fields['ids'].shape[0]}")
+    state = {k[len("state."):]: v for k, v in fields.items() if k.startswith("state.")}
+    return TableRows(
+        ids=fields["ids"].astype(np.int64, copy=False), weights=fields["weights"], state=state,
+        freq=fields["freq"], last_step=fields["last_step"],
+    )
+
+
+def build_server(
+    ps_cfg: Any,
+    rpc_cfg: RpcConfig,
+    tables: list[Any],
+    shard_id: int,
+    *,
+    pmap: PartitionMap | None = None,
+    registry: CollectorRegistry | None = None,
+    added_latency_s: Callable[[], float] | None = None,
+    wait_timeout_s: float = 60.0,
+    max_workers: int = 8,
+) -> PsServer:
+    """A PsServer with a fresh ShardStore built from the job's ``[ps]`` config.
+
+    Args:
+        ps_cfg: ``ps.config.PsConfig``.
+        rpc_cfg: ``[rpc]``.
+        tables: resolved table configs (``JobConfig.table_configs()``).
+        shard_id: which shard this process is.
+        pmap: starting map (default: version 0, ``vshard % shards``).
+
+    Example::
+
+        server = build_server(job.ps, job.rpc, job.table_configs(), shard_id=1)
+        server.start(f"{job.ps.host}:0")
+    """
+    from ps.shard_store import ShardStore
+
+    if not 0 <= shard_id < ps_cfg.shards:
+        raise ValueError(f"--shard {shard_id} out of range: [ps] shards = {ps_cfg.shards}")
+    store = ShardStore(
+        tables,
+        shard_id=shard_id,
+        num_vshards=ps_cfg.num_vshards,
+        seed=ps_cfg.seed,
+        device=_device(_value(ps_cfg.device)),
+        nonfinite_grads=_value(ps_cfg.nonfinite_grads),
+        dense_optimizer=ps_cfg.dense_optimizer,
+    )
+    return PsServer(
+        store,
+        shard_id,
+        pmap or PartitionMap.initial(ps_cfg.shards, ps_cfg.num_vshards),
+        rpc_cfg,
+        max_request_rows=ps_cfg.max_request_rows,
+        max_staleness=ps_cfg.max_staleness,
+        sync=_value(ps_cfg.sync) == "sync",
+        nonfinite_grads=_value(ps_cfg.nonfinite_grads),
+        wait_timeout_s=wait_timeout_s,
+        registry=registry,
+        added_latency_s=added_latency_s,
+        max_workers=max_workers,
+    )
+
+
+def _value(v: Any) -> Any:
+    return getattr(v, "value", v)
+
+
+def _device(kind: str) -> str:
+    if kind == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind

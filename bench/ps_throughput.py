@@ -1,0 +1,287 @@
+"""PS pull/push throughput against a raw gRPC bytes echo, plus memory per row.
+
+Run::
+
+    python -m bench.ps_throughput [--quick] [--device cpu|cuda]
+
+Every server (the PS shards and the echo baseline) runs in its own process,
+started fresh with ``spawn``, like production. The client is this process.
+
+* echo baseline: the same thread-pool gRPC server type (``metaps.rpc.make_server``)
+  with raw ``bytes`` handlers: for pull it receives the ids and returns a
+  payload the size of the rows; for push it receives ids + grads and returns 2 bytes.
+* PS: ``PsClient.pull/push`` (dedup, routing, PullMany/PushMany, reassembly)
+  against PS shard processes; dim 64, 16K unique ids per request, rowwise Adagrad.
+* shards 1, 2, 4: the same client against N shard processes (2 cores here: more
+  processes share the same cores, so expect no linear scaling).
+* memory: a ShardStore filled with 1M rows (dim 64) vs the raw bytes of the rows
+  and their optimizer state.
+
+The last line printed is a JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DIM = 64
+ROWS_PER_REQ = 16 * 1024
+TOKEN = "bench-token"
+
+
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- server processes -----------------------------------------------------------------
+def _serve_echo(port_file: str, dim: int) -> None:
+    import grpc
+
+    from metaps.rpc import RpcConfig, make_server
+
+    cfg = RpcConfig(token=TOKEN)
+    replies: dict[tuple[int, int], bytes] = {}
+
+    def pull(req: bytes, ctx: Any) -> bytes:
+        n = len(req) // 8
+        key = (n, 4)
+        if key not in replies:
+            replies[key] = os.urandom(n * dim * 4)
+        return replies[key]
+
+    def pull16(req: bytes, ctx: Any) -> bytes:
+        n = len(req) // 8
+        key = (n, 2)
+        if key not in replies:
+            replies[key] = os.urandom(n * dim * 2)
+        return replies[key]
+
+    def push(req: bytes, ctx: Any) -> bytes:
+        return b"ok"
+
+    server = make_server(cfg, max_workers=8)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "bench.Echo",
+                {
+                    "Pull": grpc.unary_unary_rpc_method_handler(pull),
+                    "Pull16": grpc.unary_unary_rpc_method_handler(pull16),
+                    "Push": grpc.unary_unary_rpc_method_handler(push),
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(port_file).write_text(str(port))
+    server.wait_for_termination()
+
+
+def _serve_ps(port_file: str, shard: int, shards: int, capacity: int, device: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from metaps.rpc import RpcConfig
+    from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig
+    from ps.server import build_server
+
+    ps_cfg = PsConfig(shards=shards, num_vshards=256, device=device, max_request_rows=1 << 20)
+    table = TableConfig(name="t", dim=DIM, capacity=capacity, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01))
+    server = build_server(ps_cfg, RpcConfig(token=TOKEN), [table], shard)
+    port = server.start("127.0.0.1:0")
+    Path(port_file).write_text(str(port))
+    server.wait()
+
+
+def _start(target: Any, *args: Any) -> tuple[mp.Process, int]:
+    ctx = mp.get_context("spawn")
+    fd, port_file = tempfile.mkstemp(prefix="psbench-")
+    os.close(fd)
+    os.unlink(port_file)
+    proc = ctx.Process(target=target, args=(port_file, *args), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(port_file) or not Path(port_file).read_text():
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"server process {target.__name__} did not start (exit {proc.exitcode})")
+        time.sleep(0.05)
+    time.sleep(0.05)
+    port = int(Path(port_file).read_text())
+    os.unlink(port_file)
+    return proc, port
+
+
+# -- measurements --------------------------------------------------------------------------
+def _rate(fn: Any, rows_per_call: int, seconds: float, min_calls: int = 3) -> float:
+    fn()  # warm up (connections, allocations)
+    n, t0 = 0, time.perf_counter()
+    while n < min_calls or time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    return rows_per_call * n / (time.perf_counter() - t0)
+
+
+def _id_batches(population: np.ndarray, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.choice(population, ROWS_PER_REQ, replace=False) for _ in range(count)]
+
+
+def bench_echo(seconds: float) -> dict[str, float]:
+    from metaps.rpc import RpcConfig, make_channel
+
+    proc, port = _start(_serve_echo, DIM)
+    try:
+        ch = make_channel(f"127.0.0.1:{port}", RpcConfig(token=TOKEN))
+        pull = ch.unary_unary("/bench.Echo/Pull")
+        pull16 = ch.unary_unary("/bench.Echo/Pull16")
+        push = ch.unary_unary("/bench.Echo/Push")
+        ids = np.arange(ROWS_PER_REQ, dtype=np.int64)
+        grads = np.random.default_rng(0).standard_normal((ROWS_PER_REQ, DIM)).astype(np.float32)
+
+        def do_pull() -> None:
+            out = pull(ids.tobytes(), timeout=30)
+            np.frombuffer(out, dtype=np.float32)
+
+        def do_pull16() -> None:
+            out = pull16(ids.tobytes(), timeout=30)
+            np.frombuffer(out, dtype=np.float16)
+
+        def do_push() -> None:
+            push(ids.tobytes() + grads.tobytes(), timeout=30)
+
+        res = {
+            "echo_pull_rows_s": _rate(do_pull, ROWS_PER_REQ, seconds),
+            "echo_pull_fp16_rows_s": _rate(do_pull16, ROWS_PER_REQ, seconds),
+            "echo_push_rows_s": _rate(do_push, ROWS_PER_REQ, seconds),
+        }
+        ch.close()
+        return res
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def bench_ps(shards: int, seconds: float, population: int, device: str, fp16: bool = True) -> dict[str, float]:
+    from metaps.rpc import RpcConfig
+    from ps.client import PsClient
+
+    procs = [_start(_serve_ps, s, shards, population // shards * 2 + 1024, device) for s in range(shards)]
+    try:
+        addrs = [f"127.0.0.1:{port}" for _, port in procs]
+        pop = np.random.default_rng(1).choice(1 << 40, population, replace=False).astype(np.int64)
+        grads = np.random.default_rng(2).standard_normal((ROWS_PER_REQ, DIM)).astype(np.float32) * 0.01
+        res: dict[str, float] = {}
+        with PsClient(addrs, RpcConfig(token=TOKEN)) as client:
+            for start in range(0, population, ROWS_PER_REQ * 4):  # admit every row first
+                chunk = pop[start : start + ROWS_PER_REQ * 4]
+                client.push({"t": (chunk, np.zeros((chunk.size, DIM), np.float32))})
+            batches = _id_batches(pop, 8, 3)
+            it = iter(range(1 << 30))
+
+            def do_pull() -> None:
+                client.pull({"t": batches[next(it) % len(batches)]})
+
+            def do_push() -> None:
+                client.push({"t": (batches[next(it) % len(batches)], grads)})
+
+            res["pull_rows_s"] = _rate(do_pull, ROWS_PER_REQ, seconds)
+            res["push_rows_s"] = _rate(do_push, ROWS_PER_REQ, seconds)
+        if fp16:
+            with PsClient(addrs, RpcConfig(token=TOKEN), value_dtype="fp16", grad_dtype="fp16") as client:
+                res["pull_fp16_rows_s"] = _rate(do_pull_fp16 := (lambda: client.pull({"t": batches[next(it) % len(batches)]})), ROWS_PER_REQ, seconds)
+                res["push_fp16_rows_s"] = _rate(lambda: client.push({"t": (batches[next(it) % len(batches)], grads)}), ROWS_PER_REQ, seconds)
+                del do_pull_fp16
+        return res
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+            proc.join()
+
+
+def bench_memory(rows: int, device: str) -> dict[str, float]:
+    """Bytes per row of a filled ShardStore vs raw rows + rowwise-Adagrad state."""
+    import torch
+
+    from ps.config import OptimizerConfig, OptimizerKind, TableConfig
+    from ps.shard_store import ShardStore
+
+    table = TableConfig(name="t", dim=DIM, capacity=rows, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD))
+    store = ShardStore([table], shard_id=0, num_vshards=1, seed=0, device=device)
+    ids = np.random.default_rng(5).choice(1 << 40, rows, replace=False).astype(np.int64)
+    zeros = np.zeros((min(rows, 1 << 17), DIM), np.float32)
+    for start in range(0, rows, zeros.shape[0]):
+        chunk = ids[start : start + zeros.shape[0]]
+        store.push("t", chunk, zeros[: chunk.size])
+    raw = rows * (DIM * 4 + 4)  # fp32 row + one fp32 rowwise-Adagrad accumulator
+    held = store.memory_bytes()
+    stats = store.stats()
+    del store
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"memory_rows": rows, "memory_bytes_per_row": held / rows, "raw_bytes_per_row": raw / rows,
+            "bytes_per_row_ratio": held / raw, "memory_store_stats": stats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="about a minute")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    seconds = 2.0 if args.quick else 6.0
+    population = 200_000 if args.quick else 1_000_000
+    out: dict[str, Any] = {"device": args.device, "dim": DIM, "rows_per_request": ROWS_PER_REQ, "cores": os.cpu_count()}
+
+    _progress(f"[1/4] echo baseline (raw gRPC bytes, {ROWS_PER_REQ} rows x dim {DIM})")
+    out.update(bench_echo(seconds))
+    _progress(f"      echo pull {out['echo_pull_rows_s']:,.0f} rows/s, push {out['echo_push_rows_s']:,.0f} rows/s")
+
+    _progress("[2/4] one PS shard (separate process), fp32 and fp16")
+    one = bench_ps(1, seconds, population, args.device)
+    out.update({f"ps1_{k}": v for k, v in one.items()})
+    out["pull_vs_echo"] = one["pull_rows_s"] / out["echo_pull_rows_s"]
+    out["push_vs_echo"] = one["push_rows_s"] / out["echo_push_rows_s"]
+    out["pull_fp16_vs_echo_fp16"] = one["pull_fp16_rows_s"] / out["echo_pull_fp16_rows_s"]
+    _progress(
+        f"      pull {one['pull_rows_s']:,.0f} rows/s ({out['pull_vs_echo']:.2f}x echo), "
+        f"push {one['push_rows_s']:,.0f} rows/s ({out['push_vs_echo']:.2f}x echo), "
+        f"fp16 pull {one['pull_fp16_rows_s']:,.0f}, fp16 push {one['push_fp16_rows_s']:,.0f}"
+    )
+
+    _progress("[3/4] 2 and 4 shards (one process each; 2 cores shared)")
+    for n in (2, 4):
+        r = bench_ps(n, seconds / 2 if args.quick else seconds, population, args.device, fp16=False)
+        out[f"ps{n}_pull_rows_s"] = r["pull_rows_s"]
+        out[f"ps{n}_push_rows_s"] = r["push_rows_s"]
+        _progress(f"      {n} shards: pull {r['pull_rows_s']:,.0f} rows/s, push {r['push_rows_s']:,.0f} rows/s")
+
+    _progress("[4/4] memory per row with 1M rows")
+    mem = bench_memory(1_000_000, args.device)
+    out.update({k: v for k, v in mem.items() if k != "memory_store_stats"})
+    _progress(
+        f"      {mem['memory_bytes_per_row']:.1f} B/row held vs {mem['raw_bytes_per_row']:.1f} raw "
+        f"({mem['bytes_per_row_ratio']:.2f}x)"
+    )
+    out["targets_met"] = {
+        "pull_vs_echo>=0.5": out["pull_vs_echo"] >= 0.5,
+        "push_vs_echo>=0.3": out["push_vs_echo"] >= 0.3,
+        "bytes_per_row_ratio<=1.5": out["bytes_per_row_ratio"] <= 1.5,
+    }
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""``metaps ps``: run one parameter-server shard as its own process.
+
+Example::
+
+    metaps ps --config job.toml --shard 0 --port 5000
+    metaps ps --config job.toml --shard 1 --restore runs/x/ckpt/ckpt-1200
+
+The process serves gRPC on ``[ps] host`` and ``--port`` (default
+``base_port + shard``, or a free port when base_port is 0), Prometheus
+``/metrics`` on ``--metrics-port`` and, with ``--ready-file``, writes
+``{"port", "metrics_port", "pid"}`` there once serving (launchers and tests
+wait for it). SIGTERM/SIGINT: stop accepting calls, finish in-flight ones
+(up to ``--grace`` seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("ps", help="run one parameter-server shard")
+    p.add_argument("--config", required=True, help="job TOML")
+    p.add_argument("--shard", type=int, required=True, help="shard id 0..[ps].shards-1")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default base_port + shard; 0 = free port)")
+    p.add_argument("--restore", default="", help="checkpoint directory to load this shard's vshards from")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = free port)")
+    p.add_argument("--ready-file", default="", help="write {port, metrics_port, pid} as JSON here once serving")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    p.set_defaults(func=run_ps)
+
+
+def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
+    """The fault injector's per-RPC delay for this shard, when metaps.faults provides one."""
+    try:
+        from metaps import faults
+    except ImportError:
+        return None
+    make = getattr(faults, "ps_added_latency", None)
+    return make(job.faults, shard) if make is not None else None
+
+
+def run_ps(args: argparse.Namespace) -> int:
+    from prometheus_client import REGISTRY
+
+    from metaps.job import load_job
+    from metaps.metrics import serve_metrics
+    from ps.coordinator import restore_shard_checkpoint
+    from ps.server import build_server
+
+    job = load_job(args.config)
+    ps_cfg = job.ps
+    if not 0 <= args.shard < ps_cfg.shards:
+        from metaps.errors import ConfigError
+
+        raise ConfigError(f"{args.config}: --shard {args.shard} out of range: [ps] shards = {ps_cfg.shards}")
+    server = build_server(
+        ps_cfg, job.rpc, job.table_configs(), args.shard, registry=REGISTRY,
+        added_latency_s=_latency_hook(job, args.shard),
+    )
+    if args.restore:
+        rows, step = restore_shard_checkpoint(server, args.restore)
+        log.info("restored", extra=kv(shard=args.shard, dir=args.restore, rows=rows, step=step))
+    port = args.port if args.port is not None else (ps_cfg.base_port + args.shard if ps_cfg.base_port else 0)
+    port = server.start(f"{ps_cfg.host}:{port}")
+    metrics_port = serve_metrics(args.metrics_port, ps_cfg.host)
+    log.info("ps ready", extra=kv(shard=args.shard, port=port, metrics_port=metrics_port, pid=os.getpid()))
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal received; shutting down", extra=kv(signal=signal.Signals(signum).name, grace=args.grace))
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.ready_file:
+        tmp = Path(args.ready_file + ".tmp")
+        tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}))
+        tmp.replace(args.ready_file)  # atomic: a reader never sees half a file
+    while not stop.wait(0.5):
+        pass
+    server.stop(grace=args.grace)
+    log.info("ps exited cleanly", extra=kv(shard=args.shard))
+    return 0
