@@ -303,7 +303,7 @@ class _World:
         personal = rng.normal(size=(U, k))
         self.user_vec = (0.9 * seg_center[self.user_seg] + 0.7 * personal).astype(np.float32)
         self.user_seg_vec = (0.9 * seg_center[self.user_seg]).astype(np.float32)
-        self.user_bias = rng.normal(0.0, 0.6, size=U).astype(np.float32)
+        self.user_bias = rng.normal(0.0, 0.8, size=U).astype(np.float32)
         self.user_scene_bias = rng.normal(0.0, 0.4, size=(U, len(SCENES))).astype(np.float32)
         cold_counts = rng.integers(1, 6, size=self.cold_users)
         self.cold_rows = int(cold_counts.sum())
