@@ -101,7 +101,7 @@ class MetaIOBuildConfig:
     memory_budget_mb: float = 512.0
     partitions: int = 0
     max_partitions: int = 256
-    max_file_mb: float = 256.0
+    max_file_mb: float = 64.0
     source_batch_rows: int = 65_536
     overwrite: bool = False
 

@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--no-buckets", action="store_true", help="pad every episode to S+Q (no size buckets)")
     b.add_argument("--memory-budget-mb", type=float, default=512.0, help="memory for one pass-2 partition")
     b.add_argument("--partitions", type=int, default=0, help="spill partitions (0: from the budget)")
-    b.add_argument("--max-file-mb", type=float, default=256.0, help="roll to a new part file after this size")
+    b.add_argument("--max-file-mb", type=float, default=64.0, help="roll to a new part file after this size")
     b.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     b.add_argument("--json", action="store_true", help="print the manifest totals as JSON")
     b.set_defaults(func=_build)
