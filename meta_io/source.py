@@ -361,7 +361,9 @@ def _ids_from_text(
     arr = pc.utf8_trim_whitespace(arr)
     is_int = _text_matches(arr, _INT_RE)
     if col.name not in st.int_mode:
-        # The first batch of a CSV file decides: all decimal -> integer ids.
+        if len(arr) == arr.null_count:  # nothing to decide on yet (all empty)
+            return np.full(len(arr), PAD_ID, dtype=np.int64)
+        # The first batch with values decides for the file: all decimal -> integer ids.
         st.int_mode[col.name] = bool(is_int.all())
     if not st.int_mode[col.name]:
         return hash_strings(arr)
@@ -392,7 +394,8 @@ def _ids(
     if col.hash:
         return hash_strings(pc.cast(arr, pa.string()))
     if pa.types.is_signed_integer(t):
-        vals = pc.cast(arr, pa.int64()).fill_null(PAD_ID).to_numpy(zero_copy_only=False)
+        vals = pc.cast(arr, pa.int64())
+        vals = (vals.fill_null(PAD_ID) if vals.null_count else vals).to_numpy(zero_copy_only=False)
         neg = (vals < 0) & _valid(arr)
         if neg.any():
             i = int(np.flatnonzero(neg)[0])
@@ -460,12 +463,13 @@ def _pad(values: np.ndarray, lengths: np.ndarray, width: int, fill, dtype) -> tu
     n = lengths.size
     out = np.full((n, width), fill, dtype=dtype)
     kept = np.minimum(lengths, width)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else np.zeros(0, np.int64)
-    total = int(kept.sum())
-    row = np.repeat(np.arange(n), kept)
-    pos = np.arange(total) - np.repeat(np.cumsum(kept) - kept, kept)
-    out[row, pos] = values[starts[row] + pos]
-    return out, int((lengths > width).sum())
+    truncated = int((lengths > width).sum())
+    if truncated:  # drop each row's values past ``width`` (row-major order is kept)
+        starts = np.cumsum(lengths) - lengths
+        pos = np.arange(values.size) - np.repeat(starts, lengths)
+        values = values[pos < width]
+    out[np.arange(width)[None, :] < kept[:, None]] = values  # boolean fill is row-major
+    return out, truncated
 
 
 def _id_list(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:

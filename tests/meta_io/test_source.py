@@ -370,3 +370,13 @@ def test_parquet_time_types(tmp_path: Path) -> None:
     for name, arr in cases.items():
         pq.write_table(pa.table({"u": [1, 2], "y": [0, 1], "t": arr}), tmp_path / name)
         assert read_all(tmp_path / name, schema).column("t").to_pylist() == want[name], name
+
+
+def test_csv_decision_waits_for_a_batch_with_values(tmp_path: Path, example_schema: Schema) -> None:
+    """An all-empty first batch does not lock an id column into integer mode."""
+    rows = user_rows()
+    rows["query"] = [[] for _ in range(10)] + [["tok", "7"] for _ in range(USER_ROWS - 10)]
+    t = read_all(write_user_csv(tmp_path / "late.csv", rows), example_schema, batch_rows=10)
+    query = np.stack(t.column("query").to_numpy(zero_copy_only=False))
+    assert (query[:10] == PAD_ID).all()
+    assert query[10, :2].tolist() == hash_strings(pa.array(["tok", "7"])).tolist()  # whole file hashed
