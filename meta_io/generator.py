@@ -385,8 +385,11 @@ class _World:
         # Multi-hot tables: user interests = the user's best clusters; item tags
         # = tags of the item's cluster. Session tags are drawn per row.
         M = cfg.multi_hot_max_len
-        affinity = self.user_vec @ cluster_center.T  # [U, clusters]
-        self.user_interests = np.argsort(-affinity, axis=1)[:, :M].astype(np.int64)
+        top = min(M, N_CLUSTERS)
+        self.user_interests = np.empty((U, top), dtype=np.int64)
+        for b in range(0, U, 1 << 16):  # blocks keep the [U, clusters] temporaries small
+            affinity = self.user_vec[b : b + (1 << 16)] @ cluster_center.T.astype(np.float32)
+            self.user_interests[b : b + (1 << 16)] = np.argsort(-affinity, axis=1)[:, :top]
         if M > N_CLUSTERS:
             self.user_interests = np.pad(self.user_interests, ((0, 0), (0, M - N_CLUSTERS)), constant_values=0)
         self.user_interests_len = _ragged_table(rng, U, min(M, N_CLUSTERS))
