@@ -24,8 +24,9 @@ from controller.policy import Action, Policy, SetBatchSizes, StragglerDetector, 
 def proportional_batch_sizes(speeds: Mapping[int, float], global_batch: int) -> dict[int, int]:
     """Integer batch sizes proportional to ``speeds`` summing exactly to ``global_batch``.
 
-    Every worker gets 1 first (nobody may starve); the rest is shared by
-    largest remainder (ties to the lower worker index).
+    Quotas ``global_batch * speed / sum(speeds)`` are floored, lifted to >= 1
+    (nobody may starve), and the difference is settled by largest remainder
+    (ties to the lower worker index).
 
     Args:
         speeds: samples/s by worker index; each finite and > 0.
@@ -43,12 +44,16 @@ def proportional_batch_sizes(speeds: Mapping[int, float], global_batch: int) -> 
     if global_batch < n:
         raise ValueError(f"global batch {global_batch} is smaller than the {n} workers (each needs >= 1)")
     total = float(sum(speeds.values()))
-    spare = global_batch - n
-    quotas = {k: spare * v / total for k, v in speeds.items()}
-    sizes = {k: 1 + int(math.floor(q)) for k, q in quotas.items()}
+    quotas = {k: global_batch * v / total for k, v in speeds.items()}
+    sizes = {k: max(1, int(math.floor(q))) for k, q in quotas.items()}
     left = global_batch - sum(sizes.values())
-    for k in sorted(quotas, key=lambda k: (-(quotas[k] - math.floor(quotas[k])), k))[:left]:
-        sizes[k] += 1
+    if left > 0:  # floors fall short by < n: +1 to the largest remainders
+        for k in sorted(quotas, key=lambda k: (-(quotas[k] - sizes[k]), k))[:left]:
+            sizes[k] += 1
+    while left < 0:  # lifting tiny quotas to 1 overshot: take from the largest surplus
+        k = max((k for k in sizes if sizes[k] > 1), key=lambda k: (sizes[k] - quotas[k], -k))
+        sizes[k] -= 1
+        left += 1
     return sizes
 
 

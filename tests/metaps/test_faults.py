@@ -1,0 +1,37 @@
+"""Fault injection config and helpers."""
+
+from __future__ import annotations
+
+import pytest
+
+from metaps.config import from_mapping
+from metaps.errors import ConfigError
+from metaps.faults import Fault, FaultConfig, FaultInjector
+
+
+def test_toml_shape_and_helpers() -> None:
+    cfg = from_mapping(FaultConfig, {"faults": [
+        {"target": "worker", "index": 1, "kind": "slow", "factor": 4.0, "start_s": 10.0, "duration_s": 5.0},
+        {"target": "ps", "index": 0, "kind": "latency", "latency_s": 0.02},
+        {"target": "worker", "index": 1, "kind": "kill", "at_s": 30.0},
+    ]}, where="job.toml", prefix="faults")
+    w = FaultInjector(cfg, "worker", 1, t0=0.0, clock=lambda: 0.0)
+    assert w.step_delay(0.5, now=9.0) == 0.0
+    assert w.step_delay(0.5, now=12.0) == pytest.approx(1.5)  # 0.5 s step x4 -> sleep 1.5 s more
+    assert w.step_delay(0.5, now=15.0) == 0.0  # duration over
+    assert not w.kill_due(now=29.9) and w.kill_due(now=30.0)
+    assert w.added_latency(now=12.0) == 0.0
+    ps = FaultInjector(cfg, "ps", 0, t0=0.0, clock=lambda: 0.0)
+    assert ps.added_latency(now=1e6) == 0.02  # duration 0 = persistent
+    assert FaultInjector(cfg, "worker", 0, t0=0.0).empty
+
+
+def test_bad_faults_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"job.toml: \[faults.faults\[0\]\]: slow fault on worker 2: factor must be > 1, got 0.5"):
+        from_mapping(FaultConfig, {"faults": [{"target": "worker", "index": 2, "kind": "slow", "factor": 0.5}]},
+                     where="job.toml", prefix="faults")
+    with pytest.raises(ConfigError, match=r"faults.faults\[0\].kind.*expected one of \['slow', 'latency', 'kill'\]"):
+        from_mapping(FaultConfig, {"faults": [{"target": "worker", "index": 2, "kind": "explode"}]},
+                     where="job.toml", prefix="faults")
+    with pytest.raises(ValueError, match="latency_s must be > 0"):
+        Fault("ps", 0, "latency").validate()
