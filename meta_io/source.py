@@ -156,7 +156,9 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
         raise DataError(f"{path}: not a readable Parquet file (corrupt or truncated?): {exc}") from None
 
 
-def _csv_options(path: Path, names: list[str] | None, block_size: int = 1 << 20):
+def _csv_options(
+    path: Path, names: list[str] | None, block_size: int = 1 << 20
+) -> tuple[pcsv.ReadOptions, pcsv.ParseOptions, pcsv.ConvertOptions]:
     read = pcsv.ReadOptions(block_size=block_size)
     parse = pcsv.ParseOptions(delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
     convert = pcsv.ConvertOptions(
