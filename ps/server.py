@@ -46,6 +46,7 @@ from metaps.hashing import vshard_of
 from metaps.log import kv
 from metaps.rpc import RpcConfig, add_health, add_port, make_server
 from ps import wire
+from ps.errors import BadRequest
 from ps.partition_map import PartitionMap, dense_owner
 from ps.staleness import StalenessTimeout, StepClock
 from protos import ps_pb2, ps_pb2_grpc
@@ -205,7 +206,7 @@ def _rpc(data: bool) -> Callable:
                 if exc.metadata:
                     context.set_trailing_metadata(exc.metadata)
                 context.abort(exc.code, str(exc))
-            except (wire.WireError, _BadRequestTypes()) as exc:
+            except (wire.WireError, BadRequest) as exc:
                 self.metrics.errors.labels(shard, method, "INVALID_ARGUMENT").inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except StalenessTimeout as exc:
@@ -217,19 +218,6 @@ def _rpc(data: bool) -> Callable:
         return wrapper
 
     return deco
-
-
-@functools.lru_cache(maxsize=1)
-def _BadRequestTypes() -> tuple[type, ...]:
-    """Storage's bad-input error types (imported lazily: ps.errors is another module)."""
-    types: list[type] = []
-    try:
-        from ps.errors import BadRequest
-
-        types.append(BadRequest)
-    except ImportError:  # pragma: no cover - storage always ships ps.errors
-        pass
-    return tuple(types) or (wire.WireError,)
 
 
 @dataclasses.dataclass
