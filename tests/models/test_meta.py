@@ -1,0 +1,240 @@
+"""Meta step against a plain per-task autograd reference; vmap == loop; plain step."""
+
+import itertools
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from meta_io.batch import MetaBatch
+from models import ModelConfig, build_model, loss
+from models.meta import AdaptTarget, MetaConfig, adapt_and_predict, assign_grads, meta_step, plain_step
+from models.testing import random_meta_batch, random_plain_batch, random_rows, synthetic_schema
+
+TINY = dict(hidden=[8], expert_hidden=[8], n_experts=2, default_dim=4, cross_layers=1)
+
+
+def _setup(kind: str = "dnn", seed: int = 0, tasks: int = 4, pad_tasks: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=1, n_dense=2, vector_dim=4, max_len=3)
+    model = build_model(schema, ModelConfig(kind=kind, **TINY))
+    mb = random_meta_batch(schema, tasks=tasks, support=5, query=4, vocab=8, generator=g, pad_tasks=pad_tasks)
+    if tasks > 1:
+        mb.query.mask[1] = False  # a real task slot with no real query rows: weight 0, no NaN
+    rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+    return model, mb, rows
+
+
+def reference(model, mb: MetaBatch, rows, cfg: MetaConfig):
+    """Per-task autograd with explicit fast-weight copies (no torch.func transforms)."""
+    P = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    R = {t: r.detach().clone().requires_grad_() for t, r in rows.items()}
+    real = [i for i in range(mb.task_mask.numel()) if mb.task_mask[i] and mb.query.mask[i].any()]
+    total = torch.zeros(())
+    for i in real:
+        sup = mb.support.map(lambda t: t[i])
+        qry = mb.query.map(lambda t: t[i])
+        fp, fr = dict(P), dict(R)
+        for _ in range(cfg.inner_steps):
+            out = functional_call(model, fp, (sup, fr, mb.unique_ids))
+            l_s = loss(out, sup, model.heads)[0]
+            names = (list(fp) if cfg.adapts_dense else []) + (list(fr) if cfg.adapts_rows else [])
+            inputs = ([fp[n] for n in fp] if cfg.adapts_dense else []) + ([fr[t] for t in fr] if cfg.adapts_rows else [])
+            gs = torch.autograd.grad(l_s, inputs, create_graph=not cfg.first_order, materialize_grads=True)
+            new = {n: x - cfg.inner_lr * g for n, x, g in zip(names, inputs, gs)}
+            if cfg.adapts_dense:
+                fp = {n: new[n] for n in fp}
+            if cfg.adapts_rows:
+                fr = {t: new[t] for t in fr}
+        total = total + loss(functional_call(model, fp, (qry, fr, mb.unique_ids)), qry, model.heads)[0]
+    total = total / max(len(real), 1)
+    grads = torch.autograd.grad(total, list(P.values()) + list(R.values()), materialize_grads=True)
+    return total.detach(), dict(zip(P, grads[: len(P)])), dict(zip(R, grads[len(P):]))
+
+
+def _close(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize(
+    "first_order, steps, adapt",
+    list(itertools.product([True, False], [1, 2], list(AdaptTarget))),
+)
+def test_meta_grads_equal_per_task_autograd_reference(first_order, steps, adapt) -> None:
+    model, mb, rows = _setup("dnn")
+    # The loop runs on the 2-step cases only (vmap == loop; keeps the suite fast).
+    for vectorize in (True, False) if steps == 2 else (True,):
+        cfg = MetaConfig(inner_steps=steps, inner_lr=0.3, first_order=first_order, adapt=adapt, vectorize=vectorize)
+        res = meta_step(model, mb, rows, cfg)
+        want_loss, want_dense, want_rows = reference(model, mb, rows, cfg)
+        torch.testing.assert_close(res.outer_loss, want_loss)
+        _close(res.dense_grads, want_dense)
+        _close(res.row_grads, want_rows)
+        assert res.metrics["tasks"] == 2.0  # 4 slots: 1 padding task, 1 with an empty query
+
+
+@pytest.mark.parametrize("kind, bottom", [("deepfm", "shared"), ("dcnv2", "shared"), ("esmm", "shared"), ("esmm", "mmoe")])
+def test_vmap_equals_loop_and_reference_for_every_model(kind, bottom) -> None:
+    g = torch.Generator().manual_seed(1)
+    schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=1, vector_dim=4, max_len=3)
+    model = build_model(schema, ModelConfig(kind=kind, bottom=bottom, **TINY))
+    mb = random_meta_batch(schema, tasks=3, support=4, query=4, vocab=6, generator=g)
+    rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+    cfg = MetaConfig(inner_steps=2, inner_lr=0.2, first_order=False, adapt=AdaptTarget.BOTH)
+    vec = meta_step(model, mb, rows, cfg)
+    loop = meta_step(model, mb, rows, MetaConfig(2, 0.2, False, AdaptTarget.BOTH, vectorize=False))
+    _, want_dense, want_rows = reference(model, mb, rows, cfg)
+    for res in (vec, loop):
+        _close(res.dense_grads, want_dense)
+        _close(res.row_grads, want_rows)
+    assert vec.metrics == pytest.approx(loop.metrics, rel=1e-5)
+
+
+def test_first_order_row_grads_only_reach_query_rows() -> None:
+    model, mb, rows = _setup("dnn", tasks=3, pad_tasks=0)
+    mb.query.mask[1] = True
+    used_by_query = {}
+    for t in model.tables:
+        cols = [c.name for c in model.schema.id_columns if c.table_name == t]
+        q_ids = torch.cat([mb.query.ids[c][mb.query.mask].reshape(-1) for c in cols])
+        used_by_query[t] = torch.isin(mb.unique_ids[t], q_ids)
+    fo = meta_step(model, mb, rows, MetaConfig(inner_steps=1, first_order=True, adapt=AdaptTarget.ROWS))
+    so = meta_step(model, mb, rows, MetaConfig(inner_steps=1, first_order=False, adapt=AdaptTarget.ROWS))
+    support_only = 0
+    for t in model.tables:
+        touched = fo.row_grads[t].abs().sum(-1) > 0
+        assert not (touched & ~used_by_query[t]).any(), f"table {t}: FO gradient on rows the query never used"
+        support_only += int(((so.row_grads[t].abs().sum(-1) > 0) & ~used_by_query[t]).sum())
+    assert support_only > 0, "second order should reach rows used only by the support set"
+
+
+def test_meta_step_does_not_touch_the_model() -> None:
+    model, mb, rows = _setup("esmm")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = meta_step(model, mb, rows, MetaConfig(inner_steps=2, first_order=False))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None
+    assert not res.outer_loss.requires_grad
+    assert res.metrics["support_loss_after"] < res.metrics["support_loss_before"]
+    assign_grads(model, res.dense_grads)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, res.dense_grads[n])
+
+
+def test_zero_inner_steps_is_plain_training_on_the_query() -> None:
+    model, mb, rows = _setup("dnn", tasks=1, pad_tasks=0)
+    mb.query.mask[0, 0] = True
+    res = meta_step(model, mb, rows, MetaConfig(inner_steps=0))
+    assert res.metrics["support_loss_before"] == res.metrics["support_loss_after"]
+    P = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    R = {t: r.clone().requires_grad_() for t, r in rows.items()}
+    qry = mb.query.map(lambda t: t[0])
+    total = loss(functional_call(model, P, (qry, R, mb.unique_ids)), qry, model.heads)[0]
+    total.backward()
+    _close(res.dense_grads, {n: p.grad for n, p in P.items()})
+    _close(res.row_grads, {t: r.grad for t, r in R.items()})
+
+
+@pytest.mark.parametrize("kind", ["dnn", "esmm"])
+def test_plain_step_equals_eager_backward(kind) -> None:
+    g = torch.Generator().manual_seed(3)
+    schema = synthetic_schema()
+    model = build_model(schema, ModelConfig(kind=kind, **TINY))
+    pb = random_plain_batch(schema, 12, generator=g)
+    rows = random_rows(pb.unique_ids, model.dims, g)
+    total, dense_grads, row_grads = plain_step(model, pb, rows)
+    R = {t: r.clone().requires_grad_() for t, r in rows.items()}
+    want, _ = loss(model(pb.features, R, pb.unique_ids), pb.features, model.heads)
+    want.backward()
+    torch.testing.assert_close(total, want.detach())
+    _close(dense_grads, {n: p.grad for n, p in model.named_parameters()})
+    _close(row_grads, {t: r.grad for t, r in R.items()})
+
+
+def test_adapt_and_predict() -> None:
+    model, mb, rows = _setup("esmm", pad_tasks=0)
+    cfg = MetaConfig(inner_steps=2, inner_lr=0.5)
+    vec = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, cfg)
+    loop = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, MetaConfig(2, 0.5, vectorize=False))
+    assert set(vec) == {"click", "conversion"}
+    for k in vec:
+        assert vec[k].shape == (4, 4) and not vec[k].requires_grad
+        torch.testing.assert_close(vec[k], loop[k])
+    assert (vec["conversion"] <= vec["click"]).all()
+    none = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, MetaConfig(inner_steps=0))
+    torch.testing.assert_close(none["click"], model.predict(mb.query, rows, mb.unique_ids)["click"])
+    assert not torch.allclose(none["click"], vec["click"])
+
+
+def test_meta_config_validation() -> None:
+    with pytest.raises(ValueError, match="inner_steps"):
+        MetaConfig(inner_steps=-1)
+    with pytest.raises(ValueError, match="inner_lr"):
+        MetaConfig(inner_lr=0.0)
+    assert MetaConfig(adapt="rows").adapt is AdaptTarget.ROWS
+
+
+# -- learning sanity ----------------------------------------------------------
+def _bias_tasks(tasks: int, n: int, item_effect: torch.Tensor, g: torch.Generator) -> MetaBatch:
+    """Tasks whose click rate is sigmoid(item effect + task bias), bias = +-2.5 per task."""
+    from meta_io.batch import FeatureBatch
+
+    bias = (torch.randint(0, 2, (tasks, 1), generator=g) * 2 - 1) * 2.5
+
+    def half() -> FeatureBatch:
+        ids = torch.randint(0, item_effect.numel(), (tasks, n), generator=g)
+        y = (torch.rand(tasks, n, generator=g) < torch.sigmoid(item_effect[ids] + bias)).float()
+        return FeatureBatch(
+            ids={"item": ids[..., None]}, dense=torch.zeros(tasks, n, 0), vectors={}, labels={"click": y},
+            mask=torch.ones(tasks, n, dtype=torch.bool), scenario=torch.zeros(tasks, n, dtype=torch.long),
+        )
+
+    return MetaBatch(support=half(), query=half(), task_keys=torch.arange(tasks),
+                     task_mask=torch.ones(tasks, dtype=torch.bool), unique_ids={"item": torch.arange(item_effect.numel())})
+
+
+def test_meta_training_beats_no_adaptation_on_held_out_tasks() -> None:
+    from meta_io.batch import FeatureBatch, PlainBatch
+    from meta_io.schema import ColumnKind, ColumnSpec, Schema
+
+    schema = Schema(
+        columns=[ColumnSpec("user_id", ColumnKind.EXTRA), ColumnSpec("item", ColumnKind.SPARSE),
+                 ColumnSpec("click", ColumnKind.LABEL)],
+        task_key="user_id", labels=["click"],
+    )
+    item_effect = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    cfg = MetaConfig(inner_steps=1, inner_lr=1.0, adapt=AdaptTarget.DENSE)
+
+    def train(meta: bool):
+        model = build_model(schema, ModelConfig(hidden=[8], default_dim=4))
+        table = torch.randn(16, 4, generator=torch.Generator().manual_seed(1)) * 0.1  # the "PS"
+        opt = torch.optim.Adam(model.parameters(), lr=0.03)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(60):
+            mb = _bias_tasks(12, 8, item_effect, g)
+            if meta:
+                res = meta_step(model, mb, {"item": table}, cfg)
+                dense_grads, row_grads = res.dense_grads, res.row_grads
+            else:  # plain training on the same rows, tasks pooled
+                flat = mb.query.map(lambda t: t.flatten(0, 1))
+                _, dense_grads, row_grads = plain_step(model, PlainBatch(flat, mb.unique_ids), {"item": table})
+            assign_grads(model, dense_grads)
+            opt.step()
+            table = table - 0.3 * row_grads["item"]
+        return model, table
+
+    held_out = _bias_tasks(64, 8, item_effect, torch.Generator().manual_seed(99))
+
+    def query_loss(model, table, cfg: MetaConfig) -> float:
+        p = adapt_and_predict(model, held_out.support, held_out.query, {"item": table}, held_out.unique_ids, cfg)
+        return torch.nn.functional.binary_cross_entropy(p["click"], held_out.query.labels["click"]).item()
+
+    meta_model, meta_table = train(meta=True)
+    plain_model, plain_table = train(meta=False)
+    adapted = query_loss(meta_model, meta_table, cfg)
+    no_adaptation = query_loss(plain_model, plain_table, MetaConfig(inner_steps=0))
+    plain_then_adapted = query_loss(plain_model, plain_table, cfg)
+    assert adapted < no_adaptation - 0.2, (adapted, no_adaptation)
+    assert adapted < plain_then_adapted, (adapted, plain_then_adapted)
