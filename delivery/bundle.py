@@ -11,6 +11,8 @@ A bundle is one directory, immutable once published::
                           b"item\\x00" 00..00 05 -> row of item 5
                           b"item\\x00" 00..01 2c -> row of item 300
                           b"user\\x00" 00..00 07 -> row of user 7
+      index.arrow       per row written here: table, id, 64-bit fingerprint of the
+                        stored row bytes (deltas diff against it; see below)
       dense.pt          the dense network as TorchScript (see delivery.dense)
       removed.arrow     delta bundles only: ids present in the parent but gone now
                         (Arrow IPC file, columns table: string, id: int64)
@@ -20,6 +22,12 @@ since its parent version plus ``removed.arrow``; ``manifest["parent"]`` names
 the parent and ``manifest["base"]`` the full bundle its chain starts from::
 
     v000005 (full) <- v000006 (delta) <- v000007 (delta)     LATEST = v000007
+
+Deltas are exact: a row goes into a delta when its id is new or its stored
+bytes' fingerprint differs from the parent's (``index.arrow`` of the chain).
+The PS's ``last_step`` is a per-(shard, table) push counter that vshard
+migration carries across shards, so a step watermark could miss changed rows;
+it is recorded in the manifest for information only.
 
 The manifest records: format, version, kind, parent, base, creation time, the
 source checkpoint (path, step, row watermark), data range, training metrics,
@@ -57,6 +65,7 @@ import pyarrow.ipc as ipc
 from delivery.config import RowDtype
 from metaps.config import from_mapping, to_dict
 from metaps.errors import ConfigError, MetapsError
+from metaps.hashing import mix64
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -67,6 +76,8 @@ MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.lmdb"
 DENSE = "dense.pt"
 REMOVED = "removed.arrow"
+INDEX = "index.arrow"
+_FP_SALT = 0x6D65746170732D31  # "metaps-1"
 
 # Rows handed to one putmulti call / held as Python bytes at once (bounds memory).
 _WRITE_CHUNK = 1 << 18
@@ -296,6 +307,7 @@ class EmbeddingWriter:
         )
         self._last_prefix = b""
         self.written: dict[str, int] = {}
+        self.index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def write_table(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
         """Write one table's rows (``ids`` sorted unique int64, ``rows`` float [n, dim]).
@@ -309,6 +321,10 @@ class EmbeddingWriter:
         rows = np.asarray(rows)
         check_rows(table, ids, rows, rows.shape[1] if rows.ndim == 2 else -1, str(self.path))
         prefix = table_prefix(table)
+        stored = np.ascontiguousarray(rows, dtype=self.dtype.numpy.newbyteorder("<"))
+        if self.dtype is not RowDtype.FP32:
+            check_rows(table, ids, stored, stored.shape[1], f"{self.path} ({self.dtype.value})")
+        self.index[table] = (ids, row_fingerprints(stored))
         # Append mode (no B-tree search per key) only while keys arrive in global order.
         append = prefix > self._last_prefix
         self._last_prefix = max(prefix, self._last_prefix)
@@ -316,7 +332,7 @@ class EmbeddingWriter:
         for lo in range(0, n, _WRITE_CHUNK):
             hi = min(n, lo + _WRITE_CHUNK)
             keys = encode_keys(table, ids[lo:hi])
-            vals = _row_values(rows[lo:hi], self.dtype)
+            vals = _row_values(stored[lo:hi], self.dtype)
             with self._env.begin(write=True) as txn:
                 consumed, added = txn.cursor().putmulti(zip(keys, vals), dupdata=False, overwrite=True, append=append)
             if added != hi - lo:
@@ -326,8 +342,10 @@ class EmbeddingWriter:
         return n
 
     def close(self) -> None:
+        """Flush the LMDB file and write ``index.arrow`` next to it."""
         self._env.sync(True)
         self._env.close()
+        write_index(self.path.with_name(INDEX), self.index)
 
 
 class EmbeddingReader:
@@ -424,6 +442,64 @@ class EmbeddingReader:
 
     def close(self) -> None:
         self._env.close()
+
+
+# -- row fingerprints and the index --------------------------------------------------------
+def row_fingerprints(rows: np.ndarray) -> np.ndarray:
+    """A 64-bit fingerprint of each row's bytes (uint64 [n]), one mix per 8-byte column.
+
+    Args:
+        rows: rows as stored (fp32 or fp16, C-contiguous); dims are multiples of 4,
+            so a row is a whole number of 8-byte words.
+    """
+    n = rows.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    raw = np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1)
+    pad = (-raw.shape[1]) % 8
+    if pad:
+        raw = np.concatenate([raw, np.zeros((n, pad), np.uint8)], axis=1)
+    words = raw.view(np.uint64)
+    h = np.full(n, _FP_SALT, dtype=np.uint64)
+    for j in range(words.shape[1]):  # per column (dim / 2 passes), never per row
+        h = mix64(h ^ words[:, j])
+    return h
+
+
+def write_index(path: str | Path, index: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Write ``index.arrow``: (table, id, fp) of every row written, tables in key order."""
+    tables = sorted(index, key=table_prefix)
+    schema = pa.schema([("table", pa.dictionary(pa.int32(), pa.string())), ("id", pa.int64()), ("fp", pa.uint64())])
+    names = pa.array(tables, pa.string())
+    with ipc.new_file(str(path), schema) as w:
+        for i, t in enumerate(tables):
+            ids, fp = index[t]
+            codes = pa.array(np.full(len(ids), i, np.int32))
+            w.write_batch(pa.record_batch(
+                [pa.DictionaryArray.from_arrays(codes, names), pa.array(ids, pa.int64()), pa.array(fp, pa.uint64())],
+                schema=schema,
+            ))
+
+
+def read_index(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``index.arrow`` as table -> (sorted ids, fingerprints)."""
+    p = Path(path)
+    try:
+        with pa.memory_map(str(p)) as src:
+            reader = ipc.open_file(src)
+            out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+            for i in range(reader.num_record_batches):
+                rb = reader.get_batch(i)
+                if rb.num_rows == 0:
+                    continue
+                col = rb.column(0)
+                t = str(col.dictionary[int(col.indices[0].as_py())])
+                out[t] = (rb.column(1).to_numpy().copy(), rb.column(2).to_numpy().copy())
+            return out
+    except FileNotFoundError:
+        raise DeliveryError(f"{p}: bundle index not found") from None
+    except pa.ArrowInvalid as exc:
+        raise DeliveryError(f"{p}: unreadable bundle index: {exc}") from None
 
 
 # -- removed ids ----------------------------------------------------------------------

@@ -10,10 +10,12 @@ shards, sorted by id once, and written with bulk ``putmulti`` in id order::
     dense params (PS dense) --> build_model + load --> trace --> dense.pt
     manifest info (schema, model, step, data range, metrics) --> manifest.json
 
-An incremental export against a parent bundle writes only rows with
-``last_step > parent watermark`` (the highest ``last_step`` the parent's source
-checkpoint held), and the ids the parent served that are gone now
-(``np.setdiff1d`` on sorted ids), into ``removed.arrow``.
+An incremental export against a parent bundle writes only the rows whose id is
+new or whose stored bytes differ from the parent's (64-bit fingerprints from the
+chain's ``index.arrow``, compared with one ``searchsorted``), and the ids the
+parent served that are gone now (``np.setdiff1d`` on sorted ids) into
+``removed.arrow``. (The PS ``last_step`` is a per-shard, per-table counter that
+migration carries between shards, so it cannot safely select changed rows.)
 
 Example::
 
@@ -34,8 +36,8 @@ import numpy as np
 import torch
 
 from delivery.bundle import (
-    DENSE, EMBEDDINGS, REMOVED, BundleKind, BundleManifest, DeliveryError, EmbeddingReader, EmbeddingWriter,
-    TableInfo, checksum_files, table_prefix, write_manifest, write_removed,
+    DENSE, EMBEDDINGS, INDEX, REMOVED, BundleKind, BundleManifest, DeliveryError, EmbeddingWriter, TableInfo,
+    checksum_files, read_index, read_removed, row_fingerprints, table_prefix, write_manifest, write_removed,
 )
 from delivery.config import DeliveryConfig
 from delivery.dense import save_scripted, trace_dense
@@ -91,14 +93,15 @@ class CheckpointSource:
         self.table_dims = _manifest_tables(path, manifest)
 
     @classmethod
-    def open(cls, path: str | Path) -> "CheckpointSource":
+    def open(cls, path: str | Path, verify: bool = True) -> "CheckpointSource":
+        """Open (and by default sha256-verify) a committed checkpoint."""
         p = Path(path)
         if not p.is_dir():
             raise DeliveryError(f"{p}: checkpoint directory not found")
-        from ps.checkpoint import read_manifest
+        from ps.checkpoint import read_manifest, verify_checkpoint
 
         try:
-            manifest = read_manifest(p)
+            manifest = verify_checkpoint(p) if verify else read_manifest(p)
         except MetapsError as exc:
             raise DeliveryError(f"{p}: not a committed checkpoint: {exc}") from None
         except (OSError, ValueError) as exc:
@@ -112,7 +115,10 @@ class CheckpointSource:
         from ps.checkpoint import read_rows
 
         dim = self.table_dims[table]
-        parts = list(read_rows(self.path, table))
+        try:
+            parts = list(read_rows(self.path, table))
+        except MetapsError as exc:
+            raise DeliveryError(f"{self.path}: cannot read table '{table}': {exc}") from None
         if parts:
             ids = np.concatenate([np.asarray(p.ids, np.int64) for p in parts])
             w = np.concatenate([np.asarray(p.weights, np.float32).reshape(-1, dim) for p in parts])
@@ -129,10 +135,22 @@ class CheckpointSource:
         return TableData(ids, w, ls)
 
     def dense(self, names: list[str]) -> dict[str, np.ndarray]:
-        """Dense parameters by name (the model's ``named_parameters()`` names)."""
-        from ps.checkpoint import read_dense
+        """Dense parameters by name (the model's ``named_parameters()`` names).
 
-        values = read_dense(self.path)
+        Restored into a standalone ``ps.dense_store.DenseStore`` with
+        ``ps.checkpoint.load_dense`` (which only touches ``store.dense``).
+        """
+        from types import SimpleNamespace
+
+        from ps.checkpoint import load_dense
+        from ps.dense_store import DenseStore
+
+        holder = SimpleNamespace(dense=DenseStore())
+        try:
+            loaded = set(load_dense(holder, self.path, names, verify=False))
+        except MetapsError as exc:
+            raise DeliveryError(f"{self.path}: cannot read dense parameters: {exc}") from None
+        values = holder.dense.pull(sorted(loaded)) if loaded else {}
         missing = [n for n in names if n not in values]
         if missing:
             raise DeliveryError(
@@ -210,51 +228,56 @@ def warm_start_checkpoint(run_dir: str | Path) -> Path:
 # -- parent state ---------------------------------------------------------------------
 @dataclass
 class ParentState:
-    """What an incremental export needs from the published parent version."""
+    """What an incremental export needs from the published parent version.
+
+    Args:
+        live: table -> (sorted ids, row fingerprints) served at the parent version.
+    """
 
     version: str
     base: str
     watermark: int
-    live_ids: dict[str, np.ndarray]
+    live: dict[str, tuple[np.ndarray, np.ndarray]]
     dims: dict[str, int]
     dtype: str
     chain_length: int
 
 
 def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
-    """Live ids per table at the newest bundle of ``chain`` (newest first).
+    """Live ids and fingerprints per table at the newest bundle of ``chain`` (newest first).
 
-    Base keys are enumerated from LMDB (C iteration), then each delta applies
-    ``(ids - removed) | written`` with sorted-set numpy ops.
+    Starts from the base's ``index.arrow``; each delta drops its removed ids and
+    overrides/adds its written rows (sorted-set numpy ops, no per-row Python).
     """
-    from delivery.bundle import read_removed
-
     newest = chain[0][1]
-    base_dir, base_m = chain[-1]
-    live: dict[str, np.ndarray] = {}
-    r = EmbeddingReader(base_dir / EMBEDDINGS, {t: i.dim for t, i in base_m.tables.items()}, base_m.dtype)
-    try:
-        for t, info in base_m.tables.items():
-            live[t] = r.scan(t, info.written, values=False)[0]
-    finally:
-        r.close()
-    for d, m in reversed(chain[:-1]):
+    live = read_index(chain[-1][0] / INDEX)
+    for d, _m in reversed(chain[:-1]):
         rem = read_removed(d / REMOVED)
-        r = EmbeddingReader(d / EMBEDDINGS, {t: i.dim for t, i in m.tables.items()}, m.dtype)
-        try:
-            for t, info in m.tables.items():
-                cur = live.get(t, np.zeros(0, np.int64))
-                if t in rem:
-                    cur = np.setdiff1d(cur, rem[t], assume_unique=True)
-                written = r.scan(t, info.written, values=False)[0]
-                live[t] = np.union1d(cur, written)
-        finally:
-            r.close()
+        for t, (w_ids, w_fp) in read_index(d / INDEX).items():
+            ids, fp = live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+            keep = ~np.isin(ids, w_ids, assume_unique=True)
+            ids = np.concatenate([ids[keep], w_ids])
+            fp = np.concatenate([fp[keep], w_fp])
+            order = np.argsort(ids, kind="stable")
+            live[t] = (ids[order], fp[order])
+        for t, gone in rem.items():
+            ids, fp = live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+            keep = ~np.isin(ids, gone, assume_unique=True)
+            live[t] = (ids[keep], fp[keep])
     return ParentState(
         version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
-        live_ids=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
+        live=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
         chain_length=len(chain) - 1,
     )
+
+
+def changed_since(parent_ids: np.ndarray, parent_fp: np.ndarray, ids: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """bool per current row: new id, or stored bytes differ from the parent's (all inputs sorted by id)."""
+    if parent_ids.size == 0:
+        return np.ones(ids.shape[0], dtype=bool)
+    pos = np.searchsorted(parent_ids, ids).clip(max=parent_ids.size - 1)
+    known = parent_ids[pos] == ids
+    return ~known | (parent_fp[pos] != fp)
 
 
 # -- export ---------------------------------------------------------------------------
@@ -329,9 +352,11 @@ def export_bundle(
                 sel_ids, sel_rows = data.ids, data.weights
                 gone = np.zeros(0, np.int64)
             else:
-                changed = data.last_step > parent.watermark
+                p_ids, p_fp = parent.live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+                stored = np.ascontiguousarray(data.weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
+                changed = changed_since(p_ids, p_fp, data.ids, row_fingerprints(stored))
                 sel_ids, sel_rows = data.ids[changed], data.weights[changed]
-                gone = np.setdiff1d(parent.live_ids.get(t, np.zeros(0, np.int64)), data.ids, assume_unique=True)
+                gone = np.setdiff1d(p_ids, data.ids, assume_unique=True)
                 removed[t] = gone
             try:
                 writer.write_table(t, sel_ids, sel_rows)
@@ -354,7 +379,7 @@ def export_bundle(
         base=version if parent is None else parent.base,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source={"checkpoint": str(src.path.resolve()), "step": src.step, "row_watermark": watermark,
-                "num_shards": src.manifest.get("num_shards", src.manifest.get("shards"))},
+                "num_shards": src.manifest.get("shards")},
         data_range=info.get("data_range"),
         metrics=dict(info.get("metrics") or {}),
         schema=src.schema.to_dict(),

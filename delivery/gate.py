@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 
 from delivery.bundle import (
-    EMBEDDINGS, BundleKind, DeliveryError, EmbeddingReader, read_manifest, verify_checksums,
+    EMBEDDINGS, INDEX, BundleKind, DeliveryError, EmbeddingReader, read_index, read_manifest, row_fingerprints,
+    verify_checksums,
 )
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from meta_io.schema import Schema, schema_from_dict
@@ -108,6 +109,10 @@ def check_consistency(bundle_dir: str | Path) -> list[str]:
             problems.append(f"{d}: table '{t}': manifest dim {info.dim}, model config dim {dims[t]}")
     if problems:
         return problems
+    try:
+        index = read_index(d / INDEX)
+    except DeliveryError as exc:
+        return [str(exc)]
     reader = EmbeddingReader(d / EMBEDDINGS, {t: i.dim for t, i in m.tables.items()}, m.dtype)
     try:
         total = sum(i.written for i in m.tables.values())
@@ -125,6 +130,10 @@ def check_consistency(bundle_dir: str | Path) -> list[str]:
                 problems.append(
                     f"{d}: table '{t}': {int(bad.sum())} rows with NaN/inf, first id {int(ids[np.flatnonzero(bad)[0]])}"
                 )
+            idx_ids, idx_fp = index.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+            fp = row_fingerprints(rows.astype(m.dtype.numpy.newbyteorder("<")))
+            if not (np.array_equal(idx_ids, ids) and np.array_equal(idx_fp, fp)):
+                problems.append(f"{d / INDEX}: table '{t}': index does not match the rows in {EMBEDDINGS}")
     finally:
         reader.close()
     if m.kind is BundleKind.DELTA:

@@ -13,9 +13,10 @@ from delivery.bundle import (
     table_prefix, write_manifest, write_removed,
 )
 from delivery.config import RowDtype
-from delivery.dense import DenseSpec, save_scripted, trace_dense
+from delivery.dense import save_scripted, trace_dense
 from meta_io.schema import Schema
 from metaps.config import to_dict
+from metaps.hashing import vshard_of
 from models.config import ModelConfig
 from models.factory import build_model
 from models.testing import synthetic_schema
@@ -82,3 +83,110 @@ def random_rows(tiny: TinyModel, n: int, seed: int, id_space: int = 1000) -> dic
         ids = np.sort(rng.choice(id_space, n, replace=False)).astype(np.int64)
         out[t] = (ids, rng.normal(size=(n, dim)).astype(np.float32))
     return out
+
+
+class Fleet:
+    """Two real PS ShardStores (ids routed by vshard) holding the tiny model's tables and dense params.
+
+    Example::
+
+        fleet = Fleet(tiny)
+        fleet.train(seed=1, fraction=1.0)
+        ckpt = fleet.checkpoint(tmp_path / "run" / "checkpoints", step=10)
+    """
+
+    def __init__(self, tiny: TinyModel, capacity: int = 400, vocab: int = 300, tables: list[str] | None = None) -> None:
+        from ps.config import TableConfig
+        from ps.shard_store import ShardStore
+
+        self.tiny = tiny
+        self.vocab = vocab
+        names = tables if tables is not None else list(tiny.dims)
+        cfgs = [TableConfig(name=t, dim=tiny.dims[t], capacity=capacity) for t in names]
+        self.stores = [ShardStore(cfgs, shard_id=i, num_vshards=8, seed=0) for i in range(2)]
+        model = build_model(tiny.schema, tiny.cfg)
+        for n, p in model.named_parameters():
+            self.stores[0].dense.register(n, p.detach().numpy().copy())
+        self.next_id = vocab
+
+    def _shard(self, ids: np.ndarray) -> np.ndarray:
+        return vshard_of(ids, 8) % 2
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> None:
+        sh = self._shard(ids)
+        for i, store in enumerate(self.stores):
+            sel = sh == i
+            if sel.any():
+                store.push(table, ids[sel], grads[sel])
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(ids), self.tiny.dims[table]), np.float32)
+        sh = self._shard(ids)
+        for i, store in enumerate(self.stores):
+            sel = sh == i
+            if sel.any():
+                out[sel] = store.pull(table, ids[sel])
+        return out
+
+    def train(self, seed: int, fraction: float, new_ids: int = 0) -> None:
+        """Push random gradients to ``fraction`` of ids 0..vocab-1, plus ``new_ids`` fresh ids per table."""
+        rng = np.random.default_rng(seed)
+        for t, dim in self.tiny.dims.items():
+            if t not in self.stores[0].tables:
+                continue
+            ids = np.flatnonzero(rng.random(self.vocab) < fraction).astype(np.int64)
+            fresh = np.arange(self.next_id, self.next_id + new_ids, dtype=np.int64)
+            ids = np.concatenate([ids, fresh])
+            if ids.size:
+                self.push(t, ids, rng.normal(size=(ids.size, dim)).astype(np.float32))
+        self.next_id += new_ids
+        names = self.stores[0].dense.names()
+        vals = self.stores[0].dense.pull(names)
+        self.stores[0].dense.set({n: v + rng.normal(scale=0.05, size=v.shape).astype(np.float32) for n, v in vals.items()})
+
+    def checkpoint(self, root: Path, step: int, info: dict | None = None) -> Path:
+        from ps.checkpoint import checkpoint_tmp_dir, commit_checkpoint, save_shard
+
+        tmp = checkpoint_tmp_dir(root, step)
+        for i, store in enumerate(self.stores):
+            save_shard(store, tmp, i)
+        if info is None:
+            info = {"schema": self.tiny.schema.to_dict(), "model": to_dict(self.tiny.cfg), "step": step,
+                    "data_range": ["2026-01-01", "2026-01-02"], "metrics": {"train_loss": 0.5}}
+        return commit_checkpoint(tmp, info)
+
+    def trained_model(self) -> torch.nn.Module:
+        """The model the trainer would serve: built from config, dense params pulled from the PS."""
+        model = build_model(self.tiny.schema, self.tiny.cfg)
+        vals = self.stores[0].dense.pull([n for n, _ in model.named_parameters()])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(torch.from_numpy(vals[n]).reshape(p.shape))
+        return model.eval()
+
+    def live_ids(self, table: str) -> np.ndarray:
+        return np.sort(np.concatenate([s.all_rows(table).ids for s in self.stores]))
+
+
+class History:
+    """One fleet trained in three rounds, checkpointed after each (built once per session).
+
+    ckpt-10: ids 0..299 of every table trained.
+    ckpt-20: ~10% of them touched again + 150 new ids per table; capacity evicts some (removed ids).
+    ckpt-30: ~5% touched + 60 new ids; the fleet's state afterwards equals ckpt-30.
+    """
+
+    def __init__(self, root: Path, tiny: TinyModel) -> None:
+        self.root = root
+        self.fleet = Fleet(tiny, capacity=200)
+        self.ckpts: dict[int, Path] = {}
+        self.live: dict[int, dict[str, np.ndarray]] = {}
+        for step, (fraction, new) in {10: (1.0, 0), 20: (0.1, 150), 30: (0.05, 60)}.items():
+            self.fleet.train(seed=step, fraction=fraction, new_ids=new)
+            self.ckpts[step] = self.fleet.checkpoint(root / "checkpoints", step)
+            self.live[step] = {t: self.fleet.live_ids(t) for t in tiny.dims}
+
+
+@pytest.fixture(scope="session")
+def history(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> History:
+    return History(tmp_path_factory.mktemp("history"), tiny)
