@@ -219,40 +219,58 @@ def plan_episodes(task_rows: np.ndarray, support: int, query: int, buckets: list
 
 
 class _RollingWriter:
-    """Writes record batches to ``pattern``-named IPC files, rolling at a size cap."""
+    """Writes record batches to ``pattern``-named IPC files, rolling at a size cap.
 
-    def __init__(self, folder: Path, pattern: str, schema: pa.Schema, max_bytes: int, index: IndexBuilder) -> None:
+    Next to each data file it writes the unique-ids sidecar (``*.ids.arrow``):
+    one record batch per data batch, so the reader does no sort at read time.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        pattern: str,
+        schema: pa.Schema,
+        max_bytes: int,
+        index: IndexBuilder,
+        tables: dict[str, list[str]],
+    ) -> None:
         self.folder = folder
         self.pattern = pattern
         self.schema = schema
         self.max_bytes = max_bytes
         self.index = index
+        self.tables = tables
+        self.ids_schema = L.ids_arrow_schema(tables)
         self.files: list[dict[str, Any]] = []
-        self._sink: pa.NativeFile | None = None
-        self._writer: ipc.RecordBatchFileWriter | None = None
+        self._open: list[tuple[pa.NativeFile, ipc.RecordBatchFileWriter]] = []
         self._batch = 0
 
     def write(self, rb: pa.RecordBatch, entry: dict[str, Any]) -> None:
-        if self._writer is None:
+        if not self._open:
             name = self.pattern.format(len(self.files))
-            self._sink = pa.OSFile(str(self.folder / name), "wb")
-            self._writer = ipc.new_file(self._sink, self.schema)
-            self.files.append({"name": name, "batches": 0, "bytes": 0})
+            for fname, schema in ((name, self.schema), (L.ids_file_name(name), self.ids_schema)):
+                sink = pa.OSFile(str(self.folder / fname), "wb")
+                self._open.append((sink, ipc.new_file(sink, schema)))
+            self.files.append({"name": name, "batches": 0, "bytes": 0, "ids": L.ids_file_name(name), "ids_bytes": 0})
             self._batch = 0
-        self._writer.write_batch(rb)
+        self._open[0][1].write_batch(rb)
+        self._open[1][1].write_batch(L.unique_ids_batch(rb, self.tables, self.ids_schema))
         cur = self.files[-1]
         self.index.add(BatchEntry(file=cur["name"], file_no=len(self.files) - 1, batch=self._batch, **entry))
         self._batch += 1
         cur["batches"] = self._batch
-        if self._sink.tell() >= self.max_bytes:
+        if self._open[0][0].tell() >= self.max_bytes:
             self._close_file()
 
     def _close_file(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self.files[-1]["bytes"] = (self.folder / self.files[-1]["name"]).stat().st_size
-            self._writer = self._sink = None
+        for sink, writer in self._open:
+            writer.close()
+            sink.close()
+        if self._open:
+            cur = self.files[-1]
+            cur["bytes"] = (self.folder / cur["name"]).stat().st_size
+            cur["ids_bytes"] = (self.folder / cur["ids"]).stat().st_size
+        self._open = []
 
     def close(self) -> list[dict[str, Any]]:
         self._close_file()
@@ -728,14 +746,18 @@ def build(
         spill = _pass1(input_path, schema, data_schema, config, key, spill_dir)
         index = IndexBuilder()
         max_bytes = int(config.max_file_mb * 2**20)
+        tables = L.id_tables(schema)
         t2 = time.perf_counter()
         if config.layout == Layout.META:
-            parts = _RollingWriter(staging, L.PART_PATTERN, L.meta_arrow_schema(data_schema), max_bytes, index)
-            left_w = _RollingWriter(staging, L.LEFTOVER_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index)
+            parts = _RollingWriter(staging, L.PART_PATTERN, L.meta_arrow_schema(data_schema), max_bytes, index,
+                                   tables)
+            left_w = _RollingWriter(staging, L.LEFTOVER_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index,
+                                   tables)
             stats, packers, left = _pass2_meta(spill, schema, data_schema, config, key, parts, left_w)
             files, left_files = parts.close(), left_w.close()
         else:
-            parts = _RollingWriter(staging, L.PART_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index)
+            parts = _RollingWriter(staging, L.PART_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index,
+                                   tables)
             stats, plain = _pass2_plain(spill, schema, data_schema, config, parts)
             files, left_files, packers = parts.close(), [], []
         pass2_s = time.perf_counter() - t2
@@ -790,7 +812,7 @@ def _manifest(
         meta_batches=len(meta_entries),
         files=len(files),
         leftover_files=len(left_files),
-        bytes=sum(f["bytes"] for f in files + left_files),
+        bytes=sum(f["bytes"] + f["ids_bytes"] for f in files + left_files),
         build_seconds=round(seconds, 3),
         pass1_seconds=round(spill.seconds, 3),
         pass2_seconds=round(pass2_s, 3),
@@ -859,6 +881,7 @@ def _publish(staging: Path, out: Path, files: list[dict[str, Any]], manifest: di
             p.unlink()
     for f in files:
         os.replace(staging / f["name"], out / f["name"])
+        os.replace(staging / f["ids"], out / f["ids"])
     os.replace(staging / L.INDEX_NAME, out / L.INDEX_NAME)
     tmp = staging / (L.MANIFEST_NAME + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")

@@ -8,6 +8,9 @@ A dataset folder after ``metaps meta-io build``::
       part-00000.arrow       uncompressed Arrow IPC *file* format,
       part-00001.arrow       many fixed-shape record batches each
       leftover-00000.arrow   meta layout only: rows of 1-row tasks, plain format
+      part-00000.ids.arrow   per data file: the sorted unique ids (>= 0) of every
+                             id table, one 1-row record batch per data batch
+                             (computed offline so the reader does no sort)
 
 Columns of a record batch: every normalized schema column (see
 ``meta_io.source.normalized_arrow_schema``), then the bookkeeping columns
@@ -32,9 +35,10 @@ import enum
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
-from meta_io.schema import PAD_ID
+from meta_io.schema import PAD_ID, Schema
 
 FORMAT_VERSION = 1
 
@@ -43,6 +47,7 @@ INDEX_NAME = "index.arrow"
 PART_PATTERN = "part-{:05d}.arrow"
 LEFTOVER_PATTERN = "leftover-{:05d}.arrow"
 STAGING_PREFIX = ".build-"
+IDS_SUFFIX = ".ids.arrow"
 
 TASK_COL = "__task"
 SLOT_COL = "__slot"
@@ -182,3 +187,46 @@ def row_bytes(data: pa.Schema) -> int:
             total += 32
     return total
 
+
+def ids_file_name(data_file: str) -> str:
+    """The unique-ids sidecar of a data file: ``part-00003.arrow`` -> ``part-00003.ids.arrow``."""
+    return data_file[: -len(".arrow")] + IDS_SUFFIX
+
+
+def id_tables(schema: Schema) -> dict[str, list[str]]:
+    """Embedding table -> its id columns, in schema order."""
+    out: dict[str, list[str]] = {}
+    for c in schema.id_columns:
+        out.setdefault(c.table_name, []).append(c.name)
+    return out
+
+
+def ids_arrow_schema(tables: dict[str, list[str]]) -> pa.Schema:
+    """Schema of a sidecar record batch: one ``list<int64>`` column (1 row) per table."""
+    return pa.schema([pa.field(t, pa.list_(pa.int64()), nullable=False) for t in tables])
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """Sorted unique values >= 0 (drops the -1 padding): one sort, one compare."""
+    v = np.sort(values[values >= 0])
+    if v.size == 0:
+        return v
+    keep = np.empty(v.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(v[1:], v[:-1], out=keep[1:])
+    return v[keep]
+
+
+def _id_values(arr: pa.Array) -> np.ndarray:
+    if pa.types.is_fixed_size_list(arr.type):
+        arr = arr.flatten()
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def unique_ids_batch(rb: pa.RecordBatch, tables: dict[str, list[str]], schema: pa.Schema) -> pa.RecordBatch:
+    """The sidecar record batch of data batch ``rb``: sorted unique ids per table."""
+    arrays = []
+    for cols in tables.values():
+        u = sorted_unique(np.concatenate([_id_values(rb.column(c)) for c in cols]).astype(np.int64, copy=False))
+        arrays.append(pa.ListArray.from_arrays(pa.array([0, u.size], pa.int32()), pa.array(u, pa.int64())))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -16,7 +16,7 @@ tests/meta_io/test_reader.py)::
     task_keys      int64 [T] (a strided view of __task_key)               zero-copy
     dense          float32 [.., n_dense]: stacked from separate columns   copy
     mask           bool: Arrow packs booleans as bits                     copy
-    unique_ids     torch.unique over the id columns                       new tensor
+    unique_ids     precomputed by the build (*.ids.arrow sidecar)         zero-copy
 
 The views are read-only memory: a consumer must not write into them (copy
 first, e.g. ``batch.map(torch.clone)``). ``torch.from_dlpack`` is used rather
@@ -131,12 +131,23 @@ class BatchConverter:
             out[table] = u[int(torch.searchsorted(u, 0)) :]  # sorted: drop the -1 padding prefix
         return out
 
-    def plain(self, rb: pa.RecordBatch) -> PlainBatch:
+    def plain(self, rb: pa.RecordBatch, unique: dict[str, torch.Tensor] | None = None) -> PlainBatch:
+        """A plain record batch; ``unique`` = precomputed unique ids (computed here if None)."""
         fb = self.features(rb, (rb.num_rows,))
-        return PlainBatch(features=fb, unique_ids=self.unique_ids(fb))
+        return PlainBatch(features=fb, unique_ids=unique if unique is not None else self.unique_ids(fb))
 
-    def meta(self, rb: pa.RecordBatch, task_slots: int, capacity: int, support: int) -> MetaBatch:
-        """A meta record batch of ``task_slots`` tasks of ``capacity`` slots, ``support`` of them support."""
+    def meta(
+        self,
+        rb: pa.RecordBatch,
+        task_slots: int,
+        capacity: int,
+        support: int,
+        unique: dict[str, torch.Tensor] | None = None,
+    ) -> MetaBatch:
+        """A meta record batch of ``task_slots`` tasks of ``capacity`` slots, ``support`` of them support.
+
+        ``unique``: the batch's unique ids from the sidecar file (computed here if None).
+        """
         shape = (task_slots, capacity)
         full = self.features(rb, shape)
         keys = arrow_to_torch(rb.column(L.TASK_KEY_COL)).view(shape)
@@ -145,47 +156,67 @@ class BatchConverter:
             query=full.map(lambda t: t[:, support:]),
             task_keys=keys[:, 0],
             task_mask=full.mask[:, 0].clone(),
-            unique_ids=self.unique_ids(full),
+            unique_ids=unique if unique is not None else self.unique_ids(full),
         )
 
 
 class _File:
-    """A lazily opened, memory-mapped data file with its expected shape."""
+    """A lazily opened, memory-mapped data file (and its unique-ids sidecar)."""
 
-    def __init__(self, path: Path, n_batches: int, n_bytes: int | None, columns: list[str]) -> None:
+    def __init__(self, path: Path, n_batches: int, n_bytes: int, columns: list[str],
+                 ids_path: Path | None, ids_bytes: int, tables: list[str]) -> None:
         self.path = path
         self.n_batches = n_batches
         self.n_bytes = n_bytes
         self.columns = columns
+        self.ids_path = ids_path
+        self.ids_bytes = ids_bytes
+        self.tables = tables
         self.reader: ipc.RecordBatchFileReader | None = None
+        self.ids_reader: ipc.RecordBatchFileReader | None = None
 
-    def open(self) -> ipc.RecordBatchFileReader:
-        if self.reader is not None:
-            return self.reader
-        p = self.path
+    @staticmethod
+    def _open_ipc(p: Path, n_bytes: int, n_batches: int, columns: list[str], what: str) -> ipc.RecordBatchFileReader:
         if not p.exists():
-            raise DataError(f"{p}: data file listed in the manifest is missing")
+            raise DataError(f"{p}: {what} listed in the manifest is missing")
         size = p.stat().st_size
-        if self.n_bytes and size != self.n_bytes:
-            raise DataError(f"{p}: truncated or modified: manifest says {self.n_bytes} bytes, file has {size}")
+        if n_bytes and size != n_bytes:
+            raise DataError(f"{p}: truncated or modified: manifest says {n_bytes} bytes, file has {size}")
         try:
             reader = ipc.open_file(pa.memory_map(str(p)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{p}: corrupt Arrow IPC file: {exc}") from None
-        if reader.num_record_batches != self.n_batches:
-            raise DataError(
-                f"{p}: expected {self.n_batches} record batches (index), file has {reader.num_record_batches}"
-            )
-        if reader.schema.names != self.columns:
-            raise DataError(f"{p}: columns {reader.schema.names} do not match the manifest's {self.columns}")
-        self.reader = reader
+        if reader.num_record_batches != n_batches:
+            raise DataError(f"{p}: expected {n_batches} record batches (index), file has {reader.num_record_batches}")
+        if reader.schema.names != columns:
+            raise DataError(f"{p}: columns {reader.schema.names} do not match the manifest's {columns}")
         return reader
+
+    def open(self) -> ipc.RecordBatchFileReader:
+        if self.reader is None:
+            reader = self._open_ipc(self.path, self.n_bytes, self.n_batches, self.columns, "data file")
+            if self.ids_path is not None:
+                self.ids_reader = self._open_ipc(self.ids_path, self.ids_bytes, self.n_batches, self.tables,
+                                                 "unique-ids file")
+            self.reader = reader
+        return self.reader
 
     def batch(self, i: int) -> pa.RecordBatch:
         try:
             return self.open().get_batch(i)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{self.path}: corrupt record batch {i}: {exc}") from None
+
+    def unique_ids(self, i: int) -> dict[str, torch.Tensor] | None:
+        """table -> sorted unique ids of batch ``i`` from the sidecar (None without one)."""
+        self.open()
+        if self.ids_reader is None:
+            return None
+        try:
+            rb = self.ids_reader.get_batch(i)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{self.ids_path}: corrupt record batch {i}: {exc}") from None
+        return {t: arrow_to_torch(rb.column(j).values) for j, t in enumerate(self.tables)}
 
 
 class MetaIODataset:
@@ -253,7 +284,10 @@ class MetaIODataset:
         self._lock = threading.Lock()
 
     def _file(self, entry: dict[str, Any], columns: list[str]) -> _File:
-        return _File(self.path / entry["name"], int(entry["batches"]), int(entry.get("bytes") or 0), columns)
+        ids = entry.get("ids")
+        return _File(self.path / entry["name"], int(entry["batches"]), int(entry.get("bytes") or 0), columns,
+                     self.path / ids if ids else None, int(entry.get("ids_bytes") or 0),
+                     list(L.id_tables(self.schema)))
 
     # -- shape --------------------------------------------------------------------------
     @property
@@ -312,12 +346,13 @@ class MetaIODataset:
             expect = int(cols["n_slots"][pos])
             if rb.num_rows != expect:
                 raise DataError(f"{f.path}: record batch {b} has {rb.num_rows} rows, index says {expect}")
+            unique = f.unique_ids(b)
             if self.index.kind[pos] == BatchKind.META.value:
                 yield self.converter.meta(
-                    rb, int(cols["task_slots"][pos]), int(cols["capacity"][pos]), int(cols["support"][pos])
+                    rb, int(cols["task_slots"][pos]), int(cols["capacity"][pos]), int(cols["support"][pos]), unique
                 )
             else:
-                yield self.converter.plain(rb)
+                yield self.converter.plain(rb, unique)
 
     def check_files(self) -> None:
         """Open every data and leftover file (footer only): present, complete, as indexed."""

@@ -275,7 +275,7 @@ def test_existing_dataset_is_refused_and_kept(generated, generated_schema, meta_
 def test_overwrite_replaces_and_failed_overwrite_keeps(generated, generated_schema, tmp_path) -> None:
     out = tmp_path / "ds"
     build(generated.out_dir, generated_schema, out, MetaIOBuildConfig(rows_per_batch=R, max_file_mb=0.5))
-    n_files = len(list(out.glob("part-*.arrow")))
+    n_files = len(list(out.glob("part-?????.arrow")))
     bad = tmp_path / "bad"
     bad.mkdir()
     t = pq.read_table(generated.files[0])
@@ -287,7 +287,7 @@ def test_overwrite_replaces_and_failed_overwrite_keeps(generated, generated_sche
     assert not list(out.glob(L.STAGING_PREFIX + "*"))
     res = build(generated.out_dir, generated_schema, out, MetaIOBuildConfig(rows_per_batch=768, overwrite=True))
     assert res.manifest["rows_per_batch"] == 768
-    assert len(list(out.glob("part-*.arrow"))) == res.manifest["totals"]["files"] < n_files
+    assert len(list(out.glob("part-?????.arrow"))) == res.manifest["totals"]["files"] < n_files
 
 
 def test_bad_source_data_names_file_column_row(generated, generated_schema, tmp_path) -> None:

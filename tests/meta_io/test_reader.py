@@ -114,6 +114,11 @@ def test_meta_batch_matches_the_record_batch(built, generated_schema) -> None:
                 expect = np.unique(vals[vals >= 0])
                 assert np.array_equal(batch.unique_ids[table].numpy(), expect), table
             assert (batch.task_mask.numpy() == mask.any(1)).all()
+            # the build's precomputed ids equal the read-time computation
+            full = ds.converter.features(rb, (T, c))
+            computed = ds.converter.unique_ids(full)
+            assert computed.keys() == batch.unique_ids.keys()
+            assert all(torch.equal(computed[k], batch.unique_ids[k]) for k in computed)
 
 
 def test_id_columns_and_labels_are_zero_copy(built) -> None:
@@ -197,6 +202,17 @@ def test_missing_data_file(copy) -> None:
     ds = MetaIODataset(copy)
     (copy / ds.file_names[0]).unlink()
     with pytest.raises(DataError, match=r"part-00000\.arrow: data file listed in the manifest is missing"):
+        MetaIODataset(copy).check_files()
+
+
+def test_missing_or_truncated_unique_ids_sidecar(copy) -> None:
+    ds = MetaIODataset(copy)
+    ids = copy / L.ids_file_name(ds.file_names[0])
+    ids.write_bytes(ids.read_bytes()[:100])
+    with pytest.raises(DataError, match=r"part-00000\.ids\.arrow: truncated or modified"):
+        next(MetaIODataset(copy).read_range(0, 0, 1))
+    ids.unlink()
+    with pytest.raises(DataError, match=r"part-00000\.ids\.arrow: unique-ids file listed in the manifest is missing"):
         MetaIODataset(copy).check_files()
 
 
