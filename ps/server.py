@@ -588,7 +588,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             raise _bad("Checkpoint needs a directory")
         with self._gate.exclusive():
             info = save_shard_checkpoint(self, request.dir, int(request.step))
-        return ps_pb2.CheckpointResponse(rows=int(info.get("rows", 0)), info_json=json.dumps(info, default=str))
+        rows = info.get("rows", {})
+        total = int(sum(rows.values())) if isinstance(rows, dict) else int(rows)
+        return ps_pb2.CheckpointResponse(rows=total, info_json=json.dumps(info, default=_json_default))
 
     @_rpc(data=False)
     def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
