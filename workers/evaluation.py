@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,10 @@ def head_target(head: str, labels: dict[str, torch.Tensor]) -> torch.Tensor:
     return labels[head]
 
 
+Scores = dict[str, dict[str, dict[str, np.ndarray]]]
+"""kind ("base"/"adapted") -> head -> {"score", "target", "scenario"[, "oracle"]} flat arrays."""
+
+
 class _Collector:
     """Accumulates flat (score, target, scenario, oracle) arrays per head."""
 
@@ -46,42 +51,85 @@ class _Collector:
             if head not in fb.labels:
                 continue
             part = self.parts[head]
-            part["score"].append(p.detach().reshape(-1).numpy()[mask])
-            part["target"].append(head_target(head, fb.labels).reshape(-1).numpy()[mask])
+            part["score"].append(p.detach().reshape(-1).numpy()[mask].astype(np.float32))
+            part["target"].append(head_target(head, fb.labels).reshape(-1).numpy()[mask].astype(np.float32))
             part["scenario"].append(fb.scenario.reshape(-1).numpy()[mask])
             if head in fb.oracle:
-                part["oracle"].append(fb.oracle[head].reshape(-1).numpy()[mask])
+                part["oracle"].append(fb.oracle[head].reshape(-1).numpy()[mask].astype(np.float32))
 
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for head, part in self.parts.items():
-            score = np.concatenate(part["score"]).astype(np.float64)
-            target = np.concatenate(part["target"]).astype(np.float64)
-            scen = np.concatenate(part["scenario"])
-            res: dict[str, Any] = {
-                "rows": int(len(score)),
-                "positives": int(target.sum()),
-                "auc": auc(target, score),
-                "logloss": logloss(target, np.clip(score, 1e-7, 1 - 1e-7)),
-            }
-            if part.get("oracle"):
-                oracle = np.concatenate(part["oracle"]).astype(np.float64)
-                res["oracle_auc"] = auc(target, oracle)
-                denom = res["oracle_auc"] - 0.5
-                res["norm_auc"] = (res["auc"] - 0.5) / denom if denom > 0 else float("nan")
-            by_scen = {}
-            for s in np.unique(scen):
-                sel = scen == s
-                if 0 < target[sel].sum() < sel.sum():  # AUC needs both classes
-                    by_scen[str(int(s))] = {"rows": int(sel.sum()), "auc": auc(target[sel], score[sel])}
-            res["by_scenario"] = by_scen
-            out[head] = res
-        return out
+    def arrays(self) -> dict[str, dict[str, np.ndarray]]:
+        return {h: {k: np.concatenate(v) for k, v in part.items()} for h, part in self.parts.items()}
+
+
+def summarize(arrays: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """AUC, logloss, oracle and normalized AUC per head, overall and per scenario."""
+    out: dict[str, Any] = {}
+    for head, part in arrays.items():
+        score = part["score"].astype(np.float64)
+        target = part["target"].astype(np.float64)
+        scen = part["scenario"]
+        res: dict[str, Any] = {
+            "rows": int(len(score)),
+            "positives": int(target.sum()),
+            "auc": auc(target, score),
+            "logloss": logloss(target, np.clip(score, 1e-7, 1 - 1e-7)),
+        }
+        if "oracle" in part:
+            res["oracle_auc"] = auc(target, part["oracle"].astype(np.float64))
+            denom = res["oracle_auc"] - 0.5
+            res["norm_auc"] = (res["auc"] - 0.5) / denom if denom > 0 else float("nan")
+        by_scen = {}
+        for s in np.unique(scen):
+            sel = scen == s
+            if 0 < target[sel].sum() < sel.sum():  # AUC needs both classes
+                by_scen[str(int(s))] = {"rows": int(sel.sum()), "auc": auc(target[sel], score[sel])}
+        res["by_scenario"] = by_scen
+        out[head] = res
+    return out
 
 
 @torch.no_grad()
 def _predict(model: torch.nn.Module, fb: FeatureBatch, rows: dict[str, torch.Tensor], uids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return model.predict(fb, rows, uids)
+
+
+def score_batches(
+    model: torch.nn.Module,
+    rows_src: RowSource,
+    batches: Iterable[MetaBatch | PlainBatch],
+    meta_cfg: Any = None,
+    adapt: bool = True,
+    max_batches: int = 0,
+) -> Scores:
+    """Score held-out batches; returns flat arrays (mergeable across workers).
+
+    Args:
+        model: the trained model (dense parameters current).
+        rows_src: where rows come from (pulls only: evaluation never pushes).
+        batches: meta or plain batches of a held-out dataset.
+        meta_cfg: inner-loop settings for the adapted scores (meta batches only).
+        adapt: also score after per-task adaptation (meta batches only).
+        max_batches: stop after this many batches (0: all).
+    """
+    from models.meta import adapt_and_predict
+
+    base, adapted = _Collector(), _Collector()
+    for n, batch in enumerate(batches):
+        if max_batches and n >= max_batches:
+            break
+        ids = {t: u.numpy() for t, u in batch.unique_ids.items()}
+        rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_src.pull(ids).items()}
+        if isinstance(batch, MetaBatch):
+            base.add(_predict(model, batch.query, rows, batch.unique_ids), batch.query)
+            if adapt and meta_cfg is not None:
+                probs = adapt_and_predict(model, batch.support, batch.query, rows, batch.unique_ids, meta_cfg)
+                adapted.add({h: p.detach() for h, p in probs.items()}, batch.query)
+        else:
+            base.add(_predict(model, batch.features, rows, batch.unique_ids), batch.features)
+    out: Scores = {"base": base.arrays()}
+    if adapted.parts:
+        out["adapted"] = adapted.arrays()
+    return out
 
 
 def evaluate(
@@ -92,38 +140,32 @@ def evaluate(
     adapt: bool = True,
     max_batches: int = 0,
 ) -> dict[str, Any]:
-    """Score held-out batches.
+    """Score and summarize in one go: ``{"base": {head: metrics}[, "adapted": ...]}``."""
+    scores = score_batches(model, rows_src, batches, meta_cfg, adapt, max_batches)
+    return {kind: summarize(arrs) for kind, arrs in scores.items()}
 
-    Args:
-        model: the trained model (dense parameters current).
-        rows_src: where rows come from (pulls only: evaluation never pushes).
-        batches: meta or plain batches of a held-out dataset.
-        meta_cfg: inner-loop settings for the adapted scores (meta batches only).
-        adapt: also score after per-task adaptation (meta batches only).
-        max_batches: stop after this many batches (0: all).
 
-    Returns:
-        ``{"base": {head: metrics}, "adapted": {head: metrics}}`` ("adapted" only
-        for meta batches with ``adapt``).
-    """
-    from models.meta import adapt_and_predict
+def write_eval_file(path: Path, scores: Scores) -> None:
+    """Save one shard's scores atomically (a replayed shard overwrites its own file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {f"{kind}/{head}/{k}": v for kind, heads in scores.items() for head, arrs in heads.items() for k, v in arrs.items()}
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **flat)
+    tmp.replace(path)
 
-    base, adapted = _Collector(), _Collector()
-    n = 0
-    for batch in batches:
-        if max_batches and n >= max_batches:
-            break
-        n += 1
-        ids = {t: u.numpy() for t, u in batch.unique_ids.items()}
-        rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_src.pull(ids).items()}
-        if isinstance(batch, MetaBatch):
-            base.add(_predict(model, batch.query, rows, batch.unique_ids), batch.query)
-            if adapt and meta_cfg is not None:
-                probs = adapt_and_predict(model, batch.support, batch.query, rows, batch.unique_ids, meta_cfg)
-                adapted.add({h: p.detach() for h, p in probs.items()}, batch.query)
-        else:
-            base.add(_predict(model, batch.features, rows, batch.unique_ids), batch.features)
-    out: dict[str, Any] = {"batches": n, "base": base.summary()}
-    if adapted.parts:
-        out["adapted"] = adapted.summary()
+
+def merge_eval_files(directory: Path) -> dict[str, Any]:
+    """Summarize every shard's scores under ``directory`` as one evaluation."""
+    merged: dict[str, dict[str, dict[str, list[np.ndarray]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    files = sorted(Path(directory).glob("*.npz"))
+    for f in files:
+        if f.name.endswith(".tmp.npz"):
+            continue
+        with np.load(f) as z:
+            for key in z.files:
+                kind, head, k = key.split("/")
+                merged[kind][head][k].append(z[key])
+    out: dict[str, Any] = {"files": len(files)}
+    for kind, heads in merged.items():
+        out[kind] = summarize({h: {k: np.concatenate(v) for k, v in arrs.items()} for h, arrs in heads.items()})
     return out

@@ -27,9 +27,9 @@ GradsByTable = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
 class RowSource(Protocol):
-    def pull(self, ids: IdsByTable) -> RowsByTable: ...
+    def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable: ...
 
-    def pull_async(self, ids: IdsByTable) -> "Future[RowsByTable]": ...
+    def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]": ...
 
     def push(self, grads: GradsByTable, step: int) -> None: ...
 
@@ -38,6 +38,8 @@ class RowSource(Protocol):
     def pull_dense(self, names: list[str]) -> dict[str, np.ndarray]: ...
 
     def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None: ...
+
+    def set_dense(self, values: dict[str, np.ndarray]) -> None: ...
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path: ...
 
@@ -56,10 +58,10 @@ class LocalRowSource:
     def __init__(self, store: Any) -> None:
         self.store = store
 
-    def pull(self, ids: IdsByTable) -> RowsByTable:
+    def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable:
         return {t: self.store.pull(t, v) for t, v in ids.items()}
 
-    def pull_async(self, ids: IdsByTable) -> "Future[RowsByTable]":
+    def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]":
         return _Done(self.pull(ids))
 
     def push(self, grads: GradsByTable, step: int) -> None:
@@ -76,6 +78,10 @@ class LocalRowSource:
 
     def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None:
         self.store.dense.push(grads)
+
+    def set_dense(self, values: dict[str, np.ndarray]) -> None:
+        self.register_dense(values)
+        self.store.dense.set(values)
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
         from ps.checkpoint import commit_checkpoint, save_shard
@@ -95,11 +101,11 @@ class RemoteRowSource:
     def __init__(self, client: Any) -> None:
         self.client = client
 
-    def pull(self, ids: IdsByTable) -> RowsByTable:
-        return self.client.pull(ids)
+    def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable:
+        return self.client.pull(ids, step=step)
 
-    def pull_async(self, ids: IdsByTable) -> "Future[RowsByTable]":
-        return self.client.pull_async(ids)
+    def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]":
+        return self.client.pull_async(ids, step=step)
 
     def push(self, grads: GradsByTable, step: int) -> None:
         self.client.push(grads, step=step)
@@ -111,7 +117,10 @@ class RemoteRowSource:
         return self.client.pull_dense(names)
 
     def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None:
-        self.client.push_dense(grads, step=step)
+        self.client.push_dense(grads)
+
+    def set_dense(self, values: dict[str, np.ndarray]) -> None:
+        self.client.set_dense(values)
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
         from ps.coordinator import checkpoint_all

@@ -75,6 +75,7 @@ class Trainer:
         dense_optimizer: Any = None,
         rank: int = 0,
         world: int = 1,
+        barrier: Any = None,
     ) -> None:
         self.model = model
         self.rows = rows
@@ -82,6 +83,8 @@ class Trainer:
         self.meta_cfg = meta_cfg
         self.rank = rank
         self.world = world
+        self.barrier = barrier
+        """Called with the step number after each push in synchronous PS mode."""
         self.step_no = 0
         self._names = [n for n, _ in model.named_parameters()]
         self._local_opt: torch.optim.Optimizer | None = None
@@ -106,25 +109,32 @@ class Trainer:
             self.rows.push_dense({n: g.detach().numpy() for n, g in grads.items()}, self.step_no)
             self._load_dense(self.rows.pull_dense(self._names))
             return
-        import torch.distributed as dist
+        self._apply_local(torch.cat([grads[n].reshape(-1) for n in self._names]))
 
+    def _apply_local(self, flat: torch.Tensor) -> None:
         assert self._local_opt is not None
-        flat = torch.cat([grads[n].reshape(-1) for n in self._names])
-        if self.world > 1:
-            dist.all_reduce(flat)
-            flat /= self.world
         offset = 0
-        for name, p in self.model.named_parameters():
+        for _, p in self.model.named_parameters():
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
         self._local_opt.step()
         self._local_opt.zero_grad(set_to_none=True)
 
+    def refresh_dense(self) -> None:
+        """PS mode: load the PS's current dense parameters (e.g. before evaluation)."""
+        if self.cfg.dense_sync == DenseSync.PS:
+            self._load_dense(self.rows.pull_dense(self._names))
+
+    def publish_dense(self) -> None:
+        """All-reduce mode: store the (identical) local dense parameters on the PS for checkpoints."""
+        if self.cfg.dense_sync == DenseSync.ALLREDUCE:
+            self.rows.set_dense(self._dense_numpy())
+
     # -- one step -----------------------------------------------------------------
     def compute(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray]) -> Any:
         """Loss and gradients of one batch, given its pulled rows."""
-        from models.meta import meta_step, plain_step
+        from models.meta import MetaStepResult, meta_step, plain_step
 
         rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_np.items()}
         if self.cfg.mode == TrainMode.META:
@@ -133,8 +143,9 @@ class Trainer:
             return meta_step(self.model, batch, rows, self.meta_cfg)
         if isinstance(batch, MetaBatch):
             # Plain training on a meta layout: support and query rows are all training rows.
-            return plain_step(self.model, _flatten_meta(batch), rows)
-        return plain_step(self.model, batch, rows)
+            batch = _flatten_meta(batch)
+        loss, dense_grads, row_grads = plain_step(self.model, batch, rows)
+        return MetaStepResult(outer_loss=loss, dense_grads=dense_grads, row_grads=row_grads)
 
     def step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float) -> StepStats:
         t0 = time.perf_counter()
@@ -146,19 +157,21 @@ class Trainer:
             self.step_no,
         )
         self._sync_dense(result.dense_grads)
+        if self.barrier is not None:
+            self.barrier(self.step_no)
         t2 = time.perf_counter()
         samples, tasks = _samples_of(batch)
         self.step_no += 1
         return StepStats(
             step=self.step_no,
-            loss=float(result.loss.detach() if hasattr(result, "loss") else result.outer_loss.detach()),
+            loss=float(result.outer_loss.detach()),
             samples=samples,
             tasks=tasks,
             pull_s=pull_s,
             compute_s=t1 - t0,
             push_s=t2 - t1,
             total_s=pull_s + (t2 - t0),
-            metrics=dict(getattr(result, "metrics", {}) or {}),
+            metrics=dict(result.metrics),
         )
 
     def run(self, batches: Iterable[MetaBatch | PlainBatch]) -> Iterator[StepStats]:
@@ -169,20 +182,59 @@ class Trainer:
                 if self._at_limit():
                     return
                 t0 = time.perf_counter()
-                rows = self.rows.pull(_ids_of(batch))
+                rows = self.rows.pull(_ids_of(batch), step=self.step_no)
                 yield self.step(batch, rows, time.perf_counter() - t0)
             return
         # Overlapped: the pull of the next batch is in flight while this one computes.
         nxt = next(it, None)
-        pending = self.rows.pull_async(_ids_of(nxt)) if nxt is not None else None
+        pending = self.rows.pull_async(_ids_of(nxt), step=self.step_no) if nxt is not None else None
         while nxt is not None and not self._at_limit():
             batch, fut = nxt, pending
             t0 = time.perf_counter()
             rows = fut.result()
             wait_s = time.perf_counter() - t0
             nxt = next(it, None)
-            pending = self.rows.pull_async(_ids_of(nxt)) if nxt is not None else None
+            pending = self.rows.pull_async(_ids_of(nxt), step=self.step_no) if nxt is not None else None
             yield self.step(batch, rows, wait_s)
+
+    def allreduce_step(self, batch: MetaBatch | PlainBatch | None) -> StepStats | None:
+        """One collective step (all-reduce mode, world > 1); ``batch`` None = idle.
+
+        Gradients are averaged weighted by each worker's sample count, so
+        workers with fewer (or no) samples this step count for less. Returns
+        None once no worker had a batch (every worker leaves together).
+        """
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        n_params = sum(p.numel() for p in self.model.parameters())
+        samples, tasks = _samples_of(batch) if batch is not None else (0, 0)
+        pull_s = compute_s = 0.0
+        loss = 0.0
+        metrics: dict[str, float] = {}
+        if batch is not None:
+            rows = self.rows.pull(_ids_of(batch), step=self.step_no)
+            pull_s = time.perf_counter() - t0
+            result = self.compute(batch, rows)
+            compute_s = time.perf_counter() - t0 - pull_s
+            ids = _ids_of(batch)
+            self.rows.push({t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads},
+                           self.step_no)
+            flat = torch.cat([result.dense_grads[n].reshape(-1) for n in self._names]) * samples
+            loss, metrics = float(result.outer_loss.detach()), dict(result.metrics)
+        else:
+            flat = torch.zeros(n_params)
+        packed = torch.cat([flat, torch.tensor([float(samples), 1.0 if batch is not None else 0.0])])
+        dist.all_reduce(packed)
+        total, active = float(packed[-2]), float(packed[-1])
+        if active == 0:
+            return None
+        if total > 0:
+            self._apply_local(packed[:-2] / total)
+        self.step_no += 1
+        t1 = time.perf_counter()
+        return StepStats(self.step_no, loss, samples, tasks, pull_s, compute_s, t1 - t0 - pull_s - compute_s,
+                         t1 - t0, metrics)
 
     def _at_limit(self) -> bool:
         return bool(self.cfg.max_steps) and self.step_no >= self.cfg.max_steps

@@ -1,0 +1,150 @@
+"""Generate ``docs/configuration.md`` from the config dataclasses.
+
+The reference is derived, never hand-edited, so it cannot drift:
+``tests/metaps/test_config_doc.py`` fails when the committed file differs from
+what this module renders. Regenerate with ``python -m metaps.config_doc``.
+
+Field descriptions come from each dataclass docstring's ``Args:`` section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_PATH = ROOT / "docs" / "configuration.md"
+
+
+def _args_docs(cls: type) -> dict[str, str]:
+    """Parse ``Args:`` entries (``name: text`` with indented continuations)."""
+    doc = cls.__doc__ or ""
+    m = re.search(r"^\s*Args:\s*$", doc, flags=re.M)
+    if not m:
+        return {}
+    out: dict[str, str] = {}
+    current = None
+    base_indent = None
+    for line in doc[m.end():].splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if base_indent is None:
+            base_indent = indent
+        if indent < base_indent:
+            break
+        entry = re.match(r"\s*([A-Za-z_][\w /]*?):\s*(.*)$", line)
+        if indent == base_indent and entry:
+            names = [n.strip() for n in entry.group(1).split("/")]
+            current = names
+            for n in names:
+                out[n] = entry.group(2).strip()
+        elif current:
+            for n in current:
+                out[n] = (out[n] + " " + line.strip()).strip()
+    return out
+
+
+def _type_str(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return " | ".join(_type_str(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        return f"list[{_type_str(args[0])}]" if args else "list"
+    if origin is dict:
+        return f"table[{_type_str(args[1])}]" if args else "table"
+    if tp is type(None):
+        return "none"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return " | ".join(f'"{m.value}"' for m in tp)
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default_str(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        v = field.default
+    elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        v = field.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(v):
+        return "(table below)"
+    if isinstance(v, enum.Enum):
+        return f'"{v.value}"'
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(str(x.value if isinstance(x, enum.Enum) else x) for x in v) + "]"
+    return str(v)
+
+
+def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, str]]) -> None:
+    if (cls, key) in seen:
+        return
+    seen.add((cls, key))
+    hints = typing.get_type_hints(cls)
+    docs = _args_docs(cls)
+    lines.append(f"### `[{key}]` ({cls.__module__}.{cls.__name__})")
+    lines.append("")
+    summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+    if summary:
+        lines.append(summary)
+        lines.append("")
+    lines.append("| key | type | default | meaning |")
+    lines.append("|---|---|---|---|")
+    nested: list[tuple[type, str]] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        type_cell = _type_str(tp).replace("|", "\\|")
+        default_cell = _default_str(f).replace("|", "\\|")
+        lines.append(f"| `{f.name}` | {type_cell} | {default_cell} | {docs.get(f.name, '')} |")
+        inner = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        for a in inner:
+            suffix = "[]" if typing.get_origin(tp) in (list, tuple) else ""
+            nested.append((a, f"{key}.{f.name}{suffix}"))
+    lines.append("")
+    for a, k in nested:
+        _render_class(a, k, lines, seen)
+
+
+def render() -> str:
+    from metaps.job import _section_types
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the config dataclasses by `python -m metaps.config_doc`;",
+        "a test fails when this file is out of date. A job file is TOML with one",
+        "table per section; every key is optional unless marked required. Unknown",
+        "keys and wrong types are errors naming the file and the key.",
+        "",
+    ]
+    seen: set[tuple[type, str]] = set()
+    for name, cls in _section_types().items():
+        _render_class(cls, name, lines, seen)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    DOC_PATH.parent.mkdir(parents=True, exist_ok=True)
+    DOC_PATH.write_text(render())
+    print(f"wrote {DOC_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

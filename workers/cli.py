@@ -1,0 +1,60 @@
+"""``metaps worker`` and ``metaps train-local``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("worker", help="run one training worker of a fleet")
+    p.add_argument("--config", required=True, help="job TOML")
+    p.add_argument("--rank", type=int, required=True, help="worker index 0..[train].workers-1")
+    p.add_argument("--ps", default="", help="PS addresses host:port,... in shard order (default $METAPS_PS)")
+    p.add_argument("--controller", default="", help="controller host:port (default $METAPS_CONTROLLER; none = static split)")
+    p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
+    p.set_defaults(func=_run_worker)
+
+    p = subparsers.add_parser("train-local", help="train in one process with local tables (the parity reference)")
+    p.add_argument("--config", required=True, help="job TOML")
+    p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
+    p.add_argument("--max-steps", type=int, default=None, help="override [train].max_steps")
+    p.set_defaults(func=_run_local)
+
+
+def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
+    from metaps.job import load_job
+
+    overrides = {"train": {k: v for k, v in train_overrides.items() if v is not None}}
+    return load_job(args.config, overrides=overrides)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from metaps.errors import ConfigError
+    from workers.worker import run_worker
+
+    job = _load(args)
+    addrs = [a for a in (args.ps or os.environ.get("METAPS_PS", "")).split(",") if a]
+    if not addrs:
+        raise ConfigError("metaps worker: no PS addresses: pass --ps host:port,... or set METAPS_PS")
+    if not 0 <= args.rank < job.train.workers:
+        raise ConfigError(f"{args.config}: --rank {args.rank} out of range: [train] workers = {job.train.workers}")
+    ctl = args.controller or os.environ.get("METAPS_CONTROLLER", "")
+    run_dir = Path(args.run_dir or job.run.dir)
+    rep = run_worker(job, args.rank, addrs, ctl, run_dir)
+    print(json.dumps({k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}))
+    return 0
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from workers.local import train_local
+
+    job = _load(args, max_steps=args.max_steps)
+    rep, _ = train_local(job, Path(args.run_dir or job.run.dir))
+    summary = {k: rep[k] for k in ("steps", "samples", "samples_per_s", "checkpoint")}
+    summary["eval"] = rep["eval"]
+    print(json.dumps(summary, indent=1))
+    return 0

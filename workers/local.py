@@ -1,0 +1,53 @@
+"""``metaps train-local``: the same training without a PS fleet.
+
+The model, the data order, the optimizers (fbgemm TBE for embeddings, the same
+dense optimizer) and the step engine are the distributed worker's; only the
+rows live in one in-process :class:`~ps.shard_store.ShardStore` instead of
+behind gRPC. It is the parity reference for distributed training and the
+speed baseline of ``bench.train_throughput``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from metaps.log import kv
+from workers.row_source import LocalRowSource
+from workers.worker import Worker, merge_eval_files
+
+log = logging.getLogger(__name__)
+
+
+def local_store(job: Any) -> Any:
+    """One ShardStore holding every table with the fleet's total capacity."""
+    from ps.shard_store import ShardStore
+
+    tables = [dataclasses.replace(t, capacity=t.capacity * job.ps.shards) for t in job.table_configs()]
+    return ShardStore(
+        tables, shard_id=0, num_vshards=job.ps.num_vshards, seed=job.ps.seed, device="cpu",
+        nonfinite_grads=job.ps.nonfinite_grads.value if hasattr(job.ps.nonfinite_grads, "value") else job.ps.nonfinite_grads,
+        dense_optimizer=job.ps.dense_optimizer,
+    )
+
+
+def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True) -> tuple[dict[str, Any], Worker]:
+    """Train on the whole train dataset in one process; evaluate; checkpoint.
+
+    Returns:
+        (the report dict, the Worker, whose ``model`` and ``rows.store`` hold the result)
+    """
+    store = local_store(job)
+    worker = Worker(job, 0, LocalRowSource(store), controller=None, run_dir=run_dir, world=1)
+    worker.train()
+    metrics = None
+    if job.data.eval:
+        worker.evaluate()
+        metrics = merge_eval_files(worker.run_dir / "eval")
+    ckpt = worker.checkpoint(metrics=metrics) if checkpoint else None
+    rep = worker.report(metrics, ckpt)
+    log.info("train-local done", extra=kv(steps=rep["steps"], samples=rep["samples"],
+                                          samples_per_s=round(rep["samples_per_s"], 1)))
+    return rep, worker

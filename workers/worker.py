@@ -1,0 +1,358 @@
+"""``metaps worker``: one trainer process of a fleet.
+
+Life of a worker::
+
+    register with the controller ---- heartbeat thread (leases, commands)
+    for each train shard leased by the DDS (or a static slice without controller):
+        read batches (prefetch) -> pull rows -> step -> push grads -> report metrics
+        report the shard done
+    pull final dense params; score the eval shards it is leased -> run/eval/*.npz
+    rank 0: wait for the job to finish, merge eval scores, final checkpoint, report
+
+With ``dense_sync = "allreduce"`` every step is a collective, so a worker with no
+batch at hand still joins it with zero gradients (and the step's sample count
+weights the average); the loop ends when no worker has data left.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meta_io.prefetch import prefetch
+from meta_io.reader import MetaIODataset
+from metaps.config import to_dict
+from metaps.log import kv
+from workers.config import DenseSync, TrainMode
+from workers.data_feed import BatchRange, static_ranges
+from workers.evaluation import merge_eval_files, score_batches, write_eval_file
+from workers.row_source import RemoteRowSource, RowSource
+from workers.trainer import StepStats, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_info(job: Any, step: int, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint manifest carries so delivery can rebuild the model."""
+    return {
+        "schema": job.schema().to_dict(),
+        "model": to_dict(job.model),
+        "step": step,
+        "data_range": {"train": job.data.train, "eval": job.data.eval},
+        "metrics": metrics or {},
+        "job": job.to_dict(),
+    }
+
+
+def build_model(job: Any) -> torch.nn.Module:
+    from models.factory import build_model as _build
+
+    torch.manual_seed(job.train.seed)
+    return _build(job.schema(), job.model)
+
+
+class _Heartbeat(threading.Thread):
+    """Renews leases and collects controller commands in the background."""
+
+    def __init__(self, ctl: Any, period_s: float, worker: "Worker") -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.ctl, self.period_s, self.worker = ctl, period_s, worker
+        self.stop_event = threading.Event()
+        self.commands: list[Any] = []
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period_s):
+            try:
+                reply = self.ctl.heartbeat(step=self.worker.trainer.step_no, rss_bytes=_rss_bytes())
+            except Exception as exc:  # the controller may restart; keep training
+                log.warning("heartbeat failed", extra=kv(error=str(exc)[:200]))
+                continue
+            if reply.commands:
+                with self.lock:
+                    self.commands.extend(reply.commands)
+
+    def take(self) -> list[Any]:
+        with self.lock:
+            cmds, self.commands = self.commands, []
+        return cmds
+
+
+def _rss_bytes() -> float:
+    try:
+        with open("/proc/self/statm") as fh:
+            return float(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0.0
+
+
+class Worker:
+    """One worker process's state: data, model, trainer, controller link.
+
+    Args:
+        job: the parsed job file.
+        rank: this worker's index.
+        rows: where rows come from (RemoteRowSource for a fleet).
+        controller: a controller.client.ControllerClient, or None for a static split.
+        run_dir: where eval scores, reports and checkpoints go.
+    """
+
+    def __init__(self, job: Any, rank: int, rows: RowSource, controller: Any = None, run_dir: Path | None = None,
+                 world: int | None = None, barrier: Any = None) -> None:
+        from metaps.faults import FaultInjector
+
+        self.job, self.rank, self.rows, self.ctl = job, rank, rows, controller
+        self.world = job.train.workers if world is None else world
+        self.run_dir = Path(run_dir or job.run.dir)
+        self.dataset = MetaIODataset(job.data.train)
+        self.model = build_model(job)
+        torch.set_num_threads(job.train.threads)
+        self._init_allreduce()
+        self.trainer = Trainer(
+            self.model, rows, job.train, job.meta, job.ps.dense_optimizer, rank=rank, world=self.world,
+            barrier=barrier,
+        )
+        self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", time.time())))
+        self.history: list[dict[str, Any]] = []
+        self.samples = 0
+        self.busy_s = 0.0
+        self.shards_done = 0
+        self._hb: _Heartbeat | None = None
+        self._draining = False
+
+    def _init_allreduce(self) -> None:
+        if self.job.train.dense_sync != DenseSync.ALLREDUCE or self.world == 1:
+            return
+        import torch.distributed as dist
+
+        addr = os.environ.get("METAPS_ALLREDUCE", f"127.0.0.1:{self.job.train.allreduce_port}")
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=self.rank, world_size=self.world)
+        log.info("joined all-reduce group", extra=kv(rank=self.rank, world=self.world, addr=addr))
+
+    # -- data -------------------------------------------------------------------------
+    def _ranges(self) -> Iterator[tuple[BatchRange, Any]]:
+        """(range, lease) pairs: controller leases, or this rank's static slices per epoch."""
+        if self.ctl is None:
+            for _ in range(self.job.train.epochs):
+                for r in static_ranges(self.dataset, self.rank, self.world):
+                    yield r, None
+            return
+        for lease in self.ctl.shards("train"):
+            yield BatchRange(lease.file, lease.start, lease.stop), lease
+
+    # -- main loop --------------------------------------------------------------------
+    def train(self) -> None:
+        if self.ctl is not None:
+            reg = self.ctl.register(pid=os.getpid())
+            self._hb = _Heartbeat(self.ctl, max(0.2, reg.heartbeat_s), self)
+            self._hb.start()
+        t_start = time.perf_counter()
+        if self.job.train.dense_sync == DenseSync.ALLREDUCE and self.world > 1:
+            self._train_allreduce()
+        else:
+            for rng, lease in self._ranges():
+                t0 = time.perf_counter()
+                n0 = self.samples
+                batches = prefetch(self.dataset.read_range(rng.file, rng.start, rng.stop), depth=2)
+                for stats in self.trainer.run(batches):
+                    self._after_step(stats)
+                if self.ctl is not None and lease is not None:
+                    self.ctl.report_shard(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
+                self.shards_done += 1
+                if self._draining or self.trainer._at_limit():
+                    break
+        self.wall_s = time.perf_counter() - t_start
+        log.info(
+            "training done",
+            extra=kv(rank=self.rank, steps=self.trainer.step_no, samples=self.samples, shards=self.shards_done,
+                     wall_s=round(self.wall_s, 2)),
+        )
+
+    def _train_allreduce(self) -> None:
+        """Every step is a collective: idle workers join with zero gradients."""
+        ranges = self._ranges()
+        current: Iterator[Any] = iter(())
+        lease, t0, n0 = None, 0.0, 0
+        exhausted = False
+        while True:
+            batch = next(current, None)
+            while batch is None and not exhausted:
+                if lease is not None:
+                    self.ctl.report_shard(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
+                    self.shards_done += 1
+                    lease = None
+                nxt = next(ranges, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                rng, lease = nxt
+                t0, n0 = time.perf_counter(), self.samples
+                current = iter(self.dataset.read_range(rng.file, rng.start, rng.stop))
+                batch = next(current, None)
+            stats = self.trainer.allreduce_step(batch)
+            if stats is None:
+                break
+            if batch is not None:
+                self._after_step(stats)
+
+    def _after_step(self, stats: StepStats) -> None:
+        delay = self.faults.step_delay(stats.total_s)
+        if delay > 0:
+            time.sleep(delay)
+        self.samples += stats.samples
+        self.busy_s += stats.total_s + delay
+        step = stats.step
+        if step % self.job.train.log_every == 0 or step == 1:
+            rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
+                   "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
+                   "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s, **stats.metrics}
+            self.history.append(rec)
+            log.info("step", extra=kv(rank=self.rank, step=step, loss=round(stats.loss, 4),
+                                      samples_per_s=round(rec["samples_per_s"], 1)))
+        if self.ctl is not None:
+            self._report(stats, delay)
+            self._handle_commands()
+
+    def _report(self, stats: StepStats, delay: float) -> None:
+        # One metrics RPC per step is cheap next to a training step and keeps the monitor's windows full.
+        try:
+            self.ctl.report_metrics(
+                batch_times_s=[stats.total_s + delay],
+                samples_per_s=stats.samples / max(stats.total_s + delay, 1e-9),
+                samples=stats.samples,
+                ps_pull_latency_s={0: stats.pull_s},
+                ps_push_latency_s={0: stats.push_s},
+            )
+        except Exception as exc:
+            log.warning("metrics report failed", extra=kv(error=str(exc)[:200]))
+
+    def _handle_commands(self) -> None:
+        if self._hb is None:
+            return
+        for cmd in self._hb.take():
+            if cmd.kind == "checkpoint" and self.rank == 0:
+                self.checkpoint(cut_id=cmd.cut_id)
+            elif cmd.kind == "drain":
+                log.info("draining on controller command", extra=kv(rank=self.rank, reason=cmd.reason))
+                self._draining = True
+
+    # -- checkpoints, eval, report ---------------------------------------------------------
+    def checkpoint(self, cut_id: int = 0, metrics: dict[str, Any] | None = None) -> Path:
+        step = self.trainer.step_no
+        self.trainer.publish_dense()
+        path = self.rows.checkpoint(self.run_dir / "checkpoints", step, checkpoint_info(self.job, step, metrics))
+        log.info("checkpoint written", extra=kv(rank=self.rank, step=step, dir=str(path), cut_id=cut_id))
+        if self.ctl is not None and cut_id:
+            self.ctl.checkpoint_done(cut_id, step, str(path))
+        return path
+
+    def evaluate(self) -> None:
+        """Score this worker's eval shards (controller) or its static slice of eval."""
+        if not self.job.data.eval:
+            return
+        self.trainer.refresh_dense()
+        eval_ds = MetaIODataset(self.job.data.eval)
+        out_dir = self.run_dir / "eval"
+        adapt = self.job.train.mode == TrainMode.META
+        if self.ctl is not None:
+            for lease in self.ctl.shards("eval"):
+                scores = score_batches(self.model, self.rows, eval_ds.read_range(lease.file, lease.start, lease.stop),
+                                       self.job.meta, adapt=adapt)
+                write_eval_file(out_dir / f"{lease.shard_id.replace('/', '_')}.npz", scores)
+                self.ctl.report_shard(lease, "done", samples=0)
+        else:
+            for r in static_ranges(eval_ds, self.rank, self.world):
+                scores = score_batches(self.model, self.rows, eval_ds.read_range(r.file, r.start, r.stop),
+                                       self.job.meta, adapt=adapt)
+                write_eval_file(out_dir / f"static-{r.file}-{r.start}-{r.stop}.npz", scores)
+
+    def wait_finished(self, timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Rank 0: block until the controller says every dataset is done."""
+        if self.ctl is None:
+            return {}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = self.ctl.status()
+            if st.get("finished"):
+                return st
+            time.sleep(0.2)
+        raise TimeoutError(f"worker {self.rank}: job not finished after {timeout_s}s")
+
+    def report(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None) -> dict[str, Any]:
+        rep = {
+            "rank": self.rank,
+            "steps": self.trainer.step_no,
+            "samples": self.samples,
+            "shards": self.shards_done,
+            "wall_s": getattr(self, "wall_s", 0.0),
+            "busy_s": self.busy_s,
+            "samples_per_s": self.samples / max(getattr(self, "wall_s", 0.0), 1e-9),
+            "history": self.history,
+            "eval": eval_metrics or {},
+            "checkpoint": str(checkpoint) if checkpoint else "",
+        }
+        path = self.run_dir / "workers" / f"worker-{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rep, indent=1, default=_json_default))
+        tmp.replace(path)
+        return rep
+
+    def close(self) -> None:
+        if self._hb is not None:
+            self._hb.stop_event.set()
+        if self.job.train.dense_sync == DenseSync.ALLREDUCE and self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    return str(o)
+
+
+def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: str = "",
+               run_dir: Path | None = None) -> dict[str, Any]:
+    """The whole life of one worker process; returns its report."""
+    from ps.client import PsClient
+
+    client = PsClient(
+        ps_addresses, job.rpc, value_dtype=job.ps.value_dtype, worker_id=f"worker-{rank}",
+        register=True, max_request_rows=job.ps.max_request_rows,
+    )
+    ctl = None
+    if controller_addr:
+        from controller.client import ControllerClient
+
+        ctl = ControllerClient(controller_addr, job.rpc, role="worker", index=rank)
+    barrier = client.barrier if job.ps.sync == "sync" else None
+    worker = Worker(job, rank, RemoteRowSource(client), ctl, run_dir, barrier=barrier)
+    try:
+        worker.train()
+        worker.evaluate()
+        metrics, ckpt = None, None
+        if rank == 0:
+            worker.wait_finished()
+            metrics = merge_eval_files(worker.run_dir / "eval") if job.data.eval else None
+            ckpt = worker.checkpoint(metrics=metrics)
+        return worker.report(metrics, ckpt)
+    finally:
+        worker.close()
+        client.close(leave=True)
+        if ctl is not None:
+            ctl.close()
