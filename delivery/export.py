@@ -135,22 +135,33 @@ class CheckpointSource:
         return TableData(ids, w, ls)
 
     def dense(self, names: list[str]) -> dict[str, np.ndarray]:
-        """Dense parameters by name (the model's ``named_parameters()`` names).
+        """Dense parameter values by name (the model's ``named_parameters()`` names).
 
-        Restored into a standalone ``ps.dense_store.DenseStore`` with
-        ``ps.checkpoint.load_dense`` (which only touches ``store.dense``).
+        Read straight from the ``d/<name>`` chunks of the shard files (values only;
+        no optimizer objects are built, which keeps delivery light).
         """
-        from types import SimpleNamespace
+        import lmdb
 
-        from ps.checkpoint import load_dense
-        from ps.dense_store import DenseStore
+        from ps.checkpoint import shard_files, unpack_arrays
 
-        holder = SimpleNamespace(dense=DenseStore())
-        try:
-            loaded = set(load_dense(holder, self.path, names, verify=False))
-        except MetapsError as exc:
-            raise DeliveryError(f"{self.path}: cannot read dense parameters: {exc}") from None
-        values = holder.dense.pull(sorted(loaded)) if loaded else {}
+        values: dict[str, np.ndarray] = {}
+        for path in shard_files(self.path):
+            env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=0)
+            try:
+                with env.begin(buffers=False) as txn:
+                    for name in names:
+                        raw = txn.get(f"d/{name}".encode())
+                        if raw is None or name in values:
+                            continue
+                        try:
+                            arrays = unpack_arrays(raw, f"{path} key 'd/{name}'")
+                        except MetapsError as exc:
+                            raise DeliveryError(f"{self.path}: cannot read dense parameters: {exc}") from None
+                        if "value" not in arrays:
+                            raise DeliveryError(f"{path}: dense chunk 'd/{name}' lacks 'value'")
+                        values[name] = arrays["value"]
+            finally:
+                env.close()
         missing = [n for n in names if n not in values]
         if missing:
             raise DeliveryError(

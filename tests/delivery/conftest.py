@@ -190,3 +190,42 @@ class History:
 @pytest.fixture(scope="session")
 def history(tmp_path_factory: pytest.TempPathFactory, tiny: TinyModel) -> History:
     return History(tmp_path_factory.mktemp("history"), tiny)
+
+
+def live_features(tiny: TinyModel, live: dict[str, np.ndarray], rows: int, seed: int):
+    """A FeatureBatch (no padding rows) whose ids all exist in ``live`` (table -> ids)."""
+    from models.testing import random_features
+
+    fb = random_features(tiny.schema, (rows,), vocab=1 << 20, generator=torch.Generator().manual_seed(seed), pad_rows=0.0)
+    for c in tiny.schema.id_columns:
+        ids = torch.from_numpy(live[c.table_name])
+        v = fb.ids[c.name]
+        fb.ids[c.name] = torch.where(v >= 0, ids[v % ids.numel()], v)
+    return fb
+
+
+def write_parquet(path: Path, tiny: TinyModel, fb, labels: dict[str, np.ndarray]) -> Path:
+    """``fb`` as a Parquet file in the schema's source format (lists unpadded) with ``labels``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from meta_io.schema import LIST_KINDS
+
+    cols = {}
+    for c in tiny.schema.id_columns:
+        ids = fb.ids[c.name].numpy()
+        if c.kind in LIST_KINDS:
+            valid = ids >= 0
+            offsets = np.concatenate([[0], np.cumsum(valid.sum(1))]).astype(np.int32)
+            cols[c.name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids[valid]))
+        else:
+            cols[c.name] = pa.array(ids[:, 0])
+    for c in tiny.schema.vector_columns:
+        v = fb.vectors[c.name].numpy().astype(np.float32)
+        cols[c.name] = pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
+    for i, c in enumerate(tiny.schema.dense_columns):
+        cols[c.name] = pa.array(fb.dense[:, i].numpy())
+    for lab in tiny.schema.labels:
+        cols[lab] = pa.array(labels[lab].astype(np.float32))
+    pq.write_table(pa.table(cols), str(path))
+    return path

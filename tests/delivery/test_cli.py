@@ -1,0 +1,64 @@
+"""`metaps deliver` / `metaps predict` end to end (in-process CLI, real files)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from delivery.loader import load_bundle
+from metaps.cli import main
+from tests.delivery.conftest import live_features, write_parquet
+
+
+def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
+    out = tmp_path / "bundles"
+    assert main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(out), "--dtype", "fp16"]) == 0
+    fb = live_features(tiny, history.live[30], rows=50, seed=4)
+    data = write_parquet(tmp_path / "day.parquet", tiny, fb, {h: np.zeros(50) for h in tiny.schema.labels})
+    capsys.readouterr()
+    assert main(["predict", "--bundle", str(out), "--data", str(data), "--out", str(tmp_path / "s.parquet"),
+                 "--batch-rows", "16"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0}
+    scores = pq.read_table(tmp_path / "s.parquet").to_pydict()
+    want = load_bundle(out).predict(fb)
+    assert scores["row"] == list(range(50))
+    for h in tiny.schema.labels:
+        np.testing.assert_allclose(scores[f"p_{h}"], want[h].numpy(), atol=1e-6)
+
+
+def test_deliver_every_runs_the_loop(tmp_path, history, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(history.ckpts[20], run / "checkpoints" / "ckpt-20")
+    rc = main(["deliver", "--run", str(run), "--out", str(tmp_path / "out"), "--every", "10ms", "--max-ticks", "2"])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["status"] for x in lines] == ["published", "up_to_date"]
+
+
+def test_bad_input_exits_nonzero_with_the_reason(tmp_path, capsys):
+    assert main(["deliver", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    assert "none: checkpoint directory not found" in capsys.readouterr().err
+    assert main(["deliver", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--keep", "0"]) == 1
+    assert "keep must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["deliver", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--every", "soon"]) == 1
+    assert "bad interval 'soon'" in capsys.readouterr().err
+    assert main(["predict", "--bundle", str(tmp_path / "nb"), "--data", "x.parquet", "--out", "y.parquet"]) == 1
+    assert "nb: bundle path does not exist" in capsys.readouterr().err
+
+
+def test_predict_on_meta_shaped_and_plain_batches(tmp_path, history, tiny):
+    from meta_io.batch import PlainBatch
+
+    main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(tmp_path / "b")])
+    served = load_bundle(tmp_path / "b")
+    fb = live_features(tiny, history.live[30], rows=12, seed=9)
+    flat = served.predict(PlainBatch(features=fb, unique_ids={}))
+    meta = served.predict(fb.map(lambda t: t.reshape((3, 4) + tuple(t.shape[1:]))))
+    for h in flat:
+        assert meta[h].shape == (3, 4)
+        torch.testing.assert_close(meta[h].reshape(-1), flat[h])
