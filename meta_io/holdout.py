@@ -1,0 +1,147 @@
+"""Split input rows into train and held-out sets by task (users unseen in training).
+
+Meta-learning is judged on tasks the model never trained on: after adapting
+on a held-out user's support rows, how well does it predict that user's query
+rows? The split is by task key, deterministic (``mix64(key ^ seed)``), streams
+the input (out of core) and writes normalized Parquet that
+``metaps meta-io build`` reads like any other input::
+
+    input rows --iter_source--> task key --mix64--> bucket < fraction*2^32 ? holdout : train
+                                                     |                      |
+                                        OUT/holdout/part-*.parquet   OUT/train/part-*.parquet
+                                        OUT/schema.json (the same schema; ids already hashed)
+
+Example::
+
+    split_by_task("raw/", schema, "split/", fraction=0.1, seed=0)
+    # then: metaps meta-io build --input split/train ...; --input split/holdout ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from meta_io.schema import Schema, load_schema
+from meta_io.source import iter_source
+from metaps.errors import DataError
+from metaps.hashing import mix64
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+_HOLDOUT_SALT = 0x401D_0C7A_5EED_0001
+
+
+@dataclass(frozen=True)
+class HoldoutSplit:
+    train_dir: Path
+    holdout_dir: Path
+    schema_path: Path
+    """The schema of the split data (ids already normalized: no column re-hashes)."""
+    train_rows: int
+    holdout_rows: int
+    holdout_tasks: int
+
+
+def holdout_mask(task_keys: np.ndarray, fraction: float, seed: int = 0) -> np.ndarray:
+    """True for rows whose task goes to the held-out set (vectorized, stable)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"holdout fraction must be in [0, 1), got {fraction}")
+    h = mix64(task_keys, salt=_HOLDOUT_SALT ^ seed) >> np.uint64(32)
+    return h < np.uint64(int(fraction * (1 << 32)))
+
+
+def _unpad_lists(table: pa.Table, schema: Schema) -> pa.Table:
+    """Padded fixed-size id lists back to variable lists (-1 padding removed), vectorized."""
+    from meta_io.schema import LIST_KINDS
+
+    for col in schema.of_kind(*LIST_KINDS):
+        arr = table.column(col.name).combine_chunks()
+        values = arr.flatten().to_numpy().reshape(len(arr), col.max_len)
+        keep = values >= 0
+        offsets = np.zeros(len(arr) + 1, dtype=np.int32)
+        np.cumsum(keep.sum(axis=1), out=offsets[1:])
+        lists = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values[keep]))
+        table = table.set_column(table.schema.get_field_index(col.name), col.name, lists)
+    return table
+
+
+def split_by_task(
+    input_path: str | Path, schema: Schema, out_dir: str | Path, fraction: float, seed: int = 0,
+    batch_rows: int = 65_536,
+) -> HoldoutSplit:
+    """Write ``out_dir/train`` and ``out_dir/holdout`` (Parquet, normalized columns).
+
+    Args:
+        input_path: Parquet/CSV file or folder (anything ``iter_source`` reads).
+        schema: the input's schema; its ``task_key`` decides the split.
+        out_dir: where the two folders go (must not already hold them).
+        fraction: share of tasks held out, in [0, 1).
+        seed: changes which tasks are held out.
+    """
+    out = Path(out_dir)
+    train_dir, hold_dir = out / "train", out / "holdout"
+    for d in (train_dir, hold_dir):
+        if d.exists() and any(d.iterdir()):
+            raise DataError(f"{d}: already exists and is not empty; remove it or pick another --out")
+        d.mkdir(parents=True, exist_ok=True)
+    writers: dict[str, pq.ParquetWriter] = {}
+    counts = {"train": 0, "holdout": 0}
+    held_keys: list[np.ndarray] = []
+    try:
+        for sb in iter_source(input_path, schema, batch_rows=batch_rows):
+            table = _unpad_lists(sb.table, schema)
+            if not writers:
+                writers = {
+                    "train": pq.ParquetWriter(train_dir / "part-00000.parquet", table.schema),
+                    "holdout": pq.ParquetWriter(hold_dir / "part-00000.parquet", table.schema),
+                }
+            keys = table.column(schema.task_key).to_numpy()
+            mask = holdout_mask(keys, fraction, seed)
+            pa_mask = pa.array(mask)
+            for name, sel in (("holdout", pa_mask), ("train", pc.invert(pa_mask))):
+                part = table.filter(sel)
+                if part.num_rows:
+                    writers[name].write_table(part)
+                    counts[name] += part.num_rows
+            if mask.any():
+                held_keys.append(np.unique(keys[mask]))
+    finally:
+        for w in writers.values():
+            w.close()
+    if counts["holdout"] == 0 and fraction > 0:
+        raise DataError(f"{input_path}: holdout fraction {fraction} selected no task; use a larger fraction")
+    n_tasks = int(np.unique(np.concatenate(held_keys)).size) if held_keys else 0
+    schema_path = out / "schema.json"
+    dataclasses.replace(schema, columns=[dataclasses.replace(c, hash=False) for c in schema.columns]).save(schema_path)
+    log.info("holdout split", extra=kv(train_rows=counts["train"], holdout_rows=counts["holdout"], holdout_tasks=n_tasks))
+    return HoldoutSplit(train_dir, hold_dir, schema_path, counts["train"], counts["holdout"], n_tasks)
+
+
+def register_subcommand(sub: Any) -> None:
+    """``metaps meta-io split-holdout``: add to the ``meta-io`` subcommand group."""
+    p = sub.add_parser("split-holdout", help="split input into train and held-out tasks (by task key)")
+    p.add_argument("--input", required=True, help="Parquet/CSV file or folder")
+    p.add_argument("--schema", required=True, help="schema file")
+    p.add_argument("--out", required=True, help="writes OUT/train and OUT/holdout")
+    p.add_argument("--fraction", type=float, default=0.1, help="share of tasks held out (default 0.1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
+    print(f"train   {res.train_rows:,} rows -> {res.train_dir}")
+    print(f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}")
+    print(f"schema  {res.schema_path}")
+    return 0
