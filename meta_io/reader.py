@@ -58,7 +58,9 @@ def arrow_to_torch(arr: pa.Array) -> torch.Tensor:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     if pa.types.is_fixed_size_list(arr.type):
-        inner = arrow_to_torch(arr.flatten())
+        # .values is the whole child array; flatten() honours a sliced parent
+        inner = arrow_to_torch(arr.values if arr.offset == 0 and len(arr.values) == len(arr) * arr.type.list_size
+                               else arr.flatten())
         return inner.view(len(arr), arr.type.list_size)
     if pa.types.is_boolean(arr.type):
         return torch.from_numpy(arr.to_numpy(zero_copy_only=False))
@@ -93,6 +95,8 @@ class BatchConverter:
         for c in self.id_cols:
             self.tables.setdefault(c.table_name, []).append(c.name)
         self.scenario_kind = schema.column(schema.scenario).kind if schema.scenario else None
+        # a sparse scenario column is already converted as an id column: reuse that view
+        self.scenario_is_id = self.scenario_kind == ColumnKind.SPARSE
 
     def features(self, rb: pa.RecordBatch, shape: tuple[int, ...]) -> FeatureBatch:
         """All features of ``rb`` with leading shape ``shape`` (its rows, reshaped)."""
@@ -115,6 +119,8 @@ class BatchConverter:
         mask = col(L.MASK_COL).view(shape)
         if self.scenario_kind is None:
             scenario = torch.zeros(shape, dtype=torch.int64)
+        elif self.scenario_is_id:
+            scenario = ids[self.schema.scenario][..., 0]
         else:
             scenario = col(self.schema.scenario).view(shape)
             if scenario.dtype != torch.int64:
