@@ -383,28 +383,27 @@ class EmbeddingReader:
         return np.frombuffer(joined, dtype=self.dtype.numpy.newbyteorder("<")).reshape(-1, dim)
 
     def get(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of sorted unique ``ids``: ``(found bool[n], rows float32[n, dim])`` (zeros where not found).
+        """Rows of ``ids``: ``(found bool[n], rows float32[n, dim])`` (zeros where not found).
 
-        One ``getmulti`` per call; found keys are matched back with ``searchsorted``.
+        One C-level pass: ``b"".join(map(txn.get, keys, repeat(NaN row)))`` then one
+        ``np.frombuffer``. A missing key yields the NaN row, which marks it (stored
+        rows are never NaN: the writer and the gate refuse them). Measured faster
+        than ``cursor.getmulti`` here (py-lmdb 3.0: ~15%), which also drops misses.
         """
         dim = self._dim(table)
         ids = np.asarray(ids, dtype=np.int64)
-        out = np.zeros((ids.shape[0], dim), dtype=np.float32)
-        found = np.zeros(ids.shape[0], dtype=bool)
         if ids.size == 0:
-            return found, out
-        prefix_len = len(table_prefix(table))
+            return np.zeros(0, dtype=bool), np.zeros((0, dim), dtype=np.float32)
+        dt = self.dtype.numpy.newbyteorder("<")
+        missing = np.full(dim, np.nan, dtype=dt).tobytes()
         with self._env.begin(buffers=False) as txn:
-            res = txn.cursor().getmulti(encode_keys(table, ids))
-        if not res:
-            return found, out
-        got_ids = decode_ids(b"".join(map(operator.itemgetter(0), res)), prefix_len)
-        rows = self._rows(b"".join(map(operator.itemgetter(1), res)), table, dim)
-        if rows.shape[0] != got_ids.shape[0]:
+            joined = b"".join(map(txn.get, encode_keys(table, ids), itertools.repeat(missing)))
+        if len(joined) != ids.size * len(missing):
             raise DeliveryError(f"{self.path}: table '{table}': a stored value has the wrong size (expected dim {dim})")
-        pos = np.searchsorted(ids, got_ids)
-        out[pos] = rows
-        found[pos] = True
+        rows = np.frombuffer(joined, dtype=dt).reshape(-1, dim)
+        found = ~np.isnan(rows[:, 0])
+        out = rows.astype(np.float32)
+        out[~found] = 0.0
         return found, out
 
     def scan(self, table: str, count: int, values: bool = True) -> tuple[np.ndarray, np.ndarray | None]:

@@ -13,8 +13,9 @@ initial values are random per id and were never seen by the dense network,
 while zeros are a deterministic "no information" input to sum/mean pooling.
 ``ServingModel.unknown_ids`` counts them.
 
-Every lookup is one ``getmulti`` per bundle of the chain for the batch's
-unique ids of a table, then ``np.frombuffer`` over the joined values.
+Every lookup is one C-level pass per bundle of the chain over the batch's
+unique ids of a table (``b"".join(map(txn.get, keys, ...))``), then one
+``np.frombuffer`` over the joined values (see ``EmbeddingReader.get``).
 
 Example::
 

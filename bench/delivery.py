@@ -1,0 +1,232 @@
+"""Delivery benchmark: full export, incremental export vs changed fraction, serving lookups.
+
+Run::
+
+    python -m bench.delivery            # 1M-row item table
+    python -m bench.delivery --quick    # 200K rows, about a minute
+
+What it measures, each against a baseline in the same run:
+
+* ``export_rows_per_s``: checkpoint (real PS ShardStore, 2 shards) -> full bundle
+  (sha256 verify, read + sort, fingerprint, LMDB putmulti, TorchScript trace).
+  Baseline: the same rows written one ``txn.put`` per row.
+* ``delta_cost_vs_fraction``: (incremental export time / full export time) /
+  changed fraction, for 1%, 10%, 50% of rows changed (1.0 = perfectly
+  proportional; above 1 = fixed costs: reading and verifying the whole
+  checkpoint, fingerprinting every row).
+* ``lookup_rows_per_s``: ``ServingModel.lookup`` on batches of 4096 random ids.
+  Baseline: one ``txn.get`` + ``np.frombuffer`` per id.
+
+The last line printed is a JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+
+from delivery.bundle import EMBEDDINGS, encode_keys
+from delivery.config import DeliveryConfig, RowDtype
+from delivery.export import CheckpointSource, export_bundle, parent_state
+from delivery.job import deliver_once
+from delivery.loader import bundle_chain, load_bundle
+from delivery.publish import Publisher
+from meta_io.schema import ColumnKind, ColumnSpec, Schema
+from metaps.config import to_dict
+from metaps.hashing import vshard_of
+from models.config import ModelConfig
+from models.factory import build_model
+
+DIM = 16
+LOOKUP_BATCH = 4096
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _schema() -> Schema:
+    return Schema(
+        columns=[
+            ColumnSpec("user_id", ColumnKind.SPARSE, table="user"),
+            ColumnSpec("item_id", ColumnKind.SPARSE, table="item"),
+            ColumnSpec("price", ColumnKind.DENSE),
+            ColumnSpec("click", ColumnKind.LABEL),
+        ],
+        task_key="user_id",
+        labels=["click"],
+    )
+
+
+class _Fleet:
+    """Two real ShardStores; ids routed by vshard."""
+
+    def __init__(self, rows: int, schema: Schema, cfg: ModelConfig) -> None:
+        from ps.config import TableConfig
+        from ps.shard_store import ShardStore
+
+        cap = rows // 2 + rows // 8
+        tables = [TableConfig(name="item", dim=DIM, capacity=cap), TableConfig(name="user", dim=DIM, capacity=4096)]
+        self.stores = [ShardStore(tables, shard_id=i, num_vshards=64, seed=0) for i in range(2)]
+        model = build_model(schema, cfg)
+        for n, p in model.named_parameters():
+            self.stores[0].dense.register(n, p.detach().numpy().copy())
+        self.schema, self.cfg = schema, cfg
+
+    def push(self, table: str, ids: np.ndarray, seed: int, chunk: int = 1 << 17) -> None:
+        rng = np.random.default_rng(seed)
+        sh = vshard_of(ids, 64) % 2
+        for i, store in enumerate(self.stores):
+            mine = ids[sh == i]
+            for lo in range(0, mine.size, chunk):
+                part = mine[lo : lo + chunk]
+                store.push(table, part, rng.normal(size=(part.size, DIM)).astype(np.float32))
+
+    def checkpoint(self, root: Path, step: int) -> Path:
+        from ps.checkpoint import checkpoint_tmp_dir, commit_checkpoint, save_shard
+
+        tmp = checkpoint_tmp_dir(root, step)
+        for i, s in enumerate(self.stores):
+            save_shard(s, tmp, i)
+        info = {"schema": self.schema.to_dict(), "model": to_dict(self.cfg), "step": step}
+        return commit_checkpoint(tmp, info)
+
+
+def _timed_export(ckpt: Path, root: Path, cfg: DeliveryConfig, incremental: bool) -> float:
+    """Seconds for one export (opening + verifying the checkpoint included; publish excluded)."""
+    pub = Publisher(root)
+    t0 = time.perf_counter()
+    src = CheckpointSource.open(ckpt)
+    parent = None
+    if incremental:
+        latest = pub.latest()
+        assert latest is not None
+        parent = parent_state(bundle_chain(root / latest))
+    version = pub.next_version()
+    staging = pub.staging_dir(version)
+    export_bundle(src, staging, version, cfg, parent)
+    dt = time.perf_counter() - t0
+    pub.publish(staging, version)
+    return dt
+
+
+def _baseline_put(rows: np.ndarray, ids: np.ndarray, path: Path) -> float:
+    """rows/s writing one txn.put per row (what a naive exporter does)."""
+    env = lmdb.open(str(path), subdir=False, map_size=1 << 32, lock=False, sync=False)
+    keys = encode_keys("item", ids)
+    t0 = time.perf_counter()
+    with env.begin(write=True) as txn:
+        for k, r in zip(keys, rows):
+            txn.put(k, r.tobytes())
+    dt = time.perf_counter() - t0
+    env.close()
+    return ids.size / dt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.delivery")
+    ap.add_argument("--quick", action="store_true", help="200K rows instead of 1M (about a minute)")
+    ap.add_argument("--rows", type=int, default=0, help="item table rows (overrides the default)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    rows = args.rows or (200_000 if args.quick else 1_000_000)
+    work = Path(tempfile.mkdtemp(prefix="bench-delivery-"))
+    try:
+        schema = _schema()
+        mcfg = ModelConfig(kind="dnn", hidden=[32, 16], default_dim=DIM)
+        _say(f"building a 2-shard PS with {rows:,} item rows ...")
+        fleet = _Fleet(rows, schema, mcfg)
+        ids = np.random.default_rng(0).choice(1 << 40, rows, replace=False).astype(np.int64)
+        fleet.push("item", ids, seed=1)
+        fleet.push("user", np.arange(1000, dtype=np.int64), seed=2)
+        base_ckpt = fleet.checkpoint(work / "ckpts", 1)
+        cfg = DeliveryConfig(out=work / "out", dtype=RowDtype.FP32)
+
+        _say("full export ...")
+        full_s = min(_timed_export(base_ckpt, work / f"full{i}", cfg, False) for i in range(3))
+        export_rps = (rows + 1000) / full_s
+        _say(f"  full export {full_s:.2f}s = {export_rps:,.0f} rows/s")
+        n_base = min(rows, 100_000)
+        base_rows = np.random.default_rng(3).normal(size=(n_base, DIM)).astype(np.float32)
+        baseline_rps = _baseline_put(base_rows, np.sort(ids[:n_base]), work / "baseline.lmdb")
+        _say(f"  baseline (txn.put per row, LMDB write only) {baseline_rps:,.0f} rows/s")
+
+        # Incremental: disjoint id sets so the k-th checkpoint differs from the base by exactly `frac`.
+        perm = np.random.default_rng(4).permutation(ids)
+        fractions = [0.01, 0.10, 0.50]
+        delta: dict[str, dict[str, float]] = {}
+        done = 0
+        for step, frac in enumerate(fractions, start=2):
+            upto = int(frac * rows)
+            fleet.push("item", perm[done:upto], seed=10 + step)
+            done = upto
+            ckpt = fleet.checkpoint(work / "ckpts", step)
+            times = []
+            for rep in range(2):  # min of 2: the machine is shared and noisy
+                root = work / f"inc{step}-{rep}"
+                shutil.copytree(work / "full0", root)
+                times.append(_timed_export(ckpt, root, DeliveryConfig(out=root, incremental=True), True))
+            t = min(times)
+            m = json.loads((work / f"inc{step}-0" / "v000002" / "manifest.json").read_text())
+            written = m["tables"]["item"]["written"]
+            delta[f"{frac:g}"] = {"seconds": round(t, 3), "delta_over_full": round(t / full_s, 3),
+                                  "cost_vs_fraction": round((t / full_s) / frac, 2), "rows_written": written}
+            _say(f"  delta {frac:.0%}: {t:.2f}s, delta/full {t / full_s:.3f}, "
+                 f"(delta/full)/fraction {(t / full_s) / frac:.2f}, rows written {written:,}")
+
+        _say("serving lookups ...")
+        served = load_bundle(work / "full0", verify=False)
+        rng = np.random.default_rng(5)
+        batches = [rng.choice(ids, LOOKUP_BATCH) for _ in range(40)]
+        served.lookup("item", batches[0])
+        t0 = time.perf_counter()
+        for b in batches:
+            served.lookup("item", b)
+        lookup_rps = len(batches) * LOOKUP_BATCH / (time.perf_counter() - t0)
+        served.close()
+        env = lmdb.open(str(work / "full0" / "v000001" / EMBEDDINGS), subdir=False, readonly=True, lock=False)
+        t0 = time.perf_counter()
+        with env.begin() as txn:
+            for b in batches[:10]:
+                out = np.zeros((b.size, DIM), np.float32)
+                for i, k in enumerate(encode_keys("item", b)):
+                    v = txn.get(k)
+                    if v is not None:
+                        out[i] = np.frombuffer(v, np.float32)
+        lookup_base = 10 * LOOKUP_BATCH / (time.perf_counter() - t0)
+        env.close()
+        _say(f"  lookup {lookup_rps:,.0f} rows/s vs per-id get loop {lookup_base:,.0f} rows/s")
+
+        figures = {
+            "bench": "delivery",
+            "rows": rows,
+            "dim": DIM,
+            "export_rows_per_s": round(export_rps),
+            "export_full_s": round(full_s, 3),
+            "export_baseline_put_rows_per_s": round(baseline_rps),
+            "delta_cost_vs_fraction": {k: v["cost_vs_fraction"] for k, v in delta.items()},
+            "delta": delta,
+            "lookup_rows_per_s": round(lookup_rps),
+            "lookup_baseline_rows_per_s": round(lookup_base),
+            "lookup_speedup": round(lookup_rps / lookup_base, 2),
+            "lookup_batch": LOOKUP_BATCH,
+        }
+        print(json.dumps(figures), flush=True)
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
