@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 
@@ -146,13 +146,8 @@ class ControllerClient:
     # ---------------------------------------------------------------- shards
 
     def get_shard(self, dataset: str) -> GetResult:
-        r = self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset))
-        status = _STATUS[r.status]
-        if status is not GetStatus.SHARD:
-            return GetResult(status)
-        s = r.shard
-        return GetResult(status, ShardLease(s.shard_id, s.dataset, s.epoch, s.file, s.start_batch, s.stop_batch,
-                                            s.attempt, r.lease_s))
+        """A lease (status SHARD), WAIT (ask again soon) or DONE."""
+        return self._get_result(self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset)))
 
     def report_shard(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
                      error: str = "") -> ReportResult:
@@ -160,6 +155,30 @@ class ControllerClient:
             worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
             samples=samples, elapsed_s=elapsed_s, error=error))
         return ReportResult(r.accepted, r.duplicate, r.kind, r.message)
+
+    def get_shard_async(self, dataset: str) -> "Pending[GetResult]":
+        """Start a GetShard now, collect it with ``.result()`` (prefetch the next shard
+        during the current one's last batch to keep the RPC off the critical path)."""
+        req = pb.GetShardRequest(worker=self.index, dataset=dataset)
+        return Pending(self._stub.GetShard.future(req, timeout=self.rpc_cfg.timeout_s),
+                       lambda r: self._get_result(r), lambda: self.get_shard(dataset), "GetShard")
+
+    def report_shard_async(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
+                           error: str = "") -> "Pending[ReportResult]":
+        """ReportShard without waiting; ``.result()`` before relying on it (retries synchronously)."""
+        req = pb.ReportShardRequest(worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
+                                    samples=samples, elapsed_s=elapsed_s, error=error)
+        return Pending(self._stub.ReportShard.future(req, timeout=self.rpc_cfg.timeout_s),
+                       lambda r: ReportResult(r.accepted, r.duplicate, r.kind, r.message),
+                       lambda: self.report_shard(lease, status, samples, elapsed_s, error), "ReportShard")
+
+    def _get_result(self, r: Any) -> GetResult:
+        status = _STATUS[r.status]
+        if status is not GetStatus.SHARD:
+            return GetResult(status)
+        s = r.shard
+        return GetResult(status, ShardLease(s.shard_id, s.dataset, s.epoch, s.file, s.start_batch, s.stop_batch,
+                                            s.attempt, r.lease_s))
 
     def shards(self, dataset: str, poll_s: float = 0.2) -> Iterator[ShardLease]:
         """Leases until the dataset is DONE (sleeps ``poll_s`` on WAIT)."""
@@ -178,12 +197,21 @@ class ControllerClient:
     def report_metrics(self, batch_times_s: Sequence[float] = (), samples_per_s: float = 0.0,
                        ps_pull_latency_s: Mapping[int, float] | None = None,
                        ps_push_latency_s: Mapping[int, float] | None = None,
-                       request_latency_s: float = 0.0, queue_depth: float = 0.0, samples: int = 0) -> None:
-        """Workers: batch times, samples/s, per-PS latency. PS: request latency, queue depth."""
-        self._call("ReportMetrics", pb.ReportMetricsRequest(
+                       request_latency_s: float = 0.0, queue_depth: float = 0.0, samples: int = 0,
+                       wait: bool = True) -> None:
+        """Workers: batch times, samples/s, per-PS latency. PS: request latency, queue depth.
+
+        ``wait=False`` sends without waiting for the reply (keeps metrics off a training
+        step's critical path; a lost report only thins one Monitor window).
+        """
+        req = pb.ReportMetricsRequest(
             node=self._ref(), batch_times_s=list(batch_times_s), samples_per_s=samples_per_s,
             ps_pull_latency_s=dict(ps_pull_latency_s or {}), ps_push_latency_s=dict(ps_push_latency_s or {}),
-            request_latency_s=request_latency_s, queue_depth=queue_depth, samples=samples))
+            request_latency_s=request_latency_s, queue_depth=queue_depth, samples=samples)
+        if wait:
+            self._call("ReportMetrics", req)
+        else:
+            self._stub.ReportMetrics.future(req, timeout=self.rpc_cfg.timeout_s)
 
     # ---------------------------------------------------------------- job
 
@@ -214,6 +242,25 @@ class ControllerClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """An RPC in flight. ``result()`` converts the reply; if the controller was
+    unreachable it falls back to the synchronous call (with its retries)."""
+
+    def __init__(self, future: Any, convert: Callable[[Any], T], fallback: Callable[[], T], method: str) -> None:
+        self._future, self._convert, self._fallback, self._method = future, convert, fallback, method
+
+    def result(self) -> T:
+        try:
+            return self._convert(self._future.result())
+        except grpc.RpcError as exc:
+            if exc.code() in _RETRYABLE:
+                return self._fallback()
+            raise ControllerError(exc.code(), exc.details() or "", self._method) from None
 
 
 def _msg_dict(msg: Any) -> dict[str, Any]:

@@ -142,16 +142,20 @@ class DdConfig:
         global_batch: the constant sum of every worker's batch size.
         min_change: re-balance only when some worker's size would change by more
             than this fraction (avoids churn from noise).
+        smoothing: EMA weight of the newest window's samples/s (1 = no smoothing).
     """
 
     global_batch: int = 1024
     min_change: float = 0.05
+    smoothing: float = 0.3
 
     def validate(self) -> None:
         if self.global_batch < 1:
             raise ValueError(f"dd.global_batch must be >= 1, got {self.global_batch}")
         if not 0 <= self.min_change < 1:
             raise ValueError(f"dd.min_change must be in [0, 1), got {self.min_change}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"dd.smoothing must be in (0, 1], got {self.smoothing}")
 
 
 @dataclass(frozen=True)

@@ -195,12 +195,14 @@ class NodeRegistry:
                 self._nodes[(role, index)].state = NodeState.DRAINING
             return cmd
 
-    def set_batch_size(self, index: int, batch_size: int) -> None:
+    def set_batch_sizes(self, sizes: dict[int, int]) -> None:
+        """Set every worker's batch size at once (readers never see a mix of old and new)."""
         with self._lock:
-            info = self._nodes.get(("worker", index))
-            if info is not None:
-                info.batch_size = batch_size
-                self._save(info)
+            for index, batch_size in sizes.items():
+                info = self._nodes.get(("worker", index))
+                if info is not None:
+                    info.batch_size = batch_size
+                    self._save(info)
 
     def set_slow(self, role: str, index: int, slow: bool) -> None:
         with self._lock:

@@ -80,7 +80,9 @@ class DdPolicy(Policy):
         fresh = self._cursor.new(snapshot)
         for w in fresh:
             out += detection_actions("worker", self.detector, w.worker_batch_time, w.index)
-            self.speeds.update({k: v for k, v in w.worker_samples_per_s.items() if v > 0})
+            for k, v in w.worker_samples_per_s.items():
+                if v > 0:  # EMA: one noisy window must not swing the batch split
+                    self.speeds[k] = v if k not in self.speeds else (1 - self.cfg.smoothing) * self.speeds[k] + self.cfg.smoothing * v
         if not fresh or len(self.speeds) > self.cfg.global_batch or not self.speeds:
             return out
         # speed per sample: a worker's samples/s depends on its batch size only through

@@ -186,8 +186,8 @@ class ControllerServer:
                 self.registry.enqueue(a.role, a.index, "restart", target="agent", reason="persistently slow")
             elif isinstance(a, SetBatchSizes):
                 evidence["sizes"] = {str(k): v for k, v in a.sizes.items()}
+                self.registry.set_batch_sizes(a.sizes)
                 for w, size in a.sizes.items():
-                    self.registry.set_batch_size(w, size)
                     if self.registry.known("worker", w):
                         self.registry.enqueue("worker", w, "set_batch_size", target="process", batch_size=size)
             elif isinstance(a, MoveVshards):

@@ -113,7 +113,7 @@ def test_dd_batch_sizes_always_sum_to_the_global_batch() -> None:
 
 
 def test_dd_policy_rebalances_only_on_real_change() -> None:
-    pol = DdPolicy(MonitorConfig(), DdConfig(global_batch=100, min_change=0.05))
+    pol = DdPolicy(MonitorConfig(), DdConfig(global_batch=100, min_change=0.05, smoothing=1.0))
 
     def window(i: int, sps: dict[int, float]) -> WindowStats:
         return WindowStats(i, i, i + 1, worker_samples_per_s=sps)
