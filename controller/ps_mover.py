@@ -1,0 +1,70 @@
+"""The real :class:`~controller.server.PsMover`: ND's MoveVshards over ``ps.migration``.
+
+Picks ``n`` vshards the slow PS owns now (from the newest partition map any PS
+holds) and moves them, rows and optimizer state, to the destination PS while
+workers keep pushing (``ps.migration.migrate_vshards`` loses no update). At
+least one vshard stays on the source, so repeated moves never empty a PS.
+
+Example::
+
+    mover = MigrationPsMover(ps_addresses, job.rpc)
+    ControllerServer(cfg, state_dir, datasets, job.rpc, ps_mover=mover)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from metaps.log import kv
+from metaps.rpc import RpcConfig, make_channel
+from protos import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class MigrationPsMover:
+    """Moves vshards between live PS shards.
+
+    Args:
+        addresses: every PS shard's address, in shard-id order.
+        rpc_cfg: the job's RPC settings (token).
+        freeze_lease_s: passed to the migration (a crashed mover cannot freeze forever).
+    """
+
+    def __init__(self, addresses: list[str], rpc_cfg: RpcConfig, freeze_lease_s: float = 120.0) -> None:
+        if not addresses:
+            raise ValueError("MigrationPsMover needs the PS addresses")
+        self.addresses = list(addresses)
+        self.rpc_cfg = rpc_cfg
+        self.freeze_lease_s = freeze_lease_s
+        self.reports: list[object] = []
+
+    def _owned(self, src: int) -> list[int]:
+        from ps.partition_map import PartitionMap
+
+        maps = []
+        for addr in self.addresses:
+            ch = make_channel(addr, self.rpc_cfg)
+            try:
+                stub = ps_pb2_grpc.ParameterServerStub(ch)
+                maps.append(PartitionMap.from_proto(
+                    stub.GetPartitionMap(ps_pb2.GetPartitionMapRequest(), timeout=self.rpc_cfg.timeout_s)))
+            finally:
+                ch.close()
+        pmap = max(maps, key=lambda m: m.version)
+        return [int(v) for v in pmap.vshards_of(src)]
+
+    def move_vshards(self, src_ps: int, dst_ps: int, n_vshards: int) -> None:
+        from ps.migration import migrate_vshards
+
+        n = len(self.addresses)
+        if not (0 <= src_ps < n and 0 <= dst_ps < n) or src_ps == dst_ps:
+            raise ValueError(f"move_vshards: src {src_ps} and dst {dst_ps} must be different PS in 0..{n - 1}")
+        owned = self._owned(src_ps)
+        take = owned[:max(0, min(n_vshards, len(owned) - 1))]
+        if not take:
+            raise ValueError(f"move_vshards: PS {src_ps} owns {len(owned)} vshard(s); nothing left to move")
+        report = migrate_vshards(self.addresses, self.rpc_cfg, take, dst_ps, freeze_lease_s=self.freeze_lease_s)
+        self.reports.append(report)
+        log.info("vshards moved", extra=kv(src=src_ps, dst=dst_ps, vshards=len(take),
+                                           rows=getattr(report, "rows", -1)))
