@@ -399,6 +399,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 # -- load ----------------------------------------------------------------------------
 def _shards_to_read(ckpt_dir: Path, verify: bool) -> list[Path]:
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
     shards = shard_files(ckpt_dir)
     if verify:
         manifest = read_manifest(ckpt_dir)

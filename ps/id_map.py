@@ -4,11 +4,11 @@ fbgemm's ``pruned_hashmap_insert`` / ``pruned_hashmap_lookup`` (int64 keys,
 linear probing, ~15-20M ops/s here) hold the map. Layout::
 
     slots  int64 [S, 2]      S = ceil(load_factor * capacity) + 8
-    slot:  [ key | row ]      key -1 = never used; row -1 = removed (tombstone)
+    slot:  [ key | row ]      key -1 = never used; row -2 = removed (tombstone)
 
-fbgemm has no delete: :meth:`IdMap.remove` re-inserts the key with row -1 (a
-tombstone: lookups return -1, the slot keeps its key so probe chains stay
-intact). Tombstones are reclaimed by rebuilding the map from its live entries
+fbgemm has no delete: :meth:`IdMap.remove` re-inserts the key with row -2 (a
+tombstone: lookups report -1, the slot keeps its key so probe chains stay
+intact; fbgemm's insert silently skips row -1, hence -2). Tombstones are reclaimed by rebuilding the map from its live entries
 once used slots pass ``rebuild_at`` of S, so the cost is amortized over many
 removals. fbgemm's insert loops forever on a full table, so the map refuses an
 insert that would take it past capacity (live entries) and rebuilds before
@@ -31,6 +31,7 @@ import torch
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
 EMPTY_KEY = -1
+TOMBSTONE = -2
 
 
 class IdMap:
@@ -76,7 +77,8 @@ class IdMap:
         if t.numel() == 0:
             return torch.empty(0, dtype=torch.int64)
         offsets = torch.tensor([0, t.numel()], dtype=torch.int64)
-        return torch.ops.fbgemm.pruned_hashmap_lookup(t, offsets, self._table, self._table_offsets)
+        rows = torch.ops.fbgemm.pruned_hashmap_lookup(t, offsets, self._table, self._table_offsets)
+        return rows.clamp_(min=-1)  # tombstones (-2) read as unknown
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All live (ids, rows) as int64 arrays, in slot order."""
@@ -127,7 +129,7 @@ class IdMap:
         present = t[self.lookup(t) >= 0]
         n = int(present.numel())
         if n:
-            self._raw_insert(present, torch.full_like(present, -1))  # tombstones
+            self._raw_insert(present, torch.full_like(present, TOMBSTONE))
             self._size -= n
         return n
 

@@ -43,3 +43,195 @@ def test_pull_push_rowwise_adagrad_exact_duplicates() -> None:
     want = before - 0.05 * agg / (np.sqrt(m) + 1e-8)
     got = s.pull("user", ids(2, 1, 1))
     np.testing.assert_allclose(got, want[[1, 0, 0]], rtol=1e-5, atol=1e-6)
+
+
+def snapshot(s: ShardStore, table: str = "user") -> tuple:
+    rows = s.all_rows(table)
+    order = np.argsort(rows.ids)
+    r = rows.take(order)
+    t = s.tables[table]
+    return (r.ids.tolist(), r.weights.tobytes(), {k: v.tobytes() for k, v in r.state.items()},
+            r.freq.tolist(), r.last_step.tolist(), t.step, dict(t.counters, pulls=0, pull_ids=0))
+
+
+def test_bad_requests_leave_table_unchanged() -> None:
+    s = make_store()
+    s.push("user", ids(1, 2, 3), np.ones((3, DIM), np.float32))
+    before = snapshot(s)
+    cases = [
+        (("nope", ids(1), np.ones((1, DIM), np.float32)), r"unknown table 'nope'; this shard has \['user'\]"),
+        (("user", ids(1, 2), np.ones((3, DIM), np.float32)), r"grads shape \(3, 8\) does not match ids \[2\] x dim 8"),
+        (("user", ids(1), np.ones(DIM + 1, np.float32)), r"expected \(1, 8\) or \(8,\)"),
+        (("user", np.array([1.0]), np.ones((1, DIM), np.float32)), r"ids must be int64, got float64"),
+        (("user", ids(1), np.ones((1, DIM), np.float16)), r"grads must be float32, got float16"),
+        (("user", [1], np.ones((1, DIM), np.float32)), r"ids must be a numpy int64 array, got list"),
+        (("user", ids(1, 4, -1), np.ones((3, DIM), np.float32)), r"ids\[2\] is -1"),
+    ]
+    nan = np.ones((3, DIM), np.float32)
+    nan[1, 3] = np.nan
+    cases.append((("user", ids(1, 9, 2), nan), r"table 'user': 1 gradient row\(s\) hold NaN/Inf, first at row 1 \(id 9\)"))
+    big = np.full((2, DIM), 3e38, np.float32)
+    cases.append((("user", ids(5, 5), big), r"summed gradients of 1 id\(s\) overflow to Inf, first id 5"))
+    for args, pattern in cases:
+        with pytest.raises(BadRequest, match=pattern):
+            s.push(*args)
+        assert snapshot(s) == before, pattern
+    with pytest.raises(BadRequest, match="unknown table"):
+        s.pull("nope", ids(1))
+    with pytest.raises(BadRequest, match=r"must be 1-D"):
+        s.pull("user", np.ones((2, 2), np.int64))
+    assert snapshot(s) == before
+
+
+def test_nonfinite_drop_mode_drops_only_bad_ids() -> None:
+    s = make_store(nonfinite_grads="drop")
+    g = np.ones((4, DIM), np.float32)
+    g[2, 0] = np.inf  # id 1 appears twice; one bad occurrence drops the id
+    before = s.pull("user", ids(1, 2, 3))
+    r = s.push("user", ids(1, 2, 1, 3), g)
+    assert (r.applied, r.nonfinite_dropped) == (2, 1)
+    after = s.pull("user", ids(1, 2, 3))
+    np.testing.assert_array_equal(after[0], before[0])
+    assert not np.allclose(after[1:], before[1:])
+    assert s.stats()["tables"]["user"]["nonfinite_dropped"] == 1
+
+
+def test_flat_grads_accepted() -> None:
+    s = make_store()
+    r = s.push("user", ids(1, 2), np.ones(2 * DIM, np.float32))
+    assert r.applied == 2
+
+
+@pytest.mark.parametrize("kind", list(OptimizerKind))
+def test_export_import_drop_round_trip(kind: OptimizerKind) -> None:
+    cfg = TableConfig(name="user", dim=DIM, capacity=64, optimizer=OptimizerConfig(kind=kind))
+    V = 8
+    a = make_store(cfg, V=V)
+    b = make_store(cfg, shard_id=1, V=V)
+    rng = np.random.default_rng(1)
+    all_ids = np.arange(40, dtype=np.int64)
+    for _ in range(3):
+        sel = rng.choice(all_ids, size=25)
+        a.push("user", sel, rng.normal(size=(25, DIM)).astype(np.float32))
+    moving = [0, 3, 5]
+    exported = a.export_vshards(moving)["user"]
+    assert len(exported) > 0
+    assert np.isin(vshard_of(exported.ids, V), moving).all()
+    b.import_rows("user", exported)
+    dropped = a.drop_vshards(moving)
+    assert dropped == len(exported)
+    again = b.export_vshards(moving)["user"]
+    o1, o2 = np.argsort(exported.ids), np.argsort(again.ids)
+    np.testing.assert_array_equal(exported.ids[o1], again.ids[o2])
+    np.testing.assert_array_equal(exported.weights[o1], again.weights[o2])
+    for k in exported.state:
+        np.testing.assert_array_equal(exported.state[k][o1], again.state[k][o2])
+    np.testing.assert_array_equal(exported.freq[o1], again.freq[o2])
+    np.testing.assert_array_equal(exported.last_step[o1], again.last_step[o2])
+    assert len(a.export_vshards(moving)["user"]) == 0
+    # the moved ids keep training on b exactly as they would have on a
+    g = np.ones((len(again), DIM), np.float32)
+    ref = make_store(cfg, V=V)
+    ref.import_rows("user", exported)
+    ref.push("user", exported.ids, g)
+    b.push("user", exported.ids, g)
+    np.testing.assert_array_equal(b.pull("user", exported.ids), ref.pull("user", exported.ids))
+    # the rest stayed on a, and a's map no longer knows the moved ids
+    assert (a.tables["user"].lookup_rows(exported.ids) == -1).all()
+
+
+def test_import_bad_rows_leave_table_unchanged() -> None:
+    s = make_store()
+    s.push("user", ids(1, 2), np.ones((2, DIM), np.float32))
+    before = snapshot(s)
+    good = s.export_vshards(range(16))["user"]
+    bad_state = TableRows(good.ids, good.weights, {"m": good.state["momentum"]}, good.freq, good.last_step)
+    with pytest.raises(BadRequest, match=r"optimizer state keys \['m'\] do not match rowwise_adagrad state \['momentum'\]"):
+        s.import_rows("user", bad_state)
+    with pytest.raises(BadRequest, match=r"rows.weights must be float32 \(2, 8\)"):
+        s.import_rows("user", TableRows(good.ids, good.weights[:, :4].copy(), good.state, good.freq, good.last_step))
+    with pytest.raises(BadRequest, match="duplicates"):
+        s.import_rows("user", TableRows(ids(1, 1), good.weights, good.state, good.freq, good.last_step))
+    full = make_store(TableConfig(name="user", dim=DIM, capacity=1, eviction=EvictionConfig(policy=EvictionPolicy.NONE)))
+    full.push("user", ids(9), np.ones((1, DIM), np.float32))
+    with pytest.raises(BadRequest, match="exceeds capacity 1"):
+        full.import_rows("user", good)
+    with pytest.raises(BadRequest, match="eviction policy is 'none'"):
+        full.import_rows("user", good.take(np.array([0])))
+    assert snapshot(s) == before
+
+
+def test_changed_rows_and_removed_ids_by_version() -> None:
+    s = make_store(TableConfig(name="user", dim=DIM, capacity=4, eviction=EvictionConfig(evict_fraction=0.25)))
+    g = np.ones((2, DIM), np.float32)
+    s.push("user", ids(1, 2), g)
+    assert sorted(s.changed_rows("user", 0).ids.tolist()) == [1, 2]
+    cut1 = s.bump_version()
+    assert cut1 == 1 and s.version == 2
+    assert len(s.changed_rows("user", cut1)) == 0
+    s.push("user", ids(2, 3), g)
+    assert sorted(s.changed_rows("user", cut1).ids.tolist()) == [2, 3]
+    cut2 = s.bump_version()
+    s.push("user", ids(1, 2, 3), np.ones((3, DIM), np.float32))  # 1, 2, 3 more frequent than 4
+    s.push("user", ids(4), g[:1])
+    s.push("user", ids(5), g[:1])  # full: LFU evicts id 4
+    assert s.removed_ids("user", cut2).tolist() == [4]
+    assert s.removed_ids("user", s.bump_version()).tolist() == []
+    changed = s.changed_rows("user", cut2)
+    assert sorted(changed.ids.tolist()) == [1, 2, 3, 5]
+
+
+def test_concurrent_pushes_from_threads_lose_nothing() -> None:
+    s = make_store(TableConfig(name="user", dim=DIM, capacity=256, optimizer=OptimizerConfig(kind=OptimizerKind.SGD, lr=1.0),
+                               init="zeros"))
+    n_threads, n_pushes = 4, 25
+    all_ids = np.arange(50, dtype=np.int64)
+
+    def worker() -> None:
+        for _ in range(n_pushes):
+            s.push("user", all_ids, np.ones((50, DIM), np.float32))
+            s.pull("user", all_ids)
+
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(s.pull("user", all_ids), np.full((50, DIM), -float(n_threads * n_pushes), np.float32))
+
+
+def test_write_lock_blocks_pushes() -> None:
+    s = make_store()
+    done = threading.Event()
+
+    def pusher() -> None:
+        s.push("user", ids(1), np.ones((1, DIM), np.float32))
+        done.set()
+
+    with s.write_lock():
+        th = threading.Thread(target=pusher)
+        th.start()
+        assert not done.wait(0.2)
+        assert s.tables["user"].size == 0
+    th.join(5)
+    assert done.is_set() and s.tables["user"].size == 1
+
+
+def test_stats_and_memory() -> None:
+    s = make_store(TableConfig(name="user", dim=DIM, capacity=1000), TableConfig(name="item", dim=16, capacity=10))
+    s.push("user", ids(1, 2), np.ones((2, DIM), np.float32))
+    s.pull("user", ids(1, 5))
+    st = s.stats()["tables"]["user"]
+    assert (st["rows"], st["capacity"], st["admissions"], st["pushes"], st["pulls"], st["pull_ids"]) == (2, 1000, 2, 1, 1, 2)
+    assert st["fill"] == pytest.approx(0.002)
+    t = s.tables["user"]
+    assert t.raw_bytes_per_row() == DIM * 4 + 4
+    # rows + state + map + metadata: a known, bounded overhead per row of capacity
+    assert s.memory_bytes() >= 1000 * (DIM * 4 + 4) + 10 * (16 * 4 + 4)
+    assert t.memory_bytes() <= 1000 * (t.raw_bytes_per_row() + 48) + 512
+
+
+def test_admission_and_eviction_through_store() -> None:
+    s = make_store(TableConfig(name="user", dim=DIM, capacity=8, admission=AdmissionConfig(min_count=2)))
+    assert s.push("user", ids(1), np.ones((1, DIM), np.float32)).unadmitted_dropped == 1
+    assert s.push("user", ids(1), np.ones((1, DIM), np.float32)).admitted == 1

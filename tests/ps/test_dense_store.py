@@ -1,0 +1,80 @@
+"""DenseStore: register/pull/push/set/state, parity with torch.optim, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ps.config import OptimizerConfig, OptimizerKind
+from ps.dense_store import DenseStore
+from ps.errors import BadRequest
+
+
+@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
+def test_push_matches_torch_optim(kind: OptimizerKind) -> None:
+    cfg = OptimizerConfig(kind=kind, lr=0.01, weight_decay=0.01)
+    d = DenseStore(cfg)
+    w0 = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    d.register("w", w0)
+    d.register("b", (4,))
+    p = torch.nn.Parameter(torch.tensor(w0))
+    ref = {OptimizerKind.ADAM: lambda: torch.optim.Adam([p], lr=0.01, eps=cfg.eps, weight_decay=0.01),
+           OptimizerKind.ADAGRAD: lambda: torch.optim.Adagrad([p], lr=0.01, eps=cfg.eps, weight_decay=0.01),
+           OptimizerKind.SGD: lambda: torch.optim.SGD([p], lr=0.01, weight_decay=0.01)}[kind]()
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        g = rng.normal(size=(3, 4)).astype(np.float32)
+        d.push({"w": g})
+        p.grad = torch.tensor(g)
+        ref.step()
+    np.testing.assert_allclose(d.pull(["w"])["w"], p.detach().numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(d.pull(["b"])["b"], np.zeros(4, np.float32))  # never pushed
+
+
+def test_register_idempotent_and_mismatch() -> None:
+    d = DenseStore()
+    assert d.register("w", (2, 3)) is True
+    d.set({"w": np.ones((2, 3), np.float32)})
+    assert d.register("w", (2, 3)) is False
+    assert d.pull(["w"])["w"].sum() == 6  # stored value wins
+    with pytest.raises(BadRequest, match=r"dense 'w': already registered with shape \(2, 3\), got \(3, 2\)"):
+        d.register("w", (3, 2))
+    with pytest.raises(BadRequest, match="must be float32, got float64"):
+        d.register("x", np.ones(3))
+
+
+def test_bad_push_changes_nothing() -> None:
+    d = DenseStore()
+    d.register("a", (2,))
+    d.register("b", (2,))
+    before = d.state()
+    with pytest.raises(BadRequest, match=r"unknown dense parameter\(s\) \['zz'\]"):
+        d.push({"a": np.ones(2, np.float32), "zz": np.ones(2, np.float32)})
+    with pytest.raises(BadRequest, match=r"dense 'b': gradient shape \(3,\), expected \(2,\)"):
+        d.push({"a": np.ones(2, np.float32), "b": np.ones(3, np.float32)})
+    with pytest.raises(BadRequest, match=r"dense 'b': gradient holds NaN/Inf"):
+        d.push({"a": np.ones(2, np.float32), "b": np.array([1, np.nan], np.float32)})
+    after = d.state()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].keys() == after[k].keys()
+        for sk in before[k]:
+            np.testing.assert_array_equal(before[k][sk], after[k][sk])
+
+
+def test_state_round_trip_continues_identically() -> None:
+    a = DenseStore(OptimizerConfig(kind=OptimizerKind.ADAM, lr=0.1))
+    a.register("w", np.arange(4, dtype=np.float32))
+    a.push({"w": np.ones(4, np.float32)})
+    b = DenseStore(OptimizerConfig(kind=OptimizerKind.ADAM, lr=0.1))
+    b.load_state(a.state())
+    g = np.array([1, -1, 2, 0], np.float32)
+    a.push({"w": g})
+    b.push({"w": g})
+    np.testing.assert_array_equal(a.pull()["w"], b.pull()["w"])
+
+
+def test_rejects_sparse_only_optimizer() -> None:
+    with pytest.raises(ValueError, match="dense optimizer must be one of"):
+        DenseStore(OptimizerConfig(kind=OptimizerKind.FTRL))
