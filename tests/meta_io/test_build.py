@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +15,7 @@ from meta_io import layout as L
 from meta_io.build import MetaIOBuildConfig, build, plan_episodes
 from meta_io.layout import Layout, Split, make_buckets
 from meta_io.reader import MetaIODataset
-from meta_io.schema import Schema, load_schema
+from meta_io.schema import Schema
 from meta_io.source import iter_source
 from metaps.errors import ConfigError, DataError, SchemaError
 
@@ -220,7 +219,7 @@ def test_random_split_is_seeded_and_covers_every_row(generated, generated_schema
 
 
 def test_many_partitions_give_the_same_episodes(generated, generated_schema, meta_ds, tmp_path) -> None:
-    cfg = MetaIOBuildConfig(support=S, query=Q, rows_per_batch=R, seed=3, memory_budget_mb=0.05)
+    cfg = MetaIOBuildConfig(support=S, query=Q, rows_per_batch=R, seed=3, memory_budget_mb=0.4)
     res = build(generated.out_dir, generated_schema, tmp_path / "small", cfg)
     assert res.manifest["totals"]["partitions"] >= 8
     one = build(generated.out_dir, generated_schema, tmp_path / "one",
@@ -244,7 +243,7 @@ def test_buckets_raise_the_fill_ratio(generated, generated_schema, meta_ds, tmp_
 
 def test_plain_layout_covers_every_row_once(generated, generated_schema, tmp_path) -> None:
     B = 480  # 3000 rows: the last batch is padded
-    cfg = MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=B, seed=5, memory_budget_mb=0.05)
+    cfg = MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=B, seed=5, memory_budget_mb=0.4)
     res = build(generated.out_dir, generated_schema, tmp_path / "plain", cfg)
     ds = MetaIODataset(res.out_dir)
     src = source_table(generated, generated_schema)
