@@ -422,7 +422,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
             for p in parsed:
-                grads = p.grads if p.grads.dtype == np.float32 else p.grads.astype(np.float32)
+                grads = wire.to_float32(p.grads)
                 res = self.store.push(p.table, p.ids, grads)
                 out.append(self._counts(p, res))
         shard = str(self.shard_id)

@@ -23,6 +23,7 @@ import enum
 from typing import Any
 
 import numpy as np
+import torch
 
 from protos import ps_pb2
 
@@ -75,8 +76,20 @@ def decode_ids(buf: bytes, *, table: str = "") -> np.ndarray:
 
 
 def encode_rows(rows: np.ndarray, dtype: DType = DType.FP32) -> bytes:
-    """A [n, dim] float array as row-major bytes in ``dtype``."""
+    """A [n, dim] float array as row-major bytes in ``dtype``.
+
+    fp32 -> fp16 goes through torch: numpy's half conversion is ~20x slower here.
+    """
+    if dtype == DType.FP16 and rows.dtype == np.float32:
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(torch.float16).numpy().tobytes()
     return np.ascontiguousarray(rows, dtype=dtype.numpy).tobytes()
+
+
+def to_float32(values: np.ndarray) -> np.ndarray:
+    """fp16/fp32 rows as float32 (torch's vectorized half conversion; no copy for fp32)."""
+    if values.dtype == np.float32:
+        return values
+    return torch.from_numpy(np.array(values, copy=False)).to(torch.float32).numpy()
 
 
 def decode_rows(buf: bytes, dtype: DType, n: int, dim: int, *, table: str = "", field: str = "values") -> np.ndarray:
