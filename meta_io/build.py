@@ -245,7 +245,15 @@ class _RollingWriter:
         self._open: list[tuple[pa.NativeFile, ipc.RecordBatchFileWriter]] = []
         self._batch = 0
 
-    def write(self, rb: pa.RecordBatch, entry: dict[str, Any]) -> None:
+    def write_table(self, table: pa.Table, per: int, entries: list[dict[str, Any]]) -> None:
+        """Write ``table`` as ``len(entries)`` record batches of ``per`` rows each."""
+        n = len(entries)
+        table = table.combine_chunks()
+        ids = L.unique_ids_batches(table, n, self.tables, self.ids_schema)
+        for i in range(n):
+            self.write(_one_batch(table.slice(i * per, per)), entries[i], ids[i])
+
+    def write(self, rb: pa.RecordBatch, entry: dict[str, Any], ids: pa.RecordBatch) -> None:
         if not self._open:
             name = self.pattern.format(len(self.files))
             for fname, schema in ((name, self.schema), (L.ids_file_name(name), self.ids_schema)):
@@ -254,7 +262,7 @@ class _RollingWriter:
             self.files.append({"name": name, "batches": 0, "bytes": 0, "ids": L.ids_file_name(name), "ids_bytes": 0})
             self._batch = 0
         self._open[0][1].write_batch(rb)
-        self._open[1][1].write_batch(L.unique_ids_batch(rb, self.tables, self.ids_schema))
+        self._open[1][1].write_batch(ids)
         cur = self.files[-1]
         self.index.add(BatchEntry(file=cur["name"], file_no=len(self.files) - 1, batch=self._batch, **entry))
         self._batch += 1
@@ -351,30 +359,28 @@ class _BucketPacker:
             (L.TASK_KEY_COL, np.repeat(keys, c)),
         ):
             full = full.append_column(pa.field(name, pa.from_numpy_dtype(arr.dtype), nullable=False), pa.array(arr))
-        full = full.combine_chunks()
         per = T * c
         m = mask.reshape(n_batches, per)
         q = is_query.reshape(n_batches, per)
         n_rows = m.sum(1)
         n_query = (m & q).sum(1)
         n_tasks = np.bincount(np.arange(n_eps) // T, minlength=n_batches)
-        for i in range(n_batches):
-            rb = _one_batch(full.slice(i * per, per))
-            self.out.write(
-                rb,
-                dict(
-                    kind=BatchKind.META,
-                    capacity=c,
-                    support=S,
-                    query=self.bucket.query,
-                    task_slots=T,
-                    n_tasks=int(n_tasks[i]),
-                    n_slots=per,
-                    n_rows=int(n_rows[i]),
-                    n_support_rows=int(n_rows[i] - n_query[i]),
-                    n_query_rows=int(n_query[i]),
-                ),
+        entries = [
+            dict(
+                kind=BatchKind.META,
+                capacity=c,
+                support=S,
+                query=self.bucket.query,
+                task_slots=T,
+                n_tasks=int(n_tasks[i]),
+                n_slots=per,
+                n_rows=int(n_rows[i]),
+                n_support_rows=int(n_rows[i] - n_query[i]),
+                n_query_rows=int(n_query[i]),
             )
+            for i in range(n_batches)
+        ]
+        self.out.write_table(full, per, entries)
         self.batches += n_batches
         self.episodes += n_eps
         self.rows += n_take
@@ -413,17 +419,15 @@ class _PlainPacker:
     def _emit(self, table: pa.Table, n_real: int) -> None:
         mask = np.arange(table.num_rows) < n_real
         table = table.append_column(pa.field(L.MASK_COL, pa.bool_(), nullable=False), pa.array(mask))
-        table = table.combine_chunks()
-        for i in range(table.num_rows // self.B):
-            real = int(mask[i * self.B : (i + 1) * self.B].sum())
-            self.out.write(
-                _one_batch(table.slice(i * self.B, self.B)),
-                dict(
-                    kind=self.kind, capacity=0, support=0, query=0, task_slots=0, n_tasks=0,
-                    n_slots=self.B, n_rows=real, n_support_rows=0, n_query_rows=0,
-                ),
-            )
-            self.batches += 1
+        n = table.num_rows // self.B
+        real = mask.reshape(n, self.B).sum(1)
+        entries = [
+            dict(kind=self.kind, capacity=0, support=0, query=0, task_slots=0, n_tasks=0,
+                 n_slots=self.B, n_rows=int(real[i]), n_support_rows=0, n_query_rows=0)
+            for i in range(n)
+        ]
+        self.out.write_table(table, self.B, entries)
+        self.batches += n
         self.rows += n_real
 
 

@@ -206,27 +206,34 @@ def ids_arrow_schema(tables: dict[str, list[str]]) -> pa.Schema:
     return pa.schema([pa.field(t, pa.list_(pa.int64()), nullable=False) for t in tables])
 
 
-def sorted_unique(values: np.ndarray) -> np.ndarray:
-    """Sorted unique values >= 0 (drops the -1 padding): one sort, one compare."""
-    v = np.sort(values[values >= 0])
-    if v.size == 0:
-        return v
-    keep = np.empty(v.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(v[1:], v[:-1], out=keep[1:])
-    return v[keep]
-
-
-def _id_values(arr: pa.Array) -> np.ndarray:
+def _id_values(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
     if pa.types.is_fixed_size_list(arr.type):
         arr = arr.flatten()
     return arr.to_numpy(zero_copy_only=False)
 
 
-def unique_ids_batch(rb: pa.RecordBatch, tables: dict[str, list[str]], schema: pa.Schema) -> pa.RecordBatch:
-    """The sidecar record batch of data batch ``rb``: sorted unique ids per table."""
-    arrays = []
+def unique_ids_batches(
+    table: pa.Table, n_batches: int, tables: dict[str, list[str]], schema: pa.Schema
+) -> list[pa.RecordBatch]:
+    """Sidecar record batches for ``table`` cut into ``n_batches`` equal batches.
+
+    Vectorized over batches: per table one row-wise sort of an
+    ``[n_batches, ids per batch]`` matrix, then a compare with the left
+    neighbour drops duplicates and the -1 padding.
+    """
+    per_table = []
     for cols in tables.values():
-        u = sorted_unique(np.concatenate([_id_values(rb.column(c)) for c in cols]).astype(np.int64, copy=False))
-        arrays.append(pa.ListArray.from_arrays(pa.array([0, u.size], pa.int32()), pa.array(u, pa.int64())))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+        mat = np.concatenate(
+            [np.asarray(_id_values(table.column(c))).reshape(n_batches, -1) for c in cols], axis=1
+        ).astype(np.int64, copy=False)
+        srt = np.sort(mat, axis=1)
+        keep = srt >= 0
+        keep[:, 1:] &= srt[:, 1:] != srt[:, :-1]
+        offsets = np.zeros(n_batches + 1, dtype=np.int32)
+        np.cumsum(keep.sum(1), out=offsets[1:])
+        per_table.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(srt[keep], pa.int64())))
+    return [
+        pa.RecordBatch.from_arrays([arr.slice(i, 1) for arr in per_table], schema=schema) for i in range(n_batches)
+    ]

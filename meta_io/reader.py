@@ -222,7 +222,7 @@ class _File:
             rb = self.ids_reader.get_batch(i)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{self.ids_path}: corrupt record batch {i}: {exc}") from None
-        return {t: arrow_to_torch(rb.column(j).values) for j, t in enumerate(self.tables)}
+        return {t: arrow_to_torch(rb.column(j).flatten()) for j, t in enumerate(self.tables)}
 
 
 class MetaIODataset:
