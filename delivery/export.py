@@ -53,11 +53,20 @@ REQUIRED_INFO = ("schema", "model")
 
 @dataclass
 class TableData:
-    """All rows of one table of a checkpoint, sorted by id."""
+    """All rows of one table of a checkpoint.
+
+    ``ids`` and ``last_step`` are sorted by id; ``raw_weights`` stay in read order and
+    ``order`` sorts them, so a delta gathers only its changed rows.
+    """
 
     ids: np.ndarray
-    weights: np.ndarray
+    raw_weights: np.ndarray
+    order: np.ndarray
     last_step: np.ndarray
+
+    def weights(self, sel: np.ndarray | None = None) -> np.ndarray:
+        """Rows in id order (all, or those at sorted positions ``sel``)."""
+        return self.raw_weights[self.order if sel is None else self.order[sel]]
 
 
 class CheckpointSource:
@@ -126,13 +135,13 @@ class CheckpointSource:
         else:
             ids, w, ls = np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64)
         order = np.argsort(ids, kind="stable")
-        ids, w, ls = ids[order], w[order], ls[order]
+        ids, ls = ids[order], ls[order]
         dup = np.flatnonzero(ids[1:] == ids[:-1])
         if dup.size:
             raise DeliveryError(
                 f"{self.path}: table '{table}': id {int(ids[dup[0] + 1])} is stored by more than one shard"
             )
-        return TableData(ids, w, ls)
+        return TableData(ids, w, order, ls)
 
     def dense(self, names: list[str]) -> dict[str, np.ndarray]:
         """Dense parameter values by name (the model's ``named_parameters()`` names).
@@ -360,13 +369,14 @@ def export_bundle(
             if data.last_step.size:
                 watermark = max(watermark, int(data.last_step.max()))
             if parent is None:
-                sel_ids, sel_rows = data.ids, data.weights
+                sel_ids, sel_rows = data.ids, data.weights()
                 gone = np.zeros(0, np.int64)
             else:
                 p_ids, p_fp = parent.live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
-                stored = np.ascontiguousarray(data.weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
-                changed = changed_since(p_ids, p_fp, data.ids, row_fingerprints(stored))
-                sel_ids, sel_rows = data.ids[changed], data.weights[changed]
+                stored = np.ascontiguousarray(data.raw_weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
+                fp = row_fingerprints(stored)[data.order]  # permute 8 bytes/row, not the rows
+                changed = np.flatnonzero(changed_since(p_ids, p_fp, data.ids, fp))
+                sel_ids, sel_rows = data.ids[changed], data.weights(changed)
                 gone = np.setdiff1d(p_ids, data.ids, assume_unique=True)
                 removed[t] = gone
             try:
