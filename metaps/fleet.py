@@ -1,0 +1,240 @@
+"""Process management for a local fleet: start, watch and stop process groups.
+
+Every process the launcher starts (the controller, and one agent per PS shard
+and per worker) gets its own session, hence its own process group; an agent's
+child (the PS or worker) inherits that group. Stopping a member is::
+
+    SIGTERM to the leader (the agent stops its child cleanly, then exits)
+    wait up to grace seconds
+    SIGKILL to the whole group (anything left: a hung child, a grandchild)
+
+so nothing of the fleet outlives the launcher, even when a child ignores
+SIGTERM. Leaders also get ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher
+itself is SIGKILLed they are told to stop.
+
+Each member's stdout and stderr go to ``<log_dir>/<name>.log``.
+
+Example::
+
+    fleet = Fleet(Path("runs/x/logs"), env={"METAPS_T0": str(time.time())})
+    ctl = fleet.start("controller", [sys.executable, "-m", "metaps", "controller", ...])
+    ...
+    fleet.stop_all(grace_s=15)
+    assert not fleet.alive_pids()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+try:  # loaded here, not in the forked child (no dlopen between fork and exec)
+    _PRCTL: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: stop() still kills the process group
+    _PRCTL = None
+
+
+def _child_setup() -> None:
+    """Runs in the child between fork and exec: ask for SIGTERM when the launcher dies."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+@dataclass
+class Member:
+    """One started process (a group leader) of the fleet.
+
+    Attributes:
+        name: unique label, e.g. ``controller``, ``ps-0``, ``worker-1``.
+        role: ``controller`` | ``ps`` | ``worker``.
+        index: shard or rank (0 for the controller).
+        cmd: the command line.
+        proc: the running process.
+        log_path: where its stdout/stderr go.
+    """
+
+    name: str
+    role: str
+    index: int
+    cmd: list[str]
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started: float = field(default_factory=time.time)
+    stopped_by_us: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+
+class FleetError(RuntimeError):
+    """A member could not be started or did not become ready."""
+
+
+class Fleet:
+    """The processes of one run.
+
+    Args:
+        log_dir: directory for ``<name>.log`` files (created).
+        env: extra environment for every member (on top of this process's).
+        cwd: working directory of every member (default: this process's).
+    """
+
+    def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.members: dict[str, Member] = {}
+
+    # ---------------------------------------------------------------- start
+    def start(self, name: str, cmd: Sequence[str], role: str = "", index: int = 0,
+              env: Mapping[str, str] | None = None) -> Member:
+        """Start ``cmd`` as the leader of a new process group; output to ``<name>.log``.
+
+        Args:
+            name: unique member name (also the log file name).
+            cmd: argv.
+            role / index: what the member is (for reports).
+            env: extra environment for this member only.
+        """
+        if name in self.members:
+            raise FleetError(f"fleet member {name!r} already started")
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**self.env, **(env or {})}, cwd=self.cwd, start_new_session=True,
+                preexec_fn=_child_setup,
+            )
+        m = Member(name, role or name, index, list(cmd), proc, log_path)
+        self.members[name] = m
+        log.info("started", extra=kv(member=name, pid=proc.pid, log=str(log_path)))
+        return m
+
+    # ---------------------------------------------------------------- watch
+    def exited(self) -> dict[str, int]:
+        """Members that have exited, with their exit codes."""
+        return {n: rc for n, m in self.members.items() if (rc := m.poll()) is not None}
+
+    def wait_file(self, path: Path, member: Member, timeout_s: float,
+                  stop: Callable[[], bool] = lambda: False) -> None:
+        """Wait until ``path`` exists; fail early if ``member`` exits or ``stop()`` turns true.
+
+        Raises:
+            FleetError: timeout, the member died (its log's tail is quoted), or stopped.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            rc = member.poll()
+            if rc is not None:
+                raise FleetError(f"{member.name} exited with code {rc} before writing {path}; "
+                                 f"log tail:\n{tail(member.log_path)}")
+            if stop():
+                raise FleetError(f"stopped while waiting for {member.name} ({path})")
+            if time.monotonic() > deadline:
+                raise FleetError(f"{member.name} did not write {path} within {timeout_s:.0f}s; "
+                                 f"log tail:\n{tail(member.log_path)}")
+            time.sleep(0.1)
+
+    # ---------------------------------------------------------------- stop
+    def stop(self, names: Sequence[str], grace_s: float = 15.0, sig: int = signal.SIGTERM) -> dict[str, int | None]:
+        """Signal the leaders of ``names``, wait up to ``grace_s``, then SIGKILL their groups.
+
+        Returns:
+            exit code per member (None if it had to be killed and was not reaped).
+        """
+        members = [self.members[n] for n in names if n in self.members]
+        for m in members:
+            m.stopped_by_us = True
+            if m.poll() is None:
+                _signal_pid(m.pid, sig)
+        deadline = time.monotonic() + grace_s
+        for m in members:
+            try:
+                m.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("member ignored SIGTERM; killing its group", extra=kv(member=m.name, pid=m.pid))
+        out: dict[str, int | None] = {}
+        for m in members:
+            _kill_group(m.pid)  # leftovers: a child that outlived its agent
+            try:
+                out[m.name] = m.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                out[m.name] = None
+        return out
+
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """Stop every member (workers, then PS, then the controller)."""
+        order = {"worker": 0, "ps": 1, "controller": 2}
+        for role in sorted({m.role for m in self.members.values()}, key=lambda r: order.get(r, 3)):
+            self.stop([n for n, m in self.members.items() if m.role == role], grace_s)
+
+    def kill_all(self) -> None:
+        """SIGKILL every member's group now (second Ctrl-C, or a launcher error)."""
+        for m in self.members.values():
+            _kill_group(m.pid)
+
+    def alive_pids(self) -> list[int]:
+        """Pids of any process still in one of the fleet's process groups."""
+        groups = {m.pid for m in self.members.values()}
+        return [pid for pid, pgid in _process_groups().items() if pgid in groups]
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _process_groups() -> dict[int, int]:
+    """pid -> process group id of every live (non-zombie) process, from /proc."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            continue
+        out[int(d.name)] = int(fields[2])
+    return out
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a text file ('' if missing)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 16384))
+            data = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

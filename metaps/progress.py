@@ -1,0 +1,222 @@
+"""The launcher's live view of a run: controller status + workers' step log lines.
+
+Two sources, both already produced by the fleet:
+
+* ``ControllerClient.status()``: shards done/total per dataset, nodes (step,
+  slow flag, restarts, RSS), events (stragglers, requeues, restarts);
+* each worker's structured ``msg="step"`` log lines (``rank= step= loss=
+  samples_per_s=``), tailed from ``<run>/logs/worker-R.log`` by :class:`StepLogTail`.
+  They also give a per-worker history when a worker dies before writing its report.
+
+:func:`render` turns them into rich tables; :class:`ProgressDisplay` shows them
+live on a terminal, or logs a one-line summary every few seconds otherwise.
+
+Example::
+
+    tail = StepLogTail({0: run / "logs" / "worker-0.log"})
+    display = ProgressDisplay(Console(), live=True)
+    while running:
+        tail.poll()
+        display.update(ctl.status(), tail.latest(), elapsed_s)
+    display.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+_KV = re.compile(r'(\w+)=("[^"]*"|\S+)')
+_TS = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
+
+
+def parse_kv_line(line: str) -> dict[str, Any] | None:
+    """The fields of one ``metaps.log`` line (``msg`` unquoted; numbers as float); None if not one.
+
+    Example::
+
+        parse_kv_line('2026-01-01T00:00:00 INFO workers.worker msg="step" rank=0 step=5 loss=0.69')
+        # {'time': 1767225600.0, 'msg': 'step', 'rank': 0.0, 'step': 5.0, 'loss': 0.69}
+    """
+    m = _TS.match(line)
+    if not m:
+        return None
+    out: dict[str, Any] = {"time": datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").timestamp()}
+    for k, v in _KV.findall(line):
+        if v.startswith('"'):
+            out[k] = v[1:-1]
+            continue
+        try:
+            out[k] = float(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+class StepLogTail:
+    """Follows workers' log files and keeps their ``step`` records.
+
+    Args:
+        paths: worker rank -> its log file (may not exist yet).
+    """
+
+    def __init__(self, paths: Mapping[int, Path]) -> None:
+        self.paths = dict(paths)
+        self._offsets = {r: 0 for r in self.paths}
+        self._partial = {r: "" for r in self.paths}
+        self.history: dict[int, list[dict[str, Any]]] = {r: [] for r in self.paths}
+
+    def poll(self) -> None:
+        """Read whatever the files gained since the last call."""
+        for rank, path in self.paths.items():
+            try:
+                with path.open("rb") as fh:
+                    fh.seek(self._offsets[rank])
+                    data = fh.read()
+            except OSError:
+                continue
+            self._offsets[rank] += len(data)
+            text = self._partial[rank] + data.decode(errors="replace")
+            lines = text.split("\n")
+            self._partial[rank] = lines.pop()
+            for line in lines:
+                if 'msg="step"' not in line:
+                    continue
+                rec = parse_kv_line(line)
+                if rec is None or "step" not in rec:
+                    continue
+                self.history[rank].append({
+                    "step": int(rec["step"]), "time": rec["time"],
+                    "loss": float(rec.get("loss", float("nan"))),
+                    "samples_per_s": float(rec.get("samples_per_s", float("nan"))),
+                })
+
+    def latest(self) -> dict[int, dict[str, Any]]:
+        """rank -> its newest step record (ranks without one are left out)."""
+        return {r: h[-1] for r, h in self.history.items() if h}
+
+    def max_step(self) -> int:
+        return max((int(h[-1]["step"]) for h in self.history.values() if h), default=0)
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    if v is None:
+        return "-"
+    try:
+        return format(float(v), spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def render(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]], elapsed_s: float,
+           title: str = "metaps launch", max_events: int = 6) -> Group:
+    """Tables for datasets, nodes and recent events.
+
+    Args:
+        status: ``ControllerClient.status()`` (None while unreachable).
+        workers: rank -> latest step record (``loss``, ``samples_per_s``, ``step``).
+        elapsed_s: seconds since the launch.
+        title: heading.
+        max_events: newest events shown.
+    """
+    status = status or {}
+    head = Text(f"{title}  elapsed {elapsed_s:,.0f}s", style="bold")
+    if not status:
+        head.append("  (controller status unavailable)", style="yellow")
+
+    ds = Table(title="datasets", expand=False)
+    for col in ("dataset", "epoch", "shards done/total", "doing", "batches", "finished"):
+        ds.add_column(col)
+    for d in status.get("datasets", []):
+        ds.add_row(str(d["dataset"]), f"{d['epoch'] + (0 if d['finished'] else 1)}/{d['epochs']}",
+                   f"{d['shards_done']}/{d['shards_total']}", str(d["shards_doing"]),
+                   f"{d['batches_done']}/{d['batches_total']}", "yes" if d["finished"] else "")
+
+    nodes = Table(title="nodes", expand=False)
+    for col in ("node", "state", "step", "samples/s", "loss", "slow", "restarts", "rss MiB"):
+        nodes.add_column(col)
+    seen = set()
+    for n in sorted(status.get("nodes", []), key=lambda n: (n["role"], n["index"])):
+        seen.add((n["role"], n["index"]))
+        w = workers.get(n["index"], {}) if n["role"] == "worker" else {}
+        nodes.add_row(f"{n['role']}:{n['index']}", str(n["state"]), str(w.get("step", n.get("step", 0))),
+                      _fmt(w.get("samples_per_s"), ",.1f"), _fmt(w.get("loss")),
+                      Text("SLOW", style="bold red") if n.get("slow") else Text(""),
+                      str(n.get("restarts", 0)), _fmt(n.get("rss_bytes", 0) / 2**20, ",.0f"))
+    for rank, w in sorted(workers.items()):
+        if ("worker", rank) not in seen:
+            nodes.add_row(f"worker:{rank}", "?", str(w.get("step", "")), _fmt(w.get("samples_per_s"), ",.1f"),
+                          _fmt(w.get("loss")), "", "", "")
+
+    ev = Table(title="events", expand=False)
+    for col in ("time", "node", "kind", "action"):
+        ev.add_column(col)
+    for e in list(status.get("events", []))[-max_events:]:
+        ev.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["node"]), str(e["kind"]),
+                   str(e.get("action", "")))
+    return Group(head, ds, nodes, ev)
+
+
+def one_line(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """A compact summary for a log line (non-terminal runs)."""
+    status = status or {}
+    out: dict[str, Any] = {}
+    for d in status.get("datasets", []):
+        out[f"{d['dataset']}_shards"] = f"{d['shards_done']}/{d['shards_total']}"
+    if workers:
+        out["samples_per_s"] = round(sum(float(w.get("samples_per_s", 0.0)) for w in workers.values()), 1)
+        losses = [float(w["loss"]) for w in workers.values() if "loss" in w]
+        if losses:
+            out["loss"] = round(sum(losses) / len(losses), 4)
+    slow = [f"{n['role']}:{n['index']}" for n in status.get("nodes", []) if n.get("slow")]
+    if slow:
+        out["slow"] = ",".join(slow)
+    out["events"] = len(status.get("events", []))
+    return out
+
+
+class ProgressDisplay:
+    """Live rich view on a terminal; a log line every ``log_every_s`` otherwise.
+
+    Args:
+        console: where to draw.
+        live: draw a live view (False: log lines only, e.g. ``--no-progress``).
+        log_every_s: period of the summary log line when not live.
+    """
+
+    def __init__(self, console: Console, live: bool = True, log_every_s: float = 10.0) -> None:
+        self.console = console
+        self.log_every_s = log_every_s
+        self._last_log = 0.0
+        self._live: Live | None = None
+        if live and console.is_terminal:
+            self._live = Live(Text("starting..."), console=console, refresh_per_second=2, transient=False)
+            self._live.start()
+
+    def update(self, status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]],
+               elapsed_s: float) -> None:
+        if self._live is not None:
+            self._live.update(render(status, workers, elapsed_s))
+            return
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            log.info("progress", extra=kv(elapsed_s=round(elapsed_s), **one_line(status, workers)))
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
