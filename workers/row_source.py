@@ -125,7 +125,7 @@ class RemoteRowSource:
     def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
         from ps.coordinator import checkpoint_all
 
-        return checkpoint_all(self.client, Path(root), step, info)
+        return checkpoint_all(self.client.addresses, Path(root), step, rpc_cfg=self.client.rpc_cfg, extra_info=info)
 
     def close(self) -> None:
         self.client.close()
