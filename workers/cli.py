@@ -16,6 +16,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ps", default="", help="PS addresses host:port,... in shard order (default $METAPS_PS)")
     p.add_argument("--controller", default="", help="controller host:port (default $METAPS_CONTROLLER; none = static split)")
     p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
+    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port; default: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds")
     p.set_defaults(func=_run_worker)
 
     p = subparsers.add_parser("train-local", help="train in one process with local tables (the parity reference)")
@@ -44,6 +46,10 @@ def _run_worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: --rank {args.rank} out of range: [train] workers = {job.train.workers}")
     ctl = args.controller or os.environ.get("METAPS_CONTROLLER", "")
     run_dir = Path(args.run_dir or job.run.dir)
+    if args.metrics_port >= 0:
+        from metaps.metrics import serve_metrics
+
+        serve_metrics(args.metrics_port, args.metrics_host)
     rep = run_worker(job, args.rank, addrs, ctl, run_dir)
     print(json.dumps({k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}))
     return 0
