@@ -73,7 +73,7 @@ def start_fleet(
     **ps_kw: Any,
 ) -> Fleet:
     tables = tables if tables is not None else sgd_tables()
-    ps_cfg = PsConfig(shards=n, num_vshards=num_vshards, device="cpu", **ps_kw)
+    ps_cfg = PsConfig(shards=n, num_vshards=num_vshards, device=os.environ.get("METAPS_PS_DEVICE", "cpu"), **ps_kw)
     rpc = rpc or RpcConfig(token=token, timeout_s=20.0)
     pmap = PartitionMap.initial(n, num_vshards)
     servers = []

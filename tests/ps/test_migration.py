@@ -104,7 +104,7 @@ def test_failed_import_rolls_back(ps_fleet) -> None:
     small = TableConfig(name="user", dim=8, capacity=4, eviction=EvictionConfig(policy="none"))
     from ps.embedding_table import EmbeddingTable
 
-    fleet.servers[1].store.tables["user"] = EmbeddingTable(small, seed=0)
+    fleet.servers[1].store.tables["user"] = EmbeddingTable(small, seed=0, device=fleet.servers[1].store.device)
     with pytest.raises(MigrationError, match="rolled back, nothing changed"):
         migrate_vshards(fleet.addresses, fleet.rpc, fleet.servers[0].pmap.vshards_of(0), 1)
     assert all(s.pmap.version == 0 for s in fleet.servers)
