@@ -39,7 +39,6 @@ import torch
 from delivery.bundle import EMBEDDINGS, EmbeddingWriter, encode_keys
 from delivery.config import DeliveryConfig, RowDtype
 from delivery.export import CheckpointSource, export_bundle, parent_state
-from delivery.job import deliver_once
 from delivery.loader import bundle_chain, load_bundle
 from delivery.publish import Publisher
 from meta_io.schema import ColumnKind, ColumnSpec, Schema

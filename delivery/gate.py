@@ -36,7 +36,7 @@ from delivery.bundle import (
     EMBEDDINGS, INDEX, BundleKind, DeliveryError, EmbeddingReader, read_index, read_manifest, row_fingerprints,
     verify_checksums,
 )
-from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
+from meta_io.batch import FeatureBatch, MetaBatch
 from meta_io.schema import Schema, schema_from_dict
 from metaps.errors import MetapsError
 from metaps.evaluation import auc
