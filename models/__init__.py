@@ -8,14 +8,22 @@ from models.base import CtrModel
 from models.config import BottomKind, ModelConfig, ModelKind
 from models.factory import build_model
 from models.losses import HeadSpec, heads_for_schema, loss
+from models.meta import AdaptTarget, MetaConfig, MetaStepResult, adapt_and_predict, assign_grads, meta_step, plain_step
 
 __all__ = [
+    "AdaptTarget",
     "BottomKind",
     "CtrModel",
     "HeadSpec",
+    "MetaConfig",
+    "MetaStepResult",
     "ModelConfig",
     "ModelKind",
+    "adapt_and_predict",
+    "assign_grads",
     "build_model",
     "heads_for_schema",
     "loss",
+    "meta_step",
+    "plain_step",
 ]

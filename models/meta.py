@@ -137,7 +137,7 @@ def _dense_params(model: CtrModel) -> Params:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _check_rows(rows: Rows) -> Rows:
+def _detached_rows(rows: Rows) -> Rows:
     return {t: r.detach() for t, r in rows.items()}
 
 
@@ -267,7 +267,7 @@ def _grads(objective: Callable[[Params, Rows], tuple[Tensor, Tensor]], model: Ct
     Returns ``(value, aux, dense_grads, row_grads)`` of ``objective(params, rows)``.
     """
     (g_params, g_rows), (value, aux) = grad_and_value(objective, argnums=(0, 1), has_aux=True)(
-        _dense_params(model), _check_rows(rows)
+        _dense_params(model), _detached_rows(rows)
     )
     return value.detach(), aux, g_params, g_rows
 
@@ -310,7 +310,7 @@ def adapt_and_predict(
         task,
         first,
         int(support.mask.shape[0]),
-        (_dense_params(model), _check_rows(rows)),
+        (_dense_params(model), _detached_rows(rows)),
         (_tree(support), sup_idx, _tree(query), qry_idx),
     )
 

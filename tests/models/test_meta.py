@@ -7,6 +7,8 @@ import torch
 from torch.func import functional_call
 
 from meta_io.batch import MetaBatch
+from metaps.config import from_mapping
+from metaps.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, MetaConfig, adapt_and_predict, assign_grads, meta_step, plain_step
 from models.testing import random_meta_batch, random_plain_batch, random_rows, synthetic_schema
@@ -174,6 +176,10 @@ def test_meta_config_validation() -> None:
     with pytest.raises(ValueError, match="inner_lr"):
         MetaConfig(inner_lr=0.0)
     assert MetaConfig(adapt="rows").adapt is AdaptTarget.ROWS
+    cfg = from_mapping(MetaConfig, {"inner_steps": 2, "adapt": "dense", "first_order": False}, prefix="meta")
+    assert cfg == MetaConfig(inner_steps=2, adapt=AdaptTarget.DENSE, first_order=False)
+    with pytest.raises(ConfigError, match="meta.adapt"):
+        from_mapping(MetaConfig, {"adapt": "everything"}, prefix="meta")
 
 
 # -- learning sanity ----------------------------------------------------------
