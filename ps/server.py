@@ -399,19 +399,19 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             self.clock.wait_pull(worker, step, self.wait_timeout_s)
 
     # -- sparse data ------------------------------------------------------------------
-    def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[ps_pb2.TableValues]:
+    def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[dict[str, Any]]:
+        """Rows per table as TableValues fields; callers build the reply message once
+        (copying a built TableValues into a reply copies its multi-MB payload again)."""
         dtype = wire.DType.FP16 if fp16 else wire.DType.FP32
         out = []
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
             for p in parsed:
                 rows = self.store.pull(p.table, p.ids)
-                out.append(
-                    ps_pb2.TableValues(
-                        table=p.table, values=wire.encode_rows(rows, dtype), dtype=dtype.proto,
-                        dim=int(rows.shape[1]) if rows.ndim == 2 else self._dim(p.table), rows=int(p.ids.size),
-                    )
-                )
+                out.append(dict(
+                    table=p.table, values=wire.encode_rows(rows, dtype), dtype=dtype.proto,
+                    dim=int(rows.shape[1]) if rows.ndim == 2 else self._dim(p.table), rows=int(p.ids.size),
+                ))
         shard = str(self.shard_id)
         for p in parsed:
             self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
@@ -445,14 +445,17 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> ps_pb2.PullManyResponse:
         parsed = self._parse_pull([(t.table, t.ids) for t in request.tables])
         self._wait_staleness(request.worker_id, request.step if request.HasField("step") else None)
-        return ps_pb2.PullManyResponse(tables=self._pull(parsed, request.map_version, request.want_fp16))
+        resp = ps_pb2.PullManyResponse()
+        for fields in self._pull(parsed, request.map_version, request.want_fp16):
+            resp.tables.add(**fields)
+        return resp
 
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:
         parsed = self._parse_pull([(request.table, request.ids)])
         self._wait_staleness(request.worker_id, request.step if request.HasField("step") else None)
         tv = self._pull(parsed, request.map_version, request.want_fp16)[0]
-        return ps_pb2.PullResponse(values=tv.values, dtype=tv.dtype, dim=tv.dim, rows=tv.rows)
+        return ps_pb2.PullResponse(values=tv["values"], dtype=tv["dtype"], dim=tv["dim"], rows=tv["rows"])
 
     @_rpc(data=True)
     def PushMany(self, request: ps_pb2.PushManyRequest, context: grpc.ServicerContext) -> ps_pb2.PushManyResponse:
