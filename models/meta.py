@@ -16,7 +16,7 @@ them (support rows get outer gradients too; memory grows with ``inner_steps``).
 Layout under ``torch.func.vmap`` (``vectorize=True``)::
 
     params p   [..]        in_dims None  (shared)
-    rows   r   [U, D]      in_dims None  (shared; adapted copies become [T, U, D])
+    task rows  [T, K, D]   in_dims 0     r[l2g]: each task's own rows (K << U), see _localize
     support    [T, S, ..]  in_dims 0
     query      [T, Q, ..]  in_dims 0
     -> task losses [T] -> masked mean -> torch.func.grad w.r.t. (p, r)
@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from models.base import CtrModel
-from models.embedding import LookupIndex
+from models.embedding import LookupIndex, TableIndex
 from models.losses import loss
 
 Params = dict[str, Tensor]
@@ -197,6 +197,52 @@ def _over_tasks(fn: Callable[..., Any], cfg: MetaConfig, n_tasks: int, shared: t
     return tree_map(lambda *xs: torch.stack(xs), *outs)
 
 
+def _localize(
+    sup_idx: LookupIndex, qry_idx: LookupIndex, n_rows: dict[str, int]
+) -> tuple[dict[str, Tensor], LookupIndex, LookupIndex]:
+    """Re-index every task onto its own rows: ``(l2g, support index, query index)``.
+
+    Each task only touches a few of the meta batch's ``U_t`` rows, so the inner
+    loop adapts a per-task ``[K_t, D]`` slice instead of a ``[U_t, D]`` copy
+    (which would cost ``T * U_t * D`` per table, quadratic in T)::
+
+        global pos [T, N] (support and query ids) --per-task unique--> local pos [T, N]
+        l2g[t]  int64 [T, K_t]   local slot -> row of rows[t]  (K_t = most distinct ids of a task)
+        task_rows = rows[t][l2g[t]]   [T, K_t, D]   gathered once, outside vmap
+
+    Eager, vectorized over tasks (a per-task sort), once per batch.
+    """
+    l2g: dict[str, Tensor] = {}
+    sup_local: LookupIndex = {}
+    qry_local: LookupIndex = {}
+    for t, (ps, ws) in sup_idx.items():
+        pq, wq = qry_idx[t]
+        n_tasks, u = ps.shape[0], n_rows[t]
+        if u == 0:  # nothing to gather: pool() yields zeros for an empty table
+            l2g[t] = torch.zeros(n_tasks, 0, dtype=torch.long)
+            sup_local[t], qry_local[t] = sup_idx[t], qry_idx[t]
+            continue
+        pos = torch.cat([ps.reshape(n_tasks, -1), pq.reshape(n_tasks, -1)], dim=1)  # [T, N]
+        valid = torch.cat([ws.reshape(n_tasks, -1) != 0, wq.reshape(n_tasks, -1) != 0], dim=1)
+        pos = torch.where(valid, pos, u)  # padding sorts last, into its own slot (weight 0)
+        sorted_pos, order = pos.sort(dim=1)
+        new = torch.ones_like(sorted_pos, dtype=torch.bool)
+        new[:, 1:] = sorted_pos[:, 1:] != sorted_pos[:, :-1]
+        slot_sorted = new.long().cumsum(1) - 1
+        local = torch.empty_like(slot_sorted).scatter_(1, order, slot_sorted)
+        k = int(slot_sorted[:, -1].max()) + 1
+        l2g[t] = torch.zeros(n_tasks, k, dtype=torch.long).scatter_(1, slot_sorted, sorted_pos).clamp_max(u - 1)
+        n_sup = ps[0].numel()
+        sup_local[t] = TableIndex(local[:, :n_sup].reshape(ps.shape), ws)
+        qry_local[t] = TableIndex(local[:, n_sup:].reshape(pq.shape), wq)
+    return l2g, sup_local, qry_local
+
+
+def _task_rows(rows: Rows, l2g: dict[str, Tensor]) -> Rows:
+    """``[T, K_t, D]`` per-task rows; differentiable back to the shared ``[U_t, D]``."""
+    return {t: rows[t][l2g[t]] for t in l2g}
+
+
 def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: MetaConfig) -> MetaStepResult:
     """One meta step: inner adaptation per task, outer gradients of the mean query loss.
 
@@ -217,6 +263,7 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: MetaConfig) ->
     """
     sup_idx = model.lookup_index(batch.support, batch.unique_ids, rows)
     qry_idx = model.lookup_index(batch.query, batch.unique_ids, rows)
+    l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
     weights = _task_weights(batch.task_mask, batch.query)
     n_tasks = int(batch.task_mask.shape[0])
 
@@ -225,9 +272,8 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: MetaConfig) ->
         return _batch_loss(model, fp, fr, FeatureBatch(**qry), qidx), before, after
 
     def outer(params: Params, rows: Rows):
-        q, before, after = _over_tasks(
-            task, cfg, n_tasks, (params, rows), (_tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
-        )
+        per_task = (_task_rows(rows, l2g), _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
+        q, before, after = _over_tasks(task, cfg, n_tasks, (params,), per_task)
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
         stats = torch.stack([total, (before * weights).sum() / n, (after * weights).sum() / n, weights.sum()])
@@ -299,6 +345,7 @@ def adapt_and_predict(
     """
     sup_idx = model.lookup_index(support, unique_ids, rows)
     qry_idx = model.lookup_index(query, unique_ids, rows)
+    l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
     first = MetaConfig(cfg.inner_steps, cfg.inner_lr, True, cfg.adapt, cfg.vectorize)
 
     def task(params: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
@@ -310,8 +357,8 @@ def adapt_and_predict(
         task,
         first,
         int(support.mask.shape[0]),
-        (_dense_params(model), _detached_rows(rows)),
-        (_tree(support), sup_idx, _tree(query), qry_idx),
+        (_dense_params(model),),
+        (_task_rows(_detached_rows(rows), l2g), _tree(support), sup_idx, _tree(query), qry_idx),
     )
 
 
