@@ -75,7 +75,9 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
     bufs = []
     offset = 0
     for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a)
+        if not a.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+            a = a.copy(order="C")
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         b = a.tobytes()

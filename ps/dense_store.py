@@ -1,8 +1,8 @@
 """Dense parameters held on a PS shard (when dense sync mode is "ps").
 
-Each named parameter is a float32 CPU tensor with its own ``torch.optim``
-optimizer (Adam, Adagrad or SGD), so a push to one parameter never steps
-another's state. Weight decay is L2, as for the sparse tables.
+Each named parameter is a float32 CPU tensor with its own optimizer state
+(Adam, Adagrad or SGD, torch.optim's formulas), so a push to one parameter
+never steps another's state. Weight decay is L2, as for the sparse tables.
 
 Example::
 
@@ -40,18 +40,44 @@ class DenseStore:
             )
         self.lock = threading.RLock()
         self._params: dict[str, torch.Tensor] = {}
-        self._opts: dict[str, torch.optim.Optimizer] = {}
+        self._state: dict[str, dict[str, torch.Tensor]] = {}
         self.pushes = 0
 
-    def _make_opt(self, p: torch.Tensor) -> torch.optim.Optimizer:
+    def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.cfg.kind == OptimizerKind.ADAM:
+            return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p)}
+        if self.cfg.kind == OptimizerKind.ADAGRAD:
+            return {"step": torch.zeros((), dtype=torch.float32),
+                    "sum": torch.full_like(p, self.cfg.initial_accumulator)}
+        return {}
+
+    @torch.no_grad()
+    def _step(self, p: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
+        """One update with torch.optim's formulas (Adam / Adagrad without lr decay / SGD).
+
+        Written out rather than calling torch.optim: importing torch.optim pulls in
+        torch._dynamo (~3.5 s at PS start-up here) for three lines of math.
+        """
         c = self.cfg
-        if c.kind == OptimizerKind.ADAM:
-            return torch.optim.Adam([p], lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+        if c.weight_decay:
+            g = g.add(p, alpha=c.weight_decay)
+        if c.kind == OptimizerKind.SGD:
+            p.add_(g, alpha=-c.lr)
+            return
+        state["step"] += 1
         if c.kind == OptimizerKind.ADAGRAD:
-            return torch.optim.Adagrad(
-                [p], lr=c.lr, eps=c.eps, weight_decay=c.weight_decay, initial_accumulator_value=c.initial_accumulator
-            )
-        return torch.optim.SGD([p], lr=c.lr, weight_decay=c.weight_decay)
+            state["sum"].addcmul_(g, g, value=1.0)
+            p.addcdiv_(g, state["sum"].sqrt().add_(c.eps), value=-c.lr)
+            return
+        t = float(state["step"])
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(g, 1.0 - c.beta1)
+        v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+        bc1 = 1.0 - c.beta1**t
+        bc2 = 1.0 - c.beta2**t
+        denom = (v.sqrt() / (bc2**0.5)).add_(c.eps)
+        p.addcdiv_(m, denom, value=-c.lr / bc1)
 
     # -- registry ------------------------------------------------------------------
     def register(self, name: str, shape_or_value: Sequence[int] | np.ndarray) -> bool:
@@ -81,7 +107,7 @@ class DenseStore:
                 return False
             p = value.requires_grad_(False)
             self._params[name] = p
-            self._opts[name] = self._make_opt(p)
+            self._state[name] = self._new_state(p)
             return True
 
     def names(self) -> list[str]:
@@ -127,9 +153,7 @@ class DenseStore:
                     raise BadRequest(f"dense '{k}': gradient holds NaN/Inf; push rejected")
             for k, g in grads.items():
                 p = self._params[k]
-                p.grad = torch.from_numpy(np.array(g, dtype=np.float32).reshape(p.shape))
-                self._opts[k].step()
-                p.grad = None
+                self._step(p, self._state[k], torch.from_numpy(np.array(g, dtype=np.float32).reshape(p.shape)))
             self.pushes += 1
             return len(grads)
 
@@ -148,8 +172,8 @@ class DenseStore:
             out: dict[str, dict[str, np.ndarray]] = {}
             for k, p in self._params.items():
                 entry = {"value": p.numpy().copy()}
-                for sk, sv in self._opts[k].state.get(p, {}).items():
-                    entry[f"opt/{sk}"] = (sv.detach().cpu().numpy() if torch.is_tensor(sv) else np.asarray(sv)).copy()
+                for sk, sv in self._state[k].items():
+                    entry[f"opt/{sk}"] = sv.numpy().copy()
                 out[k] = entry
             return out
 
@@ -163,16 +187,20 @@ class DenseStore:
                 self.register(k, value)
                 p = self._params[k]
                 p.copy_(torch.from_numpy(value))
-                opt_state = {sk[4:]: torch.from_numpy(np.array(sv)) for sk, sv in entry.items() if sk.startswith("opt/")}
-                self._opts[k].state[p] = opt_state if opt_state else {}
-                if not opt_state:
-                    self._opts[k].state.pop(p, None)
+                fresh = self._new_state(p)
+                for sk in fresh:
+                    saved = entry.get(f"opt/{sk}")
+                    if saved is None:
+                        raise BadRequest(f"dense '{k}': checkpoint lacks optimizer state '{sk}' ({self.cfg.kind.value})")
+                    saved = np.asarray(saved, dtype=np.float32)
+                    if saved.shape != tuple(fresh[sk].shape):
+                        raise BadRequest(f"dense '{k}': optimizer state '{sk}' shape {saved.shape}, expected {tuple(fresh[sk].shape)}")
+                    fresh[sk] = torch.from_numpy(saved.copy())
+                self._state[k] = fresh
 
     def memory_bytes(self) -> int:
         with self.lock:
             total = sum(p.numel() * 4 for p in self._params.values())
-            for k, p in self._params.items():
-                for sv in self._opts[k].state.get(p, {}).values():
-                    if torch.is_tensor(sv):
-                        total += sv.numel() * sv.element_size()
+            for st in self._state.values():
+                total += sum(sv.numel() * sv.element_size() for sv in st.values())
             return int(total)

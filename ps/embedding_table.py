@@ -299,9 +299,13 @@ class EmbeddingTable:
         g_t = torch.from_numpy(g if g.flags.writeable else g.copy())
         uniq, inv = torch.unique(ids_t, return_inverse=True)
         agg = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32).index_add_(0, inv, g_t)
-        row_ok = torch.isfinite(g_t).all(dim=1)
-        agg_ok = torch.isfinite(agg).all(dim=1)
-        if not bool(row_ok.all()) or not bool(agg_ok.all()):
+        # fast path: a finite total means every element is finite (NaN/Inf propagate);
+        # only a non-finite total pays for the per-row checks
+        all_ok = bool(torch.isfinite(g_t.sum())) and bool(torch.isfinite(agg.sum()))
+        if not all_ok:
+            row_ok = torch.isfinite(g_t).all(dim=1)
+            agg_ok = torch.isfinite(agg).all(dim=1)
+        if not all_ok and (not bool(row_ok.all()) or not bool(agg_ok.all())):
             if NonfiniteMode(nonfinite) == NonfiniteMode.REJECT:
                 if not bool(row_ok.all()):
                     bad = torch.nonzero(~row_ok).reshape(-1)

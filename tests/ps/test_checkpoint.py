@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+import torch
 import pytest
 
 from metaps.hashing import vshard_of
@@ -29,6 +30,10 @@ TABLES = [
     TableConfig(name="user", dim=8, capacity=256),
     TableConfig(name="item", dim=4, capacity=256, optimizer=OptimizerConfig(kind=OptimizerKind.ADAM)),
 ]
+
+# fbgemm's CPU backward spins OpenMP threads: on 2 shared cores more than one
+# thread made each push ~100x slower here. PS processes run single-threaded too.
+torch.set_num_threads(1)
 
 
 def owned(shard: int, shards: int, V: int) -> list[int]:
@@ -184,3 +189,18 @@ def test_mismatched_config_is_refused(tmp_path: Path) -> None:
         commit_checkpoint(tmp, {"step": 9})
     manifest = json.loads((final / "manifest.json").read_text())
     assert manifest["files"]["shard-0.lmdb"]["bytes"] == shard_path(final, 0).stat().st_size
+
+
+def test_pack_unpack_keeps_dtype_shape_and_scalars() -> None:
+    from ps.checkpoint import pack_arrays, unpack_arrays
+
+    arrays = {"scalar": np.array(3.5, np.float32), "ids": np.arange(5, dtype=np.int64),
+              "w": np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2], "empty": np.empty((0, 4), np.float32)}
+    back = unpack_arrays(pack_arrays(arrays), "mem")
+    for k, v in arrays.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+        np.testing.assert_array_equal(back[k], v)
+    with pytest.raises(CheckpointError, match="mem: chunk truncated"):
+        unpack_arrays(b"MP", "mem")
+    with pytest.raises(CheckpointError, match="runs past the chunk end"):
+        unpack_arrays(pack_arrays(arrays)[:-8], "mem")

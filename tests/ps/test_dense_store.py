@@ -10,6 +10,10 @@ from ps.config import OptimizerConfig, OptimizerKind
 from ps.dense_store import DenseStore
 from ps.errors import BadRequest
 
+# fbgemm's CPU backward spins OpenMP threads: on 2 shared cores more than one
+# thread made each push ~100x slower here. PS processes run single-threaded too.
+torch.set_num_threads(1)
+
 
 @pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
 def test_push_matches_torch_optim(kind: OptimizerKind) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from ps.config import (
@@ -18,6 +19,10 @@ from ps.embedding_table import EmbeddingTable
 from ps.errors import BadRequest
 
 DIM = 4
+
+# fbgemm's CPU backward spins OpenMP threads: on 2 shared cores more than one
+# thread made each push ~100x slower here. PS processes run single-threaded too.
+torch.set_num_threads(1)
 
 
 def table(capacity: int = 32, seed: int = 0, **kw) -> EmbeddingTable:

@@ -20,6 +20,10 @@ DEVICES = [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
 ]
 
+# fbgemm's CPU backward spins OpenMP threads: on 2 shared cores more than one
+# thread made each push ~100x slower here. PS processes run single-threaded too.
+torch.set_num_threads(1)
+
 
 def push_sequence() -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import torch
 import pytest
 
 from metaps.hashing import vshard_of
@@ -20,6 +21,10 @@ from ps.errors import BadRequest
 from ps.shard_store import ShardStore, TableRows
 
 DIM = 8
+
+# fbgemm's CPU backward spins OpenMP threads: on 2 shared cores more than one
+# thread made each push ~100x slower here. PS processes run single-threaded too.
+torch.set_num_threads(1)
 
 
 def make_store(*tables: TableConfig, shard_id: int = 0, V: int = 16, **kw) -> ShardStore:
