@@ -240,7 +240,6 @@ class _RollingWriter:
         self.max_bytes = max_bytes
         self.index = index
         self.tables = tables
-        self.ids_schema = L.ids_arrow_schema(tables)
         self.files: list[dict[str, Any]] = []
         self._open: list[tuple[pa.NativeFile, ipc.RecordBatchFileWriter]] = []
         self._batch = 0
@@ -249,14 +248,14 @@ class _RollingWriter:
         """Write ``table`` as ``len(entries)`` record batches of ``per`` rows each."""
         n = len(entries)
         table = table.combine_chunks()
-        ids = L.unique_ids_batches(table, n, self.tables, self.ids_schema)
+        ids = L.unique_ids_batches(table, n, self.tables)
         for i in range(n):
-            self.write(_one_batch(table.slice(i * per, per)), entries[i], ids[i])
+            self.write(_one_batch(table.slice(i * per, per)), dict(entries[i], ids_offsets=tuple(ids[i][1])), ids[i][0])
 
     def write(self, rb: pa.RecordBatch, entry: dict[str, Any], ids: pa.RecordBatch) -> None:
         if not self._open:
             name = self.pattern.format(len(self.files))
-            for fname, schema in ((name, self.schema), (L.ids_file_name(name), self.ids_schema)):
+            for fname, schema in ((name, self.schema), (L.ids_file_name(name), L.IDS_SCHEMA)):
                 sink = pa.OSFile(str(self.folder / fname), "wb")
                 self._open.append((sink, ipc.new_file(sink, schema)))
             self.files.append({"name": name, "batches": 0, "bytes": 0, "ids": L.ids_file_name(name), "ids_bytes": 0})

@@ -15,6 +15,8 @@ Layout (an uncompressed Arrow IPC file, one record batch)::
     n_rows    int64   real rows (mask True)
     n_support_rows, n_query_rows  int64
     padded_slots int64  n_slots - n_rows
+    ids_offsets list<int64>  table j's unique ids are ids[o[j]:o[j+1]] of the
+                      batch's record batch in the ``*.ids.arrow`` sidecar
 
 The controller hands out data shards as ``(file_no, start, stop)`` ranges of
 record batches; the index lets it (and the reader) know each batch's shape
@@ -55,6 +57,7 @@ INDEX_SCHEMA = pa.schema(
         ("n_support_rows", pa.int64()),
         ("n_query_rows", pa.int64()),
         ("padded_slots", pa.int64()),
+        ("ids_offsets", pa.list_(pa.int64())),
     ]
 )
 
@@ -76,6 +79,7 @@ class BatchEntry:
     n_rows: int
     n_support_rows: int
     n_query_rows: int
+    ids_offsets: tuple[int, ...] = ()
 
     @property
     def padded_slots(self) -> int:
@@ -99,6 +103,8 @@ class IndexBuilder:
                     cols[name].append(e.padded_slots)
                 elif name == "kind":
                     cols[name].append(e.kind.value)
+                elif name == "ids_offsets":
+                    cols[name].append(list(e.ids_offsets))
                 else:
                     cols[name].append(getattr(e, name))
         return pa.table(cols, schema=INDEX_SCHEMA)
@@ -124,8 +130,12 @@ class BatchIndex:
         self.table = table.select(INDEX_SCHEMA.names)
         self.where = where
         self.cols: dict[str, np.ndarray] = {
-            n: self.table.column(n).to_numpy(zero_copy_only=False) for n in INDEX_SCHEMA.names
+            n: self.table.column(n).to_numpy(zero_copy_only=False) for n in INDEX_SCHEMA.names if n != "ids_offsets"
         }
+        # every batch has len(tables)+1 offsets: a dense [batches, tables+1] matrix
+        offs = self.table.column("ids_offsets").combine_chunks()
+        width = (len(offs.values) // len(offs)) if len(offs) else 0
+        self.ids_offsets = offs.values.to_numpy(zero_copy_only=False).reshape(len(offs), width)
         self.kind = self.cols["kind"].astype(str)
         self.file = self.cols["file"].astype(str)
 
@@ -179,6 +189,7 @@ class BatchIndex:
             n_rows=int(c["n_rows"][pos]),
             n_support_rows=int(c["n_support_rows"][pos]),
             n_query_rows=int(c["n_query_rows"][pos]),
+            ids_offsets=tuple(self.ids_offsets[pos].tolist()),
         )
 
     def sum(self, column: str, kind: BatchKind | str | None = None) -> int:

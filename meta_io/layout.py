@@ -9,8 +9,9 @@ A dataset folder after ``metaps meta-io build``::
       part-00001.arrow       many fixed-shape record batches each
       leftover-00000.arrow   meta layout only: rows of 1-row tasks, plain format
       part-00000.ids.arrow   per data file: the sorted unique ids (>= 0) of every
-                             id table, one 1-row record batch per data batch
-                             (computed offline so the reader does no sort)
+                             id table, one record batch per data batch, tables
+                             concatenated (boundaries in the index's ids_offsets;
+                             computed offline so the reader does no sort)
 
 Columns of a record batch: every normalized schema column (see
 ``meta_io.source.normalized_arrow_schema``), then the bookkeeping columns
@@ -201,11 +202,6 @@ def id_tables(schema: Schema) -> dict[str, list[str]]:
     return out
 
 
-def ids_arrow_schema(tables: dict[str, list[str]]) -> pa.Schema:
-    """Schema of a sidecar record batch: one ``list<int64>`` column (1 row) per table."""
-    return pa.schema([pa.field(t, pa.list_(pa.int64()), nullable=False) for t in tables])
-
-
 def _id_values(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
@@ -214,16 +210,25 @@ def _id_values(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
+IDS_SCHEMA = pa.schema([pa.field("ids", pa.int64(), nullable=False)])
+"""Sidecar record batch: every table's sorted unique ids, concatenated in table
+order; the per-table boundaries are the index's ``ids_offsets`` column."""
+
+
 def unique_ids_batches(
-    table: pa.Table, n_batches: int, tables: dict[str, list[str]], schema: pa.Schema
-) -> list[pa.RecordBatch]:
-    """Sidecar record batches for ``table`` cut into ``n_batches`` equal batches.
+    table: pa.Table, n_batches: int, tables: dict[str, list[str]]
+) -> list[tuple[pa.RecordBatch, list[int]]]:
+    """Sidecar record batches (and table boundaries) for ``table`` cut into ``n_batches`` equal batches.
 
     Vectorized over batches: per table one row-wise sort of an
     ``[n_batches, ids per batch]`` matrix, then a compare with the left
     neighbour drops duplicates and the -1 padding.
+
+    Returns:
+        per batch: (record batch with one ``ids`` column, offsets of length
+        ``len(tables) + 1``: table ``j`` is ``ids[offsets[j]:offsets[j+1]]``).
     """
-    per_table = []
+    vals, counts = [], []
     for cols in tables.values():
         mat = np.concatenate(
             [np.asarray(_id_values(table.column(c))).reshape(n_batches, -1) for c in cols], axis=1
@@ -231,9 +236,16 @@ def unique_ids_batches(
         srt = np.sort(mat, axis=1)
         keep = srt >= 0
         keep[:, 1:] &= srt[:, 1:] != srt[:, :-1]
-        offsets = np.zeros(n_batches + 1, dtype=np.int32)
-        np.cumsum(keep.sum(1), out=offsets[1:])
-        per_table.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(srt[keep], pa.int64())))
-    return [
-        pa.RecordBatch.from_arrays([arr.slice(i, 1) for arr in per_table], schema=schema) for i in range(n_batches)
-    ]
+        counts.append(keep.sum(1))
+        vals.append((srt, keep))
+    counts_m = np.stack(counts, axis=1) if counts else np.zeros((n_batches, 0), np.int64)  # [batches, tables]
+    offsets = np.zeros((n_batches, len(tables) + 1), dtype=np.int64)
+    np.cumsum(counts_m, axis=1, out=offsets[:, 1:])
+    # batch-major, then table order: interleave the per-table kept values
+    pieces = [srt[keep] for srt, keep in vals]
+    starts = [np.concatenate([[0], np.cumsum(c)]) for c in counts]
+    out = []
+    for i in range(n_batches):  # per batch (not per row): slices of the kept values
+        ids = np.concatenate([p[st[i] : st[i + 1]] for p, st in zip(pieces, starts)]) if pieces else np.empty(0, np.int64)
+        out.append((pa.RecordBatch.from_arrays([pa.array(ids, pa.int64())], schema=IDS_SCHEMA), offsets[i].tolist()))
+    return out

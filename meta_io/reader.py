@@ -222,7 +222,7 @@ class _File:
         if self.reader is None:
             reader = self._open_ipc(self.path, self.n_bytes, self.n_batches, self.columns, "data file")
             if self.ids_path is not None:
-                self.ids_reader = self._open_ipc(self.ids_path, self.ids_bytes, self.n_batches, self.tables,
+                self.ids_reader = self._open_ipc(self.ids_path, self.ids_bytes, self.n_batches, ["ids"],
                                                  "unique-ids file")
             self.reader = reader
         return self.reader
@@ -233,16 +233,22 @@ class _File:
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{self.path}: corrupt record batch {i}: {exc}") from None
 
-    def unique_ids(self, i: int) -> dict[str, torch.Tensor] | None:
-        """table -> sorted unique ids of batch ``i`` from the sidecar (None without one)."""
+    def unique_ids(self, i: int, offsets: list[int]) -> dict[str, torch.Tensor] | None:
+        """table -> sorted unique ids of batch ``i`` from the sidecar (None without one).
+
+        One DLPack view of the batch's concatenated ids, then one slice per table.
+        """
         self.open()
         if self.ids_reader is None:
             return None
         try:
-            rb = self.ids_reader.get_batch(i)
+            col = self.ids_reader.get_batch(i).column(0)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{self.ids_path}: corrupt record batch {i}: {exc}") from None
-        return {t: arrow_to_torch(rb.column(j).flatten()) for j, t in enumerate(self.tables)}
+        if len(offsets) != len(self.tables) + 1 or offsets[-1] != len(col):
+            raise DataError(f"{self.ids_path}: record batch {i} holds {len(col)} ids, index offsets say {offsets}")
+        ids = arrow_to_torch(col)
+        return {t: ids[offsets[j] : offsets[j + 1]] for j, t in enumerate(self.tables)}
 
 
 class MetaIODataset:
@@ -372,7 +378,7 @@ class MetaIODataset:
             expect = int(cols["n_slots"][pos])
             if rb.num_rows != expect:
                 raise DataError(f"{f.path}: record batch {b} has {rb.num_rows} rows, index says {expect}")
-            unique = f.unique_ids(b)
+            unique = f.unique_ids(b, self.index.ids_offsets[pos].tolist())
             if self.index.kind[pos] == BatchKind.META.value:
                 yield self.converter.meta(
                     rb, int(cols["task_slots"][pos]), int(cols["capacity"][pos]), int(cols["support"][pos]), unique
