@@ -295,7 +295,8 @@ class EmbeddingTable:
         n = ids.shape[0]
         if n == 0:
             return res
-        ids_t = torch.from_numpy(ids)
+        # read-only inputs (np.frombuffer over a request) are copied: torch refuses to alias them silently
+        ids_t = torch.from_numpy(ids if ids.flags.writeable else ids.copy())
         g_t = torch.from_numpy(g if g.flags.writeable else g.copy())
         uniq, inv = torch.unique(ids_t, return_inverse=True)
         agg = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32).index_add_(0, inv, g_t)

@@ -153,6 +153,8 @@ class IdMap:
 
 
 def _as_ids(x: np.ndarray | torch.Tensor, what: str = "ids") -> torch.Tensor:
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        x = x.copy()  # e.g. np.frombuffer over a request: torch warns on read-only memory
     t = torch.as_tensor(x)
     if t.dtype != torch.int64:
         raise ValueError(f"IdMap: {what} must be int64, got {t.dtype}")

@@ -240,3 +240,15 @@ def test_admission_and_eviction_through_store() -> None:
     s = make_store(TableConfig(name="user", dim=DIM, capacity=8, admission=AdmissionConfig(min_count=2)))
     assert s.push("user", ids(1), np.ones((1, DIM), np.float32)).unadmitted_dropped == 1
     assert s.push("user", ids(1), np.ones((1, DIM), np.float32)).admitted == 1
+
+
+@pytest.mark.filterwarnings("error")
+def test_read_only_request_buffers_are_accepted() -> None:
+    s = make_store()
+    raw_ids = ids(4, 5, 4).tobytes()
+    raw_g = np.ones((3, DIM), np.float32).tobytes()
+    ro_ids = np.frombuffer(raw_ids, dtype=np.int64)
+    ro_g = np.frombuffer(raw_g, dtype=np.float32).reshape(3, DIM)
+    assert not ro_ids.flags.writeable
+    assert s.push("user", ro_ids, ro_g).applied == 2
+    assert s.pull("user", ro_ids).shape == (3, DIM)
