@@ -164,3 +164,19 @@ def test_bad_requests_name_the_problem() -> None:
     with pytest.raises(BadRequest, match=r"ids\[1\] is -1"):
         t.pull(i64(3, -1))
     assert t.size == 0 and t.step == 0
+
+
+def test_removal_log_is_bounded_and_says_when_it_forgot(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ps.embedding_table as et
+
+    monkeypatch.setattr(et, "_REMOVED_LOG_MIN", 8)  # bound = max(4 * capacity, 8) = 16 ids
+    t = table(capacity=4, eviction=EvictionConfig(evict_fraction=0.25))
+    for v in range(30):
+        t.current_version = v + 1
+        t.push(i64(1000 + v), grads(1))
+    assert t._removed_n <= 16
+    assert t.counters["evictions"] == 26
+    # version k (k >= 5) evicted id 1000 + k - 5, the least used and oldest row
+    np.testing.assert_array_equal(t.removed_ids(25), np.arange(1021, 1026, dtype=np.int64))
+    with pytest.raises(BadRequest, match=r"removals before version \d+ were forgotten"):
+        t.removed_ids(0)
