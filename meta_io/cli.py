@@ -5,6 +5,7 @@ Example::
     metaps gen-data --out data/ --rows 200000 --users 20000 --items 5000 --seed 1
     metaps meta-io build --input data/ --schema data/schema.json --out metaio/ --support 8 --query 4
     metaps meta-io inspect metaio/
+    metaps meta-io split-holdout --input data/ --schema data/schema.json --out split/ --fraction 0.1
 """
 
 from __future__ import annotations
@@ -51,12 +52,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     i.add_argument("path", help="dataset folder")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.set_defaults(func=_inspect)
+    h = msub.add_parser("split-holdout", help="split input into train and held-out tasks (users unseen in training)")
+    h.add_argument("--input", required=True, help="Parquet/CSV file or folder")
+    h.add_argument("--schema", required=True, help="schema file")
+    h.add_argument("--out", required=True, help="writes OUT/train, OUT/holdout and OUT/schema.json")
+    h.add_argument("--fraction", type=float, default=0.1, help="share of tasks held out (default 0.1)")
+    h.add_argument("--seed", type=int, default=0)
+    h.set_defaults(func=_split_holdout)
     m.set_defaults(func=lambda args: _missing_action(m))
 
 
 def _missing_action(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 2
+
+
+def _split_holdout(args: argparse.Namespace) -> int:
+    from meta_io.holdout import split_by_task
+    from meta_io.schema import load_schema
+
+    res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
+    print(f"train   {res.train_rows:,} rows -> {res.train_dir}")
+    print(f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}")
+    print(f"schema  {res.schema_path}")
+    return 0
 
 
 def _gen_data(args: argparse.Namespace) -> int:

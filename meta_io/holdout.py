@@ -19,19 +19,17 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from meta_io.schema import Schema, load_schema
+from meta_io.schema import Schema
 from meta_io.source import iter_source
 from metaps.errors import DataError
 from metaps.hashing import mix64
@@ -126,22 +124,3 @@ def split_by_task(
     dataclasses.replace(schema, columns=[dataclasses.replace(c, hash=False) for c in schema.columns]).save(schema_path)
     log.info("holdout split", extra=kv(train_rows=counts["train"], holdout_rows=counts["holdout"], holdout_tasks=n_tasks))
     return HoldoutSplit(train_dir, hold_dir, schema_path, counts["train"], counts["holdout"], n_tasks)
-
-
-def register_subcommand(sub: Any) -> None:
-    """``metaps meta-io split-holdout``: add to the ``meta-io`` subcommand group."""
-    p = sub.add_parser("split-holdout", help="split input into train and held-out tasks (by task key)")
-    p.add_argument("--input", required=True, help="Parquet/CSV file or folder")
-    p.add_argument("--schema", required=True, help="schema file")
-    p.add_argument("--out", required=True, help="writes OUT/train and OUT/holdout")
-    p.add_argument("--fraction", type=float, default=0.1, help="share of tasks held out (default 0.1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
-    print(f"train   {res.train_rows:,} rows -> {res.train_dir}")
-    print(f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}")
-    print(f"schema  {res.schema_path}")
-    return 0

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from meta_io.batch import MetaBatch, PlainBatch
-from metaps.log import kv
 from workers.config import DenseSync, TrainConfig, TrainMode
 from workers.row_source import RowSource
 
