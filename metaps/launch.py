@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -162,10 +161,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]
 
 
 def write_job(path: Path, data: dict[str, Any]) -> Any:
-    """Write a job mapping as TOML and load it back (validates it). Returns the JobConfig."""
-    from metaps.job import load_job
+    """Validate a job mapping, write it as TOML, load it back. Returns the JobConfig.
+
+    Nothing is written when the mapping is invalid (the ConfigError names ``path``).
+    """
+    from metaps.job import job_from_mapping, load_job
     from metaps.toml_writer import write
 
+    job_from_mapping(data, where=str(path))
     write(path, data)
     return load_job(path)
 

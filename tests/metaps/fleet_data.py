@@ -1,0 +1,96 @@
+"""Tiny Meta-IO data and job files for tests that start real fleets (launch, multi-host).
+
+Example::
+
+    data = make_data(tmp / "data")                 # {"train": Path, "eval": Path}
+    job = write_job_file(tmp / "job.toml", data, workers=2, ps=1)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from meta_io.build import MetaIOBuildConfig, build
+from meta_io.generator import GeneratorConfig, generate
+from metaps.toml_writer import write
+
+TOKEN = "launch-test-token"
+
+
+def make_data(root: Path) -> dict[str, Path]:
+    """800-row train and held-out eval sets (different users), meta layout, 64-slot batches (17 each)."""
+    out = {}
+    for name, seed in (("train", 3), ("eval", 4)):
+        gen = generate(root / f"raw-{name}", GeneratorConfig(rows=800, users=80, items=100, seed=seed, n_files=1,
+                                                             row_group_rows=800), progress=False)
+        out[name] = build(gen.out_dir, gen.schema_path, root / name,
+                          MetaIOBuildConfig(support=4, query=4, rows_per_batch=64)).out_dir
+    return out
+
+
+def job_mapping(data: dict[str, Path], run_root: Path, *, workers: int = 2, ps: int = 1,
+                **sections: dict[str, Any]) -> dict[str, Any]:
+    """A small meta-mode job: 8-dim tables, a tiny DNN, fast heartbeats, 4-batch shards."""
+    job: dict[str, Any] = {
+        "data": {"train": str(data["train"]), "eval": str(data.get("eval", ""))},
+        "ps": {"shards": ps, "num_vshards": 16, "device": "cpu", "table_defaults": {"dim": 8, "capacity": 4096}},
+        "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
+        "meta": {"inner_steps": 1, "inner_lr": 0.1},
+        "train": {"mode": "meta", "workers": workers, "overlap": False, "log_every": 2},
+        "controller": {"heartbeat_timeout_s": 30.0, "tick_s": 0.2,
+                       "dds": {"batches_per_shard": 4}, "monitor": {"window_s": 1.0},
+                       "agent": {"heartbeat_s": 0.5, "restart_limit": 1, "backoff_s": 0.2, "stop_grace_s": 5.0}},
+        "rpc": {"token": TOKEN, "timeout_s": 20.0},
+        "delivery": {"out": str(run_root / "bundles")},
+        "run": {"dir": str(run_root / "runs"), "name": "test"},
+    }
+    for name, values in sections.items():
+        job.setdefault(name, {}).update(values)
+    return job
+
+
+def write_job_file(path: Path, data: dict[str, Path], **kw: Any) -> Path:
+    """:func:`job_mapping` written as TOML at ``path``."""
+    return write(path, job_mapping(data, path.parent, **kw))
+
+
+def fleet_pids(marker: str) -> list[int]:
+    """Pids of live (non-zombie) processes whose command line contains ``marker`` (e.g. a run dir)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def kill_leftovers(marker: str) -> list[int]:
+    """SIGKILL whatever :func:`fleet_pids` finds (test teardown); returns the pids it found."""
+    pids = fleet_pids(marker)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if pids:
+        time.sleep(0.2)
+    return pids
+
+
+def wait_for(pred: Any, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    """Poll ``pred()`` until true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)

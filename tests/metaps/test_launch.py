@@ -1,0 +1,251 @@
+"""``metaps launch``: a real fleet (controller, PS and worker agents, gRPC on 127.0.0.1).
+
+* end to end: tiny meta-mode data, 1 PS, 2 workers -> exit 0, report.json with every
+  section, TensorBoard logs, non-blank plots, the final checkpoint, nothing left running;
+* warm start + SIGINT: resume from that run's checkpoint (the PS restores its rows),
+  SIGINT mid-training -> exit 130, a coordinated checkpoint, no process left;
+* bad input: clear errors before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metaps.errors import ConfigError
+from metaps.job import load_job
+from metaps.launch import (LaunchConfig, Launcher, apply_overrides, find_resume_checkpoint, parse_override)
+from metaps.plots import PLOTS
+from ps.checkpoint import latest_checkpoint, read_manifest
+from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+from tests.metaps.test_plots import assert_png_not_blank
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "metaps", "launch", *args]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_data(tmp_path_factory.mktemp("launch-data"))
+
+
+@pytest.fixture(scope="module")
+def e2e(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One full launch: 1 PS, 2 workers, meta mode, train + held-out eval."""
+    root = tmp_path_factory.mktemp("launch-e2e")
+    cfg = write_job_file(root / "job.toml", data, workers=3, ps=2)  # the flags below override both counts
+    run = root / "run"
+    try:
+        proc = subprocess.run(_launch_cmd("--config", str(cfg), "--workers", "2", "--ps", "1", "--run-dir", str(run),
+                                          "--no-progress"),
+                              cwd=REPO, capture_output=True, text=True, timeout=540)
+        left = fleet_pids(str(run))
+    finally:
+        kill_leftovers(str(run))
+    return {"proc": proc, "run": run, "left": left, "cfg": cfg}
+
+
+@pytest.mark.timeout(600)
+def test_launch_end_to_end_report(e2e: dict[str, Any]) -> None:
+    proc, run = e2e["proc"], e2e["run"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert e2e["left"] == [], f"fleet processes left running: {e2e['left']}"
+    assert f"run directory: {run}" in proc.stdout
+    assert "run succeeded" in proc.stdout
+
+    # the effective config: counts from the flags, every process pointed at it
+    job = load_job(run / "job.toml")
+    assert (job.ps.shards, job.train.workers) == (1, 2)
+    assert Path(job.run.dir) == run and Path(job.controller.state_dir) == run / "controller"
+
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "succeeded" and rep["exit_code"] == 0 and rep["reason"] == ""
+    assert rep["config"] == job.to_dict()
+    for lib in ("metaps", "torch", "fbgemm", "grpc", "pyarrow"):
+        assert rep["versions"][lib], f"no version for {lib}"
+    assert rep["counts"] == {"ps": 1, "workers": 2}
+
+    # per-worker figures from workers/*.json
+    assert [w["rank"] for w in rep["workers"]] == [0, 1]
+    for w in rep["workers"]:
+        assert w["source"] == "report"
+        assert w["steps"] > 0 and w["samples"] > 0 and w["samples_per_s"] > 0
+        assert w["history"] and all("loss" in h and "samples_per_s" in h for h in w["history"])
+
+    # the controller's ledger: every train batch done exactly once, samples add up
+    cov = rep["controller"]["coverage"]
+    assert cov["complete"], cov["problems"]
+    assert rep["controller"]["finished"] is True
+    train = [e for e in rep["shards"] if e["dataset"] == "train" and e["kind"] == "done"]
+    batches = sorted((e["start"], e["stop"]) for e in train)
+    assert batches[0][0] == 0 and all(a[1] == b[0] for a, b in zip(batches, batches[1:]))
+    assert batches[-1][1] == 17  # the fixture's 17 meta-batches
+    assert sum(e["samples"] for e in train) == sum(w["samples"] for w in rep["workers"])
+    assert {e["worker"] for e in rep["shards"]} <= {0, 1}
+    kinds = {e["kind"] for e in rep["controller"]["events"]}
+    assert "epoch_done" in kinds
+
+    # per-PS figures, taken before the PS stopped
+    assert len(rep["ps"]) == 1 and rep["ps"][0]["shard"] == 0
+    assert sum(t["rows"] for t in rep["ps"][0]["store"]["tables"].values()) > 0
+
+    # final metrics: rank 0's merged eval on the held-out set
+    assert rep["final_metrics"]["files"] > 0
+    assert {"base/click/auc", "adapted/click/auc"} <= set(rep["final_auc"])
+    assert all(0.0 <= v <= 1.0 for k, v in rep["final_auc"].items() if k.endswith("/auc"))
+
+    # the final checkpoint (rank 0) is the newest committed one
+    assert rep["checkpoint"] and Path(rep["checkpoint"]) == latest_checkpoint(run / "checkpoints")
+    assert read_manifest(rep["checkpoint"])["info"]["metrics"]
+
+    # metrics ports of every process (the PS one matches its ready file)
+    ports = rep["metrics_ports"]
+    assert ports["ps-0"] == json.loads((run / "ps" / "ps-0.ready").read_text())["metrics_port"]
+    assert isinstance(ports["worker-0"], int) and isinstance(ports["worker-1"], int)
+    assert "controller" in ports
+    assert {p["exit_code"] for p in rep["processes"].values()} == {0}
+
+
+@pytest.mark.timeout(600)
+def test_launch_writes_plots_and_tensorboard(e2e: dict[str, Any]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = e2e["run"]
+    assert e2e["proc"].returncode == 0, e2e["proc"].stderr[-3000:]
+    for name in PLOTS:
+        assert_png_not_blank(run / "plots" / name)
+    for rank in (0, 1):
+        acc = EventAccumulator(str(run / "tb" / f"worker-{rank}"))
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        assert {"train/loss", "train/samples_per_s"} <= set(tags), tags
+        assert len(acc.Scalars("train/loss")) >= 2
+    acc = EventAccumulator(str(run / "tb" / "fleet"))
+    acc.Reload()
+    assert "eval/adapted/click/auc" in acc.Tags()["scalars"]
+
+
+@pytest.mark.timeout(600)
+def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
+        e2e: dict[str, Any], data: dict[str, Path], tmp_path: Path) -> None:
+    """Resume from the e2e run, then Ctrl-C mid-training: exit 130, checkpoint, no process left."""
+    assert e2e["proc"].returncode == 0, e2e["proc"].stderr[-3000:]
+    source = latest_checkpoint(e2e["run"] / "checkpoints")
+    cfg = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1,
+                         train={"epochs": 50},  # far more than the test waits for
+                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0}]})
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--resume-from",
+                                        str(e2e["run"]), "--no-progress"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-0.log"), 400, "the first training step")
+        ps_log = _read(run / "logs" / "ps-0.log")
+        assert f"dir={source}" in ps_log and 'msg="restored"' in ps_log, ps_log[-2000:]
+        restored = [line for line in ps_log.splitlines() if 'msg="restored"' in line][0]
+        assert int(restored.split("rows=")[1].split()[0]) > 0  # the warm start brought rows back
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+        left = fleet_pids(str(run))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(str(run))
+    assert proc.returncode == 130, out[-5000:]
+    assert left == [], f"fleet processes left running after SIGINT: {left}"
+    ckpt = latest_checkpoint(run / "checkpoints")
+    assert ckpt is not None, out[-3000:]
+    man = read_manifest(ckpt)
+    assert man["info"]["metrics"] == {"stopped": "stopped by SIGINT"}
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "interrupted" and rep["exit_code"] == 130
+    assert rep["checkpoint"] == str(ckpt) and rep["resumed_from"] == str(source)
+    assert rep["workers"][0]["source"] in ("log", "report") and rep["workers"][0]["steps"] >= 1
+    for name in PLOTS:
+        assert (run / "plots" / name).is_file()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------- bad input, helpers
+def test_launch_refuses_a_non_empty_run_dir(data: dict[str, Path], tmp_path: Path) -> None:
+    cfg = write_job_file(tmp_path / "job.toml", data)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not empty"):
+        Launcher(LaunchConfig(config=str(cfg), run_dir=str(run), progress=False))
+    assert fleet_pids(str(run)) == []
+
+
+def test_launch_config_validation() -> None:
+    for kw, msg in (({"workers": 0}, "--workers"), ({"ps": 0}, "--ps"), ({"timeout_s": -1.0}, "--timeout"),
+                    ({"config": ""}, "--config"), ({"stop_grace_s": 0.0}, "stop_grace_s")):
+        with pytest.raises(ValueError, match=msg):
+            LaunchConfig(**{"config": "job.toml", **kw}).validate()
+
+
+def test_launch_cli_reports_a_missing_config(tmp_path: Path) -> None:
+    proc = subprocess.run(_launch_cmd("--config", str(tmp_path / "nope.toml"), "--run-dir", str(tmp_path / "r")),
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "config file not found" in proc.stderr and "nope.toml" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_from_needs_a_committed_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        find_resume_checkpoint(tmp_path / "missing")
+    (tmp_path / "run" / "checkpoints" / "ckpt-3.tmp").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="no committed checkpoint"):
+        find_resume_checkpoint(tmp_path / "run")
+
+
+def test_overrides_parse_toml_values_and_name_bad_keys() -> None:
+    assert parse_override("train.workers=4") == (["train", "workers"], 4)
+    assert parse_override('ps.host="10.0.0.2"') == (["ps", "host"], "10.0.0.2")
+    assert parse_override("ps.host=10.0.0.2") == (["ps", "host"], "10.0.0.2")  # bare word -> string
+    assert parse_override("controller.dds.lease_s=2.5") == (["controller", "dds", "lease_s"], 2.5)
+    for bad in ("workers=4", "train.workers", ".x=1", "train.=1"):
+        with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+            parse_override(bad)
+    data: dict[str, Any] = {"ps": {"shards": 2}, "data": {"train": "x"}}
+    apply_overrides(data, [(["ps", "host"], "h"), (["train", "workers"], 3)])
+    assert data == {"ps": {"shards": 2, "host": "h"}, "data": {"train": "x"}, "train": {"workers": 3}}
+    with pytest.raises(ConfigError, match="not a table"):
+        apply_overrides(data, [(["data", "train", "x"], 1)])
+
+
+def test_config_write_round_trips_and_validates(data: dict[str, Path], tmp_path: Path) -> None:
+    cfg = write_job_file(tmp_path / "job.toml", data)
+    out = tmp_path / "host" / "job.toml"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ok = subprocess.run([sys.executable, "-m", "metaps", "config-write", "--config", str(cfg), "--set",
+                         "ps.host=127.0.0.9", "--set", "train.workers=5", "--out", str(out)],
+                        cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0, ok.stderr
+    job = load_job(out)
+    assert job.ps.host == "127.0.0.9" and job.train.workers == 5
+    assert job.model.hidden == load_job(cfg).model.hidden
+    bad = subprocess.run([sys.executable, "-m", "metaps", "config-write", "--config", str(cfg), "--set",
+                          "train.workers=0", "--out", str(tmp_path / "bad.toml")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1 and "workers must be >= 1" in bad.stderr
+    assert not (tmp_path / "bad.toml").exists()
