@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from meta_io.batch import MetaBatch
 from models import ModelConfig, build_model
 from models.meta import AdaptTarget, MetaConfig, meta_step
 from models.testing import random_meta_batch, random_rows, synthetic_schema
@@ -35,6 +36,17 @@ def _time_step(model, batch, rows, cfg: MetaConfig, reps: int) -> tuple[float, f
         times.append(time.perf_counter() - t0)
         value = float(res.outer_loss)
     return statistics.median(times), value
+
+
+def _first_tasks(batch: MetaBatch, n: int) -> MetaBatch:
+    """The first ``n`` task slots of ``batch`` (same unique ids, so the same rows fit)."""
+    return dataclasses.replace(
+        batch,
+        support=batch.support.map(lambda t: t[:n]),
+        query=batch.query.map(lambda t: t[:n]),
+        task_keys=batch.task_keys[:n],
+        task_mask=batch.task_mask[:n],
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,13 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     batch = random_meta_batch(schema, args.tasks, args.support, args.query, vocab=args.vocab, generator=g)
     # The loop's batch: the first loop_tasks task slots of the same batch (same unique ids and rows).
-    loop_batch = dataclasses.replace(
-        batch,
-        support=batch.support.map(lambda t: t[:loop_tasks]),
-        query=batch.query.map(lambda t: t[:loop_tasks]),
-        task_keys=batch.task_keys[:loop_tasks],
-        task_mask=batch.task_mask[:loop_tasks],
-    )
+    loop_batch = _first_tasks(batch, loop_tasks)
     unique = sum(u.numel() for u in batch.unique_ids.values())
     print(
         f"meta_step bench: {args.tasks} tasks x (S={args.support}, Q={args.query}), "
@@ -86,9 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
                                 adapt=AdaptTarget(args.adapt), vectorize=vec)
                 for vec in (True, False)
             }
-            if not args.quick:  # warm both; --quick skips it, which only penalizes vmap (first call is slower)
-                meta_step(model, batch, rows, cfgs[True])
-                meta_step(model, loop_batch, rows, dataclasses.replace(cfgs[True], vectorize=False))
+            # Warm both paths (first calls pay one-time dispatch/trace costs); --quick warms on 2 tasks.
+            warm = _first_tasks(batch, 2) if args.quick else batch
+            meta_step(model, warm, rows, cfgs[True])
+            meta_step(model, _first_tasks(warm, min(loop_tasks, 2 if args.quick else loop_tasks)), rows, cfgs[False])
             t_vmap, loss_vmap = _time_step(model, batch, rows, cfgs[True], reps)
             t_loop, loss_loop = _time_step(model, loop_batch, rows, cfgs[False], reps)
             vmap_tps, loop_tps = args.tasks / t_vmap, loop_tasks / t_loop

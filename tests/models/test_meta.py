@@ -244,3 +244,18 @@ def test_meta_training_beats_no_adaptation_on_held_out_tasks() -> None:
     plain_then_adapted = query_loss(plain_model, plain_table, cfg)
     assert adapted < no_adaptation - 0.2, (adapted, no_adaptation)
     assert adapted < plain_then_adapted, (adapted, plain_then_adapted)
+
+
+def test_table_with_no_ids_in_the_batch() -> None:
+    """An all-padding list column leaves its table empty: [0, D] rows, zero pooled vectors."""
+    model, mb, rows = _setup("dnn", tasks=3, pad_tasks=0)
+    for fb in (mb.support, mb.query):
+        fb.ids["tags0"].fill_(-1)
+    mb.unique_ids["tag"] = torch.zeros(0, dtype=torch.long)
+    rows = dict(rows, tag=torch.zeros(0, model.dims["tag"]))
+    cfg = MetaConfig(inner_steps=1, first_order=False)
+    res = meta_step(model, mb, rows, cfg)
+    _, want_dense, want_rows = reference(model, mb, rows, cfg)
+    _close(res.dense_grads, want_dense)
+    _close(res.row_grads, want_rows)
+    assert res.row_grads["tag"].shape == (0, model.dims["tag"])
