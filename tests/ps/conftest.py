@@ -151,7 +151,7 @@ class PsProcess:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
-def start_ps_process(job: Path, shard: int, tmp: Path, *, port: int = 0, restore: str = "", timeout: float = 90.0) -> PsProcess:
+def _launch(job: Path, shard: int, tmp: Path, port: int, restore: str) -> tuple[subprocess.Popen, Path, Path]:
     ready = tmp / f"ready-{shard}-{time.monotonic_ns()}.json"
     log_path = tmp / f"ps-{shard}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "metaps", "ps", "--config", str(job), "--shard", str(shard),
@@ -160,13 +160,28 @@ def start_ps_process(job: Path, shard: int, tmp: Path, *, port: int = 0, restore
         cmd += ["--restore", restore]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
+    return proc, ready, log_path
+
+
+def _await(proc: subprocess.Popen, ready: Path, log_path: Path, deadline: float) -> PsProcess:
     while not ready.exists():
         if proc.poll() is not None:
             raise RuntimeError(f"metaps ps exited with {proc.returncode}:\n{log_path.read_text()}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"metaps ps not ready after {timeout}s:\n{log_path.read_text()}")
+            raise RuntimeError(f"metaps ps not ready in time:\n{log_path.read_text()}")
         time.sleep(0.05)
     info = json.loads(ready.read_text())
     return PsProcess(proc, int(info["port"]), int(info["metrics_port"]), log_path)
+
+
+def start_ps_process(job: Path, shard: int, tmp: Path, *, port: int = 0, restore: str = "", timeout: float = 90.0) -> PsProcess:
+    """Run ``metaps ps`` for one shard and wait for its ready file."""
+    return _await(*_launch(job, shard, tmp, port, restore), time.monotonic() + timeout)
+
+
+def start_ps_processes(job: Path, shards: int, tmp: Path, *, timeout: float = 120.0) -> list[PsProcess]:
+    """Start every shard's process at once (their imports overlap), then wait for all."""
+    launched = [_launch(job, k, tmp, 0, "") for k in range(shards)]
+    deadline = time.monotonic() + timeout
+    return [_await(*item, deadline) for item in launched]

@@ -14,13 +14,13 @@ from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.coordinator import checkpoint_all
 from protos import ps_pb2
 
-from .conftest import TOKEN, start_ps_process, write_job
+from .conftest import TOKEN, start_ps_process, start_ps_processes, write_job
 
 
 def test_checkpoint_kill_restore_n_to_m(ps_fleet, tmp_path) -> None:
     rpc = RpcConfig(token=TOKEN, timeout_s=20.0)
     job2 = write_job(tmp_path, shards=2, dim=8)
-    procs = [start_ps_process(job2, k, tmp_path) for k in range(2)]
+    procs = start_ps_processes(job2, 2, tmp_path)
     try:
         client = PsClient([p.address for p in procs], rpc, retry_timeout_s=20)
         rng = np.random.default_rng(0)
