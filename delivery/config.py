@@ -81,7 +81,7 @@ class DeliveryConfig:
         map_size_gb: LMDB map size ceiling of the embeddings file (sparse on disk).
     """
 
-    out: Path
+    out: Path = Path("bundles")
     incremental: bool = False
     keep: int = 5
     dtype: RowDtype = RowDtype.FP32

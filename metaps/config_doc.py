@@ -38,9 +38,9 @@ def _args_docs(cls: type) -> dict[str, str]:
             base_indent = indent
         if indent < base_indent:
             break
-        entry = re.match(r"\s*([A-Za-z_][\w /]*?):\s*(.*)$", line)
+        entry = re.match(r"\s*([A-Za-z_][\w ,/]*?):\s*(.*)$", line)
         if indent == base_indent and entry:
-            names = [n.strip() for n in entry.group(1).split("/")]
+            names = [n.strip() for n in re.split(r"[,/]", entry.group(1)) if n.strip()]
             current = names
             for n in names:
                 out[n] = entry.group(2).strip()
@@ -90,12 +90,25 @@ def _default_str(field: dataclasses.Field) -> str:
     return str(v)
 
 
+def _module_docs(cls: type) -> dict[str, str]:
+    """Args docs of every dataclass in ``cls``'s module: a fallback for fields
+    documented once on a sibling (e.g. TableDefaults repeats TableConfig's)."""
+    import sys as _sys
+
+    pool: dict[str, str] = {}
+    for obj in vars(_sys.modules[cls.__module__]).values():
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == cls.__module__:
+            for k, v in _args_docs(obj).items():
+                pool.setdefault(k, v)
+    return pool
+
+
 def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, str]]) -> None:
     if (cls, key) in seen:
         return
     seen.add((cls, key))
     hints = typing.get_type_hints(cls)
-    docs = _args_docs(cls)
+    docs = {**_module_docs(cls), **_args_docs(cls)}
     lines.append(f"### `[{key}]` ({cls.__module__}.{cls.__name__})")
     lines.append("")
     summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
