@@ -59,6 +59,10 @@ def run_ps(args: argparse.Namespace) -> int:
     from ps.coordinator import restore_shard_checkpoint
     from ps.server import build_server
 
+    import torch
+
+    # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
+    torch.set_num_threads(1)
     job = load_job(args.config)
     ps_cfg = job.ps
     if not 0 <= args.shard < ps_cfg.shards:

@@ -280,15 +280,20 @@ class PsClient:
         self._broadcast("Barrier", req, timeout=t + 5)
 
     # -- dense ------------------------------------------------------------------------------
-    def register_dense(self, params: Mapping[str, Any]) -> list[str]:
-        """Create dense parameters with initial values (existing names keep theirs)."""
+    def register_dense(self, params: Mapping[str, Any], *, overwrite: bool = False) -> list[str]:
+        """Create dense parameters with initial values (existing names keep theirs unless ``overwrite``)."""
         by_shard: dict[int, list[ps_pb2.DenseTensor]] = {}
         for name, value in params.items():
             by_shard.setdefault(dense_owner(name, self.num_shards), []).append(wire.dense_to_proto(name, value))
         created: list[str] = []
-        for resp in self._per_shard("RegisterDense", {s: ps_pb2.RegisterDenseRequest(params=p) for s, p in by_shard.items()}):
+        requests = {s: ps_pb2.RegisterDenseRequest(params=p, overwrite=overwrite) for s, p in by_shard.items()}
+        for resp in self._per_shard("RegisterDense", requests):
             created.extend(resp.created)
         return created
+
+    def set_dense(self, values: Mapping[str, Any]) -> None:
+        """Store these dense values on the PS (registering new names): all-reduce workers publish their params."""
+        self.register_dense(values, overwrite=True)
 
     def pull_dense(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         by_shard: dict[int, list[str]] = {}

@@ -475,6 +475,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         values = {p.name: wire.dense_from_proto(p) for p in request.params}
         with self._gate.data(self.wait_timeout_s):
             created = [name for name, value in values.items() if self.store.dense.register(name, value)]
+            if request.overwrite:
+                self.store.dense.set(values)
         return ps_pb2.RegisterDenseResponse(created=created)
 
     @_rpc(data=True)

@@ -112,6 +112,16 @@ def test_dense_register_pull_push(ps_fleet) -> None:
     assert sum(holders) == 5 and max(holders) < 5  # spread by name over shards
 
 
+def test_set_dense_overwrites_and_registers(ps_fleet) -> None:
+    fleet = ps_fleet(2, dense_optimizer=OptimizerConfig(kind="sgd", lr=0.1))
+    client = fleet.client()
+    client.register_dense({"w": np.zeros((2, 2), np.float32)})
+    client.set_dense({"w": np.full((2, 2), 3.0, np.float32), "b": np.ones(4, np.float32)})
+    got = client.pull_dense(["w", "b"])
+    np.testing.assert_array_equal(got["w"], np.full((2, 2), 3.0, np.float32))
+    np.testing.assert_array_equal(got["b"], np.ones(4, np.float32))
+
+
 def test_retry_across_ps_restart(ps_fleet, caplog) -> None:
     fleet = ps_fleet(1)
     client = fleet.client(backoff_s=0.05, max_backoff_s=0.3)
