@@ -124,6 +124,8 @@ def build_index(
         if rows is not None:
             if t not in rows:
                 raise DataError(f"rows has no table '{t}' (got tables {sorted(rows)})")
+            if rows[t].dtype != torch.float32:
+                raise DataError(f"rows['{t}']: expected float32, got {rows[t].dtype} (convert fp16 wire values first)")
             want = (uniq.numel(), lay.dim)
             if tuple(rows[t].shape) != want:
                 raise DataError(

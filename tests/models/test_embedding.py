@@ -99,6 +99,8 @@ def test_bad_rows_and_tables_are_clear_errors() -> None:
     bad = dict(rows, t0=torch.zeros(rows["t0"].shape[0], 12))
     with pytest.raises(DataError, match=r"rows\['t0'\]: expected shape \[\d+, 8\].*got \[\d+, 12\]"):
         build_index(lays, fb, uniq, bad)
+    with pytest.raises(DataError, match=r"rows\['t0'\]: expected float32, got torch.float16"):
+        build_index(lays, fb, uniq, dict(rows, t0=rows["t0"].half()))
     with pytest.raises(DataError, match="sorted"):
         build_index(lays, fb, dict(uniq, t0=uniq["t0"].flip(0)), rows)
     fb.ids.pop("f0")
