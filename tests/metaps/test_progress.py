@@ -1,0 +1,81 @@
+"""metaps.progress: step log lines parsed and tailed, tables rendered from controller status."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from metaps.log import KeyValueFormatter, kv
+from metaps.progress import ProgressDisplay, StepLogTail, one_line, parse_kv_line, render
+
+STATUS = {
+    "datasets": [{"dataset": "train", "kind": "train", "epoch": 0, "epochs": 1, "finished": False,
+                  "shards_done": 3, "shards_doing": 1, "shards_todo": 1, "shards_total": 5,
+                  "batches_done": 12, "batches_total": 17}],
+    "nodes": [{"role": "worker", "index": 0, "state": "alive", "slow": False, "step": 7, "restarts": 0,
+               "rss_bytes": 300 * 2**20},
+              {"role": "worker", "index": 1, "state": "alive", "slow": True, "step": 3, "restarts": 1,
+               "rss_bytes": 310 * 2**20}],
+    "events": [{"seq": 0, "time": 1e9, "node": "worker:1", "kind": "slow_detected", "evidence": {}, "action": ""}],
+    "finished": False,
+}
+
+
+def _line(**fields: object) -> str:
+    """A real metaps.log line, produced by the project's formatter."""
+    rec = logging.LogRecord("workers.worker", logging.INFO, __file__, 1, "step", None, None)
+    rec.kv = kv(**fields)["kv"]
+    return KeyValueFormatter().format(rec)
+
+
+def test_parse_kv_line_reads_the_log_format() -> None:
+    rec = parse_kv_line(_line(rank=1, step=12, loss=0.6931, samples_per_s=250.5))
+    assert rec is not None and rec["msg"] == "step"
+    assert (rec["rank"], rec["step"], rec["loss"], rec["samples_per_s"]) == (1.0, 12.0, 0.6931, 250.5)
+    assert parse_kv_line("Traceback (most recent call last):") is None
+
+
+def test_step_log_tail_follows_growing_files_and_partial_lines(tmp_path: Path) -> None:
+    p = tmp_path / "worker-0.log"
+    tail = StepLogTail({0: p, 1: tmp_path / "worker-1.log"})
+    tail.poll()  # files missing: nothing, no error
+    assert tail.latest() == {} and tail.max_step() == 0
+    first, second = _line(rank=0, step=1, loss=0.9, samples_per_s=10.0), _line(rank=0, step=2, loss=0.8,
+                                                                               samples_per_s=20.0)
+    p.write_text(first + "\nsomething else\n" + second[:20])
+    tail.poll()
+    assert [h["step"] for h in tail.history[0]] == [1]
+    with p.open("a") as fh:
+        fh.write(second[20:] + "\n")
+    tail.poll()
+    assert [h["step"] for h in tail.history[0]] == [1, 2]
+    assert tail.latest()[0]["loss"] == 0.8 and tail.max_step() == 2
+
+
+def test_render_shows_shards_slow_nodes_and_events() -> None:
+    console = Console(record=True, width=160)
+    console.print(render(STATUS, {0: {"step": 7, "loss": 0.61, "samples_per_s": 123.4}}, 42.0))
+    text = console.export_text()
+    for needle in ("3/5", "12/17", "worker:1", "SLOW", "slow_detected", "123.4", "0.61", "elapsed 42s"):
+        assert needle in text, needle
+
+
+def test_render_without_status_says_so() -> None:
+    console = Console(record=True, width=120)
+    console.print(render(None, {}, 1.0))
+    assert "controller status unavailable" in console.export_text()
+
+
+def test_one_line_summary_and_non_terminal_display(caplog: pytest.LogCaptureFixture) -> None:
+    s = one_line(STATUS, {0: {"loss": 0.5, "samples_per_s": 10.0}, 1: {"loss": 0.7, "samples_per_s": 5.0}})
+    assert s == {"train_shards": "3/5", "samples_per_s": 15.0, "loss": 0.6, "slow": "worker:1", "events": 1}
+    display = ProgressDisplay(Console(file=open("/dev/null", "w")), live=True, log_every_s=0.0)
+    assert display._live is None  # not a terminal: log lines instead of a live view
+    with caplog.at_level(logging.INFO, logger="metaps.progress"):
+        display.update(STATUS, {}, 3.0)
+    display.close()
+    rec = [r for r in caplog.records if r.getMessage() == "progress"]
+    assert rec and rec[0].kv["train_shards"] == "3/5" and rec[0].kv["slow"] == "worker:1"

@@ -1,0 +1,42 @@
+"""metaps.toml_writer: output parses back with tomllib to the same data; no-TOML values are refused."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from metaps.toml_writer import TomlWriteError, dumps, write
+
+
+def test_round_trip_of_a_job_shaped_mapping() -> None:
+    data = {
+        "top": 1,
+        "data": {"train": 'a "quoted" \\ path é\n', "eval": ""},
+        "ps": {"shards": 2, "tables": [], "empty": {}, "ratio": 0.1, "on": True,
+               "table_defaults": {"dim": 8, "optimizer": {"kind": "adam", "lr": 1e-3}}},
+        "faults": {"faults": [{"target": "worker", "index": 1, "factor": 2.5}, {"target": "ps", "index": 0}]},
+        "controller": {"dds": {"worker_batches_per_shard": {"0": 3, "12": 1}}},
+        "odd key": {"x.y": [1, 2, [3, 4]], "nested": [{"a": {"b": 1}}]},
+    }
+    assert tomllib.loads(dumps(data)) == data
+
+
+def test_special_floats() -> None:
+    back = tomllib.loads(dumps({"s": {"a": math.inf, "b": -math.inf, "c": math.nan, "d": 1e300}}))["s"]
+    assert back["a"] == math.inf and back["b"] == -math.inf and math.isnan(back["c"]) and back["d"] == 1e300
+
+
+@pytest.mark.parametrize("bad, where", [({"ps": {"host": None}}, "ps.host"), ({"x": {"o": object()}}, "x.o"),
+                                        ({"x": {"l": [1, None]}}, r"x.l\[1\]"), ({"x": {1: 2}}, "x")])
+def test_values_without_a_toml_form_are_refused_by_key(bad: dict, where: str) -> None:
+    with pytest.raises(TomlWriteError, match=where):
+        dumps(bad)
+
+
+def test_write_is_atomic_and_readable(tmp_path: Path) -> None:
+    p = write(tmp_path / "job.toml", {"train": {"workers": 4}})
+    assert tomllib.loads(p.read_text()) == {"train": {"workers": 4}}
+    assert not list(tmp_path.glob("*.tmp"))
