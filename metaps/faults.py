@@ -33,6 +33,7 @@ Workers and PS build a :class:`FaultInjector` for themselves and ask it::
 from __future__ import annotations
 
 import enum
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -166,3 +167,23 @@ class FaultInjector:
         """True once a kill fault's ``at_s`` has passed."""
         e = self._elapsed(now)
         return any(f.kind is FaultKind.KILL and e >= f.at_s for f in self._faults)
+
+
+def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None) -> Callable[[], float] | None:
+    """The per-request delay hook of PS ``shard`` (``ps.server`` sleeps its value), or None.
+
+    ``t0`` defaults to ``$METAPS_T0`` (the launcher's job start, shared by every
+    process of a job) or now, so ``start_s`` / ``duration_s`` mean the same on
+    every node. None when no latency fault targets this shard (no per-request cost).
+
+    Example::
+
+        hook = ps_added_latency(job.faults, shard=1)
+        build_server(..., added_latency_s=hook)
+    """
+    if not any(f.kind is FaultKind.LATENCY for f in cfg.for_node("ps", shard)):
+        return None
+    if t0 is None and os.environ.get("METAPS_T0"):
+        t0 = float(os.environ["METAPS_T0"])
+    inj = FaultInjector(cfg, "ps", shard, t0=t0)
+    return inj.added_latency

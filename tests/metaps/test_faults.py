@@ -35,3 +35,14 @@ def test_bad_faults_are_named() -> None:
                      where="job.toml", prefix="faults")
     with pytest.raises(ValueError, match="latency_s must be > 0"):
         Fault("ps", 0, "latency").validate()
+
+
+def test_ps_added_latency_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    from metaps.faults import ps_added_latency
+
+    cfg = FaultConfig(faults=[Fault("ps", 1, "latency", latency_s=0.03, start_s=5.0)])
+    assert ps_added_latency(cfg, 0) is None  # no fault on shard 0: no hook, no per-request cost
+    monkeypatch.setenv("METAPS_T0", "100.0")
+    hook = ps_added_latency(cfg, 1)
+    assert hook is not None
+    assert hook(now=104.0) == 0.0 and hook(now=105.0) == pytest.approx(0.03)  # t0 from $METAPS_T0
