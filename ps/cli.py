@@ -4,6 +4,7 @@ Example::
 
     metaps ps --config job.toml --shard 0 --port 5000
     metaps ps --config job.toml --shard 1 --restore runs/x/ckpt/ckpt-1200
+    metaps ps --config job.toml --shard 1 --restore-latest runs/x/checkpoints --controller 127.0.0.1:7070
 
 The process serves gRPC on ``[ps] host`` and ``--port`` (default
 ``base_port + shard``, or a free port when base_port is 0), Prometheus
@@ -11,6 +12,12 @@ The process serves gRPC on ``[ps] host`` and ``--port`` (default
 ``{"port", "metrics_port", "pid"}`` there once serving (launchers and tests
 wait for it). SIGTERM/SIGINT: stop accepting calls, finish in-flight ones
 (up to ``--grace`` seconds), exit 0.
+
+With ``--controller`` (or ``$METAPS_CONTROLLER``, set by ``metaps agent``) the
+shard registers as ``ps:<shard>`` with its address, heartbeats and reports its
+mean request latency and queue depth (:mod:`ps.controller_link`); the
+controller moves vshards off it when it is slow and restores the fleet to the
+last committed checkpoint when it restarts after a crash.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shard", type=int, required=True, help="shard id 0..[ps].shards-1")
     p.add_argument("--port", type=int, default=None, help="gRPC port (default base_port + shard; 0 = free port)")
     p.add_argument("--restore", default="", help="checkpoint directory to load this shard's vshards from")
+    p.add_argument("--restore-latest", default="",
+                   help="checkpoint root: restore its newest committed ckpt-<step> (nothing there: start empty)")
+    p.add_argument("--controller", default=os.environ.get("METAPS_CONTROLLER", ""),
+                   help="controller host:port to register with and report load to (default $METAPS_CONTROLLER)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = free port)")
     p.add_argument("--ready-file", default="", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
@@ -73,9 +84,21 @@ def run_ps(args: argparse.Namespace) -> int:
         ps_cfg, job.rpc, job.table_configs(), args.shard, registry=REGISTRY,
         added_latency_s=_latency_hook(job, args.shard),
     )
-    if args.restore:
-        rows, step = restore_shard_checkpoint(server, args.restore)
-        log.info("restored", extra=kv(shard=args.shard, dir=args.restore, rows=rows, step=step))
+    if args.restore and args.restore_latest:
+        from metaps.errors import ConfigError
+
+        raise ConfigError("metaps ps: pass --restore DIR or --restore-latest ROOT, not both")
+    restore = args.restore
+    if args.restore_latest:
+        from ps.checkpoint import latest_checkpoint
+
+        found = latest_checkpoint(args.restore_latest)
+        restore = str(found) if found is not None else ""
+        if not restore:
+            log.info("no committed checkpoint to restore; starting empty", extra=kv(shard=args.shard, root=args.restore_latest))
+    if restore:
+        rows, step = restore_shard_checkpoint(server, restore)
+        log.info("restored", extra=kv(shard=args.shard, dir=restore, rows=rows, step=step))
     port = args.port if args.port is not None else (ps_cfg.base_port + args.shard if ps_cfg.base_port else 0)
     port = server.start(f"{ps_cfg.host}:{port}")
     metrics_port = serve_metrics(args.metrics_port, ps_cfg.host)
@@ -89,12 +112,23 @@ def run_ps(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    link = None
+    if args.controller:
+        from ps.controller_link import ControllerLink
+
+        host = ps_cfg.host if ps_cfg.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1"
+        link = ControllerLink(server, args.controller, job.rpc, f"{host}:{port}", metrics_port,
+                              report_s=max(0.05, job.controller.monitor.window_s / 2))
+        link.register()
+        link.start()
     if args.ready_file:
         tmp = Path(args.ready_file + ".tmp")
         tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}))
         tmp.replace(args.ready_file)  # atomic: a reader never sees half a file
     while not stop.wait(0.5):
         pass
+    if link is not None:
+        link.stop()
     server.stop(grace=args.grace)
     log.info("ps exited cleanly", extra=kv(shard=args.shard))
     return 0

@@ -132,7 +132,8 @@ def save_shard_checkpoint(server: Any, ckpt_dir: str, step: int) -> dict[str, An
 
 
 def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, int]:
-    """Load the vshards ``server`` owns (under its current map) and its dense params.
+    """Replace ``server``'s rows by the checkpoint's: drop every row, then load the
+    vshards it owns (under its current map) and its dense params.
 
     When the checkpoint was taken with the same shard count and vshard count
     the checkpoint's partition map is adopted first (a restarted fleet keeps
@@ -149,12 +150,15 @@ def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, in
         if pm.num_shards == cur.num_shards and pm.num_vshards == cur.num_vshards and pm.version >= cur.version:
             server._set_map(pm)
     owned = server.pmap.vshards_of(server.shard_id)
+    # A restore makes the shard *be* the checkpoint: rows created after it (a live shard
+    # restored by the controller's recovery) must not survive next to the restored ones.
+    dropped = server.store.drop_vshards(range(server.pmap.num_vshards))
     counts = load_shard(server.store, ckpt_dir, owned)
     names = [n for n in info.get("dense_names", []) if dense_owner(n, server.pmap.num_shards) == server.shard_id]
     if names:
         load_dense(server.store, ckpt_dir, names)
     rows = int(sum(counts.values()))
     step = int(manifest.get("step", info.get("step", 0)))
-    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, dense=len(names),
+    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, dropped=dropped, dense=len(names),
                                         step=step, map_version=server.pmap.version))
     return rows, step

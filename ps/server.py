@@ -185,6 +185,38 @@ class PsMetrics:
         r.register(_StoreCollector(server))
 
 
+class LoadTotals:
+    """Running totals of data-RPC handling time and in-flight depth (cheap: one lock, no histogram).
+
+    The controller link (``ps.controller_link``) reads them periodically and reports the
+    deltas as the shard's mean request latency and mean queue depth (requests in flight
+    seen by each arriving request, itself included).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.latency_s = 0.0
+        self.depth = 0
+        self.inflight = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self.inflight += 1
+            self.depth += self.inflight
+
+    def leave(self, seconds: float) -> None:
+        with self._lock:
+            self.inflight -= 1
+            self.count += 1
+            self.latency_s += seconds
+
+    def read(self) -> tuple[int, float, int]:
+        """(requests finished, their summed seconds, summed depth at arrival) since start."""
+        with self._lock:
+            return self.count, self.latency_s, self.depth
+
+
 def _rpc(data: bool) -> Callable:
     """Wrap a servicer method: fault delay, timing, error -> status mapping."""
 
@@ -195,6 +227,8 @@ def _rpc(data: bool) -> Callable:
         def wrapper(self: "PsServer", request: Any, context: grpc.ServicerContext) -> Any:
             t0 = time.perf_counter()
             shard = str(self.shard_id)
+            if data:
+                self.load.enter()
             try:
                 if data and self.added_latency_s is not None:
                     delay = float(self.added_latency_s())
@@ -213,7 +247,10 @@ def _rpc(data: bool) -> Callable:
                 self.metrics.errors.labels(shard, method, "DEADLINE_EXCEEDED").inc()
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
             finally:
-                self.metrics.latency.labels(shard, method).observe(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                self.metrics.latency.labels(shard, method).observe(elapsed)
+                if data:
+                    self.load.leave(elapsed)
 
         return wrapper
 
@@ -274,6 +311,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         self.added_latency_s = added_latency_s
         self.clock = StepClock(0 if sync else max_staleness)
         self.metrics = PsMetrics(self, registry)
+        self.load = LoadTotals()
         self._gate = _Gate()
         self._frozen = np.zeros(pmap.num_vshards, dtype=bool)
         self._frozen_until = 0.0
