@@ -9,6 +9,8 @@ newest committed cut: shards done after it go back to TODO, their ledger
 entries are marked replayed.
 
     trigger ---> PENDING(cut_id, dds snapshot) --CheckpointDone--> COMMITTED(step, dir)
+                    |
+                    +--fleet restored to an earlier cut (PS restart)--> ABORTED (a late commit is ignored)
 
 Samples of shards that were DOING at the cut were partly trained before the
 checkpoint was taken; they are replayed after a rollback (counted in the ledger
@@ -76,10 +78,32 @@ class CheckpointCoordinator:
                 if raw is None:
                     raise UnknownCut(f"checkpoint cut {cut_id} was never opened (step {step}, dir {directory!r})")
                 body = loads(raw)
+                if body["state"] == "aborted":
+                    # the fleet was restored to an earlier cut after this one opened: its
+                    # checkpoint may mix pre- and post-restore state, never roll back to it
+                    log.warning("checkpoint of an aborted cut ignored",
+                                extra=kv(cut_id=cut_id, step=step, dir=directory, reason=body.get("reason", "")))
+                    return body
                 body.update(state="committed", step=int(step), dir=directory, committed=self._clock())
                 txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
             log.info("checkpoint cut committed", extra=kv(cut_id=cut_id, step=step, dir=directory))
             return body
+
+    def abort_pending(self, reason: str) -> list[int]:
+        """Mark every pending cut aborted (a later commit of one is ignored); returns their ids."""
+        with self._lock:
+            aborted = []
+            with self._store.begin(write=True) as txn:
+                db = self._store.db("cuts")
+                pending = [(bytes(k), loads(raw)) for k, raw in txn.cursor(db)]
+                for key, body in pending:
+                    if body["state"] == "pending":
+                        body.update(state="aborted", reason=reason, aborted=self._clock())
+                        txn.put(key, dumps(body), db=db)
+                        aborted.append(int(body["cut_id"]))
+            if aborted:
+                log.info("pending checkpoint cuts aborted", extra=kv(cuts=aborted, reason=reason))
+            return aborted
 
     def cuts(self) -> list[dict[str, Any]]:
         return [body for _, body in self._store.items("cuts")]

@@ -9,7 +9,11 @@ The controller serves until a Shutdown RPC or SIGTERM/SIGINT. Its datasets are
 the job's ``[data] train`` (``[train] epochs`` passes) and ``[data] eval``
 (``[controller] eval_epochs`` passes); it writes its address to
 ``<state_dir>/address``. The agent finds the controller from ``--controller``,
-``$METAPS_CONTROLLER`` or ``<state_dir>/address``.
+``$METAPS_CONTROLLER`` or ``<state_dir>/address``. The ND policy's vshard moves
+go through a ``MigrationPsMover`` over the addresses PS processes register
+(``metaps ps --controller``); a PS process that registers again after a crash
+makes the controller restore the fleet to the last committed cut
+(``controller/ps_recovery.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +66,10 @@ def run_controller(args: argparse.Namespace) -> int:
     from metaps.job import load_job
 
     job = load_job(args.config)
+    from controller.ps_mover import MigrationPsMover
+
     server = ControllerServer(job.controller, _state_dir(job, args.state_dir), job_datasets(job), job.rpc)
+    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc)  # PS register their addresses
     server.start(args.address or None)
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown_requested.set())
     signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())

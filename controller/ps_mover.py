@@ -2,18 +2,22 @@
 
 Picks ``n`` vshards the slow PS owns now (from the newest partition map any PS
 holds) and moves them, rows and optimizer state, to the destination PS while
-workers keep pushing (``ps.migration.migrate_vshards`` loses no update). At
-least one vshard stays on the source, so repeated moves never empty a PS.
+workers keep pushing (``ps.migration.migrate_vshards`` loses no update). By
+default one vshard stays on the source (``keep``), so repeated moves never empty
+a PS. ``metaps controller`` builds one over the addresses the PS processes
+registered (``ControllerServer.ps_addresses``).
 
 Example::
 
     mover = MigrationPsMover(ps_addresses, job.rpc)
     ControllerServer(cfg, state_dir, datasets, job.rpc, ps_mover=mover)
+    srv.ps_mover = MigrationPsMover(srv.ps_addresses, job.rpc)   # from the node registry
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
@@ -26,24 +30,36 @@ class MigrationPsMover:
     """Moves vshards between live PS shards.
 
     Args:
-        addresses: every PS shard's address, in shard-id order.
+        addresses: every PS shard's address, in shard-id order; or a callable returning
+            them at move time (``ControllerServer.ps_addresses``: the registered PS).
         rpc_cfg: the job's RPC settings (token).
         freeze_lease_s: passed to the migration (a crashed mover cannot freeze forever).
+        keep: vshards always left on the source (1: the slow PS keeps a little traffic, so
+            its latency stays measured; 0: a persistently slow PS can be drained completely,
+            which is what helps when its slowness is per request rather than per row).
     """
 
-    def __init__(self, addresses: list[str], rpc_cfg: RpcConfig, freeze_lease_s: float = 120.0) -> None:
-        if not addresses:
+    def __init__(self, addresses: list[str] | Callable[[], list[str]], rpc_cfg: RpcConfig,
+                 freeze_lease_s: float = 120.0, keep: int = 1) -> None:
+        if not callable(addresses) and not addresses:
             raise ValueError("MigrationPsMover needs the PS addresses")
-        self.addresses = list(addresses)
+        if keep < 0:
+            raise ValueError(f"MigrationPsMover keep must be >= 0, got {keep}")
+        self._addresses = addresses if callable(addresses) else list(addresses)
         self.rpc_cfg = rpc_cfg
         self.freeze_lease_s = freeze_lease_s
+        self.keep = keep
         self.reports: list[object] = []
 
-    def _owned(self, src: int) -> list[int]:
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._addresses()) if callable(self._addresses) else self._addresses
+
+    def _owned(self, src: int, addresses: list[str]) -> list[int]:
         from ps.partition_map import PartitionMap
 
         maps = []
-        for addr in self.addresses:
+        for addr in addresses:
             ch = make_channel(addr, self.rpc_cfg)
             try:
                 stub = ps_pb2_grpc.ParameterServerStub(ch)
@@ -57,14 +73,16 @@ class MigrationPsMover:
     def move_vshards(self, src_ps: int, dst_ps: int, n_vshards: int) -> None:
         from ps.migration import migrate_vshards
 
-        n = len(self.addresses)
+        addresses = self.addresses
+        n = len(addresses)
         if not (0 <= src_ps < n and 0 <= dst_ps < n) or src_ps == dst_ps:
             raise ValueError(f"move_vshards: src {src_ps} and dst {dst_ps} must be different PS in 0..{n - 1}")
-        owned = self._owned(src_ps)
-        take = owned[:max(0, min(n_vshards, len(owned) - 1))]
+        owned = self._owned(src_ps, addresses)
+        take = owned[:max(0, min(n_vshards, len(owned) - self.keep))]
         if not take:
-            raise ValueError(f"move_vshards: PS {src_ps} owns {len(owned)} vshard(s); nothing left to move")
-        report = migrate_vshards(self.addresses, self.rpc_cfg, take, dst_ps, freeze_lease_s=self.freeze_lease_s)
+            raise ValueError(f"move_vshards: PS {src_ps} owns {len(owned)} vshard(s) and keeps {self.keep}; "
+                             f"nothing left to move")
+        report = migrate_vshards(addresses, self.rpc_cfg, take, dst_ps, freeze_lease_s=self.freeze_lease_s)
         self.reports.append(report)
         log.info("vshards moved", extra=kv(src=src_ps, dst=dst_ps, vshards=len(take),
                                            rows=getattr(report, "rows", -1)))

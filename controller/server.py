@@ -31,7 +31,8 @@ from controller.checkpoint import CheckpointCoordinator
 from controller.config import ControllerConfig
 from controller.dds import DatasetSpec, DynamicDataSharding
 from controller.monitor import Monitor
-from controller.node_registry import NodeRegistry
+from controller.node_registry import NodeInfo, NodeRegistry
+from controller.ps_recovery import PsRecovery
 from controller.policy import (Action, MoveVshards, Policy, Recovered, RestartNode, RestoreShards, SetBatchSizes,
                                ShrinkShards, SlowDetected, make_policy)
 from controller.state import Event, EventLog, StateStore
@@ -85,6 +86,8 @@ class ControllerServer:
         self._loop: threading.Thread | None = None
         self._last_ckpt = clock()
         self._movers: list[threading.Thread] = []
+        self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
+        self.recovery = PsRecovery(self)
         self.address = ""
 
     # ---------------------------------------------------------------- lifecycle
@@ -116,6 +119,7 @@ class ControllerServer:
             self._loop.join(timeout=max(5.0, 2 * self.cfg.tick_s))
         for t in self._movers:
             t.join(timeout=30)
+        self.recovery.join(timeout=30)
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
@@ -164,6 +168,37 @@ class ControllerServer:
                                      {"reason": reason, "exit_code": exit_code, "requeued": requeued}, "requeue"))
         return requeued
 
+    def register_node(self, role: str, index: int, address: str = "", metrics_port: int = 0, pid: int = 0,
+                      source: str = "process") -> NodeInfo:
+        """Register a node; a PS *process* back with a new pid starts a fleet recovery (ps_recovery.py)."""
+        prev_pid = self.registry.get(role, index).pid if self.registry.known(role, index) else 0
+        info = self.registry.register(role, index, address, metrics_port, pid, source)
+        if role == "ps" and source == "process" and prev_pid and pid != prev_pid:
+            self.events.record(Event.now(info.name, "ps_restarted",
+                                         {"incarnation": info.incarnation, "pid": pid, "previous_pid": prev_pid,
+                                          "address": address}, "recover"))
+            self.recovery.request(info.name, info.incarnation)
+        return info
+
+    def ps_addresses(self) -> list[str]:
+        """Every PS shard's registered address, in shard order (the PsMover's and recovery's view).
+
+        Raises:
+            ValueError: no PS registered, or a shard below the highest one has not registered its address.
+        """
+        ps = {i.index: i.address for i in self.registry.nodes() if i.role == "ps"}
+        if not ps:
+            raise ValueError("no PS shard has registered with the controller (start `metaps ps --controller ADDR`)")
+        missing = [k for k in range(max(ps) + 1) if not ps.get(k)]
+        if missing:
+            raise ValueError(f"PS shard(s) {missing} have not registered an address with the controller "
+                             f"(registered: {sorted(k for k, a in ps.items() if a)})")
+        return [ps[k] for k in range(max(ps) + 1)]
+
+    def record_event(self, node: str, kind: str, evidence: dict[str, Any], action: str = "") -> None:
+        """Append one event to the LMDB event log."""
+        self.events.record(Event.now(node, kind, evidence, action))
+
     def apply(self, actions: Sequence[Action]) -> None:
         """Carry out policy actions; each one becomes an event."""
         for a in actions:
@@ -204,7 +239,8 @@ class ControllerServer:
         t0 = time.monotonic()
         try:
             assert self.ps_mover is not None
-            self.ps_mover.move_vshards(a.src, a.dst, a.n)
+            with self.fleet_lock:
+                self.ps_mover.move_vshards(a.src, a.dst, a.n)
             self.events.record(Event.now(a.node, "move_vshards_done",
                                          {"src": a.src, "dst": a.dst, "n": a.n,
                                           "seconds": round(time.monotonic() - t0, 3)}))

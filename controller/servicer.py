@@ -77,7 +77,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
         role, index, source = _node(request.node)
-        info = self.s.registry.register(role, index, request.address, request.metrics_port, request.pid, source)
+        info = self.s.register_node(role, index, request.address, request.metrics_port, request.pid, source)
         self.s.monitor.heartbeat(info.name)
         return pb.RegisterNodeResponse(incarnation=info.incarnation, heartbeat_s=self.s.cfg.agent.heartbeat_s,
                                        lease_s=self.s.cfg.dds.lease_s, batch_size=info.batch_size)

@@ -1,0 +1,201 @@
+"""PS failure recovery: put the whole fleet back at the last committed checkpoint cut.
+
+Who triggers it: the controller, when a PS *process* registers again with a new
+pid (its agent restarted it after a crash, or the fleet was restarted against
+the same controller state). Its rows are gone (or came from an older
+checkpoint), so the fleet is no longer at any consistent point. The controller
+then, off the RPC thread (:class:`PsRecovery`)::
+
+    wait until every PS shard answers at its registered address (settle, retry)
+    PauseWrites(lease) on every shard         (drain in-flight requests, hold new ones)
+    newest partition map -> every shard that lags   (migrations after the cut are kept:
+                                                      a checkpoint restores onto any map)
+    Restore(latest committed cut's dir) on every shard   (each drops its rows first)
+    DDS rollback_to(cut): shards done after the cut and all DOING -> TODO,
+                          ledger entries after the cut marked replayed
+    pending (uncommitted) cuts -> aborted      (a late CheckpointDone for one is ignored)
+    PauseWrites(false) on every shard
+    event ps_recovery {node, incarnation, cut_id, dir, step, rows, requeued, seconds}
+
+Workers keep going: their pushes wait out the pause (or retry UNAVAILABLE while
+the shard restarts), a shard they were training comes back as TODO and their
+late report is ledgered ``stale`` (duplicate samples, counted), and they pull
+the restored rows on their next step. With no committed cut there is nothing
+consistent to go back to: the event says so and nothing is rolled back (set
+``checkpoint_interval_s`` for recoverable jobs).
+
+Example::
+
+    rec = PsRecovery(server)          # ControllerServer
+    rec.request("ps:1", incarnation=2)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import grpc
+
+from metaps.log import kv
+from metaps.rpc import RpcConfig, make_channel
+from protos import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryError(RuntimeError):
+    """The fleet could not be restored (a shard unreachable or refusing); the message names it."""
+
+
+def restore_fleet(addresses: list[str], rpc_cfg: RpcConfig, ckpt_dir: str, *, pause_lease_s: float = 120.0,
+                  while_paused: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Restore every shard from ``ckpt_dir`` under one pause; run ``while_paused`` before resuming.
+
+    Returns ``{"rows", "map_version", "healed"}`` (rows loaded, the map every shard has,
+    shards whose map was behind).
+    """
+    from ps.partition_map import PartitionMap
+
+    channels = [make_channel(a, rpc_cfg) for a in addresses]
+    stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in channels]
+    timeout = rpc_cfg.timeout_s
+    paused: list[int] = []
+    try:
+        try:
+            for k, s in enumerate(stubs):
+                s.PauseWrites(ps_pb2.PauseRequest(paused=True, lease_s=pause_lease_s), timeout=timeout)
+                paused.append(k)
+            maps = [PartitionMap.from_proto(s.GetPartitionMap(ps_pb2.GetPartitionMapRequest(), timeout=timeout))
+                    for s in stubs]
+            newest = max(maps, key=lambda m: m.version)
+            healed = [k for k, m in enumerate(maps) if m.version < newest.version]
+            for k in healed:
+                stubs[k].UpdatePartitionMap(newest.to_proto(), timeout=timeout)
+            rows = 0
+            for s in stubs:
+                rows += int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
+            result = while_paused() if while_paused is not None else None
+        except grpc.RpcError as exc:
+            raise RecoveryError(f"restoring the PS fleet {addresses} from {ckpt_dir} failed: "
+                                f"{exc.code().name}: {exc.details()}") from None
+        return {"rows": rows, "map_version": newest.version, "healed": healed, "result": result}
+    finally:
+        for k in paused:
+            try:
+                stubs[k].PauseWrites(ps_pb2.PauseRequest(paused=False), timeout=timeout)
+            except grpc.RpcError as exc:  # the pause lease ends it anyway
+                log.warning("could not resume a shard after recovery", extra=kv(shard=k, error=exc.details()))
+        for c in channels:
+            c.close()
+
+
+def _reachable(addresses: list[str], rpc_cfg: RpcConfig) -> str:
+    """'' when every shard answers GetPartitionMap, else the first failure."""
+    for a in addresses:
+        ch = make_channel(a, rpc_cfg)
+        try:
+            ps_pb2_grpc.ParameterServerStub(ch).GetPartitionMap(ps_pb2.GetPartitionMapRequest(),
+                                                                timeout=min(2.0, rpc_cfg.timeout_s))
+        except grpc.RpcError as exc:
+            return f"{a}: {exc.code().name}"
+        finally:
+            ch.close()
+    return ""
+
+
+class PsRecovery:
+    """Runs fleet recoveries for a :class:`~controller.server.ControllerServer`, one at a time.
+
+    Requests that arrive while one runs (several shards restarting together) are
+    coalesced into one more run. See the module docstring.
+
+    Args:
+        server: the controller (registry, checkpoints, events, rpc_cfg, fleet lock).
+        settle_s: wait this long after a request before starting (lets restarts bunch up).
+        reach_timeout_s: give up (event ``ps_recovery_failed``) if a shard stays unreachable.
+    """
+
+    def __init__(self, server: Any, settle_s: float = 0.3, reach_timeout_s: float = 60.0) -> None:
+        self.s = server
+        self.settle_s = settle_s
+        self.reach_timeout_s = reach_timeout_s
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._thread: threading.Thread | None = None
+        self.runs = 0
+
+    def request(self, node: str, incarnation: int) -> None:
+        """A PS process came back as ``incarnation``: recover the fleet (asynchronously)."""
+        log.warning("ps process restarted; fleet recovery requested", extra=kv(node=node, incarnation=incarnation))
+        with self._lock:
+            self._pending[node] = incarnation
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="ps-recovery", daemon=True)
+                self._thread.start()
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._pending) or (self._thread is not None and self._thread.is_alive())
+
+    def join(self, timeout: float | None = None) -> None:
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.settle_s)
+            with self._lock:
+                nodes, self._pending = dict(self._pending), {}
+                if not nodes:
+                    self._thread = None
+                    return
+            try:
+                self.recover(nodes)
+            except Exception as exc:  # recorded; a later restart requests again
+                log.exception("ps recovery failed", extra=kv(nodes=",".join(sorted(nodes))))
+                self.s.record_event(",".join(sorted(nodes)), "ps_recovery_failed",
+                                    {"incarnations": nodes, "error": str(exc)})
+
+    def recover(self, nodes: dict[str, int]) -> dict[str, Any]:
+        """One recovery for the restarted ``nodes`` (``role:index`` -> incarnation)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.reach_timeout_s
+        while True:
+            addresses = self.s.ps_addresses()
+            why = _reachable(addresses, self.s.rpc_cfg)
+            if not why:
+                break
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"PS shard {why} unreachable for {self.reach_timeout_s:.0f}s; fleet not restored")
+            time.sleep(0.2)
+        node = ",".join(sorted(nodes))
+        with self.s.fleet_lock:  # no vshard move while the fleet is restored
+            cut = self.s.checkpoints.latest_committed()
+            aborted = self.s.checkpoints.abort_pending("ps restart: fleet restored to an earlier cut")
+            if cut is None or not cut.get("dir"):
+                self.s.record_event(node, "ps_recovery",
+                                    {"incarnations": nodes, "cut_id": None, "aborted_cuts": aborted,
+                                     "error": "no committed checkpoint cut: nothing consistent to roll back to"},
+                                    "none: the restarted shard's rows start from their initializers")
+                log.error("ps restarted with no committed checkpoint; its rows are lost",
+                          extra=kv(nodes=node))
+                return {}
+            cut_id = int(cut["cut_id"])
+            out = restore_fleet(addresses, self.s.rpc_cfg, str(cut["dir"]),
+                                while_paused=lambda: self.s.checkpoints.rollback_to(cut_id))
+        requeued = out["result"] or []
+        seconds = round(time.monotonic() - t0, 3)
+        self.runs += 1
+        self.s.record_event(node, "ps_recovery",
+                            {"incarnations": nodes, "cut_id": cut_id, "dir": cut["dir"], "step": cut.get("step"),
+                             "rows": out["rows"], "map_version": out["map_version"], "healed": out["healed"],
+                             "requeued": len(requeued), "aborted_cuts": aborted, "seconds": seconds},
+                            "restore_fleet+rollback")
+        log.info("ps fleet restored to the last committed cut",
+                 extra=kv(nodes=node, cut_id=cut_id, dir=cut["dir"], rows=out["rows"], requeued=len(requeued),
+                          seconds=seconds))
+        return out
