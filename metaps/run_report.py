@@ -259,7 +259,7 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
 
     ct = Table(title="run")
     ct.add_column("item")
-    ct.add_column("value")
+    ct.add_column("value", overflow="fold")
     cov = report["controller"]["coverage"]
     ct.add_row("coverage", ("complete" if cov.get("complete") else f"INCOMPLETE: {cov.get('problems', [])[:3]}")
                if cov else "-")

@@ -79,3 +79,14 @@ def test_one_line_summary_and_non_terminal_display(caplog: pytest.LogCaptureFixt
     display.close()
     rec = [r for r in caplog.records if r.getMessage() == "progress"]
     assert rec and rec[0].kv["train_shards"] == "3/5" and rec[0].kv["slow"] == "worker:1"
+
+
+def test_live_view_on_a_terminal() -> None:
+    import io
+
+    buf = io.StringIO()
+    display = ProgressDisplay(Console(file=buf, force_terminal=True, width=140), live=True)
+    assert display._live is not None
+    display.update(STATUS, {0: {"step": 7, "loss": 0.61, "samples_per_s": 123.4}}, 5.0)
+    display.close()
+    assert "SLOW" in buf.getvalue() and "3/5" in buf.getvalue()
