@@ -249,3 +249,60 @@ def test_config_write_round_trips_and_validates(data: dict[str, Path], tmp_path:
                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and "workers must be >= 1" in bad.stderr
     assert not (tmp_path / "bad.toml").exists()
+
+
+# ---------------------------------------------------------------- failures
+def _corrupt_copy(src: Path, dst: Path) -> Path:
+    """A copy of a Meta-IO dataset whose index and manifest are intact but whose data file is cut short."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    part = sorted(dst.glob("part-*.arrow"))[0]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 3])
+    for ids in dst.glob("part-*.ids.arrow"):
+        ids.unlink()
+    return dst
+
+
+@pytest.mark.timeout(600)
+def test_worker_failing_beyond_its_restart_limit_fails_the_run(data: dict[str, Path], tmp_path: Path) -> None:
+    """Corrupt training data: the controller and PS start, the worker crashes, its agent gives up -> exit 1."""
+    bad = {"train": _corrupt_copy(data["train"], tmp_path / "bad-train"), "eval": data["eval"]}
+    cfg = write_job_file(tmp_path / "job.toml", bad, workers=1, ps=1,
+                         controller={"agent": {"heartbeat_s": 0.5, "restart_limit": 1, "backoff_s": 0.1}})
+    run = tmp_path / "run"
+    try:
+        proc = subprocess.run(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--no-progress"),
+                              cwd=REPO, capture_output=True, text=True, timeout=540)
+        left = fleet_pids(str(run))
+    finally:
+        kill_leftovers(str(run))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert left == [], f"fleet processes left running: {left}"
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "failed" and rep["exit_code"] == 1
+    assert "worker-0's agent exited with code 1" in rep["reason"]
+    assert rep["processes"]["worker-0"]["exit_code"] == 1
+    log = _read(run / "logs" / "worker-0.log")
+    assert log.count('msg="child started"') == 2 and "restart limit reached" in log  # 1 restart, then gave up
+    down = [e for e in rep["controller"]["events"] if e["kind"] == "node_down" and e["node"] == "worker:0"]
+    assert down, rep["controller"]["events"]
+    assert rep["checkpoint"] and latest_checkpoint(run / "checkpoints") == Path(rep["checkpoint"])
+
+
+def test_controller_failing_to_start_fails_fast_with_its_log(data: dict[str, Path], tmp_path: Path) -> None:
+    """The eval dataset is missing: the controller exits at start; the launcher says why and starts nothing else."""
+    cfg = write_job_file(tmp_path / "job.toml", {"train": data["train"], "eval": tmp_path / "no-such-eval"})
+    run = tmp_path / "run"
+    try:
+        proc = subprocess.run(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--no-progress"),
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        left = fleet_pids(str(run))
+    finally:
+        kill_leftovers(str(run))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert left == []
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "failed"
+    assert rep["reason"].startswith("controller exited with code") and "no-such-eval" in rep["reason"]
+    assert set(rep["processes"]) == {"controller"}
