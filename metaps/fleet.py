@@ -31,9 +31,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from metaps.log import kv
 
@@ -120,7 +120,7 @@ class Fleet:
             proc = subprocess.Popen(
                 list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**self.env, **(env or {})}, cwd=self.cwd, start_new_session=True,
-                preexec_fn=_child_setup,
+                preexec_fn=_child_setup,  # noqa: PLW1509 -- one prctl call, resolved before fork
             )
         m = Member(name, role or name, index, list(cmd), proc, log_path)
         self.members[name] = m

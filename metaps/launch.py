@@ -57,6 +57,11 @@ _WILDCARD = ("", "0.0.0.0", "::", "[::]")
 
 
 def register(subparsers: Any) -> None:
+    """Add ``launch``, ``config-write`` and ``run-report`` to the ``metaps`` command line.
+
+    Args:
+        subparsers: the ``metaps`` parser's subparsers (see :mod:`metaps.cli`).
+    """
     p = subparsers.add_parser("launch", help="run a controller, PS shards and workers on this machine")
     p.add_argument("--config", required=True, help="job TOML")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default [train] workers)")
@@ -241,6 +246,10 @@ class Launcher:
     Args:
         lc: the launch request.
         console: rich console for the live view and the summary (default: stdout).
+
+    Example::
+
+        code = Launcher(LaunchConfig(config="configs/local.toml", workers=2, progress=False)).run()
     """
 
     def __init__(self, lc: LaunchConfig, console: Any = None) -> None:
@@ -382,7 +391,7 @@ class Launcher:
                                                  f"(restart limit reached?); see logs/ps-{k}.log", EXIT_FAILED)
                 bad = {w: exited[w] for w in workers if exited.get(w, 0) != 0}
                 if bad:
-                    name, rc = sorted(bad.items())[0]
+                    name, rc = min(bad.items())
                     return Outcome("failed", f"{name}'s agent exited with code {rc} (the worker failed beyond its "
                                              f"restart limit); see logs/{name}.log", EXIT_FAILED)
                 elapsed = time.time() - self.t0
@@ -420,7 +429,7 @@ class Launcher:
         try:
             path = checkpoint_all(self.ps_addrs, root, step, rpc_cfg=self.job.rpc,
                                   extra_info=checkpoint_info(self.job, step, {"stopped": reason}))
-        except Exception as exc:  # report it, but still stop the fleet and write the report
+        except Exception as exc:  # noqa: BLE001 -- report it, but still stop the fleet and write the report
             log.error("final checkpoint failed", extra=kv(error=str(exc)[:300]))
             return ""
         log.info("final checkpoint written", extra=kv(dir=str(path), step=step))
@@ -434,7 +443,7 @@ class Launcher:
         try:
             with PsClient(self.ps_addrs, self.job.rpc, retry_timeout_s=5.0) as client:
                 return client.stats()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- the report notes missing stats; teardown goes on
             log.warning("PS stats unavailable", extra=kv(error=str(exc)[:200]))
             return None
 
@@ -468,14 +477,19 @@ class Launcher:
 
     def _report(self, outcome: Outcome, ps_stats: list[dict[str, Any]] | None, notes: list[str]) -> dict[str, Any]:
         from metaps.plots import make_plots
-        from metaps.run_report import build_report, print_summary, read_ledger, write_report
+        from metaps.run_report import (
+            build_report,
+            print_summary,
+            read_ledger,
+            write_report,
+        )
         from metaps.tb import write_tensorboard
 
         self.tail.poll()
         ledger = []
         try:
             ledger = read_ledger(self.run_dir / "controller")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- the report goes out without the ledger
             notes.append(f"ledger unreadable: {exc}")
         notes.append("the controller and the agents serve no Prometheus endpoint (metrics_ports: null)")
         processes = {n: {"pid": m.pid, "exit_code": m.poll(), "log": str(m.log_path), "role": m.role,
@@ -558,7 +572,13 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
 
     from metaps.job import load_job
     from metaps.plots import make_plots
-    from metaps.run_report import build_report, print_summary, read_ledger, read_worker_reports, write_report
+    from metaps.run_report import (
+        build_report,
+        print_summary,
+        read_ledger,
+        read_worker_reports,
+        write_report,
+    )
     from metaps.tb import write_tensorboard
 
     run_dir = Path(args.run_dir).resolve()
@@ -580,7 +600,7 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         try:
             with PsClient([a for a in args.ps.split(",") if a], job.rpc, retry_timeout_s=5.0) as client:
                 stats = client.stats()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- PS already gone: report without its stats
             log.warning("PS stats unavailable", extra=kv(error=str(exc)[:200]))
     ports: dict[str, int | None] = {}
     for ready in sorted((run_dir / "ps").glob("ps-*.ready")):
@@ -600,6 +620,13 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-__all__ = ["LaunchConfig", "Launcher", "find_resume_checkpoint", "parse_override", "apply_overrides", "write_job",
-           "register"]
+__all__ = [
+    "LaunchConfig",
+    "Launcher",
+    "apply_overrides",
+    "find_resume_checkpoint",
+    "parse_override",
+    "register",
+    "write_job",
+]
 

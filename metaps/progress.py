@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live

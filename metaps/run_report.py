@@ -28,8 +28,9 @@ import logging
 import math
 import platform
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table

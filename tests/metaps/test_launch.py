@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -21,10 +22,22 @@ import pytest
 
 from metaps.errors import ConfigError
 from metaps.job import load_job
-from metaps.launch import (LaunchConfig, Launcher, apply_overrides, find_resume_checkpoint, parse_override)
+from metaps.launch import (
+    LaunchConfig,
+    Launcher,
+    apply_overrides,
+    find_resume_checkpoint,
+    parse_override,
+)
 from metaps.plots import PLOTS
 from ps.checkpoint import latest_checkpoint, read_manifest
-from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+from tests.metaps.fleet_data import (
+    fleet_pids,
+    kill_leftovers,
+    make_data,
+    wait_for,
+    write_job_file,
+)
 from tests.metaps.test_plots import assert_png_not_blank
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +61,7 @@ def e2e(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict
     try:
         proc = subprocess.run(_launch_cmd("--config", str(cfg), "--workers", "2", "--ps", "1", "--run-dir", str(run),
                                           "--no-progress"),
-                              cwd=REPO, capture_output=True, text=True, timeout=540)
+                              cwd=REPO, check=False, capture_output=True, text=True, timeout=540)
         left = fleet_pids(str(run))
     finally:
         kill_leftovers(str(run))
@@ -88,7 +101,7 @@ def test_launch_end_to_end_report(e2e: dict[str, Any]) -> None:
     assert rep["controller"]["finished"] is True
     train = [e for e in rep["shards"] if e["dataset"] == "train" and e["kind"] == "done"]
     batches = sorted((e["start"], e["stop"]) for e in train)
-    assert batches[0][0] == 0 and all(a[1] == b[0] for a, b in zip(batches, batches[1:]))
+    assert batches[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(batches))
     assert batches[-1][1] == 17  # the fixture's 17 meta-batches
     assert sum(e["samples"] for e in train) == sum(w["samples"] for w in rep["workers"])
     assert {e["worker"] for e in rep["shards"]} <= {0, 1}
@@ -152,7 +165,7 @@ def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
         wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-0.log"), 400, "the first training step")
         ps_log = _read(run / "logs" / "ps-0.log")
         assert f"dir={source}" in ps_log and 'msg="restored"' in ps_log, ps_log[-2000:]
-        restored = [line for line in ps_log.splitlines() if 'msg="restored"' in line][0]
+        restored = next(line for line in ps_log.splitlines() if 'msg="restored"' in line)
         assert int(restored.split("rows=")[1].split()[0]) > 0  # the warm start brought rows back
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
@@ -204,7 +217,7 @@ def test_launch_config_validation() -> None:
 
 def test_launch_cli_reports_a_missing_config(tmp_path: Path) -> None:
     proc = subprocess.run(_launch_cmd("--config", str(tmp_path / "nope.toml"), "--run-dir", str(tmp_path / "r")),
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "config file not found" in proc.stderr and "nope.toml" in proc.stderr
     assert not (tmp_path / "r").exists()
@@ -239,14 +252,14 @@ def test_config_write_round_trips_and_validates(data: dict[str, Path], tmp_path:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     ok = subprocess.run([sys.executable, "-m", "metaps", "config-write", "--config", str(cfg), "--set",
                          "ps.host=127.0.0.9", "--set", "train.workers=5", "--out", str(out)],
-                        cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+                        cwd=REPO, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert ok.returncode == 0, ok.stderr
     job = load_job(out)
     assert job.ps.host == "127.0.0.9" and job.train.workers == 5
     assert job.model.hidden == load_job(cfg).model.hidden
     bad = subprocess.run([sys.executable, "-m", "metaps", "config-write", "--config", str(cfg), "--set",
                           "train.workers=0", "--out", str(tmp_path / "bad.toml")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+                         cwd=REPO, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 1 and "workers must be >= 1" in bad.stderr
     assert not (tmp_path / "bad.toml").exists()
 
@@ -257,7 +270,7 @@ def _corrupt_copy(src: Path, dst: Path) -> Path:
     import shutil
 
     shutil.copytree(src, dst)
-    part = sorted(dst.glob("part-*.arrow"))[0]
+    part = min(dst.glob("part-*.arrow"))
     part.write_bytes(part.read_bytes()[: part.stat().st_size // 3])
     for ids in dst.glob("part-*.ids.arrow"):
         ids.unlink()
@@ -273,7 +286,7 @@ def test_worker_failing_beyond_its_restart_limit_fails_the_run(data: dict[str, P
     run = tmp_path / "run"
     try:
         proc = subprocess.run(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--no-progress"),
-                              cwd=REPO, capture_output=True, text=True, timeout=540)
+                              cwd=REPO, check=False, capture_output=True, text=True, timeout=540)
         left = fleet_pids(str(run))
     finally:
         kill_leftovers(str(run))
@@ -296,7 +309,7 @@ def test_controller_failing_to_start_fails_fast_with_its_log(data: dict[str, Pat
     run = tmp_path / "run"
     try:
         proc = subprocess.run(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--no-progress"),
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+                              cwd=REPO, check=False, capture_output=True, text=True, timeout=300)
         left = fleet_pids(str(run))
     finally:
         kill_leftovers(str(run))

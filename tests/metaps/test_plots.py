@@ -24,7 +24,7 @@ def assert_png_not_blank(path: Path) -> None:
 
 
 def _report(t0: float = 1000.0) -> dict[str, Any]:
-    hist = lambda rank: [  # noqa: E731
+    hist = lambda rank: [
         {"step": s, "time": t0 + 5 + s * (1 + rank), "loss": 0.9 - 0.02 * s + 0.01 * rank,
          "samples_per_s": 100.0 + 10 * s - 30 * rank, "query_loss": 0.8 - 0.02 * s} for s in range(1, 11)]
     ledger = [

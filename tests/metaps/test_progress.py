@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
@@ -9,7 +10,13 @@ import pytest
 from rich.console import Console
 
 from metaps.log import KeyValueFormatter, kv
-from metaps.progress import ProgressDisplay, StepLogTail, one_line, parse_kv_line, render
+from metaps.progress import (
+    ProgressDisplay,
+    StepLogTail,
+    one_line,
+    parse_kv_line,
+    render,
+)
 
 STATUS = {
     "datasets": [{"dataset": "train", "kind": "train", "epoch": 0, "epochs": 1, "finished": False,
@@ -72,7 +79,7 @@ def test_render_without_status_says_so() -> None:
 def test_one_line_summary_and_non_terminal_display(caplog: pytest.LogCaptureFixture) -> None:
     s = one_line(STATUS, {0: {"loss": 0.5, "samples_per_s": 10.0}, 1: {"loss": 0.7, "samples_per_s": 5.0}})
     assert s == {"train_shards": "3/5", "samples_per_s": 15.0, "loss": 0.6, "slow": "worker:1", "events": 1}
-    display = ProgressDisplay(Console(file=open("/dev/null", "w")), live=True, log_every_s=0.0)
+    display = ProgressDisplay(Console(file=io.StringIO()), live=True, log_every_s=0.0)
     assert display._live is None  # not a terminal: log lines instead of a live view
     with caplog.at_level(logging.INFO, logger="metaps.progress"):
         display.update(STATUS, {}, 3.0)
@@ -82,8 +89,6 @@ def test_one_line_summary_and_non_terminal_display(caplog: pytest.LogCaptureFixt
 
 
 def test_live_view_on_a_terminal() -> None:
-    import io
-
     buf = io.StringIO()
     display = ProgressDisplay(Console(file=buf, force_terminal=True, width=140), live=True)
     assert display._live is not None

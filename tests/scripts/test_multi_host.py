@@ -22,15 +22,21 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from metaps.metrics import free_port
 from metaps.plots import PLOTS
-from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+from tests.metaps.fleet_data import (
+    fleet_pids,
+    kill_leftovers,
+    make_data,
+    wait_for,
+    write_job_file,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -49,7 +55,7 @@ def netns_available() -> bool:
         _ip("netns", "add", probe)
     except (subprocess.CalledProcessError, OSError):
         return False
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=30)
     return True
 
 
@@ -67,7 +73,7 @@ class Topology:
 
     def cleanup(self) -> None:
         for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, timeout=30)
 
 
 def make_netns_topology() -> Topology:
@@ -150,7 +156,7 @@ def test_fleet_across_hosts_with_the_scripts(topology: Topology, tmp_path: Path)
                                      "--run-dir", str(run), "--shards", "0", "--host", topology.hosts["ps"],
                                      "--port-base", str(ps_port), "--metrics-port-base", str(ps_mport),
                                      "--wait", "300"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+            cwd=REPO, env=env, check=False, capture_output=True, text=True, timeout=400)
         assert ps.returncode == 0, ps.stdout + ps.stderr + _tail(run / "logs" / "ps-0.log")
         ps_addrs = ps.stdout.strip().splitlines()[-1].removeprefix("PS=")
         assert ps_addrs == f"{topology.hosts['ps']}:{ps_port}"
@@ -168,18 +174,18 @@ def test_fleet_across_hosts_with_the_scripts(topology: Topology, tmp_path: Path)
             topology.prefix("wk") + [str(SCRIPTS / "launch_workers.sh"), "--config", str(cfg), "--controller",
                                      ctl_addr, "--ps", ps_addrs, "--run-dir", str(run), "--ranks", "0",
                                      "--metrics-port-base", str(_port(topology, "wk") + 2), "--wait"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+            cwd=REPO, env=env, check=False, capture_output=True, text=True, timeout=500)
         assert wk.returncode == 0, wk.stdout + wk.stderr + _tail(run / "logs" / "worker-0.log")
         assert not list((run / "pids").glob("worker-*.pid"))
 
         rep_proc = subprocess.run(
             topology.prefix("ctl") + py + ["run-report", "--run-dir", str(run), "--config", str(cfg),
                                            "--controller", ctl_addr, "--ps", ps_addrs],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            cwd=REPO, env=env, check=False, capture_output=True, text=True, timeout=300)
         assert rep_proc.returncode == 0, rep_proc.stdout[-3000:] + rep_proc.stderr[-3000:]
 
         stop = subprocess.run([str(SCRIPTS / "launch_ps.sh"), "--stop", "--run-dir", str(run)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                              cwd=REPO, env=env, check=False, capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr
         controller.send_signal(signal.SIGTERM)
         assert controller.wait(60) == 0
