@@ -1,0 +1,69 @@
+"""Helpers for worker tests that run real ``metaps`` processes on loopback.
+
+* :func:`write_job` saves a :class:`~metaps.job.JobConfig` as the TOML every process reads.
+* :func:`start_worker` runs ``metaps worker`` with its log in a file.
+* :func:`wait_for_log` polls a log file for a line (the processes' only shared state with the test).
+* :func:`free_port` picks a free loopback port (the all-reduce rendezvous).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from metaps.job import JobConfig
+from metaps.toml_writer import dumps
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_job(job: JobConfig, path: Path) -> Path:
+    """The job as a TOML file (the same sections ``metaps`` processes load)."""
+    path.write_text(dumps(job.to_dict()))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_worker(config: Path, rank: int, ps: list[str], run_dir: Path, log_path: Path,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m metaps worker`` as its own process; stdout+stderr go to ``log_path``."""
+    cmd = [sys.executable, "-m", "metaps", "worker", "--config", str(config), "--rank", str(rank),
+           "--ps", ",".join(ps), "--run-dir", str(run_dir)]
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_for_log(log_path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float) -> re.Match[str]:
+    """First match of ``pattern`` in the log; fails if the process exits or time runs out first."""
+    rx = re.compile(pattern)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log_path.read_text() if log_path.exists() else ""
+        m = rx.search(text)
+        if m:
+            return m
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before /{pattern}/ appeared:\n{text[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/{pattern}/ not in the log after {timeout_s}s:\n{text[-4000:]}")
+        time.sleep(0.05)
+
+
+def wait_exit(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
+    """Wait for a process; kill it and fail with its log tail on timeout."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"process still running after {timeout_s}s:\n{log_path.read_text()[-4000:]}") from None
