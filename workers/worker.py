@@ -300,6 +300,7 @@ class Worker:
             "history": self.history,
             "eval": eval_metrics or {},
             "checkpoint": str(checkpoint) if checkpoint else "",
+            "dense_sha256": dense_digest(self.model),
         }
         path = self.run_dir / "workers" / f"worker-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +317,20 @@ class Worker:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def dense_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of this worker's dense parameters (float32 bytes in ``named_parameters`` order).
+
+    All-reduce workers must end with identical dense parameters: equal digests in their reports.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _json_default(o: Any) -> Any:
