@@ -69,7 +69,7 @@ def _section_types() -> dict[str, type]:
     from delivery.config import DeliveryConfig
     from metaps.faults import FaultConfig
     from models.config import ModelConfig
-    from models.meta import MetaConfig
+    from models.meta_config import MetaConfig
     from ps.config import PsConfig
     from workers.config import TrainConfig
 

@@ -4,26 +4,33 @@ Models own dense parameters only; embedding rows gathered from the PS are
 inputs of the forward. See docs/design/models.md and docs/design/meta_learning.md.
 """
 
-from models.base import CtrModel
-from models.config import BottomKind, ModelConfig, ModelKind
-from models.factory import build_model
-from models.losses import HeadSpec, heads_for_schema, loss
-from models.meta import AdaptTarget, MetaConfig, MetaStepResult, adapt_and_predict, assign_grads, meta_step, plain_step
+import importlib
+from typing import Any
 
-__all__ = [
-    "AdaptTarget",
-    "BottomKind",
-    "CtrModel",
-    "HeadSpec",
-    "MetaConfig",
-    "MetaStepResult",
-    "ModelConfig",
-    "ModelKind",
-    "adapt_and_predict",
-    "assign_grads",
-    "build_model",
-    "heads_for_schema",
-    "loss",
-    "meta_step",
-    "plain_step",
-]
+# Exports resolve lazily (PEP 562): `import models.config` must not import torch,
+# because every fleet process parses the job file before it needs a model.
+_EXPORTS = {
+    "CtrModel": "models.base",
+    "BottomKind": "models.config",
+    "ModelConfig": "models.config",
+    "ModelKind": "models.config",
+    "build_model": "models.factory",
+    "HeadSpec": "models.losses",
+    "heads_for_schema": "models.losses",
+    "loss": "models.losses",
+    "AdaptTarget": "models.meta_config",
+    "MetaConfig": "models.meta_config",
+    "MetaStepResult": "models.meta",
+    "adapt_and_predict": "models.meta",
+    "assign_grads": "models.meta",
+    "meta_step": "models.meta",
+    "plain_step": "models.meta",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

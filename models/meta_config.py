@@ -1,0 +1,55 @@
+"""``[meta]``: the G-Meta inner loop settings (torch-free, so parsing a job file stays cheap)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class AdaptTarget(str, enum.Enum):
+    """Which parameters the inner loop adapts."""
+
+    DENSE = "dense"
+    ROWS = "rows"
+    BOTH = "both"
+
+
+@dataclass(frozen=True)
+class MetaConfig:
+    """Inner loop of the meta step.
+
+    Args:
+        inner_steps: SGD steps on each task's support set (0 = no adaptation).
+        inner_lr: inner SGD learning rate.
+        first_order: stop gradients through the inner gradients (FOMAML).
+        adapt: adapt the dense parameters, the gathered embedding rows, or both.
+        vectorize: ``vmap`` over tasks (True) or loop over them (reference).
+
+    Example::
+
+        cfg = MetaConfig(inner_steps=2, inner_lr=0.05, first_order=False, adapt=AdaptTarget.ROWS)
+    """
+
+    inner_steps: int = 1
+    inner_lr: float = 0.1
+    first_order: bool = True
+    adapt: AdaptTarget = AdaptTarget.BOTH
+    vectorize: bool = True
+
+    def validate(self) -> None:
+        object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
+        if self.inner_steps < 0:
+            raise ValueError(f"inner_steps must be >= 0, got {self.inner_steps}")
+        if not self.inner_lr > 0:
+            raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def adapts_dense(self) -> bool:
+        return self.adapt in (AdaptTarget.DENSE, AdaptTarget.BOTH)
+
+    @property
+    def adapts_rows(self) -> bool:
+        return self.adapt in (AdaptTarget.ROWS, AdaptTarget.BOTH)
