@@ -85,10 +85,12 @@ class _Gate:
         self._active = 0
         self._writer = False
         self._paused_until = 0.0
+        self.waited = threading.local()  # .s: seconds this thread's request waited here (load totals exclude it)
 
     @contextlib.contextmanager
     def data(self, timeout_s: float) -> Iterator[None]:
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         with self._cond:
             while True:
                 now = time.monotonic()
@@ -101,6 +103,7 @@ class _Gate:
                     )
                 self._cond.wait(min(deadline - now, max(self._paused_until - now, 0.0) or 0.5, 0.5))
             self._active += 1
+        self.waited.s = getattr(self.waited, "s", 0.0) + (time.monotonic() - t0)
         try:
             yield
         finally:
@@ -190,7 +193,9 @@ class LoadTotals:
 
     The controller link (``ps.controller_link``) reads them periodically and reports the
     deltas as the shard's mean request latency and mean queue depth (requests in flight
-    seen by each arriving request, itself included).
+    seen by each arriving request, itself included). Time a request spent waiting for a
+    pause, a migration freeze drain or slower workers (staleness) is left out: that is
+    not this shard being slow. Fault delays are in.
     """
 
     def __init__(self) -> None:
@@ -229,6 +234,7 @@ def _rpc(data: bool) -> Callable:
             shard = str(self.shard_id)
             if data:
                 self.load.enter()
+                self._gate.waited.s = 0.0
             try:
                 if data and self.added_latency_s is not None:
                     delay = float(self.added_latency_s())
@@ -249,8 +255,8 @@ def _rpc(data: bool) -> Callable:
             finally:
                 elapsed = time.perf_counter() - t0
                 self.metrics.latency.labels(shard, method).observe(elapsed)
-                if data:
-                    self.load.leave(elapsed)
+                if data:  # waits for a pause/migration/slower workers are not this shard being slow
+                    self.load.leave(max(0.0, elapsed - self._gate.waited.s))
 
         return wrapper
 
@@ -434,7 +440,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
 
     def _wait_staleness(self, worker: str, step: int | None) -> None:
         if worker and step is not None:
+            t0 = time.monotonic()
             self.clock.wait_pull(worker, step, self.wait_timeout_s)
+            self._gate.waited.s = getattr(self._gate.waited, "s", 0.0) + (time.monotonic() - t0)
 
     # -- sparse data ------------------------------------------------------------------
     def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[dict[str, Any]]:

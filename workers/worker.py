@@ -239,18 +239,44 @@ class Worker:
     def _handle_commands(self) -> None:
         if self._hb is None:
             return
-        for cmd in self._hb.take():
-            if cmd.kind == "checkpoint" and self.rank == 0:
-                self.checkpoint(cut_id=cmd.cut_id)
-            elif cmd.kind == "drain":
+        cmds = self._hb.take()
+        cuts = [c.cut_id for c in cmds if c.kind == "checkpoint"]
+        if cuts and self.rank == 0:
+            self._checkpoint_cuts(cuts)
+        for cmd in cmds:
+            if cmd.kind == "drain":
                 log.info("draining on controller command", extra=kv(rank=self.rank, reason=cmd.reason))
                 self._draining = True
 
     # -- checkpoints, eval, report ---------------------------------------------------------
+    def _checkpoint_cuts(self, cut_ids: list[int]) -> None:
+        """One checkpoint for every cut that opened since the last step (same state, one write).
+
+        A checkpoint that fails (a PS died during it) leaves the cuts uncommitted and
+        training goes on: the controller rolls back to an earlier committed cut if needed.
+        """
+        from ps.coordinator import CheckpointCoordinationError
+
+        try:
+            path = self.checkpoint(cut_id=cut_ids[-1])
+        except CheckpointCoordinationError as exc:
+            log.error("checkpoint failed; cuts left uncommitted", extra=kv(rank=self.rank, cuts=cut_ids, error=str(exc)[:300]))
+            return
+        for cut_id in cut_ids[:-1]:  # the last one was committed by checkpoint()
+            self.ctl.checkpoint_done(cut_id, int(path.name.rsplit("-", 1)[1]), str(path))
+
     def checkpoint(self, cut_id: int = 0, metrics: dict[str, Any] | None = None) -> Path:
         step = self.trainer.step_no
+        root = self.run_dir / "checkpoints"
+        while (root / f"ckpt-{step}").exists():
+            # rank 0's step names the checkpoint; a second one at the same step (rank 0 idle
+            # while others trained, e.g. the final one right after a cut's) or after a restart
+            # of this worker takes the next free step: committed checkpoints are never overwritten
+            step += 1
+        if step != self.trainer.step_no:
+            log.info("checkpoint step taken; using the next free one", extra=kv(rank=self.rank, step=self.trainer.step_no, used=step))
         self.trainer.publish_dense()
-        path = self.rows.checkpoint(self.run_dir / "checkpoints", step, checkpoint_info(self.job, step, metrics))
+        path = self.rows.checkpoint(root, step, checkpoint_info(self.job, step, metrics))
         log.info("checkpoint written", extra=kv(rank=self.rank, step=step, dir=str(path), cut_id=cut_id))
         if self.ctl is not None and cut_id:
             self.ctl.checkpoint_done(cut_id, step, str(path))
