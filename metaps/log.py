@@ -20,6 +20,17 @@ def kv(**fields: Any) -> dict[str, Any]:
     return {"kv": fields}
 
 
+class _DropRootInfo(logging.Filter):
+    """Drop records logged on the root logger below WARNING.
+
+    metaps logs through named loggers only; INFO on the root logger is third-party
+    chatter (fbgemm-gpu announces every .so it loads) that would bury our lines.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != "root" or record.levelno >= logging.WARNING
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
@@ -48,4 +59,5 @@ def configure(level: str | int = "INFO", role: str = "") -> None:
             return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter())
+    handler.addFilter(_DropRootInfo())
     root.addHandler(handler)

@@ -1,27 +1,55 @@
 #!/usr/bin/env bash
-# The main job, end to end on one machine: data -> Meta-IO -> (later: launch, train, deliver).
+# The main job, end to end on one machine (what `make run` does):
+#
+#   1. metaps gen-data              AntM2C-like logs (Parquet + schema.json)      -> RUN_DIR/data
+#   2. metaps meta-io split-holdout 10% of users held out (never trained on)      -> RUN_DIR/split
+#   3. metaps meta-io build (x2)    task-packed Meta-IO: train and held-out eval  -> RUN_DIR/metaio[-holdout]
+#   4. metaps launch                controller + 2 PS + 2 workers, G-Meta CTR/CVR training;
+#                                   worker 1 is slowed 3x and the controller handles it
+#   5. metaps deliver               the run's checkpoint -> a published serving bundle (gated on AUC)
 #
 # Usage: PATH=.venv/bin:$PATH bash scripts/main_job.sh RUN_DIR
-# Steps so far:
-#   1. metaps gen-data        ~200k AntM2C-like rows (Parquet + schema.json) into RUN_DIR/data
-#   2. metaps meta-io build   meta layout (tasks by user, S=8 Q=4, time split) into RUN_DIR/metaio
-#   3. metaps meta-io inspect summary of what was built
+# Sizes: METAPS_ROWS, METAPS_USERS, METAPS_ITEMS, METAPS_SEED (defaults fit ~5 minutes on 2 cores).
+# The job file is configs/main_job.toml; its data paths are rewritten to RUN_DIR here.
 set -euo pipefail
 
 RUN_DIR="${1:?usage: main_job.sh RUN_DIR}"
-ROWS="${METAPS_ROWS:-200000}"
-USERS="${METAPS_USERS:-20000}"
-ITEMS="${METAPS_ITEMS:-5000}"
+ROWS="${METAPS_ROWS:-60000}"
+USERS="${METAPS_USERS:-6000}"
+ITEMS="${METAPS_ITEMS:-3000}"
 SEED="${METAPS_SEED:-1}"
+CONFIG="${METAPS_CONFIG:-configs/main_job.toml}"
 
 mkdir -p "$RUN_DIR"
-echo "== [1/3] gen-data: $ROWS rows, $USERS users, $ITEMS items -> $RUN_DIR/data"
+rm -rf "$RUN_DIR/data" "$RUN_DIR/split"
+echo "== [1/5] gen-data: $ROWS rows, $USERS users, $ITEMS items -> $RUN_DIR/data"
 metaps gen-data --out "$RUN_DIR/data" --rows "$ROWS" --users "$USERS" --items "$ITEMS" --seed "$SEED"
 
-echo "== [2/3] meta-io build (meta layout) -> $RUN_DIR/metaio"
-metaps meta-io build --input "$RUN_DIR/data" --schema "$RUN_DIR/data/schema.json" \
-    --out "$RUN_DIR/metaio" --layout meta --support 8 --query 4 --split time \
-    --seed "$SEED" --rows-per-batch 768 --overwrite
+echo "== [2/5] split-holdout: 10% of users held out -> $RUN_DIR/split"
+metaps meta-io split-holdout --input "$RUN_DIR/data" --schema "$RUN_DIR/data/schema.json" \
+    --out "$RUN_DIR/split" --fraction 0.1 --seed "$SEED"
 
-echo "== [3/3] meta-io inspect"
+echo "== [3/5] meta-io build (meta layout, S=8 Q=4, time split) -> $RUN_DIR/metaio, $RUN_DIR/metaio-holdout"
+for part in train holdout; do
+    out="$RUN_DIR/metaio"; [[ $part == holdout ]] && out="$RUN_DIR/metaio-holdout"
+    metaps meta-io build --input "$RUN_DIR/split/$part" --schema "$RUN_DIR/split/schema.json" \
+        --out "$out" --layout meta --support 8 --query 4 --split time \
+        --seed "$SEED" --rows-per-batch 256 --overwrite
+done
 metaps meta-io inspect "$RUN_DIR/metaio"
+
+echo "== [4/5] launch: controller, 2 PS, 2 workers (worker 1 slowed 3x)"
+metaps config-write --config "$CONFIG" --out "$RUN_DIR/job.toml" \
+    --set "data.train=$RUN_DIR/metaio" --set "data.eval=$RUN_DIR/metaio-holdout" \
+    --set "run.dir=$RUN_DIR/runs" --set "delivery.out=$RUN_DIR/bundles"
+metaps launch --config "$RUN_DIR/job.toml" --no-progress --timeout 900
+
+echo "== [5/5] deliver: latest checkpoint -> serving bundle"
+metaps deliver --run "$RUN_DIR/runs/latest" --out "$RUN_DIR/bundles" \
+    --holdout "$RUN_DIR/split/holdout" --holdout-rows 20000 --keep 5
+
+latest="$RUN_DIR/bundles/$(cat "$RUN_DIR/bundles/LATEST")"
+echo
+echo "run report : $(readlink -f "$RUN_DIR/runs/latest")/report.json"
+echo "bundle     : $latest"
+echo "predict    : metaps predict --bundle $RUN_DIR/bundles --data $RUN_DIR/split/holdout --out $RUN_DIR/scores.parquet"

@@ -1,0 +1,30 @@
+"""Structured log lines: key=value fields; third-party INFO on the root logger is dropped."""
+
+from __future__ import annotations
+
+import logging
+
+from metaps.log import KeyValueFormatter, _DropRootInfo, kv
+
+
+def _record(name: str, level: int, msg: str, **fields) -> logging.LogRecord:
+    rec = logging.LogRecord(name, level, __file__, 1, msg, None, None)
+    if fields:
+        rec.kv = fields
+    return rec
+
+
+def test_key_value_format() -> None:
+    line = KeyValueFormatter().format(_record("ps.server", logging.INFO, "serving", port=5001, shard=0))
+    assert 'INFO ps.server' in line and 'msg="serving"' in line and line.endswith("port=5001 shard=0")
+
+
+def test_root_info_is_dropped_but_warnings_and_named_loggers_pass() -> None:
+    f = _DropRootInfo()
+    assert not f.filter(_record("root", logging.INFO, "Successfully loaded: 'fbgemm_gpu_py.so'"))
+    assert f.filter(_record("root", logging.WARNING, "something real"))
+    assert f.filter(_record("workers.worker", logging.INFO, "step"))
+
+
+def test_kv_helper() -> None:
+    assert kv(a=1) == {"kv": {"a": 1}}
