@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +32,8 @@ class RowSource(Protocol):
     def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]": ...
 
     def push(self, grads: GradsByTable, step: int) -> None: ...
+
+    def push_async(self, grads: GradsByTable, step: int) -> "Future[None]": ...
 
     def register_dense(self, params: dict[str, np.ndarray]) -> None: ...
 
@@ -69,6 +71,10 @@ class LocalRowSource:
             if len(ids):
                 self.store.push(table, ids, g)
 
+    def push_async(self, grads: GradsByTable, step: int) -> "Future[None]":
+        """Applied before returning (in-process: nothing to overlap with)."""
+        return _Done(self.push(grads, step))
+
     def register_dense(self, params: dict[str, np.ndarray]) -> None:
         for name, value in params.items():
             self.store.dense.register(name, value)
@@ -100,6 +106,7 @@ class RemoteRowSource:
 
     def __init__(self, client: Any) -> None:
         self.client = client
+        self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-push")
 
     def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable:
         return self.client.pull(ids, step=step)
@@ -109,6 +116,10 @@ class RemoteRowSource:
 
     def push(self, grads: GradsByTable, step: int) -> None:
         self.client.push(grads, step=step)
+
+    def push_async(self, grads: GradsByTable, step: int) -> "Future[None]":
+        """:meth:`push` on a background thread (the caller must not modify ``grads`` until done)."""
+        return self._pusher.submit(self.client.push, grads, step=step)
 
     def register_dense(self, params: dict[str, np.ndarray]) -> None:
         self.client.register_dense(params)
@@ -128,4 +139,5 @@ class RemoteRowSource:
         return checkpoint_all(self.client.addresses, Path(root), step, rpc_cfg=self.client.rpc_cfg, extra_info=info)
 
     def close(self) -> None:
+        self._pusher.shutdown(wait=True)
         self.client.close()
