@@ -6,7 +6,10 @@ ReportMetrics on 127.0.0.1). Figures are ratios measured side by side in the
 same run, medians over seeds.
 
     E1  4 workers, one 4x slower: dynamic sharding vs a static equal split, and vs ideal
-    E2  slow PS + vshard migration: harness not written yet -> null (the mover itself is tested)
+    E2  2 real `metaps ps` processes, PS 1 slowed by +20 ms per request (fault injection), 2
+        client threads pulling/pushing 256 random ids per step: steps/s before the fault, with
+        the fault and no action, and after the ND policy's vshard moves (the controller's
+        MigrationPsMover); e2_recovery_ratio = after / before (keep=0: the slow PS drained)
     E3  transient slowdowns only: actions taken (must be 0)
     E4  a worker killed mid-shard: coverage, duplicated shards per kill, time vs no kill
     E5  all-reduce, one worker 2x slower: DD speed-proportional batches vs equal batches
@@ -20,12 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 from controller.client import ControllerClient
 from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
@@ -254,6 +263,182 @@ def e5(seed: int, steps: int = 60) -> dict[str, float]:
     return out
 
 
+# ---------------------------------------------------------------------------- E2: slow PS
+E2_LATENCY_S = 0.02   # added per request on PS 1 (fault injection)
+E2_IDS = 256          # unique ids per pull/push step (one table, dim 16)
+E2_CLIENTS = 2        # client threads, each: pull ids -> push grads -> next
+
+
+def _e2_job(tmp: Path, fault_start_s: float) -> Path:
+    schema = tmp / "schema.json"
+    schema.write_text(json.dumps({"version": 1, "task_key": "user_id", "labels": ["click"], "columns": [
+        {"name": "user_id", "kind": "sparse", "table": "user"}, {"name": "click", "kind": "label"}]}))
+    job = tmp / "job.toml"
+    job.write_text(f"""
+[data]
+train = "unused"
+schema = "{schema}"
+[model]
+default_dim = 16
+[ps]
+shards = 2
+num_vshards = 32
+device = "cpu"
+[ps.table_defaults]
+dim = 16
+capacity = 65536
+optimizer = {{ kind = "sgd", lr = 0.01 }}
+[rpc]
+token = "{RPC.token}"
+timeout_s = 30.0
+[delivery]
+out = "unused"
+[controller.monitor]
+window_s = 0.25
+[[faults.faults]]
+target = "ps"
+index = 1
+kind = "latency"
+latency_s = {E2_LATENCY_S}
+start_s = {fault_start_s}
+""")
+    return job
+
+
+def _e2_fleet(tmp: Path, job: Path, controller_addr: str) -> list[subprocess.Popen[bytes]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", METAPS_T0=repr(time.time()))
+    env.pop("METAPS_CONTROLLER", None)
+    procs = []
+    for k in range(2):
+        cmd = [sys.executable, "-m", "metaps", "ps", "--config", str(job), "--shard", str(k), "--port", "0",
+               "--ready-file", str(tmp / f"ps-{k}.ready")]
+        if controller_addr:
+            cmd += ["--controller", controller_addr]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=(tmp / f"ps-{k}.log").open("wb"),
+                                      stderr=subprocess.STDOUT))
+    return procs
+
+
+def _e2_run(keep: int, start_s: float, phase_s: float, seed: int) -> dict[str, Any]:
+    """One fleet, three phases on the same processes and clients::
+
+        [fault - phase, fault)           baseline: both PS healthy
+        fault: PS 1 gets +E2_LATENCY_S per request; the ND policy flags it, but no PsMover
+        [fault + 0.5, +phase)            no action (the policy's moves are recorded as skipped)
+        PsMover(keep) installed          the next MoveVshards runs; moves until nothing is left / healthy
+        [settled, +phase)                after migration
+    """
+    from controller.ps_mover import MigrationPsMover
+    from ps.client import PsClient
+
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.ND, heartbeat_timeout_s=60.0,
+                               monitor=MonitorConfig(window_s=0.25, consecutive=2),
+                               nd=NdConfig(restart_after=0, move_vshards=8, cooldown_windows=2))
+        srv = ControllerServer(cfg, tmp / "ctl", [], RPC)
+        srv.start("127.0.0.1:0")
+        t_launch = time.time()
+        procs = _e2_fleet(tmp, _e2_job(tmp, start_s), srv.address)
+        try:
+            for k, p in enumerate(procs):
+                ready = tmp / f"ps-{k}.ready"
+                while not ready.exists():
+                    if p.poll() is not None:
+                        raise RuntimeError(f"metaps ps {k} exited: {(tmp / f'ps-{k}.log').read_text()[-2000:]}")
+                    time.sleep(0.05)
+            started = time.time() - t_launch
+            if started > start_s - phase_s - 0.5:
+                raise RuntimeError(f"PS start took {started:.1f}s: no time left for the baseline before the fault "
+                                   f"at {start_s}s; raise the fault start")
+            addrs = [f"127.0.0.1:{json.loads((tmp / f'ps-{k}.ready').read_text())['port']}" for k in range(2)]
+            stop = threading.Event()
+            done: list[list[float]] = [[] for _ in range(E2_CLIENTS)]
+            errors: list[BaseException] = []
+
+            def work(i: int) -> None:
+                rng = np.random.default_rng(seed * 100 + i)
+                try:
+                    with PsClient(addrs, RPC, retry_timeout_s=30.0, backoff_s=0.01, max_backoff_s=0.1) as c:
+                        grads = np.full((E2_IDS, 16), 1e-3, np.float32)
+                        while not stop.is_set():
+                            ids = rng.choice(200_000, E2_IDS, replace=False).astype(np.int64)
+                            c.pull({"user": ids})
+                            c.push({"user": (ids, grads)})
+                            done[i].append(time.time())
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(E2_CLIENTS)]
+            for t in threads:
+                t.start()
+
+            def rate(a: float, b: float) -> float:
+                return sum(1 for d in done for x in d if a <= x < b) / max(b - a, 1e-9)
+
+            fa = t_launch + start_s
+            time.sleep(max(0.0, fa + 0.5 + phase_s - time.time()))
+            out: dict[str, Any] = {"baseline": rate(fa - phase_s, fa), "straggler": rate(fa + 0.5, fa + 0.5 + phase_s)}
+            slow = [e for e in srv.events.list() if e.kind == "slow_detected" and e.node == "ps:1"]
+            if not slow:
+                raise RuntimeError(f"PS 1 not flagged: {[(e.kind, e.node, e.evidence) for e in srv.events.list()]}")
+            out["detect_s"] = slow[0].time - fa
+            t_enable = time.time()
+            srv.ps_mover = MigrationPsMover(srv.ps_addresses, RPC, keep=keep)
+            settle_s = 3 * cfg.nd.cooldown_windows * cfg.monitor.window_s
+            last_move = 0.0
+            while time.time() < t_enable + 30.0:  # settled: no move for 3 cooldowns
+                moves = [e for e in srv.events.list() if e.kind == "move_vshards_done"]
+                if moves:
+                    last_move = moves[-1].time
+                    if time.time() - last_move > settle_s:
+                        break
+                time.sleep(0.1)
+            if not last_move:
+                raise RuntimeError(f"no vshard move within 30 s: {[(e.kind, e.evidence) for e in srv.events.list()]}")
+            t_after = last_move + 0.25
+            time.sleep(max(0.0, t_after + phase_s - time.time()))
+            out["after"] = rate(t_after, t_after + phase_s)
+            out["move_s"] = last_move - t_enable
+            out["recover_s"] = out["detect_s"] + out["move_s"]
+            out["moves"] = len([e for e in srv.events.list() if e.kind == "move_vshards_done"])
+            with PsClient(addrs, RPC) as c:
+                out["left"] = len(c.refresh_map().vshards_of(1))
+            stop.set()
+            for t in threads:
+                t.join(30)
+            if errors:
+                raise errors[0]
+            return out
+        finally:
+            srv.stop(grace=0)  # first: no vshard move may start against stopping PS processes
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(15)
+
+
+def e2(seed: int, quick: bool = False) -> dict[str, Any]:
+    """One of 2 real PS processes slowed by added latency: no action vs ND vshard migration.
+
+    ``keep`` = vshards the mover leaves on the slow PS: 0 drains it (the headline
+    figure), 1 is the mover's default (one probe vshard; measured in full runs).
+    """
+    start, phase = 25.0, (2.0 if quick else 4.0)
+    drain = _e2_run(0, start, phase, seed)
+    out = {
+        "no_action_ratio": drain["straggler"] / drain["baseline"],
+        "recovery_ratio": drain["after"] / drain["baseline"],
+        "detect_s": drain["detect_s"], "recover_s": drain["recover_s"], "moves": drain["moves"], "left": drain["left"],
+        "baseline_steps_per_s": drain["baseline"],
+    }
+    if not quick:
+        keep1 = _e2_run(1, start, phase, seed)
+        out.update(keep1_no_action_ratio=keep1["straggler"] / keep1["baseline"],
+                   keep1_recovery_ratio=keep1["after"] / keep1["baseline"], keep1_left=keep1["left"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one seed of each (within ~2 minutes)")
@@ -267,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             r = fn(s)
             res[name].append(r)
             say(f"seed {s} {name}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))
+    # E2 starts real PS processes (~10-20 s each under load): once, not per seed
+    e2r = e2(0, quick=args.quick)
+    say("e2: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in e2r.items()}))
 
     def med(name: str, key: str) -> float:
         return round(statistics.median(r[key] for r in res[name]), 4)
@@ -275,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": len(seeds),
         "e1_vs_static": med("e1", "vs_static"), "e1_vs_ideal": med("e1", "vs_ideal"),
         "e1_dynamic_s": med("e1", "dynamic_s"),
-        "e2_recovery_ratio": None, "e2_note": "not built yet: ps.migration has landed and is wired (controller/ps_mover.py), the E2 harness is not written",
+        "e2_recovery_ratio": round(e2r["recovery_ratio"], 4), "e2_no_action_ratio": round(e2r["no_action_ratio"], 4),
+        "e2_recover_s": round(e2r["recover_s"], 3), "e2_detect_s": round(e2r["detect_s"], 3),
+        **({"e2_keep1_recovery_ratio": round(e2r["keep1_recovery_ratio"], 4)} if "keep1_recovery_ratio" in e2r else {}),
         "e3_actions": int(max(r["actions"] for r in res["e3"])),
         "e4_coverage": med("e4", "complete"), "e4_dup_shards_per_kill": med("e4", "dup_shards_per_kill"),
         "e4_time_ratio_vs_no_kill": med("e4", "time_ratio_vs_no_kill"),

@@ -26,6 +26,10 @@ from protos import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+class NothingToMove(ValueError):
+    """The source PS owns no more vshards than it must keep (a drained slow PS); not a failure."""
+
+
 class MigrationPsMover:
     """Moves vshards between live PS shards.
 
@@ -80,7 +84,7 @@ class MigrationPsMover:
         owned = self._owned(src_ps, addresses)
         take = owned[:max(0, min(n_vshards, len(owned) - self.keep))]
         if not take:
-            raise ValueError(f"move_vshards: PS {src_ps} owns {len(owned)} vshard(s) and keeps {self.keep}; "
+            raise NothingToMove(f"move_vshards: PS {src_ps} owns {len(owned)} vshard(s) and keeps {self.keep}; "
                              f"nothing left to move")
         report = migrate_vshards(addresses, self.rpc_cfg, take, dst_ps, freeze_lease_s=self.freeze_lease_s)
         self.reports.append(report)

@@ -32,6 +32,7 @@ from controller.config import ControllerConfig
 from controller.dds import DatasetSpec, DynamicDataSharding
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
+from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
 from controller.policy import (Action, MoveVshards, Policy, Recovered, RestartNode, RestoreShards, SetBatchSizes,
                                ShrinkShards, SlowDetected, make_policy)
@@ -244,6 +245,10 @@ class ControllerServer:
             self.events.record(Event.now(a.node, "move_vshards_done",
                                          {"src": a.src, "dst": a.dst, "n": a.n,
                                           "seconds": round(time.monotonic() - t0, 3)}))
+        except NothingToMove as exc:  # the slow PS is already down to what it keeps
+            log.info("vshard move skipped", extra=kv(src=a.src, dst=a.dst, reason=str(exc)))
+            self.events.record(Event.now(a.node, "move_vshards_skipped",
+                                         {"src": a.src, "dst": a.dst, "n": a.n, "reason": str(exc)}))
         except Exception as exc:
             log.exception("vshard move failed", extra=kv(src=a.src, dst=a.dst, n=a.n))
             self.events.record(Event.now(a.node, "move_vshards_failed",
