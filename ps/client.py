@@ -166,6 +166,20 @@ class PsClient:
         for c in self._channels:
             c.close()
 
+    def leave_clock(self) -> None:
+        """Stop counting this worker in bounded staleness (e.g. while it waits for data).
+
+        A worker idle on the data queue would otherwise freeze the slowest clock,
+        and workers more than ``max_staleness`` steps ahead would block forever.
+        """
+        if self.worker_id:
+            self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, leave=True))
+
+    def join_clock(self, step: int) -> None:
+        """Count this worker again from ``step`` (after :meth:`leave_clock`)."""
+        if self.worker_id:
+            self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, step=step))
+
     def __enter__(self) -> "PsClient":
         return self
 

@@ -45,6 +45,10 @@ class RowSource(Protocol):
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path: ...
 
+    def leave_clock(self) -> None: ...
+
+    def join_clock(self, step: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -56,6 +60,9 @@ class _Done(Future):
 
 class LocalRowSource:
     """Rows and dense parameters in one in-process ShardStore (no RPC)."""
+
+    in_process = True
+    """Calls complete before returning: the trainer's overlap lane has nothing to hide."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -97,6 +104,12 @@ class LocalRowSource:
         save_shard(self.store, tmp, 0)
         return commit_checkpoint(tmp, info)
 
+    def leave_clock(self) -> None:
+        pass  # one process: no staleness clocks
+
+    def join_clock(self, step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -137,6 +150,12 @@ class RemoteRowSource:
         from ps.coordinator import checkpoint_all
 
         return checkpoint_all(self.client.addresses, Path(root), step, rpc_cfg=self.client.rpc_cfg, extra_info=info)
+
+    def leave_clock(self) -> None:
+        self.client.leave_clock()
+
+    def join_clock(self, step: int) -> None:
+        self.client.join_clock(step)
 
     def close(self) -> None:
         self._pusher.shutdown(wait=True)

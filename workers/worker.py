@@ -147,8 +147,27 @@ class Worker:
                 for r in static_ranges(self.dataset, self.rank, self.world):
                     yield r, None
             return
-        for lease in self.ctl.shards("train"):
+        from controller.dds import GetStatus
+
+        waiting = False
+        while True:
+            got = self.ctl.get_shard("train")
+            if got.status is GetStatus.DONE:
+                break
+            if got.status is GetStatus.WAIT:
+                # Idle on the data queue: stop holding back workers that are still training
+                # (bounded staleness would otherwise block them on our frozen clock).
+                if not waiting:
+                    self.rows.leave_clock()
+                    waiting = True
+                time.sleep(0.2)
+                continue
+            if waiting:
+                self.rows.join_clock(self.trainer.step_no)
+                waiting = False
+            lease = got.lease
             yield BatchRange(lease.file, lease.start, lease.stop), lease
+        self.rows.leave_clock()
 
     # -- main loop --------------------------------------------------------------------
     def train(self) -> None:

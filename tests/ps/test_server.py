@@ -105,6 +105,28 @@ def test_bounded_staleness_blocks_a_fast_worker(ps_fleet) -> None:
     fast.pull({"user": ids}, step=3)  # only its own clock (2) bounds it now
 
 
+def test_an_idle_worker_leaves_the_clock_and_rejoins(ps_fleet) -> None:
+    """A worker waiting for data must not hold back the others (then it counts again)."""
+    fleet = ps_fleet(2, max_staleness=1)
+    fast = fleet.client(worker_id="fast", register=True)
+    idle = fleet.client(worker_id="idle", register=True)
+    ids = np.arange(20, dtype=np.int64)
+    g = np.ones((20, 8), np.float32)
+    for step in range(2):
+        fast.pull({"user": ids}, step=step)
+        fast.push({"user": (ids, g)}, step=step)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (fast.pull({"user": ids}, step=2), done.set()))
+    t.start()
+    assert not done.wait(0.5), "the fast worker should wait for the idle one"
+    idle.leave_clock()
+    assert done.wait(10), "leaving the clock must release the fast worker"
+    t.join(10)
+    fast.push({"user": (ids, g)}, step=2)
+    idle.join_clock(3)  # back from the data queue at step 3: counts again
+    fast.pull({"user": ids}, step=4)  # 1 ahead of the rejoined clock: allowed
+
+
 def test_staleness_timeout_is_a_clear_error(ps_fleet) -> None:
     fleet = ps_fleet(1, max_staleness=0)
     for s in fleet.servers:
