@@ -8,8 +8,9 @@ One step, for a plain or a meta batch::
     dense grads --push--> PS dense store, params --pull-->  (dense_sync = ps)
              or --all-reduce--> local optimizer step         (dense_sync = allreduce)
 
-With ``overlap`` the pull of batch t+1 is issued before step t computes, so
-the network time hides behind compute; rows are then one step stale.
+With ``overlap`` the pull of batch t+1 and the push of step t run on a
+background lane (in that order) while the steps compute, so the network and
+the PS-side update hide behind compute; rows are then exactly one step stale.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +87,9 @@ class Trainer:
         self.barrier = barrier
         """Called with the step number after each push in synchronous PS mode."""
         self.step_no = 0
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-lane")
+        self._inflight: Future | None = None
+        """Overlap mode: the last step's row push, possibly still in flight."""
         self._names = [n for n, _ in model.named_parameters()]
         self._local_opt: torch.optim.Optimizer | None = None
         if cfg.dense_sync == DenseSync.PS:
@@ -125,8 +130,16 @@ class Trainer:
         if self.cfg.dense_sync == DenseSync.PS:
             self._load_dense(self.rows.pull_dense(self._names))
 
+    def flush(self) -> None:
+        """Wait until the last step's row push is applied on the PS (overlap leaves it in flight)."""
+        pushed, self._inflight = self._inflight, None
+        if pushed is not None:
+            pushed.result()
+
     def publish_dense(self) -> None:
-        """All-reduce mode: store the (identical) local dense parameters on the PS for checkpoints."""
+        """Before a checkpoint: land the in-flight row push; in all-reduce mode also store the
+        (identical) local dense parameters on the PS."""
+        self.flush()
         if self.cfg.dense_sync == DenseSync.ALLREDUCE:
             self.rows.set_dense(self._dense_numpy())
 
@@ -147,18 +160,28 @@ class Trainer:
         return MetaStepResult(outer_loss=loss, dense_grads=dense_grads, row_grads=row_grads)
 
     def step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float) -> StepStats:
+        """One step; returns once its row push and dense sync are done."""
+        return self._step(batch, rows_np, pull_s)
+
+    def _step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float,
+              lane: ThreadPoolExecutor | None = None) -> StepStats:
+        """One step. With ``lane`` the row push is queued there and may still be in flight on
+        return (``self._inflight``); without, it runs alongside the dense sync and is done."""
         t0 = time.perf_counter()
         result = self.compute(batch, rows_np)
         t1 = time.perf_counter()
         ids = _ids_of(batch)
-        # The row push and the dense sync go out together (different PS state, both done before
-        # the step ends): one round trip less per step than pushing rows first, no extra staleness.
-        pushed = self.rows.push_async(
-            {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads},
-            self.step_no,
-        )
+        grads = {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
+        if lane is not None:
+            pushed = lane.submit(self.rows.push, grads, self.step_no)
+            self._inflight = pushed
+        else:
+            # The row push and the dense sync go out together (different PS state, both done before
+            # the step ends): one round trip less per step than pushing rows first, no extra staleness.
+            pushed = self.rows.push_async(grads, self.step_no)
         self._sync_dense(result.dense_grads)
-        pushed.result()
+        if lane is None or self.barrier is not None:
+            pushed.result()
         if self.barrier is not None:
             self.barrier(self.step_no)
         t2 = time.perf_counter()
@@ -187,17 +210,33 @@ class Trainer:
                 rows = self.rows.pull(_ids_of(batch), step=self.step_no)
                 yield self.step(batch, rows, time.perf_counter() - t0)
             return
-        # Overlapped: the pull of the next batch is in flight while this one computes.
+        # Overlapped: row traffic runs on one background lane, in this order:
+        #     push t-1 | pull t+1 | push t | pull t+2 | ...     (FIFO, one thread)
+        # while the main thread computes step t. Batch t+1's rows thus carry every update up to
+        # step t-1 and never step t's (exactly one step stale, deterministic), and neither the
+        # pull nor the PS-side push stalls the step. In-process (LocalRowSource) there is no
+        # network to hide: the pull is done at once, before step t, which gives the same rows.
+        lane = None if getattr(self.rows, "in_process", False) else self._lane
+
+        def pull_bg(b: MetaBatch | PlainBatch) -> Future:
+            ids = _ids_of(b)
+            if lane is None:
+                return self.rows.pull_async(ids, step=self.step_no)
+            return lane.submit(self.rows.pull, ids, step=self.step_no)
+
         nxt = next(it, None)
-        pending = self.rows.pull_async(_ids_of(nxt), step=self.step_no) if nxt is not None else None
-        while nxt is not None and not self._at_limit():
-            batch, fut = nxt, pending
-            t0 = time.perf_counter()
-            rows = fut.result()
-            wait_s = time.perf_counter() - t0
-            nxt = next(it, None)
-            pending = self.rows.pull_async(_ids_of(nxt), step=self.step_no) if nxt is not None else None
-            yield self.step(batch, rows, wait_s)
+        pending = pull_bg(nxt) if nxt is not None else None
+        try:
+            while nxt is not None and not self._at_limit():
+                batch, fut = nxt, pending
+                t0 = time.perf_counter()
+                rows = fut.result()
+                wait_s = time.perf_counter() - t0
+                nxt = next(it, None)
+                pending = pull_bg(nxt) if nxt is not None else None
+                yield self._step(batch, rows, wait_s, lane)
+        finally:
+            self.flush()  # every push applied (or its error raised) before run() ends
 
     def allreduce_step(self, batch: MetaBatch | PlainBatch | None) -> StepStats | None:
         """One collective step (all-reduce mode, world > 1); ``batch`` None = idle.
