@@ -1,0 +1,176 @@
+"""The quality table: normalized AUC per model kind, and meta-learning vs no adaptation.
+
+Run::
+
+    python -m bench.quality [--quick] [--rows N] [--kinds dnn,deepfm,dcnv2,esmm]
+
+Data: the AntM2C-like generator (1M rows by default, 200k with ``--quick``,
+60 rows a user on average), whose true probabilities give every figure a ceiling:
+``norm_auc = (auc - 0.5) / (oracle_auc - 0.5)`` on the same rows.
+
+1. **Plain CTR/CVR training, per model kind** (``train-local``, the same step
+   engine and optimizers as a fleet): train on each user's earlier rows, score
+   the later ones (a time split at the 80% quantile of ``log_time``). The oracle
+   includes a per-user bias (std 0.8 logits) that only a user's own history
+   reveals, so the split keeps the users and moves forward in time, which is
+   what a deployed CTR model faces. Heads: click, and conversion scored as
+   CTCVR (``p(click and convert)``) over all impressions.
+2. **Cold-start users** (``meta_io.holdout.split_by_task``, 10% of users never
+   seen in training): each held-out user's episodes are scored on their query
+   rows by the meta-trained model as is ("base"), after one inner step on the
+   episode's support rows ("adapted"), and by a plain-trained model on the same
+   rows (the usual no-adaptation baseline).
+
+The same run measures everything; the last line printed is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KINDS = ("dnn", "deepfm", "dcnv2", "esmm")
+
+
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def time_split(raw_dir: Path, out: Path, fraction: float) -> tuple[Path, Path]:
+    """Rows before the ``1 - fraction`` quantile of ``log_time`` -> train/, the rest -> eval/ (streamed by file)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    files = sorted(raw_dir.glob("*.parquet"))
+    times = np.concatenate([pq.read_table(f, columns=["log_time"]).column("log_time").to_numpy() for f in files])
+    cut = float(np.quantile(times, 1.0 - fraction))
+    dirs = {name: out / name for name in ("train", "eval")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    for i, f in enumerate(files):
+        table = pq.read_table(f)
+        t = table.column("log_time")
+        for name, keep in (("train", pc.less(t, cut)), ("eval", pc.greater_equal(t, cut))):
+            part = table.filter(keep)
+            if part.num_rows:
+                pq.write_table(part, dirs[name] / f"part-{i:05d}.parquet")
+    return dirs["train"], dirs["eval"]
+
+
+def job_for(train: Path, eval_: Path, run_dir: Path, mode: str, kind: str, epochs: int,
+            meta: dict[str, Any] | None = None) -> Any:
+    """The setup tuned in tests/workers/test_learning.py (documented in docs/BENCHMARKS.md)."""
+    from metaps.job import job_from_mapping
+
+    data: dict[str, Any] = {
+        "data": {"train": str(train), "eval": str(eval_)},
+        "ps": {"shards": 1, "num_vshards": 64, "device": "cpu",
+               "table_defaults": {"dim": 8, "capacity": 400_000,
+                                  "optimizer": {"kind": "rowwise_adagrad", "lr": 0.1}},
+               "dense_optimizer": {"kind": "adam", "lr": 0.005}},
+        "model": {"kind": kind, "default_dim": 8, "hidden": [64, 32]},
+        "train": {"mode": mode, "workers": 1, "epochs": epochs, "overlap": False, "log_every": 200},
+        "delivery": {"out": str(run_dir / "bundles")},
+        "run": {"dir": str(run_dir)},
+    }
+    if meta:
+        data["meta"] = meta
+    return job_from_mapping(data, where="<bench.quality>")
+
+
+def _metrics(ev: dict[str, Any], keys: tuple[str, ...] = ("auc", "oracle_auc", "norm_auc", "logloss")) -> dict[str, Any]:
+    return {head: {k: m[k] for k in keys if k in m} | {"rows": m["rows"]} for head, m in ev.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="200k rows -> 20k, one epoch less")
+    ap.add_argument("--rows", type=int, default=0, help="generated rows (default 1M, quick 20k)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="model kinds of the plain table")
+    ap.add_argument("--seed", type=int, default=3)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from meta_io.build import MetaIOBuildConfig, build
+    from meta_io.generator import GeneratorConfig, generate
+    from meta_io.holdout import split_by_task
+    from meta_io.layout import Layout
+    from meta_io.schema import load_schema
+    from workers.local import train_local
+
+    rows = args.rows or (20_000 if args.quick else 1_000_000)
+    epochs = 2 if rows <= 50_000 else 1
+    users, items = max(300, rows // 60), max(200, rows // 80)
+    out: dict[str, Any] = {"rows": rows, "users": users, "items": items, "epochs": epochs, "seed": args.seed}
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as td:
+        tmp = Path(td)
+        _progress(f"[data] generating {rows:,} rows ({users:,} users, {items:,} items)")
+        gen = generate(tmp / "raw", GeneratorConfig(rows=rows, users=users, items=items, seed=args.seed,
+                                                    n_files=max(1, rows // 250_000),
+                                                    row_group_rows=min(rows, 65_536)), progress=False)
+        out["generator_oracle_auc"] = gen.oracle_auc
+        out["generator_oracle_auc_global"] = gen.oracle_auc_global
+        train_raw, eval_raw = time_split(gen.out_dir, tmp / "tsplit", fraction=0.2)
+        plain_cfg = MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=256)
+        train = build(train_raw, gen.schema_path, tmp / "plain-train", plain_cfg).out_dir
+        held = build(eval_raw, gen.schema_path, tmp / "plain-eval",
+                     MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=2048)).out_dir
+
+        table: dict[str, Any] = {}
+        kinds = [k for k in args.kinds.split(",") if k]
+        for i, kind in enumerate(kinds, 1):
+            _progress(f"[plain {i}/{len(kinds)}] {kind}: train on earlier rows, score later rows of the same users")
+            t0 = time.perf_counter()
+            rep, _ = train_local(job_for(train, held, tmp / f"run-{kind}", "plain", kind, epochs), tmp / f"run-{kind}",
+                                 checkpoint=False)
+            m = _metrics(rep["eval"]["base"])
+            m["train_s"] = time.perf_counter() - t0
+            table[kind] = m
+            _progress(f"      click norm_auc {m['click']['norm_auc']:.3f} (auc {m['click']['auc']:.4f} / oracle "
+                      f"{m['click']['oracle_auc']:.4f}); conversion norm_auc {m['conversion']['norm_auc']:.3f}; "
+                      f"{m['train_s']:.0f} s")
+        out["plain_time_split"] = table
+
+        _progress("[cold start] hold out 10% of users, build meta episodes (support 8, query 8)")
+        split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=0.1, seed=args.seed)
+        meta_cfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
+        mtrain = build(split.train_dir, split.schema_path, tmp / "meta-train", meta_cfg).out_dir
+        mheld = build(split.holdout_dir, split.schema_path, tmp / "meta-held", meta_cfg).out_dir
+        meta = {"inner_steps": 1, "inner_lr": 0.1, "adapt": "both", "first_order": True}
+        _progress("[cold start 1/2] meta training (G-Meta, first order, adapt rows + dense)")
+        rep, _ = train_local(job_for(mtrain, mheld, tmp / "run-meta", "meta", "dnn", epochs, meta), tmp / "run-meta",
+                             checkpoint=False)
+        base, adapted = _metrics(rep["eval"]["base"]), _metrics(rep["eval"]["adapted"])
+        _progress("[cold start 2/2] plain training on the same train users (no adaptation baseline)")
+        prep, _ = train_local(job_for(mtrain, mheld, tmp / "run-meta-plain", "plain", "dnn", epochs),
+                              tmp / "run-meta-plain", checkpoint=False)
+        plain = _metrics(prep["eval"]["base"])
+        out["cold_start"] = {"held_out_users": split.holdout_tasks, "meta_base": base, "meta_adapted": adapted,
+                             "plain": plain}
+        for head in ("click", "conversion"):
+            out[f"cold_{head}_adapted_minus_base_auc"] = adapted[head]["auc"] - base[head]["auc"]
+            out[f"cold_{head}_adapted_minus_plain_auc"] = adapted[head]["auc"] - plain[head]["auc"]
+            _progress(f"      {head}: plain {plain[head]['auc']:.4f}, meta base {base[head]['auc']:.4f}, "
+                      f"meta adapted {adapted[head]['auc']:.4f} (oracle {adapted[head]['oracle_auc']:.4f})")
+    for kind, m in out["plain_time_split"].items():
+        out[f"{kind}_click_norm_auc"] = m["click"]["norm_auc"]
+        out[f"{kind}_conversion_norm_auc"] = m["conversion"]["norm_auc"]
+    out["elapsed_s"] = time.perf_counter() - t_all
+    out["targets_met"] = {
+        "plain_click_norm_auc>=0.8(all kinds)": all(m["click"]["norm_auc"] >= 0.8 for m in out["plain_time_split"].values()),
+        "cold_click_adapted>base": out["cold_click_adapted_minus_base_auc"] > 0,
+    }
+    print(json.dumps(out, default=float), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
