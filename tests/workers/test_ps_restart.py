@@ -25,7 +25,9 @@ from tests.workers.procs import start_worker, wait_exit, wait_for_log, write_job
 
 def test_worker_survives_ps_sigkill_and_restart(worker_data, tmp_path: Path) -> None:
     epochs = 3
-    job = make_job(worker_data["plain"], tmp_path, mode="plain", train={"epochs": epochs, "log_every": 1})
+    # Overlap on (the fleet default): the outage hits the background row lane as well as the step.
+    job = make_job(worker_data["plain"], tmp_path, mode="plain",
+                   train={"epochs": epochs, "log_every": 1, "overlap": True})
     config = write_job(job, tmp_path / "job.toml")
     ds = MetaIODataset(worker_data["plain"])
     expected_steps = epochs * sum(ds.num_batches(f) for f in range(ds.num_files))
