@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from metaps.errors import ConfigError
+from metaps.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", required=True, help="job TOML")
     p.add_argument("--address", default="", help="listen address (default [controller] address)")
     p.add_argument("--state-dir", default="", help="LMDB state dir (default [controller] state_dir or <run.dir>/controller)")
+    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
     p.set_defaults(func=run_controller)
 
     a = subparsers.add_parser("agent", help="run and supervise one worker or PS process")
@@ -42,6 +44,7 @@ def register(subparsers: Any) -> None:
     a.add_argument("--role", required=True, choices=["worker", "ps"])
     a.add_argument("--index", required=True, type=int)
     a.add_argument("--controller", default="", help="controller host:port")
+    a.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
     a.add_argument("child", nargs=argparse.REMAINDER, help="child command after '--' (default: metaps ROLE ...)")
     a.set_defaults(func=run_agent)
 
@@ -71,6 +74,15 @@ def run_controller(args: argparse.Namespace) -> int:
     server = ControllerServer(job.controller, _state_dir(job, args.state_dir), job_datasets(job), job.rpc)
     server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc)  # PS register their addresses
     server.start(args.address or None)
+    if args.metrics_port >= 0:
+        from prometheus_client import REGISTRY
+
+        from controller.metrics import ControllerCollector
+        from metaps.metrics import serve_metrics
+
+        REGISTRY.register(ControllerCollector(server))
+        mport = serve_metrics(args.metrics_port)
+        log.info("controller metrics", extra=kv(metrics_port=mport))
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown_requested.set())
     signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())
     server.wait()
@@ -92,6 +104,14 @@ def run_agent(args: argparse.Namespace) -> int:
         addr = f.read_text().strip()
     child = [c for c in args.child if c != "--"] or default_child_cmd(args.role, args.index, args.config)
     agent = Agent(job.controller.agent, args.role, args.index, addr, job.rpc, child)
+    if args.metrics_port >= 0:
+        from prometheus_client import REGISTRY
+
+        from controller.metrics import AgentCollector
+        from metaps.metrics import serve_metrics
+
+        REGISTRY.register(AgentCollector(agent))
+        serve_metrics(args.metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     return agent.run()

@@ -313,12 +313,13 @@ class Launcher:
         port = free_port(_connect_host(host))
         addr_file = self.run_dir / "controller" / "address"
         addr_file.unlink(missing_ok=True)
+        mport = free_port(_connect_host(host))
         m = self.fleet.start("controller", _metaps(
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
-            "--state-dir", str(self.run_dir / "controller")), role="controller")
+            "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport)), role="controller")
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
         self.ctl_addr = f"{_connect_host(host)}:{port}"
-        self.metrics_ports["controller"] = None
+        self.metrics_ports["controller"] = mport
         log.info("controller up", extra=kv(address=self.ctl_addr))
 
     def _start_ps(self) -> None:
@@ -331,9 +332,12 @@ class Launcher:
                      "--metrics-port", str(mport), "--ready-file", str(self.run_dir / "ps" / f"ps-{k}.ready")]
             if self.resume:
                 child += ["--restore", self.resume]
+            aport = free_port(_connect_host(host))
             self.fleet.start(f"ps-{k}", _metaps("agent", "--config", str(self.job_path), "--role", "ps",
-                                                "--index", str(k), "--controller", self.ctl_addr, "--",
+                                                "--index", str(k), "--controller", self.ctl_addr,
+                                                "--metrics-port", str(aport), "--",
                                                 *_metaps(*child)), role="ps", index=k)
+            self.metrics_ports[f"agent-ps-{k}"] = aport
             self.ps_addrs.append(f"{_connect_host(host)}:{port}")
             self.metrics_ports[f"ps-{k}"] = mport
 
@@ -352,9 +356,12 @@ class Launcher:
             mport = free_port()
             child = ["worker", "--config", str(self.job_path), "--rank", str(r), "--ps", ",".join(self.ps_addrs),
                      "--controller", self.ctl_addr, "--run-dir", str(self.run_dir), "--metrics-port", str(mport)]
+            aport = free_port()
             self.fleet.start(f"worker-{r}", _metaps("agent", "--config", str(self.job_path), "--role", "worker",
-                                                    "--index", str(r), "--controller", self.ctl_addr, "--",
+                                                    "--index", str(r), "--controller", self.ctl_addr,
+                                                    "--metrics-port", str(aport), "--",
                                                     *_metaps(*child)), role="worker", index=r)
+            self.metrics_ports[f"agent-worker-{r}"] = aport
             self.metrics_ports[f"worker-{r}"] = mport
 
     # ---------------------------------------------------------------- watch
@@ -491,7 +498,6 @@ class Launcher:
             ledger = read_ledger(self.run_dir / "controller")
         except Exception as exc:  # noqa: BLE001 -- the report goes out without the ledger
             notes.append(f"ledger unreadable: {exc}")
-        notes.append("the controller and the agents serve no Prometheus endpoint (metrics_ports: null)")
         processes = {n: {"pid": m.pid, "exit_code": m.poll(), "log": str(m.log_path), "role": m.role,
                          "index": m.index} for n, m in self.fleet.members.items()}
         rep = build_report(

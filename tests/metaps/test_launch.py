@@ -125,7 +125,8 @@ def test_launch_end_to_end_report(e2e: dict[str, Any]) -> None:
     ports = rep["metrics_ports"]
     assert ports["ps-0"] == json.loads((run / "ps" / "ps-0.ready").read_text())["metrics_port"]
     assert isinstance(ports["worker-0"], int) and isinstance(ports["worker-1"], int)
-    assert "controller" in ports
+    assert isinstance(ports["controller"], int)  # the controller and every agent serve /metrics too
+    assert all(isinstance(ports[f"agent-{n}"], int) for n in ("ps-0", "worker-0", "worker-1"))
     assert {p["exit_code"] for p in rep["processes"].values()} == {0}
 
 
