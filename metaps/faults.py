@@ -163,10 +163,18 @@ class FaultInjector:
         e = self._elapsed(now)
         return sum(f.latency_s for f in self._faults if f.kind is FaultKind.LATENCY and f.active(e))
 
-    def kill_due(self, now: float | None = None) -> bool:
-        """True once a kill fault's ``at_s`` has passed."""
+    def kill_due(self, now: float | None = None, born: float | None = None) -> bool:
+        """True once a kill fault's ``at_s`` has passed.
+
+        Args:
+            now: the current time (default: the clock).
+            born: when this process started (same clock). A kill fires only in a
+                process that was alive at ``at_s``, so the replacement its agent
+                starts afterwards is not killed again.
+        """
         e = self._elapsed(now)
-        return any(f.kind is FaultKind.KILL and e >= f.at_s for f in self._faults)
+        b = None if born is None else born - self.t0
+        return any(f.kind is FaultKind.KILL and e >= f.at_s and (b is None or b < f.at_s) for f in self._faults)
 
 
 def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None) -> Callable[[], float] | None:

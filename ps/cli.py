@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,8 +126,14 @@ def run_ps(args: argparse.Namespace) -> int:
         tmp = Path(args.ready_file + ".tmp")
         tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}))
         tmp.replace(args.ready_file)  # atomic: a reader never sees half a file
+    from metaps.faults import FaultInjector
+
+    born = time.time()
+    killer = FaultInjector(job.faults, "ps", args.shard, t0=float(os.environ.get("METAPS_T0", born)))
     while not stop.wait(0.5):
-        pass
+        if killer.kill_due(born=born):
+            log.error("fault injection: killing this PS now", extra=kv(shard=args.shard))
+            os._exit(137)  # like SIGKILL: no graceful shutdown, no final words
     if link is not None:
         link.stop()
     server.stop(grace=args.grace)

@@ -122,7 +122,8 @@ class Worker:
             self.model, rows, job.train, job.meta, job.ps.dense_optimizer, rank=rank, world=self.world,
             barrier=barrier,
         )
-        self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", time.time())))
+        self._born = time.time()
+        self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", self._born)))
         self.history: list[dict[str, Any]] = []
         self.samples = 0
         self.busy_s = 0.0
@@ -225,6 +226,9 @@ class Worker:
                 self._after_step(stats)
 
     def _after_step(self, stats: StepStats) -> None:
+        if self.faults.kill_due(born=self._born):
+            log.error("fault injection: killing this worker now", extra=kv(rank=self.rank, step=stats.step))
+            os._exit(137)  # like SIGKILL: the agent restarts it, the DDS requeues its shard
         delay = self.faults.step_delay(stats.total_s)
         if delay > 0:
             time.sleep(delay)

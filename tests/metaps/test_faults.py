@@ -20,6 +20,8 @@ def test_toml_shape_and_helpers() -> None:
     assert w.step_delay(0.5, now=12.0) == pytest.approx(1.5)  # 0.5 s step x4 -> sleep 1.5 s more
     assert w.step_delay(0.5, now=15.0) == 0.0  # duration over
     assert not w.kill_due(now=29.9) and w.kill_due(now=30.0)
+    assert w.kill_due(now=31.0, born=2.0)  # alive at at_s: dies
+    assert not w.kill_due(now=45.0, born=31.0)  # its replacement, started after at_s, is spared
     assert w.added_latency(now=12.0) == 0.0
     ps = FaultInjector(cfg, "ps", 0, t0=0.0, clock=lambda: 0.0)
     assert ps.added_latency(now=1e6) == 0.02  # duration 0 = persistent
