@@ -439,12 +439,19 @@ class PsClient:
             for s in need_clock:
                 per_shard.setdefault(s, [])
             cap = self._rows_per_call(jobs, kind)
-            calls = []
+            planned = []
             for s, parts in per_shard.items():
                 for chunk in _chunks(parts, cap):
                     req = self._build(kind, chunk, step, pmap)
                     method = self._stubs[s].PullMany if kind == "pull" else self._stubs[s].PushMany
-                    calls.append((s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s)))
+                    planned.append((s, chunk, method, req))
+            if len(planned) == 1:
+                # One call: block on it. A gRPC future costs a channel-spin thread per call
+                # (~2-4 ms here), which only pays off when several shards answer in parallel.
+                s, chunk, method, req = planned[0]
+                calls = [(s, chunk, _Immediate.call(method, req, self.rpc_cfg.timeout_s))]
+            else:
+                calls = [(s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s)) for s, chunk, method, req in planned]
             pending = []
             refresh = False
             for s, chunk, fut in calls:
@@ -522,6 +529,28 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 def _is_identity(inv: np.ndarray) -> bool:
     """True when ids were already unique and sorted (the reply is already in request order)."""
     return bool(inv.size == 0 or (inv[0] == 0 and inv[-1] == inv.size - 1 and (np.diff(inv) == 1).all()))
+
+
+class _Immediate:
+    """The outcome of a blocking call, shaped like the gRPC future it replaces."""
+
+    def __init__(self, value: Any = None, error: grpc.RpcError | None = None) -> None:
+        self._value, self._error = value, error
+
+    @classmethod
+    def call(cls, method: Any, request: Any, timeout: float) -> "_Immediate":
+        try:
+            return cls(value=method(request, timeout=timeout))
+        except grpc.RpcError as exc:
+            return cls(error=exc)
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def cancel(self) -> bool:
+        return False
 
 
 def _as_ids(ids: Any, table: str) -> np.ndarray:
