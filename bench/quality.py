@@ -4,8 +4,8 @@ Run::
 
     python -m bench.quality [--quick] [--rows N] [--kinds dnn,deepfm,dcnv2,esmm]
 
-Data: the AntM2C-like generator (1M rows by default, 200k with ``--quick``,
-60 rows a user on average), whose true probabilities give every figure a ceiling:
+Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
+60-64 rows a user on average), whose true probabilities give every figure a ceiling:
 ``norm_auc = (auc - 0.5) / (oracle_auc - 0.5)`` on the same rows.
 
 1. **Plain CTR/CVR training, per model kind** (``train-local``, the same step
@@ -16,7 +16,7 @@ Data: the AntM2C-like generator (1M rows by default, 200k with ``--quick``,
    what a deployed CTR model faces. Heads: click, and conversion scored as
    CTCVR (``p(click and convert)``) over all impressions.
 2. **Cold-start users** (``meta_io.holdout.split_by_task``, 10% of users never
-   seen in training): each held-out user's episodes are scored on their query
+   seen in training; 25% with ``--quick``, which has only 250 users): each held-out user's episodes are scored on their query
    rows by the meta-trained model as is ("base"), after one inner step on the
    episode's support rows ("adapted"), and by a plain-trained model on the same
    rows (the usual no-adaptation baseline).
@@ -92,8 +92,8 @@ def _metrics(ev: dict[str, Any], keys: tuple[str, ...] = ("auc", "oracle_auc", "
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="200k rows -> 20k, one epoch less")
-    ap.add_argument("--rows", type=int, default=0, help="generated rows (default 1M, quick 20k)")
+    ap.add_argument("--quick", action="store_true", help="16k rows instead of 1M (about a minute)")
+    ap.add_argument("--rows", type=int, default=0, help="generated rows (default 1M, quick 16k)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="model kinds of the plain table")
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args(argv)
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     from meta_io.schema import load_schema
     from workers.local import train_local
 
-    rows = args.rows or (20_000 if args.quick else 1_000_000)
+    rows = args.rows or (16_000 if args.quick else 1_000_000)
     epochs = 2 if rows <= 50_000 else 1
-    users, items = max(300, rows // 60), max(200, rows // 80)
+    users, items = max(250, rows // 64), max(200, rows // 80)
     out: dict[str, Any] = {"rows": rows, "users": users, "items": items, "epochs": epochs, "seed": args.seed}
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as td:
@@ -139,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['train_s']:.0f} s")
         out["plain_time_split"] = table
 
-        _progress("[cold start] hold out 10% of users, build meta episodes (support 8, query 8)")
-        split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=0.1, seed=args.seed)
+        fraction = 0.25 if args.quick else 0.1
+        _progress(f"[cold start] hold out {fraction:.0%} of users, build meta episodes (support 8, query 8)")
+        split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction,
+                              seed=args.seed)
         meta_cfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
         mtrain = build(split.train_dir, split.schema_path, tmp / "meta-train", meta_cfg).out_dir
         mheld = build(split.holdout_dir, split.schema_path, tmp / "meta-held", meta_cfg).out_dir
