@@ -46,7 +46,6 @@ class TrainConfig:
         threads: torch intra-op threads per worker process.
         seed: seed of the dense model initialisation (same on every worker).
         allreduce_port: rendezvous port of the gloo process group (0: launcher picks).
-        checkpoint_every_s: seconds between coordinated checkpoints (0: only at the end).
     """
 
     mode: TrainMode = TrainMode.META
@@ -60,7 +59,6 @@ class TrainConfig:
     threads: int = 1
     seed: int = 0
     allreduce_port: int = 0
-    checkpoint_every_s: float = 0.0
 
     def validate(self) -> None:
         if self.workers < 1:
