@@ -32,11 +32,22 @@ from controller.config import ControllerConfig
 from controller.dds import DatasetSpec, DynamicDataSharding
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
+from controller.policy import (
+    Action,
+    MoveVshards,
+    Policy,
+    Recovered,
+    RestartNode,
+    RestoreShards,
+    SetBatchSizes,
+    ShrinkShards,
+    SlowDetected,
+    make_policy,
+)
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
-from controller.policy import (Action, MoveVshards, Policy, Recovered, RestartNode, RestoreShards, SetBatchSizes,
-                               ShrinkShards, SlowDetected, make_policy)
 from controller.state import Event, EventLog, StateStore
+from metaps.atomic_write import write_text_atomic
 from metaps.log import kv
 from metaps.rpc import RpcConfig, add_health, add_port, make_server
 
@@ -105,7 +116,7 @@ class ControllerServer:
         port = add_port(self._server, address, self.rpc_cfg)
         self._server.start()
         self.address = f"{address.rsplit(':', 1)[0]}:{port}"
-        (self.state_dir / "address").write_text(self.address + "\n")
+        write_text_atomic(self.state_dir / "address", self.address + "\n")  # the launcher polls it
         self._stop.clear()
         self._loop = threading.Thread(target=self._run_loop, name="controller-tick", daemon=True)
         self._loop.start()

@@ -52,7 +52,6 @@ import itertools
 import json
 import logging
 import operator
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -63,6 +62,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from delivery.config import RowDtype
+from metaps.atomic_write import write_json_atomic
 from metaps.config import from_mapping, to_dict
 from metaps.errors import ConfigError, MetapsError
 from metaps.hashing import mix64
@@ -179,13 +179,7 @@ def read_manifest(bundle_dir: str | Path) -> BundleManifest:
 def write_manifest(bundle_dir: str | Path, manifest: BundleManifest) -> Path:
     """Write ``manifest.json`` (via a temp file + rename, so it is whole or absent)."""
     path = Path(bundle_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    with tmp.open("w") as fh:
-        json.dump(manifest.to_dict(), fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(path, manifest.to_dict(), indent=2, sort_keys=True, fsync=True)
     return path
 
 

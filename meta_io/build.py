@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -51,6 +50,7 @@ from meta_io import layout as L
 from meta_io.index import BatchEntry, IndexBuilder
 from meta_io.layout import BatchKind, Bucket, Layout, Split
 from meta_io.schema import Schema, load_schema
+from metaps.atomic_write import write_json_atomic
 from metaps.config import to_dict
 from metaps.errors import ConfigError, DataError, SchemaError
 from metaps.hashing import mix64
@@ -886,6 +886,4 @@ def _publish(staging: Path, out: Path, files: list[dict[str, Any]], manifest: di
         os.replace(staging / f["name"], out / f["name"])
         os.replace(staging / f["ids"], out / f["ids"])
     os.replace(staging / L.INDEX_NAME, out / L.INDEX_NAME)
-    tmp = staging / (L.MANIFEST_NAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / L.MANIFEST_NAME)
+    write_json_atomic(out / L.MANIFEST_NAME, manifest, indent=2)

@@ -45,7 +45,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator

@@ -35,6 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from metaps.atomic_write import write_json_atomic
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -206,24 +207,9 @@ def build_report(
     }
 
 
-def _default(o: Any) -> Any:
-    try:
-        import numpy as np
-
-        if isinstance(o, (np.generic,)):
-            return o.item()
-    except ImportError:
-        pass
-    return str(o)
-
-
 def write_report(run_dir: Path, report: Mapping[str, Any]) -> Path:
     """Write ``<run>/report.json`` atomically."""
-    path = Path(run_dir) / REPORT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=_default, allow_nan=True))
-    tmp.replace(path)
-    return path
+    return write_json_atomic(Path(run_dir) / REPORT_FILE, report)
 
 
 def _store_rows(stats: Mapping[str, Any]) -> int:

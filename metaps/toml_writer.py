@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from metaps.atomic_write import write_text_atomic
+
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -102,8 +104,4 @@ def write(path: str | Path, data: Mapping[str, Any]) -> Path:
 
         write("runs/x/job.toml", {"train": {"workers": 4}})
     """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(data))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, dumps(data))

@@ -23,15 +23,14 @@ last committed checkpoint when it restarts after a crash.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
+from metaps.atomic_write import write_json_atomic
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -64,14 +63,13 @@ def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
 
 
 def run_ps(args: argparse.Namespace) -> int:
+    import torch
     from prometheus_client import REGISTRY
 
     from metaps.job import load_job
     from metaps.metrics import serve_metrics
     from ps.coordinator import restore_shard_checkpoint
     from ps.server import build_server
-
-    import torch
 
     # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
     torch.set_num_threads(1)
@@ -123,9 +121,8 @@ def run_ps(args: argparse.Namespace) -> int:
         link.register()
         link.start()
     if args.ready_file:
-        tmp = Path(args.ready_file + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}))
-        tmp.replace(args.ready_file)  # atomic: a reader never sees half a file
+        # atomic: the launcher polls for it and must never read half a file
+        write_json_atomic(args.ready_file, {"port": port, "metrics_port": metrics_port, "pid": os.getpid()})
     from metaps.faults import FaultInjector
 
     born = time.time()

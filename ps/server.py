@@ -42,14 +42,15 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from metaps.atomic_write import json_default
 from metaps.hashing import vshard_of
 from metaps.log import kv
 from metaps.rpc import RpcConfig, add_health, add_port, make_server
+from protos import ps_pb2, ps_pb2_grpc
 from ps import wire
 from ps.errors import BadRequest
-from ps.partition_map import PartitionMap, dense_owner
+from ps.partition_map import PartitionMap
 from ps.staleness import StalenessTimeout, StepClock
-from protos import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -641,7 +642,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             info = save_shard_checkpoint(self, request.dir, int(request.step))
         rows = info.get("rows", {})
         total = int(sum(rows.values())) if isinstance(rows, dict) else int(rows)
-        return ps_pb2.CheckpointResponse(rows=total, info_json=json.dumps(info, default=_json_default))
+        return ps_pb2.CheckpointResponse(rows=total, info_json=json.dumps(info, default=json_default))
 
     @_rpc(data=False)
     def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
@@ -664,7 +665,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc(data=False)
     def Stats(self, request: ps_pb2.StatsRequest, context: grpc.ServicerContext) -> ps_pb2.StatsResponse:
-        return ps_pb2.StatsResponse(json=json.dumps(self.stats(), default=_json_default))
+        return ps_pb2.StatsResponse(json=json.dumps(self.stats(), default=json_default))
 
     @_rpc(data=False)
     def RegisterWorker(self, request: ps_pb2.RegisterWorkerRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterWorkerResponse:
@@ -677,14 +678,6 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def Barrier(self, request: ps_pb2.BarrierRequest, context: grpc.ServicerContext) -> ps_pb2.BarrierResponse:
         m = self.clock.barrier(request.worker_id, int(request.step), request.timeout_s or self.wait_timeout_s)
         return ps_pb2.BarrierResponse(min_clock=m)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
 
 
 # -- TableRows <-> chunks -------------------------------------------------------------------------

@@ -16,21 +16,19 @@ weights the average); the loop ends when no worker has data left.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from meta_io.prefetch import prefetch
 from meta_io.reader import MetaIODataset
+from metaps.atomic_write import write_json_atomic
 from metaps.config import to_dict
 from metaps.log import kv
 from workers.config import DenseSync, TrainMode
@@ -353,9 +351,7 @@ class Worker:
         }
         path = self.run_dir / "workers" / f"worker-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rep, indent=1, default=_json_default))
-        tmp.replace(path)
+        write_json_atomic(path, rep)
         return rep
 
     def close(self) -> None:
@@ -380,14 +376,6 @@ def dense_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if hasattr(o, "__dataclass_fields__"):
-        return asdict(o)
-    return str(o)
 
 
 def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: str = "",

@@ -3,14 +3,13 @@
 * :func:`write_job` saves a :class:`~metaps.job.JobConfig` as the TOML every process reads.
 * :func:`start_worker` runs ``metaps worker`` with its log in a file.
 * :func:`wait_for_log` polls a log file for a line (the processes' only shared state with the test).
-* :func:`free_port` picks a free loopback port (the all-reduce rendezvous).
+* (free ports: :func:`metaps.metrics.free_port`)
 """
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -26,12 +25,6 @@ def write_job(job: JobConfig, path: Path) -> Path:
     """The job as a TOML file (the same sections ``metaps`` processes load)."""
     path.write_text(dumps(job.to_dict()))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_worker(config: Path, rank: int, ps: list[str], run_dir: Path, log_path: Path,

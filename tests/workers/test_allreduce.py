@@ -21,7 +21,8 @@ from workers.data_feed import static_ranges
 from workers.worker import build_model, dense_digest
 
 from tests.workers.conftest import make_job
-from tests.workers.procs import free_port, start_worker, wait_exit, write_job
+from metaps.metrics import free_port
+from tests.workers.procs import start_worker, wait_exit, write_job
 
 
 def test_two_allreduce_workers_end_with_identical_dense_params(worker_data, ps_servers, tmp_path: Path) -> None:
