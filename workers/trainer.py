@@ -91,13 +91,18 @@ class Trainer:
         self._inflight: Future | None = None
         """Overlap mode: the last step's row push, possibly still in flight."""
         self._names = [n for n, _ in model.named_parameters()]
-        self._local_opt: torch.optim.Optimizer | None = None
+        self._local_dense: Any = None
+        """All-reduce mode: a local DenseStore, the very optimizer code the PS runs in PS mode."""
         if cfg.dense_sync == DenseSync.PS:
             # Every worker builds the model from the same seed, so registering is idempotent.
             self.rows.register_dense(self._dense_numpy())
             self._load_dense(self.rows.pull_dense(self._names))
         else:
-            self._local_opt = _make_torch_optimizer(model, dense_optimizer)
+            from ps.dense_store import DenseStore
+
+            self._local_dense = DenseStore(dense_optimizer)
+            for name, value in self._dense_numpy().items():
+                self._local_dense.register(name, value)
 
     # -- dense parameters -------------------------------------------------------
     def _dense_numpy(self) -> dict[str, np.ndarray]:
@@ -116,14 +121,14 @@ class Trainer:
         self._apply_local(torch.cat([grads[n].reshape(-1) for n in self._names]))
 
     def _apply_local(self, flat: torch.Tensor) -> None:
-        assert self._local_opt is not None
-        offset = 0
-        for _, p in self.model.named_parameters():
+        assert self._local_dense is not None
+        grads, offset = {}, 0
+        for name, p in self.model.named_parameters():
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            grads[name] = flat[offset : offset + n].view(p.shape).numpy()
             offset += n
-        self._local_opt.step()
-        self._local_opt.zero_grad(set_to_none=True)
+        self._local_dense.push(grads)
+        self._load_dense(self._local_dense.pull(self._names))
 
     def refresh_dense(self) -> None:
         """PS mode: load the PS's current dense parameters (e.g. before evaluation)."""
@@ -300,18 +305,3 @@ def _flatten_meta(batch: MetaBatch) -> PlainBatch:
         oracle={k: cat(s.oracle[k], q.oracle[k]) for k in s.oracle},
     )
     return PlainBatch(features=merged, unique_ids=batch.unique_ids)
-
-
-def _make_torch_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
-    from ps.config import OptimizerKind
-
-    params = list(model.parameters())
-    if cfg is None or cfg.kind == OptimizerKind.ADAM:
-        lr = 1e-3 if cfg is None else cfg.lr
-        kw = {} if cfg is None else dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
-        return torch.optim.Adam(params, lr=lr, **kw)
-    if cfg.kind == OptimizerKind.ADAGRAD:
-        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.kind == OptimizerKind.SGD:
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"dense optimizer {cfg.kind.value} is not supported for dense parameters")
