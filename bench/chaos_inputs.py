@@ -26,6 +26,7 @@ from metaps.rpc import RpcConfig, make_channel
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 
 CALL_TIMEOUT_S = 20.0  # generous: the box is loaded; a refusal takes milliseconds
+BARRIER_DEADLINE_S = 10.0  # a barrier with a hostile timeout must be refused or capped below this
 
 
 def _judge(name: str, target: str, call: Callable[[], Any]) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def _ps_rows(stub: Any, token: str) -> int:
 
 
 def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", dim: int = 8,
-               small_limit_bytes: int = 1 << 20) -> list[dict[str, Any]]:
+               small_limit_bytes: int = 1 << 20, barrier_deadline_s: float = BARRIER_DEADLINE_S) -> list[dict[str, Any]]:
     """Send every hostile PS request to ``address``; one result row per request.
 
     The PS's rows (Stats) are read before and after: a last row ``ps_state_unchanged``
@@ -75,6 +76,7 @@ def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", 
         outside_dir: a directory outside the PS's checkpoint root (Checkpoint/Restore targets).
         table: a table the PS serves; dim: its dimension.
         small_limit_bytes: receive limit of the client used for the oversized-reply probe.
+        barrier_deadline_s: client deadline of the hostile Barrier calls (a refusal or cap must beat it).
     """
     rpc = RpcConfig(token=token, timeout_s=CALL_TIMEOUT_S)
     ch = make_channel(address, rpc)
@@ -85,6 +87,9 @@ def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", 
     md = _md(token)
     ids8 = np.arange(1, 9, dtype="<i8")
     out: list[dict[str, Any]] = []
+    stub.PushMany(ps_pb2.PushManyRequest(tables=[ps_pb2.TableGrads(  # some rows, so "unchanged" means something
+        table=table, ids=ids8.tobytes(), grads=np.ones((8, dim), "<f4").tobytes(), dtype=ps_pb2.DTYPE_FP32)]),
+        timeout=t, metadata=md)
     before = _ps_rows(stub, token)
 
     def tensor(shape: list[int], nbytes: int) -> ps_pb2.DenseTensor:
@@ -102,10 +107,10 @@ def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", 
         ("vshard -1 / 10**6", lambda: stub.FreezeVshards(ps_pb2.FreezeRequest(vshards=[-1, 10**6], frozen=True,
                                                                               lease_s=1.0), timeout=t, metadata=md)),
         ("NaN barrier timeout", lambda: stub.Barrier(ps_pb2.BarrierRequest(worker_id="chaos-ghost", step=10**9,
-                                                                           timeout_s=math.nan), timeout=t, metadata=md)),
+                                                                           timeout_s=math.nan), timeout=barrier_deadline_s, metadata=md)),
         ("huge barrier timeout (must be capped or refused)",
          lambda: stub.Barrier(ps_pb2.BarrierRequest(worker_id="chaos-ghost", step=10**9, timeout_s=1e9),
-                              timeout=t, metadata=md)),
+                              timeout=barrier_deadline_s, metadata=md)),
         ("negative dense shape", lambda: stub.RegisterDense(ps_pb2.RegisterDenseRequest(params=[tensor([-1, 4], 16)]),
                                                             timeout=t, metadata=md)),
         ("dense shape/bytes mismatch", lambda: stub.RegisterDense(
@@ -139,18 +144,21 @@ def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", 
         tables=[ps_pb2.TableIds(table=table, ids=big_ids.tobytes())]), timeout=t, metadata=md)))
     # a registered ghost worker far behind: a barrier / bounded wait has someone to wait for
     stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id="chaos-behind", step=0), timeout=t, metadata=md)
+    undos = (lambda: stub.PauseWrites(ps_pb2.PauseRequest(paused=False), timeout=t, metadata=md),
+             lambda: stub.FreezeVshards(ps_pb2.FreezeRequest(vshards=[0], frozen=False), timeout=t, metadata=md))
     try:
         for name, call in cases:
             out.append(_judge(name, "ps", call))
-        # leave the PS as found: release a pause / freeze a hostile call may have set
-        for undo in (lambda: stub.PauseWrites(ps_pb2.PauseRequest(paused=False), timeout=t, metadata=md),
-                     lambda: stub.FreezeVshards(ps_pb2.FreezeRequest(vshards=[0], frozen=False), timeout=t, metadata=md),
-                     lambda: stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id="chaos-behind", leave=True),
-                                                 timeout=t, metadata=md)):
-            try:
-                undo()
-            except grpc.RpcError:
-                pass
+            for undo in undos:  # a hostile pause / freeze that was accepted must not spoil the next case
+                try:
+                    undo()
+                except grpc.RpcError:
+                    pass
+        try:
+            stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id="chaos-behind", leave=True), timeout=t,
+                                metadata=md)
+        except grpc.RpcError:
+            pass
         after = _ps_rows(stub, token)
         out.append({"name": "ps_state_unchanged", "target": "ps", "code": "-",
                     "message": f"rows before {before}, after {after}", "clear": after == before})
@@ -174,6 +182,9 @@ def controller_battery(address: str, token: str) -> list[dict[str, Any]]:
     t = CALL_TIMEOUT_S
     md = _md(token)
     ghost = controller_pb2.NodeRef(role="worker", index=77)
+    # a registered worker 0, so the shard / metrics cases reach their own checks
+    stub.RegisterNode(controller_pb2.RegisterNodeRequest(node=controller_pb2.NodeRef(role="worker", index=0), pid=1),
+                      timeout=t, metadata=md)
     cases: list[tuple[str, Callable[[], Any]]] = [
         ("missing token", lambda: bare_stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=t)),
         ("checkpoint cut_id=-1", lambda: stub.CheckpointDone(
