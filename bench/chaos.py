@@ -113,6 +113,8 @@ def fleet_procs(marker: str) -> dict[str, int]:
             out[f"ps-{_opt(head, '--shard')}"] = int(d.name)
         elif cmd == "worker":
             out[f"worker-{_opt(head, '--rank')}"] = int(d.name)
+        elif cmd == "launch":
+            out["launcher"] = int(d.name)
         elif cmd == "agent":
             out[f"agent-{_opt(head, '--role')}-{_opt(head, '--index')}"] = int(d.name)
     return out

@@ -2,7 +2,9 @@
 
 A reply is a *clear error* when the server answered with a status that is neither
 OK nor UNKNOWN, carried a message, and came back before the client's deadline
-(DEADLINE_EXCEEDED means a handler sat on the request instead of refusing it).
+(DEADLINE_EXCEEDED means a handler sat on the request instead of refusing it), and
+was not made up by the client library (its own receive limit: the server sent a
+reply larger than the client takes instead of splitting it or refusing).
 An OK reply to a hostile request counts as *accepted* (not clear): the server
 took garbage without a word.
 
@@ -36,8 +38,10 @@ def _judge(name: str, target: str, call: Callable[[], Any]) -> dict[str, Any]:
     except grpc.RpcError as exc:
         code = exc.code()
         details = exc.details() or ""
+        # a status the client library made up (its own receive limit) is not the server refusing
+        client_side = "CLIENT:" in details or "Received message larger than max" in details
         clear = code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK) \
-            and bool(details.strip())
+            and bool(details.strip()) and not client_side
         return {"name": name, "target": target, "code": code.name, "message": details[:300], "clear": clear}
     except Exception as exc:  # noqa: BLE001 -- anything else the client library raised: not a clear status
         return {"name": name, "target": target, "code": f"client:{type(exc).__name__}", "message": str(exc)[:300],

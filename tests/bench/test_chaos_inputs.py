@@ -58,3 +58,5 @@ def test_judge_counts_ok_and_unknown_as_not_clear() -> None:
     assert not _judge("deadline", "ps", raise_(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))["clear"]
     assert not _judge("empty", "ps", raise_(grpc.StatusCode.INVALID_ARGUMENT, ""))["clear"]
     assert _judge("clear", "ps", raise_(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be finite"))["clear"]
+    assert not _judge("client limit", "ps", raise_(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                   "CLIENT: Received message larger than max (5 vs. 4)"))["clear"]
