@@ -113,3 +113,19 @@ def _read(path: Path) -> str:
 
 def _steps(run: Path) -> int:
     return _read(run / "logs" / "worker-0.log").count('msg="step"')
+
+
+def test_the_launcher_reads_the_controllers_run_failed_event() -> None:
+    from metaps.launch import EXIT_FAILED, controller_failed
+
+    st = {"events": [{"kind": "ps_recovery_failed", "evidence": {"fatal": True}},
+                     {"kind": "run_failed", "evidence": {"reason": "PS recovery after the restart of ps:1 failed: x"}}]}
+    out = controller_failed(st)
+    assert out is not None and out.status == "failed" and out.code == EXIT_FAILED
+    assert out.reason == "PS recovery after the restart of ps:1 failed: x" and out.final_checkpoint is False
+    assert controller_failed({"events": [{"kind": "ps_recovery", "evidence": {}}]}) is None
+    assert controller_failed(None) is None
+    from controller.ps_recovery import RUN_FAILED
+    from metaps.run_report import RUN_FAILED_EVENT
+
+    assert RUN_FAILED == RUN_FAILED_EVENT  # the controller's event kind and what the launcher looks for
