@@ -282,11 +282,7 @@ class ControllerServer:
             "nodes": nodes,
             "events": [e.__dict__ for e in self.events.list(since=events_since)],
             "finished": self.dds.finished(),
-            "coverage": {"complete": cov.complete, "problems": cov.problems[:50],
-                         "done_entries": cov.done_entries, "duplicate_entries": cov.duplicate_entries,
-                         "stale_entries": cov.stale_entries, "replayed_entries": cov.replayed_entries,
-                         "samples": cov.samples, "duplicate_samples": cov.duplicate_samples,
-                         "duplicate_batches": cov.duplicate_batches},
+            "coverage": cov.to_status(),
             "checkpoints": self.checkpoints.cuts(),
         }
 

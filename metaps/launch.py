@@ -22,8 +22,12 @@ and its own process group (see :mod:`metaps.fleet`): SIGINT/SIGTERM stop the
 whole fleet with no process left behind; a second signal kills at once.
 
 Exit code: 0 when every worker finished; 1 when training failed (a worker's agent
-gave up after its restart limit, a PS or the controller died, the timeout
+gave up after its restart limit, a PS or the controller died, the controller
+failed the run -- a PS recovery with no restorable checkpoint --, the timeout
 passed, a process did not start); 130/143 when interrupted by SIGINT/SIGTERM.
+report.json and the summary say why, and what fraction of the requested shards
+was covered (``coverage: 62% (stopped: launcher SIGTERM)``; "complete" only when
+every shard of every requested epoch is done).
 
 Two helpers for fleets started by hand or across hosts (``scripts/``)::
 
@@ -235,9 +239,29 @@ def _metaps(*args: str) -> list[str]:
 # ============================================================== the launcher
 @dataclass
 class Outcome:
-    status: str  # succeeded | failed | interrupted
+    """How a launch ended.
+
+    Attributes:
+        status: succeeded | failed | interrupted.
+        reason: why it failed or stopped ('' on success); report.json and the summary carry it.
+        code: the exit code.
+        final_checkpoint: take a coordinated checkpoint while stopping (False when the PS
+            fleet is in no consistent state, e.g. a failed PS recovery: such a checkpoint
+            would become the newest one a resume picks).
+    """
+
+    status: str
     reason: str = ""
     code: int = EXIT_OK
+    final_checkpoint: bool = True
+
+
+def controller_failed(status: dict[str, Any] | None) -> Outcome | None:
+    """A failed Outcome when the controller failed the run (``run_failed`` event), else None."""
+    from metaps.run_report import run_failure
+
+    why = run_failure(status)
+    return Outcome("failed", why, EXIT_FAILED, final_checkpoint=False) if why else None
 
 
 class Launcher:
@@ -408,6 +432,9 @@ class Launcher:
                     self._poll_status(client)
                     self.tail.poll()
                     display.update(self.status, self.tail.latest(), elapsed)
+                    failed = controller_failed(self.status)
+                    if failed is not None:
+                        return failed
                 if all(w in exited for w in workers):
                     return Outcome("succeeded")
                 if self.lc.timeout_s and elapsed > self.lc.timeout_s:
@@ -468,9 +495,12 @@ class Launcher:
         workers = [n for n, m in self.fleet.members.items() if m.role == "worker"]
         if outcome.status != "succeeded":
             self.fleet.stop(workers, grace)
-            self.ckpt = self._final_checkpoint(outcome.reason)
-            if not self.ckpt:
-                notes.append("no final checkpoint: the PS fleet was not all up, or the checkpoint failed")
+            if outcome.final_checkpoint:
+                self.ckpt = self._final_checkpoint(outcome.reason)
+                if not self.ckpt:
+                    notes.append("no final checkpoint: the PS fleet was not all up, or the checkpoint failed")
+            else:
+                notes.append("no final checkpoint: the PS fleet is in no consistent state")
         self._final_status()
         stats = self._ps_stats()
         self.fleet.stop([n for n, m in self.fleet.members.items() if m.role == "ps"], grace)
@@ -539,6 +569,8 @@ class Launcher:
                 outcome = self._interrupted() if self.stop_event.is_set() else Outcome("failed", str(exc), EXIT_FAILED)
             log.info("run ending", extra=kv(status=outcome.status, reason=outcome.reason or "-"))
             stats, notes = self._teardown(outcome)
+            if outcome.status == "succeeded":  # a recovery may have failed after the last poll
+                outcome = controller_failed(self.status) or outcome
         except BaseException:
             self.fleet.kill_all()
             raise
@@ -583,6 +615,7 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         print_summary,
         read_ledger,
         read_worker_reports,
+        run_failure,
         write_report,
     )
     from metaps.tb import write_tensorboard
@@ -613,9 +646,10 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         ports[ready.stem] = int(json.loads(ready.read_text())["metrics_port"])
     reports = read_worker_reports(run_dir)
     missing = sorted(set(range(job.train.workers)) - set(reports))
-    ok = not missing
+    failure = run_failure(status) or (f"no report from worker(s) {missing}" if missing else "")
+    ok = not failure
     rep = build_report(run_dir, job, status="succeeded" if ok else "failed",
-                       reason="" if ok else f"no report from worker(s) {missing}", exit_code=0 if ok else 1,
+                       reason=failure, exit_code=0 if ok else 1,
                        ps_stats=stats, controller_status=status,
                        ledger=read_ledger(Path(job.controller.state_dir or run_dir / "controller")),
                        metrics_ports=ports, notes=["assembled by metaps run-report"])

@@ -48,7 +48,7 @@ from metaps.log import kv
 from metaps.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
 from ps import wire
-from ps.errors import BadRequest
+from ps.errors import BadRequest, CheckpointError
 from ps.partition_map import PartitionMap
 from ps.staleness import StalenessTimeout, StepClock
 
@@ -250,6 +250,9 @@ def _rpc(data: bool) -> Callable:
             except (wire.WireError, BadRequest) as exc:
                 self.metrics.errors.labels(shard, method, "INVALID_ARGUMENT").inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except CheckpointError as exc:  # a corrupt/incomplete checkpoint: the shard is unchanged
+                self.metrics.errors.labels(shard, method, "DATA_LOSS").inc()
+                context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
             except StalenessTimeout as exc:
                 self.metrics.errors.labels(shard, method, "DEADLINE_EXCEEDED").inc()
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))

@@ -100,6 +100,27 @@ class ShardStore:
             extra=kv(shard=self.shard_id, tables=",".join(names), device=self.device, bytes=self.memory_bytes()),
         )
 
+    def empty_like(self) -> "ShardStore":
+        """A new, empty store with this one's tables, layout, device and optimizers.
+
+        A restore fills it aside and swaps it in only when everything loaded
+        (all or nothing); its open version continues this store's, so an
+        incremental delivery sees every restored row as changed.
+        """
+        fresh = ShardStore(
+            [t.cfg for t in self.tables.values()],
+            shard_id=self.shard_id,
+            num_vshards=self.num_vshards,
+            seed=self.seed,
+            device=self.device,
+            nonfinite_grads=self.nonfinite_grads.value,
+            dense_optimizer=self.dense.cfg,
+        )
+        fresh._version = self._version
+        for t in fresh.tables.values():
+            t.current_version = self._version
+        return fresh
+
     # -- helpers -------------------------------------------------------------------
     def table(self, name: str) -> EmbeddingTable:
         """The named table (BadRequest naming the known tables otherwise)."""
