@@ -76,6 +76,9 @@ class ControllerServer:
         clock: ``time.time``-like.
     """
 
+    checkpoint_root: str | None = None
+    """CheckpointDone accepts only dirs under this root (``metaps controller`` sets it); None: any."""
+
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
                  clock: Callable[[], float] = time.time) -> None:

@@ -154,6 +154,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @_guard
     def CheckpointDone(self, request: pb.CheckpointDoneRequest, context: grpc.ServicerContext) -> pb.CheckpointDoneResponse:
+        root = self.s.checkpoint_root
+        if root is not None:  # a committed cut's dir is what a PS recovery restores from: keep it confined
+            from metaps.paths import PathNotAllowed, confine
+
+            try:
+                confine(request.dir, root)
+            except PathNotAllowed as exc:
+                log.warning("CheckpointDone refused: %s", exc)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"CheckpointDone: {exc}")
         self.s.checkpoints.commit(request.cut_id, request.step, request.dir)
         return pb.CheckpointDoneResponse()
 

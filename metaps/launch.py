@@ -3,7 +3,7 @@
 ::
 
     metaps launch --config configs/local.toml [--workers N] [--ps N] [--run-dir DIR]
-                  [--resume-from DIR] [--timeout S] [--no-progress]
+                  [--resume-from DIR] [--timeout S] [--no-progress] [--token-file FILE]
 
 What it does::
 
@@ -16,6 +16,13 @@ What it does::
     end:   PS stats, controller status, (failed or interrupted: workers stopped, then a
            coordinated checkpoint of the PS), stop PS, stop controller, ledger
            -> report.json, tb/, plots/, summary table
+
+Auth is always on: the run's token is ``[rpc] token``, a token file or
+``$METAPS_TOKEN``, else a fresh random one (:func:`metaps.security.launch_token`);
+children get it through ``$METAPS_TOKEN`` or the 0600 token file, never argv;
+``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
+run dir is 0700, its files 0600; the PS and controller accept checkpoint paths
+under ``RUN/checkpoints`` only (``--checkpoint-root``).
 
 Every process gets ``METAPS_T0`` (one job start time, for fault-injection clocks)
 and its own process group (see :mod:`metaps.fleet`): SIGINT/SIGTERM stop the
@@ -74,6 +81,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resume-from", default="", help="warm start: a run dir, checkpoints dir or checkpoint")
     p.add_argument("--timeout", type=float, default=0.0, help="fail the run after this many seconds (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no live view; a progress log line every 10 s")
+    p.add_argument("--token-file", default="",
+                   help="auth token file (0600): read it, or create it with the run's token (default [rpc] token_file)")
     p.set_defaults(func=_cmd_launch)
 
     c = subparsers.add_parser("config-write", help="write a job TOML with overrides (per-host configs)")
@@ -107,6 +116,7 @@ class LaunchConfig:
         ready_timeout_s: how long the controller and each PS get to come up.
         stop_grace_s: SIGTERM -> SIGKILL grace per role when stopping.
         status_every_s: controller status poll period.
+        token_file: read the run's token from this 0600 file, or write it there ('' = ``[rpc] token_file``).
 
     Example::
 
@@ -123,6 +133,7 @@ class LaunchConfig:
     ready_timeout_s: float = 180.0
     stop_grace_s: float = 20.0
     status_every_s: float = 1.0
+    token_file: str = ""
 
     def validate(self) -> None:
         if not self.config:
@@ -281,6 +292,7 @@ class Launcher:
 
         from metaps.config import read_toml
         from metaps.job import load_job
+        from metaps.security import launch_token, make_private_dir
 
         lc.validate()
         self.lc = lc
@@ -289,11 +301,11 @@ class Launcher:
         raw = read_toml(lc.config)
         self.run_dir, self.auto_named = _new_run_dir(lc, base)
         self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
+        token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("logs", "ps", "workers", "checkpoints"):
-            (self.run_dir / sub).mkdir(exist_ok=True)
+        for sub in ("", "logs", "ps", "workers", "checkpoints"):
+            make_private_dir(self.run_dir / sub)  # 0700
         _absolute_data_paths(raw)
         overrides = [(["ps", "shards"], n_ps), (["train", "workers"], n_workers),
                      (["run", "dir"], str(self.run_dir)),
@@ -304,8 +316,10 @@ class Launcher:
             overrides.append((["train", "allreduce_port"], free_port()))
         self.job_path = self.run_dir / "job.toml"
         self.job = write_job(self.job_path, apply_overrides(raw, overrides))
+        self.job = self.job.with_overrides(rpc=dataclasses.replace(self.job.rpc, token=token))  # in memory only
         self.fleet = Fleet(self.run_dir / "logs", env={
-            "METAPS_T0": repr(time.time()), "PYTHONUNBUFFERED": "1", "METAPS_RUN_DIR": str(self.run_dir)})
+            "METAPS_T0": repr(time.time()), "PYTHONUNBUFFERED": "1", "METAPS_RUN_DIR": str(self.run_dir),
+            **token_env})
         self.t0 = float(self.fleet.env["METAPS_T0"])
         self.stop_event = threading.Event()
         self.signal_name = ""
@@ -340,7 +354,8 @@ class Launcher:
         mport = free_port(_connect_host(host))
         m = self.fleet.start("controller", _metaps(
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
-            "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport)), role="controller")
+            "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport),
+            "--checkpoint-root", str(self.run_dir / "checkpoints")), role="controller")
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
         self.ctl_addr = f"{_connect_host(host)}:{port}"
         self.metrics_ports["controller"] = mport
@@ -353,7 +368,8 @@ class Launcher:
         for k in range(self.job.ps.shards):
             port, mport = free_port(_connect_host(host)), free_port(_connect_host(host))
             child = ["ps", "--config", str(self.job_path), "--shard", str(k), "--port", str(port),
-                     "--metrics-port", str(mport), "--ready-file", str(self.run_dir / "ps" / f"ps-{k}.ready")]
+                     "--metrics-port", str(mport), "--ready-file", str(self.run_dir / "ps" / f"ps-{k}.ready"),
+                     "--checkpoint-root", str(self.run_dir / "checkpoints")]
             if self.resume:
                 child += ["--restore", self.resume]
             aport = free_port(_connect_host(host))
@@ -584,8 +600,12 @@ class Launcher:
 
 # ============================================================== commands
 def _cmd_launch(args: argparse.Namespace) -> int:
+    from metaps.security import set_private_umask
+
+    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
-                      resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout)
+                      resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout,
+                      token_file=args.token_file)
     try:
         lc.validate()
     except ValueError as exc:

@@ -293,6 +293,10 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         max_workers: gRPC handler threads.
     """
 
+    checkpoint_root: str | None = None
+    """Checkpoint/Restore accept only directories under this root (``metaps ps`` always sets
+    it: ``--checkpoint-root``); None, for servers built in-process, accepts any directory."""
+
     def __init__(
         self,
         store: Any,
@@ -641,8 +645,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
 
         if not request.dir:
             raise _bad("Checkpoint needs a directory")
+        directory = self._confined(request.dir, "Checkpoint")
         with self._gate.exclusive():
-            info = save_shard_checkpoint(self, request.dir, int(request.step))
+            info = save_shard_checkpoint(self, directory, int(request.step))
         rows = info.get("rows", {})
         total = int(sum(rows.values())) if isinstance(rows, dict) else int(rows)
         return ps_pb2.CheckpointResponse(rows=total, info_json=json.dumps(info, default=json_default))
@@ -651,9 +656,22 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         from ps.coordinator import restore_shard_checkpoint
 
+        directory = self._confined(request.dir, "Restore")
         with self._gate.exclusive():
-            rows, step = restore_shard_checkpoint(self, request.dir)
+            rows, step = restore_shard_checkpoint(self, directory)
         return ps_pb2.RestoreResponse(rows=rows, step=step)
+
+    def _confined(self, directory: str, method: str) -> str:
+        """``directory`` resolved under :attr:`checkpoint_root`, else PERMISSION_DENIED (nothing touched)."""
+        if self.checkpoint_root is None:
+            return directory
+        from metaps.paths import PathNotAllowed, confine
+
+        try:
+            return str(confine(directory, self.checkpoint_root))
+        except PathNotAllowed as exc:
+            log.warning("path refused", extra=kv(shard=self.shard_id, method=method, error=str(exc)))
+            raise RpcAbort(grpc.StatusCode.PERMISSION_DENIED, f"{method}: {exc}") from None
 
     def stats(self) -> dict[str, Any]:
         return {
