@@ -154,6 +154,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @_guard
     def CheckpointDone(self, request: pb.CheckpointDoneRequest, context: grpc.ServicerContext) -> pb.CheckpointDoneResponse:
+        if request.cut_id < 0:
+            raise ValueError(f"CheckpointDone: cut_id must be >= 0, got {request.cut_id}")
+        if request.step < 0:
+            raise ValueError(f"CheckpointDone: step must be >= 0, got {request.step}")
+        if not request.dir:
+            raise ValueError("CheckpointDone: dir must name the checkpoint directory, got ''")
         root = self.s.checkpoint_root
         if root is not None:  # a committed cut's dir is what a PS recovery restores from: keep it confined
             from metaps.paths import PathNotAllowed, confine

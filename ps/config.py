@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -298,6 +299,13 @@ class PsConfig:
         value_dtype: wire format of pulled rows.
         max_request_rows: largest pull/push a shard accepts in one request.
         sync, max_staleness: consistency mode (semantics owned by the service).
+        server_threads: gRPC handler threads of one shard. No handler ever waits on
+            another worker (staleness and barrier waits happen in the client), so a few
+            suffice whatever the number of workers.
+        wait_timeout_s: longest a worker waits for slower workers (bounded staleness,
+            sync barriers); a client-supplied barrier timeout is capped to it.
+        max_pause_lease_s: cap on a PauseWrites lease (a pause ends by itself after it).
+        max_freeze_lease_s: cap on a FreezeVshards lease (a freeze thaws by itself after it).
 
     Example::
 
@@ -321,8 +329,18 @@ class PsConfig:
     max_request_rows: int = 1 << 20
     sync: SyncMode = SyncMode.ASYNC
     max_staleness: int = 4
+    server_threads: int = 8
+    wait_timeout_s: float = 60.0
+    max_pause_lease_s: float = 600.0
+    max_freeze_lease_s: float = 600.0
 
     def validate(self) -> None:
+        if self.server_threads < 2:
+            raise ValueError(f"server_threads must be >= 2, got {self.server_threads}")
+        for name in ("wait_timeout_s", "max_pause_lease_s", "max_freeze_lease_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v}")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
         if self.num_vshards < self.shards:
