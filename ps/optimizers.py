@@ -25,8 +25,9 @@ run over the TBE weight storage (``split_embedding_weights()`` views). Formulas:
   w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``
 * ftrl: McMahan et al. 2013 (KDD, "Ad Click Prediction: a View from the
   Trenches"), Algorithm 1, FTRL-Proximal *per coordinate*. The weight is not a
-  variable: it is a function of the state (z, n), computed from them before
-  every update and stored in the table only as a cache for pulls::
+  variable: it is a function of the state (z, n), stored in the table as a
+  cache (for pulls and for the next update) that every write of z, n refreshes,
+  imports included::
 
       w(z, n) = 0                                            if |z| <= l1
               = -(z - sign(z) l1) / ((beta + sqrt(n)) / alpha + l2)   otherwise
@@ -364,7 +365,9 @@ class FtrlOptimizer(SparseOptimizer):
         c = self.cfg
         z = self.z.index_select(0, rows)
         n = self.n.index_select(0, rows)
-        w = self.weights_of(z, n)
+        # w(z, n): the stored weight is exactly that (every write goes through weights_of:
+        # apply, and rows_written for new and imported rows), so read it rather than recompute
+        w = self.weights.index_select(0, rows)
         g = grads + c.weight_decay * w if c.weight_decay else grads
         n_new = n + g * g
         sigma = (n_new.sqrt() - n.sqrt()) / c.ftrl_alpha
