@@ -235,6 +235,12 @@ class EmbeddingTable:
             "push_ids": 0,
         }
 
+    def _count_rare(self, counter: str, n: int) -> bool:
+        """Add ``n`` to a counter; True when the total reached a new power of two (log then, not always)."""
+        old = self.counters[counter]
+        self.counters[counter] = old + n
+        return n > 0 and (old + n).bit_length() > old.bit_length()
+
     # -- sizes ---------------------------------------------------------------------
     @property
     def size(self) -> int:
@@ -278,11 +284,12 @@ class EmbeddingTable:
             if float(hi) > FP16_MAX or float(lo) < -FP16_MAX:
                 over = int((t.abs() > FP16_MAX).sum())
                 t.clamp_(-FP16_MAX, FP16_MAX)
-                self.counters["fp16_saturated"] += over
-                log.warning(
-                    "pulled values beyond the fp16 range saturated",
-                    extra=kv(table=self.name, values=over, max_abs=max(float(hi), -float(lo)), limit=FP16_MAX),
-                )
+                if self._count_rare("fp16_saturated", over):
+                    log.warning(
+                        "pulled values beyond the fp16 range saturated",
+                        extra=kv(table=self.name, values=over, total=self.counters["fp16_saturated"],
+                                 max_abs=max(float(hi), -float(lo)), limit=FP16_MAX),
+                    )
         return out
 
     def _pull(self, ids: np.ndarray) -> np.ndarray:
@@ -399,11 +406,12 @@ class EmbeddingTable:
             if ok is not None and not bool(ok.all()):
                 ok = ok.cpu()
                 res.update_nonfinite_dropped = int((~ok).sum())
-                self.counters["update_nonfinite_dropped"] += res.update_nonfinite_dropped
-                log.warning(
-                    "updates that would be NaN/Inf not written",
-                    extra=kv(table=self.name, rows=res.update_nonfinite_dropped, first_id=int(uniq[~ok][0])),
-                )
+                if self._count_rare("update_nonfinite_dropped", res.update_nonfinite_dropped):
+                    log.warning(
+                        "updates that would be NaN/Inf not written",
+                        extra=kv(table=self.name, rows=res.update_nonfinite_dropped, first_id=int(uniq[~ok][0]),
+                                 total=self.counters["update_nonfinite_dropped"]),
+                    )
                 rows = rows[ok]
         res.applied = int(rows.numel())
         if res.applied:
