@@ -91,7 +91,7 @@ from ps.staleness import Behind, StalenessTimeout, StepClock
 log = logging.getLogger(__name__)
 
 WRONG_OWNER = "wrong_owner"
-PUSH_COUNT_FIELDS = ("applied", "nonfinite_dropped", "unadmitted_dropped", "admitted", "evicted", "full_dropped")
+PUSH_COUNT_FIELDS = ("applied", "nonfinite_dropped", "unadmitted_dropped", "admitted", "evicted", "full_dropped", "update_nonfinite_dropped")
 """ps.embedding_table.PushResult fields carried back in PushCounts (summed by the client)."""
 ERROR_KEY = "metaps-error"
 MAP_VERSION_KEY = "metaps-map-version"
@@ -581,7 +581,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
             for p in parsed:
-                rows = self.store.pull(p.table, p.ids)
+                rows = self.store.pull(p.table, p.ids, fp16=fp16)
                 out.append(dict(
                     table=p.table, values=wire.encode_rows(rows, dtype), dtype=dtype.proto,
                     dim=int(rows.shape[1]) if rows.ndim == 2 else self._dim(p.table), rows=int(p.ids.size),

@@ -144,14 +144,16 @@ class ShardStore:
         return self._version
 
     # -- data path -----------------------------------------------------------------
-    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+    def pull(self, table: str, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
         """Rows of ``ids`` (int64 [n], any order, duplicates ok) as float32 [n, dim].
 
         Ids without a row (not admitted yet, or evicted) read as their initial value.
+        With ``fp16`` (rows bound for an fp16 wire) values beyond +-65504 saturate
+        to +-65504, counted in the table's ``fp16_saturated`` stat.
         """
         t = self.table(table)
         with t.lock:
-            return t.pull(ids)
+            return t.pull(ids, fp16=fp16)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
         """Apply gradients float32 [n, dim] to ``ids`` int64 [n]; duplicates are summed.

@@ -13,6 +13,7 @@ from ps.config import (
     AdmissionConfig,
     EvictionConfig,
     EvictionPolicy,
+    InitKind,
     OptimizerConfig,
     OptimizerKind,
     TableConfig,
@@ -109,7 +110,8 @@ def test_flat_grads_accepted() -> None:
 
 @pytest.mark.parametrize("kind", list(OptimizerKind))
 def test_export_import_drop_round_trip(kind: OptimizerKind) -> None:
-    cfg = TableConfig(name="user", dim=DIM, capacity=64, optimizer=OptimizerConfig(kind=kind))
+    init = InitKind.ZEROS if kind == OptimizerKind.FTRL else InitKind.NORMAL  # ftrl rows start at w = 0
+    cfg = TableConfig(name="user", dim=DIM, capacity=64, optimizer=OptimizerConfig(kind=kind), init=init)
     V = 8
     a = make_store(cfg, V=V)
     b = make_store(cfg, shard_id=1, V=V)
