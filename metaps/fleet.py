@@ -6,10 +6,14 @@ child (the PS or worker) inherits that group. Stopping a member is::
 
     SIGTERM to the leader (the agent stops its child cleanly, then exits)
     wait up to grace seconds
-    SIGKILL to the whole group (anything left: a hung child, a grandchild)
+    SIGKILL to the whole group (anything left: a hung child, a grandchild, or the
+        child of a leader that exited politely without stopping it)
+    wait until no process of the group is left (SIGKILL is asynchronous: a big
+        process takes a while to be torn down, longer on a loaded machine)
 
 so nothing of the fleet outlives the launcher, even when a child ignores
-SIGTERM. Leaders also get ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher
+SIGTERM. The group id is the leader's pid (``start_new_session``), remembered in
+the :class:`Member`, so the group is found and killed after the leader is gone. Leaders also get ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher
 itself is SIGKILLed they are told to stop.
 
 Each member's stdout and stderr go to ``<log_dir>/<name>.log``.
@@ -177,7 +181,28 @@ class Fleet:
                 out[m.name] = m.proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 out[m.name] = None
+        self.wait_gone([m.pid for m in members])
         return out
+
+    def wait_gone(self, pgids: Sequence[int], timeout_s: float = 30.0) -> list[int]:
+        """Wait until no live process is in any of ``pgids`` (re-sending SIGKILL); returns the pids left.
+
+        Args:
+            pgids: process groups (members' leader pids).
+            timeout_s: give up after this long (the pids left are logged and returned).
+        """
+        groups = set(pgids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = [pid for pid, pgid in _process_groups().items() if pgid in groups]
+            if not left:
+                return []
+            if time.monotonic() > deadline:
+                log.error("processes outlived SIGKILL of their group", extra=kv(pids=left, groups=sorted(groups)))
+                return left
+            for g in groups:
+                _kill_group(g)
+            time.sleep(0.02)
 
     def stop_all(self, grace_s: float = 15.0) -> None:
         """Stop every member (workers, then PS, then the controller)."""
@@ -189,6 +214,7 @@ class Fleet:
         """SIGKILL every member's group now (second Ctrl-C, or a launcher error)."""
         for m in self.members.values():
             _kill_group(m.pid)
+        self.wait_gone([m.pid for m in self.members.values()])
 
     def alive_pids(self) -> list[int]:
         """Pids of any process still in one of the fleet's process groups."""
