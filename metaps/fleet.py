@@ -77,6 +77,8 @@ class Member:
     log_path: Path
     started: float = field(default_factory=time.time)
     stopped_by_us: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
 
     @property
     def pid(self) -> int:
@@ -120,15 +122,40 @@ class Fleet:
         if name in self.members:
             raise FleetError(f"fleet member {name!r} already started")
         log_path = self.log_dir / f"{name}.log"
-        with log_path.open("ab") as out:
-            proc = subprocess.Popen(
-                list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**self.env, **(env or {})}, cwd=self.cwd, start_new_session=True,
-                preexec_fn=_child_setup,  # noqa: PLW1509 -- one prctl call, resolved before fork
-            )
-        m = Member(name, role or name, index, list(cmd), proc, log_path)
+        proc = self._popen(cmd, log_path, env or {})
+        m = Member(name, role or name, index, list(cmd), proc, log_path, env=dict(env or {}))
         self.members[name] = m
         log.info("started", extra=kv(member=name, pid=proc.pid, log=str(log_path)))
+        return m
+
+    def _popen(self, cmd: Sequence[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as out:
+            return subprocess.Popen(
+                list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**self.env, **env}, cwd=self.cwd, start_new_session=True,
+                preexec_fn=_child_setup,  # noqa: PLW1509 -- one prctl call, resolved before fork
+            )
+
+    def restart(self, name: str) -> Member:
+        """Start an exited member again (same command, env and log file, a new process group).
+
+        Whatever is left of its old group (a child that outlived its dead leader) is
+        SIGKILLed first, and the restart waits until that group is empty.
+
+        Raises:
+            FleetError: unknown member, or its leader is still running.
+        """
+        m = self.members.get(name)
+        if m is None:
+            raise FleetError(f"no fleet member {name!r} to restart (members: {sorted(self.members)})")
+        if m.poll() is None:
+            raise FleetError(f"fleet member {name!r} (pid {m.pid}) is still running; stop it before a restart")
+        _kill_group(m.pid)
+        self.wait_gone([m.pid])
+        m.proc = self._popen(m.cmd, m.log_path, m.env)
+        m.restarts += 1
+        m.started, m.stopped_by_us = time.time(), False
+        log.info("restarted", extra=kv(member=name, pid=m.pid, restarts=m.restarts))
         return m
 
     # ---------------------------------------------------------------- watch
