@@ -22,8 +22,10 @@ and its own process group (see :mod:`metaps.fleet`): SIGINT/SIGTERM stop the
 whole fleet with no process left behind; a second signal kills at once.
 
 Exit code: 0 when every worker finished; 1 when training failed (a worker's agent
-gave up after its restart limit, a PS or the controller died, the timeout
-passed, a process did not start); 130/143 when interrupted by SIGINT/SIGTERM.
+gave up after its restart limit, an agent died more often than that limit, the
+controller died, the timeout passed, a process did not start); 130/143 when
+interrupted by SIGINT/SIGTERM. An agent that died (SIGKILL, a crash) is restarted
+with its orphaned child stopped and its node reported down (docs/design/launch.md).
 
 Two helpers for fleets started by hand or across hosts (``scripts/``)::
 
@@ -393,7 +395,7 @@ class Launcher:
                 exited = self.fleet.exited()
                 if "controller" in exited:
                     return Outcome("failed", f"the controller exited with code {exited['controller']}", EXIT_FAILED)
-                agents = self._supervise_agents(exited, client)
+                agents = self._supervise_agents(exited)
                 if isinstance(agents, Outcome):
                     return agents
                 if agents:  # restarted: look again
@@ -414,7 +416,7 @@ class Launcher:
             display.close()
             client.close()
 
-    def _supervise_agents(self, exited: dict[str, int], client: Any) -> Outcome | list[str]:
+    def _supervise_agents(self, exited: dict[str, int]) -> Outcome | list[str]:
         """Agents that exited: restart the ones that died, fail the run with the true reason otherwise.
 
         An agent that gave up (its child failed beyond ``[controller.agent] restart_limit``)
@@ -428,7 +430,7 @@ class Launcher:
         Returns:
             an Outcome that ends the run, or the names of the agents restarted (maybe none).
         """
-        from controller.client import ControllerError
+        from controller.client import ControllerClient, ControllerError
 
         limit = self.job.controller.agent.restart_limit
         restarted: list[str] = []
@@ -448,10 +450,13 @@ class Launcher:
                                          f"(restart_limit {limit}); see logs/{name}.log", EXIT_FAILED)
             self.fleet.stop([name], self.lc.stop_grace_s)  # its orphaned child, if any: the group goes
             note = f"agent for {name} died ({how}); restarted"
-            try:
-                client.node_down(m.role, m.index, f"{note} (its {m.role} process was stopped with it)", rc)
+            try:  # before the new agent starts: its worker must not inherit the dead one's leases
+                with ControllerClient(self.ctl_addr, dataclasses.replace(self.job.rpc, timeout_s=20.0),
+                                      retry_s=30.0) as ctl:
+                    ctl.node_down(m.role, m.index, f"{note} (its {m.role} process was stopped with it)", rc)
             except ControllerError as exc:
-                log.warning("could not report the dead agent's node down", extra=kv(member=name, error=exc))
+                log.error("could not report the dead agent's node down; its shards wait for their lease",
+                          extra=kv(member=name, error=exc))
             self.fleet.restart(name)
             log.warning("agent died; restarted", extra=kv(member=name, how=how, restarts=m.restarts))
             self.agent_notes.append(note)
