@@ -29,12 +29,14 @@ and its own process group (see :mod:`metaps.fleet`): SIGINT/SIGTERM stop the
 whole fleet with no process left behind; a second signal kills at once.
 
 Exit code: 0 when every worker finished; 1 when training failed (a worker's agent
-gave up after its restart limit, a PS or the controller died, the controller
-failed the run -- a PS recovery with no restorable checkpoint --, the timeout
-passed, a process did not start); 130/143 when interrupted by SIGINT/SIGTERM.
-report.json and the summary say why, and what fraction of the requested shards
-was covered (``coverage: 62% (stopped: launcher SIGTERM)``; "complete" only when
-every shard of every requested epoch is done).
+gave up after its restart limit, an agent died more often than that limit, a PS
+or the controller died, the controller failed the run -- a PS recovery with no
+restorable checkpoint --, the timeout passed, a process did not start); 130/143
+when interrupted by SIGINT/SIGTERM. An agent that died (SIGKILL, a crash) is
+restarted with its orphaned child stopped and its node reported down
+(docs/design/launch.md). report.json and the summary say why, and what fraction
+of the requested shards was covered (``coverage: 62% (stopped: launcher
+SIGTERM)``; "complete" only when every shard of every requested epoch is done).
 
 Two helpers for fleets started by hand or across hosts (``scripts/``)::
 
@@ -58,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from metaps.errors import ConfigError
-from metaps.fleet import Fleet, FleetError
+from metaps.fleet import Fleet, FleetError, tail
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -328,6 +330,7 @@ class Launcher:
         self.metrics_ports: dict[str, int | None] = {}
         self.status: dict[str, Any] | None = None
         self.ckpt = ""
+        self.agent_notes: list[str] = []  # agents that died and were restarted (true reasons, for the report)
         from metaps.progress import StepLogTail
 
         self.tail = StepLogTail({r: self.run_dir / "logs" / f"worker-{r}.log" for r in range(n_workers)})
@@ -432,15 +435,11 @@ class Launcher:
                 exited = self.fleet.exited()
                 if "controller" in exited:
                     return Outcome("failed", f"the controller exited with code {exited['controller']}", EXIT_FAILED)
-                for k in range(self.job.ps.shards):
-                    if f"ps-{k}" in exited:
-                        return Outcome("failed", f"PS shard {k}'s agent exited with code {exited[f'ps-{k}']} "
-                                                 f"(restart limit reached?); see logs/ps-{k}.log", EXIT_FAILED)
-                bad = {w: exited[w] for w in workers if exited.get(w, 0) != 0}
-                if bad:
-                    name, rc = min(bad.items())
-                    return Outcome("failed", f"{name}'s agent exited with code {rc} (the worker failed beyond its "
-                                             f"restart limit); see logs/{name}.log", EXIT_FAILED)
+                agents = self._supervise_agents(exited)
+                if isinstance(agents, Outcome):
+                    return agents
+                if agents:  # restarted: look again
+                    continue
                 elapsed = time.time() - self.t0
                 now = time.monotonic()
                 if now >= next_status or all(w in exited for w in workers):
@@ -459,6 +458,53 @@ class Launcher:
         finally:
             display.close()
             client.close()
+
+    def _supervise_agents(self, exited: dict[str, int]) -> Outcome | list[str]:
+        """Agents that exited: restart the ones that died, fail the run with the true reason otherwise.
+
+        An agent that gave up (its child failed beyond ``[controller.agent] restart_limit``)
+        or a PS agent that exited by itself fails the run. An agent that died (a signal,
+        or an exit code other than "gave up") is restarted: the rest of its process group
+        (its orphaned child) is killed first, the controller is told the node is down
+        (its shards are requeued, the reason is in the event log), then a fresh agent
+        starts a fresh child. At most ``restart_limit`` restarts per agent
+        (docs/design/launch.md, "Agent supervision").
+
+        Returns:
+            an Outcome that ends the run, or the names of the agents restarted (maybe none).
+        """
+        from controller.client import ControllerClient, ControllerError
+
+        limit = self.job.controller.agent.restart_limit
+        restarted: list[str] = []
+        for name, rc in sorted(exited.items()):
+            m = self.fleet.members[name]
+            if m.role not in ("ps", "worker") or (m.role == "worker" and rc == 0):
+                continue
+            if rc == 1 and "restart limit reached" in tail(m.log_path, 200):
+                return Outcome("failed", f"{name}'s agent exited with code 1 (its {m.role} failed beyond its "
+                                         f"restart limit {limit}); see logs/{name}.log", EXIT_FAILED)
+            if m.role == "ps" and rc == 0:
+                return Outcome("failed", f"{name}'s agent exited with code 0 while the run was going (its PS "
+                                         f"stopped); see logs/{name}.log", EXIT_FAILED)
+            how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+            if m.restarts >= limit:
+                return Outcome("failed", f"agent for {name} died ({how}) after {m.restarts} restart(s) "
+                                         f"(restart_limit {limit}); see logs/{name}.log", EXIT_FAILED)
+            self.fleet.stop([name], self.lc.stop_grace_s)  # its orphaned child, if any: the group goes
+            note = f"agent for {name} died ({how}); restarted"
+            try:  # before the new agent starts: its worker must not inherit the dead one's leases
+                with ControllerClient(self.ctl_addr, dataclasses.replace(self.job.rpc, timeout_s=20.0),
+                                      retry_s=30.0) as ctl:
+                    ctl.node_down(m.role, m.index, f"{note} (its {m.role} process was stopped with it)", rc)
+            except ControllerError as exc:
+                log.error("could not report the dead agent's node down; its shards wait for their lease",
+                          extra=kv(member=name, error=exc))
+            self.fleet.restart(name)
+            log.warning("agent died; restarted", extra=kv(member=name, how=how, restarts=m.restarts))
+            self.agent_notes.append(note)
+            restarted.append(name)
+        return restarted
 
     # ---------------------------------------------------------------- end
     def _final_checkpoint(self, reason: str) -> str:
@@ -506,7 +552,7 @@ class Launcher:
             self._poll_status(c)
 
     def _teardown(self, outcome: Outcome) -> tuple[list[dict[str, Any]] | None, list[str]]:
-        notes: list[str] = []
+        notes: list[str] = list(self.agent_notes)
         grace = self.lc.stop_grace_s
         workers = [n for n, m in self.fleet.members.items() if m.role == "worker"]
         if outcome.status != "succeeded":
