@@ -55,7 +55,7 @@ def _filled_store(kind: OptimizerKind, capacity: int, dim: int, fill: int, devic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller tables (CI smoke)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the tables live")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cap = 200_000 if args.quick else 1_000_000
