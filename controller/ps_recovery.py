@@ -116,8 +116,8 @@ def restore_fleet(addresses: list[str], rpc_cfg: RpcConfig, ckpt_dirs: str | lis
                     for k, s in enumerate(stubs):
                         rows += int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
                 except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.DATA_LOSS:
-                        raise
+                    if exc.code() not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
+                        raise  # corrupt or vanished cuts fall back to the previous one; anything else fails
                     log.error("a shard refused the checkpoint; trying the previous one",
                               extra=kv(shard=k, dir=ckpt_dir, error=(exc.details() or "")[:300]))
                     rejected.append({"dir": ckpt_dir, "shard": str(k), "error": exc.details() or ""})

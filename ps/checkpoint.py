@@ -55,7 +55,7 @@ import numpy as np
 from metaps.hashing import vshard_of
 from metaps.log import kv
 from ps.embedding_table import TableRows
-from ps.errors import BadRequest, CheckpointError
+from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ def read_manifest(ckpt_dir: str | Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no manifest (not a committed checkpoint)") from None
+        raise CheckpointNotFound(f"{path}: no manifest (not a committed checkpoint)") from None
     except ValueError as exc:
         raise CheckpointError(f"{path}: invalid json: {exc}") from None
     for key in ("format", "step", "shards", "num_vshards", "tables", "files"):
@@ -397,7 +397,7 @@ def verify_for_restore(ckpt_dir: str | Path) -> dict:
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
-        raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
+        raise CheckpointNotFound(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
     manifest = verify_checkpoint(ckpt_dir)
     mpath = ckpt_dir / MANIFEST
     listed = sorted(n for n in manifest["files"] if _SHARD_RE.match(n))
@@ -444,7 +444,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 # -- load ----------------------------------------------------------------------------
 def _shards_to_read(ckpt_dir: Path, verify: bool) -> list[Path]:
     if not ckpt_dir.is_dir():
-        raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
+        raise CheckpointNotFound(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
     shards = shard_files(ckpt_dir)
     if verify:
         manifest = read_manifest(ckpt_dir)

@@ -22,3 +22,7 @@ class CheckpointError(MetapsError):
 
     The message names the directory, file and (where relevant) LMDB key.
     """
+
+
+class CheckpointNotFound(CheckpointError):
+    """The directory is not a committed checkpoint (no such directory, or no manifest)."""

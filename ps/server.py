@@ -84,7 +84,7 @@ from metaps.log import kv
 from metaps.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
 from ps import wire
-from ps.errors import BadRequest, CheckpointError
+from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
 from ps.partition_map import PartitionMap
 from ps.staleness import Behind, StalenessTimeout, StepClock
 
@@ -321,6 +321,9 @@ def _rpc(data: bool) -> Callable:
             except (wire.WireError, BadRequest) as exc:
                 self.metrics.errors.labels(shard, method, "INVALID_ARGUMENT").inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except CheckpointNotFound as exc:  # not a committed checkpoint (no such dir / no manifest)
+                self.metrics.errors.labels(shard, method, "NOT_FOUND").inc()
+                context.abort(grpc.StatusCode.NOT_FOUND, f"{method}: {exc}")
             except CheckpointError as exc:  # a corrupt/incomplete checkpoint: the shard is unchanged
                 self.metrics.errors.labels(shard, method, "DATA_LOSS").inc()
                 context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
@@ -330,7 +333,7 @@ def _rpc(data: bool) -> Callable:
             except FileNotFoundError as exc:
                 self.metrics.errors.labels(shard, method, "NOT_FOUND").inc()
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{method}: {exc}")
-            except (CheckpointError, OSError) as exc:  # a missing/unreadable/corrupt directory
+            except OSError as exc:  # an unreadable directory
                 self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {exc}")
             except Exception as exc:  # a bug, not bad input: INTERNAL with the traceback in our log, never UNKNOWN
@@ -789,6 +792,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         from ps.coordinator import restore_shard_checkpoint
 
+        if not request.dir:
+            raise _bad("Restore needs a directory")
         directory = self._confined(request.dir, "Restore")
         with self._gate.exclusive():
             rows, step = restore_shard_checkpoint(self, directory)

@@ -99,11 +99,14 @@ def test_controller_checkpoint_done_outside_the_root_is_refused(controller, tmp_
     srv.checkpoint_root = str(root)
     c = ctl_client(srv, 0)
     cut = srv.checkpoints.open_cut()
-    for bad in ("/etc", str(root / ".." / "ckpt-5"), str(root / "escape" / "ckpt-5"), ""):
+    for bad in ("/etc", str(root / ".." / "ckpt-5"), str(root / "escape" / "ckpt-5")):
         with pytest.raises(ControllerError) as err:
             c.checkpoint_done(cut, 5, bad)
         assert err.value.code is grpc.StatusCode.PERMISSION_DENIED, err.value
         assert str(root) in str(err.value)
+    with pytest.raises(ControllerError) as err:  # no directory at all: refused before the root check
+        c.checkpoint_done(cut, 5, "")
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT, err.value
     assert next(x for x in srv.checkpoints.cuts() if x["cut_id"] == cut)["state"] == "pending"
     c.checkpoint_done(cut, 5, str(root / "ckpt-5"))
     body = next(x for x in srv.checkpoints.cuts() if x["cut_id"] == cut)

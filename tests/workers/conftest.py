@@ -13,7 +13,7 @@ from meta_io.generator import GeneratorConfig, generate
 from metaps.job import JobConfig, job_from_mapping
 from ps.server import build_server
 
-TOKEN = "worker-test-token"
+from tests.workers.procs import TOKEN  # noqa: E402 -- one token for in-process PS and worker processes
 
 
 @pytest.fixture(scope="session")

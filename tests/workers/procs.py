@@ -19,6 +19,7 @@ from metaps.job import JobConfig
 from metaps.toml_writer import dumps
 
 REPO = Path(__file__).resolve().parents[2]
+TOKEN = "worker-test-token"  # the PS fixtures (conftest.py) and worker processes share it
 
 
 def write_job(job: JobConfig, path: Path) -> Path:
@@ -32,7 +33,8 @@ def start_worker(config: Path, rank: int, ps: list[str], run_dir: Path, log_path
     """``python -m metaps worker`` as its own process; stdout+stderr go to ``log_path``."""
     cmd = [sys.executable, "-m", "metaps", "worker", "--config", str(config), "--rank", str(rank),
            "--ps", ",".join(ps), "--run-dir", str(run_dir)]
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    # job.toml says token = "<redacted>" (the token never reaches a file): hand it over as a launcher does
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", METAPS_TOKEN=TOKEN, **(env or {}))
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
 
 
