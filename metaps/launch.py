@@ -265,6 +265,9 @@ class Launcher:
         raw = read_toml(lc.config)
         self.run_dir, self.auto_named = _new_run_dir(lc, base)
         self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
+        from metaps.preflight import preflight
+
+        preflight(base, resume=self.resume)  # deterministic errors: one line, before anything is created or started
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
         self.run_dir.mkdir(parents=True, exist_ok=True)
