@@ -72,7 +72,7 @@ def _check(problems: list[str], fn: Callable[[], Any], where: str = "") -> Any:
     return None
 
 
-def _dataset(path: str, what: str, want_columns: list[str] | None) -> Any:
+def _dataset(path: str, what: str) -> Any:
     """Open a Meta-IO dataset the cheap way and check every file's frame; returns it."""
     from meta_io.reader import MetaIODataset
     from metaps.errors import DataError
@@ -82,10 +82,15 @@ def _dataset(path: str, what: str, want_columns: list[str] | None) -> Any:
         raise DataError(f"{what} = {path}: no such directory")
     ds = MetaIODataset(p)
     ds.check_files()
-    if want_columns is not None and list(ds.manifest.get("columns", [])) != want_columns:
-        raise DataError(f"{what} = {path}: columns {ds.manifest.get('columns')} do not match the job's schema "
-                        f"{want_columns} (built from another schema?)")
     return ds
+
+
+def _columns(ds: Any, what: str, want: list[str]) -> None:
+    from metaps.errors import DataError
+
+    if list(ds.manifest.get("columns", [])) != want:
+        raise DataError(f"{what} = {ds.path}: columns {ds.manifest.get('columns')} do not match the job's schema "
+                        f"{want} (built from another schema?)")
 
 
 def _resume(ckpt: str, job: "JobConfig", problems: list[str]) -> None:
@@ -117,19 +122,22 @@ def preflight(job: "JobConfig", resume: str | Path = "", build_model: bool = Tru
     """
     t0 = time.perf_counter()
     problems: list[str] = []
-    schema = _check(problems, job.schema)
-    want = None
+    datasets = {"data.train": _check(problems, lambda: _dataset(job.data.train, "data.train"))}
+    if job.data.eval:
+        datasets["data.eval"] = _check(problems, lambda: _dataset(job.data.eval, "data.eval"))
+    schema = None
+    if job.data.schema or (Path(job.data.train) / "manifest.json").is_file():  # else: reported above
+        schema = _check(problems, job.schema)
     if schema is not None:
         from meta_io.source import normalized_arrow_schema
 
-        want = _check(problems, lambda: normalized_arrow_schema(schema).names)
-    _check(problems, lambda: _dataset(job.data.train, "data.train", want))
-    if job.data.eval:
-        _check(problems, lambda: _dataset(job.data.eval, "data.eval", want))
-    if schema is not None:
+        want = normalized_arrow_schema(schema).names
+        for what, ds in datasets.items():
+            if ds is not None:
+                _check(problems, lambda: _columns(ds, what, want))
         where = job.source or "<job>"
         n = len(problems)
-        # each side on its own, so a typo in both is reported twice, not once
+        # each side on its own, so typos in both places are both reported
         _check(problems, lambda: job.ps.table_configs(schema.tables), where)
         _check(problems, lambda: job.model.embedding_dims(schema.tables), where)
         if len(problems) == n:

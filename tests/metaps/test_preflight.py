@@ -107,6 +107,7 @@ def test_launch_fails_fast_in_one_line(case: str, data: dict[str, Path], tmp_pat
     errors = [ln for ln in err.splitlines() if "error" in ln.lower()]
     assert len(errors) == 1 and errors[0].startswith("metaps launch: error: "), err[-2000:]
     assert want in errors[0], errors[0]
+    assert " problems: " not in errors[0]  # one cause, one problem (no follow-on noise)
     assert not run.exists() and left == []
     assert not (tmp_path / "runs").exists()  # [run] dir: no auto-named run, no `latest`
 
