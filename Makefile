@@ -11,9 +11,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Reinstall only when the declared dependencies change.
-$(STAMP): $(BIN)/python setup.cfg pyproject.toml
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+# CPU install set (torch + fbgemm-gpu-cpu); a GPU machine uses requirements/gpu.txt instead
+# in a fresh venv (docs/operations.md, "GPU install"): never both fbgemm packages.
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml requirements/cpu.txt
+	$(BIN)/pip install -q -r requirements/cpu.txt
+	$(BIN)/pip install -q -e '.[cpu,test]'
 	touch $(STAMP)
 
 install: $(STAMP)

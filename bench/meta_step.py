@@ -1,10 +1,11 @@
 """Meta step vectorized over tasks (vmap) against the per-task Python loop.
 
 Same model, same meta batch, same config; one step = forward + inner loop +
-outer gradients (dense and rows). Reports tasks/s of both and their ratio, for
-DNN and ESMM, first- and second-order.
+outer gradients (dense and rows). Both paths run the same number of tasks (no
+extrapolation), interleaved, ``--reps`` times (default 3); the figures are medians.
+Reports tasks/s of both and their ratio, for DNN and ESMM, first- and second-order.
 
-    python -m bench.meta_step [--quick] [--threads 2] [--tasks 64]
+    python -m bench.meta_step [--quick] [--threads 2] [--tasks 64] [--reps 3] [--device cuda]
 
 The last output line is a JSON object: ``vmap_speedup`` (geometric mean over
 the configurations), ``vmap_speedup_min`` and per-configuration figures.
@@ -27,15 +28,28 @@ from models.meta import AdaptTarget, MetaConfig, meta_step
 from models.testing import random_meta_batch, random_rows, synthetic_schema
 
 
-def _time_step(model, batch, rows, cfg: MetaConfig, reps: int) -> tuple[float, float]:
-    """Median seconds per meta step over ``reps`` runs, and the last outer loss."""
-    times, value = [], float("nan")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        res = meta_step(model, batch, rows, cfg)
-        times.append(time.perf_counter() - t0)
-        value = float(res.outer_loss)
-    return statistics.median(times), value
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _once(model, batch, rows, cfg: MetaConfig, device: torch.device) -> tuple[float, float]:
+    """Seconds of one meta step (device work included) and its outer loss."""
+    _sync(device)
+    t0 = time.perf_counter()
+    res = meta_step(model, batch, rows, cfg)
+    loss = float(res.outer_loss)  # waits for the device
+    _sync(device)
+    return time.perf_counter() - t0, loss
+
+
+def _to_device(batch: MetaBatch, device: torch.device) -> MetaBatch:
+    move = lambda t: t.to(device)  # noqa: E731
+    return dataclasses.replace(
+        batch, support=batch.support.map(move), query=batch.query.map(move),
+        task_keys=move(batch.task_keys), task_mask=move(batch.task_mask),
+        unique_ids={k: move(v) for k, v in batch.unique_ids.items()},
+    )
 
 
 def _first_tasks(batch: MetaBatch, n: int) -> MetaBatch:
@@ -51,40 +65,45 @@ def _first_tasks(batch: MetaBatch, n: int) -> MetaBatch:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one timed step per configuration (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="16 tasks instead of 64 (a few minutes on a loaded box)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (2 on purpose)")
-    ap.add_argument("--tasks", type=int, default=64)
+    ap.add_argument("--tasks", type=int, default=0, help="tasks per meta-batch, timed on both paths (default 64, 16 with --quick)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per path (median; >= 3)")
     ap.add_argument("--support", type=int, default=16)
     ap.add_argument("--query", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=500, help="id range per column (sets unique rows per table)")
     ap.add_argument("--adapt", default="both", choices=[a.value for a in AdaptTarget])
     ap.add_argument("--inner-steps", type=int, default=1)
-    ap.add_argument("--loop-tasks", type=int, default=0,
-                    help="time the loop on the first N tasks only (its cost is linear in tasks); "
-                         "default: all tasks, 16 with --quick")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (model, batch and rows live there)")
     args = ap.parse_args(argv)
+    if args.reps < 3:
+        ap.error(f"--reps must be >= 3 (the figures are medians), got {args.reps}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch.cuda.is_available() is False on this machine")
     torch.set_num_threads(args.threads)
-    reps = 1 if args.quick else 3
-    loop_tasks = args.loop_tasks or (min(16, args.tasks) if args.quick else args.tasks)
+    tasks = args.tasks or (16 if args.quick else 64)
 
     # ~30 id columns over 12 tables, as an AntM2C-like log: user, scene, 24 sparse
     # columns on 8 tables, 3 multi-hot tag lists, 1 text field; 4 dense, 1 image vector.
     schema = synthetic_schema(n_sparse=24, n_multi_hot=3, n_text=1, n_tables=8, max_len=6, n_dense=4, vector_dim=16)
     g = torch.Generator().manual_seed(0)
-    batch = random_meta_batch(schema, args.tasks, args.support, args.query, vocab=args.vocab, generator=g)
-    # The loop's batch: the first loop_tasks task slots of the same batch (same unique ids and rows).
-    loop_batch = _first_tasks(batch, loop_tasks)
+    batch = random_meta_batch(schema, tasks, args.support, args.query, vocab=args.vocab, generator=g)
     unique = sum(u.numel() for u in batch.unique_ids.values())
     print(
-        f"meta_step bench: {args.tasks} tasks x (S={args.support}, Q={args.query}), "
+        f"meta_step bench: {tasks} tasks x (S={args.support}, Q={args.query}) on both paths, "
         f"{len(schema.id_columns)} id columns, {len(schema.tables)} tables, {unique} unique rows, "
-        f"threads={args.threads}, adapt={args.adapt}, inner_steps={args.inner_steps}, loop timed on {loop_tasks} tasks",
+        f"threads={args.threads}, device={device}, adapt={args.adapt}, inner_steps={args.inner_steps}, "
+        f"median of {args.reps} interleaved repetitions",
         flush=True,
     )
+    batch_d = _to_device(batch, device)
     figures: dict[str, dict[str, float]] = {}
     for kind in ("dnn", "esmm"):
         model = build_model(schema, ModelConfig(kind=kind))
         rows = random_rows(batch.unique_ids, model.dims, g)
+        model = model.to(device)
+        rows = {k: v.to(device) for k, v in rows.items()}
         for first_order in (True, False):
             name = f"{kind}_{'first' if first_order else 'second'}_order"
             cfgs = {
@@ -92,20 +111,25 @@ def main(argv: list[str] | None = None) -> dict:
                                 adapt=AdaptTarget(args.adapt), vectorize=vec)
                 for vec in (True, False)
             }
-            # Warm both paths (first calls pay one-time dispatch/trace costs); --quick warms on 2 tasks.
-            warm = _first_tasks(batch, 2) if args.quick else batch
+            # Warm both paths on 2 tasks (first calls pay one-time dispatch/trace costs).
+            warm = _first_tasks(batch_d, 2)
             meta_step(model, warm, rows, cfgs[True])
-            meta_step(model, _first_tasks(warm, min(loop_tasks, 2 if args.quick else loop_tasks)), rows, cfgs[False])
-            t_vmap, loss_vmap = _time_step(model, batch, rows, cfgs[True], reps)
-            t_loop, loss_loop = _time_step(model, loop_batch, rows, cfgs[False], reps)
-            vmap_tps, loop_tps = args.tasks / t_vmap, loop_tasks / t_loop
-            fig = {"vmap_tasks_per_s": vmap_tps, "loop_tasks_per_s": loop_tps, "speedup": vmap_tps / loop_tps}
-            if loop_tasks == args.tasks:  # same batch: the outer losses must agree
-                fig["loss_abs_diff"] = abs(loss_vmap - loss_loop)
+            meta_step(model, warm, rows, cfgs[False])
+            t_vmap, t_loop, ratios = [], [], []
+            loss_vmap = loss_loop = float("nan")
+            for _ in range(args.reps):  # interleaved, so load changes hit both paths alike
+                tv, loss_vmap = _once(model, batch_d, rows, cfgs[True], device)
+                tl, loss_loop = _once(model, batch_d, rows, cfgs[False], device)
+                t_vmap.append(tv)
+                t_loop.append(tl)
+                ratios.append(tl / tv)
+            vmap_tps, loop_tps = tasks / statistics.median(t_vmap), tasks / statistics.median(t_loop)
+            fig = {"vmap_tasks_per_s": vmap_tps, "loop_tasks_per_s": loop_tps, "speedup": vmap_tps / loop_tps,
+                   "speedup_per_rep": ratios, "loss_abs_diff": abs(loss_vmap - loss_loop)}
             figures[name] = fig
             print(
                 f"  {name:22s} vmap {fig['vmap_tasks_per_s']:8.1f} tasks/s   loop {fig['loop_tasks_per_s']:8.1f} tasks/s"
-                f"   speedup {fig['speedup']:5.2f}x",
+                f"   speedup {fig['speedup']:5.2f}x (per rep {', '.join(f'{r:.2f}' for r in ratios)})",
                 flush=True,
             )
     speedups = [f["speedup"] for f in figures.values()]
@@ -113,11 +137,12 @@ def main(argv: list[str] | None = None) -> dict:
         "bench": "meta_step",
         "vmap_speedup": math.exp(sum(math.log(s) for s in speedups) / len(speedups)),
         "vmap_speedup_min": min(speedups),
-        "tasks": args.tasks,
+        "tasks": tasks,
         "support": args.support,
         "query": args.query,
         "threads": args.threads,
-        "loop_tasks": loop_tasks,
+        "reps": args.reps,
+        "device": str(device),
         "quick": args.quick,
         "configs": figures,
     }

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from ps.config import OptimizerConfig, OptimizerKind, TableConfig
+from ps.config import InitKind, OptimizerConfig, OptimizerKind, TableConfig
 from ps.shard_store import ShardStore
 
 N_REQ = 16 * 1024
@@ -42,7 +42,8 @@ def _best(fn, reps: int) -> float:
 
 
 def _filled_store(kind: OptimizerKind, capacity: int, dim: int, fill: int, device: str) -> ShardStore:
-    cfg = TableConfig(name="t", dim=dim, capacity=capacity, optimizer=OptimizerConfig(kind=kind))
+    init = InitKind.ZEROS if kind == OptimizerKind.FTRL else InitKind.NORMAL  # ftrl rows start at w = 0
+    cfg = TableConfig(name="t", dim=dim, capacity=capacity, optimizer=OptimizerConfig(kind=kind), init=init)
     s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0, device=device)
     chunk = 1 << 16
     for lo in range(0, fill, chunk):
@@ -54,7 +55,7 @@ def _filled_store(kind: OptimizerKind, capacity: int, dim: int, fill: int, devic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller tables (CI smoke)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the tables live")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cap = 200_000 if args.quick else 1_000_000

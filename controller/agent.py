@@ -5,7 +5,8 @@
               start child
     STARTING -------------> RUNNING --child exits 0--------------------------> DONE (exit 0)
         ^                    |   |  \\--SIGTERM / drain command--> STOPPING --> exit 0
-        |                    |   +--restart command: stop child, NodeDown, start again (no backoff)
+        |                    |   +--restart command (slow or stalled worker): stop child (SIGTERM +
+        |                    |   |  SIGCONT, so a SIGSTOPped child goes too), NodeDown, start again
         |   backoff          |  child crashes: NodeDown (its shards are requeued) right away
         +-- min(b*2^k, max) -+
                              +--crashes > restart_limit--> GAVE_UP (NodeDown "gave up", exit 1)
@@ -118,11 +119,16 @@ class Agent:
         log.info("child started", extra=kv(node=self.node, pid=self.child.pid, restarts=self.restarts))
 
     def _stop_child(self) -> int | None:
-        """SIGTERM, wait ``stop_grace_s``, then SIGKILL. Returns the exit code."""
+        """SIGTERM (+ SIGCONT: a stopped child acts on it), wait ``stop_grace_s``, then SIGKILL.
+
+        Returns:
+            the child's exit code.
+        """
         child = self.child
         if child is None or child.poll() is not None:
             return None if child is None else child.returncode
         child.send_signal(signal.SIGTERM)
+        child.send_signal(signal.SIGCONT)  # a SIGSTOPped (stalled) child would hold SIGTERM pending forever
         try:
             return child.wait(self.cfg.stop_grace_s)
         except subprocess.TimeoutExpired:

@@ -14,6 +14,12 @@ go through a ``MigrationPsMover`` over the addresses PS processes register
 (``metaps ps --controller``); a PS process that registers again after a crash
 makes the controller restore the fleet to the last committed cut
 (``controller/ps_recovery.py``).
+
+Security: as ``metaps ps`` (see :mod:`metaps.security`): no token -> a loud
+warning and loopback only (a non-loopback ``--address`` is refused unless
+``--insecure``); ``CheckpointDone`` dirs must lie under ``--checkpoint-root``
+(default ``$METAPS_RUN_DIR/checkpoints``, else ``checkpoints/`` next to the
+state dir); files 0600, directories 0700.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 from metaps.errors import ConfigError
 from metaps.log import kv
+from metaps.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--address", default="", help="listen address (default [controller] address)")
     p.add_argument("--state-dir", default="", help="LMDB state dir (default [controller] state_dir or <run.dir>/controller)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
+    add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_controller)
 
     a = subparsers.add_parser("agent", help="run and supervise one worker or PS process")
@@ -45,6 +53,7 @@ def register(subparsers: Any) -> None:
     a.add_argument("--index", required=True, type=int)
     a.add_argument("--controller", default="", help="controller host:port")
     a.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
+    add_cli_args(a)
     a.add_argument("child", nargs=argparse.REMAINDER, help="child command after '--' (default: metaps ROLE ...)")
     a.set_defaults(func=run_agent)
 
@@ -68,12 +77,20 @@ def run_controller(args: argparse.Namespace) -> int:
     from controller.server import ControllerServer
     from metaps.job import load_job
 
+    set_private_umask()  # LMDB state, address file: 0600
     job = load_job(args.config)
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    address = args.address or job.controller.address
+    check_bind([address.rsplit(":", 1)[0]], job.rpc.resolved_token(), insecure=args.insecure,
+               what="metaps controller")
     from controller.ps_mover import MigrationPsMover
 
-    server = ControllerServer(job.controller, _state_dir(job, args.state_dir), job_datasets(job), job.rpc)
+    state_dir = _state_dir(job, args.state_dir)
+    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc)
+    server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
     server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc)  # PS register their addresses
-    server.start(args.address or None)
+    server.start(address)
+    log.info("controller serving", extra=kv(address=server.address, checkpoint_root=server.checkpoint_root))
     if args.metrics_port >= 0:
         from prometheus_client import REGISTRY
 
@@ -94,7 +111,10 @@ def run_agent(args: argparse.Namespace) -> int:
     from controller.agent import Agent, default_child_cmd
     from metaps.job import load_job
 
+    set_private_umask()
     job = load_job(args.config)
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    check_bind(["127.0.0.1"], job.rpc.resolved_token(), insecure=args.insecure, what="metaps agent")
     addr = args.controller or os.environ.get("METAPS_CONTROLLER", "")
     if not addr:
         f = _state_dir(job, "") / "address"

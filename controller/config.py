@@ -198,6 +198,11 @@ class ControllerConfig:
         state_dir: LMDB state directory ('' = ``<run.dir>/controller``).
         policy: ``nd`` | ``dd`` | ``none``.
         heartbeat_timeout_s: a node silent this long is dead; its shards are requeued.
+        worker_stall_timeout_s: a worker that holds shards but makes no progress (no step,
+            no shard report) this long is stalled (SIGSTOP, deadlock): its shards are
+            requeued, a ``worker_stalled`` event recorded and its agent told to restart it;
+            a worker idle waiting for data is never flagged (controller/liveness.py).
+            0 = off. Must exceed ``2 x agent.heartbeat_s``.
         tick_s: period of the background loop (leases, heartbeats, windows, policy).
         checkpoint_interval_s: coordinated checkpoint trigger period; 0 = off.
         eval_epochs: passes over the eval dataset.
@@ -215,6 +220,7 @@ class ControllerConfig:
     state_dir: str = ""
     policy: PolicyKind = PolicyKind.ND
     heartbeat_timeout_s: float = 30.0
+    worker_stall_timeout_s: float = 60.0
     tick_s: float = 0.5
     checkpoint_interval_s: float = 0.0
     eval_epochs: int = 1
@@ -231,6 +237,12 @@ class ControllerConfig:
             raise ValueError(f"address must be host:port, got {self.address!r}")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
+        if self.worker_stall_timeout_s < 0:
+            raise ValueError(f"worker_stall_timeout_s must be >= 0 (0 = off), got {self.worker_stall_timeout_s}")
+        if 0 < self.worker_stall_timeout_s <= 2 * self.agent.heartbeat_s:
+            raise ValueError(f"worker_stall_timeout_s must be > 2 x agent.heartbeat_s "
+                             f"({2 * self.agent.heartbeat_s:g}s) so heartbeat gaps are not stalls, "
+                             f"got {self.worker_stall_timeout_s}")
         if self.tick_s <= 0:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
         if self.checkpoint_interval_s < 0:

@@ -452,10 +452,15 @@ class DynamicDataSharding:
             return out
 
     def coverage(self) -> Coverage:
-        """Ledger coverage of every epoch started so far (all epochs once finished)."""
+        """Ledger coverage of every requested epoch: gaps are checked in the epochs
+        finished so far (all once the dataset finished); ``complete`` only when every
+        shard of every epoch of every dataset is done, ``state`` ``in_progress``
+        while the DDS still hands out shards, ``fraction`` of the batches covered."""
         with self._lock:
             epochs = {n: (l.spec.epochs if l.finished else l.epoch) for n, l in self._live.items()}
-            return self.ledger.coverage(self.specs, epochs)
+            cov = self.ledger.coverage(self.specs, epochs)
+            cov.finished = all(l.finished for l in self._live.values())
+            return cov
 
     # ---------------------------------------------------------------- transitions
 

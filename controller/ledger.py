@@ -7,9 +7,11 @@ completion from a worker that had already lost its lease is ``stale`` (also
 duplicated samples). A rollback to a checkpoint cut marks the ``done`` entries
 after the cut ``replayed``: their samples will be trained again.
 
-Coverage is checkable from the ledger alone: for every dataset and epoch, the
-live (not replayed) ``done`` entries must tile every file's batch range exactly
-once.
+Coverage is checkable from the ledger alone: for every dataset and every
+requested epoch, the live (not replayed) ``done`` entries must tile every file's
+batch range exactly once. Only then is it ``complete``; otherwise it says what
+fraction of the requested batches is covered (a run stopped mid-epoch is never
+complete, whatever the epochs before it look like).
 
 Example::
 
@@ -65,8 +67,15 @@ class Coverage:
     """Result of :meth:`Ledger.coverage`.
 
     Attributes:
-        complete: every batch of every finished epoch done exactly once.
-        problems: human-readable gaps and overlaps (dataset, epoch, file, range).
+        complete: every batch of every *requested* epoch of every dataset done exactly
+            once (live entries). A run stopped mid-epoch is never complete.
+        problems: human-readable gaps and overlaps (dataset, epoch, file, range) in the
+            epochs checked (a gap in an epoch still running is not a problem).
+        done_batches / total_batches: distinct batches covered by live ``done`` entries
+            over every requested epoch, and how many there are; ``fraction`` = their ratio.
+        by_dataset: name -> [done_batches, total_batches].
+        finished: the DDS had handed out and collected every shard (set by the DDS;
+            the ledger alone sets it to ``complete``).
         done_entries / duplicate_entries / stale_entries / replayed_entries: counts.
         duplicate_samples: samples trained more than once (duplicate + stale + replayed).
     """
@@ -80,6 +89,33 @@ class Coverage:
     samples: int = 0
     duplicate_samples: int = 0
     duplicate_batches: int = 0
+    done_batches: int = 0
+    total_batches: int = 0
+    by_dataset: dict[str, list[int]] = field(default_factory=dict)
+    finished: bool = True
+
+    @property
+    def fraction(self) -> float:
+        """Covered share of the requested batches (1.0 when nothing was requested)."""
+        return self.done_batches / self.total_batches if self.total_batches else 1.0
+
+    @property
+    def state(self) -> str:
+        """``complete``; ``in_progress`` (the DDS still hands out shards, no problem so far);
+        else ``incomplete``."""
+        if self.complete:
+            return "complete"
+        return "in_progress" if not self.finished and not self.problems else "incomplete"
+
+    def to_status(self, max_problems: int = 50) -> dict[str, Any]:
+        """Plain data for the controller's status / the run report."""
+        return {"complete": self.complete, "state": self.state, "fraction": round(self.fraction, 6),
+                "done_batches": self.done_batches, "total_batches": self.total_batches,
+                "by_dataset": {k: list(v) for k, v in self.by_dataset.items()}, "finished": self.finished,
+                "problems": self.problems[:max_problems], "done_entries": self.done_entries,
+                "duplicate_entries": self.duplicate_entries, "stale_entries": self.stale_entries,
+                "replayed_entries": self.replayed_entries, "samples": self.samples,
+                "duplicate_samples": self.duplicate_samples, "duplicate_batches": self.duplicate_batches}
 
 
 class Ledger:
@@ -134,8 +170,10 @@ class Ledger:
         """Check that live ``done`` entries tile every batch exactly once.
 
         Args:
-            specs: datasets to check, by name.
-            epochs: how many epochs of each dataset to check (default: all of them).
+            specs: datasets to check, by name; every one of their epochs is requested.
+            epochs: how many epochs of each dataset to check for gaps (default: all);
+                later epochs count towards ``fraction`` but a gap there is work still
+                to do, not a problem. ``complete`` needs every requested epoch done.
         """
         cov = Coverage()
         ranges: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
@@ -155,26 +193,38 @@ class Ledger:
             cov.duplicate_batches += e.batches
         checked: dict[str, int] = {}
         for name, spec in specs.items():
-            n_epochs = spec.epochs if epochs is None else epochs.get(name, spec.epochs)
+            n_epochs = spec.epochs if epochs is None else min(spec.epochs, epochs.get(name, spec.epochs))
             checked[name] = n_epochs
-            for epoch in range(n_epochs):
+            done_ds = 0
+            for epoch in range(spec.epochs):  # every requested epoch counts towards the fraction
                 for f, total in enumerate(spec.batches_per_file):
                     got = sorted(ranges.pop((name, epoch, f), []))
                     pos = 0
+                    covered = 0
                     for start, stop in got:
-                        if start > pos:
-                            cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{pos}, {start}) never done")
-                        elif start < pos:
-                            cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{start}, {min(pos, stop)}) done more than once")
+                        lo, hi = max(start, pos, 0), min(stop, total)
+                        covered += max(0, hi - lo)
+                        if epoch < n_epochs:
+                            if start > pos:
+                                cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{pos}, {start}) never done")
+                            elif start < pos:
+                                cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{start}, {min(pos, stop)}) done more than once")
                         pos = max(pos, stop)
+                    done_ds += covered
+                    if epoch >= n_epochs:  # still running: gaps are work to do, not problems
+                        continue
                     if pos < total:
                         cov.problems.append(f"dataset {name} epoch {epoch} file {f}: batches [{pos}, {total}) never done")
                     elif pos > total:
                         cov.problems.append(f"dataset {name} epoch {epoch} file {f}: done up to batch {pos}, file has {total}")
+            cov.by_dataset[name] = [done_ds, spec.total_batches * spec.epochs]
+            cov.done_batches += done_ds
+            cov.total_batches += spec.total_batches * spec.epochs
         for (name, epoch, f), got in sorted(ranges.items()):
-            if epoch < checked.get(name, -1):  # later epochs are still in progress
-                cov.problems.append(f"dataset {name} epoch {epoch} file {f}: {len(got)} completions outside the checked epochs/files")
-        cov.complete = not cov.problems
+            if name in checked:  # an epoch or file the dataset does not have
+                cov.problems.append(f"dataset {name} epoch {epoch} file {f}: {len(got)} completions outside the requested epochs/files")
+        cov.complete = not cov.problems and cov.done_batches == cov.total_batches
+        cov.finished = cov.complete
         return cov
 
 

@@ -1,4 +1,4 @@
-"""PS failure recovery: put the whole fleet back at the last committed checkpoint cut.
+"""PS failure recovery: put the whole fleet back at the last *good* committed checkpoint cut.
 
 Who triggers it: the controller, when a PS *process* registers again with a new
 pid (its agent restarted it after a crash, or the fleet was restarted against
@@ -10,19 +10,30 @@ then, off the RPC thread (:class:`PsRecovery`)::
     PauseWrites(lease) on every shard         (drain in-flight requests, hold new ones)
     newest partition map -> every shard that lags   (migrations after the cut are kept:
                                                       a checkpoint restores onto any map)
-    Restore(latest committed cut's dir) on every shard   (each drops its rows first)
-    DDS rollback_to(cut): shards done after the cut and all DOING -> TODO,
-                          ledger entries after the cut marked replayed
+    for each committed cut, newest first:
+        Restore(cut's dir) on every shard     (all or nothing per shard: a corrupt
+                                               checkpoint is refused with DATA_LOSS and
+                                               leaves the shard as it was)
+        refused -> try the previous committed cut
+    DDS rollback_to(the cut actually restored): shards done after it and all DOING -> TODO,
+                          ledger entries after it marked replayed
     pending (uncommitted) cuts -> aborted      (a late CheckpointDone for one is ignored)
     PauseWrites(false) on every shard
     event ps_recovery {node, incarnation, cut_id, dir, step, rows, requeued, seconds}
+    (+ event ps_recovery_fallback {newest_dir, dir, rejected} when an older cut was used)
 
 Workers keep going: their pushes wait out the pause (or retry UNAVAILABLE while
 the shard restarts), a shard they were training comes back as TODO and their
 late report is ledgered ``stale`` (duplicate samples, counted), and they pull
-the restored rows on their next step. With no committed cut there is nothing
-consistent to go back to: the event says so and nothing is rolled back (set
-``checkpoint_interval_s`` for recoverable jobs).
+the restored rows on their next step. With no committed cut at all there is
+nothing consistent to go back to: the event says so and nothing is rolled back
+(set ``checkpoint_interval_s`` for recoverable jobs).
+
+A recovery that fails -- every committed cut refused, a shard unreachable, any
+other error -- fails the run: events ``ps_recovery_failed`` (``fatal``) and
+``run_failed`` {reason} (:data:`RUN_FAILED`). The fleet is then in no consistent
+state; ``metaps launch`` reads ``run_failed`` from the controller's status, stops
+the fleet and exits nonzero with the reason (``metaps.run_report.run_failure``).
 
 Example::
 
@@ -39,6 +50,7 @@ from typing import Any, Callable
 
 import grpc
 
+from metaps.errors import MetapsError
 from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from protos import ps_pb2, ps_pb2_grpc
@@ -46,23 +58,47 @@ from protos import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-class RecoveryError(RuntimeError):
+RUN_FAILED = "run_failed"
+"""Event kind: the run cannot go on (evidence ``reason``); the launcher fails the run on it."""
+
+
+class RecoveryError(MetapsError):
     """The fleet could not be restored (a shard unreachable or refusing); the message names it."""
 
 
-def restore_fleet(addresses: list[str], rpc_cfg: RpcConfig, ckpt_dir: str, *, pause_lease_s: float = 120.0,
-                  while_paused: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Restore every shard from ``ckpt_dir`` under one pause; run ``while_paused`` before resuming.
+class CheckpointRefused(RecoveryError):
+    """A shard refused the checkpoint as corrupt or incomplete (DATA_LOSS); it is unchanged."""
 
-    Returns ``{"rows", "map_version", "healed"}`` (rows loaded, the map every shard has,
-    shards whose map was behind).
+
+def restore_fleet(addresses: list[str], rpc_cfg: RpcConfig, ckpt_dirs: str | list[str], *,
+                  pause_lease_s: float = 120.0,
+                  while_paused: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Restore every shard from the first of ``ckpt_dirs`` that every shard accepts, under one pause.
+
+    A shard refuses a corrupt or incomplete checkpoint with DATA_LOSS and is left
+    unchanged (the PS restore is all or nothing); the next directory is then tried
+    on *every* shard, so the fleet always ends at one cut. ``while_paused(dir)``
+    runs once, for the directory restored, before the shards resume.
+
+    Returns:
+        ``{"dir", "rows", "map_version", "healed", "rejected", "result"}``: the directory
+        restored, rows loaded, the map every shard has, shards whose map was behind,
+        ``[{"dir", "error"}]`` refused before it, and ``while_paused``'s result.
+
+    Raises:
+        CheckpointRefused: every directory was refused (the message names each and why).
+        RecoveryError: a shard unreachable or failing otherwise.
     """
     from ps.partition_map import PartitionMap
 
+    dirs = [ckpt_dirs] if isinstance(ckpt_dirs, str) else list(ckpt_dirs)
+    if not dirs:
+        raise CheckpointRefused("no checkpoint directory to restore from")
     channels = [make_channel(a, rpc_cfg) for a in addresses]
     stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in channels]
     timeout = rpc_cfg.timeout_s
     paused: list[int] = []
+    rejected: list[dict[str, str]] = []
     try:
         try:
             for k, s in enumerate(stubs):
@@ -74,14 +110,26 @@ def restore_fleet(addresses: list[str], rpc_cfg: RpcConfig, ckpt_dir: str, *, pa
             healed = [k for k, m in enumerate(maps) if m.version < newest.version]
             for k in healed:
                 stubs[k].UpdatePartitionMap(newest.to_proto(), timeout=timeout)
-            rows = 0
-            for s in stubs:
-                rows += int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
-            result = while_paused() if while_paused is not None else None
+            for ckpt_dir in dirs:
+                rows = 0
+                try:
+                    for k, s in enumerate(stubs):
+                        rows += int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.DATA_LOSS:
+                        raise
+                    log.error("a shard refused the checkpoint; trying the previous one",
+                              extra=kv(shard=k, dir=ckpt_dir, error=(exc.details() or "")[:300]))
+                    rejected.append({"dir": ckpt_dir, "shard": str(k), "error": exc.details() or ""})
+                    continue
+                result = while_paused(ckpt_dir) if while_paused is not None else None
+                return {"dir": ckpt_dir, "rows": rows, "map_version": newest.version, "healed": healed,
+                        "rejected": rejected, "result": result}
         except grpc.RpcError as exc:
-            raise RecoveryError(f"restoring the PS fleet {addresses} from {ckpt_dir} failed: "
+            raise RecoveryError(f"restoring the PS fleet {addresses} failed: "
                                 f"{exc.code().name}: {exc.details()}") from None
-        return {"rows": rows, "map_version": newest.version, "healed": healed, "result": result}
+        why = "; ".join(f"{r['dir']}: {r['error']}" for r in rejected)
+        raise CheckpointRefused(f"no committed checkpoint could be restored ({len(rejected)} refused): {why}")
     finally:
         for k in paused:
             try:
@@ -126,6 +174,7 @@ class PsRecovery:
         self._pending: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self.runs = 0
+        self.failed = ""  # why the last failed recovery failed ('' while none did)
 
     def request(self, node: str, incarnation: int) -> None:
         """A PS process came back as ``incarnation``: recover the fleet (asynchronously)."""
@@ -155,10 +204,18 @@ class PsRecovery:
                     return
             try:
                 self.recover(nodes)
-            except Exception as exc:  # recorded; a later restart requests again
-                log.exception("ps recovery failed", extra=kv(nodes=",".join(sorted(nodes))))
-                self.s.record_event(",".join(sorted(nodes)), "ps_recovery_failed",
-                                    {"incarnations": nodes, "error": str(exc)})
+            except Exception as exc:  # the fleet is in no consistent state: the run fails
+                log.exception("ps recovery failed; the run fails", extra=kv(nodes=",".join(sorted(nodes))))
+                self.fail(nodes, exc)
+
+    def fail(self, nodes: dict[str, int], exc: BaseException) -> None:
+        """Record a failed recovery: ``ps_recovery_failed`` (fatal) and ``run_failed`` {reason}."""
+        node = ",".join(sorted(nodes))
+        error = " ".join(str(exc).split())  # one line
+        self.failed = f"PS recovery after the restart of {node} failed: {error}"
+        self.s.record_event(node, "ps_recovery_failed", {"incarnations": nodes, "error": error, "fatal": True},
+                            "fail the run")
+        self.s.record_event("controller", RUN_FAILED, {"reason": self.failed, "source": "ps_recovery"}, "stop")
 
     def recover(self, nodes: dict[str, int]) -> dict[str, Any]:
         """One recovery for the restarted ``nodes`` (``role:index`` -> incarnation)."""
@@ -174,9 +231,10 @@ class PsRecovery:
             time.sleep(0.2)
         node = ",".join(sorted(nodes))
         with self.s.fleet_lock:  # no vshard move while the fleet is restored
-            cut = self.s.checkpoints.latest_committed()
+            committed = [c for c in self.s.checkpoints.cuts() if c.get("state") == "committed" and c.get("dir")]
+            committed.sort(key=lambda c: int(c["cut_id"]), reverse=True)  # newest first
             aborted = self.s.checkpoints.abort_pending("ps restart: fleet restored to an earlier cut")
-            if cut is None or not cut.get("dir"):
+            if not committed:
                 self.s.record_event(node, "ps_recovery",
                                     {"incarnations": nodes, "cut_id": None, "aborted_cuts": aborted,
                                      "error": "no committed checkpoint cut: nothing consistent to roll back to"},
@@ -184,18 +242,32 @@ class PsRecovery:
                 log.error("ps restarted with no committed checkpoint; its rows are lost",
                           extra=kv(nodes=node))
                 return {}
-            cut_id = int(cut["cut_id"])
-            out = restore_fleet(addresses, self.s.rpc_cfg, str(cut["dir"]),
-                                while_paused=lambda: self.s.checkpoints.rollback_to(cut_id))
+            by_dir = {str(c["dir"]): c for c in reversed(committed)}  # a dir committed twice: its newest cut
+
+            def rollback(ckpt_dir: str) -> list[str]:
+                return self.s.checkpoints.rollback_to(int(by_dir[ckpt_dir]["cut_id"]))
+
+            out = restore_fleet(addresses, self.s.rpc_cfg, [str(c["dir"]) for c in committed],
+                                while_paused=rollback)
+        cut = by_dir[out["dir"]]
+        cut_id = int(cut["cut_id"])
         requeued = out["result"] or []
         seconds = round(time.monotonic() - t0, 3)
         self.runs += 1
+        if out["rejected"]:
+            self.s.record_event(node, "ps_recovery_fallback",
+                                {"newest_dir": str(committed[0]["dir"]), "newest_cut_id": int(committed[0]["cut_id"]),
+                                 "dir": cut["dir"], "cut_id": cut_id, "rejected": out["rejected"]},
+                                "restored an older committed cut: the newer one(s) were refused as corrupt")
+            log.error("newest checkpoint refused; the fleet was restored from an older one",
+                      extra=kv(newest=str(committed[0]["dir"]), dir=cut["dir"], rejected=len(out["rejected"])))
         self.s.record_event(node, "ps_recovery",
                             {"incarnations": nodes, "cut_id": cut_id, "dir": cut["dir"], "step": cut.get("step"),
                              "rows": out["rows"], "map_version": out["map_version"], "healed": out["healed"],
-                             "requeued": len(requeued), "aborted_cuts": aborted, "seconds": seconds},
+                             "requeued": len(requeued), "aborted_cuts": aborted, "seconds": seconds,
+                             "fallback": bool(out["rejected"])},
                             "restore_fleet+rollback")
-        log.info("ps fleet restored to the last committed cut",
+        log.info("ps fleet restored to a committed cut",
                  extra=kv(nodes=node, cut_id=cut_id, dir=cut["dir"], rows=out["rows"], requeued=len(requeued),
                           seconds=seconds))
         return out

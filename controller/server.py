@@ -6,6 +6,8 @@ background loop every ``tick_s``::
 
     tick: expire leases / hung shards -> requeue
           nodes silent > heartbeat_timeout_s -> DEAD, their shards requeued (every dataset)
+          workers holding shards with no progress > worker_stall_timeout_s (controller/liveness.py)
+              -> shards requeued, `worker_stalled` event, `restart` command to the node's agent
           close Monitor windows -> Policy.evaluate -> apply actions (each one an event)
           checkpoint interval due -> open a cut, send `checkpoint` commands
 
@@ -30,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 from controller.checkpoint import CheckpointCoordinator
 from controller.config import ControllerConfig
 from controller.dds import DatasetSpec, DynamicDataSharding
+from controller.liveness import WorkerLiveness
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
 from controller.policy import (
@@ -76,6 +79,9 @@ class ControllerServer:
         clock: ``time.time``-like.
     """
 
+    checkpoint_root: str | None = None
+    """CheckpointDone accepts only dirs under this root (``metaps controller`` sets it); None: any."""
+
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -89,6 +95,7 @@ class ControllerServer:
         self.dds = DynamicDataSharding(self.store, cfg.dds, datasets, self.events, clock)
         self.monitor = Monitor(cfg.monitor, clock)
         self.registry = NodeRegistry(self.store, clock)
+        self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
         self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
         self.policy = policy or make_policy(cfg.policy, cfg)
         self.ps_mover = ps_mover
@@ -156,11 +163,44 @@ class ControllerServer:
         self.dds.expire()
         for info in self.registry.timed_out(self.cfg.heartbeat_timeout_s):
             self.node_down(info.role, info.index, f"no heartbeat for {self.cfg.heartbeat_timeout_s}s")
+        self.check_stalls()
         now = self.clock()
         self.apply(self.policy.evaluate(self.monitor.snapshot(now), now))
         if self.cfg.checkpoint_interval_s > 0 and now - self._last_ckpt >= self.cfg.checkpoint_interval_s:
             self._last_ckpt = now
             self.trigger_checkpoint()
+
+    def check_stalls(self) -> list[int]:
+        """Workers holding shards without progress: requeue, record, restart (controller/liveness.py).
+
+        Returns:
+            the indices of the workers handled as stalled in this call.
+        """
+        if self.liveness is None:
+            return []
+        beats = {i.index: i.last_process_heartbeat for i in self.registry.nodes() if i.role == "worker"}
+        stalls, episode = self.liveness.stalled(self.dds.holders(), beats)
+        if episode:
+            log.warning("every busy worker is waiting; none is flagged (a shared cause: a PS, a pause)",
+                        extra=kv(timeout_s=self.liveness.timeout_s))
+            self.events.record(Event.now("controller", "fleet_stalled",
+                                         {"timeout_s": self.liveness.timeout_s}, ""))
+        for st in stalls:
+            reason = st.reason(self.liveness.timeout_s)
+            requeued = self.dds.requeue_worker(st.worker, reason)
+            self.liveness.reset(st.worker)
+            action = "requeue+restart"
+            if self.registry.known("worker", st.worker):
+                self.registry.enqueue("worker", st.worker, "restart", target="agent", reason=reason)
+            else:
+                action = "requeue"
+            log.error("worker stalled", extra=kv(worker=st.worker, idle_s=round(st.idle_s, 1),
+                                                 frozen=st.frozen, requeued=len(requeued)))
+            self.events.record(Event.now(f"worker:{st.worker}", "worker_stalled", {
+                "reason": reason, "idle_s": round(st.idle_s, 3), "heartbeat_age_s": round(st.heartbeat_age_s, 3),
+                "frozen": st.frozen, "last_step": st.last_step, "shards": list(st.shards),
+                "requeued": requeued, "timeout_s": self.liveness.timeout_s}, action))
+        return [st.worker for st in stalls]
 
     def trigger_checkpoint(self) -> int:
         """Open a cut and send a ``checkpoint`` command to every live process."""
@@ -176,6 +216,8 @@ class ControllerServer:
         """A node's process died: mark it, requeue its shards in every dataset, record it."""
         self.registry.mark_dead(role, index)
         requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []
+        if role == "worker" and self.liveness is not None:
+            self.liveness.reset(index)
         self.events.record(Event.now(f"{role}:{index}", "node_down",
                                      {"reason": reason, "exit_code": exit_code, "requeued": requeued}, "requeue"))
         return requeued
@@ -185,6 +227,8 @@ class ControllerServer:
         """Register a node; a PS *process* back with a new pid starts a fleet recovery (ps_recovery.py)."""
         prev_pid = self.registry.get(role, index).pid if self.registry.known(role, index) else 0
         info = self.registry.register(role, index, address, metrics_port, pid, source)
+        if role == "worker" and source == "process" and self.liveness is not None:
+            self.liveness.reset(index)  # a fresh incarnation holds nothing yet
         if role == "ps" and source == "process" and prev_pid and pid != prev_pid:
             self.events.record(Event.now(info.name, "ps_restarted",
                                          {"incarnation": info.incarnation, "pid": pid, "previous_pid": prev_pid,
@@ -282,11 +326,7 @@ class ControllerServer:
             "nodes": nodes,
             "events": [e.__dict__ for e in self.events.list(since=events_since)],
             "finished": self.dds.finished(),
-            "coverage": {"complete": cov.complete, "problems": cov.problems[:50],
-                         "done_entries": cov.done_entries, "duplicate_entries": cov.duplicate_entries,
-                         "stale_entries": cov.stale_entries, "replayed_entries": cov.replayed_entries,
-                         "samples": cov.samples, "duplicate_samples": cov.duplicate_samples,
-                         "duplicate_batches": cov.duplicate_batches},
+            "coverage": cov.to_status(),
             "checkpoints": self.checkpoints.cuts(),
         }
 

@@ -93,6 +93,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.s.monitor.heartbeat(info.name)
         if role == "worker" and source == "process":
             self.s.dds.renew(index)
+            if self.s.liveness is not None:
+                self.s.liveness.step(index, request.step)
         return pb.HeartbeatResponse(
             known=True, batch_size=info.batch_size,
             commands=[pb.Command(id=c.id, kind=c.kind, batch_size=c.batch_size, cut_id=c.cut_id, reason=c.reason)
@@ -103,6 +105,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self._require_worker(request.worker)
         got = self.s.dds.get_shard(request.worker, request.dataset)
         resp = pb.GetShardResponse(status=_GET[got.status])
+        if got.lease is not None and self.s.liveness is not None:
+            self.s.liveness.granted(request.worker, got.lease.shard_id)
         if got.lease is not None:
             l = got.lease
             SHARDS_LEASED.labels(l.dataset).inc()
@@ -114,6 +118,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def ReportShard(self, request: pb.ReportShardRequest, context: grpc.ServicerContext) -> pb.ReportShardResponse:
         self._require_worker(request.worker)
+        if self.s.liveness is not None:  # done with it, whatever the DDS makes of the report
+            self.s.liveness.reported(request.worker, request.shard_id)
         r = self.s.dds.report(request.worker, request.shard_id, request.attempt, request.status,
                               request.samples, request.elapsed_s, request.error)
         SHARD_REPORTS.labels(r.kind).inc()
@@ -127,6 +133,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if role == "worker":
             self.s.monitor.record_worker(index, list(request.batch_times_s), request.samples_per_s,
                                          dict(request.ps_pull_latency_s), dict(request.ps_push_latency_s))
+            if request.batch_times_s and self.s.liveness is not None:
+                self.s.liveness.progress(index)
         else:
             self.s.monitor.record_ps(index, request.request_latency_s, request.queue_depth)
         return pb.ReportMetricsResponse()
@@ -154,6 +162,21 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @_guard
     def CheckpointDone(self, request: pb.CheckpointDoneRequest, context: grpc.ServicerContext) -> pb.CheckpointDoneResponse:
+        if request.cut_id < 0:
+            raise ValueError(f"CheckpointDone: cut_id must be >= 0, got {request.cut_id}")
+        if request.step < 0:
+            raise ValueError(f"CheckpointDone: step must be >= 0, got {request.step}")
+        if not request.dir:
+            raise ValueError("CheckpointDone: dir must name the checkpoint directory, got ''")
+        root = self.s.checkpoint_root
+        if root is not None:  # a committed cut's dir is what a PS recovery restores from: keep it confined
+            from metaps.paths import PathNotAllowed, confine
+
+            try:
+                confine(request.dir, root)
+            except PathNotAllowed as exc:
+                log.warning("CheckpointDone refused: %s", exc)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"CheckpointDone: {exc}")
         self.s.checkpoints.commit(request.cut_id, request.step, request.dir)
         return pb.CheckpointDoneResponse()
 

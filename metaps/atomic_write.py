@@ -2,6 +2,10 @@
 
 Ready files, manifests, reports and job files are polled by other processes;
 each is written to ``<name>.tmp`` and renamed over the target (atomic on POSIX).
+Files are created mode 0600 unless a caller asks for another ``mode``: run
+files may hold paths, metrics and (redacted) configs that are nobody else's
+business. Dataclasses encoded by :func:`json_default` have their secrets
+blanked (:func:`metaps.security.redact`).
 
 Example::
 
@@ -20,29 +24,36 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from metaps.security import redact
+
+PRIVATE_FILE_MODE = 0o600
+
 
 def json_default(o: Any) -> Any:
-    """``json.dumps(default=...)`` for numpy scalars/arrays and dataclasses; else ``str``."""
+    """``json.dumps(default=...)`` for numpy scalars/arrays and dataclasses (secrets redacted); else ``str``."""
     if isinstance(o, np.generic):
         return o.item()
     if isinstance(o, np.ndarray):
         return o.tolist()
     if is_dataclass(o) and not isinstance(o, type):
-        return asdict(o)
+        return redact(asdict(o))
     return str(o)
 
 
-def write_text_atomic(path: str | Path, text: str, fsync: bool = False) -> Path:
+def write_text_atomic(path: str | Path, text: str, fsync: bool = False, mode: int = PRIVATE_FILE_MODE) -> Path:
     """Write ``text`` to ``path`` via ``path.tmp`` + rename.
 
     Args:
         path: the target file (its folder must exist).
         text: the whole content.
         fsync: flush to disk before the rename (for data that must survive a crash).
+        mode: permission bits of the file (default 0600, whatever the umask).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), mode)  # O_CREAT's mode is masked by the umask, and ignored for an old tmp
         fh.write(text)
         if fsync:
             fh.flush()
@@ -52,10 +63,10 @@ def write_text_atomic(path: str | Path, text: str, fsync: bool = False) -> Path:
 
 
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = 1, fsync: bool = False,
-                      sort_keys: bool = False) -> Path:
+                      sort_keys: bool = False, mode: int = PRIVATE_FILE_MODE) -> Path:
     """``obj`` as JSON (numpy and dataclasses encoded) via :func:`write_text_atomic`."""
     text = json.dumps(obj, indent=indent, default=json_default, sort_keys=sort_keys) + "\n"
-    return write_text_atomic(path, text, fsync=fsync)
+    return write_text_atomic(path, text, fsync=fsync, mode=mode)
 
 
 @contextlib.contextmanager

@@ -6,10 +6,14 @@ child (the PS or worker) inherits that group. Stopping a member is::
 
     SIGTERM to the leader (the agent stops its child cleanly, then exits)
     wait up to grace seconds
-    SIGKILL to the whole group (anything left: a hung child, a grandchild)
+    SIGKILL to the whole group (anything left: a hung child, a grandchild, or the
+        child of a leader that exited politely without stopping it)
+    wait until no process of the group is left (SIGKILL is asynchronous: a big
+        process takes a while to be torn down, longer on a loaded machine)
 
 so nothing of the fleet outlives the launcher, even when a child ignores
-SIGTERM. Leaders also get ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher
+SIGTERM. The group id is the leader's pid (``start_new_session``), remembered in
+the :class:`Member`, so the group is found and killed after the leader is gone. Leaders also get ``PR_SET_PDEATHSIG = SIGTERM``: if the launcher
 itself is SIGKILLed they are told to stop.
 
 Each member's stdout and stderr go to ``<log_dir>/<name>.log``.
@@ -73,6 +77,8 @@ class Member:
     log_path: Path
     started: float = field(default_factory=time.time)
     stopped_by_us: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
 
     @property
     def pid(self) -> int:
@@ -116,15 +122,40 @@ class Fleet:
         if name in self.members:
             raise FleetError(f"fleet member {name!r} already started")
         log_path = self.log_dir / f"{name}.log"
-        with log_path.open("ab") as out:
-            proc = subprocess.Popen(
-                list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**self.env, **(env or {})}, cwd=self.cwd, start_new_session=True,
-                preexec_fn=_child_setup,  # noqa: PLW1509 -- one prctl call, resolved before fork
-            )
-        m = Member(name, role or name, index, list(cmd), proc, log_path)
+        proc = self._popen(cmd, log_path, env or {})
+        m = Member(name, role or name, index, list(cmd), proc, log_path, env=dict(env or {}))
         self.members[name] = m
         log.info("started", extra=kv(member=name, pid=proc.pid, log=str(log_path)))
+        return m
+
+    def _popen(self, cmd: Sequence[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as out:
+            return subprocess.Popen(
+                list(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**self.env, **env}, cwd=self.cwd, start_new_session=True,
+                preexec_fn=_child_setup,  # noqa: PLW1509 -- one prctl call, resolved before fork
+            )
+
+    def restart(self, name: str) -> Member:
+        """Start an exited member again (same command, env and log file, a new process group).
+
+        Whatever is left of its old group (a child that outlived its dead leader) is
+        SIGKILLed first, and the restart waits until that group is empty.
+
+        Raises:
+            FleetError: unknown member, or its leader is still running.
+        """
+        m = self.members.get(name)
+        if m is None:
+            raise FleetError(f"no fleet member {name!r} to restart (members: {sorted(self.members)})")
+        if m.poll() is None:
+            raise FleetError(f"fleet member {name!r} (pid {m.pid}) is still running; stop it before a restart")
+        _kill_group(m.pid)
+        self.wait_gone([m.pid])
+        m.proc = self._popen(m.cmd, m.log_path, m.env)
+        m.restarts += 1
+        m.started, m.stopped_by_us = time.time(), False
+        log.info("restarted", extra=kv(member=name, pid=m.pid, restarts=m.restarts))
         return m
 
     # ---------------------------------------------------------------- watch
@@ -177,7 +208,28 @@ class Fleet:
                 out[m.name] = m.proc.wait(5.0)
             except subprocess.TimeoutExpired:
                 out[m.name] = None
+        self.wait_gone([m.pid for m in members])
         return out
+
+    def wait_gone(self, pgids: Sequence[int], timeout_s: float = 30.0) -> list[int]:
+        """Wait until no live process is in any of ``pgids`` (re-sending SIGKILL); returns the pids left.
+
+        Args:
+            pgids: process groups (members' leader pids).
+            timeout_s: give up after this long (the pids left are logged and returned).
+        """
+        groups = set(pgids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = [pid for pid, pgid in _process_groups().items() if pgid in groups]
+            if not left:
+                return []
+            if time.monotonic() > deadline:
+                log.error("processes outlived SIGKILL of their group", extra=kv(pids=left, groups=sorted(groups)))
+                return left
+            for g in groups:
+                _kill_group(g)
+            time.sleep(0.02)
 
     def stop_all(self, grace_s: float = 15.0) -> None:
         """Stop every member (workers, then PS, then the controller)."""
@@ -189,6 +241,7 @@ class Fleet:
         """SIGKILL every member's group now (second Ctrl-C, or a launcher error)."""
         for m in self.members.values():
             _kill_group(m.pid)
+        self.wait_gone([m.pid for m in self.members.values()])
 
     def alive_pids(self) -> list[int]:
         """Pids of any process still in one of the fleet's process groups."""

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from metaps.config import from_mapping, read_toml, to_dict
 from metaps.errors import ConfigError
 from metaps.rpc import RpcConfig
+from metaps.security import redact
 
 if TYPE_CHECKING:
     from meta_io.schema import Schema
@@ -133,7 +134,11 @@ class JobConfig:
         return dataclasses.replace(self, **sections)
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: to_dict(getattr(self, name)) for name in _section_types()}
+        """Every section as plain data, secrets redacted (``[rpc] token`` -> ``<redacted>``).
+
+        This is what reports and checkpoint manifests store: never the token itself.
+        """
+        return redact({name: to_dict(getattr(self, name)) for name in _section_types()})
 
 
 def job_from_mapping(data: dict[str, Any], where: str = "<job>") -> JobConfig:

@@ -3,7 +3,7 @@
 ::
 
     metaps launch --config configs/local.toml [--workers N] [--ps N] [--run-dir DIR]
-                  [--resume-from DIR] [--timeout S] [--no-progress]
+                  [--resume-from DIR] [--timeout S] [--no-progress] [--token-file FILE]
 
 What it does::
 
@@ -17,13 +17,26 @@ What it does::
            coordinated checkpoint of the PS), stop PS, stop controller, ledger
            -> report.json, tb/, plots/, summary table
 
+Auth is always on: the run's token is ``[rpc] token``, a token file or
+``$METAPS_TOKEN``, else a fresh random one (:func:`metaps.security.launch_token`);
+children get it through ``$METAPS_TOKEN`` or the 0600 token file, never argv;
+``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
+run dir is 0700, its files 0600; the PS and controller accept checkpoint paths
+under ``RUN/checkpoints`` only (``--checkpoint-root``).
+
 Every process gets ``METAPS_T0`` (one job start time, for fault-injection clocks)
 and its own process group (see :mod:`metaps.fleet`): SIGINT/SIGTERM stop the
 whole fleet with no process left behind; a second signal kills at once.
 
 Exit code: 0 when every worker finished; 1 when training failed (a worker's agent
-gave up after its restart limit, a PS or the controller died, the timeout
-passed, a process did not start); 130/143 when interrupted by SIGINT/SIGTERM.
+gave up after its restart limit, an agent died more often than that limit, a PS
+or the controller died, the controller failed the run -- a PS recovery with no
+restorable checkpoint --, the timeout passed, a process did not start); 130/143
+when interrupted by SIGINT/SIGTERM. An agent that died (SIGKILL, a crash) is
+restarted with its orphaned child stopped and its node reported down
+(docs/design/launch.md). report.json and the summary say why, and what fraction
+of the requested shards was covered (``coverage: 62% (stopped: launcher
+SIGTERM)``; "complete" only when every shard of every requested epoch is done).
 
 Two helpers for fleets started by hand or across hosts (``scripts/``)::
 
@@ -47,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from metaps.errors import ConfigError
-from metaps.fleet import Fleet, FleetError
+from metaps.fleet import Fleet, FleetError, tail
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -70,6 +83,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resume-from", default="", help="warm start: a run dir, checkpoints dir or checkpoint")
     p.add_argument("--timeout", type=float, default=0.0, help="fail the run after this many seconds (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no live view; a progress log line every 10 s")
+    p.add_argument("--token-file", default="",
+                   help="auth token file (0600): read it, or create it with the run's token (default [rpc] token_file)")
     p.set_defaults(func=_cmd_launch)
 
     c = subparsers.add_parser("config-write", help="write a job TOML with overrides (per-host configs)")
@@ -103,6 +118,7 @@ class LaunchConfig:
         ready_timeout_s: how long the controller and each PS get to come up.
         stop_grace_s: SIGTERM -> SIGKILL grace per role when stopping.
         status_every_s: controller status poll period.
+        token_file: read the run's token from this 0600 file, or write it there ('' = ``[rpc] token_file``).
 
     Example::
 
@@ -119,6 +135,7 @@ class LaunchConfig:
     ready_timeout_s: float = 180.0
     stop_grace_s: float = 20.0
     status_every_s: float = 1.0
+    token_file: str = ""
 
     def validate(self) -> None:
         if not self.config:
@@ -235,9 +252,29 @@ def _metaps(*args: str) -> list[str]:
 # ============================================================== the launcher
 @dataclass
 class Outcome:
-    status: str  # succeeded | failed | interrupted
+    """How a launch ended.
+
+    Attributes:
+        status: succeeded | failed | interrupted.
+        reason: why it failed or stopped ('' on success); report.json and the summary carry it.
+        code: the exit code.
+        final_checkpoint: take a coordinated checkpoint while stopping (False when the PS
+            fleet is in no consistent state, e.g. a failed PS recovery: such a checkpoint
+            would become the newest one a resume picks).
+    """
+
+    status: str
     reason: str = ""
     code: int = EXIT_OK
+    final_checkpoint: bool = True
+
+
+def controller_failed(status: dict[str, Any] | None) -> Outcome | None:
+    """A failed Outcome when the controller failed the run (``run_failed`` event), else None."""
+    from metaps.run_report import run_failure
+
+    why = run_failure(status)
+    return Outcome("failed", why, EXIT_FAILED, final_checkpoint=False) if why else None
 
 
 class Launcher:
@@ -257,6 +294,7 @@ class Launcher:
 
         from metaps.config import read_toml
         from metaps.job import load_job
+        from metaps.security import launch_token, make_private_dir
 
         lc.validate()
         self.lc = lc
@@ -268,11 +306,11 @@ class Launcher:
         from metaps.preflight import preflight
 
         preflight(base, resume=self.resume)  # deterministic errors: one line, before anything is created or started
+        token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("logs", "ps", "workers", "checkpoints"):
-            (self.run_dir / sub).mkdir(exist_ok=True)
+        for sub in ("", "logs", "ps", "workers", "checkpoints"):
+            make_private_dir(self.run_dir / sub)  # 0700
         _absolute_data_paths(raw)
         overrides = [(["ps", "shards"], n_ps), (["train", "workers"], n_workers),
                      (["run", "dir"], str(self.run_dir)),
@@ -283,8 +321,10 @@ class Launcher:
             overrides.append((["train", "allreduce_port"], free_port()))
         self.job_path = self.run_dir / "job.toml"
         self.job = write_job(self.job_path, apply_overrides(raw, overrides))
+        self.job = self.job.with_overrides(rpc=dataclasses.replace(self.job.rpc, token=token))  # in memory only
         self.fleet = Fleet(self.run_dir / "logs", env={
-            "METAPS_T0": repr(time.time()), "PYTHONUNBUFFERED": "1", "METAPS_RUN_DIR": str(self.run_dir)})
+            "METAPS_T0": repr(time.time()), "PYTHONUNBUFFERED": "1", "METAPS_RUN_DIR": str(self.run_dir),
+            **token_env})
         self.t0 = float(self.fleet.env["METAPS_T0"])
         self.stop_event = threading.Event()
         self.signal_name = ""
@@ -293,6 +333,7 @@ class Launcher:
         self.metrics_ports: dict[str, int | None] = {}
         self.status: dict[str, Any] | None = None
         self.ckpt = ""
+        self.agent_notes: list[str] = []  # agents that died and were restarted (true reasons, for the report)
         from metaps.progress import StepLogTail
 
         self.tail = StepLogTail({r: self.run_dir / "logs" / f"worker-{r}.log" for r in range(n_workers)})
@@ -319,7 +360,8 @@ class Launcher:
         mport = free_port(_connect_host(host))
         m = self.fleet.start("controller", _metaps(
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
-            "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport)), role="controller")
+            "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport),
+            "--checkpoint-root", str(self.run_dir / "checkpoints")), role="controller")
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
         self.ctl_addr = f"{_connect_host(host)}:{port}"
         self.metrics_ports["controller"] = mport
@@ -332,7 +374,8 @@ class Launcher:
         for k in range(self.job.ps.shards):
             port, mport = free_port(_connect_host(host)), free_port(_connect_host(host))
             child = ["ps", "--config", str(self.job_path), "--shard", str(k), "--port", str(port),
-                     "--metrics-port", str(mport), "--ready-file", str(self.run_dir / "ps" / f"ps-{k}.ready")]
+                     "--metrics-port", str(mport), "--ready-file", str(self.run_dir / "ps" / f"ps-{k}.ready"),
+                     "--checkpoint-root", str(self.run_dir / "checkpoints")]
             if self.resume:
                 child += ["--restore", self.resume]
             aport = free_port(_connect_host(host))
@@ -395,15 +438,11 @@ class Launcher:
                 exited = self.fleet.exited()
                 if "controller" in exited:
                     return Outcome("failed", f"the controller exited with code {exited['controller']}", EXIT_FAILED)
-                for k in range(self.job.ps.shards):
-                    if f"ps-{k}" in exited:
-                        return Outcome("failed", f"PS shard {k}'s agent exited with code {exited[f'ps-{k}']} "
-                                                 f"(restart limit reached?); see logs/ps-{k}.log", EXIT_FAILED)
-                bad = {w: exited[w] for w in workers if exited.get(w, 0) != 0}
-                if bad:
-                    name, rc = min(bad.items())
-                    return Outcome("failed", f"{name}'s agent exited with code {rc} (the worker failed beyond its "
-                                             f"restart limit); see logs/{name}.log", EXIT_FAILED)
+                agents = self._supervise_agents(exited)
+                if isinstance(agents, Outcome):
+                    return agents
+                if agents:  # restarted: look again
+                    continue
                 elapsed = time.time() - self.t0
                 now = time.monotonic()
                 if now >= next_status or all(w in exited for w in workers):
@@ -411,6 +450,9 @@ class Launcher:
                     self._poll_status(client)
                     self.tail.poll()
                     display.update(self.status, self.tail.latest(), elapsed)
+                    failed = controller_failed(self.status)
+                    if failed is not None:
+                        return failed
                 if all(w in exited for w in workers):
                     return Outcome("succeeded")
                 if self.lc.timeout_s and elapsed > self.lc.timeout_s:
@@ -419,6 +461,53 @@ class Launcher:
         finally:
             display.close()
             client.close()
+
+    def _supervise_agents(self, exited: dict[str, int]) -> Outcome | list[str]:
+        """Agents that exited: restart the ones that died, fail the run with the true reason otherwise.
+
+        An agent that gave up (its child failed beyond ``[controller.agent] restart_limit``)
+        or a PS agent that exited by itself fails the run. An agent that died (a signal,
+        or an exit code other than "gave up") is restarted: the rest of its process group
+        (its orphaned child) is killed first, the controller is told the node is down
+        (its shards are requeued, the reason is in the event log), then a fresh agent
+        starts a fresh child. At most ``restart_limit`` restarts per agent
+        (docs/design/launch.md, "Agent supervision").
+
+        Returns:
+            an Outcome that ends the run, or the names of the agents restarted (maybe none).
+        """
+        from controller.client import ControllerClient, ControllerError
+
+        limit = self.job.controller.agent.restart_limit
+        restarted: list[str] = []
+        for name, rc in sorted(exited.items()):
+            m = self.fleet.members[name]
+            if m.role not in ("ps", "worker") or (m.role == "worker" and rc == 0):
+                continue
+            if rc == 1 and "restart limit reached" in tail(m.log_path, 200):
+                return Outcome("failed", f"{name}'s agent exited with code 1 (its {m.role} failed beyond its "
+                                         f"restart limit {limit}); see logs/{name}.log", EXIT_FAILED)
+            if m.role == "ps" and rc == 0:
+                return Outcome("failed", f"{name}'s agent exited with code 0 while the run was going (its PS "
+                                         f"stopped); see logs/{name}.log", EXIT_FAILED)
+            how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+            if m.restarts >= limit:
+                return Outcome("failed", f"agent for {name} died ({how}) after {m.restarts} restart(s) "
+                                         f"(restart_limit {limit}); see logs/{name}.log", EXIT_FAILED)
+            self.fleet.stop([name], self.lc.stop_grace_s)  # its orphaned child, if any: the group goes
+            note = f"agent for {name} died ({how}); restarted"
+            try:  # before the new agent starts: its worker must not inherit the dead one's leases
+                with ControllerClient(self.ctl_addr, dataclasses.replace(self.job.rpc, timeout_s=20.0),
+                                      retry_s=30.0) as ctl:
+                    ctl.node_down(m.role, m.index, f"{note} (its {m.role} process was stopped with it)", rc)
+            except ControllerError as exc:
+                log.error("could not report the dead agent's node down; its shards wait for their lease",
+                          extra=kv(member=name, error=exc))
+            self.fleet.restart(name)
+            log.warning("agent died; restarted", extra=kv(member=name, how=how, restarts=m.restarts))
+            self.agent_notes.append(note)
+            restarted.append(name)
+        return restarted
 
     # ---------------------------------------------------------------- end
     def _final_checkpoint(self, reason: str) -> str:
@@ -466,14 +555,17 @@ class Launcher:
             self._poll_status(c)
 
     def _teardown(self, outcome: Outcome) -> tuple[list[dict[str, Any]] | None, list[str]]:
-        notes: list[str] = []
+        notes: list[str] = list(self.agent_notes)
         grace = self.lc.stop_grace_s
         workers = [n for n, m in self.fleet.members.items() if m.role == "worker"]
         if outcome.status != "succeeded":
             self.fleet.stop(workers, grace)
-            self.ckpt = self._final_checkpoint(outcome.reason)
-            if not self.ckpt:
-                notes.append("no final checkpoint: the PS fleet was not all up, or the checkpoint failed")
+            if outcome.final_checkpoint:
+                self.ckpt = self._final_checkpoint(outcome.reason)
+                if not self.ckpt:
+                    notes.append("no final checkpoint: the PS fleet was not all up, or the checkpoint failed")
+            else:
+                notes.append("no final checkpoint: the PS fleet is in no consistent state")
         self._final_status()
         stats = self._ps_stats()
         self.fleet.stop([n for n, m in self.fleet.members.items() if m.role == "ps"], grace)
@@ -542,6 +634,8 @@ class Launcher:
                 outcome = self._interrupted() if self.stop_event.is_set() else Outcome("failed", str(exc), EXIT_FAILED)
             log.info("run ending", extra=kv(status=outcome.status, reason=outcome.reason or "-"))
             stats, notes = self._teardown(outcome)
+            if outcome.status == "succeeded":  # a recovery may have failed after the last poll
+                outcome = controller_failed(self.status) or outcome
         except BaseException:
             self.fleet.kill_all()
             raise
@@ -555,8 +649,12 @@ class Launcher:
 
 # ============================================================== commands
 def _cmd_launch(args: argparse.Namespace) -> int:
+    from metaps.security import set_private_umask
+
+    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
-                      resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout)
+                      resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout,
+                      token_file=args.token_file)
     try:
         lc.validate()
     except ValueError as exc:
@@ -586,6 +684,7 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         print_summary,
         read_ledger,
         read_worker_reports,
+        run_failure,
         write_report,
     )
     from metaps.tb import write_tensorboard
@@ -616,9 +715,10 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         ports[ready.stem] = int(json.loads(ready.read_text())["metrics_port"])
     reports = read_worker_reports(run_dir)
     missing = sorted(set(range(job.train.workers)) - set(reports))
-    ok = not missing
+    failure = run_failure(status) or (f"no report from worker(s) {missing}" if missing else "")
+    ok = not failure
     rep = build_report(run_dir, job, status="succeeded" if ok else "failed",
-                       reason="" if ok else f"no report from worker(s) {missing}", exit_code=0 if ok else 1,
+                       reason=failure, exit_code=0 if ok else 1,
                        ps_stats=stats, controller_status=status,
                        ledger=read_ledger(Path(job.controller.state_dir or run_dir / "controller")),
                        metrics_ports=ports, notes=["assembled by metaps run-report"])

@@ -4,7 +4,8 @@
 * a shared-token check: every call carries ``authorization: Bearer <token>``
   metadata; a server built with :func:`make_server` refuses calls without it
   (``UNAUTHENTICATED``);
-* optional TLS from PEM files;
+* optional TLS from PEM files (a missing or unreadable file is a one-line
+  :class:`~metaps.errors.ConfigError` naming it: :meth:`RpcConfig.check_files`);
 * the standard gRPC health service on every server.
 
 Example::
@@ -21,14 +22,16 @@ from __future__ import annotations
 import hmac
 import os
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from metaps.errors import ConfigError
+from metaps.security import REDACTED, TOKEN_ENV, read_token_file
+
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-TOKEN_ENV = "METAPS_TOKEN"
 _AUTH_KEY = "authorization"
 
 
@@ -37,13 +40,17 @@ class RpcConfig:
     """RPC settings shared by every service of a job (``[rpc]`` in the job TOML).
 
     Args:
-        token: shared secret; '' means read ``$METAPS_TOKEN``; still '' means no auth.
+        token: shared secret; '' (or ``<redacted>``, what job files written by
+            ``metaps launch`` hold) means: read ``token_file``, else ``$METAPS_TOKEN``;
+            still nothing means no auth (loopback binds only). Never logged or written out.
+        token_file: a file (mode 0600) holding the token, e.g. a mounted Secret.
         max_message_bytes: send and receive limit on both ends.
         tls_cert / tls_key / tls_ca: PEM paths; all empty means plaintext.
         timeout_s: default deadline of a unary call.
     """
 
-    token: str = ""
+    token: str = field(default="", repr=False)
+    token_file: str = ""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls_cert: str = ""
     tls_key: str = ""
@@ -57,9 +64,40 @@ class RpcConfig:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.token and self.token != REDACTED and self.token_file:
+            raise ValueError("token and token_file are both set; give one (the file keeps the secret out of the job file)")
 
     def resolved_token(self) -> str:
-        return self.token or os.environ.get(TOKEN_ENV, "")
+        """The token in force: ``token``, else ``token_file``'s content, else ``$METAPS_TOKEN``, else ''."""
+        if self.token and self.token != REDACTED:
+            return self.token
+        if self.token_file:
+            return read_token_file(self.token_file)
+        return os.environ.get(TOKEN_ENV, "")
+
+    def check_files(self) -> None:
+        """Every configured TLS file and the token file exist and are readable.
+
+        Raises:
+            ConfigError: naming the key and the file (no traceback, nothing started).
+        """
+        for key in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, key)
+            if path:
+                _read_file(key, path)
+        if self.token_file:
+            read_token_file(self.token_file)
+
+
+def _read_file(key: str, path: str) -> bytes:
+    """The bytes of a configured PEM file, or a ConfigError naming ``[rpc] key`` and the file."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"[rpc] {key} {path}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"[rpc] {key} {path}: cannot read it ({exc.strerror})") from None
 
 
 def channel_options(cfg: RpcConfig) -> list[tuple[str, Any]]:
@@ -139,8 +177,7 @@ def make_server(cfg: RpcConfig, max_workers: int = 8) -> grpc.Server:
 def add_port(server: grpc.Server, address: str, cfg: RpcConfig) -> int:
     """Bind ``address`` (``host:0`` picks a free port) with TLS if configured."""
     if cfg.tls_cert:
-        with open(cfg.tls_key, "rb") as fk, open(cfg.tls_cert, "rb") as fc:
-            creds = grpc.ssl_server_credentials([(fk.read(), fc.read())])
+        creds = grpc.ssl_server_credentials([(_read_file("tls_key", cfg.tls_key), _read_file("tls_cert", cfg.tls_cert))])
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
@@ -162,7 +199,7 @@ def make_channel(address: str, cfg: RpcConfig) -> grpc.Channel:
     opts = channel_options(cfg)
     token = cfg.resolved_token()
     if cfg.tls_ca or cfg.tls_cert:
-        ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
+        ca = _read_file("tls_ca", cfg.tls_ca) if cfg.tls_ca else None
         creds = grpc.ssl_channel_credentials(root_certificates=ca)
         if token:
             creds = grpc.composite_channel_credentials(

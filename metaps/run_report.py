@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from metaps.atomic_write import write_json_atomic
@@ -124,6 +125,43 @@ def flat_auc(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+RUN_FAILED_EVENT = "run_failed"  # controller.ps_recovery.RUN_FAILED: the run cannot go on
+
+
+def run_failure(controller_status: Mapping[str, Any] | None) -> str:
+    """Why the controller failed the run ('' when it did not): the reason of its first
+    ``run_failed`` event (e.g. a PS recovery with no restorable checkpoint)."""
+    for e in (controller_status or {}).get("events", []) or []:
+        if e.get("kind") == RUN_FAILED_EVENT:
+            return str((e.get("evidence") or {}).get("reason") or "the controller failed the run")
+    return ""
+
+
+def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str = "") -> str:
+    """One line: ``complete``, ``in progress: 40%`` (status ``running``), or
+    ``62% (stopped: launcher SIGTERM)`` -- never "complete" for a run stopped mid-epoch.
+
+    Args:
+        coverage: the controller status' ``coverage`` (``Coverage.to_status()``); empty: unknown.
+        status: the run's status (``running`` | ``succeeded`` | ``failed`` | ``interrupted``).
+        reason: why the run stopped ('' when it ran to its end).
+    """
+    if not coverage:
+        return "unknown (no controller status)"
+    if coverage.get("complete"):
+        return "complete"
+    frac = coverage.get("fraction")
+    pct = f"{100.0 * float(frac):.0f}%" if isinstance(frac, (int, float)) else "?%"
+    problems = list(coverage.get("problems") or [])
+    tail = f"; problems: {problems[:3]}" if problems else ""
+    if status == "running":
+        return f"in progress: {pct}{tail}"
+    if reason.startswith("stopped by "):  # the launcher's own signal: "stopped by SIGTERM"
+        reason = "launcher " + reason[len("stopped by "):]
+    why = reason or ("every worker exited before every shard was done" if status == "succeeded" else status)
+    return f"{pct} (stopped: {why}){tail}"
+
+
 def build_report(
     run_dir: Path,
     job: Any,
@@ -148,7 +186,8 @@ def build_report(
         run_dir: the run directory.
         job: the effective JobConfig.
         status: ``succeeded`` | ``failed`` | ``interrupted``.
-        reason: why it failed or stopped ('' on success).
+        reason: why it failed or stopped ('' on success); also in ``coverage_summary``
+            when the run's coverage is not complete.
         exit_code: the launcher's exit code.
         started: unix time of the launch.
         ps_stats: ``PsClient.stats()`` (None: PS unreachable at the end).
@@ -168,6 +207,7 @@ def build_report(
     ckpt = checkpoint or reports.get(0, {}).get("checkpoint", "")
     st = dict(controller_status or {})
     now = time.time()
+    cov = dict(st.get("coverage", {}) or {})
     return {
         "run_dir": str(run_dir),
         "name": job.run.name,
@@ -190,12 +230,13 @@ def build_report(
         "ps": list(ps_stats) if ps_stats is not None else [],
         "controller": {
             "events": st.get("events", []),
-            "coverage": st.get("coverage", {}),
+            "coverage": cov,
             "datasets": st.get("datasets", []),
             "nodes": st.get("nodes", []),
             "checkpoints": st.get("checkpoints", []),
             "finished": bool(st.get("finished", False)),
         },
+        "coverage_summary": coverage_text(cov, status, reason),
         "shards": list(ledger),
         "final_metrics": final_metrics,
         "final_auc": flat_auc(final_metrics),
@@ -222,6 +263,7 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     """Workers, PS shards, final metrics and the run directory as rich tables."""
     colour = {"succeeded": "green", "failed": "red", "interrupted": "yellow"}.get(report["status"], "white")
     console.print(f"[bold {colour}]run {report['status']}[/]" + (f": {report['reason']}" if report["reason"] else ""))
+    console.print(f"coverage: {report.get('coverage_summary') or '-'}", markup=False)
 
     wt = Table(title="workers")
     for col in ("rank", "steps", "samples", "samples/s", "wall s", "final loss", "source"):
@@ -247,9 +289,8 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     ct = Table(title="run")
     ct.add_column("item")
     ct.add_column("value", overflow="fold")
-    cov = report["controller"]["coverage"]
-    ct.add_row("coverage", ("complete" if cov.get("complete") else f"INCOMPLETE: {cov.get('problems', [])[:3]}")
-               if cov else "-")
+    ct.add_row("coverage", escape(report.get("coverage_summary")
+                                  or coverage_text(report["controller"]["coverage"], report["status"], report["reason"])))
     ct.add_row("events", str(len(report["controller"]["events"])))
     for k, v in sorted(report["final_auc"].items()):
         ct.add_row(k, f"{v:.4f}")

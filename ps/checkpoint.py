@@ -110,13 +110,19 @@ def unpack_arrays(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{where}: corrupt chunk header: {exc}") from None
     base = start + ((-start) % 8)
     out = {}
-    for m in header.get("arrays", []):
-        lo = base + int(m["offset"])
-        hi = lo + int(m["nbytes"])
-        if hi > len(buf):
-            raise CheckpointError(f"{where}: array '{m['name']}' runs past the chunk end ({hi} > {len(buf)})")
-        dt = np.dtype(m["dtype"])
-        shape = tuple(int(s) for s in m["shape"])
+    arrays = header.get("arrays", []) if isinstance(header, dict) else None
+    if not isinstance(arrays, list):
+        raise CheckpointError(f"{where}: chunk header has no 'arrays' list")
+    for m in arrays:
+        try:
+            lo = base + int(m["offset"])
+            hi = lo + int(m["nbytes"])
+            dt = np.dtype(m["dtype"])
+            shape = tuple(int(s) for s in m["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: malformed array entry {str(m)[:120]} in the chunk header: {exc}") from None
+        if hi > len(buf) or lo < base or min(shape, default=0) < 0:
+            raise CheckpointError(f"{where}: array '{m.get('name')}' runs past the chunk end ({hi} > {len(buf)})")
         if int(np.prod(shape)) * dt.itemsize != int(m["nbytes"]):
             raise CheckpointError(f"{where}: array '{m['name']}' size does not match shape {shape} {dt}")
         out[m["name"]] = np.frombuffer(buf[lo:hi], dtype=dt).reshape(shape).copy()
@@ -375,6 +381,42 @@ def verify_checkpoint(ckpt_dir: str | Path, files: Sequence[str] | None = None) 
         got = _sha256(p)
         if got != want["sha256"]:
             raise CheckpointError(f"{p}: sha256 mismatch (manifest {want['sha256'][:16]}..., file {got[:16]}...)")
+    return manifest
+
+
+def verify_for_restore(ckpt_dir: str | Path) -> dict:
+    """Everything a restore can check before it touches a shard; returns the manifest.
+
+    The manifest is valid json with its keys; every file it lists exists with
+    its size and sha256; the ``shard-*.lmdb`` files on disk are exactly the ones
+    it lists, as many as its ``shards``; each shard file's ``meta`` agrees with
+    the manifest's num_vshards and table dims/optimizers.
+
+    Raises:
+        CheckpointError: the first problem, naming the file (and key).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
+    manifest = verify_checkpoint(ckpt_dir)
+    mpath = ckpt_dir / MANIFEST
+    listed = sorted(n for n in manifest["files"] if _SHARD_RE.match(n))
+    on_disk = sorted(p.name for p in shard_files(ckpt_dir))
+    if listed != on_disk:
+        raise CheckpointError(f"{mpath}: lists shard files {listed}, the directory holds {on_disk}")
+    if len(listed) != int(manifest["shards"]):
+        raise CheckpointError(f"{mpath}: 'shards' is {manifest['shards']} but {len(listed)} shard files are listed")
+    for name in listed:
+        path = ckpt_dir / name
+        meta = _read_meta(path)
+        if int(meta.get("num_vshards", -1)) != int(manifest["num_vshards"]):
+            raise CheckpointError(f"{path} key 'meta': num_vshards {meta.get('num_vshards')}, "
+                                  f"manifest says {manifest['num_vshards']}")
+        for table, tmeta in (meta.get("tables") or {}).items():
+            want = manifest["tables"].get(table)
+            if want is None or (want.get("dim"), want.get("optimizer")) != (tmeta.get("dim"), tmeta.get("optimizer")):
+                raise CheckpointError(f"{path} key 'meta': table '{table}' dim/optimizer "
+                                      f"{tmeta.get('dim')}/{tmeta.get('optimizer')} do not match the manifest's {want}")
     return manifest
 
 

@@ -18,6 +18,12 @@ shard registers as ``ps:<shard>`` with its address, heartbeats and reports its
 mean request latency and queue depth (:mod:`ps.controller_link`); the
 controller moves vshards off it when it is slow and restores the fleet to the
 last committed checkpoint when it restarts after a crash.
+
+Security: without a token (``[rpc] token``/``token_file``, ``--token-file``,
+``$METAPS_TOKEN``) the shard warns and serves loopback only; a non-loopback
+``[ps] host`` is refused (exit 1) unless ``--insecure``. Checkpoint/Restore
+requests may only name directories under ``--checkpoint-root``. Files are
+created 0600, directories 0700.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any, Callable
 
 from metaps.atomic_write import write_json_atomic
 from metaps.log import kv
+from metaps.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = free port)")
     p.add_argument("--ready-file", default="", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_ps)
 
 
@@ -71,9 +79,12 @@ def run_ps(args: argparse.Namespace) -> int:
     from ps.coordinator import restore_shard_checkpoint
     from ps.server import build_server
 
+    set_private_umask()  # checkpoint LMDB files, ready file: 0600
+    job = load_job(args.config)
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    check_bind([job.ps.host], job.rpc.resolved_token(), insecure=args.insecure, what="metaps ps")
     # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
     torch.set_num_threads(1)
-    job = load_job(args.config)
     ps_cfg = job.ps
     if not 0 <= args.shard < ps_cfg.shards:
         from metaps.errors import ConfigError
@@ -83,6 +94,7 @@ def run_ps(args: argparse.Namespace) -> int:
         ps_cfg, job.rpc, job.table_configs(), args.shard, registry=REGISTRY,
         added_latency_s=_latency_hook(job, args.shard),
     )
+    server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, job.run.dir))
     if args.restore and args.restore_latest:
         from metaps.errors import ConfigError
 
@@ -101,7 +113,8 @@ def run_ps(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else (ps_cfg.base_port + args.shard if ps_cfg.base_port else 0)
     port = server.start(f"{ps_cfg.host}:{port}")
     metrics_port = serve_metrics(args.metrics_port, ps_cfg.host)
-    log.info("ps ready", extra=kv(shard=args.shard, port=port, metrics_port=metrics_port, pid=os.getpid()))
+    log.info("ps ready", extra=kv(shard=args.shard, port=port, metrics_port=metrics_port, pid=os.getpid(),
+                                  checkpoint_root=server.checkpoint_root))
 
     stop = threading.Event()
 

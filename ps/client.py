@@ -20,8 +20,20 @@ travels once per step. Failures are handled per shard sub-request:
 * ``FAILED_PRECONDITION`` + ``wrong_owner`` (a vshard moved, or the map
   changed): refresh the map from every shard and re-route only the refused part
   (a refused request was not applied, so nothing is applied twice);
-* ``RESOURCE_EXHAUSTED`` (too many rows / bytes): halve the request size and resend;
+* ``RESOURCE_EXHAUSTED`` (too many rows / bytes, or a reply over the message
+  limit): resend in requests of the shard's ``metaps-max-rows`` hint (else half);
+* ``ABORTED`` + ``stale_wait`` (this worker is ahead of the staleness bound, or a
+  barrier is not reached yet) or ``paused`` (checkpoint): the shard did nothing
+  and held no thread; wait *here* with short backoff (1 ms doubling to 50 ms) and
+  ask again, until the bound is met or the wait time is spent (the client's
+  ``wait_timeout_s`` capped by the shard's ``metaps-wait-timeout``), then
+  :class:`PsStalenessTimeout` (``DEADLINE_EXCEEDED``) with the shard's message;
 * anything else (bad input): :class:`PsRequestError` with the server's message.
+
+Rows per request are planned from each table's dim against the message limit
+(the reply of a pull, values of a push), so a 100k-id pull at dim 128 fits
+whatever the limit; the dim is learned from the first reply (or the shard's
+hint when that first request was too large).
 
 Example::
 
@@ -50,7 +62,7 @@ from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from ps import wire
 from ps.partition_map import PartitionMap, dense_owner
-from ps.server import ERROR_KEY, PUSH_COUNT_FIELDS, WRONG_OWNER
+from ps.server import ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, STALE_WAIT, WAIT_TIMEOUT_KEY, WRONG_OWNER
 from protos import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,6 +78,13 @@ class PsRequestError(PsClientError):
     def __init__(self, message: str, code: grpc.StatusCode) -> None:
         super().__init__(message)
         self.code = code
+
+
+class PsStalenessTimeout(PsRequestError):
+    """A worker waited for slower workers (staleness bound, barrier) longer than allowed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class PsUnavailableError(PsClientError):
@@ -88,11 +107,68 @@ def _rpc_kind(err: grpc.RpcError) -> str:
         md = dict(err.trailing_metadata() or ())
         if md.get(ERROR_KEY) == WRONG_OWNER:
             return "wrong_owner"
+    if code == grpc.StatusCode.ABORTED:
+        reason = dict(err.trailing_metadata() or ()).get(ERROR_KEY)
+        if reason == STALE_WAIT:
+            return "wait"
+        if reason == PAUSED:
+            return "paused"
     if code == grpc.StatusCode.UNAVAILABLE:
         return "unavailable"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return "split"
     return "fatal"
+
+
+def _md_float(err: grpc.RpcError, key: str) -> float | None:
+    try:
+        v = float(dict(err.trailing_metadata() or ()).get(key, ""))
+    except ValueError:
+        return None
+    return v if v == v else None
+
+
+class _Waiter:
+    """Client-side wait for slower workers: backoff 1 ms doubling to 50 ms, bounded time.
+
+    Args:
+        own_limit_s: the caller's own bound (None: only the shard's cap).
+        backoff_s, max_backoff_s: first and largest pause between asks.
+    """
+
+    def __init__(self, own_limit_s: float | None, backoff_s: float, max_backoff_s: float) -> None:
+        self.limit = own_limit_s if own_limit_s else float("inf")
+        self.start: float | None = None
+        self.delay = backoff_s
+        self.max_delay = max_backoff_s
+        self.last: tuple[int, grpc.RpcError] | None = None
+
+    def behind(self, shard: int, err: grpc.RpcError) -> None:
+        """A shard said stale_wait: start the clock, adopt its cap."""
+        if self.start is None:
+            self.start = time.monotonic()
+        cap = _md_float(err, WAIT_TIMEOUT_KEY)
+        if cap is not None:
+            self.limit = min(self.limit, cap)
+        self.last = (shard, err)
+
+    def check(self, what: str, addresses: list[str]) -> None:
+        """Raise PsStalenessTimeout once the wait time is spent."""
+        if self.start is None or self.last is None:
+            return
+        waited = time.monotonic() - self.start
+        if waited >= self.limit:
+            s, err = self.last
+            raise PsStalenessTimeout(
+                f"shard {s} ({addresses[s]}) refused {what}: DEADLINE_EXCEEDED: {err.details()} "
+                f"(waited {waited:.1f}s, limit {self.limit:.1f}s)"
+            )
+
+    def sleep(self) -> float:
+        d = self.delay
+        time.sleep(d)
+        self.delay = min(self.delay * 2, self.max_delay)
+        return d
 
 
 class PsClient:
@@ -107,6 +183,9 @@ class PsClient:
         max_request_rows: rows per RPC at most (0: only the message limit bounds it).
         retry_timeout_s: how long one call keeps retrying an unavailable shard.
         backoff_s / max_backoff_s: first and largest retry pause.
+        wait_timeout_s: longest this worker waits for slower workers (staleness bound, barriers)
+            before :class:`PsStalenessTimeout`; None: the shard's cap (``[ps] wait_timeout_s``).
+        wait_backoff_s / max_wait_backoff_s: first and largest pause between asks while waiting.
         register: register ``worker_id`` with every shard (its clock starts at ``start_step``).
         start_step: the worker's clock when it registers (steps already completed).
     """
@@ -123,6 +202,9 @@ class PsClient:
         retry_timeout_s: float = 60.0,
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
+        wait_timeout_s: float | None = None,
+        wait_backoff_s: float = 0.001,
+        max_wait_backoff_s: float = 0.05,
         register: bool = False,
         start_step: int = 0,
     ) -> None:
@@ -137,6 +219,9 @@ class PsClient:
         self.retry_timeout_s = retry_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.wait_timeout_s = wait_timeout_s
+        self.wait_backoff_s = wait_backoff_s
+        self.max_wait_backoff_s = max_wait_backoff_s
         self._channels = [make_channel(a, self.rpc_cfg) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
         self._dims: dict[str, int] = {}
@@ -286,12 +371,58 @@ class PsClient:
         return counts
 
     def barrier(self, step: int, timeout_s: float | None = None) -> None:
-        """Sync mode: return once every registered worker finished ``step`` on every shard."""
+        """Sync mode: return once every registered worker finished ``step`` on every shard.
+
+        Each shard is asked (arrive + poll; the shard never blocks) until it answers OK;
+        waiting happens here, with short backoff.
+
+        Args:
+            step: the step every worker must have completed.
+            timeout_s: longest wait (default: ``wait_timeout_s``, else the shard's cap).
+
+        Raises:
+            PsStalenessTimeout: some worker did not reach ``step`` in time.
+        """
         if not self.worker_id:
             raise ValueError("barrier needs a worker_id")
-        t = timeout_s or self.rpc_cfg.timeout_s
+        t = timeout_s or self.wait_timeout_s or 0.0
         req = ps_pb2.BarrierRequest(worker_id=self.worker_id, step=step, timeout_s=t)
-        self._broadcast("Barrier", req, timeout=t + 5)
+        waiter = self._waiter(t or None)
+        pending = set(range(self.num_shards))
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = self.backoff_s
+        while pending:
+            futs = {s: self._stubs[s].Barrier.future(req, timeout=self.rpc_cfg.timeout_s) for s in sorted(pending)}
+            down = False
+            for s, fut in futs.items():
+                try:
+                    fut.result()
+                except grpc.RpcError as exc:
+                    what = _rpc_kind(exc)
+                    if what in ("wait", "paused"):
+                        waiter.behind(s, exc)
+                    elif what == "unavailable":
+                        self._note_down(s, exc)
+                        down = True
+                    else:
+                        raise PsRequestError(f"shard {s} ({self.addresses[s]}) Barrier: {exc.details()}", exc.code()) from None
+                    continue
+                self._note_up(s)
+                pending.discard(s)
+            if not pending:
+                break
+            waiter.check(f"barrier of step {step}", self.addresses)
+            if down:
+                if time.monotonic() + delay > deadline:
+                    raise PsUnavailableError(f"barrier of step {step}: shards {sorted(self._down)} unavailable for "
+                                             f"{self.retry_timeout_s:.0f}s")
+                time.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+            else:
+                deadline += waiter.sleep()  # waiting for slower workers is not retry time
+
+    def _waiter(self, own_limit_s: float | None) -> _Waiter:
+        return _Waiter(own_limit_s, self.wait_backoff_s, self.max_wait_backoff_s)
 
     # -- dense ------------------------------------------------------------------------------
     def register_dense(self, params: Mapping[str, Any], *, overwrite: bool = False) -> list[str]:
@@ -339,13 +470,26 @@ class PsClient:
     def _call_with_retry(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
+        waiter = self._waiter(self.wait_timeout_s)
         while True:
             try:
                 resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s)
                 self._note_up(shard)
                 return resp
             except grpc.RpcError as exc:
-                if _rpc_kind(exc) != "unavailable":
+                what = _rpc_kind(exc)
+                if what == "wait":
+                    waiter.behind(shard, exc)
+                    waiter.check(method, self.addresses)
+                    deadline += waiter.sleep()
+                    continue
+                if what == "paused":  # a checkpoint pause: lease-bounded on the shard
+                    if time.monotonic() > deadline:
+                        raise PsUnavailableError(f"shard {shard} ({self.addresses[shard]}) {method}: paused for "
+                                                 f"{self.retry_timeout_s:.0f}s: {exc.details()}") from None
+                    waiter.sleep()
+                    continue
+                if what != "unavailable":
                     raise PsRequestError(f"shard {shard} ({self.addresses[shard]}) {method}: {exc.details()}", exc.code()) from None
                 self._note_down(shard, exc)
                 if time.monotonic() + delay > deadline:
@@ -419,6 +563,7 @@ class PsClient:
         pending = [(j, np.arange(j.ids.size)) for j in jobs]
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
+        waiter = self._waiter(self.wait_timeout_s)
         # With a step, every shard must hear it (clocks), even shards with no rows.
         need_clock = set(range(self._pmap.num_shards)) if kind == "push" and step is not None and self.worker_id else set()
         while pending or need_clock:
@@ -454,6 +599,7 @@ class PsClient:
                 calls = [(s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s)) for s, chunk, method, req in planned]
             pending = []
             refresh = False
+            retry = waited = paused = False  # what this round's failures ask for
             for s, chunk, fut in calls:
                 try:
                     resp = fut.result()
@@ -465,16 +611,25 @@ class PsClient:
                         raise PsRequestError(
                             f"shard {s} ({self.addresses[s]}) refused {kind}: {exc.code().name}: {exc.details()}", exc.code()
                         ) from None
-                    if what == "wrong_owner":
-                        refresh = True
+                    if what == "wait":
+                        waiter.behind(s, exc)
+                        waited = True
+                    elif what == "paused":
+                        paused = True
+                    elif what == "wrong_owner":
+                        refresh = retry = True
                     elif what == "unavailable":
                         self._note_down(s, exc)
+                        retry = True
                     elif what == "split":
                         rows = sum(p.size for _, p in chunk)
                         if rows <= 1:
                             raise PsRequestError(f"shard {s}: a single row exceeds the limits: {exc.details()}", exc.code()) from None
-                        self._row_cap = max(1, rows // 2)
+                        hint = _md_float(exc, MAX_ROWS_KEY)
+                        cap = int(hint) if hint is not None and 1 <= hint < rows else max(1, rows // 2)
+                        self._row_cap = min(cap, self._row_cap or cap)
                         log.info("request too large; splitting", extra=kv(shard=s, rows=rows, cap=self._row_cap))
+                        # no sleep needed: the resend is smaller, not later
                     pending.extend(chunk)
                     continue
                 self._note_up(s)
@@ -496,15 +651,23 @@ class PsClient:
                         for name in c:
                             c[name] += getattr(tc, name)
             if pending or need_clock:
-                if time.monotonic() + delay > deadline:
-                    raise PsUnavailableError(
-                        f"{kind} could not complete within {self.retry_timeout_s:.0f}s (shards down: {sorted(self._down)}, "
-                        f"map v{self._pmap.version})"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, self.max_backoff_s)
-                if refresh:
-                    self.refresh_map()
+                if waited:
+                    waiter.check(kind, self.addresses)
+                if retry or (paused and time.monotonic() > deadline):
+                    if time.monotonic() + delay > deadline:
+                        raise PsUnavailableError(
+                            f"{kind} could not complete within {self.retry_timeout_s:.0f}s (shards down: {sorted(self._down)}, "
+                            f"map v{self._pmap.version}{', paused' if paused else ''})"
+                        )
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.max_backoff_s)
+                    if refresh:
+                        self.refresh_map()
+                elif waited or paused:
+                    slept = waiter.sleep()
+                    if not paused:
+                        deadline += slept  # waiting for slower workers is not retry time
+                # only "split": resend smaller at once
             else:
                 delay = self.backoff_s
         if kind == "pull":

@@ -25,7 +25,9 @@ and resolve the tables of a schema with ``cfg.table_configs(names)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -209,6 +211,13 @@ def _check_dim_capacity(dim: int, capacity: int, init_scale: float, where: str) 
         raise ValueError(f"{where}init_scale must be >= 0, got {init_scale}")
 
 
+def _check_clip(cfg: "TableConfig | TableDefaults", where: str) -> None:
+    for key in ("grad_clip_norm", "grad_clip_value"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where}{key} must be a finite number > 0, or 0 = off; got {v!r}")
+
+
 @dataclass(frozen=True)
 class TableConfig:
     """One embedding table as stored on ONE PS shard.
@@ -218,8 +227,14 @@ class TableConfig:
         dim: row length; a multiple of 4 (fbgemm TBE).
         capacity: rows per shard (fixed; eviction makes room).
         optimizer, admission, eviction: see their classes.
-        init: initial row distribution; deterministic per (table, id, seed).
+        init: initial row distribution; deterministic per (table, id, seed). An ftrl
+            table must use ``zeros`` (or ``init_scale = 0``): FTRL-Proximal derives
+            w from its state and starts every row at w = 0.
         init_scale: std (normal) or half-width (uniform).
+        grad_clip_norm: if > 0, each id's summed gradient is scaled down to this L2
+            norm when above it, before weight decay and the optimizer (0 = off).
+        grad_clip_value: if > 0, each gradient element is clamped to
+            [-grad_clip_value, grad_clip_value] first (0 = off).
 
     Example::
 
@@ -234,11 +249,20 @@ class TableConfig:
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     init: InitKind = InitKind.NORMAL
     init_scale: float = 0.01
+    grad_clip_norm: float = 0.0
+    grad_clip_value: float = 0.0
 
     def validate(self) -> None:
         if not self.name or "/" in self.name:
             raise ValueError(f"table name must be non-empty and contain no '/', got {self.name!r}")
-        _check_dim_capacity(self.dim, self.capacity, self.init_scale, f"table '{self.name}': ")
+        where = f"table '{self.name}': "
+        _check_dim_capacity(self.dim, self.capacity, self.init_scale, where)
+        _check_clip(self, where)
+        if self.optimizer.kind == OptimizerKind.FTRL and InitKind(self.init) != InitKind.ZEROS and self.init_scale != 0:
+            raise ValueError(
+                f"{where}optimizer kind 'ftrl' (FTRL-Proximal: w derived from z and n, w = 0 at the start) "
+                f"needs init = \"zeros\", got init = \"{InitKind(self.init).value}\" with init_scale {self.init_scale}"
+            )
         self.optimizer.validate()
         self.admission.validate()
         self.eviction.validate()
@@ -255,9 +279,12 @@ class TableDefaults:
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     init: InitKind = InitKind.NORMAL
     init_scale: float = 0.01
+    grad_clip_norm: float = 0.0
+    grad_clip_value: float = 0.0
 
     def validate(self) -> None:
         _check_dim_capacity(self.dim, self.capacity, self.init_scale, "table_defaults: ")
+        _check_clip(self, "table_defaults: ")
 
 
 @dataclass(frozen=True)
@@ -276,6 +303,8 @@ class TableOverride:
     eviction: Optional[EvictionConfig] = None
     init: Optional[InitKind] = None
     init_scale: Optional[float] = None
+    grad_clip_norm: Optional[float] = None
+    grad_clip_value: Optional[float] = None
 
     def validate(self) -> None:
         if not self.name:
@@ -298,6 +327,13 @@ class PsConfig:
         value_dtype: wire format of pulled rows.
         max_request_rows: largest pull/push a shard accepts in one request.
         sync, max_staleness: consistency mode (semantics owned by the service).
+        server_threads: gRPC handler threads of one shard. No handler ever waits on
+            another worker (staleness and barrier waits happen in the client), so a few
+            suffice whatever the number of workers.
+        wait_timeout_s: longest a worker waits for slower workers (bounded staleness,
+            sync barriers); a client-supplied barrier timeout is capped to it.
+        max_pause_lease_s: cap on a PauseWrites lease (a pause ends by itself after it).
+        max_freeze_lease_s: cap on a FreezeVshards lease (a freeze thaws by itself after it).
 
     Example::
 
@@ -321,8 +357,18 @@ class PsConfig:
     max_request_rows: int = 1 << 20
     sync: SyncMode = SyncMode.ASYNC
     max_staleness: int = 4
+    server_threads: int = 8
+    wait_timeout_s: float = 60.0
+    max_pause_lease_s: float = 600.0
+    max_freeze_lease_s: float = 600.0
 
     def validate(self) -> None:
+        if self.server_threads < 2:
+            raise ValueError(f"server_threads must be >= 2, got {self.server_threads}")
+        for name in ("wait_timeout_s", "max_pause_lease_s", "max_freeze_lease_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v}")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
         if self.num_vshards < self.shards:

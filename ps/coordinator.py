@@ -132,33 +132,71 @@ def save_shard_checkpoint(server: Any, ckpt_dir: str, step: int) -> dict[str, An
 
 
 def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, int]:
-    """Replace ``server``'s rows by the checkpoint's: drop every row, then load the
-    vshards it owns (under its current map) and its dense params.
+    """Make ``server``'s shard *be* the checkpoint, all or nothing.
 
-    When the checkpoint was taken with the same shard count and vshard count
-    the checkpoint's partition map is adopted first (a restarted fleet keeps
-    the layout migrations built). Returns (rows loaded, checkpoint step).
+    1. verify: manifest, size + sha256 of every file it lists, the shard files
+       present are exactly the listed ones, each file's meta agrees with the
+       manifest (:func:`ps.checkpoint.verify_for_restore`);
+    2. build aside: a fresh, empty ShardStore (``store.empty_like()``) is filled
+       with the vshards this shard owns under the map it will have (the
+       checkpoint's when it was taken with the same shard and vshard counts and
+       is not older, else the current one) and its dense params; every chunk's
+       shapes/dtypes are checked against the table dims on import;
+    3. swap: adopt the map and replace ``server.store`` only when all of that
+       succeeded. Dense params the live store holds that the checkpoint lacks
+       (registered after the cut) are carried over.
+
+    Any error raises :class:`~ps.errors.CheckpointError` naming file and key and
+    leaves the shard exactly as it was (rows, dense params, partition map).
+    Called under the server's exclusive gate (no request runs meanwhile), or
+    before the server starts.
+
+    Args:
+        server: the PsServer (``store``, ``shard_id``, ``pmap``, ``_set_map``).
+        ckpt_dir: a committed checkpoint directory.
+
+    Returns:
+        (rows loaded, checkpoint step).
     """
-    from ps.checkpoint import load_dense, load_shard, read_manifest
+    from ps.checkpoint import load_dense, load_shard, verify_for_restore
+    from ps.errors import CheckpointError
 
-    manifest = read_manifest(ckpt_dir)
+    ckpt_dir = Path(ckpt_dir)
+    manifest = verify_for_restore(ckpt_dir)
     info = manifest.get("info", {}) or {}
+    cur = server.pmap
+    target = cur
     saved = info.get("partition_map")
     if saved:
-        pm = PartitionMap.from_dict(saved)
-        cur = server.pmap
+        try:
+            pm = PartitionMap.from_dict(saved)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{ckpt_dir / 'manifest.json'}: key 'info.partition_map' is invalid: {exc}") from None
         if pm.num_shards == cur.num_shards and pm.num_vshards == cur.num_vshards and pm.version >= cur.version:
-            server._set_map(pm)
-    owned = server.pmap.vshards_of(server.shard_id)
-    # A restore makes the shard *be* the checkpoint: rows created after it (a live shard
-    # restored by the controller's recovery) must not survive next to the restored ones.
-    dropped = server.store.drop_vshards(range(server.pmap.num_vshards))
-    counts = load_shard(server.store, ckpt_dir, owned)
-    names = [n for n in info.get("dense_names", []) if dense_owner(n, server.pmap.num_shards) == server.shard_id]
+            target = pm
+    owned = target.vshards_of(server.shard_id)
+    old = server.store
+    fresh = old.empty_like()
+    counts = load_shard(fresh, ckpt_dir, owned, verify=False)
+    names = [n for n in info.get("dense_names", []) if dense_owner(n, target.num_shards) == server.shard_id]
     if names:
-        load_dense(server.store, ckpt_dir, names)
+        loaded = set(load_dense(fresh, ckpt_dir, names, verify=False))
+        missing = sorted(set(names) - loaded)
+        if missing:
+            raise CheckpointError(f"{ckpt_dir}: dense param(s) {missing} listed in manifest key 'info.dense_names' "
+                                  f"have no 'd/<name>' chunk in any shard file")
+    with old.write_lock():
+        keep = {k: v for k, v in old.dense.state().items() if k not in set(fresh.dense.names())}
+        if keep:
+            fresh.dense.load_state(keep)
+        dropped = int(sum(len(t.used_rows()) for t in old.tables.values()))
+        # the swap: nothing above changed the live shard
+        if target is not cur:
+            server._set_map(target)
+        server.store = fresh
     rows = int(sum(counts.values()))
     step = int(manifest.get("step", info.get("step", 0)))
-    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, dropped=dropped, dense=len(names),
-                                        step=step, map_version=server.pmap.version))
+    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, replaced=dropped,
+                                        dense=len(names), kept_dense=len(keep), step=step,
+                                        map_version=server.pmap.version))
     return rows, step

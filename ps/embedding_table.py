@@ -15,7 +15,15 @@ Layout (C = capacity rows, D = dim)::
 
 A push (ids may repeat) runs: validate -> sum duplicates -> NaN/Inf check ->
 look up rows -> admission of unknown ids -> evict if full -> init new rows ->
-fused/torch optimizer on the touched rows -> metadata. Everything is vectorized
+gradient clip (``grad_clip_value`` / ``grad_clip_norm``, per row) ->
+fused/torch optimizer on the touched rows (rows whose update would be NaN/Inf
+are left unchanged and counted, see ps.optimizers) -> metadata.
+
+Stored weights and optimizer state are always finite: pushes screen their
+updates, imports refuse NaN/Inf. A pull for an fp16 wire (``pull(ids,
+fp16=True)``) saturates values beyond the fp16 range to +-65504 and counts
+them (``fp16_saturated``): fp16 has no finite value above 65504, and an Inf
+on the wire would poison the worker's forward pass. Everything is vectorized
 (torch / numpy / fbgemm ops); nothing loops per id in Python.
 
 Thread safety: the table itself is not locked; :class:`ps.shard_store.ShardStore`
@@ -51,11 +59,13 @@ from ps.errors import BadRequest
 from ps.eviction import pick_victims
 from ps.id_map import IdMap
 from ps.initializer import RowInitializer
-from ps.optimizers import make_optimizer, tbe_optim_type
+from ps.optimizers import clip_rows, make_optimizer, tbe_optim_type
 
 log = logging.getLogger(__name__)
 
 _REMOVED_LOG_MIN = 1 << 16
+FP16_MAX = 65504.0
+"""Largest finite float16; pulls for an fp16 wire saturate to +-FP16_MAX."""
 
 
 @dataclass
@@ -123,6 +133,9 @@ class PushResult:
         applied: ids whose rows were updated.
         unadmitted_dropped: ids not (yet) admitted; their gradients were dropped.
         nonfinite_dropped: ids dropped because their gradient held NaN/Inf ("drop" mode).
+        update_nonfinite_dropped: rows not updated because the update would have made
+            their weight or optimizer state NaN/Inf (finite but huge gradients); the
+            rows keep their previous value. Counted in every ``nonfinite_grads`` mode.
         evicted: rows evicted to make room.
         admitted: ids that got a new row in this push.
         full_dropped: admitted ids dropped because the table was full and nothing
@@ -135,6 +148,7 @@ class PushResult:
     evicted: int = 0
     admitted: int = 0
     full_dropped: int = 0
+    update_nonfinite_dropped: int = 0
 
     def add(self, other: "PushResult") -> "PushResult":
         return PushResult(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
@@ -211,12 +225,21 @@ class EmbeddingTable:
             "evictions": 0,
             "unadmitted_dropped": 0,
             "nonfinite_dropped": 0,
+            "update_nonfinite_dropped": 0,
+            "grad_clipped": 0,
+            "fp16_saturated": 0,
             "full_dropped": 0,
             "pulls": 0,
             "pull_ids": 0,
             "pushes": 0,
             "push_ids": 0,
         }
+
+    def _count_rare(self, counter: str, n: int) -> bool:
+        """Add ``n`` to a counter; True when the total reached a new power of two (log then, not always)."""
+        old = self.counters[counter]
+        self.counters[counter] = old + n
+        return n > 0 and (old + n).bit_length() > old.bit_length()
 
     # -- sizes ---------------------------------------------------------------------
     @property
@@ -245,8 +268,31 @@ class EmbeddingTable:
         """Row of each id (-1 when the id has no row)."""
         return self.id_map.lookup(ids).numpy()
 
-    def pull(self, ids: np.ndarray) -> np.ndarray:
-        """float32 [n, dim] rows of ``ids`` (duplicates ok); unknown ids read as their initial value."""
+    def pull(self, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
+        """float32 [n, dim] rows of ``ids`` (duplicates ok); unknown ids read as their initial value.
+
+        Args:
+            ids: int64 [n].
+            fp16: the rows go on an fp16 wire: values beyond +-65504 (no finite
+                float16 holds them) are saturated to +-65504, counted in the
+                ``fp16_saturated`` counter (values, not rows).
+        """
+        out = self._pull(ids)
+        if fp16 and out.size:
+            t = torch.from_numpy(out)
+            lo, hi = torch.aminmax(t)
+            if float(hi) > FP16_MAX or float(lo) < -FP16_MAX:
+                over = int((t.abs() > FP16_MAX).sum())
+                t.clamp_(-FP16_MAX, FP16_MAX)
+                if self._count_rare("fp16_saturated", over):
+                    log.warning(
+                        "pulled values beyond the fp16 range saturated",
+                        extra=kv(table=self.name, values=over, total=self.counters["fp16_saturated"],
+                                 max_abs=max(float(hi), -float(lo)), limit=FP16_MAX),
+                    )
+        return out
+
+    def _pull(self, ids: np.ndarray) -> np.ndarray:
         check_ids(self.name, ids)
         n = ids.shape[0]
         self.counters["pulls"] += 1
@@ -352,10 +398,23 @@ class EmbeddingTable:
             self.counters["admissions"] += take
         live = rows >= 0
         if not bool(live.all()):
-            rows, agg = rows[live], agg[live]
+            rows, agg, uniq = rows[live], agg[live], uniq[live]
+        if rows.numel():
+            agg, clipped = clip_rows(agg, self.cfg.grad_clip_norm, self.cfg.grad_clip_value)
+            self.counters["grad_clipped"] += clipped
+            ok = self.optimizer.apply(rows.to(self.device), agg.to(self.device))
+            if ok is not None and not bool(ok.all()):
+                ok = ok.cpu()
+                res.update_nonfinite_dropped = int((~ok).sum())
+                if self._count_rare("update_nonfinite_dropped", res.update_nonfinite_dropped):
+                    log.warning(
+                        "updates that would be NaN/Inf not written",
+                        extra=kv(table=self.name, rows=res.update_nonfinite_dropped, first_id=int(uniq[~ok][0]),
+                                 total=self.counters["update_nonfinite_dropped"]),
+                    )
+                rows = rows[ok]
         res.applied = int(rows.numel())
         if res.applied:
-            self.optimizer.apply(rows.to(self.device), agg.to(self.device))
             r = rows.numpy()
             self.freq[r] = np.minimum(self.freq[r].astype(np.int64) + 1, np.iinfo(np.int32).max)
             self.last_step[r] = self.step
@@ -373,6 +432,7 @@ class EmbeddingTable:
         if init_values:
             self.weights[dev_rows] = torch.from_numpy(self.init(ids)).to(self.device)
             self.optimizer.reset_rows(dev_rows)
+            self.optimizer.rows_written(dev_rows)
         self.row_ids[rows] = ids
         self.freq[rows] = 0
         self.last_step[rows] = self.step
@@ -483,6 +543,17 @@ class EmbeddingTable:
                 raise BadRequest(
                     f"table '{self.name}': optimizer state '{k}' shape {got.shape}, expected {(n, *shape)}"
                 )
+        bad = ~np.isfinite(w).all(axis=1) if n else np.zeros(0, bool)
+        for k in spec:
+            st = np.asarray(rows.state[k])
+            if n and st.dtype.kind == "f":
+                bad |= ~np.isfinite(st.reshape(n, -1)).all(axis=1)
+        if bad.any():
+            first = int(np.argmax(bad))
+            raise BadRequest(
+                f"table '{self.name}': {int(bad.sum())} imported row(s) hold NaN/Inf in weights or optimizer "
+                f"state, first id {int(ids[first])}; import refused, table unchanged"
+            )
         for k in ("freq", "last_step"):
             a = getattr(rows, k)
             if np.asarray(a).shape != (n,):
@@ -514,6 +585,12 @@ class EmbeddingTable:
         rows_t = torch.from_numpy(cur).to(self.device)
         self.weights[rows_t] = torch.from_numpy(np.ascontiguousarray(rows.weights)).to(self.device)
         self.optimizer.import_state(rows_t, rows.state)
+        rewritten = self.optimizer.rows_written(rows_t)
+        if rewritten:
+            log.warning(
+                "imported weights differ from the optimizer state's; stored the state's",
+                extra=kv(table=self.name, rows=rewritten, optimizer=self.cfg.optimizer.kind.value),
+            )
         self.freq[cur] = np.minimum(rows.freq, np.iinfo(np.int32).max).astype(np.int32)
         self.last_step[cur] = np.asarray(rows.last_step).astype(np.int32)
         self.row_version[cur] = self.current_version

@@ -7,9 +7,44 @@ shard per process (``metaps ps``); tests run several in one process.
 Request admission, in order, for a data request (Pull/Push, single or Many)::
 
     added latency (fault hook) -> decode + validate buffers (INVALID_ARGUMENT,
-    RESOURCE_EXHAUSTED) -> staleness wait (pulls) -> gate (shared; waits while
-    paused / while an admin change drains) -> map version + vshard ownership
+    RESOURCE_EXHAUSTED, also when the reply would exceed the message limit)
+    -> staleness check (pulls; ABORTED "stale_wait" at once) -> gate (shared;
+    ABORTED "paused" at once while paused; waits only while an admin change
+    drains in-flight requests) -> map version + vshard ownership
     (FAILED_PRECONDITION "wrong_owner") -> store -> step clock advance (pushes)
+
+**No handler thread ever waits for another worker.** A shard has a few fixed
+gRPC threads (``[ps] server_threads``); had a pull waiting on the staleness bound
+or a Barrier held one, a few fast workers waiting on a slow one would hold them
+all and the slow worker's pushes (the very thing they wait for) could not be
+served. So the server never waits on clocks or pauses: a pull whose caller is
+too far ahead of the slowest worker, a Barrier not yet reached by everyone, and a
+data request during a checkpoint pause answer at once with ``ABORTED`` and
+trailing metadata::
+
+    metaps-error: stale_wait | paused
+    metaps-min-clock: <slowest registered worker's completed steps>   (stale_wait)
+    metaps-wait-timeout: <seconds the caller may keep waiting>        (server cap)
+
+and ``ps.client.PsClient`` waits *client-side* with bounded backoff (1 ms
+doubling to 50 ms), re-asking until the bound is met or its wait time (its own
+timeout, capped by the shard's ``metaps-wait-timeout``) is spent, then raises
+:class:`ps.client.PsStalenessTimeout` (``DEADLINE_EXCEEDED``, the shard's message).
+A Barrier is an idempotent arrive+poll: each call marks the caller's step done
+and answers OK once every registered worker has done it. Semantics are those of
+a blocking wait (a refused pull read nothing; a push is never refused for
+staleness), so bounded staleness, sync barriers and sync-mode parity with
+single-process training are unchanged. The only waits left in handlers are the
+short drains of in-flight requests (which themselves never wait) before an
+admin change.
+
+Every client-supplied duration is checked: NaN, infinite or negative leases and
+timeouts are refused with INVALID_ARGUMENT; larger ones are clamped to
+``[ps] wait_timeout_s`` (barrier), ``max_pause_lease_s``, ``max_freeze_lease_s``.
+Every request field that can be bad (shapes, dtypes, names, steps, vshards,
+directories) gets INVALID_ARGUMENT / FAILED_PRECONDITION / NOT_FOUND with a
+one-line message; an unexpected failure is INTERNAL (logged with its traceback
+here), never UNKNOWN.
 
 Admin changes (map update, freeze, import, checkpoint, pause) take the gate
 exclusively: they wait for in-flight data requests, so a request is either
@@ -32,6 +67,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -48,17 +84,27 @@ from metaps.log import kv
 from metaps.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
 from ps import wire
-from ps.errors import BadRequest
+from ps.errors import BadRequest, CheckpointError
 from ps.partition_map import PartitionMap
-from ps.staleness import StalenessTimeout, StepClock
+from ps.staleness import Behind, StalenessTimeout, StepClock
 
 log = logging.getLogger(__name__)
 
 WRONG_OWNER = "wrong_owner"
-PUSH_COUNT_FIELDS = ("applied", "nonfinite_dropped", "unadmitted_dropped", "admitted", "evicted", "full_dropped")
+PUSH_COUNT_FIELDS = ("applied", "nonfinite_dropped", "unadmitted_dropped", "admitted", "evicted", "full_dropped", "update_nonfinite_dropped")
 """ps.embedding_table.PushResult fields carried back in PushCounts (summed by the client)."""
 ERROR_KEY = "metaps-error"
 MAP_VERSION_KEY = "metaps-map-version"
+STALE_WAIT = "stale_wait"
+"""ERROR_KEY value: the caller is ahead of the staleness bound / the barrier is not reached; ask again."""
+PAUSED = "paused"
+"""ERROR_KEY value: the shard is paused for a checkpoint; ask again."""
+MIN_CLOCK_KEY = "metaps-min-clock"
+WAIT_TIMEOUT_KEY = "metaps-wait-timeout"
+MAX_ROWS_KEY = "metaps-max-rows"
+"""RESOURCE_EXHAUSTED hint: rows per request that fit the reply in the message limit."""
+_REPLY_OVERHEAD = 64
+"""Bytes a reply spends per table besides its values (name, dtype, dim, rows, framing), generously."""
 
 
 class RpcAbort(Exception):
@@ -89,7 +135,14 @@ class _Gate:
         self.waited = threading.local()  # .s: seconds this thread's request waited here (load totals exclude it)
 
     @contextlib.contextmanager
-    def data(self, timeout_s: float) -> Iterator[None]:
+    def data(self, timeout_s: float, hold: bool = False) -> Iterator[None]:
+        """Enter as a data request.
+
+        Args:
+            timeout_s: longest wait for an admin change's drain (or, with ``hold``, a pause).
+            hold: wait out a pause here (admin callers only); otherwise a paused shard
+                answers ABORTED "paused" at once and the client asks again.
+        """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         with self._cond:
@@ -97,6 +150,12 @@ class _Gate:
                 now = time.monotonic()
                 if not self._writer and now >= self._paused_until:
                     break
+                if not hold and now < self._paused_until:
+                    raise RpcAbort(
+                        grpc.StatusCode.ABORTED,
+                        f"shard paused (checkpoint) for {self._paused_until - now:.1f}s more; ask again",
+                        ((ERROR_KEY, PAUSED), (WAIT_TIMEOUT_KEY, f"{self._paused_until - now:.3f}")),
+                    )
                 if now >= deadline:
                     raise RpcAbort(
                         grpc.StatusCode.UNAVAILABLE,
@@ -178,6 +237,10 @@ class PsMetrics:
             "metaps_ps_nonfinite_grads", "pushed rows with NaN/Inf gradients", ["shard", "table", "action"], registry=r
         )
         self.errors = Counter("metaps_ps_rpc_errors", "refused or failed RPCs", ["shard", "method", "code"], registry=r)
+        self.wait_answers = Counter(
+            "metaps_ps_wait_answers", "'ask again' answers (stale_wait, paused): the client waits", ["shard", "method", "reason"],
+            registry=r,
+        )
         self.latency = Histogram(
             "metaps_ps_rpc_seconds",
             "RPC handling time",
@@ -211,11 +274,13 @@ class LoadTotals:
             self.inflight += 1
             self.depth += self.inflight
 
-    def leave(self, seconds: float) -> None:
+    def leave(self, seconds: float, count: bool = True) -> None:
+        """A request finished; ``count=False`` for "ask again" answers (not load)."""
         with self._lock:
             self.inflight -= 1
-            self.count += 1
-            self.latency_s += seconds
+            if count:
+                self.count += 1
+                self.latency_s += seconds
 
     def read(self) -> tuple[int, float, int]:
         """(requests finished, their summed seconds, summed depth at arrival) since start."""
@@ -233,6 +298,7 @@ def _rpc(data: bool) -> Callable:
         def wrapper(self: "PsServer", request: Any, context: grpc.ServicerContext) -> Any:
             t0 = time.perf_counter()
             shard = str(self.shard_id)
+            asked_again = False
             if data:
                 self.load.enter()
                 self._gate.waited.s = 0.0
@@ -243,21 +309,41 @@ def _rpc(data: bool) -> Callable:
                         time.sleep(delay)
                 return fn(self, request, context)
             except RpcAbort as exc:
-                self.metrics.errors.labels(shard, method, exc.code.name).inc()
+                reason = dict(exc.metadata).get(ERROR_KEY, "")
+                if exc.code == grpc.StatusCode.ABORTED and reason in (STALE_WAIT, PAUSED):
+                    asked_again = True
+                    self.metrics.wait_answers.labels(shard, method, reason).inc()
+                else:
+                    self.metrics.errors.labels(shard, method, exc.code.name).inc()
                 if exc.metadata:
                     context.set_trailing_metadata(exc.metadata)
                 context.abort(exc.code, str(exc))
             except (wire.WireError, BadRequest) as exc:
                 self.metrics.errors.labels(shard, method, "INVALID_ARGUMENT").inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except CheckpointError as exc:  # a corrupt/incomplete checkpoint: the shard is unchanged
+                self.metrics.errors.labels(shard, method, "DATA_LOSS").inc()
+                context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
             except StalenessTimeout as exc:
                 self.metrics.errors.labels(shard, method, "DEADLINE_EXCEEDED").inc()
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            except FileNotFoundError as exc:
+                self.metrics.errors.labels(shard, method, "NOT_FOUND").inc()
+                context.abort(grpc.StatusCode.NOT_FOUND, f"{method}: {exc}")
+            except (CheckpointError, OSError) as exc:  # a missing/unreadable/corrupt directory
+                self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {exc}")
+            except Exception as exc:  # a bug, not bad input: INTERNAL with the traceback in our log, never UNKNOWN
+                if isinstance(exc, grpc.RpcError):
+                    raise
+                log.exception("rpc failed", extra=kv(shard=self.shard_id, method=method))
+                self.metrics.errors.labels(shard, method, "INTERNAL").inc()
+                context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on shard {self.shard_id}: {type(exc).__name__}: {exc}")
             finally:
                 elapsed = time.perf_counter() - t0
                 self.metrics.latency.labels(shard, method).observe(elapsed)
                 if data:  # waits for a pause/migration/slower workers are not this shard being slow
-                    self.load.leave(max(0.0, elapsed - self._gate.waited.s))
+                    self.load.leave(max(0.0, elapsed - self._gate.waited.s), count=not asked_again)
 
         return wrapper
 
@@ -284,11 +370,18 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         sync: synchronous steps (staleness 0 plus per-step Barrier).
         nonfinite_grads: "reject" refuses a push with NaN/Inf (checked here for every
             table before any is applied); "drop" lets the store drop and count them.
-        wait_timeout_s: longest a request waits for a pause or slower workers.
+        wait_timeout_s: longest a worker may wait for slower workers (told to clients in
+            ``metaps-wait-timeout``; caps a Barrier's client-supplied timeout).
         registry: Prometheus registry (default: a private one; the process entry passes the global one).
         added_latency_s: fault hook; its value (seconds) is slept before every data RPC.
-        max_workers: gRPC handler threads.
+        max_workers: gRPC handler threads (``[ps] server_threads``).
+        max_pause_lease_s: cap on a PauseWrites lease.
+        max_freeze_lease_s: cap on a FreezeVshards lease.
     """
+
+    checkpoint_root: str | None = None
+    """Checkpoint/Restore accept only directories under this root (``metaps ps`` always sets
+    it: ``--checkpoint-root``); None, for servers built in-process, accepts any directory."""
 
     def __init__(
         self,
@@ -305,6 +398,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         registry: CollectorRegistry | None = None,
         added_latency_s: Callable[[], float] | None = None,
         max_workers: int = 8,
+        max_pause_lease_s: float = 600.0,
+        max_freeze_lease_s: float = 600.0,
     ) -> None:
         if not 0 <= shard_id < pmap.num_shards:
             raise ValueError(f"shard_id {shard_id} out of range for a map of {pmap.num_shards} shards")
@@ -315,6 +410,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         self.sync = sync
         self.nonfinite_grads = nonfinite_grads
         self.wait_timeout_s = wait_timeout_s
+        self.max_pause_lease_s = max_pause_lease_s
+        self.max_freeze_lease_s = max_freeze_lease_s
         self.added_latency_s = added_latency_s
         self.clock = StepClock(0 if sync else max_staleness)
         self.metrics = PsMetrics(self, registry)
@@ -439,11 +536,41 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
                     )
         return parsed
 
-    def _wait_staleness(self, worker: str, step: int | None) -> None:
+    def _ask_again(self, behind: Behind) -> RpcAbort:
+        """ABORTED "stale_wait": the caller waits client-side and asks again (see the module doc)."""
+        return RpcAbort(
+            grpc.StatusCode.ABORTED,
+            behind.message,
+            ((ERROR_KEY, STALE_WAIT), (MIN_CLOCK_KEY, str(behind.min_clock)), (WAIT_TIMEOUT_KEY, f"{self.wait_timeout_s:.3f}")),
+        )
+
+    def _check_staleness(self, worker: str, step: int | None) -> None:
+        """Never blocks: a caller too far ahead of the slowest worker is told to ask again."""
+        if step is not None and step < 0:
+            raise _bad(f"step must be >= 0, got {step}")
         if worker and step is not None:
-            t0 = time.monotonic()
-            self.clock.wait_pull(worker, step, self.wait_timeout_s)
-            self._gate.waited.s = getattr(self._gate.waited, "s", 0.0) + (time.monotonic() - t0)
+            behind = self.clock.check_pull(worker, step)
+            if behind is not None:
+                raise self._ask_again(behind)
+
+    def _check_reply_size(self, parsed: list[_Parsed], fp16: bool) -> None:
+        """Refuse (RESOURCE_EXHAUSTED + a rows hint) a pull whose reply would not fit the message limit.
+
+        Checked before any row is read, so an oversized pull costs no store work.
+        """
+        itemsize = 2 if fp16 else 4
+        dims = [self._dim(p.table) for p in parsed]
+        total = sum(int(p.ids.size) * d * itemsize + _REPLY_OVERHEAD for p, d in zip(parsed, dims)) + _REPLY_OVERHEAD
+        limit = self.rpc_cfg.max_message_bytes
+        if total > limit:
+            per_row = max(dims) * itemsize + 8
+            fit = max(1, (limit - _REPLY_OVERHEAD * (len(parsed) + 1)) // per_row)
+            raise RpcAbort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"pull of {sum(int(p.ids.size) for p in parsed)} rows needs a reply of {total} bytes, over the "
+                f"message limit {limit} (max_message_bytes): split it (at most {fit} rows of dim {max(dims)} per request)",
+                ((MAX_ROWS_KEY, str(fit)),),
+            )
 
     # -- sparse data ------------------------------------------------------------------
     def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[dict[str, Any]]:
@@ -454,7 +581,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
             for p in parsed:
-                rows = self.store.pull(p.table, p.ids)
+                rows = self.store.pull(p.table, p.ids, fp16=fp16)
                 out.append(dict(
                     table=p.table, values=wire.encode_rows(rows, dtype), dtype=dtype.proto,
                     dim=int(rows.shape[1]) if rows.ndim == 2 else self._dim(p.table), rows=int(p.ids.size),
@@ -465,6 +592,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         return out
 
     def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None) -> list[ps_pb2.PushCounts]:
+        if step is not None and step < 0:
+            raise _bad(f"step must be >= 0, got {step}")
         out = []
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
@@ -491,7 +620,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc(data=True)
     def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> ps_pb2.PullManyResponse:
         parsed = self._parse_pull([(t.table, t.ids) for t in request.tables])
-        self._wait_staleness(request.worker_id, request.step if request.HasField("step") else None)
+        self._check_reply_size(parsed, request.want_fp16)
+        self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
         resp = ps_pb2.PullManyResponse()
         for fields in self._pull(parsed, request.map_version, request.want_fp16):
             resp.tables.add(**fields)
@@ -500,7 +630,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:
         parsed = self._parse_pull([(request.table, request.ids)])
-        self._wait_staleness(request.worker_id, request.step if request.HasField("step") else None)
+        self._check_reply_size(parsed, request.want_fp16)
+        self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
         tv = self._pull(parsed, request.map_version, request.want_fp16)[0]
         return ps_pb2.PullResponse(values=tv["values"], dtype=tv["dtype"], dim=tv["dim"], rows=tv["rows"])
 
@@ -519,7 +650,10 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     # -- dense ---------------------------------------------------------------------------
     @_rpc(data=False)
     def RegisterDense(self, request: ps_pb2.RegisterDenseRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterDenseResponse:
-        values = {p.name: wire.dense_from_proto(p) for p in request.params}
+        values = _dense_tensors(request.params, "param")
+        for name, v in values.items():
+            if not np.isfinite(v).all():
+                raise _bad(f"dense '{name}': initial value contains NaN/Inf")
         with self._gate.data(self.wait_timeout_s):
             created = [name for name, value in values.items() if self.store.dense.register(name, value)]
             if request.overwrite:
@@ -528,13 +662,16 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
 
     @_rpc(data=True)
     def PullDense(self, request: ps_pb2.PullDenseRequest, context: grpc.ServicerContext) -> ps_pb2.PullDenseResponse:
+        names = list(request.names)
+        if any(not n for n in names):
+            raise _bad("PullDense: a dense parameter name is empty")
         with self._gate.data(self.wait_timeout_s):
-            values = self.store.dense.pull(list(request.names))
+            values = self.store.dense.pull(names)
         return ps_pb2.PullDenseResponse(params=[wire.dense_to_proto(n, v) for n, v in values.items()])
 
     @_rpc(data=True)
     def PushDense(self, request: ps_pb2.PushDenseRequest, context: grpc.ServicerContext) -> ps_pb2.PushDenseResponse:
-        grads = {g.name: wire.dense_from_proto(g) for g in request.grads}
+        grads = _dense_tensors(request.grads, "gradient")
         if self.nonfinite_grads == "reject":
             for name, g in grads.items():
                 if not np.isfinite(g).all():
@@ -582,24 +719,27 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc(data=False)
     def FreezeVshards(self, request: ps_pb2.FreezeRequest, context: grpc.ServicerContext) -> ps_pb2.FreezeResponse:
         vs = self._vshards(request.vshards)
+        lease = _lease("FreezeVshards", request.lease_s, self.max_freeze_lease_s)
         with self._gate.exclusive():  # in-flight pushes to them finish first
             if time.monotonic() >= self._frozen_until:
                 self._frozen[:] = False
             self._frozen[vs] = bool(request.frozen)
             if self._frozen.any():
-                self._frozen_until = time.monotonic() + (request.lease_s or 60.0)
+                self._frozen_until = time.monotonic() + lease
             frozen = np.nonzero(self._frozen)[0].tolist()
         log.info("vshards frozen" if request.frozen else "vshards thawed", extra=kv(shard=self.shard_id, vshards=vs.tolist()))
         return ps_pb2.FreezeResponse(frozen=frozen)
 
     @_rpc(data=False)
     def ExportVshards(self, request: ps_pb2.ExportRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.RowsChunk]:
+        # Not a generator itself: checks and the snapshot run here, inside _rpc's error mapping.
         vs = self._vshards(request.vshards)
-        limit = request.max_chunk_bytes or self.rpc_cfg.max_message_bytes // 2
-        with self._gate.data(self.wait_timeout_s):  # a consistent snapshot of the vshards
+        if request.max_chunk_bytes < 0:
+            raise _bad(f"max_chunk_bytes must be >= 0, got {request.max_chunk_bytes}")
+        limit = min(request.max_chunk_bytes or self.rpc_cfg.max_message_bytes // 2, self.rpc_cfg.max_message_bytes // 2)
+        with self._gate.data(self.wait_timeout_s, hold=True):  # a consistent snapshot of the vshards
             exported = self.store.export_vshards(vs)
-        for table, rows in exported.items():
-            yield from rows_to_chunks(table, rows, limit)
+        return (chunk for table, rows in exported.items() for chunk in rows_to_chunks(table, rows, limit))
 
     @_rpc(data=False)
     def ImportVshards(self, request: ps_pb2.RowsChunk, context: grpc.ServicerContext) -> ps_pb2.ImportResponse:
@@ -627,7 +767,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc(data=False)
     def PauseWrites(self, request: ps_pb2.PauseRequest, context: grpc.ServicerContext) -> ps_pb2.PauseResponse:
         if request.paused:
-            self._gate.pause(request.lease_s or 60.0)
+            self._gate.pause(_lease("PauseWrites", request.lease_s, self.max_pause_lease_s))
         else:
             self._gate.resume()
         return ps_pb2.PauseResponse(paused=self._gate.paused)
@@ -638,8 +778,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
 
         if not request.dir:
             raise _bad("Checkpoint needs a directory")
+        directory = self._confined(request.dir, "Checkpoint")
         with self._gate.exclusive():
-            info = save_shard_checkpoint(self, request.dir, int(request.step))
+            info = save_shard_checkpoint(self, directory, int(request.step))
         rows = info.get("rows", {})
         total = int(sum(rows.values())) if isinstance(rows, dict) else int(rows)
         return ps_pb2.CheckpointResponse(rows=total, info_json=json.dumps(info, default=json_default))
@@ -648,9 +789,22 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         from ps.coordinator import restore_shard_checkpoint
 
+        directory = self._confined(request.dir, "Restore")
         with self._gate.exclusive():
-            rows, step = restore_shard_checkpoint(self, request.dir)
+            rows, step = restore_shard_checkpoint(self, directory)
         return ps_pb2.RestoreResponse(rows=rows, step=step)
+
+    def _confined(self, directory: str, method: str) -> str:
+        """``directory`` resolved under :attr:`checkpoint_root`, else PERMISSION_DENIED (nothing touched)."""
+        if self.checkpoint_root is None:
+            return directory
+        from metaps.paths import PathNotAllowed, confine
+
+        try:
+            return str(confine(directory, self.checkpoint_root))
+        except PathNotAllowed as exc:
+            log.warning("path refused", extra=kv(shard=self.shard_id, method=method, error=str(exc)))
+            raise RpcAbort(grpc.StatusCode.PERMISSION_DENIED, f"{method}: {exc}") from None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -671,13 +825,33 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def RegisterWorker(self, request: ps_pb2.RegisterWorkerRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterWorkerResponse:
         if not request.worker_id:
             raise _bad("RegisterWorker needs a worker_id")
+        if request.step < 0:
+            raise _bad(f"RegisterWorker: step must be >= 0, got {request.step}")
         n = self.clock.leave(request.worker_id) if request.leave else self.clock.register(request.worker_id, int(request.step))
         return ps_pb2.RegisterWorkerResponse(workers=n)
 
     @_rpc(data=False)
     def Barrier(self, request: ps_pb2.BarrierRequest, context: grpc.ServicerContext) -> ps_pb2.BarrierResponse:
-        m = self.clock.barrier(request.worker_id, int(request.step), request.timeout_s or self.wait_timeout_s)
-        return ps_pb2.BarrierResponse(min_clock=m)
+        """Arrive + poll, never blocks: OK once every registered worker completed ``step``,
+        else ABORTED "stale_wait" (the client asks again) with ``metaps-wait-timeout`` =
+        the client's timeout capped to ``wait_timeout_s``."""
+        if not request.worker_id:
+            raise _bad("Barrier needs a worker_id")
+        if request.step < 0:
+            raise _bad(f"Barrier: step must be >= 0, got {request.step}")
+        t = request.timeout_s
+        if not math.isfinite(t) or t < 0:
+            raise _bad(f"Barrier: timeout_s must be a finite number >= 0, got {t}")
+        timeout = min(t or self.wait_timeout_s, self.wait_timeout_s)
+        behind = self.clock.arrive(request.worker_id, int(request.step))
+        if behind is not None:
+            raise RpcAbort(
+                grpc.StatusCode.ABORTED,
+                behind.message,
+                ((ERROR_KEY, STALE_WAIT), (MIN_CLOCK_KEY, str(behind.min_clock)), (WAIT_TIMEOUT_KEY, f"{timeout:.3f}")),
+            )
+        m = self.clock.min_clock()
+        return ps_pb2.BarrierResponse(min_clock=-1 if m is None else m)
 
 
 # -- TableRows <-> chunks -------------------------------------------------------------------------
@@ -704,7 +878,11 @@ def rows_from_chunk(chunk: ps_pb2.RowsChunk) -> Any:
     """A RowsChunk back to ``ps.embedding_table.TableRows`` (sizes checked by the store)."""
     from ps.embedding_table import TableRows
 
-    fields = {a.name: wire.array_from_proto(a) for a in chunk.arrays}
+    fields: dict[str, np.ndarray] = {}
+    for a in chunk.arrays:
+        if a.name in fields:
+            raise wire.WireError(f"table '{chunk.table}': rows chunk has array '{a.name}' twice")
+        fields[a.name] = _named_array(a, f"table '{chunk.table}': array")
     missing = [k for k in _ROW_FIELDS if k not in fields]
     if missing:
         raise wire.WireError(f"table '{chunk.table}': rows chunk lacks arrays {missing}")
@@ -717,6 +895,56 @@ def rows_from_chunk(chunk: ps_pb2.RowsChunk) -> Any:
     )
 
 
+_ARRAY_KINDS = "biuf"  # bool, signed/unsigned int, float: what TableRows hold
+
+
+def _check_shape(what: str, shape: Any, nbytes: int, itemsize: int, dtype: str) -> tuple[int, ...]:
+    """The shape as a tuple once it is sane: no negative dims, exact byte count (Python ints: no overflow)."""
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise _bad(f"{what}: shape {list(dims)} has a negative dimension")
+    count = math.prod(dims)
+    if count * itemsize != nbytes:
+        raise _bad(f"{what}: {nbytes} bytes, expected {count * itemsize} for shape {list(dims)} ({dtype})")
+    return dims
+
+
+def _named_array(msg: ps_pb2.NamedArray, what: str) -> np.ndarray:
+    """A NamedArray checked before decoding: numeric dtype, sane shape, exact size."""
+    where = f"{what} '{msg.name}'"
+    if not msg.name:
+        raise _bad(f"{what} with an empty name")
+    try:
+        dt = np.dtype(msg.dtype)
+    except (TypeError, ValueError):
+        raise _bad(f"{where}: unknown dtype {msg.dtype!r}") from None
+    if dt.kind not in _ARRAY_KINDS or dt.itemsize == 0:
+        raise _bad(f"{where}: dtype {msg.dtype!r} is not a numeric dtype (bool/int/uint/float)")
+    _check_shape(where, msg.shape, len(msg.data), dt.itemsize, msg.dtype)
+    return wire.array_from_proto(msg)
+
+
+def _dense_tensors(tensors: Any, what: str) -> dict[str, np.ndarray]:
+    """DenseTensor messages -> name -> float32 array; names non-empty and unique, shapes sane."""
+    out: dict[str, np.ndarray] = {}
+    for t in tensors:
+        if not t.name:
+            raise _bad(f"a dense {what} has an empty name")
+        if t.name in out:
+            raise _bad(f"dense '{t.name}': {what} given twice in one request")
+        dtype = wire.DType.from_proto(t.dtype, table=t.name, field="dense dtype")
+        _check_shape(f"dense '{t.name}'", t.shape, len(t.data), dtype.numpy.itemsize, dtype.value)
+        out[t.name] = wire.dense_from_proto(t)
+    return out
+
+
+def _lease(method: str, value: float, cap: float) -> float:
+    """A client-supplied lease: NaN/inf/negative refused, 0 = the default (60 s), clamped to ``cap``."""
+    if not math.isfinite(value) or value < 0:
+        raise _bad(f"{method}: lease_s must be a finite number >= 0, got {value}")
+    return min(value or 60.0, cap)
+
+
 def build_server(
     ps_cfg: Any,
     rpc_cfg: RpcConfig,
@@ -726,8 +954,8 @@ def build_server(
     pmap: PartitionMap | None = None,
     registry: CollectorRegistry | None = None,
     added_latency_s: Callable[[], float] | None = None,
-    wait_timeout_s: float = 60.0,
-    max_workers: int = 8,
+    wait_timeout_s: float | None = None,
+    max_workers: int | None = None,
 ) -> PsServer:
     """A PsServer with a fresh ShardStore built from the job's ``[ps]`` config.
 
@@ -737,6 +965,9 @@ def build_server(
         tables: resolved table configs (``JobConfig.table_configs()``).
         shard_id: which shard this process is.
         pmap: starting map (default: version 0, ``vshard % shards``).
+        registry, added_latency_s: see :class:`PsServer`.
+        wait_timeout_s: override of ``[ps] wait_timeout_s``.
+        max_workers: override of ``[ps] server_threads``.
 
     Example::
 
@@ -765,10 +996,12 @@ def build_server(
         max_staleness=ps_cfg.max_staleness,
         sync=_value(ps_cfg.sync) == "sync",
         nonfinite_grads=_value(ps_cfg.nonfinite_grads),
-        wait_timeout_s=wait_timeout_s,
+        wait_timeout_s=ps_cfg.wait_timeout_s if wait_timeout_s is None else wait_timeout_s,
         registry=registry,
         added_latency_s=added_latency_s,
-        max_workers=max_workers,
+        max_workers=ps_cfg.server_threads if max_workers is None else max_workers,
+        max_pause_lease_s=ps_cfg.max_pause_lease_s,
+        max_freeze_lease_s=ps_cfg.max_freeze_lease_s,
     )
 
 

@@ -100,6 +100,27 @@ class ShardStore:
             extra=kv(shard=self.shard_id, tables=",".join(names), device=self.device, bytes=self.memory_bytes()),
         )
 
+    def empty_like(self) -> "ShardStore":
+        """A new, empty store with this one's tables, layout, device and optimizers.
+
+        A restore fills it aside and swaps it in only when everything loaded
+        (all or nothing); its open version continues this store's, so an
+        incremental delivery sees every restored row as changed.
+        """
+        fresh = ShardStore(
+            [t.cfg for t in self.tables.values()],
+            shard_id=self.shard_id,
+            num_vshards=self.num_vshards,
+            seed=self.seed,
+            device=self.device,
+            nonfinite_grads=self.nonfinite_grads.value,
+            dense_optimizer=self.dense.cfg,
+        )
+        fresh._version = self._version
+        for t in fresh.tables.values():
+            t.current_version = self._version
+        return fresh
+
     # -- helpers -------------------------------------------------------------------
     def table(self, name: str) -> EmbeddingTable:
         """The named table (BadRequest naming the known tables otherwise)."""
@@ -123,14 +144,16 @@ class ShardStore:
         return self._version
 
     # -- data path -----------------------------------------------------------------
-    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+    def pull(self, table: str, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
         """Rows of ``ids`` (int64 [n], any order, duplicates ok) as float32 [n, dim].
 
         Ids without a row (not admitted yet, or evicted) read as their initial value.
+        With ``fp16`` (rows bound for an fp16 wire) values beyond +-65504 saturate
+        to +-65504, counted in the table's ``fp16_saturated`` stat.
         """
         t = self.table(table)
         with t.lock:
-            return t.pull(ids)
+            return t.pull(ids, fp16=fp16)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
         """Apply gradients float32 [n, dim] to ``ids`` int64 [n]; duplicates are summed.

@@ -8,9 +8,15 @@ step + 1). Registered workers hold the others back::
                             (w0 may pull step 7, not step 8)
     sync (staleness 0) ->  step s waits until every worker completed s - 1
 
-A worker that never registered (or left) holds nobody back. Waits have a
-timeout, so a dead worker stalls the others for at most that long and the
-caller gets a clear error instead of a hang (the controller unregisters it).
+A worker that never registered (or left) holds nobody back.
+
+The PS service never blocks on these clocks: it asks :meth:`StepClock.check_pull`
+and :meth:`StepClock.arrive` (non-blocking; they return a :class:`Behind` when
+the caller must wait) and answers at once, and the *client* waits with backoff
+(see ``ps/server.py``). :meth:`wait_pull` / :meth:`barrier` are the blocking
+forms for in-process callers; their waits have a timeout, so a dead worker
+stalls the others for at most that long and the caller gets a clear error
+instead of a hang (the controller unregisters it).
 
 Example::
 
@@ -22,12 +28,28 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 
 class StalenessTimeout(TimeoutError):
     """A worker waited longer than its timeout for slower workers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Behind:
+    """Why a caller must wait: the slowest registered worker and its clock.
+
+    Args:
+        min_clock: steps the slowest registered worker has completed.
+        slowest: that worker's id.
+        message: one line naming the caller, its step and the bound.
+    """
+
+    min_clock: int
+    slowest: str
+    message: str
 
 
 class StepClock:
@@ -70,6 +92,40 @@ class StepClock:
     def snapshot(self) -> dict[str, int]:
         with self._cond:
             return dict(self._clocks)
+
+    def _behind(self, ok, what: str) -> Behind | None:
+        """None when ``ok(min_clock)`` (or nobody is registered); else who holds the caller back."""
+        with self._cond:
+            if not self._clocks:
+                return None
+            slow = min(self._clocks, key=self._clocks.__getitem__)
+            m = self._clocks[slow]
+            if ok(m):
+                return None
+            return Behind(m, slow, f"{what}; slowest worker '{slow}' has completed {m} steps")
+
+    def check_pull(self, worker: str, step: int, max_staleness: int | None = None) -> Behind | None:
+        """Non-blocking :meth:`wait_pull`: None when a pull of ``step`` may proceed now.
+
+        Args:
+            worker: the caller (for the message).
+            step: the step the caller is about to compute.
+            max_staleness: override of the clock's bound.
+        """
+        bound = self.max_staleness if max_staleness is None else max_staleness
+        if bound < 0:
+            return None
+        return self._behind(lambda m: step <= m + bound, f"worker '{worker}' pulling step {step} is more than {bound} steps ahead")
+
+    def arrive(self, worker: str, step: int) -> Behind | None:
+        """Non-blocking :meth:`barrier`: mark ``step`` done; None once every worker has done it.
+
+        Args:
+            worker: the caller; its clock advances to ``step + 1`` (idempotent).
+            step: the barrier's step.
+        """
+        self.advance(worker, step)
+        return self._behind(lambda m: m >= step + 1, f"barrier of step {step} (worker '{worker}')")
 
     def _wait(self, ok, timeout_s: float, what: str) -> int | None:
         deadline = time.monotonic() + timeout_s

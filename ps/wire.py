@@ -75,13 +75,33 @@ def decode_ids(buf: bytes, *, table: str = "") -> np.ndarray:
     return np.frombuffer(buf, dtype=_ID_DTYPE)
 
 
+FP16_MAX = 65504.0
+"""Largest finite float16."""
+
+
 def encode_rows(rows: np.ndarray, dtype: DType = DType.FP32) -> bytes:
     """A [n, dim] float array as row-major bytes in ``dtype``.
 
     fp32 -> fp16 goes through torch: numpy's half conversion is ~20x slower here.
+
+    **fp16 range.** float16 has no finite value beyond +-65504. This function
+    saturates finite values beyond it to +-65504 (one ``aminmax`` pass decides;
+    only out-of-range input pays for the clamp), so a finite value never
+    becomes Inf on the wire; NaN/Inf input stays NaN/Inf. Pulled rows are
+    saturated (and counted, table stat ``fp16_saturated``) by the PS before they
+    get here (``EmbeddingTable.pull(ids, fp16=True)``); for fp16 gradients
+    (client ``grad_dtype = "fp16"``) saturation acts as an element clip at
+    65504, so use fp32 gradients where that range matters.
     """
     if dtype == DType.FP16 and rows.dtype == np.float32:
-        return torch.from_numpy(np.ascontiguousarray(rows)).to(torch.float16).numpy().tobytes()
+        t = torch.from_numpy(np.ascontiguousarray(rows))
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            if not (-FP16_MAX <= float(lo) and float(hi) <= FP16_MAX):  # also true when a NaN hides the range
+                t = t.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN
+        return t.to(torch.float16).numpy().tobytes()
+    if dtype == DType.FP16:
+        rows = np.clip(rows, -FP16_MAX, FP16_MAX)
     return np.ascontiguousarray(rows, dtype=dtype.numpy).tobytes()
 
 

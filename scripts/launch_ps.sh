@@ -76,7 +76,8 @@ for K in ${SHARDS//,/ }; do
   PORT=$((PORT_BASE + K)); MPORT=$((METRICS_BASE + K))
   READY="$RUN_DIR/ps/ps-$K.ready"
   rm -f "$READY"
-  CHILD=("$PY" -m metaps ps --config "$JOB" --shard "$K" --port "$PORT" --metrics-port "$MPORT" --ready-file "$READY")
+  CHILD=("$PY" -m metaps ps --config "$JOB" --shard "$K" --port "$PORT" --metrics-port "$MPORT" --ready-file "$READY" \
+         --checkpoint-root "$RUN_DIR/checkpoints")
   [[ -n "$RESTORE" ]] && CHILD+=(--restore "$RESTORE")
   start_agent "$RUN_DIR" "ps-$K" "$PY" -m metaps agent --config "$JOB" --role ps --index "$K" \
     --controller "$CONTROLLER" -- "${CHILD[@]}"

@@ -1,4 +1,8 @@
-"""``metaps worker`` and ``metaps train-local``."""
+"""``metaps worker`` and ``metaps train-local``.
+
+A worker without a token warns; a non-loopback ``--metrics-host`` without one is
+refused unless ``--insecure`` (see :mod:`metaps.security`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from metaps.security import add_cli_args
 
 
 def register(subparsers: Any) -> None:
@@ -18,6 +24,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds")
+    add_cli_args(p)
     p.set_defaults(func=_run_worker)
 
     p = subparsers.add_parser("train-local", help="train in one process with local tables (the parity reference)")
@@ -36,9 +43,14 @@ def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from metaps.errors import ConfigError
+    from metaps.security import check_bind, role_rpc, set_private_umask
     from workers.worker import run_worker
 
+    set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
     job = _load(args)
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    check_bind([args.metrics_host] if args.metrics_port >= 0 else [], job.rpc.resolved_token(),
+               insecure=args.insecure, what="metaps worker")
     addrs = [a for a in (args.ps or os.environ.get("METAPS_PS", "")).split(",") if a]
     if not addrs:
         raise ConfigError("metaps worker: no PS addresses: pass --ps host:port,... or set METAPS_PS")

@@ -9,12 +9,16 @@ Example::
     dense_sync = "ps"        # dense params on the PS, or "allreduce" between workers
                              # (either way they use [ps].dense_optimizer)
     overlap = true           # pull the next batch's rows during this step's compute
+    device = "cpu"           # "cpu", "cuda", "cuda:N" or "auto" (cuda when available)
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
+
+_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
 
 
 class TrainMode(str, enum.Enum):
@@ -46,6 +50,9 @@ class TrainConfig:
         threads: torch intra-op threads per worker process.
         seed: seed of the dense model initialisation (same on every worker).
         allreduce_port: rendezvous port of the gloo process group (0: launcher picks).
+        device: device of the worker process (``cpu``, ``cuda``, ``cuda:N``, ``auto`` = cuda when
+            available): where ``train-local`` keeps its in-process tables; a fleet worker checks it
+            at start-up. The dense model computes on CPU in this version.
     """
 
     mode: TrainMode = TrainMode.META
@@ -59,6 +66,7 @@ class TrainConfig:
     threads: int = 1
     seed: int = 0
     allreduce_port: int = 0
+    device: str = "cpu"
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -71,3 +79,37 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not _DEVICE.match(self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+
+
+def resolve_device(device: str) -> str:
+    """``[train] device`` as a torch device string on this machine.
+
+    Args:
+        device: a validated setting (``cpu``, ``cuda``, ``cuda:N``, ``auto``).
+
+    Returns:
+        ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` when that GPU exists.
+
+    Raises:
+        ConfigError: CUDA was asked for and torch sees no (such) GPU; one line.
+    """
+    import torch
+
+    from metaps.errors import ConfigError
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"[train] device = {device!r}: torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}, a CPU build or no GPU); use 'cpu' or 'auto', or install the GPU set "
+            f"(requirements/gpu.txt)"
+        )
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"[train] device = {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

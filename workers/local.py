@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from metaps.log import kv
+from workers.config import resolve_device
 from workers.row_source import LocalRowSource
 from workers.worker import Worker, merge_eval_files
 
@@ -22,12 +23,22 @@ log = logging.getLogger(__name__)
 
 
 def local_store(job: Any) -> Any:
-    """One ShardStore holding every table with the fleet's total capacity."""
+    """One ShardStore holding every table with the fleet's total capacity, on ``[train] device``.
+
+    Raises:
+        ConfigError: the device is CUDA and this machine has none (one line).
+    """
+    import torch
+
     from ps.shard_store import ShardStore
 
+    device = resolve_device(job.train.device)
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(int(device.split(":")[1]))  # the store takes "cuda" = the current device
+        device = "cuda"
     tables = [dataclasses.replace(t, capacity=t.capacity * job.ps.shards) for t in job.table_configs()]
     return ShardStore(
-        tables, shard_id=0, num_vshards=job.ps.num_vshards, seed=job.ps.seed, device="cpu",
+        tables, shard_id=0, num_vshards=job.ps.num_vshards, seed=job.ps.seed, device=device,
         nonfinite_grads=job.ps.nonfinite_grads.value if hasattr(job.ps.nonfinite_grads, "value") else job.ps.nonfinite_grads,
         dense_optimizer=job.ps.dense_optimizer,
     )

@@ -85,7 +85,9 @@ class Trainer:
         self.rank = rank
         self.world = world
         self.barrier = barrier
-        """Called with the step number after each push in synchronous PS mode."""
+        """Synchronous PS mode: a PS barrier, called twice per step t with ids 2t (every worker
+        pulled step t, before any push) and 2t+1 (every step-t push applied, before dense params
+        are loaded and step t+1 pulls); all-reduce steps use their collective as the first."""
         self.step_no = 0
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-lane")
         self._inflight: Future | None = None
@@ -175,6 +177,10 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.compute(batch, rows_np)
         t1 = time.perf_counter()
+        if self.barrier is not None:
+            # Sync mode, first of two barriers per step (PS barrier ids count half-steps: 2t, 2t+1):
+            # every worker has pulled step t's rows, so no step-t push can leak into a peer's pull.
+            self.barrier(2 * self.step_no)
         ids = _ids_of(batch)
         grads = {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
         if lane is not None:
@@ -184,11 +190,19 @@ class Trainer:
             # The row push and the dense sync go out together (different PS state, both done before
             # the step ends): one round trip less per step than pushing rows first, no extra staleness.
             pushed = self.rows.push_async(grads, self.step_no)
-        self._sync_dense(result.dense_grads)
-        if lane is None or self.barrier is not None:
+        if self.barrier is not None and self.cfg.dense_sync == DenseSync.PS:
+            # Second barrier: every worker's step-t rows and dense grads are applied; only then
+            # load the dense params (pulled before it, they could lack a peer's step-t update).
+            self.rows.push_dense({n: g.detach().numpy() for n, g in result.dense_grads.items()}, self.step_no)
             pushed.result()
-        if self.barrier is not None:
-            self.barrier(self.step_no)
+            self.barrier(2 * self.step_no + 1)
+            self._load_dense(self.rows.pull_dense(self._names))
+        else:
+            self._sync_dense(result.dense_grads)
+            if lane is None or self.barrier is not None:
+                pushed.result()
+            if self.barrier is not None:
+                self.barrier(2 * self.step_no + 1)
         t2 = time.perf_counter()
         samples, tasks = _samples_of(batch)
         self.step_no += 1
@@ -264,17 +278,24 @@ class Trainer:
             result = self.compute(batch, rows)
             compute_s = time.perf_counter() - t0 - pull_s
             ids = _ids_of(batch)
-            self.rows.push({t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads},
-                           self.step_no)
+            row_grads = {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
             flat = torch.cat([result.dense_grads[n].reshape(-1) for n in self._names]) * samples
             loss, metrics = float(result.outer_loss.detach()), dict(result.metrics)
         else:
             flat = torch.zeros(n_params)
         packed = torch.cat([flat, torch.tensor([float(samples), 1.0 if batch is not None else 0.0])])
+        # The all-reduce is also a barrier: every worker has pulled step t's rows, so the row
+        # pushes below cannot leak into a peer's step-t pull.
         dist.all_reduce(packed)
         total, active = float(packed[-2]), float(packed[-1])
         if active == 0:
             return None
+        if batch is not None:
+            self.rows.push(row_grads, self.step_no)
+        if self.barrier is not None:
+            # Sync mode: every worker's step-t row push is applied before anyone pulls step t+1
+            # (barrier ids count half-steps as in _step; idle workers join it too).
+            self.barrier(2 * self.step_no + 1)
         if total > 0:
             self._apply_local(packed[:-2] / total)
         self.step_no += 1

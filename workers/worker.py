@@ -382,6 +382,9 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
                run_dir: Path | None = None) -> dict[str, Any]:
     """The whole life of one worker process; returns its report."""
     from ps.client import PsClient
+    from workers.config import resolve_device
+
+    resolve_device(job.train.device)  # a CUDA setting on a machine without one fails here, in one line
 
     client = PsClient(
         ps_addresses, job.rpc, value_dtype=job.ps.value_dtype, worker_id=f"worker-{rank}",

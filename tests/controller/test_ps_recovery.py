@@ -102,7 +102,8 @@ def test_killed_ps_is_restarted_restored_and_the_job_completes(tmp_path: Path) -
             procs.start(f"ps-{k}", "agent", "--config", str(job), "--role", "ps", "--index", str(k),
                         "--controller", ctl_addr, "--", sys.executable, "-m", "metaps", "ps", "--config", str(job),
                         "--shard", str(k), "--port", str(ports[k]), "--ready-file", str(run / f"ps-{k}.ready"),
-                        "--restore-latest", str(run / "checkpoints"))  # a restart serves checkpointed rows + dense
+                        "--restore-latest", str(run / "checkpoints"),  # a restart serves checkpointed rows + dense
+                        "--checkpoint-root", str(run / "checkpoints"))
         for k in range(2):
             wait_for(lambda: (run / f"ps-{k}.ready").exists(), 90, f"PS {k} ready\n{procs.log(f'ps-{k}')}", 0.1)
         ps_addrs = ",".join(f"127.0.0.1:{p}" for p in ports)

@@ -76,7 +76,11 @@ def test_duplicate_completion_reports_are_harmless(controller) -> None:
     assert all(r.kind == "retry" and r.duplicate for r in again)
     assert drain(c, "eval") == 1
     cov = c.status()["coverage"]
-    assert cov["complete"] and cov["done_entries"] == 2 and cov["duplicate_samples"] == 0
+    # eval is covered, train not started: honest coverage says in progress, not complete
+    assert cov["by_dataset"]["eval"] == [6, 6] and cov["state"] == "in_progress" and not cov["complete"]
+    assert cov["done_entries"] == 2 and cov["duplicate_samples"] == 0
+    drain(c, "train")
+    assert c.status()["coverage"]["complete"]
 
 
 def test_hung_worker_lease_expires(controller) -> None:
@@ -90,6 +94,7 @@ def test_hung_worker_lease_expires(controller) -> None:
     late = hung.report_shard(lease)
     assert late.kind == "duplicate" and not late.accepted
     drain(other, "eval")
+    drain(other, "train")  # complete means every dataset's every epoch
     st = other.status()
     assert st["coverage"]["complete"] and st["coverage"]["duplicate_entries"] == 1
     assert any(e["kind"] == "lease_expired" and e["node"] == "worker:1" for e in st["events"])
@@ -170,6 +175,7 @@ def test_checkpoint_trigger_commit_and_rollback(controller) -> None:
     returned = srv.checkpoints.rollback_to(cmd.cut_id)
     assert {l.shard_id for l in done_after} <= set(returned)
     drain(c, "train")
+    drain(c, "eval")  # complete means every dataset's every epoch
     cov = c.status()["coverage"]
     assert cov["complete"] and cov["replayed_entries"] >= 2
 

@@ -155,7 +155,8 @@ def _launch(job: Path, shard: int, tmp: Path, port: int, restore: str) -> tuple[
     ready = tmp / f"ready-{shard}-{time.monotonic_ns()}.json"
     log_path = tmp / f"ps-{shard}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "metaps", "ps", "--config", str(job), "--shard", str(shard),
-           "--port", str(port), "--ready-file", str(ready), "--grace", "5"]
+           "--port", str(port), "--ready-file", str(ready), "--grace", "5",
+           "--checkpoint-root", str(tmp)]  # Checkpoint/Restore RPCs may name dirs under tmp only
     if restore:
         cmd += ["--restore", restore]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -1,5 +1,7 @@
 """Optimizer parity: every kind vs torch.optim (per-row params) or the reference formula.
 
+FTRL is checked against McMahan et al. 2013 in tests/ps/test_ftrl_reference.py.
+
 Pushes carry duplicate ids (summed first: "exact" semantics) and untouched rows;
 rows and optimizer state must match a dense reference within float tolerance.
 """
@@ -112,31 +114,6 @@ def test_rowwise_adagrad_reference_formula(device: str) -> None:
             w[i] = w[i] - cfg.lr * gs / (np.sqrt(m[i]) + cfg.eps)
     np.testing.assert_allclose(t.pull(IDS), np.stack([w[i] for i in IDS.tolist()]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(state_of(t)["momentum"], [m[i] for i in IDS.tolist()], rtol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("l1", [0.0, 0.5])
-def test_ftrl_reference_formula(device: str, l1: float) -> None:
-    cfg = OptimizerConfig(kind=OptimizerKind.FTRL, ftrl_alpha=0.1, ftrl_beta=1.0, ftrl_l1=l1, ftrl_l2=0.1,
-                          initial_accumulator=0.05)
-    t, w0 = run_table(cfg, device)
-    w = {i: w0[k].astype(np.float64) for k, i in enumerate(IDS.tolist())}
-    z = {i: np.zeros(DIM) for i in IDS.tolist()}
-    n = {i: np.full(DIM, 0.05) for i in IDS.tolist()}
-    a, b, l2 = cfg.ftrl_alpha, cfg.ftrl_beta, cfg.ftrl_l2
-    for ids, g in push_sequence():
-        for i, gs in aggregate(ids, g).items():
-            n_new = n[i] + gs * gs
-            sigma = (np.sqrt(n_new) - np.sqrt(n[i])) / a
-            z[i] = z[i] + gs - sigma * w[i]
-            n[i] = n_new
-            w[i] = np.where(np.abs(z[i]) <= l1, 0.0, -(z[i] - np.sign(z[i]) * l1) / ((b + np.sqrt(n[i])) / a + l2))
-    np.testing.assert_allclose(t.pull(IDS), np.stack([w[i] for i in IDS.tolist()]), rtol=1e-5, atol=1e-6)
-    st = state_of(t)
-    np.testing.assert_allclose(st["z"], np.stack([z[i] for i in IDS.tolist()]), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(st["n"], np.stack([n[i] for i in IDS.tolist()]), rtol=1e-5, atol=1e-6)
-    if l1:
-        assert (t.pull(IDS) == 0).any()  # l1 makes some weights exactly zero
 
 
 def test_untouched_rows_do_not_move() -> None:

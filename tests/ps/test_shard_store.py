@@ -13,6 +13,7 @@ from ps.config import (
     AdmissionConfig,
     EvictionConfig,
     EvictionPolicy,
+    InitKind,
     OptimizerConfig,
     OptimizerKind,
     TableConfig,
@@ -109,7 +110,8 @@ def test_flat_grads_accepted() -> None:
 
 @pytest.mark.parametrize("kind", list(OptimizerKind))
 def test_export_import_drop_round_trip(kind: OptimizerKind) -> None:
-    cfg = TableConfig(name="user", dim=DIM, capacity=64, optimizer=OptimizerConfig(kind=kind))
+    init = InitKind.ZEROS if kind == OptimizerKind.FTRL else InitKind.NORMAL  # ftrl rows start at w = 0
+    cfg = TableConfig(name="user", dim=DIM, capacity=64, optimizer=OptimizerConfig(kind=kind), init=init)
     V = 8
     a = make_store(cfg, V=V)
     b = make_store(cfg, shard_id=1, V=V)
@@ -236,10 +238,72 @@ def test_stats_and_memory() -> None:
     assert t.memory_bytes() <= 1000 * (t.raw_bytes_per_row() + 48) + 512
 
 
+SGD = OptimizerConfig(kind=OptimizerKind.SGD, lr=0.5)
+
+
+def _resident(s: ShardStore, table: str = "user") -> list[int]:
+    return sorted(s.all_rows(table).ids.tolist())
+
+
 def test_admission_and_eviction_through_store() -> None:
-    s = make_store(TableConfig(name="user", dim=DIM, capacity=8, admission=AdmissionConfig(min_count=2)))
-    assert s.push("user", ids(1), np.ones((1, DIM), np.float32)).unadmitted_dropped == 1
-    assert s.push("user", ids(1), np.ones((1, DIM), np.float32)).admitted == 1
+    """min_count admission, then LFU eviction of the least pushed row when the table is full;
+    the evicted id reads as its initial row again and comes back as a fresh row, counted."""
+    cfg = TableConfig(name="user", dim=DIM, capacity=8, optimizer=SGD, admission=AdmissionConfig(min_count=2),
+                      eviction=EvictionConfig(policy=EvictionPolicy.LFU, evict_fraction=0.01))
+    s = make_store(cfg)
+    init = make_store(cfg).pull("user", ids(*range(1, 10)))  # initial rows: a pure function of (table, id, seed)
+    one = lambda *xs: np.ones((len(xs), DIM), np.float32)  # noqa: E731
+    assert s.push("user", ids(1), one(1)).unadmitted_dropped == 1
+    np.testing.assert_array_equal(s.pull("user", ids(1)), init[:1])  # dropped gradient: row untouched
+    assert s.push("user", ids(1), one(1)).admitted == 1
+    s.push("user", ids(*range(2, 9)), one(*range(2, 9)))  # first sighting of 2..8: dropped
+    res = s.push("user", ids(*range(2, 9)), one(*range(2, 9)))
+    assert (res.admitted, res.evicted) == (7, 0)
+    assert _resident(s) == list(range(1, 9))  # full
+    for _ in range(3):  # ids 1..7 pushed 4 times in all, id 8 once: the least frequent
+        s.push("user", ids(*range(1, 8)), one(*range(1, 8)))
+    before = s.pull("user", ids(*range(1, 8)))
+
+    s.push("user", ids(9), one(9))  # first sighting: dropped, nothing evicted
+    res = s.push("user", ids(9), one(9))
+    assert (res.admitted, res.evicted) == (1, 1)
+    assert _resident(s) == [1, 2, 3, 4, 5, 6, 7, 9]  # LFU: id 8 went
+    assert s.stats()["tables"]["user"]["evictions"] == 1
+    np.testing.assert_array_equal(s.pull("user", ids(*range(1, 8))), before)  # the others kept their rows
+    np.testing.assert_array_equal(s.pull("user", ids(8)), init[7:8])  # reads as a fresh row again
+    np.testing.assert_allclose(s.pull("user", ids(9)), init[8:9] - 0.5, rtol=1e-6)
+
+    # id 8 was sighted twice already, so it is admitted at once; its row restarts from the
+    # initial value (one SGD step), not from its trained value; the least pushed row, 9, goes
+    res = s.push("user", ids(8), one(8))
+    assert (res.admitted, res.evicted) == (1, 1)
+    assert _resident(s) == list(range(1, 9))
+    np.testing.assert_allclose(s.pull("user", ids(8)), init[7:8] - 0.5, rtol=1e-6)
+    assert s.stats()["tables"]["user"]["evictions"] == 2
+
+
+def test_ttl_eviction_through_store() -> None:
+    """TTL: a full table evicts the rows idle for more than ttl_steps table steps, oldest first."""
+    cfg = TableConfig(name="user", dim=DIM, capacity=4, optimizer=SGD,
+                      eviction=EvictionConfig(policy=EvictionPolicy.TTL, ttl_steps=2, evict_fraction=0.01))
+    s = make_store(cfg)
+    init = make_store(cfg).pull("user", ids(1, 2, 3, 4, 5, 6))
+    one = np.ones((1, DIM), np.float32)
+    for i in (1, 2, 3, 4, 1, 2):  # table steps 1..6: last touch 1 -> 5, 2 -> 6, 3 -> 3, 4 -> 4
+        s.push("user", ids(i), one)
+    res = s.push("user", ids(5), one)  # step 7: idle 3 -> 4, 4 -> 3, 1 -> 2, 2 -> 1; > 2 expired: 3, 4
+    assert (res.admitted, res.evicted) == (1, 1)
+    assert _resident(s) == [1, 2, 4, 5]  # the oldest expired row, 3
+    res = s.push("user", ids(6), one)  # step 8: expired 4 (idle 4) and 1 (idle 3): 4 is older
+    assert (res.admitted, res.evicted) == (1, 1)
+    assert _resident(s) == [1, 2, 5, 6]
+    assert s.stats()["tables"]["user"]["evictions"] == 2
+    np.testing.assert_allclose(s.pull("user", ids(1, 2)), init[:2] - 1.0, rtol=1e-6)  # two pushes each, kept
+    np.testing.assert_array_equal(s.pull("user", ids(3, 4)), init[2:4])  # evicted: fresh again
+    res = s.push("user", ids(3), one)  # back as a fresh row; step 9: 1 (idle 4) is the oldest expired
+    assert (res.admitted, res.evicted) == (1, 1)
+    assert _resident(s) == [2, 3, 5, 6]
+    np.testing.assert_allclose(s.pull("user", ids(3)), init[2:3] - 0.5, rtol=1e-6)
 
 
 @pytest.mark.filterwarnings("error")

@@ -5,7 +5,10 @@ rendezvous at ``METAPS_ALLREDUCE``) share one PS shard for embedding rows. Their
 static shares differ in size, so in the last steps one worker joins the
 collective with zero gradients. Each worker reports a digest of its own dense
 parameters; they must be equal, differ from the initial parameters, and equal
-the dense values rank 0 published into the final checkpoint.
+the dense values rank 0 published into the final checkpoint. The PS runs in sync
+mode with SGD rows, so the result must also equal the single-process reference of
+``test_parity_multi.py`` (sample-weighted mean dense gradient, one Adam step per
+global step; both workers' row gradients at the same parameters).
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from meta_io.reader import MetaIODataset
 from workers.data_feed import static_ranges
 from workers.worker import build_model, dense_digest
 
+from ps.client import PsClient
 from tests.workers.conftest import make_job
+from tests.workers.test_parity_multi import SGD, compare, reference, trained_ids
 from metaps.metrics import free_port
 from tests.workers.procs import start_worker, wait_exit, write_job
 
 
 def test_two_allreduce_workers_end_with_identical_dense_params(worker_data, ps_servers, tmp_path: Path) -> None:
     job = make_job(worker_data["meta"], tmp_path, mode="meta", workers=2,
+                   ps={"sync": "sync", "table_defaults": {"dim": 8, "capacity": 4096, "optimizer": SGD}},
                    train={"dense_sync": "allreduce", "log_every": 5, "epochs": 1})
     config = write_job(job, tmp_path / "job.toml")
     addrs = ps_servers(job)
@@ -71,3 +77,13 @@ def test_two_allreduce_workers_end_with_identical_dense_params(worker_data, ps_s
         for n, p in model.named_parameters():
             p.copy_(torch.from_numpy(np.asarray(values[n]).reshape(p.shape)))
     assert dense_digest(model) == digests[0]
+
+    # ... and equal the single-process reference on the same global batches (rows and dense).
+    ref_rows, ref_model, ref_steps = reference(job, None, allreduce=True)
+    assert ref_steps == reports[0]["steps"]
+    ids = trained_ids(job, ref_steps)
+    reader = PsClient(addrs, job.rpc)
+    try:
+        compare(job, ref_rows, ref_model, reader.pull(ids), values, ids)
+    finally:
+        reader.close()

@@ -1,0 +1,729 @@
+"""Chaos bench (issue 10, "no silent loss, safe by default"): faults injected into real small fleets.
+
+Every fleet is a real ``metaps launch`` (controller, PS and worker agents as OS
+processes, gRPC on 127.0.0.1) on tiny Meta-IO data (800 rows, 17 meta-batches,
+2 epochs, 2 PS, 2 workers, a coordinated checkpoint every 3 s), bounded by
+``--timeout`` and killed from outside past a hard limit. Faults:
+
+    kill_<role>       SIGKILL of the controller, PS 0, worker 1, worker 1's agent, PS 0's agent
+    stop_<role>       SIGSTOP of the same for STOP_S (> the heartbeat timeout), then SIGCONT
+    corrupt_ckpt_kill_ps  bytes of the newest committed checkpoint overwritten, then PS 0 SIGKILLed
+    disk_full         the checkpoint root is a tiny tmpfs (``unshare --mount``; room for ~1 checkpoint)
+    slow_ps           PS 1 answers every request +50 ms late (``[faults]`` latency)
+    many_workers      32 simulated workers (threads here) against one ``metaps ps`` with bounded
+                      staleness, one of them slow: its pushes that fail / starve are counted
+    bad inputs        hostile RPCs to a live PS and controller (bench/chaos_inputs.py) and bad
+                      configs / data to ``metaps launch``
+
+Each fleet run is judged from its own outputs (exit code, report.json, the ledger,
+PS Stats rows, the committed checkpoints' manifests, a no-fault run's rows):
+
+    survived      exit 0 with the ledger covering every batch of every epoch exactly once
+                  and no rows lost, or a non-zero exit whose reason names the fault's cause
+    lost_rows     the PS fleet ended with fewer rows than a committed checkpoint of the run,
+                  a shard ended empty, or (status succeeded) fewer rows than the no-fault run
+    false_claim   "succeeded" / coverage complete while the ledger has batches not done,
+                  or "succeeded" after a failed PS recovery
+
+Run: ``python -m bench.chaos [--quick] [--keep DIR]``; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "chaos-token"
+STOP_S = 14.0            # SIGSTOP length: longer than HEARTBEAT_TIMEOUT_S
+HEARTBEAT_TIMEOUT_S = 10.0
+RUN_TIMEOUT_S = 240.0    # metaps launch --timeout
+HARD_LIMIT_S = 330.0     # killed from outside past this
+INJECT_AFTER_S = 4.0     # after the first training step (a checkpoint cut exists by then)
+TMPFS_BYTES = 600 * 1024  # one ~450 KiB checkpoint fits, the next does not
+
+log = logging.getLogger("bench.chaos")
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _env() -> dict[str, str]:
+    pp = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=f"{REPO}:{pp}" if pp else str(REPO), OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1")
+
+
+def _metaps(*args: str) -> list[str]:
+    return [sys.executable, "-m", "metaps", *args]
+
+
+# ============================================================== processes of a fleet
+def _argv(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    if state == "Z" or not raw:
+        return None
+    return raw.decode(errors="replace").split("\0")
+
+
+def _opt(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else ""
+
+
+def fleet_procs(marker: str) -> dict[str, int]:
+    """Live processes whose command line holds ``marker`` (a run dir), by fleet name.
+
+    Names: ``controller``, ``ps-K``, ``worker-R``, ``agent-ps-K``, ``agent-worker-R``.
+    """
+    out: dict[str, int] = {}
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        argv = _argv(int(d.name))
+        if not argv or marker not in " ".join(argv) or "metaps" not in argv:
+            continue
+        rest = argv[argv.index("metaps") + 1:]
+        while rest and rest[0].startswith("--"):  # --log-level X
+            rest = rest[2:]
+        if not rest:
+            continue
+        cmd, head = rest[0], rest[: rest.index("--")] if "--" in rest else rest
+        if cmd == "controller":
+            out["controller"] = int(d.name)
+        elif cmd == "ps":
+            out[f"ps-{_opt(head, '--shard')}"] = int(d.name)
+        elif cmd == "worker":
+            out[f"worker-{_opt(head, '--rank')}"] = int(d.name)
+        elif cmd == "launch":
+            out["launcher"] = int(d.name)
+        elif cmd == "agent":
+            out[f"agent-{_opt(head, '--role')}-{_opt(head, '--index')}"] = int(d.name)
+    return out
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_marker(marker: str) -> list[int]:
+    """SIGCONT + SIGKILL every fleet process of one run (ours, found by its run dir)."""
+    pids = list(fleet_procs(marker).values())
+    for pid in pids:
+        _signal(pid, signal.SIGCONT)
+        _signal(pid, signal.SIGKILL)
+    return pids
+
+
+# ============================================================== data and jobs
+def make_data(root: Path) -> dict[str, Path]:
+    """The launch tests' tiny data: 800-row train + held-out eval, meta layout, 17 batches each."""
+    from tests.metaps.fleet_data import make_data as _make
+
+    return _make(root)
+
+
+def job_mapping(data: dict[str, Path], root: Path, *, workers: int = 2, ps: int = 2,
+                **sections: dict[str, Any]) -> dict[str, Any]:
+    from tests.metaps.fleet_data import job_mapping as _job
+
+    job = _job(data, root, workers=workers, ps=ps)
+    job["rpc"]["token"] = TOKEN
+    job["train"]["epochs"] = 2
+    job["controller"]["checkpoint_interval_s"] = 3.0
+    job["controller"]["heartbeat_timeout_s"] = HEARTBEAT_TIMEOUT_S
+    job["controller"]["agent"]["restart_limit"] = 2
+    for name, values in sections.items():
+        job.setdefault(name, {}).update(values)
+    return job
+
+
+def write_job(path: Path, job: dict[str, Any]) -> Path:
+    from metaps.toml_writer import write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write(path, job)
+
+
+def dataset_specs(data: dict[str, Path]) -> dict[str, list[int]]:
+    from meta_io.reader import MetaIODataset
+
+    out = {}
+    for name in ("train", "eval"):
+        ds = MetaIODataset(data[name])
+        out[name] = [ds.num_batches(f) for f in range(ds.num_files)]
+    return out
+
+
+# ============================================================== one fleet run
+@dataclass
+class FleetFault:
+    """One fault against one ``metaps launch``.
+
+    Args:
+        name: the fault's name in the JSON.
+        target: fleet process name (see :func:`fleet_procs`) or '' (none / special).
+        sig: "kill" | "stop" | "" (none).
+        because: words one of which a failing run's reason must hold to be a true reason.
+        sections: job TOML overrides.
+        special: "corrupt" | "disk" | "".
+    """
+
+    name: str
+    target: str = ""
+    sig: str = ""
+    because: tuple[str, ...] = ()
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    special: str = ""
+
+
+def _worker_stepped(run: Path) -> bool:
+    for f in (run / "logs").glob("worker-*.log"):
+        try:
+            if 'msg="step"' in f.read_text(errors="replace"):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _committed(root: Path) -> list[Path]:
+    out = [p for p in root.glob("ckpt-*") if (p / "manifest.json").is_file() and not p.name.endswith(".tmp")]
+    return sorted(out, key=lambda p: int(p.name.split("-")[1]) if p.name.split("-")[1].isdigit() else -1)
+
+
+def _wait(pred: Callable[[], bool], deadline: float, proc: subprocess.Popen[Any]) -> bool:
+    while not pred():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[str, Any]) -> None:
+    """Wait for training, then do the fault. Everything it did goes into ``notes``."""
+    deadline = time.monotonic() + HARD_LIMIT_S - 30
+    if not _wait(lambda: _worker_stepped(run), deadline, proc):
+        notes["injected"] = "no: the run ended (or hung) before the first training step"
+        return
+    time.sleep(INJECT_AFTER_S)
+    if f.special == "corrupt":
+        if not _wait(lambda: bool(_committed(run / "checkpoints")), deadline, proc):
+            notes["injected"] = "no: no committed checkpoint"
+            return
+        newest = _committed(run / "checkpoints")[-1]
+        shard = newest / "shard-0.lmdb"
+        size = shard.stat().st_size
+        with shard.open("r+b") as fh:  # the middle of the file: sha256 no longer matches the manifest
+            fh.seek(size // 2)
+            fh.write(os.urandom(min(4096, size // 4)))
+        notes["corrupted"] = str(newest)
+    if f.sig:
+        pid = fleet_procs(str(run)).get(f.target)
+        if pid is None:
+            notes["injected"] = f"no: {f.target} not found"
+            return
+        if f.sig == "kill":
+            _signal(pid, signal.SIGKILL)
+        else:
+            _signal(pid, signal.SIGSTOP)
+            time.sleep(STOP_S)
+            _signal(pid, signal.SIGCONT)
+        notes["injected"] = f"{f.sig} {f.target} pid {pid} at {time.time():.1f}"
+        if f.special == "corrupt":  # a cut committed between the corruption and the kill makes the fault moot
+            newest = _committed(run / "checkpoints")[-1].name
+            notes["corrupted_was_newest_at_kill"] = newest == Path(notes["corrupted"]).name
+    elif f.special == "disk":
+        notes["injected"] = "tmpfs checkpoint root"
+
+
+def _launch_cmd(f: FleetFault, cfg: Path, run: Path) -> tuple[list[str], str]:
+    base = _metaps("--log-level", "INFO", "launch", "--config", str(cfg), "--run-dir", str(run), "--no-progress",
+                   "--timeout", str(RUN_TIMEOUT_S))
+    if f.special != "disk":
+        return base, ""
+    ck, seen = run / "checkpoints", run / "ckpt-manifests"
+    script = (f"{shlex.join(base)} & L=$!; "
+              f"while [ ! -d {shlex.quote(str(ck))} ] && kill -0 $L 2>/dev/null; do sleep 0.05; done; "
+              f"mount -t tmpfs -o size={TMPFS_BYTES} chaos-ckpt {shlex.quote(str(ck))} || echo CHAOS_MOUNT_FAILED; "
+              f"wait $L; rc=$?; "
+              f"for d in {shlex.quote(str(ck))}/ckpt-*; do [ -f \"$d/manifest.json\" ] && "
+              f"mkdir -p {shlex.quote(str(seen))}/$(basename \"$d\") && cp \"$d/manifest.json\" "
+              f"{shlex.quote(str(seen))}/$(basename \"$d\")/; done; exit $rc")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], f"tmpfs {TMPFS_BYTES} bytes"
+
+
+def run_fleet(f: FleetFault, data: dict[str, Path], root: Path) -> dict[str, Any]:
+    """One ``metaps launch`` with fault ``f``; returns the raw outputs for :func:`judge`."""
+    cfg = write_job(root / f.name / "job.toml", job_mapping(data, root / f.name, **f.sections))
+    run = root / f.name / "run"
+    cmd, method = _launch_cmd(f, cfg, run)
+    notes: dict[str, Any] = {"method": method} if method else {}
+    t0 = time.monotonic()
+    out_path = root / f.name / "launch.out"
+    with out_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        inj = threading.Thread(target=_inject, args=(f, run, proc, notes), daemon=True)
+        inj.start()
+        try:
+            rc: int | None = proc.wait(HARD_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+            notes["hard_killed"] = True
+            _signal(proc.pid, signal.SIGKILL)  # the launcher (or its unshare wrapper) we started
+            proc.wait(30)
+        inj.join(STOP_S + 5)
+    left = kill_marker(str(run))
+    text = out_path.read_text(errors="replace")
+    if "CHAOS_MOUNT_FAILED" in text:
+        notes["method"] = "tmpfs mount failed: no disk-full fault"
+    rep = None
+    try:
+        rep = json.loads((run / "report.json").read_text())
+    except (OSError, ValueError):
+        pass
+    return {"rc": rc, "report": rep, "run": run, "wall_s": time.monotonic() - t0, "notes": notes,
+            "left_processes": len(left), "tail": text[-1500:]}
+
+
+def _ckpt_rows(run: Path) -> list[tuple[str, int]]:
+    """(checkpoint, total rows over tables) of every committed checkpoint of a run, oldest first."""
+    rows = []
+    for root in (run / "ckpt-manifests", run / "checkpoints"):
+        for p in _committed(root):
+            try:
+                man = json.loads((p / "manifest.json").read_text())
+            except (OSError, ValueError):
+                continue
+            rows.append((p.name, int(sum(int(t.get("rows", 0)) for t in man.get("tables", {}).values()))))
+        if rows:
+            break
+    return rows
+
+
+def ledger_coverage(shards: list[dict[str, Any]], specs: dict[str, list[int]], epochs: dict[str, int]) -> list[str]:
+    """Independent check of the report's ledger: every batch of every epoch done exactly once.
+
+    Returns the problems ([] = complete).
+    """
+    got: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+    for e in shards:
+        if e.get("kind") == "done" and not e.get("replayed"):
+            got.setdefault((e["dataset"], int(e["epoch"]), int(e["file"])), []).append((int(e["start"]), int(e["stop"])))
+    problems = []
+    for name, files in specs.items():
+        for ep in range(epochs.get(name, 1)):
+            for fi, total in enumerate(files):
+                pos = 0
+                for a, b in sorted(got.get((name, ep, fi), [])):
+                    if a != pos:
+                        problems.append(f"{name} epoch {ep} file {fi}: {'gap' if a > pos else 'overlap'} at {min(a, pos)}")
+                    pos = max(pos, b)
+                if pos != total:
+                    problems.append(f"{name} epoch {ep} file {fi}: covered to {pos} of {total}")
+    return problems
+
+
+def _ps_rows(rep: dict[str, Any]) -> list[int]:
+    return [int(sum(int(t.get("rows", 0)) for t in s.get("store", {}).get("tables", {}).values()))
+            for s in rep.get("ps", [])]
+
+
+def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], baseline_rows: int | None) -> dict[str, Any]:
+    """survived / lost_rows / false_claim of one fleet run (see the module docstring)."""
+    rep = res["report"]
+    row: dict[str, Any] = {"fault": f.name, "exit_code": res["rc"], "wall_s": round(res["wall_s"], 1),
+                           **res["notes"], "left_processes": res["left_processes"]}
+    if rep is None:
+        row.update(survived=False, lost_rows=False, false_claim=False, status="no report.json",
+                   why="no report.json (launcher hung or crashed); tail: " + res["tail"][-300:])
+        return row
+    status, reason = rep.get("status", ""), rep.get("reason", "")
+    epochs = {"train": int(rep.get("config", {}).get("train", {}).get("epochs", 1)), "eval": 1}
+    problems = ledger_coverage(rep.get("shards", []), specs, epochs)
+    ps_rows = _ps_rows(rep)
+    ckpts = _ckpt_rows(res["run"])
+    max_ckpt = max((r for _, r in ckpts), default=0)
+    events = rep.get("controller", {}).get("events", [])
+    failed_recovery = [e for e in events if e.get("kind") == "ps_recovery_failed"
+                       or (e.get("kind") == "ps_recovery" and "error" in (e.get("evidence") or {}))]
+    lost = []
+    if ps_rows:
+        if sum(ps_rows) < max_ckpt:
+            lost.append(f"PS rows {sum(ps_rows)} < committed checkpoint's {max_ckpt}")
+        if status == "succeeded" and any(r == 0 for r in ps_rows):
+            lost.append(f"a shard ended with 0 rows: {ps_rows}")
+        if status == "succeeded" and baseline_rows is not None and sum(ps_rows) < baseline_rows:
+            lost.append(f"PS rows {sum(ps_rows)} < the no-fault run's {baseline_rows}")
+    elif status == "succeeded":
+        lost.append("no PS stats at the end of a run that says succeeded")
+    claims = []
+    cov_claim = bool(rep.get("controller", {}).get("coverage", {}).get("complete"))
+    if (status == "succeeded" or cov_claim) and problems:
+        claims.append(f"says {'succeeded' if status == 'succeeded' else 'coverage complete'} but the ledger: {problems[:3]}")
+    if status == "succeeded" and failed_recovery:
+        claims.append(f"says succeeded after a failed PS recovery: {failed_recovery[0].get('evidence')}")
+    true_reason = bool(reason) and any(w.lower() in reason.lower() for w in f.because)
+    survived = ((res["rc"] == 0 and status == "succeeded" and not problems and not lost)
+                or (res["rc"] not in (0, None) and status == "failed" and true_reason and not lost))
+    row.update(status=status, reason=reason[:300], survived=survived, lost_rows=bool(lost), false_claim=bool(claims),
+               coverage_problems=len(problems), ps_rows=ps_rows, max_checkpoint_rows=max_ckpt,
+               checkpoints=len(ckpts), ps_recoveries=len([e for e in events if e.get("kind") == "ps_recovery"]),
+               failed_recoveries=len(failed_recovery))
+    why = lost + claims
+    if not survived and not why:
+        why.append("failed without naming the cause" if status == "failed" else f"status {status}, exit {res['rc']}"
+                   + (f", ledger: {problems[:2]}" if problems else ""))
+    if why:
+        row["why"] = "; ".join(why)[:500]
+    return row
+
+
+def fleet_faults(quick: bool) -> list[FleetFault]:
+    """The fleet faults, quick subset first."""
+    ctl, ps, wk, ag = ("controller",), ("ps", "parameter server", "shard"), ("worker",), ("agent",)
+    quick_set = [
+        FleetFault("kill_ps", "ps-0", "kill", ps),
+        FleetFault("corrupt_ckpt_kill_ps", "ps-0", "kill", ("checkpoint", "checksum", "sha256", "corrupt", "recovery"),
+                   special="corrupt"),
+    ]
+    if quick:
+        return quick_set
+    return quick_set + [
+        FleetFault("kill_controller", "controller", "kill", ctl),
+        FleetFault("kill_worker", "worker-1", "kill", wk),
+        FleetFault("kill_worker_agent", "agent-worker-1", "kill", ag + wk),
+        FleetFault("kill_ps_agent", "agent-ps-0", "kill", ag + ps),
+        FleetFault("stop_controller", "controller", "stop", ctl),
+        FleetFault("stop_ps", "ps-0", "stop", ps),
+        FleetFault("stop_worker", "worker-1", "stop", wk),
+        FleetFault("stop_worker_agent", "agent-worker-1", "stop", ag + wk),
+        FleetFault("disk_full", "", "", ("space", "disk", "ENOSPC", "checkpoint"), special="disk"),
+        FleetFault("slow_ps", "", "", ps, sections={"faults": {"faults": [
+            {"target": "ps", "index": 1, "kind": "latency", "latency_s": 0.05}]}}),
+    ]
+
+
+# ============================================================== many workers, one slow
+def many_workers(data: dict[str, Path], root: Path, n: int = 32, seconds: float = 20.0,
+                 max_staleness: int = 2, slow_step_s: float = 1.5, deadline_s: float = 10.0) -> dict[str, Any]:
+    """``n`` client threads (one slow) pushing/pulling against one ``metaps ps`` with bounded staleness.
+
+    Every thread is a registered worker: pull(step) -> push(step) -> step + 1. Fast ones
+    run ahead and their pulls wait for the slow one on the PS; the slow one's pushes
+    must still get through (a handler thread held by a waiting pull must not starve them).
+    """
+    import grpc
+    import numpy as np
+
+    from metaps.rpc import RpcConfig, make_channel
+    from protos import ps_pb2, ps_pb2_grpc
+
+    job = job_mapping(data, root / "many", ps=1)
+    job["ps"]["max_staleness"] = max_staleness
+    cfg = write_job(root / "many" / "job.toml", job)
+    proc, addr = _start_ps(cfg, root / "many")
+    stop = threading.Event()
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    counts = {"slow_steps_tried": 0, "slow_pushes": 0, "slow_push_failed": 0, "slow_failed": 0, "slow_codes": {},
+              "fast_steps": 0, "fast_errors": 0, "fast_codes": {}}
+    lock = threading.Lock()
+    try:
+        ch = make_channel(addr, RpcConfig(token=TOKEN, timeout_s=deadline_s))
+        stub = ps_pb2_grpc.ParameterServerStub(ch)
+
+        def work(i: int) -> None:
+            wid = f"chaos-{i}"
+            slow = i == n - 1
+            rng = np.random.default_rng(i)
+            stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id=wid, step=0), timeout=deadline_s, metadata=md)
+            step = 0
+            while not stop.is_set():
+                ids = np.unique(rng.integers(1, 5000, 64)).astype("<i8")
+                if slow:
+                    with lock:
+                        counts["slow_steps_tried"] += 1
+                grads = np.full((ids.size, 8), 1e-3, "<f4")
+                try:
+                    stub.PullMany(ps_pb2.PullManyRequest(tables=[ps_pb2.TableIds(table="user", ids=ids.tobytes())],
+                                                         worker_id=wid, step=step), timeout=deadline_s, metadata=md)
+                    if slow:
+                        time.sleep(slow_step_s)
+                    try:
+                        stub.PushMany(ps_pb2.PushManyRequest(tables=[ps_pb2.TableGrads(
+                            table="user", ids=ids.tobytes(), grads=grads.tobytes(), dtype=ps_pb2.DTYPE_FP32)],
+                            worker_id=wid, step=step), timeout=deadline_s, metadata=md)
+                        ok = True
+                    except grpc.RpcError as exc:
+                        ok = False
+                        code = exc.code().name
+                    with lock:
+                        if slow:
+                            counts["slow_pushes"] += 1
+                            if not ok:
+                                counts["slow_push_failed"] += 1
+                                counts["slow_failed"] += 1
+                                counts["slow_codes"][f"push:{code}"] = counts["slow_codes"].get(f"push:{code}", 0) + 1
+                        elif ok:
+                            counts["fast_steps"] += 1
+                        else:
+                            counts["fast_errors"] += 1
+                            counts["fast_codes"][code] = counts["fast_codes"].get(code, 0) + 1
+                    step += 1
+                except grpc.RpcError as exc:  # a pull that failed (waited out its deadline)
+                    with lock:
+                        key = "slow_codes" if slow else "fast_codes"
+                        c = f"pull:{exc.code().name}"
+                        counts[key][c] = counts[key].get(c, 0) + 1
+                        counts["slow_failed" if slow else "fast_errors"] += 1
+            try:
+                stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id=wid, leave=True), timeout=deadline_s,
+                                    metadata=md)
+            except grpc.RpcError:
+                pass
+
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join(deadline_s * 3)
+        ch.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    counts.update(workers=n, max_staleness=max_staleness, seconds=seconds, call_deadline_s=deadline_s,
+                  survived=counts["slow_steps_tried"] > 0 and counts["slow_failed"] == 0)
+    return counts
+
+
+def _start_ps(cfg: Path, where: Path, timeout_s: float = 180.0) -> tuple[subprocess.Popen[bytes], str]:
+    ready = where / "ps-0.ready"
+    logf = (where / "ps-0.log").open("wb")
+    proc = subprocess.Popen(_metaps("ps", "--config", str(cfg), "--shard", "0", "--port", "0", "--ready-file",
+                                    str(ready), "--grace", "2"), cwd=REPO, env=_env(), stdout=logf,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"metaps ps did not start: {(where / 'ps-0.log').read_text()[-1500:]}")
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+
+
+# ============================================================== bad inputs
+def rpc_bad_inputs(data: dict[str, Path], root: Path) -> list[dict[str, Any]]:
+    """The hostile-RPC battery against a live ``metaps ps`` and ``metaps controller``."""
+    from bench.chaos_inputs import controller_battery, ps_battery
+    from metaps.metrics import free_port
+
+    where = root / "rpc"
+    cfg = write_job(where / "job.toml", job_mapping(data, where, ps=1))
+    state = where / "controller"
+    port = free_port()
+    ctl = subprocess.Popen(_metaps("controller", "--config", str(cfg), "--address", f"127.0.0.1:{port}",
+                                   "--state-dir", str(state)), cwd=REPO, env=_env(),
+                           stdout=(where / "controller.log").open("wb"), stderr=subprocess.STDOUT)
+    ps = None
+    try:
+        ps, addr = _start_ps(cfg, where)
+        deadline = time.monotonic() + 180
+        while not (state / "address").exists():
+            if ctl.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"metaps controller did not start: {(where / 'controller.log').read_text()[-1500:]}")
+            time.sleep(0.1)
+        outside = root / "outside-the-checkpoint-root"
+        outside.mkdir(exist_ok=True)
+        rows = ps_battery(addr, TOKEN, str(outside))
+        rows += controller_battery(f"127.0.0.1:{port}", TOKEN)
+        return rows
+    finally:
+        for p in (ps, ctl):
+            if p is not None:
+                p.terminate()
+        for p in (ps, ctl):
+            if p is not None:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def launch_bad_inputs(data: dict[str, Path], root: Path, resume_source: Path | None) -> list[dict[str, Any]]:
+    """Bad configs / data given to ``metaps launch``: each must be a one-line error, exit 1, nothing started."""
+    where = root / "launch-bad"
+    where.mkdir(parents=True, exist_ok=True)
+    cases: list[tuple[str, dict[str, Any], list[str]]] = []
+    base = job_mapping(data, where)
+
+    unknown = json.loads(json.dumps(base))
+    unknown["ps"]["tables"] = [{"name": "chaos_no_such_table", "dim": 8}]
+    cases.append(("unknown table", unknown, []))
+
+    trunc_dir = where / "truncated-train"
+    if not trunc_dir.exists():
+        shutil.copytree(data["train"], trunc_dir)
+        part = min(trunc_dir.glob("part-*.arrow"))
+        part.write_bytes(part.read_bytes()[: part.stat().st_size // 3])
+        for ids in trunc_dir.glob("part-*.ids.arrow"):
+            ids.unlink()
+    trunc = json.loads(json.dumps(base))
+    trunc["data"]["train"] = str(trunc_dir)
+    cases.append(("truncated dataset", trunc, []))
+
+    missing = json.loads(json.dumps(base))
+    del missing["data"]["train"]
+    cases.append(("missing data.train", missing, []))
+
+    nowhere = json.loads(json.dumps(base))
+    nowhere["data"]["train"] = str(where / "no-such-dataset")
+    cases.append(("data.train does not exist", nowhere, []))
+
+    if resume_source is not None:
+        bad_ckpt = where / "corrupt-resume" / resume_source.name
+        if not bad_ckpt.exists():
+            shutil.copytree(resume_source, bad_ckpt)
+            shard = bad_ckpt / "shard-0.lmdb"
+            size = shard.stat().st_size
+            with shard.open("r+b") as fh:
+                fh.seek(size // 2)
+                fh.write(os.urandom(min(4096, size // 4)))
+        cases.append(("corrupt resume checkpoint", base, ["--resume-from", str(bad_ckpt)]))
+
+    out = []
+    for i, (name, job, extra) in enumerate(cases):
+        cfg = write_raw(where / f"case-{i}.toml", job)
+        run = where / f"run-{i}"
+        try:
+            proc = subprocess.run(_metaps("launch", "--config", str(cfg), "--run-dir", str(run), "--no-progress",
+                                          "--timeout", "90", *extra),
+                                  cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+            rc, text, err = proc.returncode, proc.stdout + proc.stderr, proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, text, err = None, str(exc.stdout or "") + str(exc.stderr or ""), ""
+        kill_marker(str(run))
+        started = (run / "logs" / "controller.log").exists()
+        err_lines = [ln for ln in err.splitlines() if "error" in ln.lower()]
+        clear = rc == 1 and "Traceback" not in text and not started and len(err_lines) >= 1
+        last = err_lines[-1] if err_lines else (text.strip().splitlines() or [""])[-1]
+        out.append({"name": name, "target": "launch", "code": f"exit {rc}", "message": last[:300],
+                    "fleet_started": started, "clear": clear})
+    return out
+
+
+def write_raw(path: Path, job: dict[str, Any]) -> Path:
+    """Write a job mapping as TOML without validating it (bad configs are the point)."""
+    from metaps.toml_writer import write
+
+    return write(path, job)
+
+
+# ============================================================== main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a subset: bad inputs, many workers, 2 fleet faults")
+    ap.add_argument("--keep", default="", help="keep run dirs under this directory (default: a temp dir, removed)")
+    ap.add_argument("--only", default="", help="comma-separated fleet fault names to run (default: all of the mode)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    root = Path(args.keep or tempfile.mkdtemp(prefix="chaos-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        data = make_data(root / "data")
+        specs = dataset_specs(data)
+        bad = rpc_bad_inputs(data, root)
+        for r in bad:
+            say(f"bad input {r['target']}: {r['name']}: {'clear' if r['clear'] else 'NOT CLEAR'} "
+                f"({r['code']}: {r['message'][:120]})")
+        mw = many_workers(data, root, seconds=12.0 if args.quick else 25.0)
+        say("many_workers: " + json.dumps(mw))
+        faults = fleet_faults(args.quick)
+        if args.only:
+            keep = set(args.only.split(","))
+            faults = [f for f in faults if f.name in keep]
+        baseline_rows = None
+        rows: list[dict[str, Any]] = []
+        resume_source = None
+        if not args.quick:
+            b = run_fleet(FleetFault("baseline"), data, root)
+            rb = judge(FleetFault("baseline"), b, specs, None)
+            say("baseline: " + json.dumps(rb))
+            if b["report"] is not None and rb["survived"]:
+                baseline_rows = sum(_ps_rows(b["report"]))
+            ck = _committed(b["run"] / "checkpoints")
+            resume_source = ck[-1] if ck else None
+        for f in faults:
+            res = run_fleet(f, data, root)
+            row = judge(f, res, specs, baseline_rows)
+            rows.append(row)
+            say(f"{f.name}: " + json.dumps(row))
+            if resume_source is None:
+                ck = _committed(res["run"] / "checkpoints")
+                resume_source = ck[0] if ck else None
+        bad += launch_bad_inputs(data, root, resume_source)
+        for r in bad[-5:]:
+            say(f"bad input {r['target']}: {r['name']}: {'clear' if r['clear'] else 'NOT CLEAR'} "
+                f"({r['code']}: {r['message'][:120]})")
+        mw_row = {"fault": "many_workers_one_slow", "survived": mw["survived"], "lost_rows": False,
+                  "false_claim": False, **{k: mw[k] for k in ("slow_steps_tried", "slow_failed", "slow_pushes",
+                                                               "slow_push_failed", "slow_codes", "fast_steps",
+                                                               "fast_errors")}}
+        rows.append(mw_row)
+        figures = {
+            "mode": "quick" if args.quick else "full",
+            "faults_tried": len(rows),
+            "faults_survived": sum(1 for r in rows if r["survived"]),
+            "runs_losing_rows": sum(1 for r in rows if r["lost_rows"]),
+            "false_coverage_claims": sum(1 for r in rows if r["false_claim"]),
+            "bad_inputs_tried": len(bad),
+            "bad_inputs_clear_error": sum(1 for r in bad if r["clear"]),
+            "baseline_rows": baseline_rows,
+            "disk_full_method": next((r.get("method", "") for r in rows if r["fault"] == "disk_full"), "not run"),
+            "slow_worker_steps_tried": mw["slow_steps_tried"],
+            "slow_worker_steps_failed": mw["slow_failed"],
+            "slow_worker_pushes_failed": mw["slow_push_failed"],
+            "wall_s": round(time.monotonic() - t0, 1),
+            "faults": [{k: r[k] for k in ("fault", "survived", "lost_rows", "false_claim") if k in r}
+                       | {k: r[k] for k in ("status", "exit_code", "reason", "why") if r.get(k)} for r in rows],
+            "bad_inputs": [{k: r[k] for k in ("target", "name", "clear", "code")} for r in bad],
+        }
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
