@@ -29,10 +29,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from metaps.errors import ConfigError, MetapsError
 from metaps.log import kv
@@ -70,6 +71,18 @@ def _check(problems: list[str], fn: Callable[[], Any], where: str = "") -> Any:
         msg = str(exc) if not isinstance(exc, KeyError) else f"missing key {exc}"
         problems.append((f"{where}: " if where else "") + msg.strip().replace("\n", " "))
     return None
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Raise logger ``name`` to WARNING for the block (INFO chatter on stderr is not part of a report)."""
+    lg = logging.getLogger(name)
+    old = lg.level
+    lg.setLevel(max(old, logging.WARNING))
+    try:
+        yield
+    finally:
+        lg.setLevel(old)
 
 
 def _dataset(path: str, what: str) -> Any:
@@ -145,10 +158,11 @@ def preflight(job: "JobConfig", resume: str | Path = "", build_model: bool = Tru
         if build_model and len(problems) == n:
             from models.factory import build_model as _build
 
-            _check(problems, lambda: _build(schema, job.model), f"{where}: [model]")
+            with _quiet("models"):  # its "built model" line would precede the launch's one-line report
+                _check(problems, lambda: _build(schema, job.model), f"{where}: [model]")
     if resume:
         _resume(str(resume), job, problems)
     if problems:  # the caller reports it (the CLI: one line on stderr); no log line, so it is said once
         raise PreflightError(problems)
-    log.info("preflight ok", extra=kv(train=job.data.train, eval=job.data.eval or "-", resume=str(resume) or "-",
+    log.debug("preflight ok", extra=kv(train=job.data.train, eval=job.data.eval or "-", resume=str(resume) or "-",
                                       seconds=round(time.perf_counter() - t0, 2)))
