@@ -5,7 +5,7 @@ Examples::
     metaps deliver --run runs/main --out bundles --incremental --keep 5 \\
         --holdout data/holdout.parquet --max-auc-drop 0.005          # one shot (cron)
     metaps deliver --run runs/main --out bundles --every 10m         # periodic loop
-    metaps predict --bundle bundles --data day2.parquet --out scores.parquet
+    metaps predict --bundle bundles --data day2.parquet --out scores.parquet    # labels optional
 
 Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input),
 3 refused by the validation gate (the reasons are printed).
@@ -41,10 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-ticks", type=int, default=None, help=argparse.SUPPRESS)
     d.set_defaults(func=_deliver)
 
-    p = sub.add_parser("predict", help="score a Parquet/CSV file with a published bundle")
+    p = sub.add_parser("predict", help="score a Parquet/CSV file with a published bundle (labels optional)")
     p.add_argument("--bundle", type=Path, required=True, help="a publish root (LATEST) or a bundle directory")
     p.add_argument("--data", type=Path, required=True, help="Parquet/CSV file or folder, read with the bundle's schema")
-    p.add_argument("--out", type=Path, required=True, help="output Parquet file of scores")
+    p.add_argument("--out", type=Path, required=True,
+                   help="output Parquet file of scores (written aside, renamed at the end: a failure leaves none)")
     p.add_argument("--batch-rows", type=int, default=4096, help="rows per prediction batch (default 4096)")
     p.set_defaults(func=_predict)
 
@@ -81,30 +82,10 @@ def _deliver(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from delivery.predict import predict_to_parquet
 
-    from delivery.gate import holdout_batches
-    from delivery.loader import load_bundle
-
-    model = load_bundle(args.bundle)
-    writer = None
-    rows = 0
-    try:
-        for fb in holdout_batches(args.data, model.schema, args.batch_rows):
-            probs = model.predict(fb)
-            cols = {"row": pa.array(np.arange(rows, rows + fb.mask.numel(), dtype=np.int64))}
-            cols.update({f"p_{h}": pa.array(probs[h].reshape(-1).numpy()) for h in model.heads})
-            tab = pa.table(cols)
-            if writer is None:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                writer = pq.ParquetWriter(str(args.out), tab.schema)
-            writer.write_table(tab)
-            rows += tab.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
-        model.close()
-    print(json.dumps({"bundle": model.version, "rows": rows, "out": str(args.out), "unknown_ids": model.unknown_ids}))
+    res = predict_to_parquet(args.bundle, args.data, args.out, args.batch_rows)
+    if res.labels:  # evaluation only when the data has labels; the summary stays the last line
+        print(json.dumps({"eval": {"auc": res.auc, "labels": res.labels}}))
+    print(json.dumps({"bundle": res.bundle, "rows": res.rows, "out": str(res.out), "unknown_ids": res.unknown_ids}))
     return 0

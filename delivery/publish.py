@@ -3,7 +3,8 @@
 Layout of a publish root::
 
     out/
-      .deliver.lock        flock'd by the one delivery running at a time
+      .deliver.lock        {"pid", "host"} of the one delivery running, flock'd; removed when
+                           it ends (success or error); a dead holder's file is taken over
       .v000008.tmp/        a bundle being written (never read; removed if stale)
       v000005/             full
       v000006/             delta, parent v000005
@@ -38,12 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Any, Iterator
 
 from delivery.bundle import DeliveryError, read_manifest
 from metaps.log import kv
@@ -66,6 +69,30 @@ def version_number(name: str) -> int:
     if not m:
         raise DeliveryError(f"{name!r} is not a bundle version name (expected like 'v000007')")
     return int(m.group(1))
+
+
+def _pid_alive(pid: object) -> bool:
+    """Whether a process with this pid exists on this host (True when unsure)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_holder(fh: IO[str]) -> dict[str, Any]:
+    """The ``{"pid", "host"}`` written into a lock file ({} when empty or unreadable)."""
+    try:
+        fh.seek(0)
+        text = fh.read().strip()
+        data = json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {"pid": None, "host": "?"}
+    return data if isinstance(data, dict) else {}
 
 
 def fsync_dir(path: Path) -> None:
@@ -150,17 +177,67 @@ class Publisher:
     # -- writing ---------------------------------------------------------------------
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the root's delivery lock (one delivery at a time); cleans stale staging dirs."""
-        fh = open(self.root / LOCK, "a+")
+        """Hold the root's delivery lock (one delivery at a time); cleans stale staging dirs.
+
+        ``.deliver.lock`` holds the holder's pid and host and is ``flock``'d while
+        held; it is removed when the block ends, on success and on every error.
+        A lock file left by a process that died (its flock is gone with it) is
+        taken over with a warning naming the dead pid.
+
+        Raises:
+            DeliveryError: another live delivery holds the lock.
+        """
+        fh = self._acquire()
         try:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise DeliveryError(f"{self.root}: another delivery holds {self.root / LOCK}") from None
             self.clean_stale()
             yield
         finally:
-            fh.close()
+            try:
+                self._release(fh)
+            finally:
+                fh.close()
+
+    def _acquire(self) -> IO[str]:
+        path = self.root / LOCK
+        for _ in range(5):  # retried only when a finishing holder unlinked the file under us
+            fh = open(path, "a+")
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fh)
+                fh.close()
+                raise DeliveryError(f"{self.root}: another delivery holds {path}"
+                                    + (f" (pid {holder.get('pid')} on {holder.get('host')})" if holder else "")) from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                fh.close()
+                continue
+            prev = _lock_holder(fh)
+            if prev:
+                pid, host = prev.get("pid"), prev.get("host")
+                alive = host == socket.gethostname() and _pid_alive(pid)
+                # the flock was free, so its holder died (or, alive, is another process reusing the pid)
+                log.warning("stale delivery lock cleared: its holder died without removing it",
+                            extra=kv(root=self.root, lock=path.name, pid=pid, host=host,
+                                     pid_alive="yes (pid reused)" if alive else "no"))
+            fh.seek(0)
+            fh.truncate()
+            fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+            fh.flush()
+            return fh
+        raise DeliveryError(f"{self.root}: could not take {path}: it keeps being replaced")
+
+    def _release(self, fh: IO[str]) -> None:
+        """Remove the lock file (still holding its flock, so nobody can take the old inode)."""
+        path = self.root / LOCK
+        try:
+            if os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                path.unlink()
+        except FileNotFoundError:
+            pass
 
     def clean_stale(self) -> list[str]:
         """Remove staging dirs and ``LATEST.tmp`` left by a killed delivery (call under the lock)."""

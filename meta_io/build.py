@@ -31,12 +31,14 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import shutil
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -48,6 +50,8 @@ import pyarrow.ipc as ipc
 
 from meta_io import layout as L
 from meta_io.index import BatchEntry, IndexBuilder
+from meta_io.integrity import MANIFEST_VALUE as CHECKSUMS_MANIFEST
+from meta_io.integrity import file_checksums
 from meta_io.layout import BatchKind, Bucket, Layout, Split
 from meta_io.schema import Schema, load_schema
 from metaps.atomic_write import write_json_atomic
@@ -243,6 +247,10 @@ class _RollingWriter:
         self.files: list[dict[str, Any]] = []
         self._open: list[tuple[pa.NativeFile, ipc.RecordBatchFileWriter]] = []
         self._batch = 0
+        # per open file: index positions of its batches, their byte ranges in the data and ids files
+        self._pos: list[int] = []
+        self._ranges: list[tuple[int, int]] = []
+        self._ids_ranges: list[tuple[int, int]] = []
 
     def write_table(self, table: pa.Table, per: int, entries: list[dict[str, Any]]) -> None:
         """Write ``table`` as ``len(entries)`` record batches of ``per`` rows each."""
@@ -260,9 +268,12 @@ class _RollingWriter:
                 self._open.append((sink, ipc.new_file(sink, schema)))
             self.files.append({"name": name, "batches": 0, "bytes": 0, "ids": L.ids_file_name(name), "ids_bytes": 0})
             self._batch = 0
-        self._open[0][1].write_batch(rb)
-        self._open[1][1].write_batch(ids)
+        for (sink, writer), batch, ranges in ((self._open[0], rb, self._ranges), (self._open[1], ids, self._ids_ranges)):
+            start = sink.tell()
+            writer.write_batch(batch)
+            ranges.append((start, sink.tell() - start))
         cur = self.files[-1]
+        self._pos.append(len(self.index.entries))
         self.index.add(BatchEntry(file=cur["name"], file_no=len(self.files) - 1, batch=self._batch, **entry))
         self._batch += 1
         cur["batches"] = self._batch
@@ -277,7 +288,19 @@ class _RollingWriter:
             cur = self.files[-1]
             cur["bytes"] = (self.folder / cur["name"]).stat().st_size
             cur["ids_bytes"] = (self.folder / cur["ids"]).stat().st_size
+            self._checksum(cur)
         self._open = []
+
+    def _checksum(self, cur: dict[str, Any]) -> None:
+        """Read the closed file back: crc32 per batch into its index rows, frame crc32 into ``cur``."""
+        crcs, cur["frame_crc32"] = file_checksums(self.folder / cur["name"], self._ranges)
+        ids_crcs, cur["ids_frame_crc32"] = file_checksums(self.folder / cur["ids"], self._ids_ranges)
+        entries = self.index.entries
+        for k, pos in enumerate(self._pos):  # per record batch
+            entries[pos] = dataclasses.replace(
+                entries[pos], byte_offset=self._ranges[k][0], byte_length=self._ranges[k][1], crc32=crcs[k],
+                ids_byte_offset=self._ids_ranges[k][0], ids_byte_length=self._ids_ranges[k][1], ids_crc32=ids_crcs[k])
+        self._pos, self._ranges, self._ids_ranges = [], [], []
 
     def close(self) -> list[dict[str, Any]]:
         self._close_file()
@@ -741,10 +764,16 @@ def build(
     existing = dataset_files(out) if out.exists() else []
     if existing and not config.overwrite:
         raise DataError(f"{out}: already holds a Meta-IO dataset ({existing[0].name}); pass --overwrite to replace it")
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / f"{L.STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: exists and is not a directory")
+    # Build beside the output (same file system), never inside it: a failed build
+    # leaves no output folder behind (nor parent folders it had to create).
+    created_root = _first_missing(out.parent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}{L.STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
     spill_dir = staging / "spill"
     spill_dir.mkdir(parents=True)
+    ok = False
     try:
         spill = _pass1(input_path, schema, data_schema, config, key, spill_dir)
         index = IndexBuilder()
@@ -770,11 +799,35 @@ def build(
             raise DataError(f"{input_path}: placed {placed} rows but read {spill.input_rows}")
         manifest = _manifest(config, schema, key, data_schema, input_path, spill, stats, packers, files,
                              left_files, index, time.perf_counter() - t_start, pass2_s)
-        _publish(staging, out, files + left_files, manifest, config.overwrite)
+        manifest.update(_index_checksum(staging / L.INDEX_NAME))
+        shutil.rmtree(spill_dir, ignore_errors=True)
+        if out.exists():  # an empty folder, or a dataset being overwritten
+            _publish(staging, out, files + left_files, manifest, config.overwrite)
+        else:
+            write_json_atomic(staging / L.MANIFEST_NAME, manifest, indent=2)
+            os.rename(staging, out)
+        ok = True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if not ok and created_root is not None:
+            shutil.rmtree(created_root, ignore_errors=True)
     log.info("build done", extra=kv(out=out, **{k: manifest["totals"][k] for k in ("input_rows", "batches", "files")}))
     return BuildResult(out, manifest)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost ancestor-or-self of ``path`` that does not exist (None: it exists)."""
+    missing = None
+    p = path.absolute()
+    while not p.exists():
+        missing, p = p, p.parent
+    return missing
+
+
+def _index_checksum(path: Path) -> dict[str, Any]:
+    """Manifest keys that protect ``index.arrow`` and announce the per-batch checksums."""
+    return {"checksums": CHECKSUMS_MANIFEST, "index_bytes": path.stat().st_size,
+            "index_crc32": zlib.crc32(path.read_bytes()) & 0xFFFFFFFF}
 
 
 def _manifest(

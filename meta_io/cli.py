@@ -4,7 +4,7 @@ Example::
 
     metaps gen-data --out data/ --rows 200000 --users 20000 --items 5000 --seed 1
     metaps meta-io build --input data/ --schema data/schema.json --out metaio/ --support 8 --query 4
-    metaps meta-io inspect metaio/
+    metaps meta-io inspect metaio/ [--verify]
     metaps meta-io split-holdout --input data/ --schema data/schema.json --out split/ --fraction 0.1
 """
 
@@ -51,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     i = msub.add_parser("inspect", help="summarize a built dataset")
     i.add_argument("path", help="dataset folder")
     i.add_argument("--json", action="store_true", help="print the summary as JSON")
+    i.add_argument("--verify", action="store_true",
+                   help="read every byte and check it against the build's checksums (exit 1 on any mismatch)")
     i.set_defaults(func=_inspect)
     h = msub.add_parser("split-holdout", help="split input into train and held-out tasks (users unseen in training)")
     h.add_argument("--input", required=True, help="Parquet/CSV file or folder")
@@ -125,6 +127,6 @@ def _build(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from meta_io.inspect import format_summary, inspect_dataset
 
-    summary = inspect_dataset(args.path)
+    summary = inspect_dataset(args.path, verify=args.verify)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 1 if summary["problems"] else 0

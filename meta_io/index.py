@@ -17,6 +17,10 @@ Layout (an uncompressed Arrow IPC file, one record batch)::
     padded_slots int64  n_slots - n_rows
     ids_offsets list<int64>  table j's unique ids are ids[o[j]:o[j+1]] of the
                       batch's record batch in the ``*.ids.arrow`` sidecar
+    byte_offset, byte_length int64, crc32 int64      the batch's bytes in its file and
+    ids_byte_offset, ids_byte_length, ids_crc32      their CRC-32 (same for the sidecar);
+                      see meta_io.integrity. Absent in datasets built before
+                      checksums (still readable, with a warning).
 
 The controller hands out data shards as ``(file_no, start, stop)`` ranges of
 record batches; the index lets it (and the reader) know each batch's shape
@@ -60,6 +64,9 @@ INDEX_SCHEMA = pa.schema(
         ("ids_offsets", pa.list_(pa.int64())),
     ]
 )
+CHECKSUM_COLUMNS = ("byte_offset", "byte_length", "crc32", "ids_byte_offset", "ids_byte_length", "ids_crc32")
+"""Index columns of the per-batch checksums (optional: older datasets lack them)."""
+INDEX_SCHEMA_WITH_CHECKSUMS = pa.schema(list(INDEX_SCHEMA) + [(n, pa.int64()) for n in CHECKSUM_COLUMNS])
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,12 @@ class BatchEntry:
     n_support_rows: int
     n_query_rows: int
     ids_offsets: tuple[int, ...] = ()
+    byte_offset: int = -1
+    byte_length: int = 0
+    crc32: int = -1
+    ids_byte_offset: int = -1
+    ids_byte_length: int = 0
+    ids_crc32: int = -1
 
     @property
     def padded_slots(self) -> int:
@@ -96,7 +109,7 @@ class IndexBuilder:
         self.entries.append(entry)
 
     def to_table(self) -> pa.Table:
-        cols: dict[str, list[Any]] = {f.name: [] for f in INDEX_SCHEMA}
+        cols: dict[str, list[Any]] = {f.name: [] for f in INDEX_SCHEMA_WITH_CHECKSUMS}
         for e in self.entries:
             for name in cols:
                 if name == "padded_slots":
@@ -107,11 +120,11 @@ class IndexBuilder:
                     cols[name].append(list(e.ids_offsets))
                 else:
                     cols[name].append(getattr(e, name))
-        return pa.table(cols, schema=INDEX_SCHEMA)
+        return pa.table(cols, schema=INDEX_SCHEMA_WITH_CHECKSUMS)
 
     def write(self, path: str | Path) -> None:
         table = self.to_table()
-        with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, INDEX_SCHEMA) as writer:
+        with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
 
 
@@ -127,10 +140,12 @@ class BatchIndex:
         missing = [n for n in INDEX_SCHEMA.names if n not in table.column_names]
         if missing:
             raise DataError(f"{where}: index is missing columns {missing}")
-        self.table = table.select(INDEX_SCHEMA.names)
+        self.has_checksums = all(n in table.column_names for n in CHECKSUM_COLUMNS)
+        names = INDEX_SCHEMA_WITH_CHECKSUMS.names if self.has_checksums else INDEX_SCHEMA.names
+        self.table = table.select(names)
         self.where = where
         self.cols: dict[str, np.ndarray] = {
-            n: self.table.column(n).to_numpy(zero_copy_only=False) for n in INDEX_SCHEMA.names if n != "ids_offsets"
+            n: self.table.column(n).to_numpy(zero_copy_only=False) for n in names if n != "ids_offsets"
         }
         # every batch has len(tables)+1 offsets: a dense [batches, tables+1] matrix
         offs = self.table.column("ids_offsets").combine_chunks()
@@ -190,6 +205,7 @@ class BatchIndex:
             n_support_rows=int(c["n_support_rows"][pos]),
             n_query_rows=int(c["n_query_rows"][pos]),
             ids_offsets=tuple(self.ids_offsets[pos].tolist()),
+            **({n: int(c[n][pos]) for n in CHECKSUM_COLUMNS} if self.has_checksums else {}),
         )
 
     def sum(self, column: str, kind: BatchKind | str | None = None) -> int:

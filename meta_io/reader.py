@@ -6,6 +6,13 @@ batch of it is read. A record batch becomes a :class:`~meta_io.batch.MetaBatch`
 (meta layout) or :class:`~meta_io.batch.PlainBatch` (plain layout, leftover
 files) with no per-row Python.
 
+Integrity (see :mod:`meta_io.integrity`): opening checks ``index.arrow``
+against the manifest's crc32; opening a data file checks its size, footer and
+frame crc32; each record batch (and its unique-ids batch) is checked against
+its index crc32 the first time it is read -- a flipped byte is a DataError
+naming the file and the batch. A dataset without checksums (older builds)
+reads with a warning.
+
 What is zero-copy (tensors are views of the mapped file, measured in
 tests/meta_io/test_reader.py)::
 
@@ -32,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,12 +49,17 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
+from meta_io import integrity
 from meta_io import layout as L
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
-from meta_io.index import BatchIndex
+from meta_io.index import CHECKSUM_COLUMNS, BatchIndex
+from meta_io.integrity import BatchChecker
 from meta_io.layout import BatchKind
 from meta_io.schema import LIST_KINDS, ColumnKind, Schema, schema_from_dict
 from metaps.errors import DataError, SchemaError
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
 
 
 def arrow_to_torch(arr: pa.Array) -> torch.Tensor:
@@ -190,7 +203,8 @@ class _File:
     """A lazily opened, memory-mapped data file (and its unique-ids sidecar)."""
 
     def __init__(self, path: Path, n_batches: int, n_bytes: int, columns: list[str],
-                 ids_path: Path | None, ids_bytes: int, tables: list[str]) -> None:
+                 ids_path: Path | None, ids_bytes: int, tables: list[str],
+                 checker: BatchChecker | None = None, ids_checker: BatchChecker | None = None) -> None:
         self.path = path
         self.n_batches = n_batches
         self.n_bytes = n_bytes
@@ -198,6 +212,8 @@ class _File:
         self.ids_path = ids_path
         self.ids_bytes = ids_bytes
         self.tables = tables
+        self.checker = checker
+        self.ids_checker = ids_checker
         self.reader: ipc.RecordBatchFileReader | None = None
         self.ids_reader: ipc.RecordBatchFileReader | None = None
 
@@ -219,19 +235,35 @@ class _File:
         return reader
 
     def open(self) -> ipc.RecordBatchFileReader:
+        """Map the file (and sidecar): sizes, footers, columns and, with checksums, the frames."""
         if self.reader is None:
             reader = self._open_ipc(self.path, self.n_bytes, self.n_batches, self.columns, "data file")
+            if self.checker is not None:
+                self.checker.check_frame()
             if self.ids_path is not None:
                 self.ids_reader = self._open_ipc(self.ids_path, self.ids_bytes, self.n_batches, ["ids"],
                                                  "unique-ids file")
+                if self.ids_checker is not None:
+                    self.ids_checker.check_frame()
             self.reader = reader
         return self.reader
 
     def batch(self, i: int) -> pa.RecordBatch:
+        """Record batch ``i``; its checksum is checked the first time it is read."""
+        reader = self.open()
+        if self.checker is not None:
+            self.checker.check(i)
         try:
-            return self.open().get_batch(i)
+            return reader.get_batch(i)
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{self.path}: corrupt record batch {i}: {exc}") from None
+
+    def verify(self) -> None:
+        """Every byte of the file and its sidecar against the checksums (``inspect --verify``)."""
+        self.open()
+        for c in (self.checker, self.ids_checker):
+            if c is not None:
+                c.check_all()
 
     def unique_ids(self, i: int, offsets: list[int]) -> dict[str, torch.Tensor] | None:
         """table -> sorted unique ids of batch ``i`` from the sidecar (None without one).
@@ -241,6 +273,8 @@ class _File:
         self.open()
         if self.ids_reader is None:
             return None
+        if self.ids_checker is not None:
+            self.ids_checker.check(i)
         try:
             col = self.ids_reader.get_batch(i).column(0)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -297,15 +331,32 @@ class MetaIODataset:
             files, left = manifest["files"], manifest.get("leftover_files", [])
         except (KeyError, ValueError, SchemaError) as exc:
             raise DataError(f"{mpath}: malformed manifest: {exc}") from None
+        self.has_checksums = integrity.MANIFEST_KEY in manifest
+        if self.has_checksums:
+            try:
+                integrity.check_whole_file(self.path / L.INDEX_NAME, int(manifest["index_crc32"]),
+                                           int(manifest["index_bytes"]), "index file")
+            except (KeyError, TypeError, ValueError) as exc:
+                raise DataError(f"{mpath}: malformed manifest: checksums without index_crc32/index_bytes "
+                                f"({exc})") from None
+        else:
+            log.warning("Meta-IO dataset has no checksums (built by an older metaps): corruption inside its "
+                        "files is not detected; rebuild it to add checksums", extra=kv(dataset=str(self.path)))
         self.index = BatchIndex.read(self.path / L.INDEX_NAME)
+        if self.has_checksums and not self.index.has_checksums:
+            raise DataError(f"{self.path / L.INDEX_NAME}: the manifest declares checksums but the index lacks "
+                            f"columns {list(CHECKSUM_COLUMNS)}")
         main_kind = BatchKind.META if self.layout == L.Layout.META.value else BatchKind.PLAIN
         main_cols = [n for n, _ in (L.META_COLUMNS if main_kind == BatchKind.META else L.PLAIN_COLUMNS)]
         plain_cols = [n for n, _ in L.PLAIN_COLUMNS]
-        self._files = [self._file(f, columns + main_cols) for f in files]
-        self._leftover = [self._file(f, columns + plain_cols) for f in left]
         # per file: index positions of its batches, in batch order
-        self._rows = [self.index.rows_of(main_kind, i) for i in range(len(self._files))]
-        self._left_rows = [self.index.rows_of(BatchKind.LEFTOVER, i) for i in range(len(self._leftover))]
+        self._rows = [self.index.rows_of(main_kind, i) for i in range(len(files))]
+        self._left_rows = [self.index.rows_of(BatchKind.LEFTOVER, i) for i in range(len(left))]
+        try:
+            self._files = [self._file(f, columns + main_cols, r) for f, r in zip(files, self._rows)]
+            self._leftover = [self._file(f, columns + plain_cols, r) for f, r in zip(left, self._left_rows)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"{mpath}: malformed manifest file entry: {exc}") from None
         for f, rows in zip(self._files + self._leftover, self._rows + self._left_rows):
             if rows.size != f.n_batches:
                 raise DataError(
@@ -315,11 +366,20 @@ class MetaIODataset:
         self.converter = BatchConverter(self.schema)
         self._lock = threading.Lock()
 
-    def _file(self, entry: dict[str, Any], columns: list[str]) -> _File:
+    def _file(self, entry: dict[str, Any], columns: list[str], rows: np.ndarray) -> _File:
         ids = entry.get("ids")
-        return _File(self.path / entry["name"], int(entry["batches"]), int(entry.get("bytes") or 0), columns,
+        path = self.path / entry["name"]
+        checker = ids_checker = None
+        if self.has_checksums:
+            c = self.index.cols
+            checker = BatchChecker(path, c["byte_offset"][rows], c["byte_length"][rows], c["crc32"][rows],
+                                   int(entry["frame_crc32"]))
+            if ids:
+                ids_checker = BatchChecker(self.path / ids, c["ids_byte_offset"][rows], c["ids_byte_length"][rows],
+                                           c["ids_crc32"][rows], int(entry["ids_frame_crc32"]))
+        return _File(path, int(entry["batches"]), int(entry.get("bytes") or 0), columns,
                      self.path / ids if ids else None, int(entry.get("ids_bytes") or 0),
-                     list(L.id_tables(self.schema)))
+                     list(L.id_tables(self.schema)), checker, ids_checker)
 
     # -- shape --------------------------------------------------------------------------
     @property
@@ -387,10 +447,32 @@ class MetaIODataset:
                 yield self.converter.plain(rb, unique)
 
     def check_files(self) -> None:
-        """Open every data and leftover file (footer only): present, complete, as indexed."""
+        """Open every data and leftover file (footer only): present, complete, as indexed.
+
+        With checksums, each file's frame (footer, magic) is checked too; the
+        record batches are not read (see :meth:`verify`).
+        """
         with self._lock:
             for f in self._files + self._leftover:
                 f.open()
+
+    def verify(self) -> list[str]:
+        """Check every byte of every data, leftover and sidecar file against the checksums.
+
+        Returns:
+            one problem per bad file (naming it and the record batch); empty when
+            all is well. A dataset without checksums yields one problem saying so.
+        """
+        if not self.has_checksums:
+            return [f"{self.path}: no checksums to verify (built by an older metaps); rebuild the dataset"]
+        problems = []
+        for f in self._files + self._leftover:
+            try:
+                with self._lock:
+                    f.verify()
+            except DataError as exc:
+                problems.append(str(exc))
+        return problems
 
     def record_batch(self, file: int, batch: int) -> pa.RecordBatch:
         """The raw Arrow record batch (for tools and tests)."""

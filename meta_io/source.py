@@ -687,7 +687,9 @@ def _raw_csv(path: Path, names: list[str], batch_rows: int) -> Iterator[tuple[in
         reader.close()
 
 
-def iter_source(path: str | Path, schema: Schema, batch_rows: int = 65_536) -> Iterator[SourceBatch]:
+def iter_source(
+    path: str | Path, schema: Schema, batch_rows: int = 65_536, validate_schema: bool = True
+) -> Iterator[SourceBatch]:
     """Stream normalized batches of a Parquet/CSV file or a folder of them.
 
     Every file's columns are checked before the first batch is yielded, so a
@@ -698,6 +700,9 @@ def iter_source(path: str | Path, schema: Schema, batch_rows: int = 65_536) -> I
             (read in name order; other files are ignored).
         schema: the columns to read; undeclared columns are ignored.
         batch_rows: at most this many rows per batch (a batch never spans files).
+        validate_schema: check ``schema`` as a training schema first (labels
+            required); ``metaps predict`` reads a features-only view of a
+            validated schema and passes False.
 
     Yields:
         :class:`SourceBatch` tables typed as :func:`normalized_arrow_schema`.
@@ -715,10 +720,11 @@ def iter_source(path: str | Path, schema: Schema, batch_rows: int = 65_536) -> I
     """
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
-    try:
-        schema.validate()
-    except ValueError as exc:
-        raise SchemaError(f"invalid schema: {exc}") from None
+    if validate_schema:
+        try:
+            schema.validate()
+        except ValueError as exc:
+            raise SchemaError(f"invalid schema: {exc}") from None
     files = check_source(path, schema)
     out_schema = normalized_arrow_schema(schema)
     names = [c.name for c in schema.columns]

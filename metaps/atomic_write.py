@@ -15,11 +15,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -66,3 +67,25 @@ def write_json_atomic(path: str | Path, obj: Any, indent: int | None = 1, fsync:
     """``obj`` as JSON (numpy and dataclasses encoded) via :func:`write_text_atomic`."""
     text = json.dumps(obj, indent=indent, default=json_default, sort_keys=sort_keys) + "\n"
     return write_text_atomic(path, text, fsync=fsync, mode=mode)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it over ``path`` only if the block succeeds.
+
+    For files written by a library that wants a path (Parquet writers, ...): on
+    any exception the temporary file is removed and ``path`` is left as it was
+    (absent, or its previous content).
+
+    Example::
+
+        with atomic_output("scores.parquet") as tmp:
+            write_parquet(tmp)          # a failure here leaves no scores.parquet
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -303,6 +303,9 @@ class Launcher:
         raw = read_toml(lc.config)
         self.run_dir, self.auto_named = _new_run_dir(lc, base)
         self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
+        from metaps.preflight import preflight
+
+        preflight(base, resume=self.resume)  # deterministic errors: one line, before anything is created or started
         token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers

@@ -71,6 +71,9 @@ def _run_local(args: argparse.Namespace) -> int:
     from workers.local import train_local
 
     job = _load(args, max_steps=args.max_steps)
+    from metaps.preflight import preflight
+
+    preflight(job)
     rep, _ = train_local(job, Path(args.run_dir or job.run.dir))
     summary = {k: rep[k] for k in ("steps", "samples", "samples_per_s", "checkpoint")}
     summary["eval"] = rep["eval"]

@@ -267,14 +267,20 @@ def test_config_write_round_trips_and_validates(data: dict[str, Path], tmp_path:
 
 # ---------------------------------------------------------------- failures
 def _corrupt_copy(src: Path, dst: Path) -> Path:
-    """A copy of a Meta-IO dataset whose index and manifest are intact but whose data file is cut short."""
+    """A copy of a Meta-IO dataset with bytes inside a record batch flipped (same size, footer intact).
+
+    The launch preflight checks sizes, footers and frames only (it reads no batch),
+    so the fleet starts; the worker's reader finds the checksum mismatch when it
+    reads that batch and exits.
+    """
     import shutil
 
     shutil.copytree(src, dst)
     part = min(dst.glob("part-*.arrow"))
-    part.write_bytes(part.read_bytes()[: part.stat().st_size // 3])
-    for ids in dst.glob("part-*.ids.arrow"):
-        ids.unlink()
+    data = bytearray(part.read_bytes())
+    mid = len(data) // 3
+    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
+    part.write_bytes(bytes(data))
     return dst
 
 
@@ -304,8 +310,12 @@ def test_worker_failing_beyond_its_restart_limit_fails_the_run(data: dict[str, P
     assert rep["checkpoint"] and latest_checkpoint(run / "checkpoints") == Path(rep["checkpoint"])
 
 
-def test_controller_failing_to_start_fails_fast_with_its_log(data: dict[str, Path], tmp_path: Path) -> None:
-    """The eval dataset is missing: the controller exits at start; the launcher says why and starts nothing else."""
+def test_missing_eval_dataset_fails_before_any_process_starts(data: dict[str, Path], tmp_path: Path) -> None:
+    """The eval dataset is missing: the launch preflight says so in one line; nothing starts, no run dir.
+
+    (This used to be found by the controller at its start, after the launcher had
+    created the run directory; see tests/metaps/test_preflight.py for the other cases.)
+    """
     cfg = write_job_file(tmp_path / "job.toml", {"train": data["train"], "eval": tmp_path / "no-such-eval"})
     run = tmp_path / "run"
     try:
@@ -316,7 +326,7 @@ def test_controller_failing_to_start_fails_fast_with_its_log(data: dict[str, Pat
         kill_leftovers(str(run))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert left == []
-    rep = json.loads((run / "report.json").read_text())
-    assert rep["status"] == "failed"
-    assert rep["reason"].startswith("controller exited with code") and "no-such-eval" in rep["reason"]
-    assert set(rep["processes"]) == {"controller"}
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith("metaps launch: error: preflight: data.eval = "), proc.stderr
+    assert "no-such-eval: no such directory" in errors[0]
+    assert not run.exists()
