@@ -133,6 +133,7 @@ class DdLoop:
         self.plans = BatchPlans(worker.rank, worker.world, global_batch)
         self.records: list[DdStepRecord] = []
         self._leases_done = False
+        self._idle = False
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
         from controller.dds import GetStatus
@@ -161,6 +162,7 @@ class DdLoop:
                 t0 = time.perf_counter()
                 take = slicer.take(size)
                 read_s = time.perf_counter() - t0
+                self._clock(take.units > 0)
                 samples = _samples_of(take.batch)[0] if take.batch is not None else 0
                 idle_done = take.units == 0 and slicer.exhausted
                 head = torch.zeros(_HEAD + world, dtype=torch.float64)
@@ -205,6 +207,16 @@ class DdLoop:
                     break
         finally:
             slicer.close()
+            self._clock(False)
+
+    def _clock(self, training: bool) -> None:
+        """Leave the PS staleness clock while this worker has no units (others train on without
+        it: the DDS holds the next epoch until this one is done), join it again when it has."""
+        if training and self._idle:
+            self.w.rows.join_clock(self.trainer.step_no)
+        elif not training and not self._idle:
+            self.w.rows.leave_clock()
+        self._idle = not training
 
     def _commands(self) -> None:
         self.w._handle_commands()
