@@ -72,7 +72,8 @@ def run_controller(args: argparse.Namespace) -> int:
     from controller.ps_mover import MigrationPsMover
 
     server = ControllerServer(job.controller, _state_dir(job, args.state_dir), job_datasets(job), job.rpc)
-    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc)  # PS register their addresses
+    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc,  # PS register their addresses
+                                       keep=job.controller.nd.keep)
     server.start(args.address or None)
     if args.metrics_port >= 0:
         from prometheus_client import REGISTRY
