@@ -114,6 +114,8 @@ class DdStepRecord:
     size_sum: int
     units_sum: int
     spans: list[list[int]]
+    t: float
+    """Wall-clock time at the end of the step (for throughput over a window of steps)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -193,7 +195,7 @@ class DdLoop:
                     self.w.shards_done += 1
                     shard_t0, shard_samples = time.perf_counter(), 0
                 rec = DdStepRecord(stats.step, plan_now, size, take.units, samples, size_sum, units_sum,
-                                   [s.to_list() for s in take.spans])
+                                   [s.to_list() for s in take.spans], time.time())
                 self.records.append(rec)
                 if stats.step % self.w.job.train.log_every == 0 or stats.step == 1:
                     log.info("dd step", extra=kv(rank=rank, step=stats.step, plan=plan_now, size=size,

@@ -177,6 +177,7 @@ class Worker:
             self._hb = _Heartbeat(self.ctl, max(0.2, reg.heartbeat_s), self)
             self._hb.start()
         t_start = time.perf_counter()
+        self.train_start = time.time()
         if self._dd_mode():
             from workers.dd import DdLoop
 
@@ -197,6 +198,7 @@ class Worker:
                 if self._draining or self.trainer._at_limit():
                     break
         self.wall_s = time.perf_counter() - t_start
+        self.train_end = time.time()
         log.info(
             "training done",
             extra=kv(rank=self.rank, steps=self.trainer.step_no, samples=self.samples, shards=self.shards_done,
@@ -358,6 +360,8 @@ class Worker:
             "samples": self.samples,
             "shards": self.shards_done,
             "wall_s": getattr(self, "wall_s", 0.0),
+            "train_start": getattr(self, "train_start", 0.0),
+            "train_end": getattr(self, "train_end", 0.0),
             "busy_s": self.busy_s,
             "samples_per_s": self.samples / max(getattr(self, "wall_s", 0.0), 1e-9),
             "history": self.history,
