@@ -16,8 +16,8 @@ child's RSS and CPU (from ``/proc``) and its restart count, and carries out the
 commands in the reply: ``restart``, ``drain`` (stop the child, do not restart,
 exit 0) and ``stop``. Batch sizes (DD) and checkpoint commands are not the
 agent's business: the child learns them from its own heartbeat replies
-(``HeartbeatReply.batch_size`` / ``commands``), since only the child can apply
-them between steps.
+(``commands``), since only the child can apply them between steps; all-reduce
+workers switch batch sizes at a step they agree on (workers/dd.py).
 
 The child gets ``METAPS_CONTROLLER`` (address) and ``METAPS_NODE``
 (``role:index``) in its environment.

@@ -88,7 +88,8 @@ def run_controller(args: argparse.Namespace) -> int:
     state_dir = _state_dir(job, args.state_dir)
     server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc)
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
-    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc)  # PS register their addresses
+    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc,  # PS register their addresses
+                                       keep=job.controller.nd.keep)
     server.start(address)
     log.info("controller serving", extra=kv(address=server.address, checkpoint_root=server.checkpoint_root))
     if args.metrics_port >= 0:

@@ -119,11 +119,16 @@ class NdConfig:
             is told to restart it; 0 disables restarts.
         move_vshards: vshards moved away from a slow PS per action; 0 disables moves.
         cooldown_windows: windows between two actions on the same node.
+        keep: vshards a slow PS always keeps when vshards move away from it. 1 (default):
+            it keeps a little traffic, so its latency stays measured and it can be seen to
+            recover; 0: a persistently slow PS can be drained completely (best when its
+            slowness is per request rather than per row, but then nothing measures it).
     """
 
     restart_after: int = 3
     move_vshards: int = 8
     cooldown_windows: int = 6
+    keep: int = 1
 
     def validate(self) -> None:
         if self.restart_after < 0:
@@ -132,6 +137,8 @@ class NdConfig:
             raise ValueError(f"nd.move_vshards must be >= 0, got {self.move_vshards}")
         if self.cooldown_windows < 0:
             raise ValueError(f"nd.cooldown_windows must be >= 0, got {self.cooldown_windows}")
+        if self.keep < 0:
+            raise ValueError(f"nd.keep must be >= 0, got {self.keep}")
 
 
 @dataclass(frozen=True)

@@ -277,10 +277,20 @@ class ControllerServer:
                 self.registry.enqueue(a.role, a.index, "restart", target="agent", reason="persistently slow")
             elif isinstance(a, SetBatchSizes):
                 evidence["sizes"] = {str(k): v for k, v in a.sizes.items()}
-                self.registry.set_batch_sizes(a.sizes)
-                for w, size in a.sizes.items():
-                    if self.registry.known("worker", w):
-                        self.registry.enqueue("worker", w, "set_batch_size", target="process", batch_size=size)
+                live = sorted(i.index for i in self.registry.alive() if i.role == "worker")
+                if sorted(a.sizes) != live:
+                    # workers switch only to a plan every one of them holds (workers/dd.py): a plan
+                    # that leaves out a live worker, or names a dead one, could never be adopted
+                    action = f"set_batch_sizes skipped: sizes for workers {sorted(a.sizes)}, live workers {live}"
+                else:
+                    # One stamp for the whole plan, carried in Command.cut_id: workers adopt a plan
+                    # at the first step every worker holds it, so the sizes always sum to the global batch.
+                    plan = self._next_plan()
+                    evidence["plan"] = plan
+                    self.registry.set_batch_sizes(a.sizes)
+                    for w, size in a.sizes.items():
+                        self.registry.enqueue("worker", w, "set_batch_size", target="process", batch_size=size,
+                                              cut_id=plan)
             elif isinstance(a, MoveVshards):
                 evidence.update(src=a.src, dst=a.dst, n=a.n)
                 if self.ps_mover is None:
@@ -290,6 +300,11 @@ class ControllerServer:
                     self._movers = [m for m in self._movers if m.is_alive()] + [t]
                     t.start()
             self.events.record(Event(self.clock(), a.node, a.kind.value, evidence, action))
+
+    def _next_plan(self) -> int:
+        """A batch-size plan stamp: increasing, also across controller restarts (milliseconds)."""
+        self._plan = max(getattr(self, "_plan", 0) + 1, int(self.clock() * 1000))
+        return self._plan
 
     def _move(self, a: MoveVshards) -> None:
         t0 = time.monotonic()

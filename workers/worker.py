@@ -128,6 +128,8 @@ class Worker:
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
         self._draining = False
+        self._dd: Any = None
+        """All-reduce + DD policy: the workers.dd.DdLoop that applies the controller's batch sizes."""
 
     def _init_allreduce(self) -> None:
         if self.job.train.dense_sync != DenseSync.ALLREDUCE or self.world == 1:
@@ -175,7 +177,13 @@ class Worker:
             self._hb = _Heartbeat(self.ctl, max(0.2, reg.heartbeat_s), self)
             self._hb.start()
         t_start = time.perf_counter()
-        if self.job.train.dense_sync == DenseSync.ALLREDUCE and self.world > 1:
+        self.train_start = time.time()
+        if self._dd_mode():
+            from workers.dd import DdLoop
+
+            self._dd = DdLoop(self, self.job.controller.dd.global_batch)
+            self._dd.run()
+        elif self.job.train.dense_sync == DenseSync.ALLREDUCE and self.world > 1:
             self._train_allreduce()
         else:
             for rng, lease in self._ranges():
@@ -190,11 +198,19 @@ class Worker:
                 if self._draining or self.trainer._at_limit():
                     break
         self.wall_s = time.perf_counter() - t_start
+        self.train_end = time.time()
         log.info(
             "training done",
             extra=kv(rank=self.rank, steps=self.trainer.step_no, samples=self.samples, shards=self.shards_done,
                      wall_s=round(self.wall_s, 2)),
         )
+
+    def _dd_mode(self) -> bool:
+        """All-reduce workers under a controller running the DD policy: per-worker batch sizes."""
+        from controller.config import PolicyKind
+
+        return (self.job.train.dense_sync == DenseSync.ALLREDUCE and self.world > 1 and self.ctl is not None
+                and self.job.controller.policy == PolicyKind.DD)
 
     def _train_allreduce(self) -> None:
         """Every step is a collective: idle workers join with zero gradients."""
@@ -265,6 +281,8 @@ class Worker:
         if cuts and self.rank == 0:
             self._checkpoint_cuts(cuts)
         for cmd in cmds:
+            if cmd.kind == "set_batch_size" and self._dd is not None:
+                self._dd.plans.receive(cmd.cut_id, cmd.batch_size)  # cut_id carries the plan stamp
             if cmd.kind == "drain":
                 log.info("draining on controller command", extra=kv(rank=self.rank, reason=cmd.reason))
                 self._draining = True
@@ -342,6 +360,8 @@ class Worker:
             "samples": self.samples,
             "shards": self.shards_done,
             "wall_s": getattr(self, "wall_s", 0.0),
+            "train_start": getattr(self, "train_start", 0.0),
+            "train_end": getattr(self, "train_end", 0.0),
             "busy_s": self.busy_s,
             "samples_per_s": self.samples / max(getattr(self, "wall_s", 0.0), 1e-9),
             "history": self.history,
@@ -349,6 +369,8 @@ class Worker:
             "checkpoint": str(checkpoint) if checkpoint else "",
             "dense_sha256": dense_digest(self.model),
         }
+        if self._dd is not None:
+            rep["dd_steps"] = [r.to_dict() for r in self._dd.records]
         path = self.run_dir / "workers" / f"worker-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, rep)
