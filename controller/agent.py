@@ -19,8 +19,11 @@ agent's business: the child learns them from its own heartbeat replies
 (``commands``), since only the child can apply them between steps; all-reduce
 workers switch batch sizes at a step they agree on (workers/dd.py).
 
-The child gets ``METAPS_CONTROLLER`` (address) and ``METAPS_NODE``
-(``role:index``) in its environment.
+The child gets ``METAPS_CONTROLLER`` (address), ``METAPS_NODE``
+(``role:index``) and ``METAPS_RESTARTS`` (how many times this agent restarted
+it: 0 for the first start) in its environment. A PS child started with
+``METAPS_RESTARTS`` > 0 awaits the controller's fleet recovery before serving
+data or checkpoints (``ps/cli.py``).
 
 Example::
 
@@ -114,7 +117,7 @@ class Agent:
         self._stop.set()
 
     def _start_child(self) -> None:
-        self.child = subprocess.Popen(self.child_cmd, env=self.env)
+        self.child = subprocess.Popen(self.child_cmd, env={**self.env, "METAPS_RESTARTS": str(self.restarts)})
         self._cpu_prev = None
         log.info("child started", extra=kv(node=self.node, pid=self.child.pid, restarts=self.restarts))
 

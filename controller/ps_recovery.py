@@ -25,9 +25,23 @@ then, off the RPC thread (:class:`PsRecovery`)::
 Workers keep going: their pushes wait out the pause (or retry UNAVAILABLE while
 the shard restarts), a shard they were training comes back as TODO and their
 late report is ledgered ``stale`` (duplicate samples, counted), and they pull
-the restored rows on their next step. With no committed cut at all there is
-nothing consistent to go back to: the event says so and nothing is rolled back
-(set ``checkpoint_interval_s`` for recoverable jobs).
+the restored rows on their next step.
+
+**No committed cut: the run fails.** A shard restarted before any cut was
+committed has lost its rows, while the other shards keep theirs and the DDS keeps
+the shards whose updates are gone: carrying on would end "succeeded" with a
+silent loss. There is nothing consistent to restore, so the recovery fails
+(below) with the reason ``no committed checkpoint cut ...`` (pending cuts are
+aborted first). Restoring the whole fleet to its initial state was the other
+option; it would need every shard emptied, dense parameters re-initialised from
+the workers' seeded model and the whole DDS replayed, for a job that can simply
+be relaunched. Set ``[controller] checkpoint_interval_s`` for recoverable jobs.
+
+The restarted shard itself serves no data and refuses checkpoints until the
+Restore here reaches it (``metaps ps --awaiting-recovery``, set by its agent), so
+a cut committed between its restart and this recovery cannot capture its empty
+rows; that cut fails (nothing committed) and the next one after the recovery
+succeeds.
 
 A recovery that fails -- every committed cut refused, a shard unreachable, any
 other error -- fails the run: events ``ps_recovery_failed`` (``fatal``) and
@@ -64,6 +78,10 @@ RUN_FAILED = "run_failed"
 
 class RecoveryError(MetapsError):
     """The fleet could not be restored (a shard unreachable or refusing); the message names it."""
+
+
+class NoCommittedCut(RecoveryError):
+    """A PS restarted before any checkpoint cut was committed: nothing consistent to restore; the run fails."""
 
 
 class CheckpointRefused(RecoveryError):
@@ -235,13 +253,11 @@ class PsRecovery:
             committed.sort(key=lambda c: int(c["cut_id"]), reverse=True)  # newest first
             aborted = self.s.checkpoints.abort_pending("ps restart: fleet restored to an earlier cut")
             if not committed:
-                self.s.record_event(node, "ps_recovery",
-                                    {"incarnations": nodes, "cut_id": None, "aborted_cuts": aborted,
-                                     "error": "no committed checkpoint cut: nothing consistent to roll back to"},
-                                    "none: the restarted shard's rows start from their initializers")
-                log.error("ps restarted with no committed checkpoint; its rows are lost",
-                          extra=kv(nodes=node))
-                return {}
+                log.error("ps restarted with no committed checkpoint; the run fails", extra=kv(nodes=node))
+                raise NoCommittedCut(
+                    f"no committed checkpoint cut to restore ({len(aborted)} pending cut(s) aborted): the restarted "
+                    f"shard's rows are lost while the other shards and the data ledger kept theirs; relaunch the job "
+                    f"(set [controller] checkpoint_interval_s to make PS restarts recoverable)")
             by_dir = {str(c["dir"]): c for c in reversed(committed)}  # a dir committed twice: its newest cut
 
             def rollback(ckpt_dir: str) -> list[str]:

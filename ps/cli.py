@@ -19,6 +19,16 @@ mean request latency and queue depth (:mod:`ps.controller_link`); the
 controller moves vshards off it when it is slow and restores the fleet to the
 last committed checkpoint when it restarts after a crash.
 
+**Awaiting recovery.** A shard process that replaces a crashed one holds none of
+the fleet's rows. With ``--awaiting-recovery`` (default: on when
+``$METAPS_RESTARTS`` > 0, which ``metaps agent`` sets when it restarts its child)
+it serves no data and refuses Checkpoint until the controller's fleet recovery
+restores it (``ps/server.py``), so no checkpoint cut captures its empty shard.
+The controller link also sets it when the controller has seen an earlier process
+of this shard (a restart not made by an agent; no Restore arrived yet), and
+clears it when the controller has seen none (the crashed process never served).
+It needs ``--controller``: only the controller's recovery clears it.
+
 Security: without a token (``[rpc] token``/``token_file``, ``--token-file``,
 ``$METAPS_TOKEN``) the shard warns and serves loopback only; a non-loopback
 ``[ps] host`` is refused (exit 1) unless ``--insecure``. Checkpoint/Restore
@@ -56,8 +66,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = free port)")
     p.add_argument("--ready-file", default="", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    p.add_argument("--awaiting-recovery", action="store_true", default=_restarted_by_agent(),
+                   help="this process replaces a crashed one: refuse data RPCs and checkpoints until the "
+                        "controller restores the fleet (default: on when $METAPS_RESTARTS > 0)")
     add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_ps)
+
+
+def _restarted_by_agent() -> bool:
+    """True when ``metaps agent`` started this process as a restart (``$METAPS_RESTARTS`` > 0)."""
+    try:
+        return int(os.environ.get("METAPS_RESTARTS", "0") or 0) > 0
+    except ValueError:
+        return False
 
 
 def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
@@ -95,6 +116,13 @@ def run_ps(args: argparse.Namespace) -> int:
         added_latency_s=_latency_hook(job, args.shard),
     )
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, job.run.dir))
+    if args.awaiting_recovery:
+        if not args.controller:
+            from metaps.errors import ConfigError
+
+            raise ConfigError("metaps ps --awaiting-recovery needs --controller (or $METAPS_CONTROLLER): "
+                              "only the controller's fleet recovery ends the wait")
+        server.mark_awaiting_recovery("restarted by its agent ($METAPS_RESTARTS / --awaiting-recovery)")
     if args.restore and args.restore_latest:
         from metaps.errors import ConfigError
 
@@ -131,7 +159,13 @@ def run_ps(args: argparse.Namespace) -> int:
         host = ps_cfg.host if ps_cfg.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1"
         link = ControllerLink(server, args.controller, job.rpc, f"{host}:{port}", metrics_port,
                               report_s=max(0.05, job.controller.monitor.window_s / 2))
-        link.register()
+        incarnation = link.register()
+        if incarnation > 1 and server.restores == 0:
+            # the controller saw an earlier process of this shard: it recovers the fleet
+            server.mark_awaiting_recovery(f"controller incarnation {incarnation}")
+        elif incarnation == 1 and server.awaiting_recovery:
+            # no earlier process of this shard ever registered, so none served: nothing to recover
+            server.mark_recovered("first registration with the controller")
         link.start()
     if args.ready_file:
         # atomic: the launcher polls for it and must never read half a file

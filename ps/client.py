@@ -28,6 +28,12 @@ travels once per step. Failures are handled per shard sub-request:
   ask again, until the bound is met or the wait time is spent (the client's
   ``wait_timeout_s`` capped by the shard's ``metaps-wait-timeout``), then
   :class:`PsStalenessTimeout` (``DEADLINE_EXCEEDED``) with the shard's message;
+* ``UNAVAILABLE`` + ``awaiting_recovery`` (a restarted shard the controller has not
+  restored yet): retried like any UNAVAILABLE;
+* ``FAILED_PRECONDITION`` + ``clock_expired`` (this worker's step clock lease ran out
+  on that shard: it was silent longer than ``[ps] clock_lease_s``): re-register on
+  that shard (``RegisterWorker``; it rejoins at no less than the slowest clock there),
+  log it, count it in :attr:`PsClient.rejoins` and resend (nothing was applied);
 * anything else (bad input): :class:`PsRequestError` with the server's message.
 
 Rows per request are planned from each table's dim against the message limit
@@ -62,7 +68,9 @@ from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from ps import wire
 from ps.partition_map import PartitionMap, dense_owner
-from ps.server import ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, STALE_WAIT, WAIT_TIMEOUT_KEY, WRONG_OWNER
+from ps.server import (
+    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, STALE_WAIT, WAIT_TIMEOUT_KEY, WRONG_OWNER,
+)
 from protos import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,8 @@ def _rpc_kind(err: grpc.RpcError) -> str:
         md = dict(err.trailing_metadata() or ())
         if md.get(ERROR_KEY) == WRONG_OWNER:
             return "wrong_owner"
+        if md.get(ERROR_KEY) == CLOCK_EXPIRED:
+            return "clock_expired"
     if code == grpc.StatusCode.ABORTED:
         reason = dict(err.trailing_metadata() or ()).get(ERROR_KEY)
         if reason == STALE_WAIT:
@@ -186,8 +196,15 @@ class PsClient:
         wait_timeout_s: longest this worker waits for slower workers (staleness bound, barriers)
             before :class:`PsStalenessTimeout`; None: the shard's cap (``[ps] wait_timeout_s``).
         wait_backoff_s / max_wait_backoff_s: first and largest pause between asks while waiting.
-        register: register ``worker_id`` with every shard (its clock starts at ``start_step``).
+        register: register ``worker_id`` with every shard (its clock starts at ``start_step``,
+            or where the shards say: :attr:`registered_clock`).
         start_step: the worker's clock when it registers (steps already completed).
+
+    Attributes:
+        registered_clock: the clock the shards answered at the last registration
+            (:meth:`join_clock`): a restarted worker's old clock, or at least the
+            slowest clock present; the worker numbers its steps from it.
+        rejoins: how often a shard told this worker its clock lease had expired.
     """
 
     def __init__(
@@ -229,6 +246,8 @@ class PsClient:
         self._map_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ps-client")
         self._down: set[int] = set()
+        self.registered_clock = 0
+        self.rejoins = 0
         self._pmap: PartitionMap = self.refresh_map()
         if self._pmap.num_shards != len(self.addresses):
             raise PsClientError(
@@ -237,7 +256,7 @@ class PsClient:
         if register:
             if not worker_id:
                 raise ValueError("register=True needs a worker_id")
-            self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=worker_id, step=start_step))
+            self.join_clock(start_step)
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self, leave: bool = False) -> None:
@@ -260,10 +279,39 @@ class PsClient:
         if self.worker_id:
             self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, leave=True))
 
-    def join_clock(self, step: int) -> None:
-        """Count this worker again from ``step`` (after :meth:`leave_clock`)."""
-        if self.worker_id:
-            self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, step=step))
+    def join_clock(self, step: int) -> int:
+        """Register (again) on every shard from ``step``; returns the clock the fleet gave it.
+
+        Each shard answers the worker's clock there: its old clock when the worker is
+        still known (a restarted process resumes), else at least the slowest clock of
+        the workers present. When shards differ (one restarted and lost its clocks) the
+        worker registers again at the largest, so every shard counts it alike.
+
+        Args:
+            step: the clock (steps completed) the worker believes it has.
+
+        Returns:
+            the clock to number the next steps from (also :attr:`registered_clock`).
+        """
+        if not self.worker_id:
+            return step
+        clocks = [int(r.clock) for r in self._broadcast(
+            "RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, step=step))]
+        clock = max(clocks + [step])
+        if any(c != clock for c in clocks):
+            self._broadcast("RegisterWorker", ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, step=clock))
+        if clock != step:
+            log.info("worker clock taken from the PS", extra=kv(worker=self.worker_id, asked=step, clock=clock))
+        self.registered_clock = clock
+        return clock
+
+    def _rejoin(self, shard: int, exc: grpc.RpcError) -> None:
+        """A shard expired this worker's clock lease: register there again (see the module doc)."""
+        self.rejoins += 1
+        resp = self._stubs[shard].RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id=self.worker_id, step=0),
+                                                 timeout=self.rpc_cfg.timeout_s)
+        log.warning("step clock lease expired on a shard; rejoined",
+                    extra=kv(worker=self.worker_id, shard=shard, clock=int(resp.clock), error=exc.details()))
 
     def __enter__(self) -> "PsClient":
         return self
@@ -401,6 +449,8 @@ class PsClient:
                     what = _rpc_kind(exc)
                     if what in ("wait", "paused"):
                         waiter.behind(s, exc)
+                    elif what == "clock_expired":
+                        self._rejoin(s, exc)
                     elif what == "unavailable":
                         self._note_down(s, exc)
                         down = True
@@ -482,6 +532,9 @@ class PsClient:
                     waiter.behind(shard, exc)
                     waiter.check(method, self.addresses)
                     deadline += waiter.sleep()
+                    continue
+                if what == "clock_expired" and self.worker_id:
+                    self._rejoin(shard, exc)
                     continue
                 if what == "paused":  # a checkpoint pause: lease-bounded on the shard
                     if time.monotonic() > deadline:
@@ -618,6 +671,8 @@ class PsClient:
                         paused = True
                     elif what == "wrong_owner":
                         refresh = retry = True
+                    elif what == "clock_expired":
+                        self._rejoin(s, exc)  # then resend at once: nothing was applied
                     elif what == "unavailable":
                         self._note_down(s, exc)
                         retry = True

@@ -334,6 +334,10 @@ class PsConfig:
             sync barriers); a client-supplied barrier timeout is capped to it.
         max_pause_lease_s: cap on a PauseWrites lease (a pause ends by itself after it).
         max_freeze_lease_s: cap on a FreezeVshards lease (a freeze thaws by itself after it).
+        clock_lease_s: a worker's step clock not renewed by its requests for this long
+            expires: it stops holding the other workers back (a worker that died for
+            good); the worker rejoins when it comes back. Must exceed the longest step.
+            0 = clocks never expire.
 
     Example::
 
@@ -361,6 +365,7 @@ class PsConfig:
     wait_timeout_s: float = 60.0
     max_pause_lease_s: float = 600.0
     max_freeze_lease_s: float = 600.0
+    clock_lease_s: float = 60.0
 
     def validate(self) -> None:
         if self.server_threads < 2:
@@ -369,6 +374,8 @@ class PsConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v}")
+        if not (math.isfinite(self.clock_lease_s) and self.clock_lease_s >= 0):
+            raise ValueError(f"clock_lease_s must be a finite number >= 0 (0 = off), got {self.clock_lease_s}")
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
         if self.num_vshards < self.shards:

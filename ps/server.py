@@ -38,6 +38,22 @@ single-process training are unchanged. The only waits left in handlers are the
 short drains of in-flight requests (which themselves never wait) before an
 admin change.
 
+**Step clock leases** (``[ps] clock_lease_s``, ``ps/staleness.py``): a worker's
+clock not renewed by its requests within the lease leaves the min computation;
+when that worker comes back, its next pull/push/Barrier with a step answers
+``FAILED_PRECONDITION`` + ``metaps-error: clock_expired`` (nothing done) and the
+client re-registers on that shard and resends. ``RegisterWorker`` answers the
+worker's clock (a restarted worker resumes its step numbering from it).
+
+**Awaiting recovery.** A shard process that replaced a crashed one
+(``metaps ps --awaiting-recovery``, set by its agent on a restart, or the
+controller reporting a later incarnation at registration) holds no rows of the
+fleet's cut: until a ``Restore`` completes (or :meth:`PsServer.mark_recovered`)
+its data RPCs, RegisterDense and Barrier answer ``UNAVAILABLE`` +
+``metaps-error: awaiting_recovery`` (clients retry as for a restarting shard) and
+``Checkpoint`` answers ``FAILED_PRECONDITION`` (the coordinator commits nothing),
+so no cut can capture its empty rows.
+
 Every client-supplied duration is checked: NaN, infinite or negative leases and
 timeouts are refused with INVALID_ARGUMENT; larger ones are clamped to
 ``[ps] wait_timeout_s`` (barrier), ``max_pause_lease_s``, ``max_freeze_lease_s``.
@@ -86,7 +102,7 @@ from protos import ps_pb2, ps_pb2_grpc
 from ps import wire
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
 from ps.partition_map import PartitionMap
-from ps.staleness import Behind, StalenessTimeout, StepClock
+from ps.staleness import Behind, ClockExpired, StalenessTimeout, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +115,11 @@ STALE_WAIT = "stale_wait"
 """ERROR_KEY value: the caller is ahead of the staleness bound / the barrier is not reached; ask again."""
 PAUSED = "paused"
 """ERROR_KEY value: the shard is paused for a checkpoint; ask again."""
+CLOCK_EXPIRED = "clock_expired"
+"""ERROR_KEY value (FAILED_PRECONDITION): the worker's clock lease ran out; re-register, then resend."""
+AWAITING_RECOVERY = "awaiting_recovery"
+"""ERROR_KEY value: a restarted shard not yet recovered by the controller (data RPCs: UNAVAILABLE,
+the client retries; Checkpoint: FAILED_PRECONDITION)."""
 MIN_CLOCK_KEY = "metaps-min-clock"
 WAIT_TIMEOUT_KEY = "metaps-wait-timeout"
 MAX_ROWS_KEY = "metaps-max-rows"
@@ -249,6 +270,9 @@ class PsMetrics:
             registry=r,
         )
         self.map_version = Gauge("metaps_ps_map_version", "partition map version", ["shard"], registry=r)
+        self.clocks_expired = Gauge(
+            "metaps_ps_clocks_expired", "worker step clocks whose lease ran out (clock_lease_s)", ["shard"], registry=r
+        )
         r.register(_StoreCollector(server))
 
 
@@ -303,6 +327,8 @@ def _rpc(data: bool) -> Callable:
                 self.load.enter()
                 self._gate.waited.s = 0.0
             try:
+                if data and self.awaiting_recovery:
+                    raise self._awaiting(method, grpc.StatusCode.UNAVAILABLE)
                 if data and self.added_latency_s is not None:
                     delay = float(self.added_latency_s())
                     if delay > 0:
@@ -318,6 +344,10 @@ def _rpc(data: bool) -> Callable:
                 if exc.metadata:
                     context.set_trailing_metadata(exc.metadata)
                 context.abort(exc.code, str(exc))
+            except ClockExpired as exc:  # the worker re-registers and resends (nothing was done)
+                self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
+                context.set_trailing_metadata(((ERROR_KEY, CLOCK_EXPIRED),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except (wire.WireError, BadRequest) as exc:
                 self.metrics.errors.labels(shard, method, "INVALID_ARGUMENT").inc()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -380,6 +410,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         max_workers: gRPC handler threads (``[ps] server_threads``).
         max_pause_lease_s: cap on a PauseWrites lease.
         max_freeze_lease_s: cap on a FreezeVshards lease.
+        clock_lease_s: a worker clock not renewed for this long expires (``ps/staleness.py``); 0 = never.
+        awaiting_recovery: this process is a restart: refuse data RPCs (UNAVAILABLE) and
+            Checkpoint (FAILED_PRECONDITION) until a Restore or :meth:`mark_recovered`.
     """
 
     checkpoint_root: str | None = None
@@ -403,6 +436,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         max_workers: int = 8,
         max_pause_lease_s: float = 600.0,
         max_freeze_lease_s: float = 600.0,
+        clock_lease_s: float = 0.0,
+        awaiting_recovery: bool = False,
     ) -> None:
         if not 0 <= shard_id < pmap.num_shards:
             raise ValueError(f"shard_id {shard_id} out of range for a map of {pmap.num_shards} shards")
@@ -416,8 +451,12 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         self.max_pause_lease_s = max_pause_lease_s
         self.max_freeze_lease_s = max_freeze_lease_s
         self.added_latency_s = added_latency_s
-        self.clock = StepClock(0 if sync else max_staleness)
+        self.clock = StepClock(0 if sync else max_staleness, lease_s=clock_lease_s, name=f"shard {shard_id}")
+        self.awaiting_recovery = awaiting_recovery
+        self.restores = 0
+        """Restore RPCs completed by this process (the controller's fleet recoveries)."""
         self.metrics = PsMetrics(self, registry)
+        self.metrics.clocks_expired.labels(str(shard_id)).set_function(lambda: self.clock.expired_total)
         self.load = LoadTotals()
         self._gate = _Gate()
         self._frozen = np.zeros(pmap.num_vshards, dtype=bool)
@@ -446,6 +485,32 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
+
+    # -- awaiting recovery ------------------------------------------------------------
+    def mark_awaiting_recovery(self, why: str) -> None:
+        """This process replaced a crashed one: serve no data and refuse checkpoints until recovered.
+
+        A cut committed now would capture this shard's empty (or stale) rows as if they
+        were the fleet's state: a silent loss at the next restore.
+        """
+        if not self.awaiting_recovery:
+            log.warning("shard awaits recovery: data RPCs and checkpoints refused until restored",
+                        extra=kv(shard=self.shard_id, why=why))
+        self.awaiting_recovery = True
+
+    def mark_recovered(self, how: str) -> None:
+        """The controller restored the fleet (or decided there is nothing to restore)."""
+        if self.awaiting_recovery:
+            log.info("shard recovered; serving again", extra=kv(shard=self.shard_id, how=how))
+        self.awaiting_recovery = False
+
+    def _awaiting(self, method: str, code: grpc.StatusCode) -> RpcAbort:
+        return RpcAbort(
+            code,
+            f"{method}: shard {self.shard_id} restarted and awaits recovery by the controller "
+            f"(its rows are not the fleet's until restored); try again",
+            ((ERROR_KEY, AWAITING_RECOVERY),),
+        )
 
     @property
     def pmap(self) -> PartitionMap:
@@ -597,6 +662,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None) -> list[ps_pb2.PushCounts]:
         if step is not None and step < 0:
             raise _bad(f"step must be >= 0, got {step}")
+        if worker and step is not None:
+            self.clock.touch(worker)  # an expired worker rejoins before its push is applied
         out = []
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
@@ -653,6 +720,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     # -- dense ---------------------------------------------------------------------------
     @_rpc(data=False)
     def RegisterDense(self, request: ps_pb2.RegisterDenseRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterDenseResponse:
+        if self.awaiting_recovery:
+            raise self._awaiting("RegisterDense", grpc.StatusCode.UNAVAILABLE)
         values = _dense_tensors(request.params, "param")
         for name, v in values.items():
             if not np.isfinite(v).all():
@@ -782,6 +851,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         if not request.dir:
             raise _bad("Checkpoint needs a directory")
         directory = self._confined(request.dir, "Checkpoint")
+        if self.awaiting_recovery:
+            raise self._awaiting("Checkpoint", grpc.StatusCode.FAILED_PRECONDITION)
         with self._gate.exclusive():
             info = save_shard_checkpoint(self, directory, int(request.step))
         rows = info.get("rows", {})
@@ -797,6 +868,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         directory = self._confined(request.dir, "Restore")
         with self._gate.exclusive():
             rows, step = restore_shard_checkpoint(self, directory)
+            self.restores += 1
+            self.mark_recovered(f"restored {directory}")
         return ps_pb2.RestoreResponse(rows=rows, step=step)
 
     def _confined(self, directory: str, method: str) -> str:
@@ -818,6 +891,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             "owned_vshards": int(self._owned.sum()),
             "paused": self._gate.paused,
             "clocks": self.clock.snapshot(),
+            "clocks_expired": self.clock.expired_total,
+            "expired_workers": self.clock.expired(),
+            "awaiting_recovery": self.awaiting_recovery,
             "memory_bytes": int(self.store.memory_bytes()),
             "store": self.store.stats(),
         }
@@ -832,8 +908,10 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             raise _bad("RegisterWorker needs a worker_id")
         if request.step < 0:
             raise _bad(f"RegisterWorker: step must be >= 0, got {request.step}")
-        n = self.clock.leave(request.worker_id) if request.leave else self.clock.register(request.worker_id, int(request.step))
-        return ps_pb2.RegisterWorkerResponse(workers=n)
+        if request.leave:
+            return ps_pb2.RegisterWorkerResponse(workers=self.clock.leave(request.worker_id), clock=0)
+        clock = self.clock.join(request.worker_id, int(request.step))
+        return ps_pb2.RegisterWorkerResponse(workers=len(self.clock.snapshot()), clock=clock)
 
     @_rpc(data=False)
     def Barrier(self, request: ps_pb2.BarrierRequest, context: grpc.ServicerContext) -> ps_pb2.BarrierResponse:
@@ -848,6 +926,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         if not math.isfinite(t) or t < 0:
             raise _bad(f"Barrier: timeout_s must be a finite number >= 0, got {t}")
         timeout = min(t or self.wait_timeout_s, self.wait_timeout_s)
+        if self.awaiting_recovery:
+            raise self._awaiting("Barrier", grpc.StatusCode.UNAVAILABLE)
         behind = self.clock.arrive(request.worker_id, int(request.step))
         if behind is not None:
             raise RpcAbort(
@@ -1007,6 +1087,7 @@ def build_server(
         max_workers=ps_cfg.server_threads if max_workers is None else max_workers,
         max_pause_lease_s=ps_cfg.max_pause_lease_s,
         max_freeze_lease_s=ps_cfg.max_freeze_lease_s,
+        clock_lease_s=ps_cfg.clock_lease_s,
     )
 
 

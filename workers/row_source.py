@@ -47,7 +47,7 @@ class RowSource(Protocol):
 
     def leave_clock(self) -> None: ...
 
-    def join_clock(self, step: int) -> None: ...
+    def join_clock(self, step: int) -> int | None: ...
 
     def close(self) -> None: ...
 
@@ -154,8 +154,8 @@ class RemoteRowSource:
     def leave_clock(self) -> None:
         self.client.leave_clock()
 
-    def join_clock(self, step: int) -> None:
-        self.client.join_clock(step)
+    def join_clock(self, step: int) -> int:
+        return self.client.join_clock(step)
 
     def close(self) -> None:
         self._pusher.shutdown(wait=True)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from meta_io.batch import MetaBatch, PlainBatch
+from metaps.log import kv
 from workers.config import DenseSync, TrainConfig, TrainMode
 from workers.row_source import RowSource
 
@@ -105,6 +106,33 @@ class Trainer:
             self._local_dense = DenseStore(dense_optimizer)
             for name, value in self._dense_numpy().items():
                 self._local_dense.register(name, value)
+
+    # -- step clock -------------------------------------------------------------
+    @property
+    def clock_scale(self) -> int:
+        """PS clock units per step: 2 in sync PS mode (barrier ids count half-steps), else 1."""
+        return 2 if self.barrier is not None else 1
+
+    def clock(self) -> int:
+        """This worker's clock on the PS for its next step (what it registers with)."""
+        return self.step_no * self.clock_scale
+
+    def resume(self, clock: int | None) -> None:
+        """Number the next steps from the PS's answer to a registration (never backwards).
+
+        A restarted worker gets its old clock back, a joiner the slowest clock present
+        (``ps/staleness.py``); continuing from 0 would hold every other worker back
+        until this one caught up.
+
+        Args:
+            clock: the clock the PS answered (``PsClient.join_clock``); None: no PS clocks.
+        """
+        if clock is None:
+            return
+        step = int(clock) // self.clock_scale
+        if step > self.step_no:
+            log.info("step numbering resumes from the PS clock", extra=kv(rank=self.rank, step=self.step_no, resumed=step))
+            self.step_no = step
 
     # -- dense parameters -------------------------------------------------------
     def _dense_numpy(self) -> dict[str, np.ndarray]:

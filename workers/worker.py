@@ -147,6 +147,7 @@ class Worker:
             for _ in range(self.job.train.epochs):
                 for r in static_ranges(self.dataset, self.rank, self.world):
                     yield r, None
+            self.rows.leave_clock()  # no more data: stop holding the others back (sync barriers too)
             return
         from controller.dds import GetStatus
 
@@ -164,7 +165,8 @@ class Worker:
                 time.sleep(0.2)
                 continue
             if waiting:
-                self.rows.join_clock(self.trainer.step_no)
+                # rejoin at no less than the fleet's slowest clock: never drag it back to missed steps
+                self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
                 waiting = False
             lease = got.lease
             yield BatchRange(lease.file, lease.start, lease.stop), lease
@@ -197,6 +199,10 @@ class Worker:
                 self.shards_done += 1
                 if self._draining or self.trainer._at_limit():
                     break
+        # Done training (data exhausted, step limit, drain): leave the step clocks now, not at
+        # exit, so peers still training are not held at a barrier / the staleness bound while
+        # this worker evaluates, waits for the job or checkpoints.
+        self.rows.leave_clock()
         self.wall_s = time.perf_counter() - t_start
         self.train_end = time.time()
         log.info(
@@ -419,6 +425,8 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
         ctl = ControllerClient(controller_addr, job.rpc, role="worker", index=rank)
     barrier = client.barrier if job.ps.sync == "sync" else None
     worker = Worker(job, rank, RemoteRowSource(client), ctl, run_dir, barrier=barrier)
+    # a restarted worker resumes its step numbering from its clock on the PS (ps/staleness.py)
+    worker.trainer.resume(client.registered_clock)
     try:
         worker.train()
         worker.evaluate()
