@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
@@ -56,6 +57,18 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.__name__ = fn.__name__
     return wrapper
+
+
+def _check_metrics(request: pb.ReportMetricsRequest) -> None:
+    """Refuse timings the Monitor cannot use (NaN, inf, negative): one would poison a median window."""
+    values: list[tuple[str, float]] = [(f"batch_times_s[{i}]", float(v)) for i, v in enumerate(request.batch_times_s)]
+    values += [("samples_per_s", request.samples_per_s), ("request_latency_s", request.request_latency_s),
+               ("queue_depth", request.queue_depth), ("samples", float(request.samples))]
+    values += [(f"ps_pull_latency_s[{k}]", v) for k, v in request.ps_pull_latency_s.items()]
+    values += [(f"ps_push_latency_s[{k}]", v) for k, v in request.ps_push_latency_s.items()]
+    for name, v in values:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"ReportMetrics: {name} must be a finite number >= 0, got {v}")
 
 
 def _node(ref: pb.NodeRef) -> tuple[str, int, str]:
@@ -130,6 +143,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         role, index, _ = _node(request.node)
         if not self.s.registry.known(role, index):
             raise UnknownNode(f"{role}:{index} is not registered; call RegisterNode first")
+        _check_metrics(request)
         if role == "worker":
             self.s.monitor.record_worker(index, list(request.batch_times_s), request.samples_per_s,
                                          dict(request.ps_pull_latency_s), dict(request.ps_push_latency_s))
