@@ -432,54 +432,57 @@ def many_workers(data: dict[str, Path], root: Path, n: int = 32, seconds: float 
                  max_staleness: int = 2, slow_step_s: float = 1.5, deadline_s: float = 10.0) -> dict[str, Any]:
     """``n`` client threads (one slow) pushing/pulling against one ``metaps ps`` with bounded staleness.
 
-    Every thread is a registered worker: pull(step) -> push(step) -> step + 1. Fast ones
-    run ahead and their pulls wait for the slow one on the PS; the slow one's pushes
-    must still get through (a handler thread held by a waiting pull must not starve them).
+    Every thread is a registered worker using the product's ``PsClient``: pull(step) ->
+    push(step) -> step + 1. Fast ones run ahead and their pulls wait (client-side, on the
+    PS's "stale_wait" answers) for the slow one; the slow one's pushes must still get
+    through (before issue 10 a waiting pull held one of the PS's 8 handler threads).
     """
-    import grpc
     import numpy as np
 
-    from metaps.rpc import RpcConfig, make_channel
-    from protos import ps_pb2, ps_pb2_grpc
+    from metaps.rpc import RpcConfig
+    from ps.client import PsClient, PsClientError
 
     job = job_mapping(data, root / "many", ps=1)
     job["ps"]["max_staleness"] = max_staleness
     cfg = write_job(root / "many" / "job.toml", job)
     proc, addr = _start_ps(cfg, root / "many")
     stop = threading.Event()
-    md = (("authorization", f"Bearer {TOKEN}"),)
     counts = {"slow_steps_tried": 0, "slow_pushes": 0, "slow_push_failed": 0, "slow_failed": 0, "slow_codes": {},
               "fast_steps": 0, "fast_errors": 0, "fast_codes": {}}
     lock = threading.Lock()
     try:
-        ch = make_channel(addr, RpcConfig(token=TOKEN, timeout_s=deadline_s))
-        stub = ps_pb2_grpc.ParameterServerStub(ch)
-
         def work(i: int) -> None:
+            # The product's client: it waits out "stale_wait" answers with bounded backoff on its
+            # own thread (the PS never holds a handler thread for it), as a real worker does.
             wid = f"chaos-{i}"
             slow = i == n - 1
             rng = np.random.default_rng(i)
-            stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id=wid, step=0), timeout=deadline_s, metadata=md)
+            client = PsClient([addr], RpcConfig(token=TOKEN, timeout_s=deadline_s), worker_id=wid,
+                              wait_timeout_s=deadline_s, retry_timeout_s=deadline_s, register=True)
             step = 0
-            while not stop.is_set():
-                ids = np.unique(rng.integers(1, 5000, 64)).astype("<i8")
-                if slow:
-                    with lock:
-                        counts["slow_steps_tried"] += 1
-                grads = np.full((ids.size, 8), 1e-3, "<f4")
-                try:
-                    stub.PullMany(ps_pb2.PullManyRequest(tables=[ps_pb2.TableIds(table="user", ids=ids.tobytes())],
-                                                         worker_id=wid, step=step), timeout=deadline_s, metadata=md)
+            try:
+                while not stop.is_set():
+                    ids = np.unique(rng.integers(1, 5000, 64)).astype(np.int64)
+                    if slow:
+                        with lock:
+                            counts["slow_steps_tried"] += 1
+                    grads = np.full((ids.size, 8), 1e-3, np.float32)
+                    try:
+                        client.pull({"user": ids}, step=step)
+                    except PsClientError as exc:  # a pull that waited out its deadline
+                        with lock:
+                            key = "slow_codes" if slow else "fast_codes"
+                            c = f"pull:{getattr(getattr(exc, 'code', None), 'name', type(exc).__name__)}"
+                            counts[key][c] = counts[key].get(c, 0) + 1
+                            counts["slow_failed" if slow else "fast_errors"] += 1
+                        continue
                     if slow:
                         time.sleep(slow_step_s)
                     try:
-                        stub.PushMany(ps_pb2.PushManyRequest(tables=[ps_pb2.TableGrads(
-                            table="user", ids=ids.tobytes(), grads=grads.tobytes(), dtype=ps_pb2.DTYPE_FP32)],
-                            worker_id=wid, step=step), timeout=deadline_s, metadata=md)
-                        ok = True
-                    except grpc.RpcError as exc:
-                        ok = False
-                        code = exc.code().name
+                        client.push({"user": (ids, grads)}, step=step)
+                        ok, code = True, ""
+                    except PsClientError as exc:
+                        ok, code = False, getattr(getattr(exc, "code", None), "name", type(exc).__name__)
                     with lock:
                         if slow:
                             counts["slow_pushes"] += 1
@@ -493,17 +496,12 @@ def many_workers(data: dict[str, Path], root: Path, n: int = 32, seconds: float 
                             counts["fast_errors"] += 1
                             counts["fast_codes"][code] = counts["fast_codes"].get(code, 0) + 1
                     step += 1
-                except grpc.RpcError as exc:  # a pull that failed (waited out its deadline)
-                    with lock:
-                        key = "slow_codes" if slow else "fast_codes"
-                        c = f"pull:{exc.code().name}"
-                        counts[key][c] = counts[key].get(c, 0) + 1
-                        counts["slow_failed" if slow else "fast_errors"] += 1
-            try:
-                stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id=wid, leave=True), timeout=deadline_s,
-                                    metadata=md)
-            except grpc.RpcError:
-                pass
+            finally:
+                try:
+                    client.leave_clock()
+                except PsClientError:
+                    pass
+                client.close()
 
         threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
@@ -512,7 +510,6 @@ def many_workers(data: dict[str, Path], root: Path, n: int = 32, seconds: float 
         stop.set()
         for t in threads:
             t.join(deadline_s * 3)
-        ch.close()
     finally:
         proc.terminate()
         try:
