@@ -32,8 +32,10 @@ import dataclasses
 import threading
 import time
 
+from metaps.errors import MetapsError
 
-class StalenessTimeout(TimeoutError):
+
+class StalenessTimeout(MetapsError, TimeoutError):
     """A worker waited longer than its timeout for slower workers."""
 
 
