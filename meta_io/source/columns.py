@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -535,30 +535,22 @@ def _floats(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> n
     return pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
 
 
-def _dense(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
+# Scalar float kinds: (mask of bad values, what a good value is). One rule per kind.
+_SCALAR_RULES: dict[ColumnKind, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
+    ColumnKind.DENSE: (lambda x: ~np.isfinite(x), "a finite number"),
+    ColumnKind.LABEL: (lambda x: (x != 0) & (x != 1), "a 0/1 label"),  # NaN compares unequal to both
+    ColumnKind.ORACLE: (lambda x: ~((x >= 0) & (x <= 1)), "a probability in [0, 1]"),
+}
+
+
+def _scalar(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
+    """A dense, label or oracle column -> float32, naming the first value its rule rejects."""
+    is_bad, expected = _SCALAR_RULES[col.kind]
     x = _floats(arr, st, col, first_row)
-    bad = ~np.isfinite(x)
+    bad = is_bad(x)
     if bad.any():
         row, more = _first_bad(bad, first_row)
-        raise DataError(f"{st.where(col, row)}: expected a finite number, got {x[row - first_row]}{more}")
-    return pa.array(x.astype(np.float32), pa.float32())
-
-
-def _label(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
-    x = _floats(arr, st, col, first_row)
-    bad = (x != 0) & (x != 1)  # NaN compares unequal to both
-    if bad.any():
-        row, more = _first_bad(bad, first_row)
-        raise DataError(f"{st.where(col, row)}: expected a 0/1 label, got {x[row - first_row]}{more}")
-    return pa.array(x.astype(np.float32), pa.float32())
-
-
-def _oracle(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
-    x = _floats(arr, st, col, first_row)
-    bad = ~((x >= 0) & (x <= 1))
-    if bad.any():
-        row, more = _first_bad(bad, first_row)
-        raise DataError(f"{st.where(col, row)}: expected a probability in [0, 1], got {x[row - first_row]}{more}")
+        raise DataError(f"{st.where(col, row)}: expected {expected}, got {x[row - first_row]}{more}")
     return pa.array(x.astype(np.float32), pa.float32())
 
 
@@ -628,12 +620,8 @@ def _normalize(table: pa.Table, st: _FileState, schema: Schema, out_schema: pa.S
             out = _id_list(arr, st, col, first_row)
         elif k == ColumnKind.VECTOR:
             out = _vector(arr, st, col, first_row)
-        elif k == ColumnKind.DENSE:
-            out = _dense(arr, st, col, first_row)
-        elif k == ColumnKind.LABEL:
-            out = _label(arr, st, col, first_row)
-        elif k == ColumnKind.ORACLE:
-            out = _oracle(arr, st, col, first_row)
+        elif k in _SCALAR_RULES:
+            out = _scalar(arr, st, col, first_row)
         elif k == ColumnKind.TIMESTAMP:
             out = _timestamp(arr, st, col, first_row)
         else:
