@@ -63,6 +63,16 @@ def _decode(arr: pa.Array) -> pa.Array:
     return arr.dictionary_decode() if pa.types.is_dictionary(arr.type) else arr
 
 
+def _decoded_no_nulls(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int, problem: str) -> pa.Array:
+    """``arr`` dictionary-decoded; a null is an error ``problem`` (with ``{more}`` for the batch's other rows)."""
+    arr = _decode(arr)
+    valid = _valid(arr)
+    if not valid.all():
+        row, more = _first_bad(~valid, first_row)
+        raise DataError(f"{st.where(col, row)}: " + problem.format(more=more))
+    return arr
+
+
 def _text_matches(arr: pa.Array, pattern: str) -> np.ndarray:
     """True where a (non-null) string matches ``pattern``; nulls count as matching."""
     m = pc.match_substring_regex(arr, pattern)
@@ -226,11 +236,7 @@ def _id_list(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> 
 
 
 def _vector(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
-    arr = _decode(arr)
-    valid = _valid(arr)
-    if not valid.all():
-        row, more = _first_bad(~valid, first_row)
-        raise DataError(f"{st.where(col, row)}: null vector{more} (expected {col.dim} floats)")
+    arr = _decoded_no_nulls(arr, st, col, first_row, "null vector{more} (expected %d floats)" % col.dim)
     if _is_text(arr.type):
         arr = _split_tokens(arr)
     values, lengths = _flatten(arr)
@@ -256,11 +262,7 @@ def _vector(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> p
 
 def _floats(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> np.ndarray:
     """Any numeric (or CSV text) column -> float64 numpy; nulls are errors."""
-    arr = _decode(arr)
-    valid = _valid(arr)
-    if not valid.all():
-        row, more = _first_bad(~valid, first_row)
-        raise DataError(f"{st.where(col, row)}: missing value (null){more}")
+    arr = _decoded_no_nulls(arr, st, col, first_row, "missing value (null){more}")
     if _is_text(arr.type):
         arr = _parse_floats(arr, st, col, None, first_row)
     return pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False)
@@ -286,11 +288,7 @@ def _scalar(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> p
 
 
 def _timestamp(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int) -> pa.Array:
-    arr = _decode(arr)
-    valid = _valid(arr)
-    if not valid.all():
-        row, more = _first_bad(~valid, first_row)
-        raise DataError(f"{st.where(col, row)}: missing time (null){more}")
+    arr = _decoded_no_nulls(arr, st, col, first_row, "missing time (null){more}")
     t = arr.type
     if _is_text(t):
         arr = pc.utf8_trim_whitespace(arr)

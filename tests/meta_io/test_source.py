@@ -192,6 +192,20 @@ def test_nan_null_and_non_binary_labels(tmp_path: Path, example_schema: Schema) 
         read_all(csv, example_schema)
 
 
+@pytest.mark.parametrize(("name", "problem"), [
+    ("emb", r"null vector \(and 1 more in rows 0-15\) \(expected 4 floats\)"),
+    ("ts", r"missing time \(null\) \(and 1 more in rows 0-15\)"),
+    ("price", r"missing value \(null\) \(and 1 more in rows 0-15\)"),
+])
+def test_null_cells_name_the_first_row_and_the_rest(tmp_path: Path, example_schema: Schema, name: str, problem: str) -> None:
+    table = user_table(user_rows())
+    values = table.column(name).to_pylist()
+    values[3] = values[9] = None
+    path = write(tmp_path, with_column(table, name, pa.array(values, table.schema.field(name).type)), "n.parquet")
+    with pytest.raises(DataError, match=rf"n\.parquet: column '{name}' \(\w+\): row 3: {problem}$"):
+        read_all(path, example_schema)
+
+
 def test_oracle_values_must_be_probabilities(tmp_path: Path, example_schema: Schema) -> None:
     schema = dataclasses.replace(
         example_schema, columns=[*example_schema.columns, ColumnSpec("p_click", ColumnKind.ORACLE)],
