@@ -66,7 +66,7 @@ def _progress(msg: str) -> None:
 def bench_generator(out: Path, rows: int, users: int, items: int) -> dict[str, Any]:
     """Generate in a fresh process so its peak RSS is the generator's own."""
     code = (
-        "import json,sys; from meta_io.generator import GeneratorConfig, generate; "
+        "import json,sys; from meta_io.synth import GeneratorConfig, generate; "
         f"d = generate(sys.argv[1], GeneratorConfig(rows={rows}, users={users}, items={items}, seed=1), progress=False); "
         "print(json.dumps(dict(rows=d.rows, rows_per_s=d.rows_per_s, peak_rss_mb=d.peak_rss_mb, "
         "oracle_auc=d.oracle_auc)))"

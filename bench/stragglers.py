@@ -275,7 +275,7 @@ REAL_WORKERS_E5 = 2
 def _real_data(tmp: Path, quick: bool) -> dict[str, Path]:
     """Generated AntM2C-like rows built as a plain Meta-IO layout (64-row record batches)."""
     from meta_io.build import MetaIOBuildConfig, build
-    from meta_io.generator import GeneratorConfig, generate
+    from meta_io.synth import GeneratorConfig, generate
     from meta_io.layout import Layout
 
     gen = generate(tmp / "raw", GeneratorConfig(rows=4000 if quick else 8000, users=400, items=300, seed=5,

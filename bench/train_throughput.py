@@ -57,7 +57,7 @@ def _env() -> dict[str, str]:
 def make_data(root: Path, rows: int, mode: str) -> Path:
     """Generated AntM2C-like rows built as a plain (256 rows a batch) or meta (S8/Q4) Meta-IO set."""
     from meta_io.build import MetaIOBuildConfig, build
-    from meta_io.generator import GeneratorConfig, generate
+    from meta_io.synth import GeneratorConfig, generate
     from meta_io.layout import Layout
 
     gen = generate(root / "raw", GeneratorConfig(rows=rows, users=max(100, rows // 40), items=max(100, rows // 80),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from metaps.errors import MetapsError
 from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from protos import ps_pb2, ps_pb2_grpc
@@ -26,7 +27,7 @@ from protos import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-class NothingToMove(ValueError):
+class NothingToMove(MetapsError, ValueError):
     """The source PS owns no more vshards than it must keep (a drained slow PS); not a failure."""
 
 

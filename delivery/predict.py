@@ -70,7 +70,7 @@ def serving_schema(schema: Schema, files: list[Path]) -> Schema:
         schema: the bundle's (training) schema.
         files: the input files (their column names decide which labels are present).
     """
-    from meta_io.source import _file_columns
+    from meta_io.source.files import _file_columns
 
     have = [set(_file_columns(f).names) for f in files]
     present = [lab for lab in schema.labels if all(lab in h for h in have)]

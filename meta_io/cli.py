@@ -81,7 +81,7 @@ def _split_holdout(args: argparse.Namespace) -> int:
 
 
 def _gen_data(args: argparse.Namespace) -> int:
-    from meta_io.generator import GeneratorConfig, generate
+    from meta_io.synth import GeneratorConfig, generate
 
     fields: dict[str, Any] = dict(rows=args.rows, users=args.users, items=args.items, seed=args.seed)
     if args.files is not None:

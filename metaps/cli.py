@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 
 from metaps import __version__, log
+from metaps.errors import MetapsError
 
 # Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (
@@ -46,12 +48,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     log.configure(args.log_level, role=args.command)
-    from metaps.errors import MetapsError
+    return run_command(args.command, args.func, args)
 
+
+def error_line(command: str, exc: BaseException) -> str:
+    """The one line the CLI prints for a deliberate error (newlines folded, never empty).
+
+    Args:
+        command: the subcommand that failed (``launch``, ``ps``, ...).
+        exc: the error raised.
+    """
+    msg = str(exc).replace("\r", " ").replace("\n", " ").strip() or type(exc).__name__
+    return f"metaps {command}: error: {msg}"
+
+
+def run_command(command: str, func: Callable[[argparse.Namespace], int | None],
+                args: argparse.Namespace) -> int:
+    """Run one subcommand: a deliberate error (any ``MetapsError``) is one stderr line and exit 1.
+
+    Args:
+        command: the subcommand name, used in the error line.
+        func: the subcommand's handler.
+        args: its parsed arguments.
+    """
     try:
-        rc = args.func(args)
+        rc = func(args)
     except MetapsError as exc:
-        print(f"metaps {args.command}: error: {exc}", file=sys.stderr)
+        print(error_line(command, exc), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -63,7 +63,7 @@ def _convert(tp: Any, value: Any, key: str, where: str) -> Any:
         if value not in args:
             raise ConfigError(f"{where}: key '{key}': expected one of {list(args)}, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(
                 f"{where}: key '{key}': expected a table for {tp.__name__}, got {type(value).__name__}"

@@ -32,7 +32,7 @@ ArrayLike = Any  # np.ndarray | torch.Tensor | sequence
 def _np(x: ArrayLike) -> np.ndarray:
     """Host numpy view/copy of ``x`` (torch tensors are detached first)."""
     if hasattr(x, "detach"):  # torch.Tensor without importing torch here
-        return x.detach().cpu().numpy()
+        return np.asarray(x.detach().cpu().numpy())
     return np.asarray(x)
 
 
@@ -64,7 +64,7 @@ def _average_ranks(sorted_keys_change: np.ndarray, n: int) -> np.ndarray:
     run_len = np.diff(np.append(run_start, n))
     # ranks run_start+1 .. run_start+run_len average to run_start + (run_len+1)/2
     run_rank = run_start + (run_len + 1) / 2.0
-    return run_rank[run_id]
+    return np.asarray(run_rank[run_id])
 
 
 def auc(labels: ArrayLike, scores: ArrayLike, mask: ArrayLike | None = None) -> float:
@@ -114,7 +114,9 @@ def logloss(labels: ArrayLike, probs: ArrayLike, mask: ArrayLike | None = None, 
     return float(-(y * np.log(p) + (1.0 - y) * np.log1p(-p)).mean())
 
 
-def _grouped(labels: ArrayLike, scores: ArrayLike, groups: ArrayLike, mask: ArrayLike | None):
+def _grouped(
+    labels: ArrayLike, scores: ArrayLike, groups: ArrayLike, mask: ArrayLike | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-group (keys, rows, positives, auc) in one lexsort."""
     g = _np(groups).reshape(-1)
     y, s = _prepare(labels, scores, None)

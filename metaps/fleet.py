@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from metaps.errors import MetapsError
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Member:
         return self.proc.poll()
 
 
-class FleetError(RuntimeError):
+class FleetError(MetapsError, RuntimeError):
     """A member could not be started or did not become ready."""
 
 

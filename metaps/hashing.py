@@ -10,6 +10,8 @@ Both are stable across processes, machines and Python versions (no ``hash()``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -54,6 +56,7 @@ def hash_strings(arr: pa.Array | pa.ChunkedArray, salt: int = 0) -> np.ndarray:
         if arr.num_chunks == 0:
             return np.empty(0, dtype=np.int64)
         return np.concatenate([hash_strings(c, salt) for c in arr.chunks])
+    off_dtype: type[np.signedinteger[Any]]
     if pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type):
         off_dtype = np.int64
     elif pa.types.is_string(arr.type) or pa.types.is_binary(arr.type):
@@ -64,7 +67,7 @@ def hash_strings(arr: pa.Array | pa.ChunkedArray, salt: int = 0) -> np.ndarray:
     if n == 0:
         return np.empty(0, dtype=np.int64)
     bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=off_dtype, count=n + 1 + arr.offset)[arr.offset :]
+    offsets: np.ndarray = np.frombuffer(bufs[1], dtype=off_dtype, count=n + 1 + arr.offset)[arr.offset :]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
     starts = offsets[:-1].astype(np.int64)
     lengths = (offsets[1:] - offsets[:-1]).astype(np.int64)

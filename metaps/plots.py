@@ -59,6 +59,28 @@ def _empty(ax: Any, what: str) -> None:
     ax.set_yticks([])
 
 
+def _finish(ax: Any, title: str, xlabel: str = "", ylabel: str = "", grid: str = "both",
+            legend: Mapping[str, Any] | None = None) -> None:
+    """The axis finishing every plot shares: labels, title, a light grid, an optional legend.
+
+    Args:
+        ax: the matplotlib axes.
+        title: the plot title.
+        xlabel: x axis label ('' leaves it unset).
+        ylabel: y axis label ('' leaves it unset).
+        grid: which axes get grid lines (``both``, ``x``, ``y``).
+        legend: keyword arguments of ``ax.legend``; None draws no legend.
+    """
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis=grid, alpha=0.3)
+    if legend is not None:
+        ax.legend(**legend)
+
+
 def _t0(report: Mapping[str, Any]) -> float:
     return float(report.get("started") or 0.0) or min(
         (float(h["time"]) for w in report.get("workers", []) for h in (w.get("history") or [])), default=0.0)
@@ -77,11 +99,7 @@ def plot_throughput(report: Mapping[str, Any], ax: Any) -> None:
     if not drawn:
         _empty(ax, "no worker step history")
         return
-    ax.set_xlabel("seconds since launch")
-    ax.set_ylabel("samples/s")
-    ax.set_title("throughput per worker")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish(ax, "throughput per worker", "seconds since launch", "samples/s", legend={"fontsize": 8})
 
 
 def plot_shard_timeline(report: Mapping[str, Any], ax: Any) -> None:
@@ -122,10 +140,8 @@ def plot_shard_timeline(report: Mapping[str, Any], ax: Any) -> None:
     if workers:
         ax.set_yticks(workers)
         ax.set_yticklabels([f"worker {w}" for w in workers])
-    ax.set_xlabel("seconds since launch")
-    ax.set_title("shard timeline (who did which shard; requeues and stragglers marked)")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    _finish(ax, "shard timeline (who did which shard; requeues and stragglers marked)", "seconds since launch",
+            grid="x", legend={"fontsize": 7, "loc": "lower right"})
 
 
 def plot_loss(report: Mapping[str, Any], ax: Any) -> None:
@@ -144,11 +160,7 @@ def plot_loss(report: Mapping[str, Any], ax: Any) -> None:
     if not drawn:
         _empty(ax, "no loss history")
         return
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish(ax, "training loss", "step", "loss", legend={"fontsize": 8})
 
 
 def plot_auc(report: Mapping[str, Any], ax: Any) -> None:
@@ -164,9 +176,6 @@ def plot_auc(report: Mapping[str, Any], ax: Any) -> None:
         last = max((h["step"] for w in report.get("workers", []) for h in (w.get("history") or [])), default=0)
         for k, v in sorted(final.items()):
             ax.scatter([last], [v], marker="*", s=80, label=f"final {k}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("AUC")
-        ax.legend(fontsize=8)
     elif final:
         names = sorted(final)
         bars = ax.bar(range(len(names)), [final[n] for n in names],
@@ -180,12 +189,11 @@ def plot_auc(report: Mapping[str, Any], ax: Any) -> None:
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=20, fontsize=8)
         ax.set_ylim(0.4, 1.0)
-        ax.set_ylabel("AUC")
     else:
         _empty(ax, "no eval metrics ([data] eval is empty?)")
         return
-    ax.set_title("eval AUC" + (" (dotted: oracle)" if not curves and report.get("final_auc") else ""))
-    ax.grid(alpha=0.3)
+    _finish(ax, "eval AUC" + (" (dotted: oracle)" if not curves and report.get("final_auc") else ""),
+            "step" if curves else "", "AUC", legend={"fontsize": 8} if curves else None)
 
 
 _PLOTTERS = {

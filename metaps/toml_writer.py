@@ -21,12 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from metaps.errors import MetapsError
 from metaps.atomic_write import write_text_atomic
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-class TomlWriteError(ValueError):
+class TomlWriteError(MetapsError, ValueError):
     """A value has no TOML form (None, an object, a non-string key)."""
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from metaps.errors import MetapsError
 from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from ps.partition_map import PartitionMap, dense_owner
@@ -45,7 +46,7 @@ from protos import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-class CheckpointCoordinationError(RuntimeError):
+class CheckpointCoordinationError(MetapsError, RuntimeError):
     """A coordinated checkpoint failed; nothing was committed."""
 
 

@@ -39,6 +39,7 @@ from typing import Iterable
 import grpc
 import numpy as np
 
+from metaps.errors import MetapsError
 from metaps.log import kv
 from metaps.rpc import RpcConfig, make_channel
 from ps.partition_map import PartitionMap
@@ -47,7 +48,7 @@ from protos import ps_pb2, ps_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-class MigrationError(RuntimeError):
+class MigrationError(MetapsError, RuntimeError):
     """A vshard move failed; the message says at which step and whether it was rolled back."""
 
 

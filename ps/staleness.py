@@ -68,8 +68,10 @@ from metaps.log import kv
 
 log = logging.getLogger(__name__)
 
+from metaps.errors import MetapsError
 
-class StalenessTimeout(TimeoutError):
+
+class StalenessTimeout(MetapsError, TimeoutError):
     """A worker waited longer than its timeout for slower workers."""
 
 

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from metaps.errors import MetapsError
 from protos import ps_pb2
 
 
-class WireError(ValueError):
+class WireError(MetapsError, ValueError):
     """A buffer on the wire does not have the size or dtype its header says."""
 
 

@@ -1,5 +1,12 @@
 # Helpers shared by launch_ps.sh and launch_workers.sh (sourced, not run).
 #
+# fleet_python                      set PY: $METAPS_PYTHON, else ROOT/.venv/bin/python, else python3
+# usage [RC]                        print the calling script's header comment; exit RC (2)
+# die MESSAGE                       "SCRIPT: error: MESSAGE" on stderr; exit 2
+# require_job_args CONFIG CONTROLLER   --config given and a file, --controller given
+# require_uint OPTION VALUE         VALUE is a non-negative integer, else die naming OPTION
+# require_index_list OPTION WHAT LIST  LIST is "K,K,..." of non-negative integers (checked before
+#                                   anything starts), else die naming OPTION and the bad entry
 # start_agent RUN_DIR NAME CMD...   run CMD in its own session (process group = its pid),
 #                                   output to RUN_DIR/logs/NAME.log, pid to RUN_DIR/pids/NAME.pid
 # wait_ready FILE TIMEOUT PIDFILE LOG   wait for FILE; fail early if the agent died
@@ -61,5 +68,38 @@ stop_role() {
     kill -KILL -- "-$pid" 2>/dev/null || true
     rm -f "$f"
     echo "stopped $(basename "$f" .pid)" >&2
+  done
+}
+
+fleet_python() {
+  PY="${METAPS_PYTHON:-}"
+  if [[ -z "$PY" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY="python3"; fi
+  fi
+}
+
+usage() {  # the header comment of the script that sourced this file, up to its first code line
+  awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
+  exit "${1:-2}"
+}
+
+die() { echo "$(basename "$0"): error: $*" >&2; exit 2; }
+
+require_job_args() {
+  local config="$1" controller="$2"
+  [[ -n "$config" ]] || die "--config is required"
+  [[ -f "$config" ]] || die "--config $config: no such file"
+  [[ -n "$controller" ]] || die "--controller HOST:PORT is required"
+}
+
+require_uint() {
+  [[ "$2" =~ ^[0-9]+$ ]] || die "$1 must be a non-negative integer, got '$2'"
+}
+
+require_index_list() {
+  local option="$1" what="$2" list="$3" k
+  [[ -n "$list" ]] || die "$option is required (e.g. 0,1)"
+  for k in ${list//,/ }; do
+    [[ "$k" =~ ^[0-9]+$ ]] || die "$option: '$k' is not a $what"
   done
 }

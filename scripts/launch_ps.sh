@@ -19,13 +19,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${METAPS_PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY="python3"; fi
-fi
-
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
-die() { echo "launch_ps.sh: error: $*" >&2; exit 2; }
+source "$ROOT/scripts/_fleet_lib.sh"
+fleet_python
 
 CONFIG="" CONTROLLER="" RUN_DIR="" SHARDS="" HOST="" PORT_BASE=5000 METRICS_BASE=9100 RESTORE="" WAIT=0 STOP=0
 while [[ $# -gt 0 ]]; do
@@ -46,18 +41,16 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$RUN_DIR" ]] || die "--run-dir is required"
-source "$ROOT/scripts/_fleet_lib.sh"
 
 if [[ "$STOP" == 1 ]]; then
   stop_role ps "$RUN_DIR" "$SHARDS"
   exit 0
 fi
 
-[[ -n "$CONFIG" ]] || die "--config is required"
-[[ -f "$CONFIG" ]] || die "--config $CONFIG: no such file"
-[[ -n "$CONTROLLER" ]] || die "--controller HOST:PORT is required"
-[[ -n "$SHARDS" ]] || die "--shards is required (e.g. 0,1)"
-[[ "$PORT_BASE" =~ ^[0-9]+$ && "$METRICS_BASE" =~ ^[0-9]+$ ]] || die "port bases must be integers"
+require_job_args "$CONFIG" "$CONTROLLER"
+require_index_list --shards "shard index" "$SHARDS"
+require_uint --port-base "$PORT_BASE"
+require_uint --metrics-port-base "$METRICS_BASE"
 
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/ps" "$RUN_DIR/pids"
 export METAPS_T0="${METAPS_T0:-$(date +%s.%N)}" PYTHONUNBUFFERED=1
@@ -72,7 +65,6 @@ ADVERTISE="${ADVERTISE:-127.0.0.1}"
 ADDRS=()
 declare -A ADDR_OF
 for K in ${SHARDS//,/ }; do
-  [[ "$K" =~ ^[0-9]+$ ]] || die "--shards: '$K' is not a shard index"
   PORT=$((PORT_BASE + K)); MPORT=$((METRICS_BASE + K))
   READY="$RUN_DIR/ps/ps-$K.ready"
   rm -f "$READY"

@@ -18,13 +18,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${METAPS_PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY="python3"; fi
-fi
-
-usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
-die() { echo "launch_workers.sh: error: $*" >&2; exit 2; }
+source "$ROOT/scripts/_fleet_lib.sh"
+fleet_python
 
 CONFIG="" CONTROLLER="" PS="" RUN_DIR="" RANKS="" METRICS_BASE=9200 WAIT=0 STOP=0
 while [[ $# -gt 0 ]]; do
@@ -43,26 +38,22 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$RUN_DIR" ]] || die "--run-dir is required"
-source "$ROOT/scripts/_fleet_lib.sh"
 
 if [[ "$STOP" == 1 ]]; then
   stop_role worker "$RUN_DIR" "$RANKS"
   exit 0
 fi
 
-[[ -n "$CONFIG" ]] || die "--config is required"
-[[ -f "$CONFIG" ]] || die "--config $CONFIG: no such file"
-[[ -n "$CONTROLLER" ]] || die "--controller HOST:PORT is required"
+require_job_args "$CONFIG" "$CONTROLLER"
 [[ -n "$PS" ]] || die "--ps HOST:PORT,... is required (launch_ps.sh prints it)"
-[[ -n "$RANKS" ]] || die "--ranks is required (e.g. 0,1)"
-[[ "$METRICS_BASE" =~ ^[0-9]+$ ]] || die "--metrics-port-base must be an integer"
+require_index_list --ranks "worker rank" "$RANKS"
+require_uint --metrics-port-base "$METRICS_BASE"
 
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/workers" "$RUN_DIR/pids"
 export METAPS_T0="${METAPS_T0:-$(date +%s.%N)}" PYTHONUNBUFFERED=1
 
 PIDS=()
 for R in ${RANKS//,/ }; do
-  [[ "$R" =~ ^[0-9]+$ ]] || die "--ranks: '$R' is not a worker rank"
   start_agent "$RUN_DIR" "worker-$R" "$PY" -m metaps agent --config "$CONFIG" --role worker --index "$R" \
     --controller "$CONTROLLER" -- "$PY" -m metaps worker --config "$CONFIG" --rank "$R" --ps "$PS" \
     --controller "$CONTROLLER" --run-dir "$RUN_DIR" --metrics-port "$((METRICS_BASE + R))"

@@ -24,7 +24,7 @@ from typing import Any
 
 from controller.client import ControllerClient
 from meta_io.build import MetaIOBuildConfig, build
-from meta_io.generator import GeneratorConfig, generate
+from meta_io.synth import GeneratorConfig, generate
 from metaps.metrics import free_port
 from metaps.rpc import RpcConfig
 from metaps.toml_writer import write

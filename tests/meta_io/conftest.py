@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meta_io.generator import GeneratedData, GeneratorConfig, generate
+from meta_io.synth import GeneratedData, GeneratorConfig, generate
 from meta_io.schema import Schema, load_schema
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from meta_io.generator import SCENES, GeneratedData, GeneratorConfig, generate, generator_schema
+from meta_io.synth import SCENES, GeneratedData, GeneratorConfig, generate, generator_schema
 from meta_io.schema import ColumnKind, Schema
 from meta_io.source import iter_source, normalized_arrow_schema
 from metaps.evaluation import auc
@@ -144,9 +144,9 @@ def test_features_are_informative(generated: GeneratedData) -> None:
 
 
 def test_progress_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="meta_io.generator"):
+    with caplog.at_level(logging.INFO, logger="meta_io.synth.generator"):
         generate(tmp_path, dataclasses.replace(SMALL, rows=600, n_files=1), progress=True)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "meta_io.generator"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "meta_io.synth.generator"]
     assert "generating" in msgs and msgs[-1] == "generated"
 
 
@@ -184,7 +184,7 @@ def test_adapting_on_eight_support_rows_pays_off() -> None:
     ridge Newton step) and score the later rows: pooled AUC must rise clearly,
     and stay below the full oracle.
     """
-    from meta_io.generator import _World, _arrow_schema, _chunk
+    from meta_io.synth.generator import _World, _arrow_schema, _chunk
 
     cfg = GeneratorConfig(rows=20_000, users=2_000, items=1_000, seed=0, n_files=1, row_group_rows=20_000)
     world = _World(cfg)

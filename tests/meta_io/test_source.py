@@ -192,6 +192,35 @@ def test_nan_null_and_non_binary_labels(tmp_path: Path, example_schema: Schema) 
         read_all(csv, example_schema)
 
 
+@pytest.mark.parametrize(("name", "problem"), [
+    ("emb", r"null vector \(and 1 more in rows 0-15\) \(expected 4 floats\)"),
+    ("ts", r"missing time \(null\) \(and 1 more in rows 0-15\)"),
+    ("price", r"missing value \(null\) \(and 1 more in rows 0-15\)"),
+])
+def test_null_cells_name_the_first_row_and_the_rest(tmp_path: Path, example_schema: Schema, name: str, problem: str) -> None:
+    table = user_table(user_rows())
+    values = table.column(name).to_pylist()
+    values[3] = values[9] = None
+    path = write(tmp_path, with_column(table, name, pa.array(values, table.schema.field(name).type)), "n.parquet")
+    with pytest.raises(DataError, match=rf"n\.parquet: column '{name}' \(\w+\): row 3: {problem}$"):
+        read_all(path, example_schema)
+
+
+def test_oracle_values_must_be_probabilities(tmp_path: Path, example_schema: Schema) -> None:
+    schema = dataclasses.replace(
+        example_schema, columns=[*example_schema.columns, ColumnSpec("p_click", ColumnKind.ORACLE)],
+        oracle={"clicked": "p_click"},
+    )
+    rows = user_rows()
+    p = np.linspace(0.0, 1.0, len(rows["clicked"]))
+    good = write(tmp_path, user_table(rows).append_column("p_click", pa.array(p)), "good.parquet")
+    np.testing.assert_allclose(read_all(good, schema).column("p_click").to_numpy(), p.astype(np.float32))
+    p[7] = 1.5
+    bad = write(tmp_path, user_table(rows).append_column("p_click", pa.array(p)), "o.parquet")
+    with pytest.raises(DataError, match=r"o\.parquet: column 'p_click' \(oracle\): row 7: expected a probability in \[0, 1\], got 1\.5"):
+        read_all(bad, schema)
+
+
 def test_bad_dense_values(tmp_path: Path, example_schema: Schema) -> None:
     rows = user_rows()
     price = list(rows["price"])

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meta_io.build import MetaIOBuildConfig, build
-from meta_io.generator import GeneratorConfig, generate
+from meta_io.synth import GeneratorConfig, generate
 from metaps.toml_writer import write
 
 TOKEN = "launch-test-token"

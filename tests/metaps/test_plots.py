@@ -96,3 +96,23 @@ def test_a_plot_that_fails_does_not_stop_the_others(tmp_path: Path) -> None:
     assert [p.name for p in paths] == list(PLOTS)
     for p in paths:
         assert_png_not_blank(p)
+
+
+@pytest.mark.parametrize(("fn", "title", "xlabel", "ylabel", "legend"), [
+    ("plot_throughput", "throughput per worker", "seconds since launch", "samples/s", True),
+    ("plot_shard_timeline", "shard timeline (who did which shard; requeues and stragglers marked)",
+     "seconds since launch", "", True),
+    ("plot_loss", "training loss", "step", "loss", True),
+    ("plot_auc", "eval AUC (dotted: oracle)", "", "AUC", False),
+])
+def test_every_plot_finishes_its_axes(fn: str, title: str, xlabel: str, ylabel: str, legend: bool) -> None:
+    from matplotlib.figure import Figure
+
+    import metaps.plots as plots
+
+    ax = Figure().add_subplot(1, 1, 1)
+    getattr(plots, fn)(_report(), ax)
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == (title, xlabel, ylabel)
+    assert (ax.get_legend() is not None) == legend
+    gridded = [line.get_visible() for line in ax.xaxis.get_gridlines()]
+    assert gridded and all(gridded)

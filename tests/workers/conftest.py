@@ -9,7 +9,7 @@ import pytest
 
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
-from meta_io.generator import GeneratorConfig, generate
+from meta_io.synth import GeneratorConfig, generate
 from metaps.job import JobConfig, job_from_mapping
 from ps.server import build_server
 

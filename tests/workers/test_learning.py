@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from meta_io.build import MetaIOBuildConfig, build
-from meta_io.generator import GeneratorConfig, generate
+from meta_io.synth import GeneratorConfig, generate
 from meta_io.holdout import split_by_task
 from meta_io.layout import Layout
 from meta_io.schema import load_schema

@@ -528,7 +528,7 @@ def generate(out_dir: str | Path, cfg: GeneratorConfig, progress: bool = True) -
         out_dir: created if missing; existing ``part-*.parquet`` files of an
             earlier run are replaced.
         cfg: what to generate (validated here).
-        progress: log a progress line (logger ``meta_io.generator``, INFO) about
+        progress: log a progress line (logger ``meta_io.synth.generator``, INFO) about
             once a second.
 
     Returns:

@@ -1,0 +1,136 @@
+"""Pass 1: stream the input, check it, and partition rows by ``hash(task_key) % P`` into spill files."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+
+from meta_io import layout as L
+from meta_io.build.config import MetaIOBuildConfig
+from meta_io.layout import Layout, Split
+from meta_io.schema import Schema
+from metaps.errors import DataError
+from metaps.hashing import mix64
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+
+_WORKING_SET_FACTOR = 4.0
+"""Pass 2 holds a partition, its sorted copy and the padded output at once."""
+
+
+def _conform(table: pa.Table, data_schema: pa.Schema, where: str) -> pa.Table:
+    """Select and check the normalized columns (guards the iter_source contract)."""
+    missing = [n for n in data_schema.names if n not in table.column_names]
+    if missing:
+        raise DataError(f"{where}: missing column(s) {missing} (expected {data_schema.names})")
+    table = table.select(data_schema.names)
+    for f in data_schema:
+        got = table.schema.field(f.name).type
+        if got != f.type:
+            raise DataError(f"{where}: column '{f.name}': expected type {f.type}, got {got}")
+    return table
+
+
+def _check_no_nulls(table: pa.Table, column: str, where: str, first_row: int, what: str) -> None:
+    col = table.column(column)
+    if col.null_count:
+        bad = int(np.argmax(pc.is_null(col).to_numpy(zero_copy_only=False)))
+        raise DataError(f"{where}: column '{column}' ({what}) is null at row {first_row + bad}")
+
+
+@dataclass
+class _Spill:
+    paths: list[Path]
+    input_rows: int
+    bytes_per_row: float
+    seconds: float
+
+
+def _pass1(
+    input_path: Path,
+    schema: Schema,
+    data_schema: pa.Schema,
+    cfg: MetaIOBuildConfig,
+    key: str,
+    spill_dir: Path,
+) -> _Spill:
+    from meta_io import source
+
+    t0 = time.perf_counter()
+    it = iter(source.iter_source(input_path, schema, cfg.source_batch_rows))
+    first = next(it, None)
+    if first is None:
+        raise DataError(f"{input_path}: input has no rows")
+    est_rows = int(source.count_rows(input_path, schema))
+    bytes_per_row = max(float(L.row_bytes(data_schema)), first.table.nbytes / max(1, first.table.num_rows)) + 8
+    budget = cfg.memory_budget_mb * 2**20
+    if cfg.partitions:
+        P = cfg.partitions
+    else:
+        P = int(min(cfg.max_partitions, max(1, math.ceil(est_rows * bytes_per_row * _WORKING_SET_FACTOR / budget))))
+    log.info("pass 1: partitioning", extra=kv(input=input_path, est_rows=est_rows, partitions=P,
+                                               bytes_per_row=round(bytes_per_row)))
+    spill_schema = data_schema.append(pa.field(L.ROW_COL, pa.int64(), nullable=False))
+    paths = [spill_dir / f"spill-{p:05d}.arrow" for p in range(P)]
+    sinks: list[tuple[pa.NativeFile, ipc.RecordBatchFileWriter] | None] = [None] * P
+    row0 = 0
+    time_split = cfg.layout == Layout.META and cfg.split == Split.TIME
+    try:
+        for sb in _chain(first, it):
+            where = f"{sb.file}"
+            table = _conform(sb.table, data_schema, where)
+            n = table.num_rows
+            if n == 0:
+                continue
+            rows = np.arange(row0, row0 + n, dtype=np.int64)
+            row0 += n
+            if cfg.layout == Layout.META:
+                _check_no_nulls(table, key, where, sb.first_row, "task key")
+                if time_split:
+                    _check_no_nulls(table, schema.timestamp, where, sb.first_row, "timestamp")
+                h = mix64(table.column(key).to_numpy(zero_copy_only=False), cfg.seed)
+            else:
+                h = mix64(rows, cfg.seed)
+            part = (h % np.uint64(P)).astype(np.int64)
+            table = table.append_column(spill_schema.field(L.ROW_COL), pa.array(rows))
+            counts = np.bincount(part, minlength=P)
+            if P > 1:
+                table = table.take(pa.array(np.argsort(part, kind="stable")))
+            off = 0
+            for p in np.flatnonzero(counts).tolist():
+                if sinks[p] is None:
+                    sink = pa.OSFile(str(paths[p]), "wb")
+                    sinks[p] = (sink, ipc.new_file(sink, spill_schema))
+                sinks[p][1].write_table(table.slice(off, int(counts[p])))
+                off += int(counts[p])
+    finally:
+        for s in sinks:
+            if s is not None:
+                s[1].close()
+                s[0].close()
+    if row0 == 0:
+        raise DataError(f"{input_path}: input has no rows")
+    dt = time.perf_counter() - t0
+    log.info("pass 1 done", extra=kv(rows=row0, seconds=round(dt, 2), rows_per_s=int(row0 / max(dt, 1e-9))))
+    return _Spill([p for p, s in zip(paths, sinks) if s is not None], row0, bytes_per_row, dt)
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
+
+
+def _read_spill(path: Path) -> pa.Table:
+    with pa.memory_map(str(path)) as src:
+        return ipc.open_file(src).read_all()

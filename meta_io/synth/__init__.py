@@ -1,0 +1,10 @@
+"""Synthetic data: the multi-scenario log generator, apart from the Meta-IO pipeline.
+
+The generator writes raw Parquet logs and a schema that the pipeline
+(:mod:`meta_io.source`, :mod:`meta_io.build`) reads like any user data; the
+pipeline never imports it.
+"""
+
+from meta_io.synth.generator import SCENES, GeneratedData, GeneratorConfig, generate, generator_schema
+
+__all__ = ["SCENES", "GeneratedData", "GeneratorConfig", "generate", "generator_schema"]

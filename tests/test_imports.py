@@ -1,0 +1,193 @@
+"""Import rules (docs/design/architecture.md), read from the source with ``ast``.
+
+Every import counts: top level and function-local (a local import still ties the
+packages together; it only hides the tie from the interpreter). The rules:
+
+1. No import circle between the packages (ps, controller, workers, meta_io, models,
+   delivery, protos, and the two floors of ``metaps``: ``metaps.core`` = the
+   ``GROUND`` modules, ``metaps.app`` = the rest of ``metaps``).
+2. Floors: the ground floor imports nothing but itself, the standard library and
+   third-party packages (no subsystem, no top-floor ``metaps`` module); the
+   subsystems import the ground floor, never the top floor (``metaps.app``).
+3. ``ps`` and ``controller`` do not import each other.
+
+``KNOWN`` lists today's violations, each with the issue-12 point that removes it. It
+may only shrink: a new violation fails, and so does an entry that no longer occurs
+(delete it when its fix lands).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ps", "controller", "workers", "meta_io", "models", "delivery", "metaps", "protos")
+
+GROUND = frozenset({
+    "metaps", "metaps.errors", "metaps.config", "metaps.rpc", "metaps.log", "metaps.atomic_write",
+    "metaps.hashing", "metaps.metrics", "metaps.evaluation", "metaps.faults", "metaps.paths",
+    "metaps.security", "metaps.toml_writer",
+})
+
+# (importing module, imported package or module) -> the issue-12 point that removes it.
+KNOWN: dict[tuple[str, str], str] = {
+    # ps <-> controller (point 2: PS fleet operations move next to ps admin code, the
+    # controller takes them as Protocols; the role entry points move to the app floor).
+    ("ps.controller_link", "controller"): "2: app floor wires ps to the controller",
+    ("controller.ps_mover", "ps"): "2: mover moves next to ps admin code",
+    ("controller.ps_recovery", "ps"): "2: recovery moves next to ps admin code",
+    # subsystem CLIs import the job composition (point 1: the role entry points, gathered
+    # from the */cli.py files, move to the app floor).
+    ("ps.cli", "metaps.job"): "1: role entry points move to the app floor",
+    ("controller.cli", "metaps.job"): "1: role entry points move to the app floor",
+    ("workers.cli", "metaps.job"): "1: role entry points move to the app floor",
+    ("workers.cli", "metaps.preflight"): "1: role entry points move to the app floor",
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _targets(module: str, is_pkg: bool, node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        base = module.split(".") if is_pkg else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        stem = ".".join(base + ([node.module] if node.module else []))
+    else:
+        stem = node.module or ""
+    # `from pkg import mod` imports pkg.mod when it is a module; keep both readings.
+    return [stem] + [f"{stem}.{a.name}" for a in node.names]
+
+
+def read_imports() -> dict[str, set[str]]:
+    """Every project module -> the project modules/packages it imports (any depth)."""
+    modules: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            modules[_module_name(path)] = path
+    out: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(name, path.name == "__init__.py", node):
+                    if t.split(".")[0] in PACKAGES:
+                        # the longest prefix that is a real module (or the package itself)
+                        parts = t.split(".")
+                        while len(parts) > 1 and ".".join(parts) not in modules:
+                            parts.pop()
+                        found.add(".".join(parts))
+        found.discard(name)
+        out[name] = found
+    return out
+
+
+IMPORTS = read_imports()
+
+
+def _pkg(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _node(module: str) -> str:
+    """The unit of the circle rule: a package, or one of the two floors of ``metaps``."""
+    if _pkg(module) == "metaps":
+        return "metaps.core" if module in GROUND else "metaps.app"
+    return _pkg(module)
+
+
+def violations() -> dict[tuple[str, str], str]:
+    """(module, imported package or module) -> which rule it breaks (rules 2 and 3)."""
+    bad: dict[tuple[str, str], str] = {}
+    for mod, targets in IMPORTS.items():
+        for t in targets:
+            if mod in GROUND and t not in GROUND and _pkg(t) != "protos":
+                key = (mod, _pkg(t) if _pkg(t) != "metaps" else t)
+                bad[key] = "ground floor imports a higher floor"
+            if _pkg(mod) != "metaps" and _node(t) == "metaps.app":
+                bad[(mod, t)] = "a subsystem imports the app floor"
+            if {_pkg(mod), _pkg(t)} == {"ps", "controller"}:
+                bad[(mod, _pkg(t))] = "ps and controller import each other"
+    return bad
+
+
+def package_graph(skip: set[tuple[str, str]]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for mod, targets in IMPORTS.items():
+        for t in targets:
+            if _node(t) != _node(mod) and (mod, _pkg(t)) not in skip and (mod, t) not in skip:
+                graph[_node(mod)].add(_node(t))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_reader_sees_local_and_relative_imports() -> None:
+    # function-local imports count (controller.ps_mover imports ps only inside functions today)
+    assert any(_pkg(t) == "ps" for t in IMPORTS["controller.ps_mover"])
+    assert "metaps.errors" in IMPORTS["ps.errors"]
+
+
+def test_no_new_floor_or_ps_controller_violation() -> None:
+    found = violations()
+    new = {k: v for k, v in found.items() if k not in KNOWN}
+    assert not new, "new import-rule violations (docs/design/architecture.md):\n" + "\n".join(
+        f"  {m} imports {t}: {why}" for (m, t), why in sorted(new.items()))
+
+
+def test_no_import_circle_between_packages() -> None:
+    cycle = find_cycle(package_graph(set(KNOWN)))
+    if cycle:
+        edges = [(a, b) for a, b in zip(cycle, cycle[1:])]
+        where = {e: sorted(m for m, ts in IMPORTS.items() if _node(m) == e[0] and any(_node(t) == e[1] for t in ts))
+                 for e in edges}
+        raise AssertionError("import circle " + " -> ".join(cycle) + "; made by: "
+                             + "; ".join(f"{a}->{b}: {', '.join(ms[:5])}" for (a, b), ms in where.items()))
+
+
+def test_known_violations_still_occur() -> None:
+    """The allow-list only shrinks: drop an entry once its fix has landed."""
+    found = violations()
+    gone = [k for k in KNOWN if k not in found and not _still_in_cycle(k)]
+    assert not gone, f"fixed, remove from KNOWN: {gone}"
+
+
+def _still_in_cycle(key: tuple[str, str]) -> bool:
+    mod, target = key
+    return any(t == target or _pkg(t) == target for t in IMPORTS.get(mod, ()))
