@@ -79,6 +79,8 @@ def _make(cls: type[BaseException], message: str) -> BaseException:
             args.append(grpc.StatusCode.FAILED_PRECONDITION)
         elif ann.startswith("list"):
             args.append([message, "second problem"])
+        elif ann in ("int", "float"):  # a number the message is built from (e.g. a clock, a lease)
+            args.append(7)
         else:
             args.append(message)
     return cls(*args)
