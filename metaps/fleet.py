@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -279,6 +280,22 @@ def _process_groups() -> dict[int, int]:
             continue
         out[int(d.name)] = int(fields[2])
     return out
+
+
+_ERROR_LINE = re.compile(r"(metaps [\w-]+: error: .*|^[\w.]*(?:Error|Exception|Timeout)[\w]*: .*)$", re.M)
+
+
+def last_error(path: Path, lines: int = 200, width: int = 300) -> str:
+    """The last error a role printed in its log: its CLI line (``metaps worker: error: ...``),
+    else the final line of a traceback (``SomeError: ...``); '' when there is none.
+
+    Args:
+        path: the member's log (the agent's log holds its child's output too).
+        lines: how many trailing lines to search.
+        width: the returned text is cut to this many characters.
+    """
+    found = _ERROR_LINE.findall(tail(path, lines))
+    return found[-1].strip()[:width] if found else ""
 
 
 def tail(path: Path, lines: int = 20) -> str:

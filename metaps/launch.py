@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from metaps.errors import ConfigError
-from metaps.fleet import Fleet, FleetError, tail
+from metaps.fleet import Fleet, FleetError, last_error, tail
 from metaps.log import kv
 
 log = logging.getLogger(__name__)
@@ -485,8 +485,10 @@ class Launcher:
             if m.role not in ("ps", "worker") or (m.role == "worker" and rc == 0):
                 continue
             if rc == 1 and "restart limit reached" in tail(m.log_path, 200):
+                cause = last_error(m.log_path)
                 return Outcome("failed", f"{name}'s agent exited with code 1 (its {m.role} failed beyond its "
-                                         f"restart limit {limit}); see logs/{name}.log", EXIT_FAILED)
+                                         f"restart limit {limit}{'; last error: ' + cause if cause else ''}); "
+                                         f"see logs/{name}.log", EXIT_FAILED)
             if m.role == "ps" and rc == 0:
                 return Outcome("failed", f"{name}'s agent exited with code 0 while the run was going (its PS "
                                          f"stopped); see logs/{name}.log", EXIT_FAILED)

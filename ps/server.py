@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -89,6 +90,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import grpc
+import lmdb
 import numpy as np
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -363,7 +365,13 @@ def _rpc(data: bool) -> Callable:
             except FileNotFoundError as exc:
                 self.metrics.errors.labels(shard, method, "NOT_FOUND").inc()
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{method}: {exc}")
-            except OSError as exc:  # an unreadable directory
+            except (lmdb.DiskError, lmdb.MapFullError) as exc:  # a checkpoint that does not fit its disk
+                self.metrics.errors.labels(shard, method, "RESOURCE_EXHAUSTED").inc()
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: no space to write: {exc}")
+            except OSError as exc:  # an unreadable directory; a full disk
+                if exc.errno == errno.ENOSPC:
+                    self.metrics.errors.labels(shard, method, "RESOURCE_EXHAUSTED").inc()
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: no space to write: {exc}")
                 self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {exc}")
             except Exception as exc:  # a bug, not bad input: INTERNAL with the traceback in our log, never UNKNOWN

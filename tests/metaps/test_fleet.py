@@ -75,3 +75,20 @@ def test_tail(tmp_path: Path) -> None:
     p.write_text("".join(f"line {i}\n" for i in range(100)))
     assert tail(p, 3) == "line 97\nline 98\nline 99"
     assert tail(tmp_path / "missing") == ""
+
+
+def test_last_error_names_the_cause_a_role_printed(tmp_path: Path) -> None:
+    from metaps.fleet import last_error
+
+    log_path = tmp_path / "worker-0.log"
+    log_path.write_text(
+        "2026 INFO workers.worker msg=step\n"
+        "Traceback (most recent call last):\n"
+        "ps.coordinator.CheckpointCoordinationError: checkpoint of step 9 failed: RESOURCE_EXHAUSTED: no space\n"
+        "metaps worker: error: checkpoint of step 17 failed: RESOURCE_EXHAUSTED: Checkpoint: no space to write\n"
+        "2026 ERROR controller.agent msg=\"restart limit reached; giving up\" node=worker:0\n")
+    assert last_error(log_path) == ("metaps worker: error: checkpoint of step 17 failed: RESOURCE_EXHAUSTED: "
+                                    "Checkpoint: no space to write")
+    log_path.write_text("2026 INFO all fine\n")
+    assert last_error(log_path) == ""
+    assert last_error(tmp_path / "missing.log") == ""
