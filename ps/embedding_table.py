@@ -423,21 +423,28 @@ class EmbeddingTable:
 
     # -- allocation / eviction -----------------------------------------------------
     def _alloc(self, ids: np.ndarray, init_values: bool = True) -> np.ndarray:
-        """Take rows for new unique ``ids`` (caller ensured enough are free); map and init them."""
+        """Take rows for new unique ``ids`` (caller ensured enough are free); map and init them.
+
+        ``ids`` must be unique and absent from the id map (both callers derive them from
+        a lookup that returned -1 on unique ids), so the map skips its own checks.
+        """
         k = ids.shape[0]
         rows = self._free[self._n_free - k : self._n_free][::-1].astype(np.int64)
         self._n_free -= k
         rows_t = torch.from_numpy(rows)
         dev_rows = rows_t.to(self.device)
         if init_values:
-            self.weights[dev_rows] = torch.from_numpy(self.init(ids)).to(self.device)
+            vals = torch.from_numpy(self.init(ids))
+            lo, hi = torch.aminmax(vals)
+            absmax = max(-float(lo), float(hi))
+            self.weights[dev_rows] = vals.to(self.device)
             self.optimizer.reset_rows(dev_rows)
-            self.optimizer.rows_written(dev_rows)
+            self.optimizer.rows_initialized(dev_rows, absmax)
         self.row_ids[rows] = ids
         self.freq[rows] = 0
         self.last_step[rows] = self.step
         self.row_version[rows] = self.current_version
-        self.id_map.insert(ids, rows_t)
+        self.id_map.insert(ids, rows_t, known_new=True)
         return rows
 
     def _release(self, rows: np.ndarray) -> np.ndarray:
