@@ -67,7 +67,7 @@ _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_RE = re.compile(r"^ckpt-(\d+)\.tmp$")
 _SHARD_RE = re.compile(r"^shard-(\d+)\.lmdb$")
 _HDR = struct.Struct("<4sII")
-_TXN_BYTES = 256 << 20
+_TXN_BYTES = 64 << 20
 """A streaming save commits its LMDB write transaction every this many bytes."""
 
 

@@ -536,8 +536,10 @@ class EmbeddingTable:
         if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.shape != (n, self.dim):
             got = f"{getattr(w, 'dtype', type(w).__name__)} {getattr(w, 'shape', '')}"
             raise BadRequest(f"table '{self.name}': rows.weights must be float32 ({n}, {self.dim}), got {got}")
-        if n and np.unique(ids).shape[0] != n:
-            raise BadRequest(f"table '{self.name}': rows.ids hold duplicates")
+        if n > 1:
+            srt = np.sort(ids)  # (np.unique's hash path was ~30x slower here on 1M ids)
+            if bool((srt[1:] == srt[:-1]).any()):
+                raise BadRequest(f"table '{self.name}': rows.ids hold duplicates")
         spec = self.optimizer.state_spec(self.dim)
         if set(rows.state) != set(spec):
             raise BadRequest(
@@ -590,9 +592,10 @@ class EmbeddingTable:
         if k:
             cur[new] = self._alloc(rows.ids[new], init_values=False)
         rows_t = torch.from_numpy(cur).to(self.device)
-        self.weights[rows_t] = torch.from_numpy(np.ascontiguousarray(rows.weights)).to(self.device)
+        w_src = torch.from_numpy(np.ascontiguousarray(rows.weights)).to(self.device)
+        self.weights[rows_t] = w_src
         self.optimizer.import_state(rows_t, rows.state)
-        rewritten = self.optimizer.rows_written(rows_t)
+        rewritten = self.optimizer.rows_imported(rows_t, w_src)
         if rewritten:
             log.warning(
                 "imported weights differ from the optimizer state's; stored the state's",

@@ -172,6 +172,11 @@ class SparseOptimizer:
         bookkeeping needs only the magnitude override it to skip re-reading the rows."""
         return self.rows_written(rows)
 
+    def rows_imported(self, rows: torch.Tensor, weights: torch.Tensor) -> int:
+        """Hook: ``rows`` were just given ``weights`` [k, dim] and imported state.
+        Same contract as :meth:`rows_written` (default: that)."""
+        return self.rows_written(rows)
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
@@ -234,6 +239,16 @@ class FusedTbeOptimizer(SparseOptimizer):
             self.bound_w = max(self.bound_w, float(weight_absmax))
             if self._momentum is not None:
                 self.bound_m = max(self.bound_m, abs(float(self.cfg.initial_accumulator)))
+        return 0
+
+    def rows_imported(self, rows: torch.Tensor, weights: torch.Tensor) -> int:
+        # bound from the imported values (what is stored now) without gathering the rows back
+        if rows.numel():
+            lo, hi = torch.aminmax(weights)
+            self.bound_w = max(self.bound_w, -float(lo), float(hi))
+            if self._momentum is not None:
+                lo, hi = torch.aminmax(self._momentum.index_select(0, rows))
+                self.bound_m = max(self.bound_m, -float(lo), float(hi))
         return 0
 
     def _growth(self, gmax: float) -> tuple[float, float]:

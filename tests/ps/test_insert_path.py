@@ -158,3 +158,27 @@ def test_id_map_known_new_insert_equals_checked_insert() -> None:
     with pytest.raises(ValueError, match="exceed capacity"):
         a.insert(np.arange(10**10, 10**10 + 101, dtype=np.int64), np.arange(101, dtype=np.int64), known_new=True)
     assert a.size == 900
+
+
+@pytest.mark.parametrize("opt", [OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
+def test_import_bounds_match_rows_written(opt: OptimizerKind) -> None:
+    """Imports bound the fused kinds' magnitudes from the imported values, as re-reading the rows did."""
+    new, old = _stream_tables(opt)
+    rng = np.random.default_rng(3)
+    ids = rng.choice(10**9, size=200, replace=False).astype(np.int64)
+    rows = new.export_rows(np.empty(0, np.int64))
+    spec = new.optimizer.state_spec(8)
+    state = {k: (np.abs(rng.normal(size=(200, *shape))) * 50).astype(dt) for k, (shape, dt) in spec.items()}
+    rows = type(rows)(ids=ids, weights=(rng.normal(size=(200, 8)) * 30).astype(np.float32), state=state)
+    new.import_rows(rows)
+    old.import_rows(rows)
+    r = torch.from_numpy(old.lookup_rows(ids))
+    old.optimizer.bound_w = old.optimizer.bound_m = 0.0
+    old.optimizer.rows_written(r)  # the old hook: re-read the stored rows
+    assert new.optimizer.bound_w == old.optimizer.bound_w == float(np.abs(rows.weights).max())
+    if spec:
+        assert new.optimizer.bound_m == old.optimizer.bound_m == float(np.abs(state["momentum"]).max())
+    dup = type(rows)(ids=np.array([5, 6, 5], np.int64), weights=np.zeros((3, 8), np.float32),
+                     state={k: np.zeros((3, *shape), dt) for k, (shape, dt) in spec.items()})
+    with pytest.raises(Exception, match="duplicates"):
+        new.import_rows(dup)
