@@ -187,7 +187,7 @@ def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict
         meta = _shard_meta(store, shard_id)
         est = sum(t.size * (8 * 3 + t.raw_bytes_per_row()) for t in store.tables.values())
         est += sum(sum(np.asarray(a).nbytes for a in e.values()) for e in dense.values())
-        env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * est + (64 << 20), 1 << 26), sync=True)
+        env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * est + (64 << 20), 1 << 26), sync=False)
         try:
             txn = env.begin(write=True)
             pending = 0
@@ -206,7 +206,7 @@ def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict
             for name, entry in dense.items():
                 txn.put(f"d/{name}".encode(), pack_arrays(entry))
             txn.commit()
-            env.sync(True)
+            env.sync(True)  # one fsync for the file (not one per transaction)
         except BaseException:
             with contextlib.suppress(Exception):
                 txn.abort()
