@@ -6,8 +6,9 @@ Run::
 
 Side by side in one run (the machine is shared and noisy: read the ratios):
 
-* pull / push of 16K random known ids (best of ``reps``) on a full table of
-  ``BASE`` = 1M rows and on a full table of ``--rows`` (50M; ``--quick``: 4M),
+* pull / push of 16K random known ids (best of ``reps``, the two sizes
+  interleaved rep by rep, both stores alive) on a full table of ``BASE`` = 1M
+  rows and on a full table of ``--rows`` (50M; ``--quick``: 4M),
   ratios ``pull_50m_vs_1m`` / ``push_50m_vs_1m`` (the keys keep their names
   in quick mode; ``big_rows`` says what was measured);
 * insert: pushes of 16K never-seen ids into the big table when it is nearly
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from ps import checkpoint as ckpt
+from ps import hugepages
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.embedding_table import TableRows
 from ps.shard_store import ShardStore
@@ -122,24 +124,28 @@ def _fill(store: ShardStore, rows: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-def _pull_push(store: ShardStore, rows: int, reps: int, rng: np.random.Generator) -> tuple[float, float]:
-    """rows/s of pull and push of 16K random known ids (fresh ids every rep, best rep)."""
+def _pull_push(stores: dict[str, ShardStore], reps: int, figures: dict) -> None:
+    """Best rows/s of pull and push of 16K random known ids per store, interleaved rep by rep
+    (fresh ids every rep) so that load from other processes hits every size alike."""
+    rng = np.random.default_rng(7)
     g = (rng.normal(size=(N_REQ, DIM)) * 1e-4).astype(np.float32)
-    batches = [_ids(0, 1)[0] + np.int64(ID_MULT) * rng.integers(0, rows, N_REQ) for _ in range(reps)]
-    pull_t, push_t = [], []
-    for b in batches:
-        t0 = time.perf_counter()
-        store.pull("t", b)
-        pull_t.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        store.push("t", b, g)
-        push_t.append(time.perf_counter() - t0)
-    return N_REQ / min(pull_t), N_REQ / min(push_t)
+    times: dict[str, list[float]] = {f"{op}_{tag}": [] for tag in stores for op in ("pull", "push")}
+    for _ in range(reps):
+        for tag, s in stores.items():
+            b = _ids(0, 1)[0] + np.int64(ID_MULT) * rng.integers(0, s.tables["t"].capacity, N_REQ)
+            t0 = time.perf_counter()
+            s.pull("t", b)
+            times[f"pull_{tag}"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            s.push("t", b, g)
+            times[f"push_{tag}"].append(time.perf_counter() - t0)
+    for k, v in times.items():
+        op, tag = k.split("_", 1)
+        figures[f"{op}_rows_per_s_{tag}"] = round(N_REQ / min(v))
 
 
-def measure_size(rows: int, reps: int, figures: dict, tag: str, new_rows: int) -> ShardStore:
-    """Fill a ``rows``-capacity table (all but ``new_rows`` by import, the rest by push); measure."""
-    rng = np.random.default_rng(rows)
+def build(rows: int, figures: dict, tag: str, new_rows: int) -> ShardStore:
+    """Fill a ``rows``-capacity table (all but ``new_rows`` by import, the rest by push); memory figures."""
     before = rss_anon()
     s = ShardStore([_cfg(rows)], shard_id=0, num_vshards=V, seed=0)
     t = s.tables["t"]
@@ -152,9 +158,6 @@ def measure_size(rows: int, reps: int, figures: dict, tag: str, new_rows: int) -
             s.push("t", ids, g[: ids.size])
         figures["insert_rows_per_s"] = round(new_rows / (time.perf_counter() - t0))
     assert t.size == rows, (t.size, rows)
-    pull, push = _pull_push(s, rows, reps, rng)
-    figures[f"pull_rows_per_s_{tag}"] = round(pull)
-    figures[f"push_rows_per_s_{tag}"] = round(push)
     raw = t.raw_bytes_per_row()
     figures[f"bytes_per_row_{tag}"] = round(s.memory_bytes() / rows, 1)
     figures[f"rss_bytes_per_row_{tag}"] = round((rss_anon() - before) / rows, 1)
@@ -177,30 +180,43 @@ def service_restore_extra(store: ShardStore, work: Path) -> float:
     return extra
 
 
+class _Done(Exception):
+    """--no-ckpt: stop after the size measurements."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="big table of 4M rows (about a minute)")
     ap.add_argument("--rows", type=int, default=0, help="rows of the big table (default 50M, quick 4M)")
     ap.add_argument("--ckpt-dir", default="", help="where the checkpoint is written (default: a temp dir)")
+    ap.add_argument("--no-hugepages", action="store_true", help="tables on 4 KiB pages (A/B of ps.hugepages)")
+    ap.add_argument("--no-ckpt", action="store_true", help="skip checkpoint and restore")
     args = ap.parse_args()
+    hugepages.ENABLED = not args.no_hugepages
     torch.set_num_threads(1)
     big = args.rows or (4_000_000 if args.quick else 50_000_000)
-    reps = 7 if args.quick else 9
+    reps = 15 if args.quick else 25
     work = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="ps_scale_"))
     work.mkdir(parents=True, exist_ok=True)
-    figures: dict = {"base_rows": BASE, "big_rows": big, "dim": DIM, "rows_per_request": N_REQ}
+    figures: dict = {"base_rows": BASE, "big_rows": big, "dim": DIM, "rows_per_request": N_REQ,
+                     "hugepages": hugepages.ENABLED}
     try:
-        s = measure_size(BASE, reps, figures, "base", new_rows=0)
-        figures["service_restore_extra_vs_store"] = round(service_restore_extra(s, work), 3)
-        del s
+        base = build(BASE, figures, "base", new_rows=0)
+        figures["service_restore_extra_vs_store"] = round(service_restore_extra(base, work), 3)
         gc.collect()
-        s = measure_size(big, reps, figures, "big", new_rows=min(big // 8, 32 * N_REQ))
+        s = build(big, figures, "big", new_rows=min(big // 8, 32 * N_REQ))
+        _pull_push({"base": base, "big": s}, reps, figures)
+        del base
+        gc.collect()
         figures["pull_50m_vs_1m"] = round(figures["pull_rows_per_s_big"] / figures["pull_rows_per_s_base"], 3)
         figures["push_50m_vs_1m"] = round(figures["push_rows_per_s_big"] / figures["push_rows_per_s_base"], 3)
         raw = figures["raw_bytes_per_row"]
         figures["bytes_per_row_ratio"] = round(figures["bytes_per_row_big"] / raw, 3)
         figures["rss_per_row_ratio"] = round(figures["rss_bytes_per_row_big"] / raw, 3)
         store_bytes = s.memory_bytes()
+        figures["hugepage_bytes_vs_store"] = round(hugepages.huge_bytes() / store_bytes, 3)
+        if args.no_ckpt:
+            raise _Done
 
         tmp = ckpt.checkpoint_tmp_dir(work, step=2)
         gc.collect()
@@ -230,6 +246,8 @@ def main() -> None:
         # the empty store is allocated up front (capacity rows): extra = what filling it adds
         figures["restore_peak_extra_vs_store"] = round(p.extra / store_bytes, 4)
         del fresh
+    except _Done:
+        pass
     finally:
         if not args.ckpt_dir:
             shutil.rmtree(work, ignore_errors=True)

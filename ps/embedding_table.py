@@ -53,6 +53,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from metaps.log import kv
+from ps import hugepages
 from ps.admission import Admission
 from ps.config import NonfiniteMode, TableConfig
 from ps.errors import BadRequest
@@ -154,6 +155,28 @@ class PushResult:
         return PushResult(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
 
 
+def _weights_on_hugepages(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> None:
+    """Give a CPU TBE fresh, untouched, THP-advised weight storage (see ps.hugepages).
+
+    TBE fills its weights with random values at construction; a table never
+    reads them (rows get their deterministic initial value when allocated, or
+    imported values), so the storage is replaced (zeroed) rather than copied:
+    the old storage is freed right away, never two copies of a big table.
+    """
+    w = tbe.weights_host
+    if w.numel() * w.element_size() < hugepages.MIN_BYTES:
+        return
+    shape, dtype = tuple(w.shape), w.dtype
+    with torch.no_grad():
+        w.data = torch.empty(0, dtype=dtype)  # free TBE's storage first: never two copies at once
+        w.data = hugepages.full(shape, 0.0, dtype)
+    momentum = getattr(tbe, "momentum1_host", None)
+    if momentum is not None and momentum.numel() * momentum.element_size() >= hugepages.MIN_BYTES:
+        shape, dtype = tuple(momentum.shape), momentum.dtype
+        momentum.data = torch.empty(0, dtype=dtype)
+        momentum.data = hugepages.full(shape, 0.0, dtype)  # the optimizer fills it
+
+
 def check_ids(table: str, ids: object, what: str = "ids") -> np.ndarray:
     """Validate an id array: numpy int64, 1-D, no -1. Returns it (raises BadRequest)."""
     if not isinstance(ids, np.ndarray):
@@ -202,6 +225,8 @@ class EmbeddingTable:
             pooling_mode=PoolingMode.SUM,
             **extra,
         )
+        if self.device.type == "cpu":
+            _weights_on_hugepages(self.tbe)
         # detach: same storage, but in-place writes need no autograd bookkeeping
         self.weights: torch.Tensor = self.tbe.split_embedding_weights()[0].detach()
         self.optimizer = make_optimizer(o, self.weights, self.tbe)
@@ -209,10 +234,11 @@ class EmbeddingTable:
         self.init = RowInitializer(cfg.name, cfg.dim, cfg.init, cfg.init_scale, self.seed)
         self.admission = Admission(cfg.admission, cfg.capacity, self.seed)
         c = cfg.capacity
-        self.row_ids = np.full(c, -1, dtype=np.int64)
-        self.freq = np.zeros(c, dtype=np.int32)
-        self.last_step = np.zeros(c, dtype=np.int32)
-        self.row_version = np.zeros(c, dtype=np.int32)
+        # per-row metadata is written at random rows by every push: 2 MiB pages too
+        self.row_ids = hugepages.numpy_full(c, -1, torch.int64)
+        self.freq = hugepages.numpy_full(c, 0, torch.int32)
+        self.last_step = hugepages.numpy_full(c, 0, torch.int32)
+        self.row_version = hugepages.numpy_full(c, 0, torch.int32)
         self._free = np.arange(c - 1, -1, -1, dtype=np.int32)  # pop from the end: rows 0, 1, 2, ...
         self._n_free = c
         self.step = 0

@@ -30,6 +30,8 @@ import torch
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
+from ps import hugepages
+
 EMPTY_KEY = -1
 TOMBSTONE = -2
 
@@ -52,7 +54,7 @@ class IdMap:
         self._slots_n = int(np.ceil(load_factor * capacity)) + 8
         # at full capacity live / slots <= 1 / load_factor; keep the trigger above it
         self._rebuild_slots = max(int(rebuild_at * self._slots_n), self._capacity + 1)
-        self._table = torch.full((self._slots_n, 2), EMPTY_KEY, dtype=torch.int64)
+        self._table = hugepages.full((self._slots_n, 2), EMPTY_KEY, torch.int64)  # random probes: 2 MiB pages
         self._table_offsets = torch.tensor([0, self._slots_n], dtype=torch.int64)
         self._size = 0
         self._used_slots = 0  # live + tombstones (slots whose key != -1)

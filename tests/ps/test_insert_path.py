@@ -182,3 +182,28 @@ def test_import_bounds_match_rows_written(opt: OptimizerKind) -> None:
                      state={k: np.zeros((3, *shape), dt) for k, (shape, dt) in spec.items()})
     with pytest.raises(Exception, match="duplicates"):
         new.import_rows(dup)
+
+
+def test_big_table_on_hugepages_behaves_like_4k_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table past hugepages.MIN_BYTES gets fresh 2 MiB-aligned storage; pushes and pulls are unchanged."""
+    from ps import hugepages
+
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 1 << 19)  # small test table: weights 9 MB, momentum 560 KB, map 3.4 MB
+    cfg = TableConfig(name="t", dim=16, capacity=140_000, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD))
+    huge = EmbeddingTable(cfg, seed=1)
+    monkeypatch.setattr(hugepages, "ENABLED", False)
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 1 << 40)
+    plain = EmbeddingTable(cfg, seed=1)
+    assert huge.weights.data_ptr() % hugepages.HUGE == 0
+    assert huge.weights.data_ptr() == huge.tbe.weights_host.data_ptr()
+    assert huge.optimizer.state_tensors()["momentum"].data_ptr() == huge.tbe.momentum1_host.data_ptr()
+    assert huge.id_map._table.data_ptr() % hugepages.HUGE == 0 and (huge.row_ids == -1).all()
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        ids = rng.integers(0, 60_000, 3000).astype(np.int64)
+        g = rng.normal(size=(3000, 16)).astype(np.float32)
+        assert huge.push(ids, g) == plain.push(ids, g)
+    probe = np.arange(60_000, dtype=np.int64)
+    np.testing.assert_array_equal(huge.pull(probe), plain.pull(probe))
+    r = torch.from_numpy(huge.lookup_rows(probe[huge.lookup_rows(probe) >= 0]))
+    assert torch.equal(huge.optimizer.state_tensors()["momentum"][r], plain.optimizer.state_tensors()["momentum"][r])
