@@ -43,6 +43,7 @@ from ps.config import (
     OptimizerKind,
     TableConfig,
 )
+from ps.embedding_table import TableRows
 from ps.id_map import IdMap
 from ps.shard_store import ShardStore
 
@@ -120,7 +121,7 @@ def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
     t = s.tables["t"]
     rng = np.random.default_rng(2)
     known = np.arange(cap, dtype=np.int64)
-    rows = TableRowsFactory.make(known, dim)
+    rows = _bulk_rows(known, dim)
     s.import_rows("t", rows)
     n_new = N_REQ // 5
     g = (rng.normal(size=(N_REQ, dim)) * 1e-3).astype(np.float32)
@@ -156,17 +157,12 @@ def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
     figures["stream_vs_known"] = round(float(np.median(known_t)) / per_row, 3)
 
 
-class TableRowsFactory:
-    """Rows with hashed-normal-like weights for bulk fills (cheap: one random block, tiled)."""
-
-    @staticmethod
-    def make(ids: np.ndarray, dim: int):  # noqa: ANN205
-        from ps.embedding_table import TableRows
-
-        block = (np.random.default_rng(3).normal(size=(min(ids.size, 1 << 16), dim)) * 0.01).astype(np.float32)
-        reps = -(-ids.size // block.shape[0])
-        w = np.tile(block, (reps, 1))[: ids.size]
-        return TableRows(ids=ids, weights=w, state={"momentum": np.zeros(ids.size, np.float32)})
+def _bulk_rows(ids: np.ndarray, dim: int) -> TableRows:
+    """Rows for a bulk fill: one random block (scale 0.01), tiled; zero momentum."""
+    block = (np.random.default_rng(3).normal(size=(min(ids.size, 1 << 16), dim)) * 0.01).astype(np.float32)
+    reps = -(-ids.size // block.shape[0])
+    w = np.tile(block, (reps, 1))[: ids.size]
+    return TableRows(ids=ids, weights=w, state={"momentum": np.zeros(ids.size, np.float32)})
 
 
 def main() -> None:
