@@ -11,7 +11,16 @@ Side by side in one run (this machine is noisy, so read the ratios):
 * push: ``ShardStore.push`` of 16K ids (with duplicates) per optimizer vs a bare
   TBE forward+backward (rowwise Adagrad) over the same rows;
 * memory: ``ShardStore.memory_bytes()`` of a full 1M-row table vs the raw bytes of
-  its rows + optimizer state, for dim 16 and 64.
+  its rows + optimizer state, for dim 16 and 64;
+* insert: ``ShardStore.push`` of 16K never-seen ids (dim 64, rowwise Adagrad,
+  normal init) into an empty table, vs its floors on the same ids: the fbgemm
+  hash-map insert alone and the deterministic initializer alone
+  (``insert_rows_per_s``, ``insert_vs_hashmap``, ``insert_vs_init``);
+* stream: steady state of a full table under a stream of new ids (admission
+  ``min_count = 2``, LFU eviction): each 16K-id push carries 10% first
+  sightings and the 10% seen in the previous push (admitted now, evicting
+  rows), vs pushes of known ids only on the same table (``stream_push_rows_per_s``, ``stream_new_rows_per_s``,
+  ``stream_vs_known``).
 
 The last line printed is a JSON object of the figures.
 """
@@ -25,7 +34,17 @@ import time
 import numpy as np
 import torch
 
-from ps.config import InitKind, OptimizerConfig, OptimizerKind, TableConfig
+from ps.config import (
+    AdmissionConfig,
+    EvictionConfig,
+    EvictionPolicy,
+    InitKind,
+    OptimizerConfig,
+    OptimizerKind,
+    TableConfig,
+)
+from ps.embedding_table import TableRows
+from ps.id_map import IdMap
 from ps.shard_store import ShardStore
 
 N_REQ = 16 * 1024
@@ -50,6 +69,100 @@ def _filled_store(kind: OptimizerKind, capacity: int, dim: int, fill: int, devic
         ids = np.arange(lo, min(lo + chunk, fill), dtype=np.int64)
         s.push("t", ids, np.zeros((ids.size, dim), np.float32))
     return s
+
+
+def _insert_figures(cap: int, dim: int, reps: int, figures: dict) -> None:
+    """All-new pushes into an empty table vs the hash-map insert and the initializer alone."""
+    cfg = TableConfig(name="t", dim=dim, capacity=cap, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD))
+    base = np.random.default_rng(1).permutation(cap).astype(np.int64) * 7919 + 13
+    g = np.zeros((N_REQ, dim), np.float32)
+    batches = [base[lo : lo + N_REQ] for lo in range(0, min(cap, 8 * N_REQ), N_REQ)]
+    n = sum(b.size for b in batches)
+
+    def fill() -> None:
+        s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
+        t0 = time.perf_counter()
+        for b in batches:
+            s.push("t", b, g[: b.size])
+        times.append(time.perf_counter() - t0)
+
+    def hashmap() -> None:
+        m = IdMap(cap)
+        t0 = time.perf_counter()
+        for b in batches:
+            m.insert(b, np.arange(b.size, dtype=np.int64), known_new=True)
+        times_map.append(time.perf_counter() - t0)
+
+    probe = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0).tables["t"].init
+    times: list[float] = []
+    times_map: list[float] = []
+    for _ in range(reps):  # interleaved, best of each
+        fill()
+        hashmap()
+    init_s = _best(lambda: [probe(b) for b in batches], reps)
+    figures["insert_rows_per_s"] = round(n / min(times))
+    figures["insert_hashmap_rows_per_s"] = round(n / min(times_map))
+    figures["insert_init_rows_per_s"] = round(n / init_s)
+    figures["insert_vs_hashmap"] = round(min(times_map) / min(times), 3)
+    figures["insert_vs_init"] = round(init_s / min(times), 3)
+
+
+def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
+    """Steady state of a full table: 20% never-seen ids per push (admission + eviction working)."""
+    cfg = TableConfig(
+        name="t",
+        dim=dim,
+        capacity=cap,
+        optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD),
+        admission=AdmissionConfig(min_count=2),
+        eviction=EvictionConfig(policy=EvictionPolicy.LFU, evict_fraction=0.05),
+    )
+    s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
+    t = s.tables["t"]
+    rng = np.random.default_rng(2)
+    known = np.arange(cap, dtype=np.int64)
+    rows = _bulk_rows(known, dim)
+    s.import_rows("t", rows)
+    n_new = N_REQ // 5
+    g = (rng.normal(size=(N_REQ, dim)) * 1e-3).astype(np.float32)
+    next_new = cap
+    prev_new = np.empty(0, np.int64)
+    stream_t: list[float] = []
+    known_t: list[float] = []
+    admitted = 0
+    for i in range(pushes + 2):
+        fresh = np.arange(next_new, next_new + n_new // 2, dtype=np.int64)  # first sighting now, admitted next push
+        next_new += fresh.size
+        hot = t.row_ids[rng.integers(0, cap, N_REQ - fresh.size - prev_new.size)]
+        hot = hot[hot >= 0]
+        ids = np.concatenate([hot, prev_new, fresh])
+        t0 = time.perf_counter()
+        r = s.push("t", ids, g[: ids.size])
+        dt = time.perf_counter() - t0
+        known_ids = t.row_ids[rng.integers(0, cap, N_REQ)]
+        known_ids = known_ids[known_ids >= 0]
+        t1 = time.perf_counter()
+        s.push("t", known_ids, g[: known_ids.size])
+        dk = time.perf_counter() - t1
+        if i >= 2:  # warm: the table is full and every push admits the previous push's new ids
+            stream_t.append(dt / ids.size)
+            known_t.append(dk / known_ids.size)
+            admitted += r.admitted
+        prev_new = fresh
+    per_row = float(np.median(stream_t))
+    figures["stream_push_rows_per_s"] = round(1.0 / per_row)
+    figures["stream_new_rows_per_s"] = round(admitted / pushes / (per_row * N_REQ))
+    figures["stream_new_fraction"] = round(admitted / pushes / N_REQ, 3)
+    figures["stream_evictions"] = t.counters["evictions"]
+    figures["stream_vs_known"] = round(float(np.median(known_t)) / per_row, 3)
+
+
+def _bulk_rows(ids: np.ndarray, dim: int) -> TableRows:
+    """Rows for a bulk fill: one random block (scale 0.01), tiled; zero momentum."""
+    block = (np.random.default_rng(3).normal(size=(min(ids.size, 1 << 16), dim)) * 0.01).astype(np.float32)
+    reps = -(-ids.size // block.shape[0])
+    w = np.tile(block, (reps, 1))[: ids.size]
+    return TableRows(ids=ids, weights=w, state={"momentum": np.zeros(ids.size, np.float32)})
 
 
 def main() -> None:
@@ -99,6 +212,9 @@ def main() -> None:
         figures[f"memory_vs_raw_dim{mdim}"] = round(used / raw, 3)
         assert t.size == cap
         del s, t
+
+    _insert_figures(cap, dim, reps, figures)
+    _stream_figures(cap // 4 if args.quick else cap, dim, 8 if args.quick else 20, figures)
 
     for k, v in figures.items():
         print(f"{k:34s} {v}")

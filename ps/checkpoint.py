@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -66,6 +67,8 @@ _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_RE = re.compile(r"^ckpt-(\d+)\.tmp$")
 _SHARD_RE = re.compile(r"^shard-(\d+)\.lmdb$")
 _HDR = struct.Struct("<4sII")
+_TXN_BYTES = 64 << 20
+"""A streaming save commits its LMDB write transaction every this many bytes."""
 
 
 # -- chunk encoding ----------------------------------------------------------------
@@ -163,72 +166,85 @@ def shard_path(ckpt_dir: str | Path, shard_id: int) -> Path:
 def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict:  # noqa: F821
     """Write this shard's tables and dense params into ``<ckpt_dir>/shard-<K>.lmdb``.
 
-    The cut is taken under ``store.write_lock()`` (rows copied in memory), then
-    written without holding the lock.
+    Streamed: under ``store.write_lock()`` (a consistent cut) every table is
+    written one vshard chunk at a time (``ShardStore.vshard_chunks``), committing
+    the LMDB transaction every ``_TXN_BYTES``, so the extra memory is one chunk
+    plus a row index, never a copy of the tables; pulls and pushes wait meanwhile.
 
     Returns:
         a summary: {"file", "rows": {table: n}, "dense": n, "bytes"}.
     """
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    with store.write_lock():
-        rows = {name: store.all_rows(name) for name in store.tables}
-        dense = store.dense.state()
-        version = store.version
-        steps = {name: t.step for name, t in store.tables.items()}
-    meta = {
-        "format": FORMAT,
-        "shard_id": int(shard_id),
-        "num_vshards": store.num_vshards,
-        "seed": store.seed,
-        "version": version,
-        "tables": {
-            name: {
-                "dim": t.dim,
-                "optimizer": t.cfg.optimizer.kind.value,
-                "capacity": t.capacity,
-                "rows": len(rows[name]),
-                "step": steps[name],
-                "state": {k: [list(shape), np.dtype(dt).str] for k, (shape, dt) in t.optimizer.state_spec(t.dim).items()},
-            }
-            for name, t in store.tables.items()
-        },
-        "dense": sorted(dense),
-    }
-    items: list[tuple[bytes, bytes]] = [(b"meta", json.dumps(meta).encode())]
-    for name, r in rows.items():
-        if len(r) == 0:
-            continue
-        vs = vshard_of(r.ids, store.num_vshards)
-        order = np.argsort(vs, kind="stable")
-        vs_sorted = vs[order]
-        cuts = np.nonzero(np.diff(vs_sorted))[0] + 1
-        for part in np.split(order, cuts):
-            v = int(vs[part[0]])
-            items.append((f"t/{name}/{v}".encode(), pack_arrays(_rows_to_arrays(r.take(part)))))
-    for name, entry in dense.items():
-        items.append((f"d/{name}".encode(), pack_arrays(entry)))
-    total = sum(len(k) + len(v) for k, v in items)
     path = shard_path(ckpt_dir, shard_id)
     for stale in (path, Path(str(path) + "-lock")):
         if stale.exists():
             stale.unlink()
-    env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * total + (64 << 20), 1 << 26), sync=True)
-    try:
-        with env.begin(write=True) as txn:
-            for k, v in items:
-                txn.put(k, v)
-        env.sync(True)
-    finally:
-        env.close()
+    # streamed under the lock: one vshard chunk in memory at a time (no copy of the tables);
+    # pushes and pulls wait for the write
+    with store.write_lock():
+        dense = store.dense.state()
+        meta = _shard_meta(store, shard_id)
+        est = sum(t.size * (8 * 3 + t.raw_bytes_per_row()) for t in store.tables.values())
+        est += sum(sum(np.asarray(a).nbytes for a in e.values()) for e in dense.values())
+        env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * est + (64 << 20), 1 << 26), sync=False)
+        try:
+            txn = env.begin(write=True)
+            pending = 0
+            txn.put(b"meta", json.dumps(meta).encode())
+            for name in store.tables:
+                for v, part in store.vshard_chunks(name):
+                    chunk = pack_arrays(_rows_to_arrays(part))
+                    del part
+                    txn.put(f"t/{name}/{v}".encode(), chunk)
+                    pending += len(chunk)
+                    del chunk
+                    if pending >= _TXN_BYTES:  # bound LMDB's dirty pages in memory
+                        txn.commit()
+                        txn = env.begin(write=True)
+                        pending = 0
+            for name, entry in dense.items():
+                txn.put(f"d/{name}".encode(), pack_arrays(entry))
+            txn.commit()
+            env.sync(True)  # one fsync for the file (not one per transaction)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                txn.abort()
+            raise
+        finally:
+            env.close()
+    rows = {name: int(m["rows"]) for name, m in meta["tables"].items()}
     summary = {
         "file": str(path),
-        "rows": {name: len(r) for name, r in rows.items()},
+        "rows": rows,
         "dense": len(dense),
         "bytes": path.stat().st_size,
     }
     log.info("saved shard checkpoint", extra=kv(shard=shard_id, path=str(path), bytes=summary["bytes"]))
     return summary
+
+
+def _shard_meta(store: "ShardStore", shard_id: int) -> dict:  # noqa: F821
+    """The ``meta`` record of a shard file (call under ``store.write_lock()``)."""
+    return {
+        "format": FORMAT,
+        "shard_id": int(shard_id),
+        "num_vshards": store.num_vshards,
+        "seed": store.seed,
+        "version": store.version,
+        "tables": {
+            name: {
+                "dim": t.dim,
+                "optimizer": t.cfg.optimizer.kind.value,
+                "capacity": t.capacity,
+                "rows": t.size,
+                "step": t.step,
+                "state": {k: [list(shape), np.dtype(dt).str] for k, (shape, dt) in t.optimizer.state_spec(t.dim).items()},
+            }
+            for name, t in store.tables.items()
+        },
+        "dense": sorted(store.dense.names()),
+    }
 
 
 # -- manifest / commit ---------------------------------------------------------------

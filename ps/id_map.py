@@ -30,6 +30,8 @@ import torch
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
+from ps import hugepages
+
 EMPTY_KEY = -1
 TOMBSTONE = -2
 
@@ -52,7 +54,7 @@ class IdMap:
         self._slots_n = int(np.ceil(load_factor * capacity)) + 8
         # at full capacity live / slots <= 1 / load_factor; keep the trigger above it
         self._rebuild_slots = max(int(rebuild_at * self._slots_n), self._capacity + 1)
-        self._table = torch.full((self._slots_n, 2), EMPTY_KEY, dtype=torch.int64)
+        self._table = hugepages.full((self._slots_n, 2), EMPTY_KEY, torch.int64)  # random probes: 2 MiB pages
         self._table_offsets = torch.tensor([0, self._slots_n], dtype=torch.int64)
         self._size = 0
         self._used_slots = 0  # live + tombstones (slots whose key != -1)
@@ -88,8 +90,17 @@ class IdMap:
         return keys[live].numpy().copy(), rows[live].numpy().copy()
 
     # -- updates -------------------------------------------------------------------
-    def insert(self, ids: np.ndarray | torch.Tensor, rows: np.ndarray | torch.Tensor) -> None:
+    def insert(
+        self, ids: np.ndarray | torch.Tensor, rows: np.ndarray | torch.Tensor, *, known_new: bool = False
+    ) -> None:
         """Map unique ``ids`` to ``rows`` (an existing id is overwritten).
+
+        Args:
+            ids: int64 [n], unique, no -1.
+            rows: int64 [n], >= 0.
+            known_new: the caller guarantees ``ids`` are unique and absent from the
+                map (the insert path of a push: ids from ``torch.unique`` that looked
+                up as -1), so the uniqueness sort and the lookup are skipped.
 
         Raises:
             ValueError: ids contain -1 or duplicates, lengths differ, or the map
@@ -103,10 +114,12 @@ class IdMap:
             return
         if bool((r < 0).any()):
             raise ValueError("IdMap.insert: rows must be >= 0 (use remove() to delete)")
-        if t.unique().numel() != t.numel():
-            raise ValueError("IdMap.insert: ids must be unique")
-        new = self.lookup(t) < 0
-        n_new = int(new.sum())
+        if known_new:
+            n_new = int(t.numel())
+        else:
+            if t.unique().numel() != t.numel():
+                raise ValueError("IdMap.insert: ids must be unique")
+            n_new = int((self.lookup(t) < 0).sum())
         if self._size + n_new > self._capacity:
             raise ValueError(
                 f"IdMap.insert: {n_new} new ids would exceed capacity {self._capacity} (size {self._size})"

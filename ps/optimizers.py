@@ -166,6 +166,17 @@ class SparseOptimizer:
         """
         return 0
 
+    def rows_initialized(self, rows: torch.Tensor, weight_absmax: float) -> int:
+        """Hook: ``rows`` were just given initial weights (largest |w| ``weight_absmax``)
+        and :meth:`reset_rows` state. Same contract as :meth:`rows_written`; kinds whose
+        bookkeeping needs only the magnitude override it to skip re-reading the rows."""
+        return self.rows_written(rows)
+
+    def rows_imported(self, rows: torch.Tensor, weights: torch.Tensor) -> int:
+        """Hook: ``rows`` were just given ``weights`` [k, dim] and imported state.
+        Same contract as :meth:`rows_written` (default: that)."""
+        return self.rows_written(rows)
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
@@ -221,6 +232,23 @@ class FusedTbeOptimizer(SparseOptimizer):
             self.bound_w = max(self.bound_w, float(self.weights.index_select(0, rows).abs().amax()))
             if self._momentum is not None:
                 self.bound_m = max(self.bound_m, float(self._momentum.index_select(0, rows).abs().amax()))
+        return 0
+
+    def rows_initialized(self, rows: torch.Tensor, weight_absmax: float) -> int:
+        if rows.numel():
+            self.bound_w = max(self.bound_w, float(weight_absmax))
+            if self._momentum is not None:
+                self.bound_m = max(self.bound_m, abs(float(self.cfg.initial_accumulator)))
+        return 0
+
+    def rows_imported(self, rows: torch.Tensor, weights: torch.Tensor) -> int:
+        # bound from the imported values (what is stored now) without gathering the rows back
+        if rows.numel():
+            lo, hi = torch.aminmax(weights)
+            self.bound_w = max(self.bound_w, -float(lo), float(hi))
+            if self._momentum is not None:
+                lo, hi = torch.aminmax(self._momentum.index_select(0, rows))
+                self.bound_m = max(self.bound_m, -float(lo), float(hi))
         return 0
 
     def _growth(self, gmax: float) -> tuple[float, float]:

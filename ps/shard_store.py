@@ -230,6 +230,43 @@ class ShardStore:
             return t.removed_ids(since_version)
 
     # -- all rows (checkpoints) ----------------------------------------------------
+    def vshard_chunks(self, table: str) -> Iterator[tuple[int, TableRows]]:
+        """Rows of ``table`` one vshard at a time (ascending vshard, rows in row order), each a copy.
+
+        For streaming checkpoints: the caller holds :meth:`write_lock` for a
+        consistent cut. Extra memory is one chunk plus a vshard index of the
+        capacity (int16 when ``num_vshards`` fits, ~2 B/row) and its sort order
+        (8 B per used row), never a copy of the table.
+
+        Args:
+            table: the table name (BadRequest when unknown).
+        """
+        t = self.table(table)
+        vs = self._vshard_index(t)
+        if t.size == 0:
+            return
+        order = np.argsort(vs, kind="stable")  # radix sort for int16: O(C); free rows (-1) first
+        n_free = t.capacity - t.size
+        order = order[n_free:]
+        vs_sorted = vs[order]
+        cuts = np.flatnonzero(vs_sorted[1:] != vs_sorted[:-1]) + 1
+        del vs
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [order.size]])
+        for lo, hi in zip(starts.tolist(), ends.tolist()):
+            yield int(vs_sorted[lo]), t.export_rows(order[lo:hi])
+
+    def _vshard_index(self, t: EmbeddingTable, block: int = 1 << 22) -> np.ndarray:
+        """vshard of every row of ``t`` (-1 for free rows), computed block by block."""
+        dt = np.int16 if self.num_vshards < (1 << 15) else np.int32
+        vs = np.full(t.capacity, -1, dtype=dt)
+        for lo in range(0, t.capacity, block):
+            ids = t.row_ids[lo : lo + block]
+            used = np.flatnonzero(ids >= 0)
+            if used.size:
+                vs[lo + used] = vshard_of(ids[used], self.num_vshards).astype(dt)
+        return vs
+
     def all_rows(self, table: str) -> TableRows:
         t = self.table(table)
         with t.lock:

@@ -1,0 +1,260 @@
+"""PS storage at scale: one shard's table (dim 64, rowwise Adagrad) at 1M rows and at 50M.
+
+Run::
+
+    python -m bench.ps_scale [--quick] [--rows N] [--ckpt-dir DIR]
+
+Side by side in one run (the machine is shared and noisy: read the ratios):
+
+* pull / push of 16K random known ids (best of ``reps``, the two sizes
+  interleaved rep by rep, both stores alive) on a full table of ``BASE`` = 1M
+  rows and on a full table of ``--rows`` (50M; ``--quick``: 4M),
+  ratios ``pull_50m_vs_1m`` / ``push_50m_vs_1m`` (the keys keep their names
+  in quick mode; ``big_rows`` says what was measured);
+* insert: pushes of 16K never-seen ids into the big table when it is nearly
+  full (big hash map, new rows at the end), ``insert_rows_per_s``;
+* memory: ``ShardStore.memory_bytes()`` and the process's anonymous RSS per row
+  vs the raw bytes of a row (weights + optimizer state), ``bytes_per_row_ratio``;
+* checkpoint of the big table (``save_shard``, streaming) and restore into a
+  fresh store after the original is freed (``load_shard``): rows/s, GB/s of
+  the shard file, and the peak *extra* anonymous memory while each runs
+  (RssAnon sampled from /proc/self/status every 10 ms, minus its value before);
+* the restore of the PS service (``empty_like`` + load while the old store is
+  alive, then swap) at the 1M size: its peak extra memory vs the store's size.
+
+Bulk fills use ``import_rows`` (1M-row chunks of tiled random rows), not the
+push path, so a 50M-row table fills in about a minute. The last line printed is
+a JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ps import checkpoint as ckpt
+from ps import hugepages
+from ps.config import OptimizerConfig, OptimizerKind, TableConfig
+from ps.embedding_table import TableRows
+from ps.shard_store import ShardStore
+
+N_REQ = 16 * 1024
+DIM = 64
+BASE = 1_000_000
+V = 256
+FILL_CHUNK = 1 << 20
+ID_MULT = 0x9E3779B1  # spreads ids over int64 (odd: distinct rows -> distinct ids)
+
+
+def rss_anon() -> int:
+    """Anonymous resident bytes of this process (heap, tensors; not file pages)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakRss:
+    """Samples RssAnon every ``every`` s in a thread; ``extra`` = peak - value at start."""
+
+    def __init__(self, every: float = 0.01) -> None:
+        self.every = every
+        self.start = rss_anon()
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_anon())
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "PeakRss":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss_anon())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cfg(rows: int) -> TableConfig:
+    return TableConfig(name="t", dim=DIM, capacity=rows, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD))
+
+
+def _ids(lo: int, hi: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.arange(lo, hi, dtype=np.int64) * np.int64(ID_MULT) + 1
+
+
+def _fill(store: ShardStore, rows: int) -> float:
+    """Import ``rows`` rows in chunks; returns rows/s."""
+    small = (np.random.default_rng(3).normal(size=(1 << 14, DIM)) * 0.01).astype(np.float32)
+    block = np.tile(small, (FILL_CHUNK // small.shape[0], 1))
+    mom = np.full(FILL_CHUNK, 1e-3, np.float32)
+    t0 = time.perf_counter()
+    for lo in range(0, rows, FILL_CHUNK):
+        hi = min(rows, lo + FILL_CHUNK)
+        n = hi - lo
+        store.import_rows("t", TableRows(ids=_ids(lo, hi), weights=block[:n], state={"momentum": mom[:n]}))
+    return rows / (time.perf_counter() - t0)
+
+
+def _pull_push(stores: dict[str, ShardStore], reps: int, figures: dict) -> None:
+    """Best rows/s of pull and push of 16K random known ids per store, interleaved rep by rep
+    (fresh ids every rep) so that load from other processes hits every size alike."""
+    rng = np.random.default_rng(7)
+    g = (rng.normal(size=(N_REQ, DIM)) * 1e-4).astype(np.float32)
+    times: dict[str, list[float]] = {f"{op}_{tag}": [] for tag in stores for op in ("pull", "push")}
+    for _ in range(reps):
+        for tag, s in stores.items():
+            b = _ids(0, 1)[0] + np.int64(ID_MULT) * rng.integers(0, s.tables["t"].capacity, N_REQ)
+            t0 = time.perf_counter()
+            s.pull("t", b)
+            times[f"pull_{tag}"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            s.push("t", b, g)
+            times[f"push_{tag}"].append(time.perf_counter() - t0)
+    for k, v in times.items():
+        op, tag = k.split("_", 1)
+        figures[f"{op}_rows_per_s_{tag}"] = round(N_REQ / min(v))
+
+
+def build(rows: int, figures: dict, tag: str, new_rows: int) -> ShardStore:
+    """Fill a ``rows``-capacity table (all but ``new_rows`` by import, the rest by push); memory figures."""
+    before = rss_anon()
+    s = ShardStore([_cfg(rows)], shard_id=0, num_vshards=V, seed=0)
+    t = s.tables["t"]
+    figures[f"fill_rows_per_s_{tag}"] = round(_fill(s, rows - new_rows))
+    if new_rows:  # insert path: never-seen ids into a nearly full table
+        g = np.zeros((N_REQ, DIM), np.float32)
+        t0 = time.perf_counter()
+        for lo in range(rows - new_rows, rows, N_REQ):
+            ids = _ids(lo, min(rows, lo + N_REQ))
+            s.push("t", ids, g[: ids.size])
+        figures["insert_rows_per_s"] = round(new_rows / (time.perf_counter() - t0))
+    assert t.size == rows, (t.size, rows)
+    raw = t.raw_bytes_per_row()
+    figures[f"bytes_per_row_{tag}"] = round(s.memory_bytes() / rows, 1)
+    figures[f"rss_bytes_per_row_{tag}"] = round((rss_anon() - before) / rows, 1)
+    figures["raw_bytes_per_row"] = raw
+    return s
+
+
+def service_restore_extra(store: ShardStore, work: Path) -> float:
+    """Peak extra RssAnon of the service's restore (fresh store + load, old one alive) / store bytes."""
+    tmp = ckpt.checkpoint_tmp_dir(work, step=1)
+    ckpt.save_shard(store, tmp, shard_id=0)
+    final = ckpt.commit_checkpoint(tmp, {"step": 1})
+    gc.collect()
+    with PeakRss() as p:
+        fresh = store.empty_like()
+        ckpt.load_shard(fresh, final, range(V))
+    extra = p.extra / store.memory_bytes()
+    del fresh
+    shutil.rmtree(final)
+    return extra
+
+
+class _Done(Exception):
+    """--no-ckpt: stop after the size measurements."""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="big table of 4M rows (about a minute)")
+    ap.add_argument("--rows", type=int, default=0, help="rows of the big table (default 50M, quick 4M)")
+    ap.add_argument("--ckpt-dir", default="", help="where the checkpoint is written (default: a temp dir)")
+    ap.add_argument("--no-hugepages", action="store_true", help="tables on 4 KiB pages (A/B of ps.hugepages)")
+    ap.add_argument("--no-ckpt", action="store_true", help="skip checkpoint and restore")
+    args = ap.parse_args()
+    hugepages.ENABLED = not args.no_hugepages
+    torch.set_num_threads(1)
+    big = args.rows or (4_000_000 if args.quick else 50_000_000)
+    reps = 15 if args.quick else 25
+    work = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="ps_scale_"))
+    work.mkdir(parents=True, exist_ok=True)
+    figures: dict = {"base_rows": BASE, "big_rows": big, "dim": DIM, "rows_per_request": N_REQ,
+                     "hugepages": hugepages.ENABLED}
+    try:
+        base = build(BASE, figures, "base", new_rows=0)
+        figures["service_restore_extra_vs_store"] = round(service_restore_extra(base, work), 3)
+        gc.collect()
+        s = build(big, figures, "big", new_rows=min(big // 8, 32 * N_REQ))
+        _pull_push({"base": base, "big": s}, reps, figures)
+        del base
+        gc.collect()
+        figures["pull_50m_vs_1m"] = round(figures["pull_rows_per_s_big"] / figures["pull_rows_per_s_base"], 3)
+        figures["push_50m_vs_1m"] = round(figures["push_rows_per_s_big"] / figures["push_rows_per_s_base"], 3)
+        raw = figures["raw_bytes_per_row"]
+        figures["bytes_per_row_ratio"] = round(figures["bytes_per_row_big"] / raw, 3)
+        figures["rss_per_row_ratio"] = round(figures["rss_bytes_per_row_big"] / raw, 3)
+        store_bytes = s.memory_bytes()
+        figures["hugepage_bytes_vs_store"] = round(hugepages.huge_bytes() / store_bytes, 3)
+        if args.no_ckpt:
+            raise _Done
+
+        tmp = ckpt.checkpoint_tmp_dir(work, step=2)
+        gc.collect()
+        with PeakRss() as p:
+            t0 = time.perf_counter()
+            ckpt.save_shard(s, tmp, shard_id=0)
+            dt = time.perf_counter() - t0
+        final = ckpt.commit_checkpoint(tmp, {"step": 2})
+        size = ckpt.shard_path(final, 0).stat().st_size
+        figures["ckpt_rows_per_s"] = round(big / dt)
+        figures["ckpt_gb_per_s"] = round(size / dt / 1e9, 3)
+        figures["ckpt_file_gb"] = round(size / 1e9, 2)
+        figures["ckpt_peak_extra_mb"] = round(p.extra / 1e6, 1)
+        figures["ckpt_peak_extra_vs_store"] = round(p.extra / store_bytes, 4)
+
+        del s
+        gc.collect()
+        fresh = ShardStore([_cfg(big)], shard_id=0, num_vshards=V, seed=0)
+        gc.collect()
+        with PeakRss() as p:
+            t0 = time.perf_counter()
+            ckpt.load_shard(fresh, final, range(V))
+            dt = time.perf_counter() - t0
+        assert fresh.tables["t"].size == big
+        figures["restore_rows_per_s"] = round(big / dt)
+        figures["restore_gb_per_s"] = round(size / dt / 1e9, 3)
+        # the empty store is allocated up front (capacity rows): extra = what filling it adds
+        figures["restore_peak_extra_vs_store"] = round(p.extra / store_bytes, 4)
+        del fresh
+    except _Done:
+        pass
+    finally:
+        if not args.ckpt_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    for k, v in figures.items():
+        print(f"{k:34s} {v}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
