@@ -141,11 +141,16 @@ def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", 
     small_ch = make_channel(address, small)
     small_stub = ps_pb2_grpc.ParameterServerStub(small_ch)
     # 40k ids = 320 KiB request; the reply (40k x dim fp32) is larger than the client's limit:
-    # the server should split it, or refuse with a status that says how much to ask for
+    # the server should split it, or refuse with a status that says how much to ask for. The caller
+    # states its receive limit in metadata, as ps.client.PsClient does on every call (a shard cannot
+    # guess a smaller limit than its own)
+    from ps.server import REPLY_LIMIT_KEY
+
     n_big = max(1024, (small_limit_bytes // (4 * dim)) + 8192)
     big_ids = np.arange(1, n_big + 1, dtype="<i8")
+    small_md = md + ((REPLY_LIMIT_KEY, str(small_limit_bytes)),)
     cases.append(("oversized reply", lambda: small_stub.PullMany(ps_pb2.PullManyRequest(
-        tables=[ps_pb2.TableIds(table=table, ids=big_ids.tobytes())]), timeout=t, metadata=md)))
+        tables=[ps_pb2.TableIds(table=table, ids=big_ids.tobytes())]), timeout=t, metadata=small_md)))
     # a registered ghost worker far behind: a barrier / bounded wait has someone to wait for
     stub.RegisterWorker(ps_pb2.RegisterWorkerRequest(worker_id="chaos-behind", step=0), timeout=t, metadata=md)
     undos = (lambda: stub.PauseWrites(ps_pb2.PauseRequest(paused=False), timeout=t, metadata=md),

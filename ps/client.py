@@ -69,7 +69,8 @@ from metaps.rpc import RpcConfig, make_channel
 from ps import wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.server import (
-    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, STALE_WAIT, WAIT_TIMEOUT_KEY, WRONG_OWNER,
+    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
+    WRONG_OWNER,
 )
 from protos import ps_pb2, ps_pb2_grpc
 
@@ -229,6 +230,8 @@ class PsClient:
             raise ValueError("PsClient needs at least one shard address")
         self.addresses = list(addresses)
         self.rpc_cfg = rpc_cfg or RpcConfig()
+        # our receive limit travels with each call, so a shard with a larger send limit sizes replies to us
+        self._reply_limit_md = ((REPLY_LIMIT_KEY, str(self.rpc_cfg.max_message_bytes)),)
         self.value_dtype = wire.DType(value_dtype)
         self.grad_dtype = wire.DType(grad_dtype)
         self.worker_id = worker_id
@@ -523,7 +526,8 @@ class PsClient:
         waiter = self._waiter(self.wait_timeout_s)
         while True:
             try:
-                resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s)
+                resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s,
+                                                           metadata=self._reply_limit_md)
                 self._note_up(shard)
                 return resp
             except grpc.RpcError as exc:
@@ -647,9 +651,10 @@ class PsClient:
                 # One call: block on it. A gRPC future costs a channel-spin thread per call
                 # (~2-4 ms here), which only pays off when several shards answer in parallel.
                 s, chunk, method, req = planned[0]
-                calls = [(s, chunk, _Immediate.call(method, req, self.rpc_cfg.timeout_s))]
+                calls = [(s, chunk, _Immediate.call(method, req, self.rpc_cfg.timeout_s, self._reply_limit_md))]
             else:
-                calls = [(s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s)) for s, chunk, method, req in planned]
+                calls = [(s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s, metadata=self._reply_limit_md))
+                         for s, chunk, method, req in planned]
             pending = []
             refresh = False
             retry = waited = paused = False  # what this round's failures ask for
@@ -756,9 +761,9 @@ class _Immediate:
         self._value, self._error = value, error
 
     @classmethod
-    def call(cls, method: Any, request: Any, timeout: float) -> "_Immediate":
+    def call(cls, method: Any, request: Any, timeout: float, metadata: Any = None) -> "_Immediate":
         try:
-            return cls(value=method(request, timeout=timeout))
+            return cls(value=method(request, timeout=timeout, metadata=metadata))
         except grpc.RpcError as exc:
             return cls(error=exc)
 

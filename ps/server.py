@@ -126,6 +126,8 @@ MIN_CLOCK_KEY = "metaps-min-clock"
 WAIT_TIMEOUT_KEY = "metaps-wait-timeout"
 MAX_ROWS_KEY = "metaps-max-rows"
 """RESOURCE_EXHAUSTED hint: rows per request that fit the reply in the message limit."""
+REPLY_LIMIT_KEY = "metaps-max-reply-bytes"
+"""Request metadata: the caller's receive limit; a pull reply is sized to the smaller of it and ours."""
 _REPLY_OVERHEAD = 64
 """Bytes a reply spends per table besides its values (name, dtype, dim, rows, framing), generously."""
 
@@ -629,8 +631,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             if behind is not None:
                 raise self._ask_again(behind)
 
-    def _check_reply_size(self, parsed: list[_Parsed], fp16: bool) -> None:
-        """Refuse (RESOURCE_EXHAUSTED + a rows hint) a pull whose reply would not fit the message limit.
+    def _check_reply_size(self, parsed: list[_Parsed], fp16: bool, context: grpc.ServicerContext) -> None:
+        """Refuse (RESOURCE_EXHAUSTED + a rows hint) a pull whose reply would not fit the message limit:
+        ours, or the caller's when it sends a smaller one in ``metaps-max-reply-bytes``.
 
         Checked before any row is read, so an oversized pull costs no store work.
         """
@@ -638,6 +641,11 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         dims = [self._dim(p.table) for p in parsed]
         total = sum(int(p.ids.size) * d * itemsize + _REPLY_OVERHEAD for p, d in zip(parsed, dims)) + _REPLY_OVERHEAD
         limit = self.rpc_cfg.max_message_bytes
+        theirs = dict(context.invocation_metadata() or ()).get(REPLY_LIMIT_KEY, "")
+        if theirs:
+            if not theirs.isdigit() or int(theirs) < 1024:
+                raise _bad(f"metadata {REPLY_LIMIT_KEY} must be a whole number of bytes >= 1024, got {theirs!r}")
+            limit = min(limit, int(theirs))
         if total > limit:
             per_row = max(dims) * itemsize + 8
             fit = max(1, (limit - _REPLY_OVERHEAD * (len(parsed) + 1)) // per_row)
@@ -698,7 +706,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc(data=True)
     def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> ps_pb2.PullManyResponse:
         parsed = self._parse_pull([(t.table, t.ids) for t in request.tables])
-        self._check_reply_size(parsed, request.want_fp16)
+        self._check_reply_size(parsed, request.want_fp16, context)
         self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
         resp = ps_pb2.PullManyResponse()
         for fields in self._pull(parsed, request.map_version, request.want_fp16):
@@ -708,7 +716,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:
         parsed = self._parse_pull([(request.table, request.ids)])
-        self._check_reply_size(parsed, request.want_fp16)
+        self._check_reply_size(parsed, request.want_fp16, context)
         self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
         tv = self._pull(parsed, request.map_version, request.want_fp16)[0]
         return ps_pb2.PullResponse(values=tv["values"], dtype=tv["dtype"], dim=tv["dim"], rows=tv["rows"])
