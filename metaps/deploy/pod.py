@@ -10,7 +10,7 @@
 A worker with ``--rank auto`` and a controller also leaves politely when its pod
 is deleted (scale-down, ``kubectl delete pod``): SIGTERM reports it down to the
 controller (``NodeDown``), which requeues its leased shards at once and frees its
-index for a newcomer, then the process exits 143.
+index for a newcomer; the worker then leaves the PS (its cleanup) and exits 143.
 """
 
 from __future__ import annotations
@@ -75,11 +75,17 @@ def resolve_worker(job: Any, config: str, rank: str, ps_spec: str, controller: s
 
 
 def _leave_on_sigterm(job: Any, rank: int, controller: str) -> None:
-    """SIGTERM: NodeDown to the controller (requeue my leases, free my index), then exit 143."""
+    """SIGTERM: NodeDown to the controller (requeue my leases, free my index), then unwind with
+    exit code 143 so the worker's cleanup runs: it leaves the PS (a staleness bound must not wait
+    for a worker that is gone). A second SIGTERM exits at once."""
+    fired: list[bool] = []
 
     def on_term(signum: int, frame: Any) -> None:
         from controller.client import ControllerClient
 
+        if fired:
+            os._exit(143)
+        fired.append(True)
         log.warning("SIGTERM: leaving the job", extra=kv(rank=rank))
         try:
             with ControllerClient(controller, job.rpc, role="worker", index=rank, retry_s=5.0) as ctl:
@@ -87,7 +93,6 @@ def _leave_on_sigterm(job: Any, rank: int, controller: str) -> None:
             log.warning("left the job; shards requeued", extra=kv(rank=rank, requeued=requeued))
         except Exception as exc:  # the controller requeues on lease expiry instead
             log.error("NodeDown failed; the controller requeues on lease expiry", extra=kv(error=str(exc)[:200]))
-        finally:
-            os._exit(143)
+        raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, on_term)

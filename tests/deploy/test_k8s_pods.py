@@ -39,7 +39,8 @@ def job_file(path: Path) -> Path:
     """A small PS-mode job; every path is relative to the pods' working directory (the shared volume)."""
     return write(path, {
         "data": {"train": "metaio/train"},
-        "ps": {"shards": 2, "num_vshards": 16, "device": "cpu", "table_defaults": {"dim": 8, "capacity": 8192}},
+        "ps": {"shards": 2, "num_vshards": 16, "device": "cpu",
+               "table_defaults": {"dim": 8, "capacity": 8192}},
         "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
         "meta": {"inner_steps": 1, "inner_lr": 0.1},
         "train": {"mode": "meta", "workers": 2, "epochs": 6, "overlap": False, "log_every": 5},
