@@ -156,7 +156,7 @@ def run_k8s(root: Path, epochs: int, total_batches: int) -> dict[str, Any]:
         prog = Progress(lambda: sim.controller_status(f"{ctl.ip}:7070", token) if ctl.phase == "Running" else {})
         target = epochs * total_batches
         scaled = []
-        deadline = time.monotonic() + 1800
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             st = prog.poll()
             done = prog.samples[-1][1] if prog.samples else 0

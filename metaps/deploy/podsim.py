@@ -295,7 +295,9 @@ class PodSim:
             script.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(m['mountPath'])}")
             if m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
-        if c.get("workingDir"):
+        if c.get("workingDir"):  # the runtime creates a missing working directory
+            with self._lock:
+                self._mountpoint(c["workingDir"])
             script.append(f"cd {shlex.quote(c['workingDir'])}")
         script.append('exec "$@"')
         cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--uts", "--propagation", "private",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from metaps.deploy.identity import completion_index, pod_name, ps_addresses, registered_ps_addresses, resolve_shard
@@ -64,3 +67,34 @@ def test_registered_ps_addresses_from_status() -> None:
     assert registered_ps_addresses(st) == ["p0:5000", "p1:5000"]
     with pytest.raises(ValueError, match="\\[0\\] have not registered"):
         registered_ps_addresses({"nodes": [{"role": "ps", "index": 1, "address": "p1:5000"}]})
+
+
+def _job(tmp_path: Path, dense_sync: str = "ps") -> Any:
+    from metaps.job import load_job
+    from metaps.toml_writer import write
+
+    p = write(tmp_path / "job.toml", {"data": {"train": "metaio/train"}, "ps": {"shards": 2},
+                                       "train": {"workers": 3, "dense_sync": dense_sync}})
+    return load_job(p)
+
+
+def test_worker_rank_from_the_indexed_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from metaps.deploy.pod import resolve_worker
+
+    job = _job(tmp_path, "allreduce")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    assert resolve_worker(job, "job.toml", "auto", "w-{k}.ps:5000", "") == (2, ["w-0.ps:5000", "w-1.ps:5000"])
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")
+    with pytest.raises(ConfigError, match="JOB_COMPLETION_INDEX 3 out of range: \\[train\\] workers = 3"):
+        resolve_worker(job, "job.toml", "auto", "a:1,b:2", "")
+
+
+def test_worker_rank_errors(tmp_path: Path) -> None:
+    from metaps.deploy.pod import resolve_worker
+
+    job = _job(tmp_path)
+    with pytest.raises(ConfigError, match="--rank auto \\(PS mode\\): the controller gives the index"):
+        resolve_worker(job, "job.toml", "auto", "a:1,b:2", "")
+    with pytest.raises(ConfigError, match="job.toml: --rank 3 out of range: \\[train\\] workers = 3"):
+        resolve_worker(job, "job.toml", "3", "a:1,b:2", "")
+    assert resolve_worker(job, "job.toml", "1", "a:1,b:2", "") == (1, ["a:1", "b:2"])
