@@ -369,7 +369,7 @@ def _real_controller(tmp: Path, job_path: Path, policy: PolicyKind) -> Controlle
 
 
 def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_WORKERS_E1,
-            profile: bool = False) -> dict[str, Any]:
+            profile: bool = False, max_staleness: int | None = None) -> dict[str, Any]:
     """``workers`` real `metaps worker` processes + 1 real `metaps ps`; the last worker slowed 4x.
 
     dynamic: the controller's DDS leases shards (the product's default monitor windows,
@@ -377,15 +377,22 @@ def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_W
     the rank). static: no controller, each worker trains its equal static slice.
     ``profile`` adds a static run with no fault (the same fleet's speeds when nobody sleeps).
     Per worker and run: samples, samples per second of its own busy time (steps + injected
-    sleep) and per second of its train span.
+    sleep) and per second of its train span. ``max_staleness`` overrides the product's
+    bounded staleness (``[ps] max_staleness``, default 4: no worker pulls more than 4 steps
+    ahead of the slowest, so a 4x slower worker holds the others back in both modes).
+    ``[ps] wait_timeout_s`` is 600 s here: under load the slowed worker's first step
+    (imports, first pulls) takes tens of seconds and the fault sleeps 3x that, longer
+    than the product's 60 s wait.
     """
     epochs = 3 if quick else 6
-    out: dict[str, Any] = {"workers": workers}
+    out: dict[str, Any] = {"workers": workers, "max_staleness": max_staleness}
     for mode in ("dynamic", "static") + (("static_nofault",) if profile else ()):
         with tempfile.TemporaryDirectory() as tmpd:
             tmp = Path(tmpd)
             job = _real_job(tmp, data, workers, 1.0 if mode == "static_nofault" else 4.0,
                             train={"epochs": epochs, "seed": seed},
+                            ps={"wait_timeout_s": 600.0,
+                                **({"max_staleness": max_staleness} if max_staleness is not None else {})},
                             controller={"nd": {"restart_after": 0, "move_vshards": 0},
                                         "dds": {"batches_per_shard": 4}})
             srv = _real_controller(tmp, job, PolicyKind.ND) if mode == "dynamic" else None
@@ -774,6 +781,11 @@ def main(argv: list[str] | None = None) -> int:
                 show("e1 2 workers (real processes)", r2)
                 figures.update(e1_2w_vs_static=round(r2["vs_static"], 4),
                                e1_2w_profile={k: r2[k] for k in r2 if "sps" in k or "samples" in k})
+                # additional figure: the same 4 workers with staleness effectively unbounded
+                r3 = e1_real(0, data, args.quick, max_staleness=1_000_000)
+                show("e1 unbounded staleness (real processes)", r3)
+                figures.update(e1_unbounded_staleness_vs_static=round(r3["vs_static"], 4),
+                               e1_unbounded_staleness_profile={k: r3[k] for k in r3 if "sps" in k or "samples" in k})
             if "e5" in only:
                 rs = [e5_real(s, data, args.quick) for s in range(runs)]
                 for i, r in enumerate(rs):
