@@ -20,8 +20,9 @@ PS Stats rows, the committed checkpoints' manifests, a no-fault run's rows):
 
     survived      exit 0 with the ledger covering every batch of every epoch exactly once
                   and no rows lost, or a non-zero exit whose reason names the fault's cause
-    lost_rows     the PS fleet ended with fewer rows than a committed checkpoint of the run,
-                  a shard ended empty, or (status succeeded) fewer rows than the no-fault run
+    lost_rows     the PS fleet ended with fewer rows than a committed checkpoint of the run
+                  (not counting one the bench corrupted on purpose), a shard ended empty, or
+                  (status succeeded) fewer rows than the no-fault run
     false_claim   "succeeded" / coverage complete while the ledger has batches not done,
                   or "succeeded" after a failed PS recovery
 
@@ -366,7 +367,9 @@ def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], basel
     problems = ledger_coverage(rep.get("shards", []), specs, epochs)
     ps_rows = _ps_rows(rep)
     ckpts = _ckpt_rows(res["run"])
-    max_ckpt = max((r for _, r in ckpts), default=0)
+    # a checkpoint this bench corrupted on purpose holds no rows anyone can restore: not a yardstick
+    spoiled = Path(str(res["notes"].get("corrupted", ""))).name
+    max_ckpt = max((r for name, r in ckpts if name != spoiled), default=0)
     events = rep.get("controller", {}).get("events", [])
     failed_recovery = [e for e in events if e.get("kind") == "ps_recovery_failed"
                        or (e.get("kind") == "ps_recovery" and "error" in (e.get("evidence") or {}))]
