@@ -30,7 +30,7 @@ from controller.policy import SetBatchSizes
 from controller.server import ControllerServer
 from meta_io.reader import MetaIODataset
 from meta_io.slicer import concat_batches, slice_batch
-from metaps.metrics import free_port
+from tests.ports import pick_port
 from metaps.rpc import RpcConfig
 from ps.client import PsClient
 from workers.local import local_store
@@ -69,7 +69,7 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
     spec = DatasetSpec.from_meta_io("train", str(worker_data["plain"]), "train", epochs=6)
     srv = ControllerServer(cfg, tmp_path / "ctl", [spec], RpcConfig(token=TOKEN))
     srv.start("127.0.0.1:0")
-    env = {"METAPS_ALLREDUCE": f"127.0.0.1:{free_port()}", "METAPS_CONTROLLER": srv.address}
+    env = {"METAPS_ALLREDUCE": f"127.0.0.1:{pick_port()}", "METAPS_CONTROLLER": srv.address}
     run_dir = tmp_path / "run"
     logs = [tmp_path / f"worker-{r}.log" for r in range(2)]
     procs = [start_worker(config, r, addrs, run_dir, logs[r], env) for r in range(2)]
