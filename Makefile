@@ -10,12 +10,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Reinstall only when the declared dependencies change.
+# Reinstall only when the declared dependencies change. scripts/install.sh is the one install
+# procedure, shared with the images (docker/Dockerfile*), so an image holds what `make` installs.
 # CPU install set (torch + fbgemm-gpu-cpu); a GPU machine uses requirements/gpu.txt instead
 # in a fresh venv (docs/operations.md, "GPU install"): never both fbgemm packages.
-$(STAMP): $(BIN)/python setup.cfg pyproject.toml requirements/cpu.txt
-	$(BIN)/pip install -q -r requirements/cpu.txt
-	$(BIN)/pip install -q -e '.[cpu,test]'
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml requirements/cpu.txt scripts/install.sh
+	bash scripts/install.sh --python $(BIN)/python --variant cpu --extras test --editable
 	touch $(STAMP)
 
 install: $(STAMP)

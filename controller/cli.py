@@ -44,6 +44,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--address", default="", help="listen address (default [controller] address)")
     p.add_argument("--state-dir", default="", help="LMDB state dir (default [controller] state_dir or <run.dir>/controller)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0 in a pod)")
     add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_controller)
 
@@ -81,7 +82,8 @@ def run_controller(args: argparse.Namespace) -> int:
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
     address = args.address or job.controller.address
-    check_bind([address.rsplit(":", 1)[0]], job.rpc.resolved_token(), insecure=args.insecure,
+    check_bind([address.rsplit(":", 1)[0]] + ([args.metrics_host] if args.metrics_port >= 0 else []),
+               job.rpc.resolved_token(), insecure=args.insecure,
                what="metaps controller")
     from controller.ps_mover import MigrationPsMover
 
@@ -99,7 +101,7 @@ def run_controller(args: argparse.Namespace) -> int:
         from metaps.metrics import serve_metrics
 
         REGISTRY.register(ControllerCollector(server))
-        mport = serve_metrics(args.metrics_port)
+        mport = serve_metrics(args.metrics_port, args.metrics_host)
         log.info("controller metrics", extra=kv(metrics_port=mport))
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown_requested.set())
     signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())

@@ -8,7 +8,7 @@ dataset or shard...).
 Worker loop::
 
     ctl = ControllerClient("127.0.0.1:7070", RpcConfig(token="t"), role="worker", index=rank)
-    ctl.register(metrics_port=9100)
+    ctl.register(metrics_port=9300)
     for lease in ctl.shards("train"):              # WAIT handled inside, stops at DONE
         t0 = time.monotonic()
         for b in range(lease.start, lease.stop): ...   # train on batches of file lease.file
@@ -230,6 +230,10 @@ class ControllerClient:
 
     def checkpoint_done(self, cut_id: int, step: int, directory: str) -> None:
         self._call("CheckpointDone", pb.CheckpointDoneRequest(cut_id=cut_id, step=step, dir=directory))
+
+    def claim_worker(self, name: str) -> int:
+        """The worker index the controller gives pod ``name`` (controller/worker_claims.py)."""
+        return int(self._call("ClaimWorker", pb.ClaimWorkerRequest(name=name)).index)
 
     def shutdown(self, reason: str = "") -> None:
         self._call("Shutdown", pb.ShutdownRequest(reason=reason))

@@ -149,12 +149,24 @@ class DdConfig:
         global_batch: the constant sum of every worker's batch size.
         min_change: re-balance only when some worker's size would change by more
             than this fraction (avoids churn from noise).
-        smoothing: EMA weight of the newest window's samples/s (1 = no smoothing).
+        smoothing: EMA weight of the newest window's samples/s (1 = no smoothing);
+            used by the samples/s-proportional fallback.
+        min_size: the smallest batch size any worker is given (>= 1).
+        damping: each re-balance moves this fraction of the way from the current
+            sizes to the balanced target (1 = jump straight there).
+        tolerance: hysteresis; no re-balance while the current sizes' predicted
+            step time is within this fraction of the balanced sizes' one.
+        fit_windows: recent monitor windows per worker kept to fit its step cost
+            ``a + b x batch size`` (>= 2).
     """
 
     global_batch: int = 1024
     min_change: float = 0.05
     smoothing: float = 0.3
+    min_size: int = 1
+    damping: float = 0.5
+    tolerance: float = 0.05
+    fit_windows: int = 8
 
     def validate(self) -> None:
         if self.global_batch < 1:
@@ -163,6 +175,14 @@ class DdConfig:
             raise ValueError(f"dd.min_change must be in [0, 1), got {self.min_change}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"dd.smoothing must be in (0, 1], got {self.smoothing}")
+        if not 1 <= self.min_size <= self.global_batch:
+            raise ValueError(f"dd.min_size must be in [1, dd.global_batch={self.global_batch}], got {self.min_size}")
+        if not 0 < self.damping <= 1:
+            raise ValueError(f"dd.damping must be in (0, 1], got {self.damping}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"dd.tolerance must be in [0, 1), got {self.tolerance}")
+        if self.fit_windows < 2:
+            raise ValueError(f"dd.fit_windows must be >= 2, got {self.fit_windows}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from controller.dds import DatasetSpec, DynamicDataSharding
 from controller.liveness import WorkerLiveness
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
+from controller.worker_claims import WorkerClaims
 from controller.policy import (
     Action,
     MoveVshards,
@@ -95,6 +96,7 @@ class ControllerServer:
         self.dds = DynamicDataSharding(self.store, cfg.dds, datasets, self.events, clock)
         self.monitor = Monitor(cfg.monitor, clock)
         self.registry = NodeRegistry(self.store, clock)
+        self.worker_claims = WorkerClaims(self.store, self.registry, clock)  # pods of a work-queue Job
         self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
         self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
         self.policy = policy or make_policy(cfg.policy, cfg)

@@ -195,6 +195,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return pb.CheckpointDoneResponse()
 
     @_guard
+    def ClaimWorker(self, request: pb.ClaimWorkerRequest, context: grpc.ServicerContext) -> pb.ClaimWorkerResponse:
+        return pb.ClaimWorkerResponse(index=self.s.worker_claims.claim(request.name))
+
+    @_guard
     def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownResponse:
         log.info("shutdown requested: %s", request.reason or "-")
         self.s.shutdown_requested.set()

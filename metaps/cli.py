@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "controller.cli",   # controller, agent
     "metaps.launch",    # launch
     "delivery.cli",     # deliver, predict
+    "metaps.deploy.cli",  # deploy k8s|wait
 )
 
 

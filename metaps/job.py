@@ -13,6 +13,7 @@ that subsystem::
     [rpc]         metaps.rpc.RpcConfig            token, TLS, message limits
     [delivery]    delivery.config.DeliveryConfig  bundles and publishing
     [run]         metaps.job.RunConfig            run directory
+    [deploy]      metaps.deploy.config.DeployConfig   Kubernetes manifests (metaps deploy k8s)
 
 Example::
 
@@ -68,6 +69,7 @@ def _section_types() -> dict[str, type]:
     # Imported here so `metaps --help` does not pay for torch/fbgemm imports.
     from controller.config import ControllerConfig
     from delivery.config import DeliveryConfig
+    from metaps.deploy.config import DeployConfig
     from metaps.faults import FaultConfig
     from models.config import ModelConfig
     from models.meta_config import MetaConfig
@@ -85,6 +87,7 @@ def _section_types() -> dict[str, type]:
         "rpc": RpcConfig,
         "delivery": DeliveryConfig,
         "run": RunConfig,
+        "deploy": DeployConfig,
     }
 
 
@@ -102,6 +105,7 @@ class JobConfig:
     rpc: RpcConfig
     delivery: Any
     run: RunConfig
+    deploy: Any
     source: str = ""
     """The file this job was read from ('' when built in code)."""
 

@@ -79,6 +79,11 @@ class ControllerStub:
                 request_serializer=protos_dot_controller__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=protos_dot_controller__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.ClaimWorker = channel.unary_unary(
+                '/metaps.controller.Controller/ClaimWorker',
+                request_serializer=protos_dot_controller__pb2.ClaimWorkerRequest.SerializeToString,
+                response_deserializer=protos_dot_controller__pb2.ClaimWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -138,6 +143,12 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=protos_dot_controller__pb2.ShutdownRequest.FromString,
                     response_serializer=protos_dot_controller__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'ClaimWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimWorker,
+                    request_deserializer=protos_dot_controller__pb2.ClaimWorkerRequest.FromString,
+                    response_serializer=protos_dot_controller__pb2.ClaimWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class Controller:
             '/metaps.controller.Controller/Shutdown',
             protos_dot_controller__pb2.ShutdownRequest.SerializeToString,
             protos_dot_controller__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaps.controller.Controller/ClaimWorker',
+            protos_dot_controller__pb2.ClaimWorkerRequest.SerializeToString,
+            protos_dot_controller__pb2.ClaimWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

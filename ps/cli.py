@@ -56,7 +56,11 @@ log = logging.getLogger(__name__)
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("ps", help="run one parameter-server shard")
     p.add_argument("--config", required=True, help="job TOML")
-    p.add_argument("--shard", type=int, required=True, help="shard id 0..[ps].shards-1")
+    p.add_argument("--shard", required=True,
+                   help="shard id 0..[ps].shards-1, or 'auto': the StatefulSet ordinal of this pod's name")
+    p.add_argument("--advertise", default=os.environ.get("METAPS_ADVERTISE_HOST", ""),
+                   help="host registered with the controller (default $METAPS_ADVERTISE_HOST, else [ps] host "
+                        "or 127.0.0.1 for a wildcard bind); in a pod: its stable DNS name")
     p.add_argument("--port", type=int, default=None, help="gRPC port (default base_port + shard; 0 = free port)")
     p.add_argument("--restore", default="", help="checkpoint directory to load this shard's vshards from")
     p.add_argument("--restore-latest", default="",
@@ -109,10 +113,9 @@ def run_ps(args: argparse.Namespace) -> int:
     # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
     torch.set_num_threads(1)
     ps_cfg = job.ps
-    if not 0 <= args.shard < ps_cfg.shards:
-        from metaps.errors import ConfigError
+    from metaps.deploy.identity import resolve_shard
 
-        raise ConfigError(f"{args.config}: --shard {args.shard} out of range: [ps] shards = {ps_cfg.shards}")
+    args.shard = resolve_shard(str(args.shard), ps_cfg.shards)
     server = build_server(
         ps_cfg, job.rpc, job.table_configs(), args.shard, registry=REGISTRY,
         added_latency_s=_latency_hook(job, args.shard),
@@ -158,7 +161,7 @@ def run_ps(args: argparse.Namespace) -> int:
     if args.controller:
         from ps.controller_link import ControllerLink
 
-        host = ps_cfg.host if ps_cfg.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1"
+        host = args.advertise or (ps_cfg.host if ps_cfg.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1")
         link = ControllerLink(server, args.controller, job.rpc, f"{host}:{port}", metrics_port,
                               report_s=max(0.05, job.controller.monitor.window_s / 2))
         incarnation = link.register()

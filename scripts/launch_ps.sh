@@ -2,9 +2,10 @@
 # Start the PS shards of one host, each under its agent (which restarts a crashed shard).
 #
 #   scripts/launch_ps.sh --config JOB --controller HOST:PORT --run-dir DIR --shards 0,1 \
-#                        [--host ADDR] [--port-base 5000] [--metrics-port-base 9100] \
+#                        [--host ADDR] [--port-base 5000] [--metrics-port-base 9300] \
 #                        [--restore CKPT] [--wait SECONDS]
 #   scripts/launch_ps.sh --stop --run-dir DIR [--shards 0,1]
+# Metrics ports default to 9300 + K (9100 is node_exporter's).
 #
 # Shard K listens on ADDR:(port-base + K) -- a fixed port, so a restarted shard comes back
 # where the workers expect it -- and serves Prometheus /metrics on metrics-port-base + K.
@@ -22,7 +23,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/_fleet_lib.sh"
 fleet_python
 
-CONFIG="" CONTROLLER="" RUN_DIR="" SHARDS="" HOST="" PORT_BASE=5000 METRICS_BASE=9100 RESTORE="" WAIT=0 STOP=0
+CONFIG="" CONTROLLER="" RUN_DIR="" SHARDS="" HOST="" PORT_BASE=5000 METRICS_BASE=9300 RESTORE="" WAIT=0 STOP=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --config) CONFIG="$2"; shift 2 ;;

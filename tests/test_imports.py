@@ -44,6 +44,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("controller.cli", "metaps.job"): "1: role entry points move to the app floor",
     ("workers.cli", "metaps.job"): "1: role entry points move to the app floor",
     ("workers.cli", "metaps.preflight"): "1: role entry points move to the app floor",
+    ("ps.cli", "metaps.deploy.identity"): "1: role entry points move to the app floor",
+    ("workers.cli", "metaps.deploy.pod"): "1: role entry points move to the app floor",
 }
 
 

@@ -18,8 +18,11 @@ from metaps.security import add_cli_args
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("worker", help="run one training worker of a fleet")
     p.add_argument("--config", required=True, help="job TOML")
-    p.add_argument("--rank", type=int, required=True, help="worker index 0..[train].workers-1")
-    p.add_argument("--ps", default="", help="PS addresses host:port,... in shard order (default $METAPS_PS)")
+    p.add_argument("--rank", required=True,
+                   help="worker index 0..[train].workers-1, or 'auto': $JOB_COMPLETION_INDEX (all-reduce) or an "
+                        "index the controller gives this pod's name (PS mode; any number of workers)")
+    p.add_argument("--ps", default="", help="PS addresses host:port,... in shard order, a pattern with {k} "
+                                            "(ps-{k}.ps:5000), or 'controller' (default $METAPS_PS)")
     p.add_argument("--controller", default="", help="controller host:port (default $METAPS_CONTROLLER; none = static split)")
     p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port; default: none)")
@@ -42,7 +45,6 @@ def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from metaps.errors import ConfigError
     from metaps.security import check_bind, role_rpc, set_private_umask
     from workers.worker import run_worker
 
@@ -51,12 +53,10 @@ def _run_worker(args: argparse.Namespace) -> int:
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
     check_bind([args.metrics_host] if args.metrics_port >= 0 else [], job.rpc.resolved_token(),
                insecure=args.insecure, what="metaps worker")
-    addrs = [a for a in (args.ps or os.environ.get("METAPS_PS", "")).split(",") if a]
-    if not addrs:
-        raise ConfigError("metaps worker: no PS addresses: pass --ps host:port,... or set METAPS_PS")
-    if not 0 <= args.rank < job.train.workers:
-        raise ConfigError(f"{args.config}: --rank {args.rank} out of range: [train] workers = {job.train.workers}")
+    from metaps.deploy.pod import resolve_worker
+
     ctl = args.controller or os.environ.get("METAPS_CONTROLLER", "")
+    args.rank, addrs = resolve_worker(job, args.config, args.rank, args.ps or os.environ.get("METAPS_PS", ""), ctl)
     run_dir = Path(args.run_dir or job.run.dir)
     if args.metrics_port >= 0:
         from metaps.metrics import serve_metrics

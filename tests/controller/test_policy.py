@@ -113,7 +113,7 @@ def test_dd_batch_sizes_always_sum_to_the_global_batch() -> None:
 
 
 def test_dd_policy_rebalances_only_on_real_change() -> None:
-    pol = DdPolicy(MonitorConfig(), DdConfig(global_batch=100, min_change=0.05, smoothing=1.0))
+    pol = DdPolicy(MonitorConfig(), DdConfig(global_batch=100, min_change=0.05, smoothing=1.0, damping=1.0))
 
     def window(i: int, sps: dict[int, float]) -> WindowStats:
         return WindowStats(i, i, i + 1, worker_samples_per_s=sps)
@@ -176,7 +176,7 @@ def test_controller_applies_nd_actions_and_records_events(controller) -> None:
 
 def test_controller_dd_batch_sizes_reach_the_worker(controller) -> None:
     cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.DD, monitor=MonitorConfig(window_s=0.1),
-                           dd=DdConfig(global_batch=300))
+                           dd=DdConfig(global_batch=300, damping=1.0))
     srv = controller(cfg)
     workers = [client(srv, i) for i in range(3)]
     cmd = None

@@ -1,0 +1,213 @@
+"""The Kubernetes wiring on one machine vs ``metaps launch`` of the same job.
+
+Both fleets train the same job (2 PS shards, 3 workers, PS mode) on the same Meta-IO data:
+
+    launch   ``metaps launch --config job.toml`` (controller, agents, PS, workers on 127.0.0.1)
+    k8s      ``metaps deploy k8s`` -> ``kubectl kustomize`` -> every pod run by
+             :class:`metaps.deploy.podsim.PodSim` in its own network + mount namespace
+             (the data is already built: no data Job); the worker Job is scaled
+             3 -> 4 at a third of the batches and 4 -> 2 at two thirds
+
+Measured from the controller's status, polled every 0.25 s, the same way for both:
+time to first step (fleet start -> the first batch done), batches/s and samples/s
+(batches x rows per batch of the manifest) between the first batch and the end.
+The k8s run's figure includes the scale events (there is no steady k8s-only run:
+the ratio is a lower bound of the steady one). ``scale_events_lost_shards``: shards
+(2 batches each) of the requested epochs the controller's coverage misses at the end (must be 0).
+
+Run: ``python -m bench.k8s_local [--quick]`` (root, ``ip netns``, ``unshare``, kubectl);
+the last line is a JSON object with ``first_step_s_ratio`` (k8s / launch),
+``throughput_ratio`` (k8s / launch, goal >= 0.9) and ``scale_events_lost_shards``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _job(root: Path, epochs: int, name: str) -> dict[str, Any]:
+    return {
+        "data": {"train": "metaio/train"},
+        "ps": {"shards": 2, "num_vshards": 16, "device": "cpu", "table_defaults": {"dim": 8, "capacity": 16384}},
+        "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
+        "meta": {"inner_steps": 1, "inner_lr": 0.1},
+        "train": {"mode": "meta", "workers": 3, "epochs": epochs, "overlap": False, "log_every": 20},
+        "controller": {"heartbeat_timeout_s": 60.0, "tick_s": 0.5, "dds": {"batches_per_shard": 2}},
+        "rpc": {"timeout_s": 30.0},
+        "delivery": {"out": "bundles"},
+        "run": {"dir": "runs", "name": name},
+        "deploy": {"name": "bk", "deliver_schedule": ""},
+    }
+
+
+def _data(root: Path, rows: int) -> tuple[int, int]:
+    from meta_io.build import MetaIOBuildConfig, build
+    from meta_io.generator import GeneratorConfig, generate
+
+    gen = generate(root / "raw", GeneratorConfig(rows=rows, users=max(50, rows // 20), items=500, seed=11, n_files=1,
+                                                 row_group_rows=rows), progress=False)
+    out = build(gen.out_dir, gen.schema_path, root / "metaio" / "train", MetaIOBuildConfig(rows_per_batch=256)).out_dir
+    totals = json.loads((Path(out) / "manifest.json").read_text())["totals"]
+    return int(totals["input_rows"]), int(totals["batches"])
+
+
+class Progress:
+    """Polls a status function; records (time, batches_done) and the end."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.status = status
+        self.samples: list[tuple[float, int]] = []
+        self.last: dict[str, Any] = {}
+
+    def poll(self) -> dict[str, Any]:
+        try:
+            st = self.status()
+        except Exception:  # not up yet
+            return {}
+        if "datasets" not in st:
+            return {}
+        done = int(st.get("coverage", {}).get("done_batches", 0))  # the ledger's, over every epoch
+        self.samples.append((time.monotonic(), done))
+        self.last = st
+        return st
+
+    def first_step_t(self) -> float:
+        return next(t for t, b in self.samples if b > 0)
+
+    def batches_per_s(self) -> float:
+        t1, b1 = self.samples[-1]
+        t0, b0 = next((t, b) for t, b in self.samples if b > 0)
+        return (b1 - b0) / max(t1 - t0, 1e-9)
+
+
+def run_launch(root: Path, epochs: int) -> dict[str, Any]:
+    from controller.client import ControllerClient
+    from metaps.rpc import RpcConfig
+    from metaps.toml_writer import write
+
+    work = root / "launch"
+    work.mkdir()
+    os.symlink(root / "data" / "metaio", work / "metaio")
+    cfg = write(work / "job.toml", _job(work, epochs, "launch"))
+    tok = work / "token"
+    run_dir = work / "runs" / "launch"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run_dir),
+                             "--no-progress", "--token-file", str(tok), "--timeout", "1800"], cwd=work,
+                            stdout=subprocess.DEVNULL, stderr=(work / "launch.log").open("wb"),
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    client: list[Any] = []
+
+    def status() -> dict[str, Any]:
+        if not client:
+            addr_file = run_dir / "controller" / "address"
+            if not (addr_file.exists() and tok.exists()):
+                return {}
+            client.append(ControllerClient(addr_file.read_text().strip(), RpcConfig(token=tok.read_text().strip()),
+                                           retry_s=2.0))
+        return client[0].status()
+
+    prog = Progress(status)
+    while proc.poll() is None:
+        st = prog.poll()
+        if st.get("finished"):
+            break
+        time.sleep(0.25)
+    proc.wait(600)
+    if client:
+        client[0].close()
+    return {"first_step_s": prog.first_step_t() - t0, "batches_per_s": prog.batches_per_s(), "rc": proc.returncode}
+
+
+def run_k8s(root: Path, epochs: int, total_batches: int) -> dict[str, Any]:
+    from metaps.deploy.podsim import PodSim
+    from metaps.toml_writer import write
+
+    work = root / "k8s"
+    work.mkdir()
+    cfg = write(work / "job.toml", _job(work, epochs, "k8s"))
+    out = work / "manifests"
+    subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(cfg), "--image", "local/metaps:bench",
+                    "--out", str(out)], check=True, cwd=REPO, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    docs = [d for d in yaml.safe_load_all(subprocess.run(["kubectl", "kustomize", str(out)], check=True,
+                                                          capture_output=True, text=True).stdout) if d]
+    token = (out / "token").read_text().strip()
+    sim = PodSim(docs, work / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.232.0")
+    try:
+        pvc = sim.root / "pvc" / "bk-data"
+        pvc.mkdir(parents=True)
+        subprocess.run(["cp", "-a", str(root / "data" / "metaio"), str(pvc / "metaio")], check=True)
+        t0 = time.monotonic()
+        for w in ("bk-controller", "bk-ps", "bk-worker"):
+            sim.start_workload(w)
+        ctl = sim.job_pods("bk-controller")[0]
+        prog = Progress(lambda: sim.controller_status(f"{ctl.ip}:7070", token) if ctl.phase == "Running" else {})
+        target = epochs * total_batches
+        scaled = []
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            st = prog.poll()
+            done = prog.samples[-1][1] if prog.samples else 0
+            if not scaled and done >= target / 3:
+                sim.scale_job("bk-worker", 4)
+                scaled.append(("3->4", done))
+            elif len(scaled) == 1 and done >= 2 * target / 3:
+                sim.scale_job("bk-worker", 2)
+                scaled.append(("4->2", done))
+            if st.get("finished"):
+                break
+            time.sleep(0.25)
+        st = prog.last
+        cov = st.get("coverage", {})
+        # batches of the requested epochs not covered, in shards (0 when coverage is complete)
+        lost = 0 if cov.get("complete") else math.ceil((1.0 - float(cov.get("fraction", 0.0))) * target / 2)
+        return {"first_step_s": prog.first_step_t() - t0, "batches_per_s": prog.batches_per_s(),
+                "scale_events": scaled, "lost_shards": lost, "coverage": cov}
+    finally:
+        sim.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller data, fewer epochs")
+    args = ap.parse_args(argv)
+    rows, epochs = (4000, 4) if args.quick else (20000, 4)
+    with tempfile.TemporaryDirectory(prefix="bench-k8s-") as tmp:
+        root = Path(tmp)
+        n_rows, n_batches = _data(root / "data", rows)
+        per_batch = n_rows / n_batches
+        print(f"data: {n_rows} rows, {n_batches} batches ({per_batch:.0f} rows/batch), {epochs} epochs", flush=True)
+        launch = run_launch(root, epochs)
+        print(f"launch: first step {launch['first_step_s']:.1f}s, {launch['batches_per_s']:.2f} batches/s "
+              f"({launch['batches_per_s'] * per_batch:.0f} samples/s), rc {launch['rc']}", flush=True)
+        k8s = run_k8s(root, epochs, n_batches)
+        print(f"k8s pods: first step {k8s['first_step_s']:.1f}s, {k8s['batches_per_s']:.2f} batches/s "
+              f"({k8s['batches_per_s'] * per_batch:.0f} samples/s) with scale events {k8s['scale_events']}, "
+              f"lost shards {k8s['lost_shards']}", flush=True)
+    print(json.dumps({
+        "launch_first_step_s": round(launch["first_step_s"], 2), "k8s_first_step_s": round(k8s["first_step_s"], 2),
+        "launch_samples_per_s": round(launch["batches_per_s"] * per_batch, 1),
+        "k8s_scaling_samples_per_s": round(k8s["batches_per_s"] * per_batch, 1),
+        "first_step_s_ratio": round(k8s["first_step_s"] / launch["first_step_s"], 3),
+        "throughput_ratio": round(k8s["batches_per_s"] / launch["batches_per_s"], 3),
+        "scale_events": [e[0] for e in k8s["scale_events"]],
+        "scale_events_lost_shards": k8s["lost_shards"],
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""``metaps deploy``: run a job on Kubernetes.
+
+::
+
+    metaps deploy k8s --config job.toml --image REG/metaps:0.1.0 [--namespace NS] [--gpu] --out DIR
+    kubectl apply -k DIR
+
+    metaps deploy wait --path runs/main/metaio/manifest.json [--timeout S]   (pods' init container)
+
+See docs/kubernetes.md and :mod:`metaps.deploy.k8s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from metaps.errors import ConfigError
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``deploy k8s`` and ``deploy wait`` to the ``metaps`` command line.
+
+    Args:
+        subparsers: the ``metaps`` parser's subparsers (see :mod:`metaps.cli`).
+    """
+    p = subparsers.add_parser("deploy", help="generate Kubernetes manifests from the job file")
+    sub = p.add_subparsers(dest="deploy_command", metavar="TARGET", required=True)
+    k = sub.add_parser("k8s", help="write YAML + kustomization.yaml for `kubectl apply -k DIR`")
+    k.add_argument("--config", required=True, help="job TOML (counts, ports, tables, [deploy])")
+    k.add_argument("--image", required=True, help="the CPU image, e.g. registry.example/metaps:0.1.0")
+    k.add_argument("--namespace", default="", help="Kubernetes namespace (default: kubectl's)")
+    k.add_argument("--gpu", action="store_true", help="CUDA image and nvidia.com/gpu limits")
+    k.add_argument("--gpu-image", default="", help="the CUDA image (default: IMAGE-cuda)")
+    k.add_argument("--out", required=True, help="directory to write (DIR/token is created once, 0600)")
+    k.set_defaults(func=_cmd_k8s)
+    w = sub.add_parser("wait", help="wait until a file exists (a pod's init container)")
+    w.add_argument("--path", required=True, help="file to wait for")
+    w.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (exit 1)")
+    w.set_defaults(func=_cmd_wait)
+
+
+def _cmd_k8s(args: argparse.Namespace) -> int:
+    from metaps.config import read_toml
+    from metaps.deploy.k8s import Options, render, write
+    from metaps.job import load_job
+
+    job = load_job(args.config)
+    files = render(job, read_toml(args.config), Options(args.image, args.namespace, args.gpu, args.gpu_image))
+    written = write(files, Path(args.out))
+    for p in written:
+        print(p)
+    return 0
+
+
+def _cmd_wait(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    deadline = time.monotonic() + args.timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"deploy wait: {path} did not appear within {args.timeout:.0f}s")
+        time.sleep(1.0)
+    log.info("found", extra=kv(path=str(path)))
+    return 0

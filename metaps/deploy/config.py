@@ -1,0 +1,129 @@
+"""``[deploy]``: what ``metaps deploy k8s`` needs beyond the rest of the job file.
+
+Counts, tables and data paths come from the job's own sections (``[ps] shards``,
+``[train] workers``, ``[data]``, ``[run]``, ``[delivery] out``); this section adds
+ports, storage, the data-build inputs, the delivery schedule and per-role resources.
+
+Example::
+
+    [deploy]
+    name = "ctr"
+    data_input = "raw/train"            # on the shared volume; '' = no data Job
+    data_schema = "raw/schema.json"
+    deliver_schedule = "0 * * * *"
+    [deploy.resources.worker]
+    cpu = "4"
+    memory = "8Gi"
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
+_QTY = re.compile(r"^([0-9]+(\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+_CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly|annually)|(\S+\s+){4}\S+)$")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Requests (= limits) of one role's container.
+
+    Args:
+        cpu: CPU quantity, e.g. ``"2"`` or ``"500m"``.
+        memory: memory quantity, e.g. ``"4Gi"``.
+        gpu: ``nvidia.com/gpu`` count with ``--gpu`` (0: none for this role).
+    """
+
+    cpu: str = "1"
+    memory: str = "2Gi"
+    gpu: int = 0
+
+    def validate(self) -> None:
+        for key in ("cpu", "memory"):
+            if not _QTY.match(getattr(self, key)):
+                raise ValueError(f"{key} {getattr(self, key)!r} is not a Kubernetes quantity (e.g. '2', '500m', '4Gi')")
+        if self.gpu < 0:
+            raise ValueError(f"gpu must be >= 0, got {self.gpu}")
+
+
+@dataclass(frozen=True)
+class RoleResources:
+    """Resources per role. Defaults (the table below lists a bare ``Resources``'s): controller
+    1 CPU 1Gi; ps and worker 2 CPU 4Gi and 1 GPU with ``--gpu``; data 1 CPU 4Gi; deliver 1 CPU 2Gi.
+
+    Args:
+        controller: the controller Deployment.
+        ps: each PS StatefulSet pod.
+        worker: each worker Job pod (``gpu`` used with ``--gpu``).
+        data: the Meta-IO build Job.
+        deliver: the delivery CronJob.
+    """
+
+    controller: Resources = field(default_factory=lambda: Resources("1", "1Gi"))
+    ps: Resources = field(default_factory=lambda: Resources("2", "4Gi", 1))
+    worker: Resources = field(default_factory=lambda: Resources("2", "4Gi", 1))
+    data: Resources = field(default_factory=lambda: Resources("1", "4Gi"))
+    deliver: Resources = field(default_factory=lambda: Resources("1", "2Gi"))
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """Kubernetes deployment of the job (``metaps deploy k8s``).
+
+    Args:
+        name: prefix of every object name (``NAME-controller``, ``NAME-ps``, ...); a DNS label.
+        controller_port: the controller's gRPC port (its Service's port).
+        ps_port: each PS pod's gRPC port.
+        metrics_port: every pod's Prometheus ``/metrics`` port (not 9100: node_exporter's).
+        storage_class: storage class of the shared ReadWriteMany volume ('' = the cluster default).
+        storage_size: size of the shared volume (data, run directory, checkpoints, bundles).
+        state_size: size of the controller's ReadWriteOnce LMDB state volume.
+        data_input: raw logs (Parquet/CSV, path on the shared volume) the data Job builds
+            ``[data] train`` from; '' = no data Job (the datasets are already there).
+        data_eval_input: raw held-out logs the data Job builds ``[data] eval`` from ('' = none).
+        data_schema: schema file for the builds (path on the shared volume).
+        deliver_schedule: cron schedule of the delivery CronJob ('' = no CronJob).
+        deliver_args: extra ``metaps deliver`` arguments, e.g. ``["--incremental", "--keep", "5"]``.
+        restore_from: warm start: a checkpoints directory (shared volume) the PS restore their
+            newest committed checkpoint from ('' = cold start).
+        resources: per-role requests and limits.
+    """
+
+    name: str = "metaps"
+    controller_port: int = 7070
+    ps_port: int = 5000
+    metrics_port: int = 9400
+    storage_class: str = ""
+    storage_size: str = "100Gi"
+    state_size: str = "1Gi"
+    data_input: str = ""
+    data_eval_input: str = ""
+    data_schema: str = ""
+    deliver_schedule: str = "0 * * * *"
+    deliver_args: list[str] = field(default_factory=list)
+    restore_from: str = ""
+    resources: RoleResources = field(default_factory=RoleResources)
+
+    def validate(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"name {self.name!r} must be a DNS label: lowercase letters, digits, '-', at most 32")
+        ports = {"controller_port": self.controller_port, "ps_port": self.ps_port, "metrics_port": self.metrics_port}
+        for key, port in ports.items():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{key} must be in 1..65535, got {port}")
+        if self.metrics_port == 9100:
+            raise ValueError("metrics_port 9100 is node_exporter's; pick another (default 9400)")
+        if len(set(ports.values())) != len(ports):
+            raise ValueError(f"controller_port, ps_port and metrics_port must differ, got {ports}")
+        for key in ("storage_size", "state_size"):
+            if not _QTY.match(getattr(self, key)):
+                raise ValueError(f"{key} {getattr(self, key)!r} is not a Kubernetes quantity (e.g. '100Gi')")
+        if self.data_input and not self.data_schema:
+            raise ValueError("data_schema is required with data_input (the schema of the raw logs)")
+        if self.data_eval_input and not self.data_input:
+            raise ValueError("data_eval_input needs data_input")
+        if self.deliver_schedule and not _CRON.match(self.deliver_schedule.strip()):
+            raise ValueError(f"deliver_schedule {self.deliver_schedule!r} is not a cron schedule "
+                             "(five fields, e.g. '0 * * * *', or @hourly/@daily)")

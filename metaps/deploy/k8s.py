@@ -1,0 +1,378 @@
+"""Kubernetes manifests generated from the job file (``metaps deploy k8s``).
+
+The job file is the one source of truth for counts, ports and tables; the
+generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR``)::
+
+    job.yaml          ConfigMap NAME-job: the job file pods read (/etc/metaps/job/job.toml);
+                      [rpc] token_file -> /run/metaps/token, [ps] host -> 0.0.0.0, no token
+    storage.yaml      PVC NAME-data (ReadWriteMany: data, run dir, checkpoints, bundles at /data)
+                      PVC NAME-controller-state (ReadWriteOnce: the controller's LMDB)
+    controller.yaml   Deployment (1 replica, Recreate) + Service NAME-controller; gRPC probes
+    ps.yaml           StatefulSet NAME-ps (replicas = [ps] shards, Parallel) + headless Service;
+                      --shard auto (the ordinal), registered as NAME-ps-K.NAME-ps:PORT
+    worker.yaml       PS mode: Job, parallelism = [train] workers, no completions (work queue:
+                      patch parallelism to scale; --rank auto gets an index from the controller)
+                      all-reduce: Indexed Job (completions = parallelism = workers) + headless Service
+    data.yaml         Job: metaps meta-io build of [data] eval / train ([deploy] data_input)
+    deliver.yaml      CronJob ([deploy] deliver_schedule): metaps deliver of the run's checkpoints
+    kustomization.yaml  the above + a Secret NAME-token generated from DIR/token (0600, created
+                      here with a fresh token unless it exists; never in the ConfigMap or an env value)
+
+Every pod: non-root (uid 10001), read-only root filesystem (/tmp is an emptyDir),
+capabilities dropped, Prometheus scrape annotations (long-running roles) or
+``prometheus.io/scrape: "false"`` (batch pods that serve no metrics). Training pods
+wait for ``[data] train``'s manifest in an init container, and copy the mounted
+Secret (mode 0400 + the pod's fsGroup) to a 0600 file of their own in memory
+(``/run/metaps/token``) the token check accepts.
+
+Restarts are Kubernetes': no ``metaps agent`` runs in a pod (restartPolicy Always for
+the controller and PS, OnFailure for workers and batch Jobs). The controller's
+``drain`` and checkpoint commands reach the worker process itself; a worker pod
+that is deleted reports itself down (its shards are requeued at once).
+
+Example::
+
+    files = render(load_job("configs/main_job.toml"), raw, image="reg.example/metaps:0.1.0")
+    write(files, Path("k8s/main"))
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from metaps.deploy.yaml_out import dumps_all
+from metaps.errors import ConfigError
+from metaps.security import REDACTED, generate_token
+from metaps.toml_writer import dumps as toml_dumps
+
+JOB_DIR = "/etc/metaps/job"
+JOB_PATH = f"{JOB_DIR}/job.toml"
+SECRET_DIR = "/etc/metaps/secret"
+TOKEN_DIR = "/run/metaps"
+TOKEN_PATH = f"{TOKEN_DIR}/token"
+DATA_DIR = "/data"
+STATE_DIR = "/var/lib/metaps"
+UID = 10001
+FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Command-line choices of ``metaps deploy k8s``.
+
+    Args:
+        image: the CPU image (``docker/Dockerfile``), e.g. ``reg.example/metaps:0.1.0``.
+        namespace: Kubernetes namespace ('' = the one kubectl uses).
+        gpu: CUDA image and ``nvidia.com/gpu`` limits for the roles with ``gpu`` > 0 in their resources.
+        gpu_image: the CUDA image (default: ``image`` + ``-cuda``).
+    """
+
+    image: str
+    namespace: str = ""
+    gpu: bool = False
+    gpu_image: str = ""
+
+    @property
+    def pod_image(self) -> str:
+        return (self.gpu_image or f"{self.image}-cuda") if self.gpu else self.image
+
+
+def pod_job_mapping(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The job mapping pods read: token out, token file and bind host in.
+
+    Raises:
+        ConfigError: the job file holds a token (it would land in a ConfigMap).
+    """
+    data = copy.deepcopy(raw)
+    rpc = data.setdefault("rpc", {})
+    if rpc.get("token") not in (None, "", REDACTED):
+        raise ConfigError(f"{where}: [rpc] token is set; `metaps deploy k8s` never puts a token into a ConfigMap: "
+                          "remove it (the pods read the Secret generated from DIR/token)")
+    rpc.pop("token", None)
+    if rpc.get("tls_cert") or rpc.get("tls_key") or rpc.get("tls_ca"):
+        raise ConfigError(f"{where}: [rpc] tls_* paths are not wired into pods by `metaps deploy k8s` yet; "
+                          "unset them (gRPC auth uses the token Secret)")
+    rpc["token_file"] = TOKEN_PATH
+    data.setdefault("ps", {})["host"] = "0.0.0.0"
+    return data
+
+
+class _Gen:
+    def __init__(self, job: Any, job_text: str, opts: Options) -> None:
+        self.job, self.job_text, self.o = job, job_text, opts
+        self.d = job.deploy
+        self.n = self.d.name
+        self.run_dir = f"{job.run.dir.rstrip('/')}/{job.run.name}"
+        self.ckpt_root = f"{DATA_DIR}/{self.run_dir}/checkpoints"
+        self.allreduce = str(getattr(job.train.dense_sync, "value", job.train.dense_sync)) == "allreduce"
+
+    # ------------------------------------------------------------------ pieces
+    def meta(self, name: str, component: str = "", **extra: Any) -> dict[str, Any]:
+        m: dict[str, Any] = {"name": name, "labels": self.labels(component) if component else self.labels("")}
+        if self.o.namespace:
+            m["namespace"] = self.o.namespace
+        m.update(extra)
+        return m
+
+    def labels(self, component: str) -> dict[str, str]:
+        out = {"app.kubernetes.io/name": "metaps", "app.kubernetes.io/instance": self.n}
+        if component:
+            out["app.kubernetes.io/component"] = component
+        return out
+
+    def annotations(self, scrape: bool) -> dict[str, str]:
+        if not scrape:
+            return {"prometheus.io/scrape": "false"}
+        return {"prometheus.io/scrape": "true", "prometheus.io/port": str(self.d.metrics_port),
+                "prometheus.io/path": "/metrics"}
+
+    def resources(self, role: str) -> dict[str, Any]:
+        r = getattr(self.d.resources, role)
+        req = {"cpu": r.cpu, "memory": r.memory}
+        lim: dict[str, Any] = dict(req)
+        if self.o.gpu and r.gpu:
+            lim["nvidia.com/gpu"] = str(r.gpu)
+        return {"requests": req, "limits": lim}
+
+    def container(self, name: str, args: list[str], role: str, ports: dict[str, int] | None = None,
+                  mounts: list[dict[str, Any]] | None = None, env: list[dict[str, Any]] | None = None,
+                  probe_port: int = 0, command: list[str] | None = None) -> dict[str, Any]:
+        c: dict[str, Any] = {"name": name, "image": self.o.pod_image, "imagePullPolicy": "IfNotPresent"}
+        if command:
+            c["command"] = command
+        c["args"] = args
+        c["workingDir"] = DATA_DIR
+        c["env"] = [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "HOME", "value": "/tmp"},
+                    {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"}] + (env or [])
+        if ports:
+            c["ports"] = [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in ports.items()]
+        c["resources"] = self.resources(role)
+        c["volumeMounts"] = (mounts or []) + [{"name": "tmp", "mountPath": "/tmp"}]
+        if probe_port:
+            c["readinessProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 5, "timeoutSeconds": 5,
+                                   "failureThreshold": 3}
+            c["livenessProbe"] = {"grpc": {"port": probe_port}, "initialDelaySeconds": 30, "periodSeconds": 10,
+                                  "timeoutSeconds": 10, "failureThreshold": 6}
+        c["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+        return c
+
+    def pod_env(self) -> list[dict[str, Any]]:
+        return [{"name": "METAPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+    def train_mounts(self) -> list[dict[str, Any]]:
+        return [{"name": "job", "mountPath": JOB_DIR, "readOnly": True},
+                {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
+                {"name": "data", "mountPath": DATA_DIR}]
+
+    def init_containers(self, role: str) -> list[dict[str, Any]]:
+        copy_token = self.container(
+            "token", [f"{SECRET_DIR}/token", TOKEN_PATH], role, command=["install", "-m", "0600"],
+            mounts=[{"name": "token-secret", "mountPath": SECRET_DIR, "readOnly": True},
+                    {"name": "token", "mountPath": TOKEN_DIR}])
+        wait = self.container("wait-data", ["deploy", "wait", "--path", f"{self.job.data.train}/manifest.json",
+                                            "--timeout", "86400"], role,
+                              mounts=[{"name": "data", "mountPath": DATA_DIR}])
+        return [copy_token, wait]
+
+    def volumes(self, *extra: dict[str, Any], training: bool = True) -> list[dict[str, Any]]:
+        vols: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}},
+                                      {"name": "data", "persistentVolumeClaim": {"claimName": f"{self.n}-data"}}]
+        if training:
+            vols += [{"name": "job", "configMap": {"name": f"{self.n}-job"}},
+                     {"name": "token-secret", "secret": {"secretName": f"{self.n}-token", "defaultMode": 0o400}},
+                     {"name": "token", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]
+        return vols + list(extra)
+
+    def pod_spec(self, containers: list[dict[str, Any]], restart: str, volumes: list[dict[str, Any]],
+                 init: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+        spec: dict[str, Any] = {"restartPolicy": restart, "automountServiceAccountToken": False,
+                                "enableServiceLinks": False}
+        spec.update(extra)
+        spec["securityContext"] = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                                   "seccompProfile": {"type": "RuntimeDefault"}}
+        if init:
+            spec["initContainers"] = init
+        spec["containers"] = containers
+        spec["volumes"] = volumes
+        return spec
+
+    def template(self, component: str, spec: dict[str, Any], scrape: bool) -> dict[str, Any]:
+        return {"metadata": {"labels": self.labels(component), "annotations": self.annotations(scrape)}, "spec": spec}
+
+    # ------------------------------------------------------------------ objects
+    def job_objects(self) -> list[dict[str, Any]]:
+        return [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": self.meta(f"{self.n}-job", "config"),
+                 "data": {"job.toml": self.job_text}}]
+
+    def storage(self) -> list[dict[str, Any]]:
+        def pvc(name: str, mode: str, size: str, component: str) -> dict[str, Any]:
+            spec: dict[str, Any] = {"accessModes": [mode], "resources": {"requests": {"storage": size}}}
+            if self.d.storage_class:
+                spec["storageClassName"] = self.d.storage_class
+            return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": self.meta(name, component),
+                    "spec": spec}
+        return [pvc(f"{self.n}-data", "ReadWriteMany", self.d.storage_size, "storage"),
+                pvc(f"{self.n}-controller-state", "ReadWriteOnce", self.d.state_size, "controller")]
+
+    def controller(self) -> list[dict[str, Any]]:
+        port, mport = self.d.controller_port, self.d.metrics_port
+        args = ["controller", "--config", JOB_PATH, "--address", f"0.0.0.0:{port}", "--state-dir",
+                f"{STATE_DIR}/state", "--metrics-port", str(mport), "--metrics-host", "0.0.0.0",
+                "--checkpoint-root", self.ckpt_root]
+        c = self.container("controller", args, "controller", {"grpc": port, "metrics": mport},
+                           self.train_mounts() + [{"name": "state", "mountPath": STATE_DIR}], self.pod_env(),
+                           probe_port=port)
+        spec = self.pod_spec([c], "Always", self.volumes(
+            {"name": "state", "persistentVolumeClaim": {"claimName": f"{self.n}-controller-state"}}),
+            self.init_containers("controller"))
+        dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": self.meta(f"{self.n}-controller", "controller"),
+               "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                        "selector": {"matchLabels": self.labels("controller")},
+                        "template": self.template("controller", spec, True)}}
+        svc = {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(f"{self.n}-controller", "controller"),
+               "spec": {"selector": self.labels("controller"),
+                        "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}}
+        return [svc, dep]
+
+    @property
+    def controller_addr(self) -> str:
+        return f"{self.n}-controller:{self.d.controller_port}"
+
+    def ps(self) -> list[dict[str, Any]]:
+        port, mport, svc_name = self.d.ps_port, self.d.metrics_port, f"{self.n}-ps"
+        args = ["ps", "--config", JOB_PATH, "--shard", "auto", "--port", str(port), "--metrics-port", str(mport),
+                "--controller", self.controller_addr, "--advertise", f"$(METAPS_POD_NAME).{svc_name}",
+                "--checkpoint-root", self.ckpt_root]
+        if self.d.restore_from:
+            args += ["--restore-latest", self.d.restore_from]
+        c = self.container("ps", args, "ps", {"grpc": port, "metrics": mport}, self.train_mounts(), self.pod_env(),
+                           probe_port=port)
+        # shareProcessNamespace: the pause container is PID 1, so a restarted PS gets a new pid,
+        # which is how the controller tells a restarted shard (and starts the fleet's recovery)
+        spec = self.pod_spec([c], "Always", self.volumes(), self.init_containers("ps"),
+                             shareProcessNamespace=True, terminationGracePeriodSeconds=30)
+        sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": self.meta(svc_name, "ps"),
+               "spec": {"serviceName": svc_name, "replicas": self.job.ps.shards, "podManagementPolicy": "Parallel",
+                        "selector": {"matchLabels": self.labels("ps")},
+                        "template": self.template("ps", spec, True)}}
+        svc = {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(svc_name, "ps"),
+               "spec": {"clusterIP": "None", "selector": self.labels("ps"),
+                        "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}}
+        return [svc, sts]
+
+    def worker(self) -> list[dict[str, Any]]:
+        mport, name = self.d.metrics_port, f"{self.n}-worker"
+        ps_pattern = f"{self.n}-ps-{{k}}.{self.n}-ps:{self.d.ps_port}"
+        args = ["worker", "--config", JOB_PATH, "--rank", "auto", "--ps", ps_pattern, "--controller",
+                self.controller_addr, "--run-dir", self.run_dir, "--metrics-port", str(mport),
+                "--metrics-host", "0.0.0.0"]
+        env = self.pod_env()
+        ports = {"metrics": mport}
+        workers = self.job.train.workers
+        job_spec: dict[str, Any] = {"parallelism": workers,
+                                    "backoffLimit": max(6, workers * self.job.controller.agent.restart_limit)}
+        extra: dict[str, Any] = {}
+        objs: list[dict[str, Any]] = []
+        if self.allreduce:
+            ar_port = self.job.train.allreduce_port or 29500
+            env = env + [{"name": "METAPS_ALLREDUCE", "value": f"{name}-0.{name}:{ar_port}"}]
+            ports["allreduce"] = ar_port
+            job_spec.update(completions=workers, completionMode="Indexed")
+            extra["subdomain"] = name
+            objs.append({"apiVersion": "v1", "kind": "Service", "metadata": self.meta(name, "worker"),
+                         "spec": {"clusterIP": "None", "selector": self.labels("worker"),
+                                  "ports": [{"name": "allreduce", "port": ar_port, "protocol": "TCP"}]}})
+        c = self.container("worker", args, "worker", ports, self.train_mounts(), env)
+        spec = self.pod_spec([c], "OnFailure", self.volumes(), self.init_containers("worker"),
+                             terminationGracePeriodSeconds=30, **extra)
+        job_spec["template"] = self.template("worker", spec, True)
+        objs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(name, "worker"), "spec": job_spec})
+        return objs
+
+    def data(self) -> list[dict[str, Any]]:
+        if not self.d.data_input:
+            return []
+        mounts = [{"name": "data", "mountPath": DATA_DIR}]
+
+        def build(name: str, src: str, out: str) -> dict[str, Any]:
+            return self.container(name, ["meta-io", "build", "--input", src, "--schema", self.d.data_schema,
+                                         "--out", out, "--overwrite"], "data", mounts=mounts)
+        init = [build("build-eval", self.d.data_eval_input, self.job.data.eval)] if self.d.data_eval_input else []
+        if self.d.data_eval_input and not self.job.data.eval:
+            raise ConfigError(f"{self.job.source}: [deploy] data_eval_input is set but [data] eval is empty")
+        spec = self.pod_spec([build("build-train", self.d.data_input, self.job.data.train)], "OnFailure",
+                             self.volumes(training=False), init or None)
+        return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-data", "data"),
+                 "spec": {"backoffLimit": 3, "template": self.template("data", spec, False)}}]
+
+    def deliver(self) -> list[dict[str, Any]]:
+        if not self.d.deliver_schedule:
+            return []
+        out = str(self.job.delivery.out)
+        args = ["deliver", "--run", self.run_dir, "--out", out, *self.d.deliver_args]
+        c = self.container("deliver", args, "deliver", mounts=[{"name": "data", "mountPath": DATA_DIR}])
+        spec = self.pod_spec([c], "OnFailure", self.volumes(training=False))
+        return [{"apiVersion": "batch/v1", "kind": "CronJob", "metadata": self.meta(f"{self.n}-deliver", "deliver"),
+                 "spec": {"schedule": self.d.deliver_schedule, "concurrencyPolicy": "Forbid",
+                          "successfulJobsHistoryLimit": 3, "failedJobsHistoryLimit": 3,
+                          "jobTemplate": {"spec": {"backoffLimit": 2,
+                                                   "template": self.template("deliver", spec, False)}}}}]
+
+    def kustomization(self, files: list[str]) -> dict[str, Any]:
+        k: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+        if self.o.namespace:
+            k["namespace"] = self.o.namespace
+        k["resources"] = files
+        k["secretGenerator"] = [{"name": f"{self.n}-token", "files": ["token"], "type": "Opaque",
+                                 "options": {"labels": self.labels("config")}}]
+        return k
+
+
+def render(job: Any, raw: dict[str, Any], opts: Options) -> dict[str, str]:
+    """Every manifest file's text, by file name (``kustomization.yaml`` included).
+
+    Args:
+        job: the loaded job (its ``[deploy]`` section included).
+        raw: the job file as parsed TOML (what the ConfigMap carries, after :func:`pod_job_mapping`).
+        opts: image, namespace, GPU.
+
+    Raises:
+        ConfigError: a token in the job file, or sections that do not fit together.
+    """
+    if not opts.image or any(ch.isspace() for ch in opts.image):
+        raise ConfigError(f"--image {opts.image!r}: expected an image reference, e.g. registry.example/metaps:0.1.0")
+    device = getattr(job.ps.device, "value", job.ps.device)
+    if device == "cuda" and not opts.gpu:
+        raise ConfigError(f"{job.source}: [ps] device = 'cuda' needs --gpu (the CUDA image and GPU limits)")
+    gen = _Gen(job, toml_dumps(pod_job_mapping(raw, job.source or "<job>")), opts)
+    parts = {"job.yaml": gen.job_objects(), "storage.yaml": gen.storage(), "controller.yaml": gen.controller(),
+             "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver()}
+    out = {name: dumps_all(docs) for name, docs in parts.items() if docs}
+    out["kustomization.yaml"] = dumps_all([gen.kustomization([n for n in FILES if n in out])])
+    return out
+
+
+def write(files: dict[str, str], out_dir: Path) -> list[Path]:
+    """Write the manifests into ``out_dir``; create ``out_dir/token`` (0600, a fresh token) if missing.
+
+    Returns:
+        the paths written (the token file only when it was created).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        p = out_dir / name
+        p.write_text(text)
+        written.append(p)
+    token = out_dir / "token"
+    if not token.exists():
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(generate_token())
+        written.append(token)
+    return written

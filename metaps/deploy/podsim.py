@@ -1,0 +1,569 @@
+"""Run rendered Kubernetes manifests on one machine, pod by pod, the way a kubelet would.
+
+No API server, kind or k3s can run here, yet a pod's wiring (command, args, env,
+mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
+``kubectl kustomize DIR`` renders and runs each pod
+
+* in its own network namespace (``ip netns``), joined by a veth to a bridge in a hub
+  namespace, with its own address (a Service name resolves to the pod behind it: no
+  kube-proxy; a headless Service's ``POD.SERVICE`` names resolve to each pod);
+* in a private mount and UTS namespace (``unshare --mount --uts``): hostname = pod name;
+  ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods)
+  and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
+  from one file holding every Service name (rewritten in place as pods appear, like DNS);
+* with the container's ``command`` (or the image's entrypoint ``metaps``, which is this
+  machine's venv: ``python -m metaps``; the image itself is not used), its ``args`` with
+  ``$(VAR)`` expanded, its env (literal values and the downward-API ``metadata.name`` /
+  ``metadata.namespace``), ``workingDir``, init containers first, in order;
+* readiness through the gRPC health service on the probe's port (from the hub namespace);
+* restarts as the pod's ``restartPolicy`` says (Always / OnFailure) in the same pod:
+  same name, same address, same emptyDirs -- what a container restart is.
+
+Jobs: a work-queue Job keeps ``parallelism`` pods running until one succeeds;
+:meth:`PodSim.scale_job` changes parallelism (the newest pods are deleted first, with
+SIGTERM and the pod's grace period); an Indexed Job gets ``JOB_COMPLETION_INDEX``.
+A CronJob's template runs once with :meth:`PodSim.trigger_cronjob`.
+
+Not simulated: the image (the venv replaces it), runAsUser/readOnlyRootFilesystem
+(processes run as the caller, root), resource limits, Service ClusterIPs and load
+balancing, node scheduling, PVC provisioning. Needs root and iproute2 (``ip netns``).
+
+Example::
+
+    sim = PodSim(docs, Path("/tmp/sim"), python=sys.executable)
+    try:
+        sim.start_workload("metaps-controller"); sim.wait_ready("metaps-controller-0")
+        ...
+    finally:
+        sim.close()
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metaps.log import kv
+
+log = logging.getLogger(__name__)
+
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def netns_available() -> bool:
+    """root + iproute2 + unshare + a namespace can actually be created here."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        return False
+    probe = f"psprobe{os.getpid() % 100000}"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, OSError):
+        return False
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=30)
+    return True
+
+
+@dataclass
+class Pod:
+    """One simulated pod: its namespace, address, spec and current container process."""
+
+    name: str
+    owner: str
+    spec: dict[str, Any]
+    ip: str
+    netns: str
+    dir: Path
+    env_extra: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    phase: str = "Pending"          # Pending | Running | Succeeded | Failed | Deleted
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    deleting: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "container.log"
+
+
+class PodSim:
+    """A one-machine kubelet + Job controller for rendered manifests (see the module docstring).
+
+    Args:
+        docs: the objects of ``kubectl kustomize DIR``.
+        root: working folder (PVC folders, volumes, logs); created.
+        python: interpreter that stands in for the image's ``metaps`` entrypoint.
+        env: extra environment for every container (e.g. ``PYTHONPATH`` of a checkout).
+        subnet: first three octets of the pods' /24.
+    """
+
+    def __init__(self, docs: list[dict[str, Any]], root: Path, python: str = sys.executable,
+                 env: dict[str, str] | None = None, subnet: str = "10.231.0") -> None:
+        self.docs, self.root, self.python = docs, Path(root), python
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
+        self.base_env.update(env or {})
+        self.subnet = subnet
+        self.tag = f"{os.getpid() % 10000}{secrets.token_hex(1)}"
+        self.hub = f"k8h{self.tag}"
+        self.pods: dict[str, Pod] = {}
+        self.namespaces: list[str] = []
+        self.created_dirs: list[Path] = []
+        self.job_parallelism: dict[str, int] = {}
+        self.hosts_file = self.root / "hosts"
+        self._lock = threading.RLock()
+        self._next_ip = 2
+        self._stop = threading.Event()
+        self._prober: subprocess.Popen[str] | None = None
+        self._write_hosts()
+        _ip("netns", "add", self.hub)
+        self.namespaces.append(self.hub)
+        _ip("-n", self.hub, "link", "set", "lo", "up")
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "addr", "add", f"{subnet}.1/24", "dev", "br0")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        self._thread = threading.Thread(target=self._supervise, name="podsim", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- objects
+    def obj(self, kind: str, name: str) -> dict[str, Any]:
+        for d in self.docs:
+            if d["kind"] == kind and d["metadata"]["name"] == name:
+                return d
+        raise KeyError(f"no {kind} {name!r} in the manifests")
+
+    def _template(self, workload: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        for d in self.docs:
+            if d["metadata"]["name"] != workload:
+                continue
+            if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+                return d, d["spec"]["template"]
+            if d["kind"] == "CronJob":
+                return d, d["spec"]["jobTemplate"]["spec"]["template"]
+        raise KeyError(f"no workload {workload!r} in the manifests")
+
+    # ----------------------------------------------------------------- names
+    def _write_hosts(self) -> None:
+        """Every Service name -> the address of the pod(s) it selects; rewritten in place."""
+        lines = ["127.0.0.1\tlocalhost"]
+        with self._lock:
+            pods = [p for p in self.pods.values() if p.phase != "Deleted"]
+            for p in pods:
+                lines.append(f"{p.ip}\t{p.name}")
+            for svc in (d for d in self.docs if d["kind"] == "Service"):
+                name = svc["metadata"]["name"]
+                ns = svc["metadata"].get("namespace", "default")
+                sel = svc["spec"].get("selector", {})
+                chosen = [p for p in pods if sel.items() <= p.spec["metadata"]["labels"].items()]
+                if svc["spec"].get("clusterIP") == "None":
+                    for p in chosen:
+                        lines.append(f"{p.ip}\t{p.name}.{name} {p.name}.{name}.{ns}.svc "
+                                     f"{p.name}.{name}.{ns}.svc.cluster.local")
+                if chosen:  # a ClusterIP Service: the (one) pod behind it, no kube-proxy here
+                    lines.append(f"{chosen[0].ip}\t{name} {name}.{ns}.svc {name}.{ns}.svc.cluster.local")
+        text = "\n".join(lines) + "\n"
+        with open(self.hosts_file, "a+") as f:  # same inode: the pods' bind mounts see the change
+            f.seek(0)
+            f.truncate()
+            f.write(text)
+
+    # ----------------------------------------------------------------- volumes
+    def _volume_source(self, pod: Pod, vol: dict[str, Any]) -> Path:
+        name = vol["name"]
+        if "persistentVolumeClaim" in vol:
+            claim = vol["persistentVolumeClaim"]["claimName"]
+            self.obj("PersistentVolumeClaim", claim)
+            p = self.root / "pvc" / claim
+            p.mkdir(parents=True, exist_ok=True)
+            return p
+        if "emptyDir" in vol:
+            p = pod.dir / "empty" / name
+            p.mkdir(parents=True, exist_ok=True)
+            return p
+        if "configMap" in vol:
+            cm = self.obj("ConfigMap", vol["configMap"]["name"])
+            p = pod.dir / "cm" / name
+            p.mkdir(parents=True, exist_ok=True)
+            for k, v in cm.get("data", {}).items():
+                (p / k).write_text(v)
+                os.chmod(p / k, vol["configMap"].get("defaultMode", 0o644))
+            return p
+        if "secret" in vol:
+            sec = self.obj("Secret", vol["secret"]["secretName"])
+            p = pod.dir / "secret" / name
+            p.mkdir(parents=True, exist_ok=True)
+            for k, v in sec.get("data", {}).items():
+                (p / k).write_bytes(base64.b64decode(v))
+                os.chmod(p / k, vol["secret"].get("defaultMode", 0o644))
+            return p
+        raise ValueError(f"pod {pod.name}: volume {name!r}: unsupported source {sorted(vol)}")
+
+    def _mountpoint(self, path: str) -> None:
+        p = Path(path)
+        missing = []
+        q = p
+        while not q.exists():
+            missing.append(q)
+            q = q.parent
+        for m in reversed(missing):
+            m.mkdir()
+            self.created_dirs.append(m)
+
+    # ----------------------------------------------------------------- pods
+    def _new_pod(self, owner: str, name: str, template: dict[str, Any], env: dict[str, str] | None = None) -> Pod:
+        with self._lock:
+            if name in self.pods and self.pods[name].phase != "Deleted":
+                raise ValueError(f"pod {name} exists")
+            old = self.pods.get(name)
+            if old is not None:  # a StatefulSet pod comes back with its name (and, here, its address)
+                ip, ns = old.ip, old.netns
+            else:
+                ip, ns = f"{self.subnet}.{self._next_ip}", f"k8p{self.tag}{self._next_ip}"
+                self._next_ip += 1
+                self._make_netns(ns, ip)
+            pod = Pod(name, owner, template, ip, ns, self.root / "pods" / name, dict(env or {}))
+            pod.dir.mkdir(parents=True, exist_ok=True)
+            self.pods[name] = pod
+        self._write_hosts()
+        threading.Thread(target=self._run_pod, args=(pod,), name=f"pod-{name}", daemon=True).start()
+        return pod
+
+    def _make_netns(self, ns: str, ip: str) -> None:
+        i = ip.rsplit(".", 1)[1]
+        a, b = f"v{self.tag}{i}a", f"v{self.tag}{i}b"
+        _ip("netns", "add", ns)
+        self.namespaces.append(ns)
+        _ip("link", "add", a, "type", "veth", "peer", "name", b)
+        _ip("link", "set", a, "netns", self.hub)
+        _ip("link", "set", b, "netns", ns)
+        _ip("-n", self.hub, "link", "set", a, "master", "br0")
+        _ip("-n", self.hub, "link", "set", a, "up")
+        _ip("-n", ns, "link", "set", b, "name", "eth0")
+        _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _argv(self, pod: Pod, c: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        env = dict(self.base_env)
+        env["HOSTNAME"] = pod.name
+        env.update(pod.env_extra)
+        for e in c.get("env", []):
+            if "value" in e:
+                env[e["name"]] = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), str(e["value"]))
+            elif "valueFrom" in e:
+                path = e["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
+                values = {"metadata.name": pod.name, "status.podIP": pod.ip,
+                          "metadata.namespace": pod.spec["metadata"].get("namespace", "default")}
+                if path not in values:
+                    raise ValueError(f"pod {pod.name}: env {e['name']}: unsupported valueFrom {e['valueFrom']}")
+                env[e["name"]] = values[path]
+        command = c.get("command") or [self.python, "-m", "metaps"]  # the image's ENTRYPOINT ["metaps"]
+        args = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in c.get("args", [])]
+        return command + args, env
+
+    def _container_cmd(self, pod: Pod, c: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        argv, env = self._argv(pod, c)
+        vols = {v["name"]: v for v in pod.spec["spec"].get("volumes", [])}
+        mounts = list(c.get("volumeMounts", []))
+        # a mount over /tmp hides the volume sources under /tmp: mount such paths last
+        mounts.sort(key=lambda m: str(self.root).startswith(m["mountPath"].rstrip("/") + "/"))
+        script = ["set -e", f"hostname {shlex.quote(pod.name)}",
+                  f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts"]
+        for m in mounts:
+            src = self._volume_source(pod, vols[m["name"]])
+            with self._lock:
+                self._mountpoint(m["mountPath"])
+            script.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(m['mountPath'])}")
+            if m.get("readOnly"):
+                script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
+        if c.get("workingDir"):  # the runtime creates a missing working directory
+            with self._lock:
+                self._mountpoint(c["workingDir"])
+            script.append(f"cd {shlex.quote(c['workingDir'])}")
+        script.append('exec "$@"')
+        cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--uts", "--propagation", "private",
+               "sh", "-c", "\n".join(script), "sh", *argv]
+        return cmd, env
+
+    def _exec(self, pod: Pod, c: dict[str, Any]) -> subprocess.Popen[bytes]:
+        cmd, env = self._container_cmd(pod, c)
+        with pod.log_path.open("ab") as out:
+            out.write(f"==> {c['name']}: {json.dumps(cmd[-len(c.get('args', [])) - 3:])}\n".encode())
+            out.flush()
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+
+    def _run_pod(self, pod: Pod) -> None:
+        spec = pod.spec["spec"]
+        policy = spec.get("restartPolicy", "Always")
+        try:
+            for c in spec.get("initContainers", []):
+                while True:
+                    if pod.deleting or self._stop.is_set():
+                        return
+                    p = self._exec(pod, c)
+                    with self._lock:
+                        pod.proc = p
+                    rc = p.wait()
+                    if rc == 0:
+                        break
+                    if policy == "Never" or pod.deleting:
+                        pod.phase = "Failed"
+                        return
+                    pod.restarts += 1
+                    time.sleep(1.0)
+            main = spec["containers"][0]
+            while not pod.deleting and not self._stop.is_set():
+                p = self._exec(pod, main)
+                with self._lock:
+                    pod.proc, pod.phase = p, "Running"
+                rc = p.wait()
+                pod.exit_codes.append(rc)
+                if pod.deleting or self._stop.is_set():
+                    break
+                if rc == 0 and policy != "Always":
+                    pod.phase = "Succeeded"
+                    return
+                if policy == "Never":
+                    pod.phase = "Failed"
+                    return
+                pod.restarts += 1
+                log.info("container restarted", extra=kv(pod=pod.name, exit_code=rc, restarts=pod.restarts))
+                time.sleep(1.0)  # the kubelet's back-off, short here
+        finally:
+            if pod.deleting:
+                pod.phase = "Deleted"
+                self._write_hosts()
+
+    # ----------------------------------------------------------------- workloads
+    def start_workload(self, name: str) -> list[Pod]:
+        """Create the pods of a Deployment, StatefulSet or Job (its controller keeps them)."""
+        obj, tpl = self._template(name)
+        kind = obj["kind"]
+        if kind == "Deployment":
+            return [self._new_pod(name, f"{name}-{secrets.token_hex(4)}-{secrets.token_hex(2)}"[:63], tpl)]
+        if kind == "StatefulSet":
+            return [self._new_pod(name, f"{name}-{k}", tpl) for k in range(obj["spec"].get("replicas", 1))]
+        if kind == "Job":
+            spec = obj["spec"]
+            if spec.get("completionMode") == "Indexed":
+                return [self._new_pod(name, f"{name}-{k}-{secrets.token_hex(3)}", tpl,
+                                      {"JOB_COMPLETION_INDEX": str(k)}) for k in range(spec["completions"])]
+            with self._lock:  # the Job controller thread must not see the count before the pods
+                pods = [self._new_job_pod(name, tpl) for _ in range(spec.get("parallelism", 1))]
+                self.job_parallelism[name] = len(pods)
+            return pods
+        raise ValueError(f"{name}: cannot start a {kind}")
+
+    def _new_job_pod(self, job: str, tpl: dict[str, Any]) -> Pod:
+        return self._new_pod(job, f"{job}-{secrets.token_hex(3)[:5]}", tpl)
+
+    def trigger_cronjob(self, name: str) -> Pod:
+        """Run a CronJob's job template once (``kubectl create job --from=cronjob/NAME``)."""
+        obj, tpl = self._template(name)
+        if obj["kind"] != "CronJob":
+            raise ValueError(f"{name} is a {obj['kind']}, not a CronJob")
+        return self._new_pod(name, f"{name}-manual-{secrets.token_hex(3)}", tpl)
+
+    def job_pods(self, job: str) -> list[Pod]:
+        with self._lock:
+            return [p for p in self.pods.values() if p.owner == job]
+
+    def job_complete(self, job: str) -> bool:
+        pods = self.job_pods(job)
+        return any(p.phase == "Succeeded" for p in pods) and all(
+            p.phase in ("Succeeded", "Failed", "Deleted") for p in pods)
+
+    def scale_job(self, job: str, parallelism: int) -> None:
+        """``kubectl patch job JOB -p '{"spec":{"parallelism":N}}'``: start pods, or delete the newest."""
+        with self._lock:
+            self.job_parallelism[job] = parallelism
+            active = [p for p in self.job_pods(job) if p.phase in ("Pending", "Running") and not p.deleting]
+            active.sort(key=lambda p: p.created)  # the newest go first (the Job controller's preference)
+            for p in active[parallelism:]:
+                self.delete_pod(p.name)
+
+    def delete_pod(self, name: str, grace_s: float | None = None) -> None:
+        """``kubectl delete pod``: SIGTERM, then SIGKILL after the grace period (in the background)."""
+        pod = self.pods[name]
+        pod.deleting = True
+        grace = float(pod.spec["spec"].get("terminationGracePeriodSeconds", 30)) if grace_s is None else grace_s
+
+        def stop() -> None:
+            p = pod.proc
+            if p is not None and p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+                try:
+                    p.wait(grace)
+                except subprocess.TimeoutExpired:
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait()
+            pod.phase = "Deleted"
+            self._write_hosts()
+        threading.Thread(target=stop, daemon=True).start()
+
+    def kill_container(self, name: str) -> int:
+        """SIGKILL a pod's running container (its restartPolicy brings it back). Returns the killed pid."""
+        pod = self.pods[name]
+        p = pod.proc
+        assert p is not None and p.poll() is None, f"pod {name} has no running container"
+        pid = self.container_pid(name)
+        _signal_group(p, signal.SIGKILL)
+        return pid
+
+    def signal_container(self, name: str, sig: int) -> None:
+        """Send ``sig`` to a pod's running container (e.g. SIGSTOP / SIGCONT to hold it in a test)."""
+        p = self.pods[name].proc
+        assert p is not None and p.poll() is None, f"pod {name} has no running container"
+        _signal_group(p, sig)
+
+    def container_pid(self, name: str) -> int:
+        """Pid of the container's main process (the ``exec``'d command under ``ip netns exec``)."""
+        p = self.pods[name].proc
+        assert p is not None
+        return p.pid
+
+    def _supervise(self) -> None:
+        """The Job controller: keep ``parallelism`` pods of a work-queue Job until one succeeds."""
+        while not self._stop.wait(0.5):
+            with self._lock:
+                for job, n in self.job_parallelism.items():
+                    pods = self.job_pods(job)
+                    if any(p.phase == "Succeeded" for p in pods):
+                        continue  # a pod succeeded: no new pods, the rest finish
+                    active = [p for p in pods if p.phase in ("Pending", "Running") and not p.deleting]
+                    if len(active) < n:
+                        _, tpl = self._template(job)
+                        for _ in range(n - len(active)):
+                            self._new_job_pod(job, tpl)
+
+    # ----------------------------------------------------------------- probes
+    def _probe(self, line: str) -> dict[str, Any]:
+        with self._lock:
+            if self._prober is None or self._prober.poll() is not None:
+                self._prober = subprocess.Popen(
+                    ["ip", "netns", "exec", self.hub, self.python, "-c",
+                     "from metaps.deploy.podsim import prober_main; prober_main()"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**self.base_env},
+                    start_new_session=True)
+            assert self._prober.stdin and self._prober.stdout
+            self._prober.stdin.write(line + "\n")
+            self._prober.stdin.flush()
+            return json.loads(self._prober.stdout.readline())
+
+    def ready(self, name: str) -> bool:
+        """The pod's readiness probe (gRPC health, from the hub namespace) passes."""
+        pod = self.pods[name]
+        c = pod.spec["spec"]["containers"][0]
+        probe = c.get("readinessProbe", {})
+        if pod.phase != "Running":
+            return False
+        if "grpc" not in probe:
+            return True
+        return bool(self._probe(f"health {pod.ip}:{probe['grpc']['port']}")["serving"])
+
+    def wait_ready(self, name: str, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready(name):
+            pod = self.pods[name]
+            if pod.phase in ("Failed", "Succeeded", "Deleted") or time.monotonic() > deadline:
+                raise TimeoutError(f"pod {name} not ready ({pod.phase}, exits {pod.exit_codes}); "
+                                   f"log tail:\n{tail(pod.log_path)}")
+            time.sleep(1.0)
+
+    def controller_status(self, address: str, token: str) -> dict[str, Any]:
+        """GetStatus of the controller at ``address`` (a pod address), called from the hub namespace."""
+        return self._probe(f"status {address} {token}")
+
+    # ----------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Stop every pod (SIGKILL), remove the namespaces, veths and mount points created here."""
+        self._stop.set()
+        with self._lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            pod.deleting = True
+            if pod.proc is not None and pod.proc.poll() is None:
+                _signal_group(pod.proc, signal.SIGKILL)
+        for pod in pods:
+            if pod.proc is not None:
+                try:
+                    pod.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self._prober is not None and self._prober.poll() is None:
+            self._prober.kill()
+            self._prober.wait()
+        for ns in reversed(self.namespaces):  # deleting a namespace deletes its veth ends (and their peers)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, timeout=30)
+        for d in reversed(self.created_dirs):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return f"({path} missing)"
+
+
+def prober_main() -> None:
+    """The probe helper in the hub namespace: one JSON answer per request line.
+
+    ``health HOST:PORT`` -> ``{"serving": bool}`` (grpc.health.v1, like a kubelet's gRPC probe);
+    ``status HOST:PORT TOKEN`` -> the controller's GetStatus as plain data (or ``{"error": ...}``).
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for line in sys.stdin:
+        parts = line.split()
+        out: dict[str, Any]
+        try:
+            if parts[0] == "health":
+                with grpc.insecure_channel(parts[1]) as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3.0)
+                out = {"serving": r.status == health_pb2.HealthCheckResponse.SERVING}
+            elif parts[0] == "status":
+                from controller.client import ControllerClient
+                from metaps.rpc import RpcConfig
+
+                with ControllerClient(parts[1], RpcConfig(token=parts[2], timeout_s=10.0), retry_s=5.0) as c:
+                    out = c.status()
+            else:
+                out = {"error": f"unknown request {parts[0]!r}"}
+        except grpc.RpcError as exc:
+            out = {"serving": False, "error": str(exc.code())}
+        except Exception as exc:  # the answer names it; the caller decides
+            out = {"serving": False, "error": str(exc)[:300]}
+        sys.stdout.write(json.dumps(out, default=str) + "\n")
+        sys.stdout.flush()

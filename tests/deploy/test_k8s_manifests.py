@@ -1,0 +1,221 @@
+"""``metaps deploy k8s``: manifests validate offline, render with kustomize, and are wired right.
+
+Validation: ``kubernetes-validate`` (strict: unknown fields fail) against the Kubernetes
+1.32 OpenAPI schemas; rendering: ``kubectl kustomize`` (no cluster needed).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from metaps.job import job_from_mapping
+
+REPO = Path(__file__).resolve().parents[2]
+K8S_VERSION = "1.32.0"
+IMAGE = "registry.example/metaps:0.1.0"
+
+
+def generate(out: Path, config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(config), "--image", IMAGE,
+                           "--out", str(out), *extra], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def kustomize(out: Path) -> list[dict[str, Any]]:
+    assert shutil.which("kubectl"), "kubectl (with kustomize) is required on test machines"
+    r = subprocess.run(["kubectl", "kustomize", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            out[d["metadata"]["name"]] = d["spec"]["template"]
+        elif d["kind"] == "CronJob":
+            out[d["metadata"]["name"]] = d["spec"]["jobTemplate"]["spec"]["template"]
+    return out
+
+
+def _variant(tmp_path: Path, name: str, edit: Any) -> Path:
+    raw = tomllib.loads((REPO / "configs" / "main_job.toml").read_text())
+    edit(raw)
+    from metaps.toml_writer import write
+
+    p = tmp_path / f"{name}.toml"
+    write(p, raw)
+    return p
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict[str, Any]]]]:
+    tmp = tmp_path_factory.mktemp("k8s")
+
+    def data_job(raw: dict[str, Any]) -> None:
+        raw["deploy"] = {"data_input": "raw/train", "data_eval_input": "raw/holdout", "data_schema": "raw/schema.json",
+                         "deliver_args": ["--incremental", "--keep", "5"]}
+
+    def allreduce(raw: dict[str, Any]) -> None:
+        raw["train"]["dense_sync"] = "allreduce"
+        raw["train"]["workers"] = 3
+
+    out = {}
+    for name, cfg, extra in [
+        ("cpu", REPO / "configs" / "main_job.toml", ["--namespace", "ctr"]),
+        ("gpu", _variant(tmp, "gpu", data_job), ["--gpu"]),
+        ("allreduce", _variant(tmp, "ar", allreduce), []),
+    ]:
+        d = tmp / name
+        r = generate(d, cfg, *extra)
+        assert r.returncode == 0, r.stderr
+        out[name] = (d, kustomize(d))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu", "allreduce"])
+def test_every_object_validates_against_the_kubernetes_schemas(rendered: Any, variant: str) -> None:
+    _, docs = rendered[variant]
+    kinds = sorted(d["kind"] for d in docs)
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    assert {"ConfigMap", "Secret", "Service", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Job",
+            "CronJob"} <= set(kinds)
+
+
+def test_strict_validation_catches_a_misspelt_field(rendered: Any) -> None:
+    _, docs = rendered["cpu"]
+    sts = dict(by_kind(docs, "StatefulSet")[0])
+    sts["spec"] = {**sts["spec"], "podManagementPolcy": "Parallel"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+
+
+def test_counts_ports_and_selectors_match_the_job_file(rendered: Any) -> None:
+    _, docs = rendered["cpu"]
+    raw = tomllib.loads((REPO / "configs" / "main_job.toml").read_text())
+    assert all(d["metadata"].get("namespace") == "ctr" for d in docs)
+    sts = by_kind(docs, "StatefulSet")[0]
+    assert sts["spec"]["replicas"] == raw["ps"]["shards"] and sts["spec"]["podManagementPolicy"] == "Parallel"
+    job = [j for j in by_kind(docs, "Job") if j["metadata"]["name"] == "metaps-worker"][0]
+    assert job["spec"]["parallelism"] == raw["train"]["workers"]
+    assert "completions" not in job["spec"] and "completionMode" not in job["spec"]  # the work-queue pattern
+    dep = by_kind(docs, "Deployment")[0]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    templates = pod_templates(docs)
+    for svc in by_kind(docs, "Service"):
+        sel = svc["spec"]["selector"]
+        matched = [n for n, t in templates.items() if sel.items() <= t["metadata"]["labels"].items()]
+        assert matched == [svc["metadata"]["name"]], (svc["metadata"]["name"], matched)
+        ports = {p["name"]: p["containerPort"] for c in templates[matched[0]]["spec"]["containers"]
+                 for p in c.get("ports", [])}
+        for p in svc["spec"]["ports"]:
+            assert ports[p.get("targetPort", p["name"])] == p["port"]
+    assert sts["spec"]["serviceName"] == "metaps-ps"
+    assert [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "metaps-ps"][0]["spec"]["clusterIP"] == "None"
+    for name, t in templates.items():
+        for c in t["spec"]["containers"]:
+            ports = {p["containerPort"] for p in c.get("ports", [])}
+            for probe in ("readinessProbe", "livenessProbe"):
+                if probe in c:
+                    assert c[probe]["grpc"]["port"] in ports, (name, probe)
+            if name in ("metaps-controller", "metaps-ps"):
+                assert c["readinessProbe"]["grpc"]["port"] == {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
+        ann = t["metadata"]["annotations"]
+        if name in ("metaps-controller", "metaps-ps", "metaps-worker"):
+            port = ann["prometheus.io/port"]
+            assert ann["prometheus.io/scrape"] == "true" and port != "9100"
+            assert any(str(p["containerPort"]) == port for c in t["spec"]["containers"] for p in c["ports"])
+        else:
+            assert ann["prometheus.io/scrape"] == "false"
+
+
+def test_no_token_in_any_configmap_or_env_value_and_the_secret_is_a_0400_file(rendered: Any) -> None:
+    out, docs = rendered["cpu"]
+    token = (out / "token").read_text().strip()
+    assert len(token) >= 32 and (out / "token").stat().st_mode & 0o777 == 0o600
+    for cm in by_kind(docs, "ConfigMap"):
+        for text in cm["data"].values():
+            assert token not in text
+            job = tomllib.loads(text)
+            assert "token" not in job["rpc"] and job["rpc"]["token_file"] == "/run/metaps/token"
+    secret = by_kind(docs, "Secret")[0]
+    for name, t in pod_templates(docs).items():
+        spec = t["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            for e in c.get("env", []):
+                assert token not in str(e.get("value", "")) and "TOKEN" not in e["name"], (name, e)
+            assert token not in " ".join(c.get("args", []) + c.get("command", []))
+        for v in spec["volumes"]:
+            if "secret" in v:
+                assert v["secret"]["secretName"] == secret["metadata"]["name"] and v["secret"]["defaultMode"] == 0o400
+
+
+def test_the_configmap_job_is_the_job_file(rendered: Any) -> None:
+    _, docs = rendered["cpu"]
+    raw = tomllib.loads((REPO / "configs" / "main_job.toml").read_text())
+    pod = tomllib.loads(by_kind(docs, "ConfigMap")[0]["data"]["job.toml"])
+    job_from_mapping(pod, where="configmap")  # a valid job
+    for section in raw:
+        if section not in ("rpc", "ps"):
+            assert pod[section] == raw[section], section
+    assert {k: v for k, v in pod["ps"].items() if k != "host"} == raw["ps"] and pod["ps"]["host"] == "0.0.0.0"
+
+
+def test_gpu_variant_cuda_image_gpu_limits_data_and_delivery(rendered: Any) -> None:
+    _, docs = rendered["gpu"]
+    templates = pod_templates(docs)
+    for name, t in templates.items():
+        for c in t["spec"]["containers"]:
+            assert c["image"] == IMAGE + "-cuda"
+            has_gpu = "nvidia.com/gpu" in c["resources"]["limits"]
+            assert has_gpu == (name in ("metaps-ps", "metaps-worker")), name
+    data = templates["metaps-data"]["spec"]
+    assert [c["args"][:2] for c in data["initContainers"] + data["containers"]] == [["meta-io", "build"]] * 2
+    assert data["containers"][0]["args"][data["containers"][0]["args"].index("--out") + 1] == "runs/main/metaio"
+    cron = by_kind(docs, "CronJob")[0]
+    assert cron["spec"]["schedule"] == "0 * * * *" and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    args = templates["metaps-deliver"]["spec"]["containers"][0]["args"]
+    assert args == ["deliver", "--run", "runs/main/runs/main", "--out", "runs/main/bundles", "--incremental", "--keep", "5"]
+
+
+def test_allreduce_is_an_indexed_job_with_fixed_ranks(rendered: Any) -> None:
+    _, docs = rendered["allreduce"]
+    job = [j for j in by_kind(docs, "Job") if j["metadata"]["name"] == "metaps-worker"][0]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
+    spec = job["spec"]["template"]["spec"]
+    assert spec["subdomain"] == "metaps-worker"
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["METAPS_ALLREDUCE"].startswith("metaps-worker-0.metaps-worker:")
+
+
+def test_a_token_in_the_job_file_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    cfg = _variant(tmp_path, "tok", lambda raw: raw["rpc"].update(token="s3cret-s3cret"))
+    r = generate(tmp_path / "out", cfg)
+    assert r.returncode == 1
+    assert "[rpc] token is set" in r.stderr and "s3cret" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_deploy_key_names_the_key(tmp_path: Path) -> None:
+    cfg = _variant(tmp_path, "bad", lambda raw: raw.update(deploy={"metrics_port": 9100}))
+    r = generate(tmp_path / "out", cfg)
+    assert r.returncode == 1 and "[deploy]: metrics_port 9100 is node_exporter's" in r.stderr
+    cfg = _variant(tmp_path, "bad2", lambda raw: raw.update(deploy={"resources": {"ps": {"memory": "4 GB"}}}))
+    r = generate(tmp_path / "out", cfg)
+    assert r.returncode == 1 and "memory '4 GB' is not a Kubernetes quantity" in r.stderr, r.stderr
