@@ -303,6 +303,7 @@ class Launcher:
         raw = read_toml(lc.config)
         self.run_dir, self.auto_named = _new_run_dir(lc, base)
         self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
+        dataclasses.replace(base.rpc, token_file="").check_files()  # TLS files: one line, before preflight's torch import
         from metaps.preflight import preflight
 
         preflight(base, resume=self.resume)  # deterministic errors: one line, before anything is created or started

@@ -96,18 +96,20 @@ def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
 
 
 def run_ps(args: argparse.Namespace) -> int:
-    import torch
-    from prometheus_client import REGISTRY
-
     from metaps.job import load_job
-    from metaps.metrics import serve_metrics
-    from ps.coordinator import restore_shard_checkpoint
-    from ps.server import build_server
 
     set_private_umask()  # checkpoint LMDB files, ready file: 0600
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
     check_bind([job.ps.host], job.rpc.resolved_token(), insecure=args.insecure, what="metaps ps")
+    # torch/fbgemm only once the config and bind checks passed: a bad invocation fails in a second
+    import torch
+    from prometheus_client import REGISTRY
+
+    from metaps.metrics import serve_metrics
+    from ps.coordinator import restore_shard_checkpoint
+    from ps.server import build_server
+
     # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
     torch.set_num_threads(1)
     ps_cfg = job.ps

@@ -2,22 +2,24 @@
 
 Levels and the shrinking list of modules not yet clean live in setup.cfg ([mypy]
 sections): strict on the ground floor (metaps errors, config, log, ...), the default
-level elsewhere. The cache lives in the temp folder so a second run takes seconds.
+level elsewhere. The cache lives in this session's own tmp dir: no state shared with another
+run or another xdist worker (under ``-n 2`` this one test runs on one worker, once).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("metaps", "ps", "controller", "workers", "meta_io", "models", "delivery")
 
 
-def test_mypy_passes() -> None:
-    cache = Path(tempfile.gettempdir()) / "metaps-mypy-cache"
+def test_mypy_passes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    cache = tmp_path_factory.mktemp("mypy-cache")
     cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "setup.cfg"), "--cache-dir", str(cache)]
     for p in PACKAGES:
         cmd += ["-p", p]

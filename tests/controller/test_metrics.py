@@ -11,7 +11,7 @@ from prometheus_client.exposition import start_http_server
 from controller.agent import Agent
 from controller.config import AgentConfig
 from controller.metrics import AgentCollector, ControllerCollector
-from metaps.metrics import free_port
+from tests.ports import pick_port
 
 from tests.controller.conftest import RPC, client
 
@@ -33,7 +33,7 @@ def test_controller_collector_tracks_shards_and_nodes(controller) -> None:
     assert 'metaps_controller_shards{dataset="train",state="done"} 1.0' in text
     assert 'metaps_controller_nodes{role="worker",state=' in text
     # served over HTTP like every other process
-    port = free_port()
+    port = pick_port()
     start_http_server(port, addr="127.0.0.1", registry=reg)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "metaps_controller_events" in body

@@ -25,7 +25,7 @@ from typing import Any
 from controller.client import ControllerClient
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.synth import GeneratorConfig, generate
-from metaps.metrics import free_port
+from tests.ports import pick_port
 from metaps.rpc import RpcConfig
 from metaps.toml_writer import write
 from tests.metaps.fleet_data import TOKEN, job_mapping, wait_for
@@ -90,14 +90,14 @@ def test_killed_ps_is_restarted_restored_and_the_job_completes(tmp_path: Path) -
     procs = _Procs(run / "logs")
     rpc = RpcConfig(token=TOKEN, timeout_s=20.0)
     try:
-        ctl_port = free_port("127.0.0.1")
+        ctl_port = pick_port("127.0.0.1")
         procs.start("controller", "controller", "--config", str(job), "--address", f"127.0.0.1:{ctl_port}",
                     "--state-dir", str(run / "controller"))
         wait_for(lambda: (run / "controller" / "address").exists() or procs.procs["controller"].poll() is not None,
                  60, "the controller's address file", 0.1)
         assert procs.procs["controller"].poll() is None, procs.log("controller")
         ctl_addr = f"127.0.0.1:{ctl_port}"
-        ports = [free_port("127.0.0.1") for _ in range(2)]
+        ports = [pick_port("127.0.0.1") for _ in range(2)]
         for k in range(2):
             procs.start(f"ps-{k}", "agent", "--config", str(job), "--role", "ps", "--index", str(k),
                         "--controller", ctl_addr, "--", sys.executable, "-m", "metaps", "ps", "--config", str(job),

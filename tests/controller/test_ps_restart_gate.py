@@ -32,7 +32,7 @@ from controller.agent import Agent
 from controller.config import AgentConfig
 from controller.ps_recovery import RUN_FAILED
 from metaps.job import load_job
-from metaps.metrics import free_port
+from tests.ports import pick_port
 from metaps.rpc import RpcConfig
 from ps.checkpoint import latest_checkpoint
 from ps.client import PsClient, PsUnavailableError
@@ -65,7 +65,7 @@ def test_restarted_ps_refuses_checkpoints_until_recovered(controller: Any, tmp_p
     ps0 = build_server(job.ps, rpc, job.table_configs(), 0, pmap=pmap, wait_timeout_s=10.0)
     addr0 = f"127.0.0.1:{ps0.start('127.0.0.1:0')}"
     srv.register_node("ps", 0, addr0, pid=10_000)
-    port1 = free_port()
+    port1 = pick_port()
     ready = tmp_path / "ready-1.json"
     root = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "metaps", "ps", "--config", str(job_path), "--shard", "1", "--port", str(port1),

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from controller.client import ControllerClient
-from metaps.metrics import free_port
+from tests.ports import pick_port
 from metaps.rpc import RpcConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def start(state: Path, port: int) -> subprocess.Popen:
 
 
 def test_controller_sigkill_and_restart_loses_no_shard(tmp_path: Path) -> None:
-    port = free_port()
+    port = pick_port()
     proc = start(tmp_path / "state", port)
     addr = f"127.0.0.1:{port}"
     clients = [ControllerClient(addr, RpcConfig(token=TOKEN, timeout_s=2.0), index=i, retry_s=30) for i in range(3)]

@@ -78,7 +78,9 @@ def test_coverage_text_when_the_controller_failed_the_run() -> None:
 @pytest.mark.timeout(600)
 def test_launch_stopped_by_sigterm_reports_the_fraction_and_why(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
-    cfg = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1, train={"epochs": 50})  # never finishes here
+    cfg = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1, train={"epochs": 50},  # never finishes here
+                         # slowed 3x (a third of the CPU): the test only needs it mid-run
+                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0}]})
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
                              "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

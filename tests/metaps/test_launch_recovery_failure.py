@@ -44,6 +44,8 @@ def _corrupt(ckpt: Path) -> None:
 def test_failed_ps_recovery_fails_the_launch_loudly(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
     cfg = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1, train={"epochs": 50},
+                         # the worker only has to be running: slowed 3x it burns a third of the CPU
+                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0}]},
                          controller={"checkpoint_interval_s": 2.0,
                                      "agent": {"heartbeat_s": 0.5, "restart_limit": 3, "backoff_s": 0.2,
                                                "stop_grace_s": 5.0}})

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from metaps.metrics import free_port
+from tests.ports import pick_port
 from metaps.plots import PLOTS
 from tests.metaps.fleet_data import (
     fleet_pids,
@@ -119,7 +119,7 @@ def topology() -> Iterator[Topology]:
 
 def _port(topo: Topology, role: str) -> int:
     # a fresh namespace has every port free; on loopback pick one free on that address
-    return 7000 + os.getpid() % 1000 if topo.kind == "netns" else free_port(topo.hosts[role])
+    return 7000 + os.getpid() % 1000 if topo.kind == "netns" else pick_port(topo.hosts[role])
 
 
 def _connects(host: str, port: int) -> bool:

@@ -26,7 +26,7 @@ from workers.worker import build_model, dense_digest
 from ps.client import PsClient
 from tests.workers.conftest import make_job
 from tests.workers.test_parity_multi import SGD, compare, reference, trained_ids
-from metaps.metrics import free_port
+from tests.ports import pick_port
 from tests.workers.procs import start_worker, wait_exit, write_job
 
 
@@ -36,7 +36,7 @@ def test_two_allreduce_workers_end_with_identical_dense_params(worker_data, ps_s
                    train={"dense_sync": "allreduce", "log_every": 5, "epochs": 1})
     config = write_job(job, tmp_path / "job.toml")
     addrs = ps_servers(job)
-    env = {"METAPS_ALLREDUCE": f"127.0.0.1:{free_port()}"}
+    env = {"METAPS_ALLREDUCE": f"127.0.0.1:{pick_port()}"}
     run_dir = tmp_path / "run"
     logs = [tmp_path / f"worker-{r}.log" for r in range(2)]
     procs = [start_worker(config, r, addrs, run_dir, logs[r], env) for r in range(2)]
