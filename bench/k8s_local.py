@@ -55,7 +55,7 @@ def _job(root: Path, epochs: int, name: str) -> dict[str, Any]:
 
 def _data(root: Path, rows: int) -> tuple[int, int]:
     from meta_io.build import MetaIOBuildConfig, build
-    from meta_io.generator import GeneratorConfig, generate
+    from meta_io.synth.generator import GeneratorConfig, generate
 
     gen = generate(root / "raw", GeneratorConfig(rows=rows, users=max(50, rows // 20), items=500, seed=11, n_files=1,
                                                  row_group_rows=rows), progress=False)

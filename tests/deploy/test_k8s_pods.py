@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from meta_io.generator import GeneratorConfig, generate
+from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.deploy.podsim import PodSim, netns_available, tail
 from metaps.toml_writer import write
 from tests.metaps.fleet_data import wait_for

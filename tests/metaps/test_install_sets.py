@@ -56,6 +56,15 @@ def test_no_install_set_holds_both_fbgemm_builds() -> None:
 
 
 def test_make_install_uses_the_cpu_set() -> None:
+    """`make` installs through scripts/install.sh (shared with the images): the CPU set, nothing of the GPU's."""
+    import subprocess
+
     install = (REPO / "Makefile").read_text().split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
-    assert "requirements/cpu.txt" in install and ".[cpu," in install
+    assert "scripts/install.sh" in install and "--variant cpu" in install
     assert "gpu" not in install.replace("fbgemm-gpu-cpu", "")
+    recipe = next(line for line in install.splitlines() if line.strip().startswith("bash scripts/install.sh"))
+    args = recipe.split("scripts/install.sh", 1)[1].replace("$(BIN)/python", "python3").split()
+    plan = subprocess.run(["bash", str(REPO / "scripts" / "install.sh"), *args, "--dry-run"], check=True,
+                          capture_output=True, text=True).stdout
+    assert "requirements/cpu.txt" in plan and "[cpu," in plan, plan
+    assert "gpu" not in plan.replace("fbgemm-gpu-cpu", ""), plan
