@@ -17,6 +17,7 @@ so both normalize to equal tables. Helpers :func:`user_rows`,
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from meta_io.build import MetaIOBuildConfig, build
 from meta_io.synth import GeneratedData, GeneratorConfig, generate
 from meta_io.schema import Schema, load_schema
 
@@ -145,3 +147,25 @@ def user_csv(tmp_path: Path) -> Path:
     write_user_csv(d / "day-0.csv", user_rows(seed=0))
     write_user_csv(d / "day-1.csv", user_rows(seed=1, first_ts=TS0 + 86_400))
     return d
+
+
+SMALL_SUPPORT, SMALL_QUERY, SMALL_ROWS_PER_BATCH = 8, 4, 96
+"""The small Meta-IO build the reader and integrity tests share (each module builds its own)."""
+
+
+@pytest.fixture(scope="module")
+def built(generated: GeneratedData, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Meta-IO dataset built from ``generated`` in several small files, once per test module."""
+    out = tmp_path_factory.mktemp("metaio") / "ds"
+    build(generated.out_dir, generated.schema_path, out,
+          MetaIOBuildConfig(support=SMALL_SUPPORT, query=SMALL_QUERY, rows_per_batch=SMALL_ROWS_PER_BATCH,
+                            max_file_mb=0.5))
+    return out
+
+
+@pytest.fixture()
+def copy(built: Path, tmp_path: Path) -> Path:
+    """A private copy of ``built`` that a test may damage."""
+    dst = tmp_path / "ds"
+    shutil.copytree(built, dst)
+    return dst

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,23 +24,6 @@ from meta_io.integrity import MANIFEST_KEY
 from meta_io.reader import MetaIODataset
 from metaps.cli import main
 from metaps.errors import DataError
-
-S, Q, R = 8, 4, 96
-
-
-@pytest.fixture(scope="module")
-def built(generated, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("integrity") / "ds"
-    build(generated.out_dir, generated.schema_path, out,
-          MetaIOBuildConfig(support=S, query=Q, rows_per_batch=R, max_file_mb=0.5))
-    return out
-
-
-@pytest.fixture()
-def copy(built, tmp_path) -> Path:
-    dst = tmp_path / "ds"
-    shutil.copytree(built, dst)
-    return dst
 
 
 def flip(path: Path, offset: int, n: int = 1) -> None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,23 +19,7 @@ from meta_io.prefetch import prefetch
 from meta_io.reader import MetaIODataset
 from metaps.errors import DataError
 
-S, Q, R = 8, 4, 96
-
-
-@pytest.fixture(scope="module")
-def built(generated, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reader") / "ds"
-    build(generated.out_dir, generated.schema_path, out,
-          MetaIOBuildConfig(support=S, query=Q, rows_per_batch=R, max_file_mb=0.5))
-    return out
-
-
-@pytest.fixture()
-def copy(built, tmp_path) -> Path:
-    """A private copy of the dataset a test may damage."""
-    dst = tmp_path / "ds"
-    shutil.copytree(built, dst)
-    return dst
+from .conftest import SMALL_ROWS_PER_BATCH
 
 
 def np_col(rb: pa.RecordBatch, name: str) -> np.ndarray:
@@ -141,7 +123,7 @@ def test_leftover_and_plain_batches(built, generated, tmp_path) -> None:
     left = list(ds.leftover())
     assert left and all(isinstance(b, PlainBatch) for b in left)
     assert sum(b.features.num_rows() for b in left) == ds.manifest["totals"]["leftover_rows"]
-    assert all(b.features.shape == (R,) for b in left)
+    assert all(b.features.shape == (SMALL_ROWS_PER_BATCH,) for b in left)
     plain = build(generated.out_dir, generated.schema_path, tmp_path / "plain",
                   MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=256)).out_dir
     pds = MetaIODataset(plain)
