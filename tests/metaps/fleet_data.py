@@ -8,11 +8,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.synth import GeneratorConfig, generate
@@ -85,6 +87,20 @@ def kill_leftovers(marker: str) -> list[int]:
     if pids:
         time.sleep(0.2)
     return pids
+
+
+@contextlib.contextmanager
+def reaping(proc: subprocess.Popen[Any], run: Path) -> Iterator[None]:
+    """Whatever the block does (or raises), the launcher ``proc`` and every fleet process of
+    ``run`` are gone afterwards: a still-running launcher is SIGKILLed and waited for, then
+    :func:`kill_leftovers` clears its fleet."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(str(run))
 
 
 def wait_for(pred: Any, timeout_s: float, what: str, poll_s: float = 0.5) -> None:

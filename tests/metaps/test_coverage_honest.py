@@ -23,7 +23,7 @@ from controller.config import DdsConfig
 from controller.dds import DatasetKind, DatasetSpec, DynamicDataSharding, GetStatus
 from controller.state import EventLog, StateStore
 from metaps.run_report import coverage_text
-from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+from tests.metaps.fleet_data import fleet_pids, make_data, reaping, wait_for, write_job_file
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = DatasetSpec("train", (8, 8), DatasetKind.TRAIN, epochs=2)  # 4 shards of 4 batches per epoch
@@ -84,17 +84,12 @@ def test_launch_stopped_by_sigterm_reports_the_fraction_and_why(tmp_path: Path) 
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
                              "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with reaping(proc, run):
         wait_for(lambda: _steps(run) >= 2, 400, "training steps")  # mid-run: far from 50 epochs
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=240)
         left = fleet_pids(str(run))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(str(run))
     assert proc.returncode == 143, out[-4000:]
     assert left == []
     rep = json.loads((run / "report.json").read_text())

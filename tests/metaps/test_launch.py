@@ -35,6 +35,7 @@ from tests.metaps.fleet_data import (
     fleet_pids,
     kill_leftovers,
     make_data,
+    reaping,
     wait_for,
     write_job_file,
 )
@@ -162,7 +163,7 @@ def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
     proc = subprocess.Popen(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--resume-from",
                                         str(e2e["run"]), "--no-progress"),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with reaping(proc, run):
         wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-0.log"), 400, "the first training step")
         ps_log = _read(run / "logs" / "ps-0.log")
         assert f"dir={source}" in ps_log and 'msg="restored"' in ps_log, ps_log[-2000:]
@@ -172,11 +173,6 @@ def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
         left = fleet_pids(str(run))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(str(run))
     assert proc.returncode == 130, out[-5000:]
     assert left == [], f"fleet processes left running after SIGINT: {left}"
     ckpt = latest_checkpoint(run / "checkpoints")

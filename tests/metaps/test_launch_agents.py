@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from metaps.toml_writer import write
-from tests.metaps.fleet_data import fleet_pids, job_mapping, kill_leftovers, make_data, wait_for
+from tests.metaps.fleet_data import fleet_pids, job_mapping, make_data, reaping, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,18 +52,13 @@ def test_sigkilled_agent_is_restarted_and_the_run_completes(tmp_path: Path) -> N
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
                              "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with reaping(proc, run):
         wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-1.log"), 400, "worker 1's first step")
         pid = _agent_pid(run, "worker", 1)
         assert pid is not None and proc.poll() is None
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=500)
         left = fleet_pids(str(run))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(str(run))
     assert proc.returncode == 0, out[-5000:]
     assert left == [], f"fleet processes left running: {left}"
     rep = json.loads((run / "report.json").read_text())

@@ -13,7 +13,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from metaps.rpc import RpcConfig, make_channel
 from metaps.security import REDACTED, SecurityError, check_bind, is_loopback, redact
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 from ps.checkpoint import latest_checkpoint, read_manifest
-from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+from tests.metaps.fleet_data import fleet_pids, make_data, reaping, wait_for, write_job_file
 from tests.ps.conftest import write_job as write_ps_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +208,7 @@ def test_launched_fleet_refuses_outsiders_and_leaks_no_token(data, tmp_path) -> 
     proc = subprocess.Popen(_metaps("launch", "--config", str(cfg), "--run-dir", str(run), "--no-progress"),
                             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cmdlines: list[str] = []
-    try:
+    with reaping(proc, run):
         wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-0.log") or proc.poll() is not None, 400,
                  "the first training step")
         assert proc.poll() is None, proc.stdout.read()[-5000:] if proc.stdout else ""
@@ -250,11 +249,6 @@ def test_launched_fleet_refuses_outsiders_and_leaks_no_token(data, tmp_path) -> 
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=240)
         left = fleet_pids(str(run))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(str(run))
     assert proc.returncode == 130, out[-5000:]
     assert left == []
     assert token.encode() not in out.encode()
