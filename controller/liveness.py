@@ -154,7 +154,10 @@ class WorkerLiveness:
                     continue
                 hb_age = now - process_heartbeat.get(w, self._last[w])
                 frozen = hb_age > t
-                if frozen or moved - {w}:
+                # a peer "moves" only if it progressed well after w went quiet: two workers that stop
+                # together (a PS outage, a pause) a few ms apart are a shared wait, not a deadlock
+                peers_moving = any(self._last[p] - self._last[w] > t / 2 for p in moved - {w})
+                if frozen or peers_moving:
                     out.append(Stall(w, idle, hb_age, frozen, self._step.get(w, 0), tuple(sorted(busy[w]))))
                 else:
                     stuck_alone += 1

@@ -153,3 +153,21 @@ def test_stall_timeout_is_validated() -> None:
     ControllerConfig(worker_stall_timeout_s=0.0).validate()  # off
     with pytest.raises(ValueError, match="must be > 0"):
         WorkerLiveness(0.0)
+
+
+def test_workers_that_stop_together_a_few_ms_apart_are_a_shared_wait_not_a_deadlock() -> None:
+    """The first of two workers to time out must not be flagged because the other's last
+    progress came a few ms later (a PS outage stops both): only a peer that progressed well
+    after the worker went quiet makes it a deadlock."""
+    clock = [0.0]
+    live = WorkerLiveness(1.0, clock=lambda: clock[0])
+    live.granted(0, "train:0:0:0-2")
+    live.granted(1, "train:0:0:2-4")
+    clock[0] = 0.02  # worker 1's last progress comes 20 ms after worker 0's
+    live.progress(1)
+    stalls, episode = live.stalled({}, {0: 1.0, 1: 1.0}, now=1.01)
+    assert stalls == [] and episode  # worker 0 timed out first: a fleet-wide wait
+    clock[0] = 1.2  # worker 1 moves again, well after worker 0 went quiet
+    live.progress(1)
+    stalls, _ = live.stalled({}, {0: 1.25, 1: 1.25}, now=1.25)
+    assert [s.worker for s in stalls] == [0] and stalls[0].frozen is False
