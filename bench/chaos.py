@@ -162,7 +162,7 @@ def job_mapping(data: dict[str, Path], root: Path, *, workers: int = 2, ps: int 
 
 
 def write_job(path: Path, job: dict[str, Any]) -> Path:
-    from metaps.toml_writer import write
+    from metaps.core.toml_writer import write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return write(path, job)
@@ -442,7 +442,7 @@ def many_workers(data: dict[str, Path], root: Path, n: int = 32, seconds: float 
     """
     import numpy as np
 
-    from metaps.rpc import RpcConfig
+    from metaps.core.rpc import RpcConfig
     from ps.client import PsClient, PsClientError
 
     job = job_mapping(data, root / "many", ps=1)
@@ -544,7 +544,7 @@ def _start_ps(cfg: Path, where: Path, timeout_s: float = 180.0) -> tuple[subproc
 def rpc_bad_inputs(data: dict[str, Path], root: Path) -> list[dict[str, Any]]:
     """The hostile-RPC battery against a live ``metaps ps`` and ``metaps controller``."""
     from bench.chaos_inputs import controller_battery, ps_battery
-    from metaps.metrics import free_port
+    from metaps.core.metrics import free_port
 
     where = root / "rpc"
     cfg = write_job(where / "job.toml", job_mapping(data, where, ps=1))
@@ -643,7 +643,7 @@ def launch_bad_inputs(data: dict[str, Path], root: Path, resume_source: Path | N
 
 def write_raw(path: Path, job: dict[str, Any]) -> Path:
     """Write a job mapping as TOML without validating it (bad configs are the point)."""
-    from metaps.toml_writer import write
+    from metaps.core.toml_writer import write
 
     return write(path, job)
 

@@ -42,8 +42,8 @@ from delivery.export import CheckpointSource, export_bundle, parent_state
 from delivery.loader import bundle_chain, load_bundle
 from delivery.publish import Publisher
 from meta_io.schema import ColumnKind, ColumnSpec, Schema
-from metaps.config import to_dict
-from metaps.hashing import vshard_of
+from metaps.core.config import to_dict
+from metaps.core.hashing import vshard_of
 from models.config import ModelConfig
 from models.factory import build_model
 

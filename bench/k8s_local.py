@@ -95,8 +95,8 @@ class Progress:
 
 def run_launch(root: Path, epochs: int) -> dict[str, Any]:
     from controller.client import ControllerClient
-    from metaps.rpc import RpcConfig
-    from metaps.toml_writer import write
+    from metaps.core.rpc import RpcConfig
+    from metaps.core.toml_writer import write
 
     work = root / "launch"
     work.mkdir()
@@ -134,7 +134,7 @@ def run_launch(root: Path, epochs: int) -> dict[str, Any]:
 
 def run_k8s(root: Path, epochs: int, total_batches: int) -> dict[str, Any]:
     from metaps.deploy.podsim import PodSim
-    from metaps.toml_writer import write
+    from metaps.core.toml_writer import write
 
     work = root / "k8s"
     work.mkdir()

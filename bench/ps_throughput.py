@@ -7,7 +7,7 @@ Run::
 Every server (the PS shards and the echo baseline) runs in its own process,
 started fresh with ``spawn``, like production. The client is this process.
 
-* echo baseline: the same thread-pool gRPC server type (``metaps.rpc.make_server``)
+* echo baseline: the same thread-pool gRPC server type (``metaps.core.rpc.make_server``)
   with raw ``bytes`` handlers: for pull it receives the ids and returns a
   payload the size of the rows; for push it receives ids + grads and returns 2 bytes.
 * PS: ``PsClient.pull/push`` (dedup, routing, PullMany/PushMany, reassembly)
@@ -47,7 +47,7 @@ def _progress(msg: str) -> None:
 def _serve_echo(port_file: str, dim: int) -> None:
     import grpc
 
-    from metaps.rpc import RpcConfig, make_server
+    from metaps.core.rpc import RpcConfig, make_server
 
     cfg = RpcConfig(token=TOKEN)
     replies: dict[tuple[int, int], bytes] = {}
@@ -92,7 +92,7 @@ def _serve_ps(port_file: str, shard: int, shards: int, capacity: int, device: st
     import torch
 
     torch.set_num_threads(1)
-    from metaps.rpc import RpcConfig
+    from metaps.core.rpc import RpcConfig
     from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig
     from ps.server import build_server
 
@@ -148,7 +148,7 @@ def _id_batches(population: np.ndarray, count: int, seed: int) -> list[np.ndarra
 
 
 def bench_echo(seconds: float) -> dict[str, float]:
-    from metaps.rpc import RpcConfig, make_channel
+    from metaps.core.rpc import RpcConfig, make_channel
 
     proc, port = _start(_serve_echo, DIM)
     try:
@@ -183,7 +183,7 @@ def bench_echo(seconds: float) -> dict[str, float]:
 
 
 def bench_ps(shards: int, seconds: float, population: int, device: str, fp16: bool = True) -> dict[str, float]:
-    from metaps.rpc import RpcConfig
+    from metaps.core.rpc import RpcConfig
     from ps.client import PsClient
 
     procs = _start_many([(_serve_ps, (s, shards, population // shards * 2 + 1024, device)) for s in range(shards)])

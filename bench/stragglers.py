@@ -45,8 +45,8 @@ from controller.client import ControllerClient
 from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.dds import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
-from metaps.faults import Fault, FaultConfig, FaultInjector
-from metaps.rpc import RpcConfig
+from metaps.core.faults import Fault, FaultConfig, FaultInjector
+from metaps.core.rpc import RpcConfig
 
 RPC = RpcConfig(token="bench")
 BASE_S = 0.010      # one batch at normal speed
@@ -288,7 +288,7 @@ def _real_data(tmp: Path, quick: bool) -> dict[str, Path]:
 
 def _real_job(tmp: Path, data: dict[str, Path], workers: int, slow: float, **sections: dict[str, Any]) -> Path:
     from metaps.job import job_from_mapping
-    from metaps.toml_writer import dumps
+    from metaps.core.toml_writer import dumps
 
     d: dict[str, Any] = {
         "data": {"train": str(data["plain"]), "eval": ""},
@@ -427,7 +427,7 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
     no split can gain more than ~1.1x; the theory's 1.5x needs per-unit work to matter,
     i.e. a global batch above a/b ~ 550 units.
     """
-    from metaps.metrics import free_port
+    from metaps.core.metrics import free_port
 
     g = 1024
     epochs = 8 if quick else 12

@@ -44,8 +44,8 @@ from typing import Mapping, Sequence
 
 from controller.client import ControllerClient, ControllerError
 from controller.config import AgentConfig
-from metaps.log import kv
-from metaps.rpc import RpcConfig
+from metaps.core.log import kv
+from metaps.core.rpc import RpcConfig
 
 log = logging.getLogger(__name__)
 

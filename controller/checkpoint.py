@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 from controller.dds import DdsCut, DynamicDataSharding
 from controller.state import StateStore, key_seq, seq_key, dumps, loads
-from metaps.errors import MetapsError
-from metaps.log import kv
+from metaps.core.errors import MetapsError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ go through a ``MigrationPsMover`` over the addresses PS processes register
 makes the controller restore the fleet to the last committed cut
 (``controller/ps_recovery.py``).
 
-Security: as ``metaps ps`` (see :mod:`metaps.security`): no token -> a loud
+Security: as ``metaps ps`` (see :mod:`metaps.core.security`): no token -> a loud
 warning and loopback only (a non-loopback ``--address`` is refused unless
 ``--insecure``); ``CheckpointDone`` dirs must lie under ``--checkpoint-root``
 (default ``$METAPS_RUN_DIR/checkpoints``, else ``checkpoints/`` next to the
@@ -31,9 +31,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from metaps.errors import ConfigError
-from metaps.log import kv
-from metaps.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
+from metaps.core.errors import ConfigError
+from metaps.core.log import kv
+from metaps.core.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def run_controller(args: argparse.Namespace) -> int:
         from prometheus_client import REGISTRY
 
         from controller.metrics import ControllerCollector
-        from metaps.metrics import serve_metrics
+        from metaps.core.metrics import serve_metrics
 
         REGISTRY.register(ControllerCollector(server))
         mport = serve_metrics(args.metrics_port, args.metrics_host)
@@ -131,7 +131,7 @@ def run_agent(args: argparse.Namespace) -> int:
         from prometheus_client import REGISTRY
 
         from controller.metrics import AgentCollector
-        from metaps.metrics import serve_metrics
+        from metaps.core.metrics import serve_metrics
 
         REGISTRY.register(AgentCollector(agent))
         serve_metrics(args.metrics_port)

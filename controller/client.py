@@ -35,8 +35,8 @@ import grpc
 
 from controller.dds import GetResult, GetStatus, ReportResult, ShardLease
 from controller.node_registry import Command
-from metaps.errors import MetapsError
-from metaps.rpc import RpcConfig, make_channel
+from metaps.core.errors import MetapsError
+from metaps.core.rpc import RpcConfig, make_channel
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
 

@@ -52,8 +52,8 @@ import lmdb
 from controller.config import DdsConfig
 from controller.ledger import Coverage, EntryKind, Ledger
 from controller.state import Event, EventLog, StateStore, dumps, loads
-from metaps.errors import MetapsError
-from metaps.log import kv
+from metaps.core.errors import MetapsError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from controller.state import StateStore
-from metaps.errors import MetapsError
+from metaps.core.errors import MetapsError
 
 ROLES = ("worker", "ps")
 SOURCES = ("process", "agent")

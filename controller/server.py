@@ -1,7 +1,7 @@
 """The controller process: DDS + Monitor + Policy + node registry behind gRPC.
 
 ``ControllerServer`` wires the parts together, serves ``protos/controller.proto``
-(token auth as the PS, via :func:`metaps.rpc.make_server`) and runs a
+(token auth as the PS, via :func:`metaps.core.rpc.make_server`) and runs a
 background loop every ``tick_s``::
 
     tick: expire leases / hung shards -> requeue
@@ -51,9 +51,9 @@ from controller.policy import (
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
 from controller.state import Event, EventLog, StateStore
-from metaps.atomic_write import write_text_atomic
-from metaps.log import kv
-from metaps.rpc import RpcConfig, add_health, add_port, make_server
+from metaps.core.atomic_write import write_text_atomic
+from metaps.core.log import kv
+from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from controller.dds import GetStatus
 from controller.node_registry import UnknownNode, check_node
-from metaps.errors import MetapsError
+from metaps.core.errors import MetapsError
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
 
@@ -184,7 +184,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             raise ValueError("CheckpointDone: dir must name the checkpoint directory, got ''")
         root = self.s.checkpoint_root
         if root is not None:  # a committed cut's dir is what a PS recovery restores from: keep it confined
-            from metaps.paths import PathNotAllowed, confine
+            from metaps.core.paths import PathNotAllowed, confine
 
             try:
                 confine(request.dir, root)

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import lmdb
 
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _deliver(args: argparse.Namespace) -> int:
     from delivery.job import PeriodicDelivery, Status, deliver_once
-    from metaps.config import from_mapping
+    from metaps.core.config import from_mapping
 
     cfg = from_mapping(
         DeliveryConfig,

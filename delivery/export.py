@@ -42,9 +42,9 @@ from delivery.bundle import (
 from delivery.config import DeliveryConfig
 from delivery.dense import save_scripted, trace_dense
 from meta_io.schema import Schema, schema_from_dict
-from metaps.config import from_mapping
-from metaps.errors import ConfigError, MetapsError
-from metaps.log import kv
+from metaps.core.config import from_mapping
+from metaps.core.errors import ConfigError, MetapsError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from delivery.export import CheckpointSource, ParentState, export_bundle, parent
 from delivery.gate import GateReport, run_gate
 from delivery.loader import bundle_chain
 from delivery.publish import Publisher
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

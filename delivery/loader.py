@@ -42,7 +42,7 @@ from delivery.dense import flat_inputs, load_scripted
 from delivery.publish import LATEST, Publisher
 from meta_io.batch import FeatureBatch, PlainBatch
 from meta_io.schema import Schema, schema_from_dict
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

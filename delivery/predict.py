@@ -9,7 +9,7 @@ evaluated (streaming AUC over the real rows); the others are only scored.
 
 Output: one Parquet file, ``row`` (0-based input row) and ``p_<head>`` per head,
 written beside ``--out`` and renamed over it at the end
-(:func:`metaps.atomic_write.atomic_output`), so a failure at any point leaves no
+(:func:`metaps.core.atomic_write.atomic_output`), so a failure at any point leaves no
 file (or the previous one) at ``--out``.
 
 Example::
@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 from delivery.bundle import DeliveryError
 from meta_io.batch import FeatureBatch
 from meta_io.schema import ID_KINDS, ColumnKind, Schema
-from metaps.atomic_write import atomic_output
-from metaps.evaluation import StreamingAUC
-from metaps.log import kv
+from metaps.core.atomic_write import atomic_output
+from metaps.core.evaluation import StreamingAUC
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

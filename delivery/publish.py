@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from delivery.bundle import DeliveryError, read_manifest
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

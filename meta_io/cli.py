@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import Any
 
-from metaps.config import from_mapping
+from metaps.core.config import from_mapping
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -31,9 +31,9 @@ import pyarrow.parquet as pq
 
 from meta_io.schema import Schema
 from meta_io.source import iter_source
-from metaps.errors import DataError
-from metaps.hashing import mix64
-from metaps.log import kv
+from metaps.core.errors import DataError
+from metaps.core.hashing import mix64
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

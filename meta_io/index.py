@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from meta_io.layout import BatchKind
-from metaps.errors import DataError
+from metaps.core.errors import DataError
 
 INDEX_SCHEMA = pa.schema(
     [

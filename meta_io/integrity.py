@@ -42,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from metaps.errors import DataError
+from metaps.core.errors import DataError
 
 ALGO = "crc32"
 MANIFEST_KEY = "checksums"

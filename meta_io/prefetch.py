@@ -28,7 +28,7 @@ import queue
 import threading
 from typing import Iterable, Iterator, TypeVar
 
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ from meta_io.index import CHECKSUM_COLUMNS, BatchIndex
 from meta_io.integrity import BatchChecker
 from meta_io.layout import BatchKind
 from meta_io.schema import LIST_KINDS, ColumnKind, Schema, schema_from_dict
-from metaps.errors import DataError, SchemaError
-from metaps.log import kv
+from metaps.core.errors import DataError, SchemaError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

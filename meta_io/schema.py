@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metaps.config import from_mapping, read_toml
-from metaps.errors import ConfigError, SchemaError
+from metaps.core.config import from_mapping, read_toml
+from metaps.core.errors import ConfigError, SchemaError
 
 PAD_ID = -1
 """Padding value of multi-hot and text id lists (never a real id: ids are >= 0)."""
@@ -193,7 +193,7 @@ class Schema:
         return list(seen)
 
     def to_dict(self) -> dict[str, Any]:
-        from metaps.config import to_dict
+        from metaps.core.config import to_dict
 
         return to_dict(self)
 

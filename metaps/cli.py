@@ -11,8 +11,9 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from metaps import __version__, log
-from metaps.errors import MetapsError
+from metaps import __version__
+from metaps.core import log
+from metaps.core.errors import MetapsError
 
 # Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (

@@ -40,8 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metaps.errors import MetapsError
-from metaps.log import kv
+from metaps.core.errors import MetapsError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

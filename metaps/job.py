@@ -9,8 +9,8 @@ that subsystem::
     [meta]        models.meta.MetaConfig          G-Meta inner/outer loop
     [train]       workers.config.TrainConfig      workers, mode, dense sync
     [controller]  controller.config.ControllerConfig   DDS, monitor, policy
-    [faults]      metaps.faults.FaultConfig       injected stragglers/kills
-    [rpc]         metaps.rpc.RpcConfig            token, TLS, message limits
+    [faults]      metaps.core.faults.FaultConfig       injected stragglers/kills
+    [rpc]         metaps.core.rpc.RpcConfig            token, TLS, message limits
     [delivery]    delivery.config.DeliveryConfig  bundles and publishing
     [run]         metaps.job.RunConfig            run directory
     [deploy]      metaps.deploy.config.DeployConfig   Kubernetes manifests (metaps deploy k8s)
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metaps.config import from_mapping, read_toml, to_dict
-from metaps.errors import ConfigError
-from metaps.rpc import RpcConfig
-from metaps.security import redact
+from metaps.core.config import from_mapping, read_toml, to_dict
+from metaps.core.errors import ConfigError
+from metaps.core.rpc import RpcConfig
+from metaps.core.security import redact
 
 if TYPE_CHECKING:
     from meta_io.schema import Schema
@@ -70,7 +70,7 @@ def _section_types() -> dict[str, type]:
     from controller.config import ControllerConfig
     from delivery.config import DeliveryConfig
     from metaps.deploy.config import DeployConfig
-    from metaps.faults import FaultConfig
+    from metaps.core.faults import FaultConfig
     from models.config import ModelConfig
     from models.meta_config import MetaConfig
     from ps.config import PsConfig

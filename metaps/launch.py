@@ -18,7 +18,7 @@ What it does::
            -> report.json, tb/, plots/, summary table
 
 Auth is always on: the run's token is ``[rpc] token``, a token file or
-``$METAPS_TOKEN``, else a fresh random one (:func:`metaps.security.launch_token`);
+``$METAPS_TOKEN``, else a fresh random one (:func:`metaps.core.security.launch_token`);
 children get it through ``$METAPS_TOKEN`` or the 0600 token file, never argv;
 ``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
 run dir is 0700, its files 0600; the PS and controller accept checkpoint paths
@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metaps.errors import ConfigError
+from metaps.core.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def write_job(path: Path, data: dict[str, Any]) -> Any:
     Nothing is written when the mapping is invalid (the ConfigError names ``path``).
     """
     from metaps.job import job_from_mapping, load_job
-    from metaps.toml_writer import write
+    from metaps.core.toml_writer import write
 
     job_from_mapping(data, where=str(path))
     write(path, data)
@@ -292,9 +292,9 @@ class Launcher:
     def __init__(self, lc: LaunchConfig, console: Any = None) -> None:
         from rich.console import Console
 
-        from metaps.config import read_toml
+        from metaps.core.config import read_toml
         from metaps.job import load_job
-        from metaps.security import launch_token, make_private_dir
+        from metaps.core.security import launch_token, make_private_dir
 
         lc.validate()
         self.lc = lc
@@ -317,7 +317,7 @@ class Launcher:
                      (["run", "dir"], str(self.run_dir)),
                      (["controller", "state_dir"], str(self.run_dir / "controller"))]
         if base.train.dense_sync.value == "allreduce" and not base.train.allreduce_port:
-            from metaps.metrics import free_port
+            from metaps.core.metrics import free_port
 
             overrides.append((["train", "allreduce_port"], free_port()))
         self.job_path = self.run_dir / "job.toml"
@@ -352,7 +352,7 @@ class Launcher:
 
     # ---------------------------------------------------------------- start
     def _start_controller(self) -> None:
-        from metaps.metrics import free_port
+        from metaps.core.metrics import free_port
 
         host = self.job.controller.address.rsplit(":", 1)[0]
         port = free_port(_connect_host(host))
@@ -369,7 +369,7 @@ class Launcher:
         log.info("controller up", extra=kv(address=self.ctl_addr))
 
     def _start_ps(self) -> None:
-        from metaps.metrics import free_port
+        from metaps.core.metrics import free_port
 
         host = self.job.ps.host
         for k in range(self.job.ps.shards):
@@ -397,7 +397,7 @@ class Launcher:
         log.info("PS fleet ready", extra=kv(addresses=",".join(self.ps_addrs)))
 
     def _start_workers(self) -> None:
-        from metaps.metrics import free_port
+        from metaps.core.metrics import free_port
 
         for r in range(self.job.train.workers):
             mport = free_port()
@@ -652,7 +652,7 @@ class Launcher:
 
 # ============================================================== commands
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from metaps.security import set_private_umask
+    from metaps.core.security import set_private_umask
 
     set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
@@ -666,7 +666,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_write(args: argparse.Namespace) -> int:
-    from metaps.config import read_toml
+    from metaps.core.config import read_toml
 
     data = apply_overrides(read_toml(args.config), [parse_override(s) for s in args.set])
     out = Path(args.out)

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from metaps.errors import ConfigError, MetapsError
-from metaps.log import kv
+from metaps.core.errors import ConfigError, MetapsError
+from metaps.core.log import kv
 
 if TYPE_CHECKING:
     from metaps.job import JobConfig
@@ -88,7 +88,7 @@ def _quiet(name: str) -> Iterator[None]:
 def _dataset(path: str, what: str) -> Any:
     """Open a Meta-IO dataset the cheap way and check every file's frame; returns it."""
     from meta_io.reader import MetaIODataset
-    from metaps.errors import DataError
+    from metaps.core.errors import DataError
 
     p = Path(path)
     if not p.exists():
@@ -99,7 +99,7 @@ def _dataset(path: str, what: str) -> Any:
 
 
 def _columns(ds: Any, what: str, want: list[str]) -> None:
-    from metaps.errors import DataError
+    from metaps.core.errors import DataError
 
     if list(ds.manifest.get("columns", [])) != want:
         raise DataError(f"{what} = {ds.path}: columns {ds.manifest.get('columns')} do not match the job's schema "

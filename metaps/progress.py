@@ -36,7 +36,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ _TS = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
 
 
 def parse_kv_line(line: str) -> dict[str, Any] | None:
-    """The fields of one ``metaps.log`` line (``msg`` unquoted; numbers as float); None if not one.
+    """The fields of one ``metaps.core.log`` line (``msg`` unquoted; numbers as float); None if not one.
 
     Example::
 

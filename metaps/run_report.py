@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from metaps.atomic_write import write_json_atomic
-from metaps.log import kv
+from metaps.core.atomic_write import write_json_atomic
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

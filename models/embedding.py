@@ -35,7 +35,7 @@ from torch import Tensor
 
 from meta_io.batch import FeatureBatch
 from meta_io.schema import PAD_ID, ColumnSpec, Pooling
-from metaps.errors import DataError
+from metaps.core.errors import DataError
 
 
 class TableIndex(NamedTuple):

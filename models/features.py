@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from meta_io.batch import FeatureBatch
 from meta_io.schema import ID_KINDS, Schema
-from metaps.errors import DataError
+from metaps.core.errors import DataError
 from models.embedding import LookupIndex, TableLayout, pool
 from models.layers import signed_log1p
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaps.hashing import mix64
+from metaps.core.hashing import mix64
 from ps.config import AdmissionConfig
 
 DEPTH = 4

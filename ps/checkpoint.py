@@ -53,8 +53,8 @@ from typing import Iterator, Mapping, Sequence
 import lmdb
 import numpy as np
 
-from metaps.hashing import vshard_of
-from metaps.log import kv
+from metaps.core.hashing import vshard_of
+from metaps.core.log import kv
 from ps.embedding_table import TableRows
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
 

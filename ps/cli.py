@@ -46,9 +46,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from metaps.atomic_write import write_json_atomic
-from metaps.log import kv
-from metaps.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
+from metaps.core.atomic_write import write_json_atomic
+from metaps.core.log import kv
+from metaps.core.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,9 @@ def _restarted_by_agent() -> bool:
 
 
 def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
-    """The fault injector's per-RPC delay for this shard, when metaps.faults provides one."""
+    """The fault injector's per-RPC delay for this shard, when metaps.core.faults provides one."""
     try:
-        from metaps import faults
+        from metaps.core import faults
     except ImportError:
         return None
     make = getattr(faults, "ps_added_latency", None)
@@ -106,7 +106,7 @@ def run_ps(args: argparse.Namespace) -> int:
     import torch
     from prometheus_client import REGISTRY
 
-    from metaps.metrics import serve_metrics
+    from metaps.core.metrics import serve_metrics
     from ps.coordinator import restore_shard_checkpoint
     from ps.server import build_server
 
@@ -123,13 +123,13 @@ def run_ps(args: argparse.Namespace) -> int:
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, job.run.dir))
     if args.awaiting_recovery:
         if not args.controller:
-            from metaps.errors import ConfigError
+            from metaps.core.errors import ConfigError
 
             raise ConfigError("metaps ps --awaiting-recovery needs --controller (or $METAPS_CONTROLLER): "
                               "only the controller's fleet recovery ends the wait")
         server.mark_awaiting_recovery("restarted by its agent ($METAPS_RESTARTS / --awaiting-recovery)")
     if args.restore and args.restore_latest:
-        from metaps.errors import ConfigError
+        from metaps.core.errors import ConfigError
 
         raise ConfigError("metaps ps: pass --restore DIR or --restore-latest ROOT, not both")
     restore = args.restore
@@ -175,7 +175,7 @@ def run_ps(args: argparse.Namespace) -> int:
     if args.ready_file:
         # atomic: the launcher polls for it and must never read half a file
         write_json_atomic(args.ready_file, {"port": port, "metrics_port": metrics_port, "pid": os.getpid()})
-    from metaps.faults import FaultInjector
+    from metaps.core.faults import FaultInjector
 
     born = time.time()
     killer = FaultInjector(job.faults, "ps", args.shard, t0=float(os.environ.get("METAPS_T0", born)))

@@ -63,9 +63,9 @@ import grpc
 import numpy as np
 import torch
 
-from metaps.errors import MetapsError
-from metaps.log import kv
-from metaps.rpc import RpcConfig, make_channel
+from metaps.core.errors import MetapsError
+from metaps.core.log import kv
+from metaps.core.rpc import RpcConfig, make_channel
 from ps import wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.server import (

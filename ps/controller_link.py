@@ -32,8 +32,8 @@ import threading
 import time
 from typing import Any
 
-from metaps.log import kv
-from metaps.rpc import RpcConfig
+from metaps.core.log import kv
+from metaps.core.rpc import RpcConfig
 
 log = logging.getLogger(__name__)
 

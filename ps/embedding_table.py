@@ -52,7 +52,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from metaps.log import kv
+from metaps.core.log import kv
 from ps import hugepages
 from ps.admission import Admission
 from ps.config import NonfiniteMode, TableConfig

@@ -3,7 +3,7 @@
 A row's initial value depends only on the table name, the id and the job seed,
 never on which shard (or which row slot) holds it, so a resharded or restarted
 job and a not-yet-admitted id all read the same value. Values are computed
-vectorized from counters hashed with :func:`metaps.hashing.mix64`::
+vectorized from counters hashed with :func:`metaps.core.hashing.mix64`::
 
     key[i]      = mix64(id[i], salt = mix64(fnv(table)) ^ seed)
     u1[i, j]    = uniform(mix64(key[i] + 2j))       in (0, 1]
@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from metaps.hashing import hash_strings, mix64
+from metaps.core.hashing import hash_strings, mix64
 from ps.config import InitKind
 
 _TWO_POW_M53 = 1.0 / float(1 << 53)
@@ -132,7 +132,7 @@ _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(
 
 
 def _mix64_(z: np.ndarray, tmp: np.ndarray) -> None:
-    """``z = mix64(z)`` (salt 0) in place; ``tmp`` is scratch of z's shape (same bits as metaps.hashing.mix64)."""
+    """``z = mix64(z)`` (salt 0) in place; ``tmp`` is scratch of z's shape (same bits as metaps.core.hashing.mix64)."""
     z += _MIX_ADD
     np.right_shift(z, _S30, out=tmp)
     z ^= tmp

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metaps.hashing import vshard_of
+from metaps.core.hashing import vshard_of
 from protos import ps_pb2
 
 

@@ -96,10 +96,10 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from metaps.atomic_write import json_default
-from metaps.hashing import vshard_of
-from metaps.log import kv
-from metaps.rpc import RpcConfig, add_health, add_port, make_server
+from metaps.core.atomic_write import json_default
+from metaps.core.hashing import vshard_of
+from metaps.core.log import kv
+from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
 from ps import wire
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
@@ -892,7 +892,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         """``directory`` resolved under :attr:`checkpoint_root`, else PERMISSION_DENIED (nothing touched)."""
         if self.checkpoint_root is None:
             return directory
-        from metaps.paths import PathNotAllowed, confine
+        from metaps.core.paths import PathNotAllowed, confine
 
         try:
             return str(confine(directory, self.checkpoint_root))

@@ -32,8 +32,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from metaps.hashing import vshard_of
-from metaps.log import kv
+from metaps.core.hashing import vshard_of
+from metaps.core.log import kv
 from ps.config import NonfiniteMode, OptimizerConfig, TableConfig
 from ps.dense_store import DenseStore
 from ps.embedding_table import EmbeddingTable, PushResult, TableRows, check_ids

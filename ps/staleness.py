@@ -63,12 +63,12 @@ import threading
 import time
 from typing import Callable
 
-from metaps.errors import MetapsError
-from metaps.log import kv
+from metaps.core.errors import MetapsError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
-from metaps.errors import MetapsError
+from metaps.core.errors import MetapsError
 
 
 class StalenessTimeout(MetapsError, TimeoutError):

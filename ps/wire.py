@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metaps.errors import MetapsError
+from metaps.core.errors import MetapsError
 from protos import ps_pb2
 
 

@@ -1,7 +1,7 @@
 """``metaps worker`` and ``metaps train-local``.
 
 A worker without a token warns; a non-loopback ``--metrics-host`` without one is
-refused unless ``--insecure`` (see :mod:`metaps.security`).
+refused unless ``--insecure`` (see :mod:`metaps.core.security`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metaps.security import add_cli_args
+from metaps.core.security import add_cli_args
 
 
 def register(subparsers: Any) -> None:
@@ -45,7 +45,7 @@ def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from metaps.security import check_bind, role_rpc, set_private_umask
+    from metaps.core.security import check_bind, role_rpc, set_private_umask
     from workers.worker import run_worker
 
     set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
@@ -59,7 +59,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     args.rank, addrs = resolve_worker(job, args.config, args.rank, args.ps or os.environ.get("METAPS_PS", ""), ctl)
     run_dir = Path(args.run_dir or job.run.dir)
     if args.metrics_port >= 0:
-        from metaps.metrics import serve_metrics
+        from metaps.core.metrics import serve_metrics
 
         serve_metrics(args.metrics_port, args.metrics_host)
     rep = run_worker(job, args.rank, addrs, ctl, run_dir)

@@ -97,7 +97,7 @@ def resolve_device(device: str) -> str:
     """
     import torch
 
-    from metaps.errors import ConfigError
+    from metaps.core.errors import ConfigError
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from meta_io.slicer import BatchSlicer, Take
-from metaps.errors import MetapsError
-from metaps.log import kv
+from metaps.core.errors import MetapsError
+from metaps.core.log import kv
 from workers.data_feed import BatchRange
 from workers.trainer import StepStats, _ids_of, _samples_of
 

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from metaps.log import kv
+from metaps.core.log import kv
 from workers.config import resolve_device
 from workers.row_source import LocalRowSource
 from workers.worker import Worker, merge_eval_files

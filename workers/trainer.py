@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from meta_io.batch import MetaBatch, PlainBatch
-from metaps.log import kv
+from metaps.core.log import kv
 from workers.config import DenseSync, TrainConfig, TrainMode
 from workers.row_source import RowSource
 

@@ -28,9 +28,9 @@ import torch
 
 from meta_io.prefetch import prefetch
 from meta_io.reader import MetaIODataset
-from metaps.atomic_write import write_json_atomic
-from metaps.config import to_dict
-from metaps.log import kv
+from metaps.core.atomic_write import write_json_atomic
+from metaps.core.config import to_dict
+from metaps.core.log import kv
 from workers.config import DenseSync, TrainMode
 from workers.data_feed import BatchRange, static_ranges
 from workers.evaluation import merge_eval_files, score_batches, write_eval_file
@@ -107,7 +107,7 @@ class Worker:
 
     def __init__(self, job: Any, rank: int, rows: RowSource, controller: Any = None, run_dir: Path | None = None,
                  world: int | None = None, barrier: Any = None) -> None:
-        from metaps.faults import FaultInjector
+        from metaps.core.faults import FaultInjector
 
         self.job, self.rank, self.rows, self.ctl = job, rank, rows, controller
         self.world = job.train.workers if world is None else world

@@ -18,9 +18,9 @@ from meta_io import layout as L
 from meta_io.build.config import MetaIOBuildConfig
 from meta_io.layout import Layout, Split
 from meta_io.schema import Schema
-from metaps.errors import DataError
-from metaps.hashing import mix64
-from metaps.log import kv
+from metaps.core.errors import DataError
+from metaps.core.hashing import mix64
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

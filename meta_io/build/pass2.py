@@ -17,8 +17,8 @@ from meta_io.build.plan import plan_episodes
 from meta_io.build.writers import _RollingWriter
 from meta_io.layout import BatchKind, Split
 from meta_io.schema import Schema
-from metaps.hashing import mix64
-from metaps.log import kv
+from metaps.core.hashing import mix64
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

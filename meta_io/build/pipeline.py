@@ -49,9 +49,9 @@ from meta_io.build.writers import _RollingWriter
 from meta_io.index import IndexBuilder
 from meta_io.layout import Layout, Split
 from meta_io.schema import Schema, load_schema
-from metaps.atomic_write import write_json_atomic
-from metaps.errors import ConfigError, DataError, SchemaError
-from metaps.log import kv
+from metaps.core.atomic_write import write_json_atomic
+from metaps.core.errors import ConfigError, DataError, SchemaError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

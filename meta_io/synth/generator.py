@@ -52,8 +52,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from meta_io.schema import ColumnKind, ColumnSpec, Pooling, Schema
-from metaps.evaluation import StreamingAUC
-from metaps.log import kv
+from metaps.core.evaluation import StreamingAUC
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from metaps.errors import ConfigError
-from metaps.log import kv
+from metaps.core.errors import ConfigError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_k8s(args: argparse.Namespace) -> int:
-    from metaps.config import read_toml
+    from metaps.core.config import read_toml
     from metaps.deploy.k8s import Options, render, write
     from metaps.job import load_job
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from metaps.errors import ConfigError
+from metaps.core.errors import ConfigError
 
 _ORDINAL = re.compile(r"-(\d+)$")
 

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from metaps.deploy.yaml_out import dumps_all
-from metaps.errors import ConfigError
-from metaps.security import REDACTED, generate_token
-from metaps.toml_writer import dumps as toml_dumps
+from metaps.core.errors import ConfigError
+from metaps.core.security import REDACTED, generate_token
+from metaps.core.toml_writer import dumps as toml_dumps
 
 JOB_DIR = "/etc/metaps/job"
 JOB_PATH = f"{JOB_DIR}/job.toml"

@@ -21,8 +21,8 @@ import signal
 from typing import Any
 
 from metaps.deploy.identity import completion_index, pod_name, ps_addresses, registered_ps_addresses
-from metaps.errors import ConfigError
-from metaps.log import kv
+from metaps.core.errors import ConfigError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 

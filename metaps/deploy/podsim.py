@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metaps.log import kv
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -555,7 +555,7 @@ def prober_main() -> None:
                 out = {"serving": r.status == health_pb2.HealthCheckResponse.SERVING}
             elif parts[0] == "status":
                 from controller.client import ControllerClient
-                from metaps.rpc import RpcConfig
+                from metaps.core.rpc import RpcConfig
 
                 with ControllerClient(parts[1], RpcConfig(token=parts[2], timeout_s=10.0), retry_s=5.0) as c:
                     out = c.status()

@@ -11,7 +11,7 @@ from controller.client import ControllerClient
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
 from controller.dds import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
-from metaps.rpc import RpcConfig
+from metaps.core.rpc import RpcConfig
 
 TOKEN = "test-token"
 RPC = RpcConfig(token=TOKEN, timeout_s=5.0)

@@ -5,7 +5,7 @@ import sys
 from controller.config import ControllerConfig, DdsConfig
 from controller.dds import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
-from metaps.rpc import RpcConfig
+from metaps.core.rpc import RpcConfig
 
 if __name__ == "__main__":
     state_dir, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]

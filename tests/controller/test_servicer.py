@@ -14,7 +14,7 @@ import pytest
 from controller.client import ControllerClient, ControllerError
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
 from controller.dds import GetStatus
-from metaps.rpc import RpcConfig
+from metaps.core.rpc import RpcConfig
 from tests.controller.conftest import RPC, TOKEN, client, drain, small_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

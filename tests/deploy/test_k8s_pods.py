@@ -29,7 +29,7 @@ import yaml
 
 from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.deploy.podsim import PodSim, netns_available, tail
-from metaps.toml_writer import write
+from metaps.core.toml_writer import write
 from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from meta_io.holdout import holdout_mask, split_by_task
 from meta_io.reader import MetaIODataset
 from meta_io.schema import load_schema
 from meta_io.source import iter_source
-from metaps.errors import DataError
+from metaps.core.errors import DataError
 
 
 def _rows(path: Path, schema) -> list[tuple[int, int, int]]:

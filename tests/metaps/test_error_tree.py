@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from metaps.cli import run_command
-from metaps.errors import MetapsError
+from metaps.core.errors import MetapsError
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("metaps", "ps", "controller", "workers", "meta_io", "models", "delivery", "protos")
@@ -34,7 +34,7 @@ NAMED = {
     "ps.migration.MigrationError", "ps.coordinator.CheckpointCoordinationError",
     "controller.ps_recovery.RecoveryError", "metaps.fleet.FleetError", "ps.wire.WireError",
     "ps.staleness.StalenessTimeout", "controller.ps_mover.NothingToMove",
-    "metaps.toml_writer.TomlWriteError",
+    "metaps.core.toml_writer.TomlWriteError",
 }
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from metaps.config import from_mapping, load_toml
-from metaps.errors import ConfigError
+from metaps.core.config import from_mapping, load_toml
+from metaps.core.errors import ConfigError
 from metaps.job import load_job
-from metaps.rpc import RpcConfig
+from metaps.core.rpc import RpcConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from metaps.errors import ConfigError
+from metaps.core.errors import ConfigError
 from metaps.job import load_job
 from metaps.launch import (
     LaunchConfig,

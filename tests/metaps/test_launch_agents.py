@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from metaps.toml_writer import write
+from metaps.core.toml_writer import write
 from tests.metaps.fleet_data import fleet_pids, job_mapping, make_data, reaping, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from metaps.log import KeyValueFormatter, _DropRootInfo, kv
+from metaps.core.log import KeyValueFormatter, _DropRootInfo, kv
 
 
 def _record(name: str, level: int, msg: str, **fields) -> logging.LogRecord:

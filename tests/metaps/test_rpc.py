@@ -1,4 +1,4 @@
-"""metaps.rpc: token auth, message limits, health, TLS on real loopback servers."""
+"""metaps.core.rpc: token auth, message limits, health, TLS on real loopback servers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from metaps.rpc import RpcConfig, add_health, add_port, make_channel, make_server
+from metaps.core.rpc import RpcConfig, add_health, add_port, make_channel, make_server
 
 _IDENTITY = dict(request_deserializer=None, response_serializer=None)
 

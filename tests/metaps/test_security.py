@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 import pytest
 
-from metaps.atomic_write import json_default
-from metaps.errors import ConfigError
+from metaps.core.atomic_write import json_default
+from metaps.core.errors import ConfigError
 from metaps.launch import LaunchConfig, Launcher
-from metaps.rpc import RpcConfig, make_channel
-from metaps.security import REDACTED, SecurityError, check_bind, is_loopback, redact
+from metaps.core.rpc import RpcConfig, make_channel
+from metaps.core.security import REDACTED, SecurityError, check_bind, is_loopback, redact
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 from ps.checkpoint import latest_checkpoint, read_manifest
 from tests.metaps.fleet_data import fleet_pids, make_data, reaping, wait_for, write_job_file
@@ -182,7 +182,7 @@ def test_no_token_on_loopback_warns_and_insecure_public_bind_starts(tmp_path) ->
             wait_for(lambda: (d / "ready").exists() or proc.poll() is not None, 300, f"the {name} PS to start")
             assert proc.poll() is None, (d / "ps.log").read_text()[-3000:]
             log = (d / "ps.log").read_text()
-            assert 'WARNING metaps.security role=ps msg="NO AUTH TOKEN' in log, log[-3000:]
+            assert 'WARNING metaps.core.security role=ps msg="NO AUTH TOKEN' in log, log[-3000:]
             # unauthenticated, but it does serve
             port = json.loads((d / "ready").read_text())["port"]
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:

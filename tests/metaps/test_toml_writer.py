@@ -1,4 +1,4 @@
-"""metaps.toml_writer: output parses back with tomllib to the same data; no-TOML values are refused."""
+"""metaps.core.toml_writer: output parses back with tomllib to the same data; no-TOML values are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from metaps.toml_writer import TomlWriteError, dumps, write
+from metaps.core.toml_writer import TomlWriteError, dumps, write
 
 
 def test_round_trip_of_a_job_shaped_mapping() -> None:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from metaps.config import load_toml
-from metaps.errors import ConfigError
+from metaps.core.config import load_toml
+from metaps.core.errors import ConfigError
 from models.config import BottomKind, ModelConfig, ModelKind
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import pytest
 
-from metaps.hashing import mix64
+from metaps.core.hashing import mix64
 from ps.config import (
     AdmissionConfig,
     EvictionConfig,

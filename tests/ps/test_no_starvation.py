@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from metaps.rpc import RpcConfig
+from metaps.core.rpc import RpcConfig
 from ps.client import PsClient, PsStalenessTimeout
 from ps.config import PsConfig
 from ps.server import ERROR_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY, build_server

@@ -3,7 +3,7 @@
 * :func:`write_job` saves a :class:`~metaps.job.JobConfig` as the TOML every process reads.
 * :func:`start_worker` runs ``metaps worker`` with its log in a file.
 * :func:`wait_for_log` polls a log file for a line (the processes' only shared state with the test).
-* (free ports: :func:`metaps.metrics.free_port`)
+* (free ports: :func:`metaps.core.metrics.free_port`)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from metaps.job import JobConfig
-from metaps.toml_writer import dumps
+from metaps.core.toml_writer import dumps
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "worker-test-token"  # the PS fixtures (conftest.py) and worker processes share it

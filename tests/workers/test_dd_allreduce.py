@@ -31,7 +31,7 @@ from controller.server import ControllerServer
 from meta_io.reader import MetaIODataset
 from meta_io.slicer import concat_batches, slice_batch
 from tests.ports import pick_port
-from metaps.rpc import RpcConfig
+from metaps.core.rpc import RpcConfig
 from ps.client import PsClient
 from workers.local import local_store
 from workers.row_source import LocalRowSource, RemoteRowSource

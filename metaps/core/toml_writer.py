@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metaps.errors import MetapsError
-from metaps.atomic_write import write_text_atomic
+from metaps.core.errors import MetapsError
+from metaps.core.atomic_write import write_text_atomic
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 

@@ -5,7 +5,7 @@
   metadata; a server built with :func:`make_server` refuses calls without it
   (``UNAUTHENTICATED``);
 * optional TLS from PEM files (a missing or unreadable file is a one-line
-  :class:`~metaps.errors.ConfigError` naming it: :meth:`RpcConfig.check_files`);
+  :class:`~metaps.core.errors.ConfigError` naming it: :meth:`RpcConfig.check_files`);
 * the standard gRPC health service on every server.
 
 Example::
@@ -28,8 +28,8 @@ from typing import Any, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from metaps.errors import ConfigError
-from metaps.security import REDACTED, TOKEN_ENV, read_token_file
+from metaps.core.errors import ConfigError
+from metaps.core.security import REDACTED, TOKEN_ENV, read_token_file
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _AUTH_KEY = "authorization"

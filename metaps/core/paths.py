@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from metaps.errors import MetapsError
+from metaps.core.errors import MetapsError
 
 
 class PathNotAllowed(MetapsError):

@@ -28,8 +28,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from metaps.errors import ConfigError, MetapsError
-from metaps.log import kv
+from metaps.core.errors import ConfigError, MetapsError
+from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def role_rpc(rpc: Any, token_file: str = "") -> Any:
     """The job's ``[rpc]`` for a role process: ``--token-file`` applied, every file checked.
 
     Args:
-        rpc: the job's ``metaps.rpc.RpcConfig``.
+        rpc: the job's ``metaps.core.rpc.RpcConfig``.
         token_file: ``--token-file`` ('' = keep ``[rpc] token_file``).
 
     Raises:
@@ -204,7 +204,7 @@ def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "") -> tuple[s
 
     Args:
         raw: the parsed job TOML the launcher will write as ``RUN/job.toml`` (edited in place).
-        rpc: its ``metaps.rpc.RpcConfig``.
+        rpc: its ``metaps.core.rpc.RpcConfig``.
         token_file: ``metaps launch --token-file`` ('' = ``[rpc] token_file``).
 
     Returns:
