@@ -5,15 +5,20 @@ Both fleets train the same job (2 PS shards, 3 workers, PS mode) on the same Met
     launch   ``metaps launch --config job.toml`` (controller, agents, PS, workers on 127.0.0.1)
     k8s      ``metaps deploy k8s`` -> ``kubectl kustomize`` -> every pod run by
              :class:`metaps.deploy.podsim.PodSim` in its own network + mount namespace
-             (the data is already built: no data Job); the worker Job is scaled
-             3 -> 4 at a third of the batches and 4 -> 2 at two thirds
+             (the data is already built: no data Job)
 
-Measured from the controller's status, polled every 0.25 s, the same way for both:
+Three k8s-side runs per round: a steady one (3 workers throughout: the like-for-like
+twin of the launch run) and a scaling one (the worker Job scaled 3 -> 4 at a third of
+the batches and 4 -> 2 at two thirds). Runs go in the order launch, k8s steady, k8s
+scaling, and in the full mode a second launch run closes the round (A B B A), so load
+drift on a shared box biases neither side: ``throughput_ratio`` is the k8s steady rate
+over the mean of the launch rates around it.
+
+Measured from the controller's status, polled every 0.25 s, the same way for all:
 time to first step (fleet start -> the first batch done), batches/s and samples/s
 (batches x rows per batch of the manifest) between the first batch and the end.
-The k8s run's figure includes the scale events (there is no steady k8s-only run:
-the ratio is a lower bound of the steady one). ``scale_events_lost_shards``: shards
-(2 batches each) of the requested epochs the controller's coverage misses at the end (must be 0).
+``scale_events_lost_shards``: shards (2 batches each) of the requested epochs the
+controller's coverage misses at the end of the scaling run (must be 0).
 
 Run: ``python -m bench.k8s_local [--quick]`` (root, ``ip netns``, ``unshare``, kubectl);
 the last line is a JSON object with ``first_step_s_ratio`` (k8s / launch),
@@ -93,12 +98,12 @@ class Progress:
         return (b1 - b0) / max(t1 - t0, 1e-9)
 
 
-def run_launch(root: Path, epochs: int) -> dict[str, Any]:
+def run_launch(root: Path, epochs: int, tag: str = "launch") -> dict[str, Any]:
     from controller.client import ControllerClient
     from metaps.core.rpc import RpcConfig
     from metaps.core.toml_writer import write
 
-    work = root / "launch"
+    work = root / tag
     work.mkdir()
     os.symlink(root / "data" / "metaio", work / "metaio")
     cfg = write(work / "job.toml", _job(work, epochs, "launch"))
@@ -132,11 +137,12 @@ def run_launch(root: Path, epochs: int) -> dict[str, Any]:
     return {"first_step_s": prog.first_step_t() - t0, "batches_per_s": prog.batches_per_s(), "rc": proc.returncode}
 
 
-def run_k8s(root: Path, epochs: int, total_batches: int) -> dict[str, Any]:
+def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag: str = "k8s") -> dict[str, Any]:
+    """One pods-in-namespaces fleet; ``scale``: scale the worker Job 3 -> 4 -> 2 mid-run."""
     from metaps.deploy.podsim import PodSim
     from metaps.core.toml_writer import write
 
-    work = root / "k8s"
+    work = root / tag
     work.mkdir()
     cfg = write(work / "job.toml", _job(work, epochs, "k8s"))
     out = work / "manifests"
@@ -161,7 +167,7 @@ def run_k8s(root: Path, epochs: int, total_batches: int) -> dict[str, Any]:
         while time.monotonic() < deadline:
             st = prog.poll()
             done = prog.samples[-1][1] if prog.samples else 0
-            if not scaled and done >= target / 3:
+            if scale and not scaled and done >= target / 3:
                 sim.scale_job("bk-worker", 4)
                 scaled.append(("3->4", done))
             elif len(scaled) == 1 and done >= 2 * target / 3:
@@ -185,26 +191,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller data, fewer epochs")
     args = ap.parse_args(argv)
     rows, epochs = (4000, 4) if args.quick else (20000, 4)
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-k8s-") as tmp:
         root = Path(tmp)
         n_rows, n_batches = _data(root / "data", rows)
         per_batch = n_rows / n_batches
         print(f"data: {n_rows} rows, {n_batches} batches ({per_batch:.0f} rows/batch), {epochs} epochs", flush=True)
-        launch = run_launch(root, epochs)
-        print(f"launch: first step {launch['first_step_s']:.1f}s, {launch['batches_per_s']:.2f} batches/s "
-              f"({launch['batches_per_s'] * per_batch:.0f} samples/s), rc {launch['rc']}", flush=True)
-        k8s = run_k8s(root, epochs, n_batches)
-        print(f"k8s pods: first step {k8s['first_step_s']:.1f}s, {k8s['batches_per_s']:.2f} batches/s "
+
+        def show_launch(r: dict[str, Any], tag: str) -> None:
+            print(f"{tag}: first step {r['first_step_s']:.1f}s, {r['batches_per_s']:.2f} batches/s "
+                  f"({r['batches_per_s'] * per_batch:.0f} samples/s), rc {r['rc']}", flush=True)
+
+        launches = [run_launch(root, epochs, "launch-a")]
+        show_launch(launches[0], "launch (A)")
+        steady = run_k8s(root, epochs, n_batches, scale=False, tag="k8s-steady")
+        print(f"k8s pods, steady 3 workers: first step {steady['first_step_s']:.1f}s, "
+              f"{steady['batches_per_s']:.2f} batches/s ({steady['batches_per_s'] * per_batch:.0f} samples/s), "
+              f"lost shards {steady['lost_shards']}", flush=True)
+        k8s = run_k8s(root, epochs, n_batches, scale=True, tag="k8s-scaling")
+        print(f"k8s pods, scaling: first step {k8s['first_step_s']:.1f}s, {k8s['batches_per_s']:.2f} batches/s "
               f"({k8s['batches_per_s'] * per_batch:.0f} samples/s) with scale events {k8s['scale_events']}, "
               f"lost shards {k8s['lost_shards']}", flush=True)
+        if not args.quick:
+            launches.append(run_launch(root, epochs, "launch-b"))
+            show_launch(launches[1], "launch (A')")
+    launch_bps = sum(r["batches_per_s"] for r in launches) / len(launches)
+    launch_first = sum(r["first_step_s"] for r in launches) / len(launches)
     print(json.dumps({
-        "launch_first_step_s": round(launch["first_step_s"], 2), "k8s_first_step_s": round(k8s["first_step_s"], 2),
-        "launch_samples_per_s": round(launch["batches_per_s"] * per_batch, 1),
+        "quick": args.quick, "load_avg_1m_at_start": round(load0, 2), "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        "launch_first_step_s": round(launch_first, 2), "k8s_first_step_s": round(steady["first_step_s"], 2),
+        "launch_samples_per_s": round(launch_bps * per_batch, 1),
+        "launch_samples_per_s_each": [round(r["batches_per_s"] * per_batch, 1) for r in launches],
+        "k8s_samples_per_s": round(steady["batches_per_s"] * per_batch, 1),
         "k8s_scaling_samples_per_s": round(k8s["batches_per_s"] * per_batch, 1),
-        "first_step_s_ratio": round(k8s["first_step_s"] / launch["first_step_s"], 3),
-        "throughput_ratio": round(k8s["batches_per_s"] / launch["batches_per_s"], 3),
+        "first_step_s_ratio": round(steady["first_step_s"] / launch_first, 3),
+        "throughput_ratio": round(steady["batches_per_s"] / launch_bps, 3),
+        "throughput_ratio_while_scaling": round(k8s["batches_per_s"] / launch_bps, 3),
         "scale_events": [e[0] for e in k8s["scale_events"]],
         "scale_events_lost_shards": k8s["lost_shards"],
+        "steady_lost_shards": steady["lost_shards"],
     }))
     return 0
 

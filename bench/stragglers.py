@@ -9,7 +9,9 @@ Real processes (ratios measured side by side in the same run):
         interleaved (ABBA) on the migrated layout, median of the paired ratios (like for like,
         load drift cancels), for [controller.nd] keep = 1 (default) and 0
     E5  2 all-reduce `metaps worker` processes (gloo) + 1 PS, worker 1 slowed 2x:
-        DD plans from the controller vs the same DD loop with equal batches
+        DD plans from the controller vs the same DD loop with equal batches (two runs), and
+        E5i: both arms in ONE run, the DD plan and the equal split alternating every 25 s
+        (ABAB windows, median of adjacent-pair ratios; drift between runs cannot bias it)
 
 Simulations (threads that sleep ``base_s * slowdown`` per batch against a real controller;
 they test the controller's logic, not the system; reported as e1_sim_* / e5_sim_*):
@@ -474,6 +476,120 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
     return out
 
 
+class _InterleavedDd:
+    """A bench policy: the product's DD policy until its first plan, then plan vs equal in turns.
+
+    Phase 1 delegates to the DD policy (controller/policy_dd.py) untouched, so the split it
+    learns is the product's. From its first ``SetBatchSizes`` on, this wrapper stops
+    consulting it and alternates, every ``window_s`` seconds, between that plan and the
+    equal split, through the same ``SetBatchSizes`` action the product uses (plan stamps,
+    min-agreement in the workers). Both arms then run in the same fleet, same processes,
+    same data, interleaved in time: load drift on a shared box hits both alike.
+    """
+
+    name = "dd-interleaved"
+
+    def __init__(self, inner: Any, equal: dict[int, int], window_s: float) -> None:
+        self.inner, self.equal, self.window_s = inner, equal, window_s
+        self.plan: dict[int, int] | None = None
+        self.switch_at = 0.0
+        self.mode = "dd"
+        self.switches: list[tuple[float, str]] = []
+
+    def evaluate(self, snapshot: Any, now: float) -> list[Any]:
+        from controller.policy import SetBatchSizes
+
+        if self.plan is None:
+            acts = self.inner.evaluate(snapshot, now)
+            for a in acts:
+                if isinstance(a, SetBatchSizes):
+                    self.plan = dict(a.sizes)
+                    self.switch_at = now + self.window_s
+                    self.switches.append((now, "dd"))
+            return acts
+        if now < self.switch_at:
+            return []
+        self.mode = "equal" if self.mode == "dd" else "dd"
+        self.switch_at = now + self.window_s
+        self.switches.append((now, self.mode))
+        return [SetBatchSizes("workers", {"bench": "interleaved", "arm": self.mode},
+                              sizes=dict(self.plan if self.mode == "dd" else self.equal))]
+
+
+def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, skip: int = 1) -> list[float]:
+    """DD/equal samples/s ratios of adjacent windows, from worker 0's per-step records.
+
+    A window is a run of consecutive steps trained under one split (worker 0's size tells
+    which); its first ``skip`` steps (the switch) are dropped. Each DD window is paired with
+    the equal window just before it (the ABAB order pairs every window with a neighbour,
+    so slow drift cancels within a pair).
+    """
+    runs: list[tuple[str, list[dict[str, Any]]]] = []
+    for r in recs:
+        mode = "dd" if r["size"] == dd_size0 else "equal"
+        if runs and runs[-1][0] == mode:
+            runs[-1][1].append(r)
+        else:
+            runs.append((mode, [r]))
+
+    def rate(steps: list[dict[str, Any]]) -> float | None:
+        steps = steps[skip:]
+        if len(steps) < 3 or steps[-1]["t"] <= steps[0]["t"]:
+            return None
+        return sum(s["units_sum"] for s in steps[1:]) / (steps[-1]["t"] - steps[0]["t"])
+
+    ratios: list[float] = []
+    for (m0, a), (m1, b) in zip(runs, runs[1:]):
+        if {m0, m1} == {"dd", "equal"}:
+            ra, rb = rate(a), rate(b)
+            if ra and rb:
+                ratios.append((ra / rb) if m0 == "dd" else (rb / ra))
+    return ratios
+
+
+def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_batch: int = 1024,
+                        window_s: float = 25.0) -> dict[str, Any]:
+    """E5 with both arms in one run: DD plan and equal split alternate (see ``_InterleavedDd``).
+
+    Same fleet as :func:`e5_real` (2 gloo workers + 1 PS, worker 1 slowed 2x). The figure is
+    the median over adjacent (equal, DD) window pairs of the samples/s ratio.
+    """
+    from controller.config import PolicyKind as _PK
+    from controller.policy import make_policy
+    from metaps.core.metrics import free_port
+    from metaps.job import load_job
+    import dataclasses
+
+    epochs = 16 if quick else 24
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        job_path = _real_job(tmp, data, REAL_WORKERS_E5, 2.0,
+                             train={"epochs": epochs, "seed": seed, "dense_sync": "allreduce", "log_every": 1000},
+                             controller={"policy": "dd", "dd": {"global_batch": global_batch, "min_change": 0.05},
+                                         "monitor": {"window_s": 2.0, "keep_windows": 1000},
+                                         "dds": {"batches_per_shard": 2}})
+        job = load_job(str(job_path))
+        cfg = dataclasses.replace(job.controller, policy=_PK.DD, tick_s=0.1)
+        half = global_batch // REAL_WORKERS_E5
+        equal = {k: half + (1 if k < global_batch - half * REAL_WORKERS_E5 else 0) for k in range(REAL_WORKERS_E5)}
+        pol = _InterleavedDd(make_policy(_PK.DD, cfg), equal, window_s)
+        spec = DatasetSpec.from_meta_io("train", job.data.train, "train", epochs=job.train.epochs)
+        srv = ControllerServer(cfg, tmp / "ctl", [spec], RPC, policy=pol)  # type: ignore[arg-type]
+        srv.start("127.0.0.1:0")
+        try:
+            reps = _real_fleet(tmp, job_path, REAL_WORKERS_E5, srv.address,
+                               {"METAPS_ALLREDUCE": f"127.0.0.1:{free_port()}"})
+        finally:
+            srv.stop(grace=0)
+    recs = reps[0]["dd_steps"]
+    if pol.plan is None:
+        return {"speedup": float("nan"), "pairs": 0, "note": "the DD policy made no plan"}
+    ratios = _paired_windows(recs, pol.plan[0])
+    return {"speedup": statistics.median(ratios) if ratios else float("nan"), "pairs": len(ratios),
+            "pair_ratios": [round(r, 3) for r in ratios], "dd_plan": [pol.plan[k] for k in sorted(pol.plan)],
+            "switches": len(pol.switches), "steps": len(recs)}
+
+
 # ---------------------------------------------------------------------------- E2: slow PS
 E2_LATENCY_S = 0.02   # added per request on PS 1 (fault injection)
 E2_IDS = 256          # unique ids per pull/push step (one table, dim 16)
@@ -731,10 +847,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one seed / one run of each, shorter runs")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated subset: sim,e1,e2,e5 (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated subset: sim,e1,e2,e5,e5i (default: all)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    only = set(args.only.split(",")) if args.only else {"sim", "e1", "e2", "e5"}
+    only = set(args.only.split(",")) if args.only else {"sim", "e1", "e2", "e5", "e5i"}
     seeds = [0] if args.quick else list(range(args.seeds))
     figures: dict[str, Any] = {"seeds": len(seeds), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
 
@@ -763,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
             "e5_sim_dd_speedup": med("e5", "speedup"),
             "e6_overhead": med("e6", "overhead"),
         })
-    if only & {"e1", "e5"}:
+    if only & {"e1", "e5", "e5i"}:
         with tempfile.TemporaryDirectory() as tmpd:
             data = _real_data(Path(tmpd), args.quick)
             runs = 1 if args.quick else 3
@@ -794,6 +910,16 @@ def main(argv: list[str] | None = None) -> int:
                 figures.update(e5_dd_speedup=round(statistics.median(v), 4), e5_dd_speedup_min=round(min(v), 4),
                                e5_dd_speedup_max=round(max(v), 4), e5_runs=runs,
                                e5_dd_sizes=rs[0]["dd_sizes"])
+            if "e5i" in only:
+                rs = [e5_real_interleaved(s, data, args.quick) for s in range(runs)]
+                for i, r in enumerate(rs):
+                    show(f"run {i} e5 interleaved (real processes)", r)
+                allr = [x for r in rs for x in r["pair_ratios"]] if all("pair_ratios" in r for r in rs) else []
+                figures.update(e5_interleaved_speedup=round(statistics.median(allr), 4) if allr else None,
+                               e5_interleaved_pairs=len(allr),
+                               e5_interleaved_pair_min=round(min(allr), 4) if allr else None,
+                               e5_interleaved_pair_max=round(max(allr), 4) if allr else None,
+                               e5_interleaved_runs=runs, e5_interleaved_plan=rs[0].get("dd_plan"))
     if "e2" in only:
         # E2 starts real PS processes (~10-20 s each under load)
         e2r = e2(1 if args.quick else 3, quick=args.quick)
