@@ -65,7 +65,7 @@ def _state_dir(job: Any, override: str) -> Path:
 
 def job_datasets(job: Any) -> list[Any]:
     """The DDS datasets of a job: train (``train.epochs`` passes) and eval if set."""
-    from controller.dds import DatasetKind, DatasetSpec
+    from controller.types import DatasetKind, DatasetSpec
 
     epochs = int(getattr(job.train, "epochs", 1))
     out = [DatasetSpec.from_meta_io("train", job.data.train, DatasetKind.TRAIN, epochs)]

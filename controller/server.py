@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from controller.checkpoint import CheckpointCoordinator
 from controller.config import ControllerConfig
-from controller.dds import DatasetSpec, DynamicDataSharding
+from controller.dds import DynamicDataSharding
 from controller.liveness import WorkerLiveness
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
@@ -51,6 +51,7 @@ from controller.policy import (
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
 from controller.state import Event, EventLog, StateStore
+from controller.types import DatasetSpec
 from metaps.core.atomic_write import write_text_atomic
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server

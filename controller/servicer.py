@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import grpc
 from prometheus_client import Counter
 
-from controller.dds import GetStatus
-from controller.node_registry import UnknownNode, check_node
+from controller.types import GetStatus, UnknownNode, check_node
 from metaps.core.errors import MetapsError
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc

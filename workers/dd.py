@@ -138,7 +138,7 @@ class DdLoop:
         self._idle = False
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
-        from controller.dds import GetStatus
+        from controller.types import GetStatus
 
         if self._leases_done:
             raise StopIteration

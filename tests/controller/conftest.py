@@ -9,7 +9,7 @@ import pytest
 
 from controller.client import ControllerClient
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
-from controller.dds import DatasetKind, DatasetSpec
+from controller.types import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
 from metaps.core.rpc import RpcConfig
 

@@ -3,7 +3,7 @@
 import sys
 
 from controller.config import ControllerConfig, DdsConfig
-from controller.dds import DatasetKind, DatasetSpec
+from controller.types import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
 from metaps.core.rpc import RpcConfig
 
