@@ -100,7 +100,7 @@ class ControllerServer:
         self.worker_claims = WorkerClaims(self.store, self.registry, clock)  # pods of a work-queue Job
         self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
         self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
-        self.policy = policy or make_policy(cfg.policy, cfg)
+        self.policy = policy or make_policy(cfg)
         self.ps_mover = ps_mover
         self._server: Any = None
         self._stop = threading.Event()

@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 
 from controller.config import DdConfig, MonitorConfig
 from controller.monitor import MonitorSnapshot
-from controller.policy import Action, Policy, SetBatchSizes, StragglerDetector, WindowCursor, detection_actions
+from controller.policy.base import Action, Policy, SetBatchSizes, StragglerDetector, WindowCursor, detection_actions
 
 
 def round_to_total(quotas: Mapping[int, float], total: int, minimum: int = 1) -> dict[int, int]:
