@@ -50,11 +50,13 @@ from controller.policy import (
 )
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
+from controller.servicer import ControllerServicer
 from controller.state import Event, EventLog, StateStore
 from controller.types import DatasetSpec
 from metaps.core.atomic_write import write_text_atomic
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
+from protos import controller_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +118,6 @@ class ControllerServer:
 
     def start(self, address: str | None = None) -> int:
         """Serve on ``address`` (default ``cfg.address``); return the bound port."""
-        from controller.servicer import ControllerServicer
-        from protos import controller_pb2_grpc
-
         address = address or self.cfg.address
         self._server = make_server(self.rpc_cfg, max_workers=self.cfg.max_workers)
         controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self), self._server)
