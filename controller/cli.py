@@ -86,11 +86,13 @@ def run_controller(args: argparse.Namespace) -> int:
                job.rpc.resolved_token(), insecure=args.insecure,
                what="metaps controller")
     from controller.ps_mover import MigrationPsMover
+    from ps.fleet_admin import GrpcPsFleet  # the app floor wires the PS fleet into the controller
 
     state_dir = _state_dir(job, args.state_dir)
-    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc)
+    fleet = GrpcPsFleet(job.rpc)
+    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet)
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
-    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc,  # PS register their addresses
+    server.ps_mover = MigrationPsMover(server.ps_addresses, fleet,  # PS register their addresses
                                        keep=job.controller.nd.keep)
     server.start(address)
     log.info("controller serving", extra=kv(address=server.address, checkpoint_root=server.checkpoint_root))

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from controller.checkpoint import CheckpointCoordinator
 from controller.config import ControllerConfig
@@ -48,6 +48,7 @@ from controller.policy import (
     SlowDetected,
     make_policy,
 )
+from controller.ports import PsFleet, PsMover
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
 from controller.servicer import ControllerServicer
@@ -61,15 +62,6 @@ from protos import controller_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-class PsMover(Protocol):
-    """Moves vshards (rows + optimizer state) between PS processes; blocks until done.
-
-    Implemented on top of ``ps.migration``; the ND policy's MoveVshards actions call it.
-    """
-
-    def move_vshards(self, src_ps: int, dst_ps: int, n_vshards: int) -> None: ...
-
-
 class ControllerServer:
     """The whole controller. See the module docstring.
 
@@ -80,6 +72,8 @@ class ControllerServer:
         rpc_cfg: token / TLS / message limits shared by the job.
         policy: a custom :class:`~controller.policy.Policy` (default: ``cfg.policy``).
         ps_mover: executes MoveVshards; None records the decision as skipped.
+        ps_fleet: the PS fleet operations a PS restart's recovery runs (``controller/ports.py``;
+            ``ps.fleet_admin.GrpcPsFleet``, wired by the app floor); None: a PS restart fails the run.
         clock: ``time.time``-like.
     """
 
@@ -88,7 +82,7 @@ class ControllerServer:
 
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, ps_fleet: PsFleet | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.rpc_cfg = rpc_cfg or RpcConfig()
@@ -111,7 +105,7 @@ class ControllerServer:
         self._last_ckpt = clock()
         self._movers: list[threading.Thread] = []
         self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
-        self.recovery = PsRecovery(self)
+        self.recovery = PsRecovery(self, ps_fleet)
         self.address = ""
 
     # ---------------------------------------------------------------- lifecycle

@@ -36,11 +36,10 @@ def _is_ground(module: str) -> bool:
 
 # (importing module, imported package or module) -> the issue-12 point that removes it.
 KNOWN: dict[tuple[str, str], str] = {
-    # ps <-> controller (point 2: PS fleet operations move next to ps admin code, the
-    # controller takes them as Protocols; the role entry points move to the app floor).
+    # ps <-> controller (point 2: the role entry points move to the app floor; the PS fleet
+    # operations already sit next to the ps admin code, behind controller/ports.py).
     ("ps.controller_link", "controller"): "2: app floor wires ps to the controller",
-    ("controller.ps_mover", "ps"): "2: mover moves next to ps admin code",
-    ("controller.ps_recovery", "ps"): "2: recovery moves next to ps admin code",
+    ("controller.cli", "ps"): "1: role entry points move to the app floor (it wires ps.fleet_admin in)",
     # subsystem CLIs import the job composition (point 1: the role entry points, gathered
     # from the */cli.py files, move to the app floor).
     ("ps.cli", "metaps.job"): "1: role entry points move to the app floor",
@@ -164,8 +163,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_reader_sees_local_and_relative_imports() -> None:
-    # function-local imports count (controller.ps_mover imports ps only inside functions today)
-    assert any(_pkg(t) == "ps" for t in IMPORTS["controller.ps_mover"])
+    # function-local imports count (controller.types imports meta_io only inside DatasetSpec.from_meta_io)
+    assert "meta_io.reader" in IMPORTS["controller.types"]
     assert "metaps.core.errors" in IMPORTS["ps.errors"]
 
 

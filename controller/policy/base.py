@@ -238,8 +238,8 @@ def detection_actions(role: str, det: StragglerDetector, values: Mapping[int, fl
         v = verdicts[node]
         out.append(SlowDetected(f"{role}:{node}", _evidence(v, det, window)))
     for node in sorted(before - det.flagged):
-        v = verdicts.get(node)
-        out.append(Recovered(f"{role}:{node}", _evidence(v, det, window) if v else {"window": window}))
+        seen = verdicts.get(node)
+        out.append(Recovered(f"{role}:{node}", _evidence(seen, det, window) if seen else {"window": window}))
     return out
 
 
