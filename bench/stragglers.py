@@ -692,6 +692,7 @@ def _e2_run(keep: int, start_s: float, phase_s: float, seed: int, pairs: int = 4
     """
     from controller.ps_mover import MigrationPsMover
     from ps.client import PsClient
+    from ps.fleet_admin import GrpcPsFleet
 
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
@@ -749,7 +750,7 @@ def _e2_run(keep: int, start_s: float, phase_s: float, seed: int, pairs: int = 4
                 raise RuntimeError(f"PS 1 not flagged: {[(e.kind, e.node, e.evidence) for e in srv.events.list()]}")
             out["detect_s"] = slow[0].time - fa
             t_enable = time.time()
-            srv.ps_mover = MigrationPsMover(srv.ps_addresses, RPC, keep=cfg.nd.keep)
+            srv.ps_mover = MigrationPsMover(srv.ps_addresses, GrpcPsFleet(RPC), keep=cfg.nd.keep)
             settle_s = 3 * cfg.nd.cooldown_windows * cfg.monitor.window_s
             last_move = 0.0
             while time.time() < t_enable + 30.0:  # settled: no move for 3 cooldowns

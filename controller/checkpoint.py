@@ -31,8 +31,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from controller.dds import DdsCut, DynamicDataSharding
+from controller.dds import DynamicDataSharding
 from controller.state import StateStore, key_seq, seq_key, dumps, loads
+from controller.types import DdsCut
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 

@@ -65,7 +65,7 @@ def _state_dir(job: Any, override: str) -> Path:
 
 def job_datasets(job: Any) -> list[Any]:
     """The DDS datasets of a job: train (``train.epochs`` passes) and eval if set."""
-    from controller.dds import DatasetKind, DatasetSpec
+    from controller.types import DatasetKind, DatasetSpec
 
     epochs = int(getattr(job.train, "epochs", 1))
     out = [DatasetSpec.from_meta_io("train", job.data.train, DatasetKind.TRAIN, epochs)]
@@ -86,11 +86,13 @@ def run_controller(args: argparse.Namespace) -> int:
                job.rpc.resolved_token(), insecure=args.insecure,
                what="metaps controller")
     from controller.ps_mover import MigrationPsMover
+    from ps.fleet_admin import GrpcPsFleet  # the app floor wires the PS fleet into the controller
 
     state_dir = _state_dir(job, args.state_dir)
-    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc)
+    fleet = GrpcPsFleet(job.rpc)
+    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet)
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
-    server.ps_mover = MigrationPsMover(server.ps_addresses, job.rpc,  # PS register their addresses
+    server.ps_mover = MigrationPsMover(server.ps_addresses, fleet,  # PS register their addresses
                                        keep=job.controller.nd.keep)
     server.start(address)
     log.info("controller serving", extra=kv(address=server.address, checkpoint_root=server.checkpoint_root))

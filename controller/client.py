@@ -33,8 +33,7 @@ from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 
-from controller.dds import GetResult, GetStatus, ReportResult, ShardLease
-from controller.node_registry import Command
+from controller.types import Command, GetResult, GetStatus, ReportResult, ShardLease
 from metaps.core.errors import MetapsError
 from metaps.core.rpc import RpcConfig, make_channel
 from protos import controller_pb2 as pb

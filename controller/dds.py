@@ -25,6 +25,10 @@ a controller killed at any point restarts from the last committed transition.
 Memory holds the current epoch's records for speed and is rebuilt from LMDB on
 start (and after any failed transaction).
 
+This module is the engine; the values it takes and returns (DatasetSpec,
+ShardLease, GetResult, ReportResult, DdsCut, the DDS errors) are the controller's
+vocabulary in :mod:`controller.types` (re-exported here for old importers).
+
 Example::
 
     dds = DynamicDataSharding(StateStore(tmp), DdsConfig(batches_per_shard=4),
@@ -39,7 +43,6 @@ from __future__ import annotations
 import enum
 import logging
 import random
-import re
 import threading
 import time
 import zlib
@@ -52,38 +55,12 @@ import lmdb
 from controller.config import DdsConfig
 from controller.ledger import Coverage, EntryKind, Ledger
 from controller.state import Event, EventLog, StateStore, dumps, loads
-from metaps.core.errors import MetapsError
+from controller.types import (DatasetKind, DatasetSpec, DdsCut, DdsError, GetResult, GetStatus, ReportResult,
+                              ReportStatus, ShardLease, StateMismatch, UnknownDataset, UnknownShard,
+                              parse_shard_id)
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_ID_RE = re.compile(r"^(?P<ds>[A-Za-z0-9_.\-]+):(?P<epoch>\d+):(?P<file>\d+):(?P<start>\d+)-(?P<stop>\d+)$")
-
-
-class DdsError(MetapsError):
-    """A DDS request is invalid. ``code`` maps to a gRPC status in the servicer."""
-
-    code = "invalid_argument"
-
-
-class UnknownDataset(DdsError):
-    code = "not_found"
-
-
-class UnknownShard(DdsError):
-    code = "not_found"
-
-
-class StateMismatch(DdsError):
-    """The state directory was written for different datasets than the job's."""
-
-    code = "failed_precondition"
-
-
-class DatasetKind(str, enum.Enum):
-    TRAIN = "train"
-    EVAL = "eval"
 
 
 class ShardState(str, enum.Enum):
@@ -91,139 +68,6 @@ class ShardState(str, enum.Enum):
     DOING = "doing"
     DONE = "done"
     SPLIT = "split"
-
-
-class GetStatus(str, enum.Enum):
-    SHARD = "shard"
-    WAIT = "wait"
-    DONE = "done"
-
-
-class ReportStatus(str, enum.Enum):
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """What the DDS needs to know about a dataset.
-
-    Args:
-        name: unique name (letters, digits, ``_.-``).
-        batches_per_file: record batches in each file, by file index.
-        kind: ``train`` or ``eval``.
-        epochs: passes over the dataset.
-
-    Example::
-
-        DatasetSpec("train", [128, 128, 64], DatasetKind.TRAIN, epochs=2)
-    """
-
-    name: str
-    batches_per_file: tuple[int, ...]
-    kind: DatasetKind = DatasetKind.TRAIN
-    epochs: int = 1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "batches_per_file", tuple(int(b) for b in self.batches_per_file))
-        object.__setattr__(self, "kind", DatasetKind(self.kind))
-
-    def validate(self) -> None:
-        if not _NAME_RE.match(self.name):
-            raise ValueError(f"dataset name must match [A-Za-z0-9_.-]+, got {self.name!r}")
-        if not self.batches_per_file:
-            raise ValueError(f"dataset {self.name}: no files")
-        bad = [(i, b) for i, b in enumerate(self.batches_per_file) if b < 0]
-        if bad:
-            raise ValueError(f"dataset {self.name}: file {bad[0][0]} has {bad[0][1]} batches (must be >= 0)")
-        if self.total_batches == 0:
-            raise ValueError(f"dataset {self.name}: all {len(self.batches_per_file)} files are empty")
-        if self.epochs < 1:
-            raise ValueError(f"dataset {self.name}: epochs must be >= 1, got {self.epochs}")
-
-    @property
-    def total_batches(self) -> int:
-        return sum(self.batches_per_file)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "batches_per_file": list(self.batches_per_file),
-                "kind": self.kind.value, "epochs": self.epochs}
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> "DatasetSpec":
-        return DatasetSpec(d["name"], tuple(d["batches_per_file"]), DatasetKind(d["kind"]), int(d["epochs"]))
-
-    @staticmethod
-    def from_meta_io(name: str, path: str, kind: DatasetKind | str = DatasetKind.TRAIN, epochs: int = 1) -> "DatasetSpec":
-        """Read the batch counts from a Meta-IO dataset's index.
-
-        Example::
-
-            DatasetSpec.from_meta_io("train", "data/train", "train", epochs=2)
-        """
-        from meta_io.reader import MetaIODataset  # only when a real dataset is used
-
-        ds = MetaIODataset(path)
-        spec = DatasetSpec(name, tuple(ds.num_batches(f) for f in range(ds.num_files)), DatasetKind(kind), epochs)
-        spec.validate()
-        return spec
-
-
-@dataclass(frozen=True)
-class ShardLease:
-    """A shard handed to a worker. Report it back with ``shard_id`` and ``attempt``."""
-
-    shard_id: str
-    dataset: str
-    epoch: int
-    file: int
-    start: int
-    stop: int
-    attempt: int
-    lease_s: float
-
-    @property
-    def batches(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class GetResult:
-    status: GetStatus
-    lease: ShardLease | None = None
-
-
-@dataclass(frozen=True)
-class ReportResult:
-    """Outcome of a report.
-
-    Attributes:
-        accepted: the report changed the shard's state (done, or requeued on failure).
-        duplicate: the shard was already done (a retried report, or another attempt).
-        kind: ``done`` | ``retry`` (same attempt re-sent, no-op) | ``duplicate`` |
-            ``stale`` (lease lost) | ``requeued`` (failure).
-    """
-
-    accepted: bool
-    duplicate: bool
-    kind: str
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class DdsCut:
-    """DDS position at a checkpoint cut: the ledger head and each dataset's epoch."""
-
-    ledger_seq: int
-    epochs: dict[str, int]
-    time: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ledger_seq": self.ledger_seq, "epochs": dict(self.epochs), "time": self.time}
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> "DdsCut":
-        return DdsCut(int(d["ledger_seq"]), {k: int(v) for k, v in d["epochs"].items()}, float(d["time"]))
 
 
 @dataclass
@@ -269,14 +113,6 @@ class _Shard:
 
 def shard_key(dataset: str, epoch: int, file: int, start: int, stop: int) -> bytes:
     return f"{dataset}\x00{epoch:08d}\x00{file:08d}\x00{start:012d}\x00{stop:012d}".encode()
-
-
-def parse_shard_id(shard_id: str) -> tuple[str, int, int, int, int]:
-    """``"train:0:3:16-24"`` -> ``("train", 0, 3, 16, 24)``; DdsError if malformed."""
-    m = _ID_RE.match(shard_id or "")
-    if not m:
-        raise DdsError(f"malformed shard id {shard_id!r}: expected '<dataset>:<epoch>:<file>:<start>-<stop>'")
-    return m["ds"], int(m["epoch"]), int(m["file"]), int(m["start"]), int(m["stop"])
 
 
 @dataclass

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import lmdb
 
 from controller.state import StateStore, dumps, key_seq, loads, seq_key
-
-if TYPE_CHECKING:
-    from controller.dds import DatasetSpec
+from controller.types import DatasetSpec
 
 
 class EntryKind(str, enum.Enum):
@@ -166,7 +164,7 @@ class Ledger:
                     txn.put(bytes(k), dumps({**_to_json(e), "replayed": True}), db=self._db)
         return marked
 
-    def coverage(self, specs: Mapping[str, "DatasetSpec"], epochs: Mapping[str, int] | None = None) -> Coverage:
+    def coverage(self, specs: Mapping[str, DatasetSpec], epochs: Mapping[str, int] | None = None) -> Coverage:
         """Check that live ``done`` entries tile every batch exactly once.
 
         Args:

@@ -30,36 +30,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from controller.state import StateStore
-from metaps.core.errors import MetapsError
+from controller.types import ROLES, SOURCES, BadNode, Command, UnknownNode, check_node
 
-ROLES = ("worker", "ps")
-SOURCES = ("process", "agent")
 AGENT_COMMANDS = ("restart", "drain", "stop")
 PROCESS_COMMANDS = ("set_batch_size", "checkpoint", "stop")
-
-
-class UnknownNode(MetapsError):
-    code = "not_found"
-
-
-class BadNode(MetapsError):
-    code = "invalid_argument"
 
 
 class NodeState(str, enum.Enum):
     ALIVE = "alive"
     DEAD = "dead"
     DRAINING = "draining"
-
-
-@dataclass(frozen=True)
-class Command:
-    id: int
-    kind: str
-    target: str = "process"
-    batch_size: int = 0
-    cut_id: int = 0
-    reason: str = ""
 
 
 @dataclass
@@ -92,15 +72,6 @@ class NodeInfo:
         for k in ("last_heartbeat", "last_process_heartbeat", "metrics", "rss_bytes", "cpu_percent", "step"):
             d.pop(k)
         return d
-
-
-def check_node(role: str, index: int, source: str = "process") -> None:
-    if role not in ROLES:
-        raise BadNode(f"unknown role {role!r}; expected one of {list(ROLES)}")
-    if index < 0:
-        raise BadNode(f"{role} index must be >= 0, got {index}")
-    if source not in SOURCES:
-        raise BadNode(f"unknown source {source!r}; expected one of {list(SOURCES)}")
 
 
 class NodeRegistry:

@@ -49,9 +49,15 @@ other error -- fails the run: events ``ps_recovery_failed`` (``fatal``) and
 state; ``metaps launch`` reads ``run_failed`` from the controller's status, stops
 the fleet and exits nonzero with the reason (``metaps.run_report.run_failure``).
 
+The PS side of the recovery (pause, heal maps, restore, fall back, resume) is the
+``restore`` operation of the :class:`~controller.ports.PsFleet` port
+(``ps.fleet_admin.GrpcPsFleet``, wired in by the app floor); this module decides
+when and to which cut, and records the outcome. A controller with no fleet wired in
+fails the recovery (and the run) with a reason saying so.
+
 Example::
 
-    rec = PsRecovery(server)          # ControllerServer
+    rec = PsRecovery(server, GrpcPsFleet(rpc_cfg))   # server: the ControllerServer
     rec.request("ps:1", incarnation=2)
 """
 
@@ -60,14 +66,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Protocol
 
-import grpc
-
+from controller.checkpoint import CheckpointCoordinator
+from controller.ports import PsFleet, RestoreReport
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig, make_channel
-from protos import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -84,92 +88,17 @@ class NoCommittedCut(RecoveryError):
     """A PS restarted before any checkpoint cut was committed: nothing consistent to restore; the run fails."""
 
 
-class CheckpointRefused(RecoveryError):
-    """A shard refused the checkpoint as corrupt or incomplete (DATA_LOSS); it is unchanged."""
+class RecoveryHost(Protocol):
+    """What a recovery needs of the controller (``controller.server.ControllerServer`` has it)."""
 
+    @property
+    def checkpoints(self) -> CheckpointCoordinator: ...
+    @property
+    def fleet_lock(self) -> threading.Lock: ...
 
-def restore_fleet(addresses: list[str], rpc_cfg: RpcConfig, ckpt_dirs: str | list[str], *,
-                  pause_lease_s: float = 120.0,
-                  while_paused: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Restore every shard from the first of ``ckpt_dirs`` that every shard accepts, under one pause.
+    def ps_addresses(self) -> list[str]: ...
 
-    A shard refuses a corrupt or incomplete checkpoint with DATA_LOSS and is left
-    unchanged (the PS restore is all or nothing); the next directory is then tried
-    on *every* shard, so the fleet always ends at one cut. ``while_paused(dir)``
-    runs once, for the directory restored, before the shards resume.
-
-    Returns:
-        ``{"dir", "rows", "map_version", "healed", "rejected", "result"}``: the directory
-        restored, rows loaded, the map every shard has, shards whose map was behind,
-        ``[{"dir", "error"}]`` refused before it, and ``while_paused``'s result.
-
-    Raises:
-        CheckpointRefused: every directory was refused (the message names each and why).
-        RecoveryError: a shard unreachable or failing otherwise.
-    """
-    from ps.partition_map import PartitionMap
-
-    dirs = [ckpt_dirs] if isinstance(ckpt_dirs, str) else list(ckpt_dirs)
-    if not dirs:
-        raise CheckpointRefused("no checkpoint directory to restore from")
-    channels = [make_channel(a, rpc_cfg) for a in addresses]
-    stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in channels]
-    timeout = rpc_cfg.timeout_s
-    paused: list[int] = []
-    rejected: list[dict[str, str]] = []
-    try:
-        try:
-            for k, s in enumerate(stubs):
-                s.PauseWrites(ps_pb2.PauseRequest(paused=True, lease_s=pause_lease_s), timeout=timeout)
-                paused.append(k)
-            maps = [PartitionMap.from_proto(s.GetPartitionMap(ps_pb2.GetPartitionMapRequest(), timeout=timeout))
-                    for s in stubs]
-            newest = max(maps, key=lambda m: m.version)
-            healed = [k for k, m in enumerate(maps) if m.version < newest.version]
-            for k in healed:
-                stubs[k].UpdatePartitionMap(newest.to_proto(), timeout=timeout)
-            for ckpt_dir in dirs:
-                rows = 0
-                try:
-                    for k, s in enumerate(stubs):
-                        rows += int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
-                except grpc.RpcError as exc:
-                    if exc.code() not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
-                        raise  # corrupt or vanished cuts fall back to the previous one; anything else fails
-                    log.error("a shard refused the checkpoint; trying the previous one",
-                              extra=kv(shard=k, dir=ckpt_dir, error=(exc.details() or "")[:300]))
-                    rejected.append({"dir": ckpt_dir, "shard": str(k), "error": exc.details() or ""})
-                    continue
-                result = while_paused(ckpt_dir) if while_paused is not None else None
-                return {"dir": ckpt_dir, "rows": rows, "map_version": newest.version, "healed": healed,
-                        "rejected": rejected, "result": result}
-        except grpc.RpcError as exc:
-            raise RecoveryError(f"restoring the PS fleet {addresses} failed: "
-                                f"{exc.code().name}: {exc.details()}") from None
-        why = "; ".join(f"{r['dir']}: {r['error']}" for r in rejected)
-        raise CheckpointRefused(f"no committed checkpoint could be restored ({len(rejected)} refused): {why}")
-    finally:
-        for k in paused:
-            try:
-                stubs[k].PauseWrites(ps_pb2.PauseRequest(paused=False), timeout=timeout)
-            except grpc.RpcError as exc:  # the pause lease ends it anyway
-                log.warning("could not resume a shard after recovery", extra=kv(shard=k, error=exc.details()))
-        for c in channels:
-            c.close()
-
-
-def _reachable(addresses: list[str], rpc_cfg: RpcConfig) -> str:
-    """'' when every shard answers GetPartitionMap, else the first failure."""
-    for a in addresses:
-        ch = make_channel(a, rpc_cfg)
-        try:
-            ps_pb2_grpc.ParameterServerStub(ch).GetPartitionMap(ps_pb2.GetPartitionMapRequest(),
-                                                                timeout=min(2.0, rpc_cfg.timeout_s))
-        except grpc.RpcError as exc:
-            return f"{a}: {exc.code().name}"
-        finally:
-            ch.close()
-    return ""
+    def record_event(self, node: str, kind: str, evidence: dict[str, Any], action: str = "") -> None: ...
 
 
 class PsRecovery:
@@ -179,13 +108,17 @@ class PsRecovery:
     coalesced into one more run. See the module docstring.
 
     Args:
-        server: the controller (registry, checkpoints, events, rpc_cfg, fleet lock).
+        server: the controller (PS addresses, checkpoints, events, fleet lock).
+        fleet: the PS fleet operations (``ps.fleet_admin.GrpcPsFleet``); None: a PS restart
+            fails the run (nothing can restore the fleet).
         settle_s: wait this long after a request before starting (lets restarts bunch up).
         reach_timeout_s: give up (event ``ps_recovery_failed``) if a shard stays unreachable.
     """
 
-    def __init__(self, server: Any, settle_s: float = 0.3, reach_timeout_s: float = 60.0) -> None:
+    def __init__(self, server: RecoveryHost, fleet: PsFleet | None = None, settle_s: float = 0.3,
+                 reach_timeout_s: float = 60.0) -> None:
         self.s = server
+        self.fleet = fleet
         self.settle_s = settle_s
         self.reach_timeout_s = reach_timeout_s
         self._lock = threading.Lock()
@@ -235,13 +168,22 @@ class PsRecovery:
                             "fail the run")
         self.s.record_event("controller", RUN_FAILED, {"reason": self.failed, "source": "ps_recovery"}, "stop")
 
-    def recover(self, nodes: dict[str, int]) -> dict[str, Any]:
-        """One recovery for the restarted ``nodes`` (``role:index`` -> incarnation)."""
+    def recover(self, nodes: dict[str, int]) -> RestoreReport:
+        """One recovery for the restarted ``nodes`` (``role:index`` -> incarnation).
+
+        Raises:
+            RecoveryError: no fleet wired in, a shard unreachable, or no committed cut.
+            MetapsError: the fleet's restore failed (every cut refused, a shard failing).
+        """
+        fleet = self.fleet
+        if fleet is None:
+            raise RecoveryError("no PS fleet is wired into the controller (ControllerServer(ps_fleet=...)): "
+                                "the restarted shard cannot be restored")
         t0 = time.monotonic()
         deadline = t0 + self.reach_timeout_s
         while True:
             addresses = self.s.ps_addresses()
-            why = _reachable(addresses, self.s.rpc_cfg)
+            why = fleet.unreachable(addresses)
             if not why:
                 break
             if time.monotonic() > deadline:
@@ -260,30 +202,31 @@ class PsRecovery:
                     f"(set [controller] checkpoint_interval_s to make PS restarts recoverable)")
             by_dir = {str(c["dir"]): c for c in reversed(committed)}  # a dir committed twice: its newest cut
 
-            def rollback(ckpt_dir: str) -> list[str]:
-                return self.s.checkpoints.rollback_to(int(by_dir[ckpt_dir]["cut_id"]))
+            requeued: list[str] = []
 
-            out = restore_fleet(addresses, self.s.rpc_cfg, [str(c["dir"]) for c in committed],
+            def rollback(ckpt_dir: str) -> None:
+                requeued.extend(self.s.checkpoints.rollback_to(int(by_dir[ckpt_dir]["cut_id"])))
+
+            out = fleet.restore(addresses, [str(c["dir"]) for c in committed], pause_lease_s=120.0,
                                 while_paused=rollback)
-        cut = by_dir[out["dir"]]
+        cut = by_dir[out.dir]
         cut_id = int(cut["cut_id"])
-        requeued = out["result"] or []
         seconds = round(time.monotonic() - t0, 3)
         self.runs += 1
-        if out["rejected"]:
+        if out.rejected:
             self.s.record_event(node, "ps_recovery_fallback",
                                 {"newest_dir": str(committed[0]["dir"]), "newest_cut_id": int(committed[0]["cut_id"]),
-                                 "dir": cut["dir"], "cut_id": cut_id, "rejected": out["rejected"]},
+                                 "dir": cut["dir"], "cut_id": cut_id, "rejected": [dict(r) for r in out.rejected]},
                                 "restored an older committed cut: the newer one(s) were refused as corrupt")
             log.error("newest checkpoint refused; the fleet was restored from an older one",
-                      extra=kv(newest=str(committed[0]["dir"]), dir=cut["dir"], rejected=len(out["rejected"])))
+                      extra=kv(newest=str(committed[0]["dir"]), dir=cut["dir"], rejected=len(out.rejected)))
         self.s.record_event(node, "ps_recovery",
                             {"incarnations": nodes, "cut_id": cut_id, "dir": cut["dir"], "step": cut.get("step"),
-                             "rows": out["rows"], "map_version": out["map_version"], "healed": out["healed"],
+                             "rows": out.rows, "map_version": out.map_version, "healed": list(out.healed),
                              "requeued": len(requeued), "aborted_cuts": aborted, "seconds": seconds,
-                             "fallback": bool(out["rejected"])},
+                             "fallback": bool(out.rejected)},
                             "restore_fleet+rollback")
         log.info("ps fleet restored to a committed cut",
-                 extra=kv(nodes=node, cut_id=cut_id, dir=cut["dir"], rows=out["rows"], requeued=len(requeued),
+                 extra=kv(nodes=node, cut_id=cut_id, dir=cut["dir"], rows=out.rows, requeued=len(requeued),
                           seconds=seconds))
         return out

@@ -27,11 +27,11 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from controller.checkpoint import CheckpointCoordinator
 from controller.config import ControllerConfig
-from controller.dds import DatasetSpec, DynamicDataSharding
+from controller.dds import DynamicDataSharding
 from controller.liveness import WorkerLiveness
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
@@ -48,23 +48,18 @@ from controller.policy import (
     SlowDetected,
     make_policy,
 )
+from controller.ports import PsFleet, PsMover
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
+from controller.servicer import ControllerServicer
 from controller.state import Event, EventLog, StateStore
+from controller.types import DatasetSpec
 from metaps.core.atomic_write import write_text_atomic
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
+from protos import controller_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-class PsMover(Protocol):
-    """Moves vshards (rows + optimizer state) between PS processes; blocks until done.
-
-    Implemented on top of ``ps.migration``; the ND policy's MoveVshards actions call it.
-    """
-
-    def move_vshards(self, src_ps: int, dst_ps: int, n_vshards: int) -> None: ...
 
 
 class ControllerServer:
@@ -77,6 +72,8 @@ class ControllerServer:
         rpc_cfg: token / TLS / message limits shared by the job.
         policy: a custom :class:`~controller.policy.Policy` (default: ``cfg.policy``).
         ps_mover: executes MoveVshards; None records the decision as skipped.
+        ps_fleet: the PS fleet operations a PS restart's recovery runs (``controller/ports.py``;
+            ``ps.fleet_admin.GrpcPsFleet``, wired by the app floor); None: a PS restart fails the run.
         clock: ``time.time``-like.
     """
 
@@ -85,7 +82,7 @@ class ControllerServer:
 
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, ps_fleet: PsFleet | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.rpc_cfg = rpc_cfg or RpcConfig()
@@ -99,7 +96,7 @@ class ControllerServer:
         self.worker_claims = WorkerClaims(self.store, self.registry, clock)  # pods of a work-queue Job
         self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
         self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
-        self.policy = policy or make_policy(cfg.policy, cfg)
+        self.policy = policy or make_policy(cfg)
         self.ps_mover = ps_mover
         self._server: Any = None
         self._stop = threading.Event()
@@ -108,16 +105,13 @@ class ControllerServer:
         self._last_ckpt = clock()
         self._movers: list[threading.Thread] = []
         self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
-        self.recovery = PsRecovery(self)
+        self.recovery = PsRecovery(self, ps_fleet)
         self.address = ""
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, address: str | None = None) -> int:
         """Serve on ``address`` (default ``cfg.address``); return the bound port."""
-        from controller.servicer import ControllerServicer
-        from protos import controller_pb2_grpc
-
         address = address or self.cfg.address
         self._server = make_server(self.rpc_cfg, max_workers=self.cfg.max_workers)
         controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self), self._server)

@@ -1,6 +1,8 @@
 """gRPC servicer for ``protos/controller.proto``: translation only.
 
-Requests become calls on :class:`controller.server.ControllerServer`'s parts;
+Requests become calls on the parts of a :class:`ServedController` (the structural type of
+:class:`controller.server.ControllerServer`, so this module does not import the server and the
+server imports it: no import circle);
 errors that name bad input (unknown worker, dataset or shard; malformed shard
 id; wrong role) become clear gRPC statuses:
 
@@ -14,19 +16,23 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+import threading
+from typing import Any, Callable, Protocol
 
 import grpc
 from prometheus_client import Counter
 
-from controller.dds import GetStatus
-from controller.node_registry import UnknownNode, check_node
+from controller.checkpoint import CheckpointCoordinator
+from controller.config import ControllerConfig
+from controller.dds import DynamicDataSharding
+from controller.liveness import WorkerLiveness
+from controller.monitor import Monitor
+from controller.node_registry import NodeInfo, NodeRegistry
+from controller.types import GetStatus, UnknownNode, check_node
+from controller.worker_claims import WorkerClaims
 from metaps.core.errors import MetapsError
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
-
-if TYPE_CHECKING:
-    from controller.server import ControllerServer
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,36 @@ _CODES = {
 }
 _GET = {GetStatus.SHARD: pb.GetShardResponse.SHARD, GetStatus.WAIT: pb.GetShardResponse.WAIT,
         GetStatus.DONE: pb.GetShardResponse.DONE}
+
+
+class ServedController(Protocol):
+    """What the servicer calls: the parts and entry points of ``controller.server.ControllerServer``."""
+
+    @property
+    def cfg(self) -> ControllerConfig: ...
+    @property
+    def checkpoint_root(self) -> str | None: ...
+    @property
+    def checkpoints(self) -> CheckpointCoordinator: ...
+    @property
+    def dds(self) -> DynamicDataSharding: ...
+    @property
+    def liveness(self) -> WorkerLiveness | None: ...
+    @property
+    def monitor(self) -> Monitor: ...
+    @property
+    def registry(self) -> NodeRegistry: ...
+    @property
+    def worker_claims(self) -> WorkerClaims: ...
+    @property
+    def shutdown_requested(self) -> threading.Event: ...
+
+    def register_node(self, role: str, index: int, address: str = "", metrics_port: int = 0, pid: int = 0,
+                      source: str = "process") -> NodeInfo: ...
+
+    def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]: ...
+
+    def status(self, events_since: int = 0) -> dict[str, Any]: ...
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,7 +116,7 @@ def _node(ref: pb.NodeRef) -> tuple[str, int, str]:
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     """One instance per server; thread-safe because every part it calls is."""
 
-    def __init__(self, server: "ControllerServer") -> None:
+    def __init__(self, server: ServedController) -> None:
         self.s = server
 
     def _require_worker(self, worker: int) -> None:

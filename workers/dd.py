@@ -58,7 +58,7 @@ class DdInvariantError(MetapsError):
 
 def equal_split(world: int, global_batch: int) -> dict[int, int]:
     """Plan 0: ``global_batch`` split as evenly as integers allow (lower ranks get the remainder)."""
-    from controller.policy_dd import proportional_batch_sizes
+    from controller.policy.dd import proportional_batch_sizes
 
     return proportional_batch_sizes({i: 1.0 for i in range(world)}, global_batch)
 
@@ -138,7 +138,7 @@ class DdLoop:
         self._idle = False
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
-        from controller.dds import GetStatus
+        from controller.types import GetStatus
 
         if self._leases_done:
             raise StopIteration

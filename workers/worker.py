@@ -149,7 +149,7 @@ class Worker:
                     yield r, None
             self.rows.leave_clock()  # no more data: stop holding the others back (sync barriers too)
             return
-        from controller.dds import GetStatus
+        from controller.types import GetStatus
 
         waiting = False
         while True:

@@ -9,9 +9,10 @@ import pytest
 
 from controller.client import ControllerClient
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
-from controller.dds import DatasetKind, DatasetSpec
+from controller.types import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
 from metaps.core.rpc import RpcConfig
+from ps.fleet_admin import GrpcPsFleet
 
 TOKEN = "test-token"
 RPC = RpcConfig(token=TOKEN, timeout_s=5.0)
@@ -29,11 +30,13 @@ EVAL = DatasetSpec("eval", (6,), DatasetKind.EVAL, epochs=1)
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[Callable[..., ControllerServer]]:
-    """Factory: start a ControllerServer (stopped at teardown)."""
+    """Factory: start a ControllerServer (stopped at teardown), with the gRPC PS fleet wired in as
+    ``metaps controller`` does (pass ``ps_fleet=None`` for a controller without one)."""
     started: list[ControllerServer] = []
 
     def make(cfg: ControllerConfig | None = None, datasets: Sequence[DatasetSpec] = (TRAIN, EVAL),
              state_dir: Path | None = None, **kw: Any) -> ControllerServer:
+        kw.setdefault("ps_fleet", GrpcPsFleet(RPC))
         srv = ControllerServer(cfg or small_cfg(), state_dir or tmp_path / "state", datasets, RPC, **kw)
         srv.start("127.0.0.1:0")
         started.append(srv)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from controller.config import DdsConfig
-from controller.dds import (DatasetKind, DatasetSpec, DdsError, DynamicDataSharding, GetStatus, StateMismatch,
-                            UnknownDataset, UnknownShard)
+from controller.dds import DynamicDataSharding
 from controller.state import EventLog, StateStore
+from controller.types import (DatasetKind, DatasetSpec, DdsError, GetStatus, StateMismatch, UnknownDataset,
+                              UnknownShard)
 
 TRAIN = DatasetSpec("train", (10, 7, 8), DatasetKind.TRAIN, epochs=2)
 EVAL = DatasetSpec("eval", (6,), DatasetKind.EVAL, epochs=1)

@@ -18,7 +18,7 @@ import pytest
 
 from controller.agent import Agent
 from controller.config import AgentConfig, ControllerConfig, DdsConfig, MonitorConfig
-from controller.dds import DatasetKind, DatasetSpec
+from controller.types import DatasetKind, DatasetSpec
 from controller.liveness import WorkerLiveness
 from tests.controller.conftest import RPC, TOKEN, client
 

@@ -9,10 +9,11 @@ import pytest
 
 from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.monitor import MonitorSnapshot, WindowStats
-from controller.policy import (ActionKind, MoveVshards, RestartNode, SetBatchSizes, ShrinkShards, SlowDetected,
-                               StragglerDetector)
-from controller.policy_dd import DdPolicy, proportional_batch_sizes
-from controller.policy_nd import NdPolicy
+from controller.policy import make_policy
+from controller.policy.base import (ActionKind, DetectOnlyPolicy, MoveVshards, RestartNode, SetBatchSizes,
+                                    ShrinkShards, SlowDetected, StragglerDetector)
+from controller.policy.dd import DdPolicy, proportional_batch_sizes
+from controller.policy.nd import NdPolicy
 from tests.controller.conftest import client
 
 SIX = {0: 5.0, 1: 5.0, 2: 5.0, 3: 5.0, 4: 15.0, 5: 15.0}
@@ -194,3 +195,13 @@ def test_controller_dd_batch_sizes_reach_the_worker(controller) -> None:
     assert workers[0].heartbeat().batch_size == 120
     ev = [e for e in srv.events.list() if e.kind == "set_batch_sizes"][-1]
     assert ev.evidence["sizes"] == {"0": 120, "1": 120, "2": 60}
+
+
+def test_make_policy_builds_the_policy_the_config_names() -> None:
+    nd = make_policy(ControllerConfig(policy=PolicyKind.ND, nd=NdConfig(move_vshards=3)))
+    assert isinstance(nd, NdPolicy) and nd.cfg.move_vshards == 3
+    assert isinstance(make_policy(ControllerConfig(policy=PolicyKind.DD)), DdPolicy)
+    assert isinstance(make_policy(ControllerConfig(policy=PolicyKind.NONE)), DetectOnlyPolicy)
+    assert isinstance(make_policy(ControllerConfig(policy="dd")), DdPolicy)  # a string from TOML still works
+    with pytest.raises(ValueError, match=r"\[controller\] policy: unknown policy 'bogus'"):
+        make_policy(ControllerConfig(policy="bogus"))  # type: ignore[arg-type]

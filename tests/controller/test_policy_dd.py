@@ -13,8 +13,8 @@ import pytest
 
 from controller.config import DdConfig, MonitorConfig
 from controller.monitor import MonitorSnapshot, WindowStats
-from controller.policy import SetBatchSizes
-from controller.policy_dd import DdPolicy, balanced_batch_sizes, fit_step_cost, round_to_total
+from controller.policy.base import SetBatchSizes
+from controller.policy.dd import DdPolicy, balanced_batch_sizes, fit_step_cost, round_to_total
 
 
 def closed_loop(pol: DdPolicy, costs: dict[int, tuple[float, float]], n_global: int, windows: int,

@@ -18,6 +18,7 @@ import pytest
 from controller.config import ControllerConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.ps_mover import MigrationPsMover
 from ps.client import PsClient
+from ps.fleet_admin import GrpcPsFleet
 from tests.controller.conftest import RPC
 from tests.ps.conftest import start_ps_processes, write_job
 
@@ -44,7 +45,7 @@ def test_slow_ps_process_gets_vshards_moved_with_no_update_lost(controller, tmp_
     cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.ND, monitor=MonitorConfig(window_s=0.3, consecutive=2),
                            nd=NdConfig(move_vshards=6, cooldown_windows=1000))
     srv = controller(cfg)
-    srv.ps_mover = MigrationPsMover(srv.ps_addresses, RPC)  # what `metaps controller` does
+    srv.ps_mover = MigrationPsMover(srv.ps_addresses, GrpcPsFleet(RPC))  # what `metaps controller` does
     monkeypatch.setenv("METAPS_CONTROLLER", srv.address)   # what `metaps agent` gives its child
     procs = start_ps_processes(slow_ps_job(tmp_path, latency_s=0.03), 2, tmp_path)
     try:

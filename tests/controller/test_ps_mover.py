@@ -9,6 +9,7 @@ import numpy as np
 
 from controller.config import ControllerConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.ps_mover import MigrationPsMover
+from ps.fleet_admin import GrpcPsFleet
 from tests.controller.conftest import client
 from tests.ps.conftest import start_fleet
 
@@ -16,7 +17,7 @@ from tests.ps.conftest import start_fleet
 def test_slow_ps_gets_vshards_moved_with_no_update_lost(controller) -> None:
     fleet = start_fleet(2, num_vshards=16)
     try:
-        mover = MigrationPsMover(fleet.addresses, fleet.rpc)
+        mover = MigrationPsMover(fleet.addresses, GrpcPsFleet(fleet.rpc))
         cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.ND, monitor=MonitorConfig(window_s=0.15, consecutive=2),
                                nd=NdConfig(move_vshards=4, cooldown_windows=1000))
         srv = controller(cfg, ps_mover=mover)

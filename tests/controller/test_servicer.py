@@ -13,7 +13,7 @@ import pytest
 
 from controller.client import ControllerClient, ControllerError
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
-from controller.dds import GetStatus
+from controller.types import GetStatus
 from metaps.core.rpc import RpcConfig
 from tests.controller.conftest import RPC, TOKEN, client, drain, small_cfg
 

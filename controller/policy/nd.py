@@ -1,7 +1,7 @@
 """AntDT-ND: the straggler policy for PS mode on shared clusters.
 
 Fast workers already pull more shards from the DDS (no action needed for
-that). On top of detection (:mod:`controller.policy`):
+that). On top of detection (:mod:`controller.policy.base`):
 
     worker flagged slow        -> SlowDetected + ShrinkShards (smaller shards)
     ... still slow for `restart_after` more windows -> RestartNode (its agent restarts it)
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from controller.config import MonitorConfig, NdConfig
 from controller.monitor import MonitorSnapshot
-from controller.policy import (Action, MoveVshards, Policy, RestartNode, RestoreShards, ShrinkShards,
-                               SlowDetected, StragglerDetector, WindowCursor, detection_actions, Recovered)
+from controller.policy.base import (Action, MoveVshards, Policy, Recovered, RestartNode, RestoreShards,
+                                    ShrinkShards, SlowDetected, StragglerDetector, WindowCursor, detection_actions)
 
 
 class NdPolicy(Policy):

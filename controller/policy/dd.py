@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from controller.config import DdConfig, MonitorConfig
 from controller.monitor import MonitorSnapshot
-from controller.policy import Action, Policy, SetBatchSizes, StragglerDetector, WindowCursor, detection_actions
+from controller.policy.base import Action, Policy, SetBatchSizes, StragglerDetector, WindowCursor, detection_actions
 
 
 def round_to_total(quotas: Mapping[int, float], total: int, minimum: int = 1) -> dict[int, int]:
@@ -222,7 +222,7 @@ class DdPolicy(Policy):
         if not self._changed(sizes):
             return out
         self.sizes = sizes
-        reason: dict = {"window": fresh[-1].index, "mode": mode, "target": target,
+        reason: dict[str, Any] = {"window": fresh[-1].index, "mode": mode, "target": target,
                         "samples_per_s": {k: round(v, 3) for k, v in self.speeds.items()},
                         "global_batch": self.cfg.global_batch}
         if mode == "fit":

@@ -1,4 +1,7 @@
-"""Straggler policies: the interface, the actions, and slow-node detection.
+"""Straggler policies, the base: the interface, the actions, and slow-node detection.
+
+The built-in policies live beside it (:mod:`controller.policy.nd`,
+:mod:`controller.policy.dd`); :func:`controller.policy.make_policy` picks one.
 
 A policy looks at the Monitor's closed windows and returns actions; the
 controller carries them out and records every one as an event (time, node,
@@ -235,8 +238,8 @@ def detection_actions(role: str, det: StragglerDetector, values: Mapping[int, fl
         v = verdicts[node]
         out.append(SlowDetected(f"{role}:{node}", _evidence(v, det, window)))
     for node in sorted(before - det.flagged):
-        v = verdicts.get(node)
-        out.append(Recovered(f"{role}:{node}", _evidence(v, det, window) if v else {"window": window}))
+        seen = verdicts.get(node)
+        out.append(Recovered(f"{role}:{node}", _evidence(seen, det, window) if seen else {"window": window}))
     return out
 
 
@@ -244,23 +247,3 @@ def _evidence(v: Verdict, det: StragglerDetector, window: int) -> dict[str, Any]
     return {"window": window, "value": round(v.value, 6), "peer_median": round(v.peer_median, 6),
             "ratio": round(v.value / v.peer_median, 3) if v.peer_median else None,
             "threshold_ratio": det.ratio, "streak": v.streak}
-
-
-def make_policy(kind: str, cfg: Any) -> Policy:
-    """The built-in policy named by ``ControllerConfig.policy``.
-
-    Args:
-        kind: ``nd`` | ``dd`` | ``none``.
-        cfg: the ControllerConfig.
-    """
-    from controller.policy_dd import DdPolicy
-    from controller.policy_nd import NdPolicy
-
-    kind = getattr(kind, "value", kind)
-    if kind == "nd":
-        return NdPolicy(cfg.monitor, cfg.nd)
-    if kind == "dd":
-        return DdPolicy(cfg.monitor, cfg.dd)
-    if kind == "none":
-        return DetectOnlyPolicy(cfg.monitor)
-    raise ValueError(f"unknown policy {kind!r}; expected one of nd, dd, none")
