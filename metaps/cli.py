@@ -1,7 +1,8 @@
 """The ``metaps`` command line: one entry point, one subcommand per role or tool.
 
-Each subsystem registers its own subcommands from its ``cli`` module (a
-``register(subparsers)`` function), so a new command lives next to its code.
+Each role entry point in :mod:`metaps.roles` (and the launcher, the deploy tools)
+registers its subcommands with a ``register(subparsers)`` function. The entry points
+live on the app floor: subsystems never import the job composition.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from metaps.core.errors import MetapsError
 
 # Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (
-    "meta_io.cli",      # gen-data, meta-io build|inspect
-    "ps.cli",           # ps
-    "workers.cli",      # worker, train-local
-    "controller.cli",   # controller, agent
-    "metaps.launch",    # launch
-    "delivery.cli",     # deliver, predict
+    "metaps.roles.data",        # gen-data, meta-io build|inspect
+    "metaps.roles.ps",          # ps
+    "metaps.roles.worker",      # worker, train-local
+    "metaps.roles.controller",  # controller, agent
+    "metaps.launch",            # launch
+    "metaps.roles.deliver",     # deliver, predict
     "metaps.deploy.cli",  # deploy k8s|wait
 )
 

@@ -32,18 +32,9 @@ def _is_ground(module: str) -> bool:
 # (importing module, imported package or module) -> the issue-12 point that removes it.
 KNOWN: dict[tuple[str, str], str] = {
     # ps <-> controller (point 2: PS fleet operations move next to ps admin code, the
-    # controller takes them as Protocols; the role entry points move to the app floor).
-    ("ps.controller_link", "controller"): "2: app floor wires ps to the controller",
+    # controller takes them as Protocols).
     ("controller.ps_mover", "ps"): "2: mover moves next to ps admin code",
     ("controller.ps_recovery", "ps"): "2: recovery moves next to ps admin code",
-    # subsystem CLIs import the job composition (point 1: the role entry points, gathered
-    # from the */cli.py files, move to the app floor).
-    ("ps.cli", "metaps.job"): "1: role entry points move to the app floor",
-    ("controller.cli", "metaps.job"): "1: role entry points move to the app floor",
-    ("workers.cli", "metaps.job"): "1: role entry points move to the app floor",
-    ("workers.cli", "metaps.preflight"): "1: role entry points move to the app floor",
-    ("ps.cli", "metaps.deploy.identity"): "1: role entry points move to the app floor",
-    ("workers.cli", "metaps.deploy.pod"): "1: role entry points move to the app floor",
 }
 
 
