@@ -34,7 +34,7 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if (not action.option_strings or action.nargs == 0 or action.default is argparse.SUPPRESS
+        if (not action.option_strings or action.nargs == 0 or action.default is argparse.SUPPRESS or action.required
                 or "default" in text.lower() or "%(default)" in text):
             return text
         shown = "none" if action.default in (None, "") else "%(default)s"
@@ -110,7 +110,7 @@ def error_line(command: str, exc: BaseException) -> str:
     """
     msg = str(exc).replace("\r", " ").replace("\n", " ").strip()
     # a message that already names the command ("metaps worker: ...") is not prefixed twice
-    msg = re.sub(rf"^(metaps {re.escape(command)}(:| error:)\s*)+", "", msg).strip() or type(exc).__name__
+    msg = re.sub(rf"^(metaps {re.escape(command)}(:\s*error:|:)\s*)+", "", msg).strip() or type(exc).__name__
     return f"metaps {command}: error: {msg}"
 
 
