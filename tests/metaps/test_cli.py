@@ -176,9 +176,10 @@ def test_bad_set_key_says_did_you_mean_and_writes_nothing(tmp_path: Path,
     assert not out.exists()
 
 
-def test_launch_set_key_checked_before_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["launch", "train-local"])
+def test_bad_set_key_checked_before_anything(command: str, tmp_path: Path) -> None:
     job = _job(tmp_path, tmp_path / "no-data")
-    res = _metaps("launch", "--config", str(job), "--set", "trian.workers=2", "--no-progress")
+    res = _metaps(command, "--config", str(job), "--set", "trian.workers=2")
     assert res.returncode == 1
     assert "did you mean 'train.workers'" in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
     assert not (tmp_path / "runs").exists()
@@ -208,3 +209,23 @@ def test_launch_refuses_an_unwritable_run_root(tmp_path: Path) -> None:
     res = _metaps("launch", "--config", str(job), "--no-progress")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "is not a directory" in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+# ------------------------------------------------------------------ train-local's run directory
+def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
+    from tests.metaps.fleet_data import job_mapping, make_data
+
+    data = make_data(tmp_path / "data")
+    job = write(tmp_path / "job.toml", job_mapping(data, tmp_path, workers=1, ps=1))
+    res = _metaps("train-local", "--config", str(job), "--set", "train.max_steps=3", "--json",
+                  "--log-level", "WARNING")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout)  # one object, nothing else on stdout
+    run = Path(out["run_dir"])
+    assert run.parent == tmp_path / "runs" and run.name.startswith("test-")  # [run] dir/<name>-<time>
+    assert (tmp_path / "runs" / "latest").resolve() == run.resolve()
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "succeeded" and rep["totals"]["steps"] == out["steps"] == 3
+    assert load_job(run / "job.toml").train.max_steps == 3  # the effective job, overrides applied
+    assert Path(out["checkpoint"]).parent == run / "checkpoints"
+    assert list((run / "plots").glob("*.png")) and (run / "tb").is_dir()
