@@ -106,7 +106,7 @@ def set_keys(text: str, overrides: Sequence[tuple[Sequence[str], Any]], where: s
 def _put(node: Any, key: str, value: Any) -> None:
     """Set ``key``; a new plain key goes right after the table's last plain key, not after
     the comments that introduce the next section."""
-    container = getattr(node, "value", None)  # a Table's Container
+    container: Any = getattr(node, "value", None)  # a Table's Container
     body = getattr(container, "body", None)
     if key in node or body is None or isinstance(value, dict):
         node[key] = value
