@@ -37,7 +37,7 @@ class HelpFormatter(argparse.HelpFormatter):
         if (not action.option_strings or action.nargs == 0 or action.default is argparse.SUPPRESS or action.required
                 or "default" in text.lower() or "%(default)" in text):
             return text
-        shown = "none" if action.default in (None, "") else "%(default)s"
+        shown = "none" if action.default in (None, "", [], ()) else "%(default)s"
         return f"{text} (default: {shown})" if text else f"(default: {shown})"
 
 
