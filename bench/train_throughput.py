@@ -124,9 +124,11 @@ def run_local(tmp: Path, data: Path, mode: str, epochs: int) -> dict[str, Any]:
     run_dir = tmp / "local"
     config = write_job(tmp / "local.toml", data, run_dir, mode=mode, shards=1, workers=1, overlap=False,
                        epochs=epochs)
-    subprocess.run([sys.executable, "-m", "metaps", "train-local", "--config", str(config)], cwd=REPO, env=_env(),
-                   check=True, stdout=subprocess.DEVNULL, stderr=(tmp / "local.log").open("w"))
-    rep = json.loads((run_dir / "workers" / "worker-0.json").read_text())
+    done = subprocess.run([sys.executable, "-m", "metaps", "train-local", "--config", str(config), "--json"],
+                          cwd=REPO, env=_env(), check=True, stdout=subprocess.PIPE, text=True,
+                          stderr=(tmp / "local.log").open("w"))
+    run = Path(json.loads(done.stdout)["run_dir"])  # train-local makes [run] dir/<name>-<time>/
+    rep = json.loads((run / "workers" / "worker-0.json").read_text())
     return {"samples": rep["samples"], "wall_s": rep["wall_s"], "samples_per_s": steady_rate(rep),
             "step_ms": _step_ms([rep])}
 

@@ -23,7 +23,7 @@ The child gets ``METAPS_CONTROLLER`` (address), ``METAPS_NODE``
 (``role:index``) and ``METAPS_RESTARTS`` (how many times this agent restarted
 it: 0 for the first start) in its environment. A PS child started with
 ``METAPS_RESTARTS`` > 0 awaits the controller's fleet recovery before serving
-data or checkpoints (``ps/cli.py``).
+data or checkpoints (``metaps/roles/ps.py``).
 
 Example::
 

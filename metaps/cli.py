@@ -1,15 +1,17 @@
 """The ``metaps`` command line: one entry point, one subcommand per role or tool.
 
-Each subsystem registers its own subcommands from its ``cli`` module (a
-``register(subparsers)`` function), so a new command lives next to its code.
+Each role entry point in :mod:`metaps.roles` (and the launcher, the deploy tools)
+registers its subcommands with a ``register(subparsers)`` function. The entry points
+live on the app floor: subsystems never import the job composition.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from metaps import __version__
 from metaps.core import log
@@ -17,20 +19,63 @@ from metaps.core.errors import MetapsError
 
 # Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (
-    "meta_io.cli",      # gen-data, meta-io build|inspect
-    "ps.cli",           # ps
-    "workers.cli",      # worker, train-local
-    "controller.cli",   # controller, agent
-    "metaps.launch",    # launch
-    "delivery.cli",     # deliver, predict
+    "metaps.roles.data",        # gen-data, meta-io build|inspect
+    "metaps.roles.ps",          # ps
+    "metaps.roles.worker",      # worker, train-local
+    "metaps.roles.controller",  # controller, agent
+    "metaps.launch",            # launch
+    "metaps.roles.deliver",     # deliver, predict
     "metaps.deploy.cli",  # deploy k8s|wait
 )
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every valued flag's help ends with its default, unless the text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or action.default is argparse.SUPPRESS or action.required
+                or "default" in text.lower() or "%(default)" in text):
+            return text
+        shown = "none" if action.default in (None, "", [], ()) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def _add_global_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    """``--log-level`` and ``--json`` on ``parser``: before or after the subcommand alike.
+
+    Below the top they default to SUPPRESS, so a subcommand that does not repeat them
+    keeps the value given before it.
+    """
+    parser.add_argument("--log-level", default="INFO" if top else argparse.SUPPRESS, metavar="LEVEL",
+                        help="logging level on stderr: DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    parser.add_argument("--json", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="print exactly one JSON object on stdout instead of the human summary")
+
+
+def walk_parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every parser below ``parser`` (depth first) with its command path, e.g. ``meta-io build``.
+
+    Args:
+        parser: the root parser (from :func:`build_parser`).
+    """
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            seen: set[int] = set()
+            for name, sub in action.choices.items():
+                if id(sub) in seen:  # aliases
+                    continue
+                seen.add(id(sub))
+                yield name, sub
+                for deeper, p in walk_parsers(sub):
+                    yield f"{name} {deeper}", p
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="metaps", description="Parameter-server recommender training.")
+    parser = argparse.ArgumentParser(prog="metaps", description="Parameter-server recommender training.",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"metaps {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _add_global_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -40,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    for _, p in walk_parsers(parser):
+        p.formatter_class = HelpFormatter
+        _add_global_flags(p, top=False)
     return parser
 
 
@@ -60,7 +108,9 @@ def error_line(command: str, exc: BaseException) -> str:
         command: the subcommand that failed (``launch``, ``ps``, ...).
         exc: the error raised.
     """
-    msg = str(exc).replace("\r", " ").replace("\n", " ").strip() or type(exc).__name__
+    msg = str(exc).replace("\r", " ").replace("\n", " ").strip()
+    # a message that already names the command ("metaps worker: ...") is not prefixed twice
+    msg = re.sub(rf"^(metaps {re.escape(command)}(:\s*error:|:)\s*)+", "", msg).strip() or type(exc).__name__
     return f"metaps {command}: error: {msg}"
 
 

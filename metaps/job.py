@@ -118,7 +118,8 @@ class JobConfig:
         manifest = Path(self.data.train) / "manifest.json"
         if not manifest.exists():
             raise ConfigError(
-                f"{self.source or '<job>'}: data.schema is empty and {manifest} does not exist"
+                f"{self.source or '<job>'}: data.schema is empty and {manifest} does not exist: "
+                + build_hint(self.data.train, self.source)
             )
         return schema_from_dict(json.loads(manifest.read_text())["schema"], where=str(manifest))
 
@@ -143,6 +144,24 @@ class JobConfig:
         This is what reports and checkpoint manifests store: never the token itself.
         """
         return redact({name: to_dict(getattr(self, name)) for name in _section_types()})
+
+
+def build_hint(dataset: str, source: str = "") -> str:
+    """What to run first when a job's Meta-IO dataset is missing (one clause, no newline).
+
+    Args:
+        dataset: the missing dataset directory (``data.train`` or ``data.eval``).
+        source: the job file (its header comment may hold the data steps).
+    """
+    hint = (f"build it first: `metaps meta-io build --input LOGS --schema SCHEMA.json --out {dataset}` "
+            f"(logs from `metaps gen-data --out DIR` or your own Parquet/CSV)")
+    src = Path(source.split(" --set ")[0]) if source else None
+    try:
+        if src is not None and src.is_file() and "meta-io build" in src.read_text():
+            hint += f"; the data steps are in the comment at the top of {src}"
+    except OSError:
+        pass
+    return hint
 
 
 def job_from_mapping(data: dict[str, Any], where: str = "<job>") -> JobConfig:

@@ -4,6 +4,13 @@
 
     metaps launch --config configs/local.toml [--workers N] [--ps N] [--run-dir DIR]
                   [--resume-from DIR] [--timeout S] [--no-progress] [--token-file FILE]
+                  [--set SECTION.KEY=VALUE ...] [--json]
+
+Everything that can be checked is checked before a process starts or the run
+directory is made (:mod:`metaps.roles.launch_checks`, :mod:`metaps.preflight`): the
+``--set`` keys, the job file, the datasets (a missing one says which command builds
+it), the schema, tables and model, the resume checkpoint, that the run and
+checkpoint directories can be written, that the fixed ports are free, the token file.
 
 What it does::
 
@@ -47,6 +54,7 @@ Two helpers for fleets started by hand or across hosts (``scripts/``)::
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -54,7 +62,6 @@ import signal
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,7 @@ from typing import Any
 from metaps.core.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
 from metaps.core.log import kv
+from metaps.roles.overrides import apply_overrides, describe, parse_sets
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +93,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no live view; a progress log line every 10 s")
     p.add_argument("--token-file", default="",
                    help="auth token file (0600): read it, or create it with the run's token (default [rpc] token_file)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
+                   help="override a job-file key (VALUE is TOML; bare words are text); repeatable")
     p.set_defaults(func=_cmd_launch)
 
     c = subparsers.add_parser("config-write", help="write a job TOML with overrides (per-host configs)")
     c.add_argument("--config", required=True, help="job TOML to start from")
     c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override (VALUE is a TOML value; bare words are strings); repeatable")
-    c.add_argument("--out", required=True, help="file to write (validated by loading it back)")
+    c.add_argument("--out", required=True,
+                   help="file to write: the source file with the overrides, comments and layout kept")
     c.set_defaults(func=_cmd_config_write)
 
     r = subparsers.add_parser("run-report", help="assemble report.json, TensorBoard logs and plots of a run dir")
@@ -119,6 +130,7 @@ class LaunchConfig:
         stop_grace_s: SIGTERM -> SIGKILL grace per role when stopping.
         status_every_s: controller status poll period.
         token_file: read the run's token from this 0600 file, or write it there ('' = ``[rpc] token_file``).
+        sets: ``--set SECTION.KEY=VALUE`` overrides of the job file (:mod:`metaps.roles.overrides`).
 
     Example::
 
@@ -136,6 +148,7 @@ class LaunchConfig:
     stop_grace_s: float = 20.0
     status_every_s: float = 1.0
     token_file: str = ""
+    sets: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not self.config:
@@ -158,28 +171,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
         parse_override("train.workers=4")   # (["train", "workers"], 4)
     """
-    key, sep, raw = text.partition("=")
-    parts = key.strip().split(".")
-    if not sep or len(parts) < 2 or not all(parts):
-        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. ps.host=10.0.0.2")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return parts, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> dict[str, Any]:
-    """Set dotted keys in a parsed job mapping (in place; returns it)."""
-    for parts, value in overrides:
-        node = data
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"cannot set {'.'.join(parts)}: {p} is not a table")
-            node = nxt
-        node[parts[-1]] = value
-    return data
+    return parse_sets([text])[0]
 
 
 def write_job(path: Path, data: dict[str, Any]) -> Any:
@@ -293,20 +285,20 @@ class Launcher:
         from rich.console import Console
 
         from metaps.core.config import read_toml
-        from metaps.job import load_job
+        from metaps.job import job_from_mapping
         from metaps.core.security import launch_token, make_private_dir
 
         lc.validate()
         self.lc = lc
         self.console = console or Console()
-        base = load_job(lc.config)  # validates the user's file before anything starts
-        raw = read_toml(lc.config)
+        raw = apply_overrides(read_toml(lc.config), parse_sets(list(lc.sets)))
+        base = job_from_mapping(copy.deepcopy(raw), where=describe(lc.config, list(lc.sets)))  # before anything starts
         self.run_dir, self.auto_named = _new_run_dir(lc, base)
         self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
         dataclasses.replace(base.rpc, token_file="").check_files()  # TLS files: one line, before preflight's torch import
-        from metaps.preflight import preflight
+        from metaps.roles.launch_checks import check_launch
 
-        preflight(base, resume=self.resume)  # deterministic errors: one line, before anything is created or started
+        check_launch(base, self.run_dir, self.resume)  # every deterministic error: one line, before anything starts
         token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
@@ -655,24 +647,49 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from metaps.core.security import set_private_umask
 
     set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
+    from metaps.roles.output import emit, wants_json
+
+    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
                       resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout,
-                      token_file=args.token_file)
+                      token_file=args.token_file, sets=tuple(args.sets))
     try:
         lc.validate()
     except ValueError as exc:
-        raise ConfigError(f"metaps launch: {exc}") from None
-    return Launcher(lc).run()
+        raise ConfigError(str(exc)) from None
+    if not wants_json(args):
+        return Launcher(lc).run()
+    from rich.console import Console
+
+    launcher = Launcher(lc, console=Console(stderr=True))  # the live view and tables on stderr
+    code = launcher.run()
+    rep = json.loads((launcher.run_dir / "report.json").read_text())
+    emit(args, {k: rep.get(k) for k in ("status", "reason", "exit_code", "run_dir", "wall_s", "counts", "totals",
+                                        "coverage_summary", "final_auc", "checkpoint", "resumed_from")}, "")
+    return code
 
 
 def _cmd_config_write(args: argparse.Namespace) -> int:
+    """The source file with the overrides set: comments, blank lines and key order kept."""
+    from metaps.core.atomic_write import write_text_atomic
     from metaps.core.config import read_toml
+    from metaps.core.toml_writer import set_keys
+    from metaps.job import job_from_mapping, load_job
+    from metaps.roles.output import emit
 
-    data = apply_overrides(read_toml(args.config), [parse_override(s) for s in args.set])
+    sets = parse_sets(args.set)
+    where = describe(args.config, args.set)
+    job_from_mapping(apply_overrides(read_toml(args.config), sets), where=where)  # errors name the source
+    try:
+        text = Path(args.config).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{args.config}: cannot read: {exc.strerror}") from None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_job(out, data)
-    log.info("job file written", extra=kv(out=str(out), overrides=len(args.set)))
+    write_text_atomic(out, set_keys(text, sets, where=args.config))
+    load_job(out)  # what was written reads back
+    emit(args, {"out": str(out), "config": args.config, "overrides": list(args.set)},
+         f"wrote {out} ({args.config} with {len(args.set)} override(s))")
     return 0
 
 
@@ -728,7 +745,12 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
     write_report(run_dir, rep)
     write_tensorboard(rep, run_dir / "tb")
     make_plots(rep, run_dir / "plots")
-    print_summary(Console(), rep)
+    from metaps.roles.output import emit, wants_json
+
+    print_summary(Console(stderr=wants_json(args)), rep)
+    if wants_json(args):
+        emit(args, {k: rep.get(k) for k in ("status", "reason", "exit_code", "run_dir", "counts", "totals",
+                                            "coverage_summary", "final_auc", "checkpoint")}, "")
     return 0 if ok else 1
 
 

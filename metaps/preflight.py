@@ -85,14 +85,18 @@ def _quiet(name: str) -> Iterator[None]:
         lg.setLevel(old)
 
 
-def _dataset(path: str, what: str) -> Any:
-    """Open a Meta-IO dataset the cheap way and check every file's frame; returns it."""
+def _dataset(path: str, what: str, source: str = "") -> Any:
+    """Open a Meta-IO dataset the cheap way and check every file's frame; returns it.
+
+    A missing dataset says which command builds it (:func:`metaps.job.build_hint`).
+    """
     from meta_io.reader import MetaIODataset
     from metaps.core.errors import DataError
+    from metaps.job import build_hint
 
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{what} = {path}: no such directory")
+        raise DataError(f"{what} = {path}: no such directory; {build_hint(path, source)}")
     ds = MetaIODataset(p)
     ds.check_files()
     return ds
@@ -135,9 +139,9 @@ def preflight(job: "JobConfig", resume: str | Path = "", build_model: bool = Tru
     """
     t0 = time.perf_counter()
     problems: list[str] = []
-    datasets = {"data.train": _check(problems, lambda: _dataset(job.data.train, "data.train"))}
+    datasets = {"data.train": _check(problems, lambda: _dataset(job.data.train, "data.train", job.source))}
     if job.data.eval:
-        datasets["data.eval"] = _check(problems, lambda: _dataset(job.data.eval, "data.eval"))
+        datasets["data.eval"] = _check(problems, lambda: _dataset(job.data.eval, "data.eval", job.source))
     schema = None
     if job.data.schema or (Path(job.data.train) / "manifest.json").is_file():  # else: reported above
         schema = _check(problems, job.schema)

@@ -283,7 +283,7 @@ class PsMetrics:
 class LoadTotals:
     """Running totals of data-RPC handling time and in-flight depth (cheap: one lock, no histogram).
 
-    The controller link (``ps.controller_link``) reads them periodically and reports the
+    The controller link (``metaps.roles.ps_link``) reads them periodically and reports the
     deltas as the shard's mean request latency and mean queue depth (requests in flight
     seen by each arriving request, itself included). Time a request spent waiting for a
     pause, a migration freeze drain or slower workers (staleness) is left out: that is

@@ -36,18 +36,8 @@ def _is_ground(module: str) -> bool:
 
 # (importing module, imported package or module) -> the issue-12 point that removes it.
 KNOWN: dict[tuple[str, str], str] = {
-    # ps <-> controller (point 2: the role entry points move to the app floor; the PS fleet
-    # operations already sit next to the ps admin code, behind controller/ports.py).
-    ("ps.controller_link", "controller"): "2: app floor wires ps to the controller",
-    ("controller.cli", "ps"): "1: role entry points move to the app floor (it wires ps.fleet_admin in)",
-    # subsystem CLIs import the job composition (point 1: the role entry points, gathered
-    # from the */cli.py files, move to the app floor).
-    ("ps.cli", "metaps.job"): "1: role entry points move to the app floor",
-    ("controller.cli", "metaps.job"): "1: role entry points move to the app floor",
-    ("workers.cli", "metaps.job"): "1: role entry points move to the app floor",
-    ("workers.cli", "metaps.preflight"): "1: role entry points move to the app floor",
-    ("ps.cli", "metaps.deploy.identity"): "1: role entry points move to the app floor",
-    ("workers.cli", "metaps.deploy.pod"): "1: role entry points move to the app floor",
+    # empty: issue 12 removed the last ones (role entry points on the app floor, PS fleet
+    # operations behind controller/ports.py). A new violation fails.
 }
 
 

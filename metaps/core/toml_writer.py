@@ -1,69 +1,58 @@
-"""A small TOML writer for plain data (``tomllib`` reads TOML but cannot write it).
+"""TOML out, through tomlkit (``tomllib`` reads TOML but cannot write it).
 
-Handles what job files hold: nested tables of strings, ints, floats, bools,
-lists of those, and lists of tables (written as inline tables). ``None`` has no
-TOML form and is refused, as is any other type, with the dotted key named.
-The output parses back with ``tomllib`` to an equal mapping.
+Two uses:
+
+* :func:`dumps` / :func:`write`: plain data (what job files hold: nested tables of
+  strings, ints, floats, bools, lists of those, lists of tables) as TOML text. ``None``
+  has no TOML form and is refused, as is any other type, with the dotted key named.
+  The output parses back with ``tomllib`` to an equal mapping.
+* :func:`set_keys`: change dotted keys in existing TOML text and keep everything else
+  as it was: comments, blank lines, key order, quoting (``metaps config-write``).
 
 Example::
 
     text = dumps({"ps": {"shards": 2, "host": "0.0.0.0"},
                   "faults": {"faults": [{"target": "worker", "index": 1}]}})
     assert tomllib.loads(text)["ps"]["shards"] == 2
+    set_keys("# mine\\n[ps]\\nshards = 2  # two\\n", [(["ps", "shards"], 4)])   # comments kept
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import MetapsError
-from metaps.core.atomic_write import write_text_atomic
+import tomlkit
+import tomlkit.exceptions
+from tomlkit.items import Table
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+from metaps.core.atomic_write import write_text_atomic
+from metaps.core.errors import MetapsError
 
 
 class TomlWriteError(MetapsError, ValueError):
-    """A value has no TOML form (None, an object, a non-string key)."""
+    """A value has no TOML form (None, an object, a non-string key), or a key cannot be set."""
 
 
-def _key(k: Any, where: str) -> str:
-    if not isinstance(k, str):
-        raise TomlWriteError(f"{where}: TOML keys must be strings, got {type(k).__name__} {k!r}")
-    return k if _BARE_KEY.match(k) else json.dumps(k, ensure_ascii=False)
-
-
-def _scalar(v: Any, where: str) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)  # shortest round-trip form, always has '.' or 'e'
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are valid TOML basic strings
+def _plain(v: Any, where: str) -> Any:
+    """``v`` checked for a TOML form (the error names ``where``), Paths as strings, tuples as lists."""
+    if isinstance(v, (bool, int, float, str)):
+        return v
     if isinstance(v, Path):
-        return json.dumps(str(v), ensure_ascii=False)
+        return str(v)
     if isinstance(v, Mapping):
-        items = ", ".join(f"{_key(k, where)} = {_value(x, f'{where}.{k}')}" for k, x in v.items())
-        return "{" + (f" {items} " if items else "") + "}"
+        out: dict[str, Any] = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise TomlWriteError(f"{where}: TOML keys must be strings, got {type(k).__name__} {k!r}")
+            out[k] = _plain(x, f"{where}.{k}" if where != "<root>" else k)
+        return out
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, f"{where}[{i}]") for i, x in enumerate(v)]
     if v is None:
         raise TomlWriteError(f"{where}: TOML has no null; drop the key or give a value")
     raise TomlWriteError(f"{where}: cannot write {type(v).__name__} {v!r} as TOML")
-
-
-def _value(v: Any, where: str) -> str:
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_value(x, f"{where}[{i}]") for i, x in enumerate(v)) + "]"
-    return _scalar(v, where)
 
 
 def dumps(data: Mapping[str, Any]) -> str:
@@ -75,27 +64,58 @@ def dumps(data: Mapping[str, Any]) -> str:
     Raises:
         TomlWriteError: a value has no TOML form (the message names its key).
     """
-    lines: list[str] = []
+    plain = _plain(data, "<root>")
+    try:
+        return tomlkit.dumps(plain)
+    except (tomlkit.exceptions.TOMLKitError, TypeError, ValueError) as exc:  # pragma: no cover - checked above
+        raise TomlWriteError(f"cannot write as TOML: {exc}") from None
 
-    def table(d: Mapping[str, Any], path: list[str]) -> None:
-        where = ".".join(path) or "<root>"
-        subs = []
-        body = []
-        for k, v in d.items():
-            if isinstance(v, Mapping) and v:
-                subs.append((k, v))
-            else:
-                body.append(f"{_key(k, where)} = {_value(v, f'{where}.{k}' if path else str(k))}")
-        if path and (body or not subs):
-            if lines:
-                lines.append("")
-            lines.append("[" + ".".join(_key(p, where) for p in path) + "]")
-        lines.extend(body)
-        for k, v in subs:
-            table(v, path + [k])
 
-    table(data, [])
-    return "\n".join(lines) + "\n"
+def set_keys(text: str, overrides: Sequence[tuple[Sequence[str], Any]], where: str = "<toml>") -> str:
+    """Set dotted keys in TOML ``text``; every comment, blank line and untouched key stays as written.
+
+    Missing tables are created (as ``[a.b]`` sections at the end).
+
+    Args:
+        text: the TOML document.
+        overrides: (key parts, value) pairs, e.g. ``(["ps", "host"], "10.0.0.2")``.
+        where: what to name in errors (the source file).
+
+    Raises:
+        TomlWriteError: the text does not parse, a value has no TOML form, or a key
+            runs through a value that is not a table.
+    """
+    try:
+        doc = tomlkit.parse(text)
+    except tomlkit.exceptions.TOMLKitError as exc:
+        raise TomlWriteError(f"{where}: not valid TOML: {exc}") from None
+    for parts, value in overrides:
+        dotted = ".".join(parts)
+        node: Any = doc
+        for i, p in enumerate(parts[:-1]):
+            if p not in node:
+                node[p] = tomlkit.table(is_super_table=i < len(parts) - 2)
+            nxt = node[p]
+            if not isinstance(nxt, (Mapping, Table)):
+                raise TomlWriteError(f"{where}: cannot set {dotted}: {'.'.join(parts[:i + 1])} is not a table")
+            node = nxt
+        _put(node, parts[-1], _plain(value, dotted))
+    return tomlkit.dumps(doc)
+
+
+def _put(node: Any, key: str, value: Any) -> None:
+    """Set ``key``; a new plain key goes right after the table's last plain key, not after
+    the comments that introduce the next section."""
+    container: Any = getattr(node, "value", None)  # a Table's Container
+    body = getattr(container, "body", None)
+    if key in node or body is None or isinstance(value, dict):
+        node[key] = value
+        return
+    last = [k for k, v in body if k is not None and not isinstance(v, (Table, tomlkit.items.AoT))]
+    if not last:
+        node[key] = value
+        return
+    container._insert_after(last[-1].key, key, value)
 
 
 def write(path: str | Path, data: Mapping[str, Any]) -> Path:

@@ -40,3 +40,17 @@ def test_write_is_atomic_and_readable(tmp_path: Path) -> None:
     p = write(tmp_path / "job.toml", {"train": {"workers": 4}})
     assert tomllib.loads(p.read_text()) == {"train": {"workers": 4}}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_set_keys_keeps_comments_and_places_new_keys_in_their_table() -> None:
+    from metaps.core.toml_writer import set_keys
+
+    src = "# head\n[ps]  # the PS\nshards = 2   # two\n\n# next section\n[ps.table_defaults]\ndim = 16\n"
+    out = set_keys(src, [(["ps", "host"], "h"), (["ps", "table_defaults", "dim"], 8), (["train", "workers"], 3)])
+    assert out.startswith("# head\n[ps]  # the PS\nshards = 2   # two\nhost = \"h\"\n\n# next section\n")
+    assert tomllib.loads(out) == {"ps": {"shards": 2, "host": "h", "table_defaults": {"dim": 8}},
+                                  "train": {"workers": 3}}
+    with pytest.raises(TomlWriteError, match="ps.shards is not a table"):
+        set_keys(src, [(["ps", "shards", "x"], 1)], where="job.toml")
+    with pytest.raises(TomlWriteError, match="ps.host"):
+        set_keys(src, [(["ps", "host"], None)])

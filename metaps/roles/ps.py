@@ -15,7 +15,7 @@ wait for it). SIGTERM/SIGINT: stop accepting calls, finish in-flight ones
 
 With ``--controller`` (or ``$METAPS_CONTROLLER``, set by ``metaps agent``) the
 shard registers as ``ps:<shard>`` with its address, heartbeats and reports its
-mean request latency and queue depth (:mod:`ps.controller_link`); the
+mean request latency and queue depth (:mod:`metaps.roles.ps_link`); the
 controller moves vshards off it when it is slow and restores the fleet to the
 last committed checkpoint when it restarts after a crash.
 
@@ -159,7 +159,7 @@ def run_ps(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     link = None
     if args.controller:
-        from ps.controller_link import ControllerLink
+        from metaps.roles.ps_link import ControllerLink
 
         host = args.advertise or (ps_cfg.host if ps_cfg.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1")
         link = ControllerLink(server, args.controller, job.rpc, f"{host}:{port}", metrics_port,

@@ -50,8 +50,8 @@ def register(subparsers: Any) -> None:
 
     a = subparsers.add_parser("agent", help="run and supervise one worker or PS process")
     a.add_argument("--config", required=True, help="job TOML")
-    a.add_argument("--role", required=True, choices=["worker", "ps"])
-    a.add_argument("--index", required=True, type=int)
+    a.add_argument("--role", required=True, choices=["worker", "ps"], help="the role of the supervised process")
+    a.add_argument("--index", required=True, type=int, help="its index: worker rank or PS shard")
     a.add_argument("--controller", default="", help="controller host:port")
     a.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
     add_cli_args(a)

@@ -1,5 +1,9 @@
 """``metaps worker`` and ``metaps train-local``.
 
+``train-local`` takes ``--set SECTION.KEY=VALUE`` overrides and leaves a run directory
+like ``launch`` (:mod:`metaps.roles.local_run`); both print a short summary, or one
+JSON object with ``--json``.
+
 A worker without a token warns; a non-loopback ``--metrics-host`` without one is
 refused unless ``--insecure`` (see :mod:`metaps.core.security`).
 """
@@ -7,12 +11,12 @@ refused unless ``--insecure`` (see :mod:`metaps.core.security`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from metaps.core.security import add_cli_args
+from metaps.roles.output import emit
 
 
 def register(subparsers: Any) -> None:
@@ -32,16 +36,25 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("train-local", help="train in one process with local tables (the parity reference)")
     p.add_argument("--config", required=True, help="job TOML")
-    p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
-    p.add_argument("--max-steps", type=int, default=None, help="override [train].max_steps")
+    p.add_argument("--run-dir", default="",
+                   help="run directory, new or empty (default [run].dir/<name>-<time>, pointed at by latest)")
+    p.add_argument("--max-steps", type=int, default=None, help="override [train].max_steps (default: the job's)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
+                   help="override a job-file key (VALUE is TOML; bare words are text); repeatable")
     p.set_defaults(func=_run_local)
 
 
 def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
-    from metaps.job import load_job
+    from metaps.core.config import read_toml
+    from metaps.job import job_from_mapping
+    from metaps.roles.overrides import apply_overrides, describe, parse_sets
 
-    overrides = {"train": {k: v for k, v in train_overrides.items() if v is not None}}
-    return load_job(args.config, overrides=overrides)
+    sets = list(getattr(args, "sets", []) or [])
+    data = apply_overrides(read_toml(args.config), parse_sets(sets))
+    for k, v in train_overrides.items():
+        if v is not None:
+            data.setdefault("train", {})[k] = v
+    return job_from_mapping(data, where=describe(args.config, sets))
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -63,19 +76,27 @@ def _run_worker(args: argparse.Namespace) -> int:
 
         serve_metrics(args.metrics_port, args.metrics_host)
     rep = run_worker(job, args.rank, addrs, ctl, run_dir)
-    print(json.dumps({k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}))
+    out = {k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}
+    emit(args, out, f"worker {out['rank']}: {out['steps']} steps, {out['samples']:,} samples "
+                    f"({out['samples_per_s']:,.1f} samples/s)")
     return 0
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from workers.local import train_local
+    from metaps.core.security import set_private_umask
+    from metaps.roles.local_run import run_local
+    from metaps.run_report import flat_auc
 
+    set_private_umask()  # as launch: the run's files 0600, directories 0700
     job = _load(args, max_steps=args.max_steps)
-    from metaps.preflight import preflight
-
-    preflight(job)
-    rep, _ = train_local(job, Path(args.run_dir or job.run.dir))
-    summary = {k: rep[k] for k in ("steps", "samples", "samples_per_s", "checkpoint")}
-    summary["eval"] = rep["eval"]
-    print(json.dumps(summary, indent=1))
+    rep, run_dir = run_local(job, args.run_dir)
+    w = rep["worker"]
+    auc = flat_auc(w.get("eval") or {})
+    summary = {"status": rep["status"], "run_dir": str(run_dir), "steps": w["steps"], "samples": w["samples"],
+               "samples_per_s": w["samples_per_s"], "checkpoint": str(w["checkpoint"] or ""), "auc": auc}
+    lines = [f"train-local: {w['steps']} steps, {w['samples']:,} samples ({w['samples_per_s']:,.1f} samples/s)",
+             f"checkpoint    {w['checkpoint'] or '-'}"]
+    lines += [f"auc           " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(auc.items()))] if auc else []
+    lines.append(f"run directory: {run_dir}")
+    emit(args, summary, lines)
     return 0

@@ -15,16 +15,17 @@ import json
 from typing import Any
 
 from metaps.core.config import from_mapping
+from metaps.roles.output import emit, summary_replaces, wants_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``gen-data`` and ``meta-io`` to the ``metaps`` command line."""
     g = subparsers.add_parser("gen-data", help="generate AntM2C-like synthetic CTR/CVR logs (Parquet + schema)")
     g.add_argument("--out", required=True, help="output folder")
-    g.add_argument("--rows", type=int, default=200_000)
-    g.add_argument("--users", type=int, default=20_000)
-    g.add_argument("--items", type=int, default=5_000)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--rows", type=int, default=200_000, help="rows (impressions) to generate")
+    g.add_argument("--users", type=int, default=20_000, help="distinct users (the tasks of Meta-IO)")
+    g.add_argument("--items", type=int, default=5_000, help="distinct items")
+    g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same data)")
     g.add_argument("--files", type=int, default=None, help="Parquet files to write (default: generator's)")
     g.set_defaults(func=_gen_data)
 
@@ -37,20 +38,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--task-key", default="", help="grouping column (default: the schema's task_key)")
     b.add_argument("--support", type=int, default=8, help="support slots S per episode")
     b.add_argument("--query", type=int, default=4, help="query slots Q per episode")
-    b.add_argument("--split", choices=["time", "random"], default="time")
-    b.add_argument("--layout", choices=["meta", "plain"], default="meta")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--split", choices=["time", "random"], default="time",
+                   help="how a task's rows divide into support and query: by time or at random")
+    b.add_argument("--layout", choices=["meta", "plain"], default="meta",
+                   help="meta: support/query episodes per task; plain: rows in input order")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random split and shuffles")
     b.add_argument("--rows-per-batch", type=int, default=768, help="slots (rows) per record batch")
     b.add_argument("--no-buckets", action="store_true", help="pad every episode to S+Q (no size buckets)")
     b.add_argument("--memory-budget-mb", type=float, default=512.0, help="memory for one pass-2 partition")
     b.add_argument("--partitions", type=int, default=0, help="spill partitions (0: from the budget)")
     b.add_argument("--max-file-mb", type=float, default=64.0, help="roll to a new part file after this size")
     b.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
-    b.add_argument("--json", action="store_true", help="print the manifest totals as JSON")
     b.set_defaults(func=_build)
     i = msub.add_parser("inspect", help="summarize a built dataset")
     i.add_argument("path", help="dataset folder")
-    i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.add_argument("--verify", action="store_true",
                    help="read every byte and check it against the build's checksums (exit 1 on any mismatch)")
     i.set_defaults(func=_inspect)
@@ -59,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--schema", required=True, help="schema file")
     h.add_argument("--out", required=True, help="writes OUT/train, OUT/holdout and OUT/schema.json")
     h.add_argument("--fraction", type=float, default=0.1, help="share of tasks held out (default 0.1)")
-    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--seed", type=int, default=0, help="seed of the task draw")
     h.set_defaults(func=_split_holdout)
     m.set_defaults(func=lambda args: _missing_action(m))
 
@@ -73,10 +74,14 @@ def _split_holdout(args: argparse.Namespace) -> int:
     from meta_io.holdout import split_by_task
     from meta_io.schema import load_schema
 
-    res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
-    print(f"train   {res.train_rows:,} rows -> {res.train_dir}")
-    print(f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}")
-    print(f"schema  {res.schema_path}")
+    with summary_replaces("meta_io", "holdout split"):
+        res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
+    emit(args, {"train_rows": res.train_rows, "train_dir": str(res.train_dir), "holdout_rows": res.holdout_rows,
+                "holdout_tasks": res.holdout_tasks, "holdout_dir": str(res.holdout_dir),
+                "schema": str(res.schema_path)},
+         [f"train   {res.train_rows:,} rows -> {res.train_dir}",
+          f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}",
+          f"schema  {res.schema_path}"])
     return 0
 
 
@@ -87,13 +92,15 @@ def _gen_data(args: argparse.Namespace) -> int:
     if args.files is not None:
         fields["n_files"] = args.files
     cfg = from_mapping(GeneratorConfig, fields, where="gen-data arguments")
-    data = generate(args.out, cfg)
-    print(f"wrote {data.rows:,} rows to {data.out_dir}")
-    for f in data.files:
-        print(f"  {f}")
-    print(f"schema      {data.schema_path}")
-    print(f"speed       {data.rows_per_s:,.0f} rows/s, peak RSS {data.peak_rss_mb:.0f} MiB")
-    print("oracle AUC  " + "  ".join(f"{k}={v:.4f}" for k, v in data.oracle_auc.items()))
+    with summary_replaces("meta_io", "generated"):
+        data = generate(args.out, cfg)
+    emit(args, {"rows": data.rows, "out_dir": str(data.out_dir), "files": [str(f) for f in data.files],
+                "schema": str(data.schema_path), "rows_per_s": data.rows_per_s, "peak_rss_mb": data.peak_rss_mb,
+                "oracle_auc": dict(data.oracle_auc)},
+         [f"wrote {data.rows:,} rows to {data.out_dir}", *(f"  {f}" for f in data.files),
+          f"schema      {data.schema_path}",
+          f"speed       {data.rows_per_s:,.0f} rows/s, peak RSS {data.peak_rss_mb:.0f} MiB",
+          "oracle AUC  " + "  ".join(f"{k}={v:.4f}" for k, v in data.oracle_auc.items())])
     return 0
 
 
@@ -110,17 +117,16 @@ def _build(args: argparse.Namespace) -> int:
         ),
         where="meta-io build arguments",
     )
-    result = build(args.input, args.schema, args.out, cfg)
+    with summary_replaces("meta_io", "build done"):
+        result = build(args.input, args.schema, args.out, cfg)
     t = result.manifest["totals"]
-    if args.json:
-        print(json.dumps(t))
-        return 0
-    print(f"built {result.out_dir}: {t['input_rows']:,} rows -> {t['batches']} batches in {t['files']} files "
-          f"({t['build_seconds']:.2f} s, {t['rows_per_s']:,} rows/s)")
+    lines = [f"built {result.out_dir}: {t['input_rows']:,} rows -> {t['batches']} batches in {t['files']} files "
+             f"({t['build_seconds']:.2f} s, {t['rows_per_s']:,} rows/s)"]
     if result.manifest["layout"] == "meta":
-        print(f"  support {t['support_rows']:,}  query {t['query_rows']:,}  leftover {t['leftover_rows']:,}  "
-              f"tasks {t['tasks']:,}  episodes {t['episodes']:,}  fill {t['fill_ratio']:.3f} "
-              f"(without buckets {t['fill_ratio_without_buckets']:.3f})")
+        lines.append(f"  support {t['support_rows']:,}  query {t['query_rows']:,}  leftover {t['leftover_rows']:,}  "
+                     f"tasks {t['tasks']:,}  episodes {t['episodes']:,}  fill {t['fill_ratio']:.3f} "
+                     f"(without buckets {t['fill_ratio_without_buckets']:.3f})")
+    emit(args, t, lines)  # --json: the manifest totals, one object
     return 0
 
 
@@ -128,5 +134,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from meta_io.inspect import format_summary, inspect_dataset
 
     summary = inspect_dataset(args.path, verify=args.verify)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if wants_json(args):
+        print(json.dumps(summary, indent=2))  # one object (indented: read by people too)
+    else:
+        print(format_summary(summary))
     return 1 if summary["problems"] else 0

@@ -1,0 +1,91 @@
+"""``metaps train-local`` leaves a run directory the way ``metaps launch`` does.
+
+::
+
+    [run] dir/<name>-<time>/        (or --run-dir, new or empty)
+        job.toml          the effective job (overrides applied, token redacted)
+        workers/worker-0.json, checkpoints/ckpt-<step>/, eval/
+        report.json, tb/, plots/    the launcher's run-report code (metaps.run_report,
+                                    metaps.tb, metaps.plots) over this one-process run
+    [run] dir/latest -> the run     (auto-named runs only, as launch does)
+
+Everything is checked before the directory is made: the job (with ``--set``) and
+:func:`metaps.preflight.preflight` (a missing dataset says which command builds it).
+
+Example::
+
+    rep, run_dir = run_local(job, run_dir="")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from metaps.core.log import kv
+
+if TYPE_CHECKING:
+    from metaps.job import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+def point_latest(run_dir: Path) -> None:
+    """``<parent>/latest`` -> ``run_dir`` (a symlink; an existing non-link is left alone).
+
+    Args:
+        run_dir: the finished run directory.
+    """
+    link = run_dir.parent / "latest"
+    try:
+        if link.is_symlink():
+            link.unlink()
+        if not link.exists():
+            link.symlink_to(run_dir.name)
+    except OSError as exc:
+        log.warning("could not point latest at the run", extra=kv(link=str(link), error=str(exc)))
+
+
+def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path]:
+    """Preflight, make the run dir, train in this process, write the report and its artefacts.
+
+    Args:
+        job: the parsed job (overrides applied).
+        run_dir: run directory, new or empty ('' = ``[run] dir/<name>-<time>``, pointed at by ``latest``).
+
+    Returns:
+        (report.json's dict, the run directory)
+    """
+    from metaps.core.security import make_private_dir
+    from metaps.core.toml_writer import write
+    from metaps.launch import LaunchConfig, _new_run_dir
+    from metaps.plots import make_plots
+    from metaps.preflight import preflight
+    from metaps.run_report import build_report, write_report
+    from metaps.tb import write_tensorboard
+    from workers.local import train_local
+
+    d, auto_named = _new_run_dir(LaunchConfig(config=job.source or "<job>", run_dir=run_dir), job)
+    preflight(job)  # every deterministic problem, in one line, before the run dir exists
+    for sub in ("", "workers", "checkpoints"):
+        make_private_dir(d / sub)
+    job = job.with_overrides(run=dataclasses.replace(job.run, dir=str(d)),
+                             train=dataclasses.replace(job.train, workers=1))
+    write(d / "job.toml", job.to_dict())
+    t0 = time.time()
+    worker_rep, _ = train_local(job, d)
+    rep = build_report(d, job, status="succeeded", started=t0, checkpoint=str(worker_rep.get("checkpoint") or ""),
+                       notes=["metaps train-local: one process, local tables, no PS fleet or controller"])
+    write_report(d, rep)
+    for what, fn in (("tensorboard", lambda: write_tensorboard(rep, d / "tb")),
+                     ("plots", lambda: make_plots(rep, d / "plots"))):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 -- the report stands without its pictures
+            log.exception("could not write run artefact", extra=kv(what=what))
+    if auto_named:
+        point_latest(d)
+    return {**rep, "worker": worker_rep}, d
