@@ -4,10 +4,13 @@ Examples::
 
     metaps deliver --run runs/main --out bundles --incremental --keep 5 \\
         --holdout data/holdout.parquet --max-auc-drop 0.005          # one shot (cron)
-    metaps deliver --run runs/main --out bundles --every 10m         # periodic loop
+    metaps deliver --run runs/main --out bundles --every 10m --no-gate   # periodic loop, ungated
     metaps predict --bundle bundles --data day2.parquet --out scores.parquet    # labels optional
 
-Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input),
+``deliver`` without ``--holdout`` refuses (exit 1) unless ``--no-gate`` is given; the
+manifest's ``gate.gated`` records which it was.
+
+Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input, no gate),
 3 refused by the validation gate (the reasons are printed).
 """
 
@@ -34,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--every", default="", help="run as a loop with this interval, e.g. 10m (needs --run)")
     d.add_argument("--holdout", default="", help="holdout data for the AUC gate (Parquet/CSV or Meta-IO dir)")
     d.add_argument("--holdout-rows", type=int, default=0, help="evaluate at most this many holdout rows (0 = all)")
+    d.add_argument("--no-gate", action="store_true",
+                   help="publish without a holdout AUC gate (consistency checks still run; the manifest records "
+                        "gate.gated = false). Without --holdout, deliver refuses unless this is given")
     d.add_argument("--max-auc-drop", type=float, default=0.01, help="refuse if AUC drops more than this (default 0.01)")
     d.add_argument("--dtype", choices=[x.value for x in RowDtype], default="fp32", help="row storage (default fp32)")
     d.add_argument("--max-chain", type=int, default=8, help="deltas on one base before a full bundle (default 8)")
@@ -51,8 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _deliver(args: argparse.Namespace) -> int:
+    from delivery.bundle import DeliveryError
     from delivery.job import PeriodicDelivery, Status, deliver_once
     from metaps.core.config import from_mapping
+
 
     cfg = from_mapping(
         DeliveryConfig,
@@ -61,6 +69,11 @@ def _deliver(args: argparse.Namespace) -> int:
          "holdout_rows": args.holdout_rows, "every": args.every},
         where="metaps deliver",
     )
+    if not args.holdout and not args.no_gate:
+        raise DeliveryError(
+            "no --holdout given: bundles are published only after the holdout AUC gate; "
+            "pass --holdout DATA, or --no-gate to publish ungated (recorded in the manifest as gate.gated = false)"
+        )
     if cfg.every:
         if args.run is None:
             print("metaps deliver: error: --every needs --run (a run directory to watch)", file=sys.stderr)

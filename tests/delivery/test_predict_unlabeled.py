@@ -19,7 +19,7 @@ from tests.delivery.conftest import live_features, write_parquet
 @pytest.fixture()
 def bundle(tmp_path, history) -> Path:
     out = tmp_path / "bundles"
-    assert main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(out)]) == 0
+    assert main(["deliver", "--no-gate", "--checkpoint", str(history.ckpts[30]), "--out", str(out)]) == 0
     return out
 
 
