@@ -23,7 +23,8 @@ def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
     assert main(["predict", "--bundle", str(out), "--data", str(data), "--out", str(tmp_path / "s.parquet"),
                  "--batch-rows", "16"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0}
+    assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0,
+                       "unknown_share": 0.0, "adapted": False}
     scores = pq.read_table(tmp_path / "s.parquet").to_pydict()
     want = load_bundle(out).predict(fb)
     assert scores["row"] == list(range(50))

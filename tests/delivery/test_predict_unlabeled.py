@@ -38,7 +38,8 @@ def test_predict_scores_unlabeled_data(tmp_path, bundle, history, tiny, capsys) 
     assert main(["predict", "--bundle", str(bundle), "--data", str(data), "--out", str(out), "--batch-rows", "16"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1  # no evaluation without labels
-    assert json.loads(lines[0]) == {"bundle": "v000001", "rows": 40, "out": str(out), "unknown_ids": 0}
+    assert json.loads(lines[0]) == {"bundle": "v000001", "rows": 40, "out": str(out), "unknown_ids": 0,
+                                   "unknown_share": 0.0, "adapted": False}
     scores = pq.read_table(out).to_pydict()
     want = load_bundle(bundle).predict(fb)
     assert scores["row"] == list(range(40))
