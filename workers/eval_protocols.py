@@ -169,6 +169,7 @@ def _tagged(b: PlainBatch, keys: torch.Tensor) -> PlainBatch:
 
 def _row_keys(batch: MetaBatch | PlainBatch, task_key: str) -> np.ndarray | None:
     """Task key of every scored (real) row, in the order score_batches collects them."""
+    keys: torch.Tensor | None
     if isinstance(batch, MetaBatch):
         fb = batch.query
         keys = batch.task_keys[:, None].expand(fb.mask.shape)
@@ -242,10 +243,10 @@ def evaluate_protocol(
         raise DataError("the evaluation data yielded no rows to score")
     keys = np.concatenate(keys_parts) if have_keys and keys_parts else None
     out: dict[str, Any] = {}
-    for kind, heads in parts.items():
-        arrays = {h: {n: np.concatenate(v) for n, v in arrs.items()} for h, arrs in heads.items()}
-        res = summarize(arrays)
-        for h, arr in arrays.items():
+    for kind, per_head in parts.items():
+        merged = {h: {n: np.concatenate(v) for n, v in arrs.items()} for h, arrs in per_head.items()}
+        res = summarize(merged)
+        for h, arr in merged.items():
             if keys is not None and keys.shape[0] == arr["score"].shape[0]:
                 res[h]["gauc"] = gauc(keys, arr["target"].astype(np.float64), arr["score"].astype(np.float64))
         out[kind] = res
