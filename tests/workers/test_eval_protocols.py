@@ -84,3 +84,16 @@ def test_gauc_is_the_row_weighted_mean_of_task_aucs() -> None:
             weight += sel.sum()
     assert gauc(keys, y, s) == pytest.approx(total / weight, abs=1e-12)
     assert np.isnan(gauc(np.zeros(4, np.int64), np.ones(4), np.arange(4.0)))
+
+
+def test_bundle_evaluates_like_its_checkpoint(trained, worker_data, tmp_path, capsys) -> None:
+    _, ckpt = trained
+    assert main(["deliver", "--no-gate", "--checkpoint", str(ckpt), "--out", str(tmp_path / "b")]) == 0
+    args = ["--data", str(worker_data["meta"]), "--protocol", "episodes"]
+    from_ckpt = _evaluate(capsys, "--checkpoint", str(ckpt), *args)
+    from_bundle = _evaluate(capsys, "--bundle", str(tmp_path / "b"), *args)
+    assert from_bundle["source"]["version"] == "v000001"
+    for kind in ("base", "adapted"):
+        for head, m in from_ckpt[kind].items():
+            assert abs(from_bundle[kind][head]["auc"] - m["auc"]) < 1e-6, (kind, head)
+            assert abs(from_bundle[kind][head]["gauc"] - m["gauc"]) < 1e-6, (kind, head)
