@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -34,11 +36,20 @@ def _evaluate(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_checkpoint_episodes_equal_the_training_time_evaluation(trained, worker_data, tmp_path, capsys) -> None:
+@pytest.fixture(scope="module")
+def episodes(trained, worker_data, tmp_path_factory) -> tuple[dict, Path]:
+    """``metaps evaluate --checkpoint ... --protocol episodes --out``: (stdout JSON, the --out file)."""
+    out = tmp_path_factory.mktemp("episodes") / "report.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["evaluate", "--checkpoint", str(trained[1]), "--data", str(worker_data["meta"]),
+                     "--protocol", "episodes", "--out", str(out)]) == 0
+    return json.loads(buf.getvalue().strip().splitlines()[-1]), out
+
+
+def test_checkpoint_episodes_equal_the_training_time_evaluation(trained, episodes, worker_data, capsys) -> None:
     report, ckpt = trained
-    out = tmp_path / "report.json"
-    got = _evaluate(capsys, "--checkpoint", str(ckpt), "--data", str(worker_data["meta"]),
-                    "--protocol", "episodes", "--out", str(out))
+    got, out = episodes
     assert json.loads(out.read_text()) == got
     want = report["eval"]
     assert got["meta"]["inner_steps"] == 2 and got["meta"]["inner_lr"] == 0.2  # the checkpoint's [meta]
@@ -86,11 +97,11 @@ def test_gauc_is_the_row_weighted_mean_of_task_aucs() -> None:
     assert np.isnan(gauc(np.zeros(4, np.int64), np.ones(4), np.arange(4.0)))
 
 
-def test_bundle_evaluates_like_its_checkpoint(trained, worker_data, tmp_path, capsys) -> None:
+def test_bundle_evaluates_like_its_checkpoint(trained, episodes, worker_data, tmp_path, capsys) -> None:
     _, ckpt = trained
     assert main(["deliver", "--no-gate", "--checkpoint", str(ckpt), "--out", str(tmp_path / "b")]) == 0
     args = ["--data", str(worker_data["meta"]), "--protocol", "episodes"]
-    from_ckpt = _evaluate(capsys, "--checkpoint", str(ckpt), *args)
+    from_ckpt = episodes[0]
     from_bundle = _evaluate(capsys, "--bundle", str(tmp_path / "b"), *args)
     assert from_bundle["source"]["version"] == "v000001"
     for kind in ("base", "adapted"):
