@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "metaps.roles.controller",  # controller, agent
     "metaps.launch",            # launch
     "metaps.roles.deliver",     # deliver, predict
+    "metaps.evaluate",          # evaluate
     "metaps.deploy.cli",  # deploy k8s|wait
 )
 

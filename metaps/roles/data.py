@@ -59,8 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--input", required=True, help="Parquet/CSV file or folder")
     h.add_argument("--schema", required=True, help="schema file")
     h.add_argument("--out", required=True, help="writes OUT/train, OUT/holdout and OUT/schema.json")
-    h.add_argument("--fraction", type=float, default=0.1, help="share of tasks held out (default 0.1)")
-    h.add_argument("--seed", type=int, default=0, help="seed of the task draw")
+    how = h.add_mutually_exclusive_group()
+    how.add_argument("--fraction", type=float, default=None,
+                     help="share of tasks held out, chosen by a seeded hash of the task key (default 0.1)")
+    how.add_argument("--keys", default=None,
+                     help="hold out exactly the task keys in this file, one per line (e.g. OUT/holdout_keys.txt "
+                          "of an earlier split), to reproduce an external split")
+    h.add_argument("--seed", type=int, default=0, help="seed of the --fraction choice")
     h.set_defaults(func=_split_holdout)
     m.set_defaults(func=lambda args: _missing_action(m))
 
@@ -71,17 +76,21 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
 
 
 def _split_holdout(args: argparse.Namespace) -> int:
-    from meta_io.holdout import split_by_task
+    from meta_io.holdout import KEYS_FILE, read_task_keys, split_by_task
     from meta_io.schema import load_schema
 
+    keys = read_task_keys(args.keys) if args.keys else None
+    fraction = 0.1 if args.fraction is None else args.fraction
     with summary_replaces("meta_io", "holdout split"):
-        res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
+        res = split_by_task(args.input, load_schema(args.schema), args.out, fraction, args.seed, keys=keys)
+    keys_file = res.schema_path.parent / KEYS_FILE
     emit(args, {"train_rows": res.train_rows, "train_dir": str(res.train_dir), "holdout_rows": res.holdout_rows,
                 "holdout_tasks": res.holdout_tasks, "holdout_dir": str(res.holdout_dir),
-                "schema": str(res.schema_path)},
+                "schema": str(res.schema_path), "keys_file": str(keys_file)},
          [f"train   {res.train_rows:,} rows -> {res.train_dir}",
           f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}",
-          f"schema  {res.schema_path}"])
+          f"schema  {res.schema_path}",
+          f"keys    {keys_file}"])
     return 0
 
 
