@@ -314,7 +314,7 @@ class _Gen:
         if not self.d.deliver_schedule:
             return []
         out = str(self.job.delivery.out)
-        args = ["deliver", "--run", self.run_dir, "--out", out, *self.d.deliver_args]
+        args = ["deliver", "--run", self.run_dir, "--out", out, *self.deliver_gate(), *self.d.deliver_args]
         c = self.container("deliver", args, "deliver", mounts=[{"name": "data", "mountPath": DATA_DIR}])
         spec = self.pod_spec([c], "OnFailure", self.volumes(training=False))
         return [{"apiVersion": "batch/v1", "kind": "CronJob", "metadata": self.meta(f"{self.n}-deliver", "deliver"),
@@ -322,6 +322,24 @@ class _Gen:
                           "successfulJobsHistoryLimit": 3, "failedJobsHistoryLimit": 3,
                           "jobTemplate": {"spec": {"backoffLimit": 2,
                                                    "template": self.template("deliver", spec, False)}}}}]
+
+    def deliver_gate(self) -> list[str]:
+        """The delivery CronJob's gate: ``metaps deliver`` refuses to publish ungated unless told.
+
+        ``[deploy] deliver_args`` naming ``--holdout`` or ``--no-gate`` decides; otherwise the
+        gate reads ``[delivery] holdout``, else the job's eval data (``[data] eval``). With
+        neither, the manifests are not written: a CronJob that refuses every run is no job.
+        """
+        if "--holdout" in self.d.deliver_args or "--no-gate" in self.d.deliver_args:
+            return []
+        holdout = str(self.job.delivery.holdout or self.job.data.eval or "")
+        if holdout:
+            gate = ["--holdout", holdout]
+            if self.job.delivery.holdout_rows:
+                gate += ["--holdout-rows", str(self.job.delivery.holdout_rows)]
+            return gate
+        raise ConfigError(f"{self.job.source}: the delivery CronJob needs a gate: set [delivery] holdout or "
+                          f"[data] eval, or put \"--no-gate\" in [deploy] deliver_args to publish ungated")
 
     def kustomization(self, files: list[str]) -> dict[str, Any]:
         k: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}

@@ -190,7 +190,9 @@ def test_gpu_variant_cuda_image_gpu_limits_data_and_delivery(rendered: Any) -> N
     cron = by_kind(docs, "CronJob")[0]
     assert cron["spec"]["schedule"] == "0 * * * *" and cron["spec"]["concurrencyPolicy"] == "Forbid"
     args = templates["metaps-deliver"]["spec"]["containers"][0]["args"]
-    assert args == ["deliver", "--run", "runs/main/runs/main", "--out", "runs/main/bundles", "--incremental", "--keep", "5"]
+    # gated on the job's eval data (held-out users): deliver refuses to publish ungated unless told
+    assert args == ["deliver", "--run", "runs/main/runs/main", "--out", "runs/main/bundles",
+                    "--holdout", "runs/main/metaio-holdout", "--incremental", "--keep", "5"]
 
 
 def test_allreduce_is_an_indexed_job_with_fixed_ranks(rendered: Any) -> None:
@@ -219,3 +221,23 @@ def test_a_bad_deploy_key_names_the_key(tmp_path: Path) -> None:
     cfg = _variant(tmp_path, "bad2", lambda raw: raw.update(deploy={"resources": {"ps": {"memory": "4 GB"}}}))
     r = generate(tmp_path / "out", cfg)
     assert r.returncode == 1 and "memory '4 GB' is not a Kubernetes quantity" in r.stderr, r.stderr
+
+
+def test_a_delivery_cronjob_without_a_gate_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    def no_eval(raw: dict[str, Any]) -> None:
+        raw["data"]["eval"] = ""
+        raw.setdefault("delivery", {}).pop("holdout", None)
+
+    r = generate(tmp_path / "out", _variant(tmp_path, "nogate", no_eval))
+    assert r.returncode == 1 and "--no-gate" in r.stderr and "[delivery] holdout" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+    def explicit(raw: dict[str, Any]) -> None:
+        no_eval(raw)
+        raw.setdefault("deploy", {})["deliver_args"] = ["--no-gate"]
+
+    r = generate(tmp_path / "out2", _variant(tmp_path, "nogate2", explicit))
+    assert r.returncode == 0, r.stderr
+    cron = [d for d in kustomize(tmp_path / "out2") if d["kind"] == "CronJob"][0]
+    args = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--no-gate" in args and "--holdout" not in args

@@ -50,7 +50,9 @@ def job_file(path: Path) -> Path:
                        "dds": {"batches_per_shard": 2, "lease_s": 8.0}, "monitor": {"window_s": 1.0},
                        "agent": {"heartbeat_s": 1.0}},
         "rpc": {"timeout_s": 20.0},
-        "delivery": {"out": "bundles"},
+        # the CronJob gates on [delivery] holdout (here the training data: the gate runs, and a
+        # first bundle has no previous AUC to drop from)
+        "delivery": {"out": "bundles", "holdout": "metaio/train", "holdout_rows": 400},
         "run": {"dir": "runs", "name": "k8s"},
         "deploy": {"name": "mps", "data_input": "raw/train", "data_schema": "raw/train/schema.json",
                    "deliver_schedule": "*/30 * * * *", "deliver_args": ["--keep", "3"]},
