@@ -17,6 +17,13 @@ parent served that are gone now (``np.setdiff1d`` on sorted ids) into
 ``removed.arrow``. (The PS ``last_step`` is a per-shard, per-table counter that
 migration carries between shards, so it cannot safely select changed rows.)
 
+When the checkpoint is a delta whose chain passes through the parent bundle's
+checkpoint (same ``ckpt_id``), only the delta checkpoints after it are read
+(:meth:`CheckpointSource.changes`): their changed rows (the PS's dirty rows) and
+removed ids, combined newest-wins; only those rows are fingerprinted against
+the parent. Nothing else of the checkpoint is read, verified or decoded, so the
+cost follows the changed fraction. Any other case reads every row as above.
+
 Example::
 
     src = CheckpointSource.open(latest_checkpoint(run / "checkpoints"))
@@ -143,6 +150,68 @@ class CheckpointSource:
             )
         return TableData(ids, w, order, ls)
 
+    def deltas_after(self, parent: "ParentState") -> list[Path] | None:
+        """The delta checkpoints between the parent bundle's checkpoint and this one (oldest first).
+
+        None when this checkpoint's chain does not pass through the parent's
+        checkpoint (matched by ``ckpt_id``; then every row must be read). An
+        empty list: the same checkpoint. The returned deltas are sha256-verified
+        (this checkpoint was verified by :meth:`open`).
+        """
+        if not parent.ckpt_id:
+            return None
+        from ps.checkpoint import checkpoint_chain, verify_checkpoint
+
+        try:
+            chain = checkpoint_chain(self.path)
+        except MetapsError as exc:
+            raise DeliveryError(f"{self.path}: cannot resolve its checkpoint chain: {exc}") from None
+        ids = [m.get("ckpt_id") for _d, m in chain]
+        if parent.ckpt_id not in ids:
+            return None
+        after = [d for d, _m in chain[ids.index(parent.ckpt_id) + 1 :]]
+        try:
+            for d in after[:-1]:
+                verify_checkpoint(d)
+        except MetapsError as exc:
+            raise DeliveryError(f"{d}: delta checkpoint failed verification: {exc}") from None
+        return after
+
+    def changes(self, table: str, deltas: list[Path]) -> tuple[TableData, np.ndarray]:
+        """Rows of ``table`` changed over ``deltas`` (newest value wins) and the ids removed since.
+
+        Reads only the delta files (``ps.checkpoint.read_changes``); sorted-set numpy
+        ops, no per-row Python. Returns (changed rows sorted by id, removed ids sorted).
+        """
+        if table not in self.table_dims:
+            raise DeliveryError(f"{self.path}: checkpoint has no table '{table}'; it has {sorted(self.table_dims)}")
+        from ps.checkpoint import read_changes
+
+        dim = self.table_dims[table]
+        ids = np.zeros(0, np.int64)
+        w = np.zeros((0, dim), np.float32)
+        ls = np.zeros(0, np.int64)
+        gone = np.zeros(0, np.int64)
+        for d in deltas:
+            try:
+                rows, removed = read_changes(d, table)
+            except MetapsError as exc:
+                raise DeliveryError(f"{d}: cannot read the changes of table '{table}': {exc}") from None
+            r_ids = np.asarray(rows.ids, np.int64)
+            keep = ~np.isin(ids, np.concatenate([removed, r_ids]))
+            ids = np.concatenate([ids[keep], r_ids])
+            w = np.concatenate([w[keep], np.asarray(rows.weights, np.float32).reshape(-1, dim)])
+            ls = np.concatenate([ls[keep], np.asarray(rows.last_step, np.int64)])
+            gone = np.union1d(gone, removed)
+            gone = gone[~np.isin(gone, r_ids)]
+        order = np.argsort(ids, kind="stable")
+        s_ids = ids[order]
+        dup = np.flatnonzero(s_ids[1:] == s_ids[:-1])
+        if dup.size:
+            raise DeliveryError(f"{self.path}: table '{table}': id {int(s_ids[dup[0] + 1])} is stored by more "
+                                f"than one shard of a delta checkpoint")
+        return TableData(s_ids, w, order, ls[order]), gone
+
     def dense(self, names: list[str]) -> dict[str, np.ndarray]:
         """Dense parameter values by name (the model's ``named_parameters()`` names).
 
@@ -261,6 +330,8 @@ class ParentState:
     dims: dict[str, int]
     dtype: str
     chain_length: int
+    ckpt_id: str | None = None
+    """``ckpt_id`` of the checkpoint the parent was exported from (delta checkpoints after it hold the changes)."""
 
 
 def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
@@ -287,7 +358,7 @@ def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
     return ParentState(
         version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
         live=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
-        chain_length=len(chain) - 1,
+        chain_length=len(chain) - 1, ckpt_id=newest.source.get("ckpt_id"),
     )
 
 
@@ -358,6 +429,7 @@ def export_bundle(
                 raise DeliveryError(
                     f"table '{t}': dim {dim} in {src.path} but {parent.dims.get(t)} in parent {parent.version}"
                 )
+    deltas = src.deltas_after(parent) if parent is not None else None
     writer = EmbeddingWriter(staging / EMBEDDINGS, cfg.dtype, cfg.map_size_gb)
     tables: dict[str, TableInfo] = {}
     removed: dict[str, np.ndarray] = {}
@@ -365,6 +437,26 @@ def export_bundle(
     written_total = 0
     try:
         for t in sorted(dims, key=table_prefix):  # global key order -> append-mode writes
+            if parent is not None and deltas is not None:  # only the changed data is read
+                p_ids, p_fp = parent.live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+                data, removed_since = src.changes(t, deltas)
+                if data.last_step.size:
+                    watermark = max(watermark, int(data.last_step.max()))
+                stored = np.ascontiguousarray(data.raw_weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
+                fp = row_fingerprints(stored)[data.order]
+                changed = np.flatnonzero(changed_since(p_ids, p_fp, data.ids, fp))
+                sel_ids, sel_rows = data.ids[changed], data.weights(changed)
+                gone = np.intersect1d(p_ids, removed_since, assume_unique=True)
+                removed[t] = gone
+                new_ids = int(np.count_nonzero(~np.isin(data.ids, p_ids, assume_unique=True)))
+                try:
+                    writer.write_table(t, sel_ids, sel_rows)
+                except DeliveryError as exc:
+                    raise DeliveryError(f"checkpoint {src.path}: {exc}") from None
+                written_total += sel_ids.shape[0]
+                tables[t] = TableInfo(dim=dims[t], rows=int(p_ids.shape[0] - gone.shape[0] + new_ids),
+                                      written=int(sel_ids.shape[0]), removed=int(gone.shape[0]))
+                continue
             data = src.table(t)
             if data.last_step.size:
                 watermark = max(watermark, int(data.last_step.max()))
@@ -400,7 +492,8 @@ def export_bundle(
         base=version if parent is None else parent.base,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source={"checkpoint": str(src.path.resolve()), "step": src.step, "row_watermark": watermark,
-                "num_shards": src.manifest.get("shards")},
+                "num_shards": src.manifest.get("shards"), "ckpt_id": src.manifest.get("ckpt_id"),
+                "read": "changes" if deltas is not None else "all"},
         data_range=info.get("data_range"),
         metrics=dict(info.get("metrics") or {}),
         schema=src.schema.to_dict(),
@@ -414,6 +507,7 @@ def export_bundle(
     log.info(
         "bundle exported",
         extra=kv(version=version, kind=manifest.kind.value, checkpoint=src.path, rows_written=written_total,
+                 read=manifest.source["read"], deltas_read=len(deltas or []),
                  removed=sum(len(v) for v in removed.values()), seconds=round(time.perf_counter() - t0, 3)),
     )
     return manifest
