@@ -47,7 +47,7 @@ from delivery.bundle import (
     checksum_files, read_index, read_removed, row_fingerprints, table_prefix, write_manifest, write_removed,
 )
 from delivery.config import DeliveryConfig
-from delivery.dense import save_scripted, trace_dense
+from delivery.dense import DenseSpec, save_scripted, trace_dense
 from meta_io.schema import Schema, schema_from_dict
 from metaps.core.config import from_mapping
 from metaps.core.errors import ConfigError, MetapsError
@@ -332,6 +332,11 @@ class ParentState:
     chain_length: int
     ckpt_id: str | None = None
     """``ckpt_id`` of the checkpoint the parent was exported from (delta checkpoints after it hold the changes)."""
+    path: Path | None = None
+    """The parent bundle's directory (its traced ``dense.pt`` is reused when schema and model match)."""
+    schema: dict[str, Any] | None = None
+    model: dict[str, Any] | None = None
+    dense_spec: dict[str, Any] | None = None
 
 
 def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
@@ -358,7 +363,8 @@ def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
     return ParentState(
         version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
         live=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
-        chain_length=len(chain) - 1, ckpt_id=newest.source.get("ckpt_id"),
+        chain_length=len(chain) - 1, ckpt_id=newest.source.get("ckpt_id"), path=chain[0][0],
+        schema=newest.schema, model=newest.model, dense_spec=newest.dense,
     )
 
 
@@ -394,6 +400,51 @@ def build_trained_model(src: CheckpointSource) -> tuple[torch.nn.Module, dict[st
                 )
             p.copy_(torch.from_numpy(v.reshape(p.shape)))
     return model.eval(), dims
+
+
+def _reuse_parent_dense(
+    model: torch.nn.Module, src: CheckpointSource, dims: dict[str, int], parent: ParentState | None
+) -> tuple[torch.jit.ScriptModule, DenseSpec] | None:
+    """The parent bundle's traced dense network with this checkpoint's parameters, or None.
+
+    Tracing is the largest fixed cost of a bundle (~0.3 s here); a delta's model has
+    the parent's graph whenever schema and model config are unchanged, so the
+    parent's ``dense.pt`` is loaded, given the new parameters and buffers, and
+    checked against eager ``model.predict`` on an example batch (as
+    :func:`~delivery.dense.trace_dense` checks a fresh trace). Any mismatch: None
+    (trace afresh).
+
+    Args:
+        model: the checkpoint's model, trained parameters loaded.
+        src: the checkpoint.
+        dims: table -> dim.
+        parent: the parent state (None: nothing to reuse).
+    """
+    if parent is None or parent.path is None or parent.dense_spec is None:
+        return None
+    if parent.schema != src.schema.to_dict() or parent.model != dict(src.info["model"]):
+        return None
+    from delivery.dense import example_inputs, flat_inputs, input_names, load_scripted
+
+    spec = DenseSpec(inputs=list(parent.dense_spec["inputs"]), heads=list(parent.dense_spec["heads"]),
+                     tables=list(parent.dense_spec["tables"]))
+    if spec.inputs != input_names(src.schema, list(getattr(model, "tables", src.schema.tables))):
+        return None
+    try:
+        scripted = load_scripted(str(parent.path / DENSE))
+        scripted.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()}, strict=True)
+    except (DeliveryError, RuntimeError, KeyError) as exc:
+        log.info("parent dense network not reusable; tracing", extra=kv(parent=parent.version, error=str(exc)[:200]))
+        return None
+    fb, uniq, rows = example_inputs(src.schema, dims, rows=37, id_space=400, seed=2)
+    with torch.no_grad():
+        want = model.predict(fb, rows, uniq)
+        got = scripted(*flat_inputs(spec.inputs, fb, uniq, rows))
+    for h, g in zip(spec.heads, got):
+        if h not in want or g.shape != want[h].shape or not torch.allclose(g, want[h], atol=1e-5, rtol=0):
+            log.info("parent dense network disagrees with the model; tracing", extra=kv(parent=parent.version, head=h))
+            return None
+    return scripted, spec
 
 
 def export_bundle(
@@ -482,7 +533,8 @@ def export_bundle(
         writer.close()
     if parent is not None:
         write_removed(staging / REMOVED, removed)
-    scripted, spec = trace_dense(model, src.schema, dims)
+    reused = _reuse_parent_dense(model, src, dims, parent)
+    scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
     save_scripted(scripted, str(staging / DENSE))
     info = src.info
     manifest = BundleManifest(
@@ -493,7 +545,8 @@ def export_bundle(
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source={"checkpoint": str(src.path.resolve()), "step": src.step, "row_watermark": watermark,
                 "num_shards": src.manifest.get("shards"), "ckpt_id": src.manifest.get("ckpt_id"),
-                "read": "changes" if deltas is not None else "all"},
+                "read": "changes" if deltas is not None else "all",
+                "dense": "parent's graph" if reused is not None else "traced"},
         data_range=info.get("data_range"),
         metrics=dict(info.get("metrics") or {}),
         schema=src.schema.to_dict(),

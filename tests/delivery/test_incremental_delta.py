@@ -14,12 +14,14 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from delivery.bundle import EMBEDDINGS, REMOVED, EmbeddingReader, read_manifest, read_removed
 from delivery.config import DeliveryConfig
 from delivery.job import deliver_once
 from delivery.loader import load_bundle
 from metaps.core.config import to_dict
+from models.testing import random_features
 from tests.delivery.conftest import Fleet, TinyModel
 
 
@@ -89,6 +91,7 @@ def test_incremental_from_deltas_equals_incremental_from_full_checkpoints(tmp_pa
     for v in ("v000001", "v000002", "v000003"):
         mf, md = read_manifest(out_f / v), read_manifest(out_d / v)
         assert md.source["read"] == ("all" if v == "v000001" else "changes")
+        assert md.source["dense"] == ("traced" if v == "v000001" else "parent's graph")
         assert mf.source["read"] == "all"
         assert {t: (i.rows, i.written, i.removed) for t, i in md.tables.items()} == \
             {t: (i.rows, i.written, i.removed) for t, i in mf.tables.items()}, v
@@ -99,6 +102,17 @@ def test_incremental_from_deltas_equals_incremental_from_full_checkpoints(tmp_pa
             assert {t: a.tolist() for t, a in rd.items()} == {t: a.tolist() for t, a in rf.items()}, v
             removed_total += sum(i.removed for i in md.tables.values())
     assert removed_total > 0  # evictions between the rounds
+    # the delta bundles reuse the parent's traced dense network with the new parameters: same predictions
+    # as a full bundle of the same checkpoint (traced afresh)
+    deliver_once(DeliveryConfig(out=tmp_path / "fresh"), checkpoint=full[30])
+    fb = random_features(tiny.schema, (32,), vocab=10_000, generator=torch.Generator().manual_seed(5))
+    for c in tiny.schema.id_columns:
+        live = torch.from_numpy(fleet.live_ids(c.table_name))
+        fb.ids[c.name] = torch.where(fb.ids[c.name] >= 0, live[fb.ids[c.name] % live.numel()], fb.ids[c.name])
+    got, want = load_bundle(out_d).predict(fb), load_bundle(tmp_path / "fresh").predict(fb)
+    assert set(got) == set(want)
+    for h in want:
+        torch.testing.assert_close(got[h], want[h], atol=1e-6, rtol=0)
     served_f, served_d = load_bundle(out_f), load_bundle(out_d)
     for t in dims:
         ever = np.arange(0, fleet.next_id, dtype=np.int64)
