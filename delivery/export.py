@@ -185,7 +185,7 @@ class CheckpointSource:
         """
         if table not in self.table_dims:
             raise DeliveryError(f"{self.path}: checkpoint has no table '{table}'; it has {sorted(self.table_dims)}")
-        from ps.checkpoint import read_changes
+        from ps.checkpoint import in_sorted, read_changes
 
         dim = self.table_dims[table]
         ids = np.zeros(0, np.int64)
@@ -198,12 +198,17 @@ class CheckpointSource:
             except MetapsError as exc:
                 raise DeliveryError(f"{d}: cannot read the changes of table '{table}': {exc}") from None
             r_ids = np.asarray(rows.ids, np.int64)
-            keep = ~np.isin(ids, np.concatenate([removed, r_ids]))
-            ids = np.concatenate([ids[keep], r_ids])
-            w = np.concatenate([w[keep], np.asarray(rows.weights, np.float32).reshape(-1, dim)])
-            ls = np.concatenate([ls[keep], np.asarray(rows.last_step, np.int64)])
-            gone = np.union1d(gone, removed)
-            gone = gone[~np.isin(gone, r_ids)]
+            r_sorted = np.sort(r_ids)
+            if ids.size:  # (sort + searchsorted: numpy 2's hash-based isin/unique are far slower here)
+                keep = ~(in_sorted(ids, r_sorted) | in_sorted(ids, removed))
+                ids = np.concatenate([ids[keep], r_ids])
+                w = np.concatenate([w[keep], np.asarray(rows.weights, np.float32).reshape(-1, dim)])
+                ls = np.concatenate([ls[keep], np.asarray(rows.last_step, np.int64)])
+            else:
+                ids, ls = r_ids, np.asarray(rows.last_step, np.int64)
+                w = np.asarray(rows.weights, np.float32).reshape(-1, dim)
+            gone = np.sort(np.concatenate([gone[~in_sorted(gone, removed)], removed]))  # both sorted, unique
+            gone = gone[~in_sorted(gone, r_sorted)]
         order = np.argsort(ids, kind="stable")
         s_ids = ids[order]
         dup = np.flatnonzero(s_ids[1:] == s_ids[:-1])
@@ -489,6 +494,8 @@ def export_bundle(
     try:
         for t in sorted(dims, key=table_prefix):  # global key order -> append-mode writes
             if parent is not None and deltas is not None:  # only the changed data is read
+                from ps.checkpoint import in_sorted
+
                 p_ids, p_fp = parent.live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
                 data, removed_since = src.changes(t, deltas)
                 if data.last_step.size:
@@ -497,9 +504,9 @@ def export_bundle(
                 fp = row_fingerprints(stored)[data.order]
                 changed = np.flatnonzero(changed_since(p_ids, p_fp, data.ids, fp))
                 sel_ids, sel_rows = data.ids[changed], data.weights(changed)
-                gone = np.intersect1d(p_ids, removed_since, assume_unique=True)
+                gone = removed_since[in_sorted(removed_since, p_ids)]  # ids the parent served
                 removed[t] = gone
-                new_ids = int(np.count_nonzero(~np.isin(data.ids, p_ids, assume_unique=True)))
+                new_ids = int(np.count_nonzero(~in_sorted(data.ids, p_ids)))
                 try:
                     writer.write_table(t, sel_ids, sel_rows)
                 except DeliveryError as exc:

@@ -46,6 +46,7 @@ import uuid
 from dataclasses import dataclass
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -133,7 +134,7 @@ def unpack_arrays(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{where}: malformed array entry {str(m)[:120]} in the chunk header: {exc}") from None
         if hi > len(buf) or lo < base or min(shape, default=0) < 0:
             raise CheckpointError(f"{where}: array '{m.get('name')}' runs past the chunk end ({hi} > {len(buf)})")
-        if int(np.prod(shape)) * dt.itemsize != int(m["nbytes"]):
+        if math.prod(shape) * dt.itemsize != int(m["nbytes"]):
             raise CheckpointError(f"{where}: array '{m['name']}' size does not match shape {shape} {dt}")
         out[m["name"]] = np.frombuffer(buf[lo:hi], dtype=dt).reshape(shape).copy()
     return out
@@ -904,8 +905,8 @@ def _resolved_rows(chain: list[tuple[Path, dict]], table: str, verify: bool) -> 
         if cur is None:
             cur = rows
             continue
-        drop = np.concatenate([removed, rows.ids])
-        cur = TableRows.concat([cur.take(np.flatnonzero(~np.isin(cur.ids, drop))), rows], dim)
+        drop = np.sort(np.concatenate([removed, rows.ids]))
+        cur = TableRows.concat([cur.take(np.flatnonzero(~in_sorted(cur.ids, drop))), rows], dim)
     if cur is None:
         raise CheckpointError(f"{chain[-1][0]}: no table '{table}' in its chain")
     return cur
@@ -945,9 +946,25 @@ def read_changes(ckpt_dir: str | Path, table: str) -> tuple[TableRows, np.ndarra
             raise CheckpointError(f"{path} key 'r/{table}': expected an int64 [n] array 'ids'")
         removed.append(ids)
     rows = TableRows.concat(parts, dim) if parts else TableRows(np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
-    gone = np.unique(np.concatenate(removed)) if removed else np.zeros(0, np.int64)
-    gone = gone[~np.isin(gone, rows.ids)]
+    gone = _sorted_unique(np.concatenate(removed)) if removed else np.zeros(0, np.int64)
+    gone = gone[~in_sorted(gone, np.sort(rows.ids))]
     return rows, gone
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """Sorted unique values by sort + neighbour compare (numpy 2's hash-based unique is much slower here)."""
+    a = np.sort(a)
+    if a.size > 1:
+        a = a[np.concatenate([[True], a[1:] != a[:-1]])]
+    return a
+
+
+def in_sorted(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """bool per element of ``x``: present in the sorted array ``ref`` (one searchsorted, no hashing)."""
+    if ref.size == 0:
+        return np.zeros(x.shape[0], dtype=bool)
+    pos = np.searchsorted(ref, x).clip(max=ref.size - 1)
+    return ref[pos] == x
 
 
 def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
