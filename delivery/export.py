@@ -37,7 +37,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -443,7 +443,8 @@ def _reuse_parent_dense(
         return None
     fb, uniq, rows = example_inputs(src.schema, dims, rows=37, id_space=400, seed=2)
     with torch.no_grad():
-        want = model.predict(fb, rows, uniq)
+        predict: Callable[..., dict[str, torch.Tensor]] = getattr(model, "predict")
+        want = predict(fb, rows, uniq)
         got = scripted(*flat_inputs(spec.inputs, fb, uniq, rows))
     for h, g in zip(spec.heads, got):
         if h not in want or g.shape != want[h].shape or not torch.allclose(g, want[h], atol=1e-5, rtol=0):
