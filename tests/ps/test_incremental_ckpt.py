@@ -283,3 +283,17 @@ def test_retention_keeps_every_base_a_kept_delta_needs(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4", "ckpt-5"]
     assert state(restore(tmp_path / "ckpt-5", 1)) == state(stores)
     assert want != state(stores)
+
+
+def test_the_in_process_row_source_takes_deltas_when_asked(tmp_path: Path) -> None:
+    from workers.row_source import LocalRowSource
+
+    [s] = fleet(1)
+    src = LocalRowSource(s)
+    train([s], seed=1)
+    c1 = src.checkpoint(tmp_path, 1, {"step": 1}, full_every=2)
+    train([s], seed=2)
+    c2 = src.checkpoint(tmp_path, 2, {"step": 2}, full_every=2)
+    c3 = src.checkpoint(tmp_path, 3, {"step": 3}, full_every=2)
+    assert [read_manifest(c)["kind"] for c in (c1, c2, c3)] == ["full", "delta", "full"]
+    assert state(restore(c2, 1)) == state([s])
