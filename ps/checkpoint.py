@@ -29,6 +29,17 @@ vshards it owns (rows are re-bucketed by id when num_vshards changed).
 Not checkpointed: admission sketches (pending counts of not-yet-admitted ids)
 and the eviction removal log; they restart empty.
 
+Delta checkpoints (``[ps] checkpoint_full_every`` > 1)::
+
+    <root>/ckpt-<step>.tmp/plan.json   written first (begin_checkpoint): ckpt_id, kind, parent, chain
+    shard-<K>.lmdb of a delta          t/<table>/<vshard>: only rows with row_version > the store's
+                                       cut of the parent; r/<table>: ids evicted since that cut
+    manifest.json                      + ckpt_id, kind (full|delta), parent, chain [[name, ckpt_id], ...]
+
+A restore (``load_shard``) verifies every chain member first, then imports the
+base and replays each delta (its removals, then its rows). See
+docs/design/ps_storage.md "Delta checkpoints".
+
 Example::
 
     tmp = checkpoint_tmp_dir(root, step=100)

@@ -132,7 +132,8 @@ def checkpoint_all(
         for c in channels:
             c.close()
     log.info("coordinated checkpoint committed",
-             extra=kv(dir=str(final), step=step, kind=plan.kind, shards=len(addresses), pause_s=round(held_s, 3), drain_s=round(paused_s, 3)))
+             extra=kv(dir=str(final), step=step, kind=plan.kind, shards=len(addresses), pause_s=round(held_s, 3),
+                      drain_s=round(paused_s, 3)))
     return final
 
 
