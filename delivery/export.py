@@ -17,6 +17,13 @@ parent served that are gone now (``np.setdiff1d`` on sorted ids) into
 ``removed.arrow``. (The PS ``last_step`` is a per-shard, per-table counter that
 migration carries between shards, so it cannot safely select changed rows.)
 
+When the checkpoint is a delta whose chain passes through the parent bundle's
+checkpoint (same ``ckpt_id``), only the delta checkpoints after it are read
+(:meth:`CheckpointSource.changes`): their changed rows (the PS's dirty rows) and
+removed ids, combined newest-wins; only those rows are fingerprinted against
+the parent. Nothing else of the checkpoint is read, verified or decoded, so the
+cost follows the changed fraction. Any other case reads every row as above.
+
 Example::
 
     src = CheckpointSource.open(latest_checkpoint(run / "checkpoints"))
@@ -30,7 +37,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,7 +47,7 @@ from delivery.bundle import (
     checksum_files, read_index, read_removed, row_fingerprints, table_prefix, write_manifest, write_removed,
 )
 from delivery.config import DeliveryConfig
-from delivery.dense import save_scripted, trace_dense
+from delivery.dense import DenseSpec, save_scripted, trace_dense
 from meta_io.schema import Schema, schema_from_dict
 from metaps.core.config import from_mapping
 from metaps.core.errors import ConfigError, MetapsError
@@ -142,6 +149,73 @@ class CheckpointSource:
                 f"{self.path}: table '{table}': id {int(ids[dup[0] + 1])} is stored by more than one shard"
             )
         return TableData(ids, w, order, ls)
+
+    def deltas_after(self, parent: "ParentState") -> list[Path] | None:
+        """The delta checkpoints between the parent bundle's checkpoint and this one (oldest first).
+
+        None when this checkpoint's chain does not pass through the parent's
+        checkpoint (matched by ``ckpt_id``; then every row must be read). An
+        empty list: the same checkpoint. The returned deltas are sha256-verified
+        (this checkpoint was verified by :meth:`open`).
+        """
+        if not parent.ckpt_id:
+            return None
+        from ps.checkpoint import checkpoint_chain, verify_checkpoint
+
+        try:
+            chain = checkpoint_chain(self.path)
+        except MetapsError as exc:
+            raise DeliveryError(f"{self.path}: cannot resolve its checkpoint chain: {exc}") from None
+        ids = [m.get("ckpt_id") for _d, m in chain]
+        if parent.ckpt_id not in ids:
+            return None
+        after = [d for d, _m in chain[ids.index(parent.ckpt_id) + 1 :]]
+        try:
+            for d in after[:-1]:
+                verify_checkpoint(d)
+        except MetapsError as exc:
+            raise DeliveryError(f"{d}: delta checkpoint failed verification: {exc}") from None
+        return after
+
+    def changes(self, table: str, deltas: list[Path]) -> tuple[TableData, np.ndarray]:
+        """Rows of ``table`` changed over ``deltas`` (newest value wins) and the ids removed since.
+
+        Reads only the delta files (``ps.checkpoint.read_changes``); sorted-set numpy
+        ops, no per-row Python. Returns (changed rows sorted by id, removed ids sorted).
+        """
+        if table not in self.table_dims:
+            raise DeliveryError(f"{self.path}: checkpoint has no table '{table}'; it has {sorted(self.table_dims)}")
+        from ps.checkpoint import in_sorted, read_changes
+
+        dim = self.table_dims[table]
+        ids = np.zeros(0, np.int64)
+        w = np.zeros((0, dim), np.float32)
+        ls = np.zeros(0, np.int64)
+        gone = np.zeros(0, np.int64)
+        for d in deltas:
+            try:
+                rows, removed = read_changes(d, table)
+            except MetapsError as exc:
+                raise DeliveryError(f"{d}: cannot read the changes of table '{table}': {exc}") from None
+            r_ids = np.asarray(rows.ids, np.int64)
+            r_sorted = np.sort(r_ids)
+            if ids.size:  # (sort + searchsorted: numpy 2's hash-based isin/unique are far slower here)
+                keep = ~(in_sorted(ids, r_sorted) | in_sorted(ids, removed))
+                ids = np.concatenate([ids[keep], r_ids])
+                w = np.concatenate([w[keep], np.asarray(rows.weights, np.float32).reshape(-1, dim)])
+                ls = np.concatenate([ls[keep], np.asarray(rows.last_step, np.int64)])
+            else:
+                ids, ls = r_ids, np.asarray(rows.last_step, np.int64)
+                w = np.asarray(rows.weights, np.float32).reshape(-1, dim)
+            gone = np.sort(np.concatenate([gone[~in_sorted(gone, removed)], removed]))  # both sorted, unique
+            gone = gone[~in_sorted(gone, r_sorted)]
+        order = np.argsort(ids, kind="stable")
+        s_ids = ids[order]
+        dup = np.flatnonzero(s_ids[1:] == s_ids[:-1])
+        if dup.size:
+            raise DeliveryError(f"{self.path}: table '{table}': id {int(s_ids[dup[0] + 1])} is stored by more "
+                                f"than one shard of a delta checkpoint")
+        return TableData(s_ids, w, order, ls[order]), gone
 
     def dense(self, names: list[str]) -> dict[str, np.ndarray]:
         """Dense parameter values by name (the model's ``named_parameters()`` names).
@@ -261,6 +335,13 @@ class ParentState:
     dims: dict[str, int]
     dtype: str
     chain_length: int
+    ckpt_id: str | None = None
+    """``ckpt_id`` of the checkpoint the parent was exported from (delta checkpoints after it hold the changes)."""
+    path: Path | None = None
+    """The parent bundle's directory (its traced ``dense.pt`` is reused when schema and model match)."""
+    schema: dict[str, Any] | None = None
+    model: dict[str, Any] | None = None
+    dense_spec: dict[str, Any] | None = None
 
 
 def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
@@ -287,7 +368,8 @@ def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
     return ParentState(
         version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
         live=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
-        chain_length=len(chain) - 1,
+        chain_length=len(chain) - 1, ckpt_id=newest.source.get("ckpt_id"), path=chain[0][0],
+        schema=newest.schema, model=newest.model, dense_spec=newest.dense,
     )
 
 
@@ -325,6 +407,52 @@ def build_trained_model(src: CheckpointSource) -> tuple[torch.nn.Module, dict[st
     return model.eval(), dims
 
 
+def _reuse_parent_dense(
+    model: torch.nn.Module, src: CheckpointSource, dims: dict[str, int], parent: ParentState | None
+) -> tuple[torch.jit.ScriptModule, DenseSpec] | None:
+    """The parent bundle's traced dense network with this checkpoint's parameters, or None.
+
+    Tracing is the largest fixed cost of a bundle (~0.3 s here); a delta's model has
+    the parent's graph whenever schema and model config are unchanged, so the
+    parent's ``dense.pt`` is loaded, given the new parameters and buffers, and
+    checked against eager ``model.predict`` on an example batch (as
+    :func:`~delivery.dense.trace_dense` checks a fresh trace). Any mismatch: None
+    (trace afresh).
+
+    Args:
+        model: the checkpoint's model, trained parameters loaded.
+        src: the checkpoint.
+        dims: table -> dim.
+        parent: the parent state (None: nothing to reuse).
+    """
+    if parent is None or parent.path is None or parent.dense_spec is None:
+        return None
+    if parent.schema != src.schema.to_dict() or parent.model != dict(src.info["model"]):
+        return None
+    from delivery.dense import example_inputs, flat_inputs, input_names, load_scripted
+
+    spec = DenseSpec(inputs=list(parent.dense_spec["inputs"]), heads=list(parent.dense_spec["heads"]),
+                     tables=list(parent.dense_spec["tables"]))
+    if spec.inputs != input_names(src.schema, list(getattr(model, "tables", src.schema.tables))):
+        return None
+    try:
+        scripted = load_scripted(str(parent.path / DENSE))
+        scripted.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()}, strict=True)
+    except (DeliveryError, RuntimeError, KeyError) as exc:
+        log.info("parent dense network not reusable; tracing", extra=kv(parent=parent.version, error=str(exc)[:200]))
+        return None
+    fb, uniq, rows = example_inputs(src.schema, dims, rows=37, id_space=400, seed=2)
+    with torch.no_grad():
+        predict: Callable[..., dict[str, torch.Tensor]] = getattr(model, "predict")
+        want = predict(fb, rows, uniq)
+        got = scripted(*flat_inputs(spec.inputs, fb, uniq, rows))
+    for h, g in zip(spec.heads, got):
+        if h not in want or g.shape != want[h].shape or not torch.allclose(g, want[h], atol=1e-5, rtol=0):
+            log.info("parent dense network disagrees with the model; tracing", extra=kv(parent=parent.version, head=h))
+            return None
+    return scripted, spec
+
+
 def export_bundle(
     src: CheckpointSource,
     staging: Path,
@@ -358,6 +486,7 @@ def export_bundle(
                 raise DeliveryError(
                     f"table '{t}': dim {dim} in {src.path} but {parent.dims.get(t)} in parent {parent.version}"
                 )
+    deltas = src.deltas_after(parent) if parent is not None else None
     writer = EmbeddingWriter(staging / EMBEDDINGS, cfg.dtype, cfg.map_size_gb)
     tables: dict[str, TableInfo] = {}
     removed: dict[str, np.ndarray] = {}
@@ -365,6 +494,28 @@ def export_bundle(
     written_total = 0
     try:
         for t in sorted(dims, key=table_prefix):  # global key order -> append-mode writes
+            if parent is not None and deltas is not None:  # only the changed data is read
+                from ps.checkpoint import in_sorted
+
+                p_ids, p_fp = parent.live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+                data, removed_since = src.changes(t, deltas)
+                if data.last_step.size:
+                    watermark = max(watermark, int(data.last_step.max()))
+                stored = np.ascontiguousarray(data.raw_weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
+                fp = row_fingerprints(stored)[data.order]
+                changed = np.flatnonzero(changed_since(p_ids, p_fp, data.ids, fp))
+                sel_ids, sel_rows = data.ids[changed], data.weights(changed)
+                gone = removed_since[in_sorted(removed_since, p_ids)]  # ids the parent served
+                removed[t] = gone
+                new_ids = int(np.count_nonzero(~in_sorted(data.ids, p_ids)))
+                try:
+                    writer.write_table(t, sel_ids, sel_rows)
+                except DeliveryError as exc:
+                    raise DeliveryError(f"checkpoint {src.path}: {exc}") from None
+                written_total += sel_ids.shape[0]
+                tables[t] = TableInfo(dim=dims[t], rows=int(p_ids.shape[0] - gone.shape[0] + new_ids),
+                                      written=int(sel_ids.shape[0]), removed=int(gone.shape[0]))
+                continue
             data = src.table(t)
             if data.last_step.size:
                 watermark = max(watermark, int(data.last_step.max()))
@@ -390,7 +541,8 @@ def export_bundle(
         writer.close()
     if parent is not None:
         write_removed(staging / REMOVED, removed)
-    scripted, spec = trace_dense(model, src.schema, dims)
+    reused = _reuse_parent_dense(model, src, dims, parent)
+    scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
     save_scripted(scripted, str(staging / DENSE))
     info = src.info
     from delivery.adapt import adapt_recipe, write_adapt_params
@@ -403,7 +555,9 @@ def export_bundle(
         base=version if parent is None else parent.base,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         source={"checkpoint": str(src.path.resolve()), "step": src.step, "row_watermark": watermark,
-                "num_shards": src.manifest.get("shards")},
+                "num_shards": src.manifest.get("shards"), "ckpt_id": src.manifest.get("ckpt_id"),
+                "read": "changes" if deltas is not None else "all",
+                "dense": "parent's graph" if reused is not None else "traced"},
         data_range=info.get("data_range"),
         metrics=dict(info.get("metrics") or {}),
         schema=src.schema.to_dict(),
@@ -418,6 +572,7 @@ def export_bundle(
     log.info(
         "bundle exported",
         extra=kv(version=version, kind=manifest.kind.value, checkpoint=src.path, rows_written=written_total,
+                 read=manifest.source["read"], deltas_read=len(deltas or []),
                  removed=sum(len(v) for v in removed.values()), seconds=round(time.perf_counter() - t0, 3)),
     )
     return manifest

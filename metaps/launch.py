@@ -522,6 +522,7 @@ class Launcher:
             step = int(last.name.split("-")[1]) + 1
         try:
             path = checkpoint_all(self.ps_addrs, root, step, rpc_cfg=self.job.rpc,
+                                  full_every=self.job.ps.checkpoint_full_every,
                                   extra_info=checkpoint_info(self.job, step, {"stopped": reason}))
         except Exception as exc:  # noqa: BLE001 -- report it, but still stop the fleet and write the report
             log.error("final checkpoint failed", extra=kv(error=str(exc)[:300]))

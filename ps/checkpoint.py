@@ -29,6 +29,17 @@ vshards it owns (rows are re-bucketed by id when num_vshards changed).
 Not checkpointed: admission sketches (pending counts of not-yet-admitted ids)
 and the eviction removal log; they restart empty.
 
+Delta checkpoints (``[ps] checkpoint_full_every`` > 1)::
+
+    <root>/ckpt-<step>.tmp/plan.json   written first (begin_checkpoint): ckpt_id, kind, parent, chain
+    shard-<K>.lmdb of a delta          t/<table>/<vshard>: only rows with row_version > the store's
+                                       cut of the parent; r/<table>: ids evicted since that cut
+    manifest.json                      + ckpt_id, kind (full|delta), parent, chain [[name, ckpt_id], ...]
+
+A restore (``load_shard``) verifies every chain member first, then imports the
+base and replays each delta (its removals, then its rows). See
+docs/design/ps_storage.md "Delta checkpoints".
+
 Example::
 
     tmp = checkpoint_tmp_dir(root, step=100)
@@ -41,8 +52,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import shutil
+import uuid
+from dataclasses import dataclass
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -56,6 +71,7 @@ import numpy as np
 from metaps.core.hashing import vshard_of
 from metaps.core.log import kv
 from ps.embedding_table import TableRows
+from metaps.core.atomic_write import write_json_atomic
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
 
 log = logging.getLogger(__name__)
@@ -63,6 +79,9 @@ log = logging.getLogger(__name__)
 MAGIC = b"MPSC"
 FORMAT = 1
 MANIFEST = "manifest.json"
+PLAN = "plan.json"
+DELTA_UNAVAILABLE = "delta unavailable"
+"""Start of a :class:`DeltaUnavailable` message (the coordinator matches it to retry as a full checkpoint)."""
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_RE = re.compile(r"^ckpt-(\d+)\.tmp$")
 _SHARD_RE = re.compile(r"^shard-(\d+)\.lmdb$")
@@ -126,7 +145,7 @@ def unpack_arrays(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{where}: malformed array entry {str(m)[:120]} in the chunk header: {exc}") from None
         if hi > len(buf) or lo < base or min(shape, default=0) < 0:
             raise CheckpointError(f"{where}: array '{m.get('name')}' runs past the chunk end ({hi} > {len(buf)})")
-        if int(np.prod(shape)) * dt.itemsize != int(m["nbytes"]):
+        if math.prod(shape) * dt.itemsize != int(m["nbytes"]):
             raise CheckpointError(f"{where}: array '{m['name']}' size does not match shape {shape} {dt}")
         out[m["name"]] = np.frombuffer(buf[lo:hi], dtype=dt).reshape(shape).copy()
     return out
@@ -151,6 +170,120 @@ def _arrays_to_rows(a: dict[str, np.ndarray], where: str) -> TableRows:
     )
 
 
+# -- plans: full or delta ------------------------------------------------------------
+class DeltaUnavailable(CheckpointError):
+    """A shard cannot write the planned delta (it has no cut of the parent, or its
+    removal log forgot removals since then); nothing was written. The coordinator
+    retries the checkpoint as a full one."""
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What one checkpoint is: full, or a delta over its parent.
+
+    Written as ``plan.json`` into ``ckpt-<step>.tmp`` by :func:`begin_checkpoint`
+    before any shard saves; every shard reads it (shared directory), and
+    :func:`commit_checkpoint` copies it into the manifest.
+
+    Args:
+        ckpt_id: unique id of this checkpoint attempt (a retried or aborted attempt has another).
+        parent: directory name of the parent checkpoint (``ckpt-<step>``); None = full.
+        parent_id: the parent's ``ckpt_id``.
+        chain: ``[[name, ckpt_id], ...]`` from the base (a full checkpoint) to the parent.
+    """
+
+    ckpt_id: str
+    parent: str | None = None
+    parent_id: str | None = None
+    chain: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.parent is None else "delta"
+
+    def to_dict(self) -> dict:
+        return {"ckpt_id": self.ckpt_id, "kind": self.kind, "parent": self.parent, "parent_id": self.parent_id,
+                "chain": [list(c) for c in self.chain]}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "CheckpointPlan":
+        try:
+            plan = cls(ckpt_id=str(d["ckpt_id"]), parent=d.get("parent"), parent_id=d.get("parent_id"),
+                       chain=tuple((str(n), str(i)) for n, i in d.get("chain") or ()))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: invalid checkpoint plan: {exc!r}") from None
+        if (plan.parent is None) != (plan.parent_id is None) or (plan.parent is not None and not plan.chain):
+            raise CheckpointError(f"{where}: invalid checkpoint plan: a delta needs parent, parent_id and chain")
+        return plan
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def plan_checkpoint(root: str | Path, step: int, full_every: int = 1) -> CheckpointPlan:
+    """Full or delta for the next checkpoint under ``root`` (``[ps] checkpoint_full_every``).
+
+    A delta over the newest committed checkpoint when ``full_every > 1``, that
+    checkpoint has a ``ckpt_id`` (written by this code) and an older step, and its
+    chain (base + deltas) is shorter than ``full_every``; else full.
+
+    Args:
+        root: the checkpoint root.
+        step: the new checkpoint's step.
+        full_every: K of "a full checkpoint every K" (1 = always full).
+    """
+    if full_every < 1:
+        raise ValueError(f"checkpoint_full_every must be >= 1, got {full_every}")
+    full = CheckpointPlan(ckpt_id=_new_id())
+    latest = latest_checkpoint(root) if full_every > 1 else None
+    if latest is None:
+        return full
+    man = read_manifest(latest)
+    pid = man.get("ckpt_id")
+    if not pid or int(man["step"]) >= int(step):
+        return full
+    chain = tuple((str(n), str(i)) for n, i in man.get("chain") or ()) + ((latest.name, str(pid)),)
+    if len(chain) >= full_every:
+        return full
+    return CheckpointPlan(ckpt_id=full.ckpt_id, parent=latest.name, parent_id=str(pid), chain=chain)
+
+
+def write_plan(ckpt_dir: str | Path, plan: CheckpointPlan) -> Path:
+    """Write ``plan.json`` into a checkpoint tmp dir (atomically, fsynced)."""
+    return write_json_atomic(Path(ckpt_dir) / PLAN, plan.to_dict(), fsync=True)
+
+
+def read_plan(ckpt_dir: str | Path) -> CheckpointPlan | None:
+    """The ``plan.json`` of a tmp dir (None when absent: a plain full checkpoint without id)."""
+    path = Path(ckpt_dir) / PLAN
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: invalid json: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a json object")
+    return CheckpointPlan.from_dict(data, str(path))
+
+
+def begin_checkpoint(root: str | Path, step: int, full_every: int = 1) -> tuple[Path, CheckpointPlan]:
+    """Create ``<root>/ckpt-<step>.tmp`` with its plan (full or delta); returns (tmp dir, plan).
+
+    Example::
+
+        tmp, plan = begin_checkpoint(root, 200, full_every=4)
+        for k, store in enumerate(stores):
+            save_shard(store, tmp, k)          # reads tmp/plan.json
+        commit_checkpoint(tmp, {"step": 200})
+    """
+    tmp = checkpoint_tmp_dir(root, step)
+    plan = plan_checkpoint(root, step, full_every)
+    write_plan(tmp, plan)
+    return tmp, plan
+
+
 # -- save ----------------------------------------------------------------------------
 def checkpoint_tmp_dir(root: str | Path, step: int) -> Path:
     """Create (if needed) and return ``<root>/ckpt-<step>.tmp``."""
@@ -163,7 +296,12 @@ def shard_path(ckpt_dir: str | Path, shard_id: int) -> Path:
     return Path(ckpt_dir) / f"shard-{int(shard_id)}.lmdb"
 
 
-def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict:  # noqa: F821
+def save_shard(
+    store: "ShardStore",  # noqa: F821
+    ckpt_dir: str | Path,
+    shard_id: int,
+    plan: CheckpointPlan | None = None,
+) -> dict:
     """Write this shard's tables and dense params into ``<ckpt_dir>/shard-<K>.lmdb``.
 
     Streamed: under ``store.write_lock()`` (a consistent cut) every table is
@@ -171,11 +309,29 @@ def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict
     the LMDB transaction every ``_TXN_BYTES``, so the extra memory is one chunk
     plus a row index, never a copy of the tables; pulls and pushes wait meanwhile.
 
+    A delta plan writes only the rows changed since this store's cut of the
+    parent (``row_version`` above it) plus, per table, the ids evicted since
+    then (key ``r/<table>``); dense params are always written whole. The cut
+    is recorded in the store under the plan's ``ckpt_id`` (a parent for later
+    deltas once committed; an aborted cut is simply never named as a parent).
+
+    Args:
+        store: the shard's store.
+        ckpt_dir: the checkpoint tmp dir (shared by every shard).
+        shard_id: this shard's index (the file name).
+        plan: full or delta; None = read ``<ckpt_dir>/plan.json`` (absent = full, no id).
+
     Returns:
-        a summary: {"file", "rows": {table: n}, "dense": n, "bytes"}.
+        a summary: {"file", "kind", "rows": {table: n}, "removed": {table: n}, "dense": n, "bytes"}.
+
+    Raises:
+        DeltaUnavailable: a delta plan whose parent this store has no cut of, or
+            whose removals it forgot (nothing written; retry as full).
     """
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if plan is None:
+        plan = read_plan(ckpt_dir)
     path = shard_path(ckpt_dir, shard_id)
     for stale in (path, Path(str(path) + "-lock")):
         if stale.exists():
@@ -183,9 +339,34 @@ def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict
     # streamed under the lock: one vshard chunk in memory at a time (no copy of the tables);
     # pushes and pulls wait for the write
     with store.write_lock():
+        since: int | None = None
+        removed: dict[str, np.ndarray] = {}
+        if plan is not None and plan.parent_id is not None:
+            since = store.cut_version(plan.parent_id)
+            if since is None:
+                raise DeltaUnavailable(
+                    f"{DELTA_UNAVAILABLE}: shard {shard_id} has no cut of parent {plan.parent} "
+                    f"(id {plan.parent_id}): restarted or not restored from it; take a full checkpoint"
+                )
+            for name in store.tables:
+                try:
+                    removed[name] = store.removed_ids(name, since)
+                except BadRequest as exc:
+                    raise DeltaUnavailable(f"{DELTA_UNAVAILABLE}: shard {shard_id}: {exc}") from None
+        cut = store.bump_version()  # rows stamped <= cut are in this checkpoint; later changes are not
         dense = store.dense.state()
         meta = _shard_meta(store, shard_id)
+        meta["kind"] = "full" if since is None else "delta"
+        meta["ckpt_id"] = None if plan is None else plan.ckpt_id
+        meta["parent_id"] = None if plan is None else plan.parent_id
+        meta["since_version"] = since
+        meta["cut_version"] = cut
+        if since is not None:
+            for name in store.tables:
+                meta["tables"][name]["delta_rows"] = store.dirty_count(name, since)
+                meta["tables"][name]["removed"] = int(removed[name].shape[0])
         est = sum(t.size * (8 * 3 + t.raw_bytes_per_row()) for t in store.tables.values())
+        est += sum(8 * int(r.shape[0]) for r in removed.values())
         est += sum(sum(np.asarray(a).nbytes for a in e.values()) for e in dense.values())
         env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * est + (64 << 20), 1 << 26), sync=False)
         try:
@@ -193,7 +374,9 @@ def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict
             pending = 0
             txn.put(b"meta", json.dumps(meta).encode())
             for name in store.tables:
-                for v, part in store.vshard_chunks(name):
+                if since is not None:
+                    txn.put(f"r/{name}".encode(), pack_arrays({"ids": removed[name]}))
+                for v, part in store.vshard_chunks(name, since_version=since):
                     chunk = pack_arrays(_rows_to_arrays(part))
                     del part
                     txn.put(f"t/{name}/{v}".encode(), chunk)
@@ -213,14 +396,19 @@ def save_shard(store: "ShardStore", ckpt_dir: str | Path, shard_id: int) -> dict
             raise
         finally:
             env.close()
+        if plan is not None:
+            store.record_cut(plan.ckpt_id, cut)
     rows = {name: int(m["rows"]) for name, m in meta["tables"].items()}
     summary = {
         "file": str(path),
+        "kind": meta["kind"],
+        "removed": {name: int(r.shape[0]) for name, r in removed.items()},
         "rows": rows,
         "dense": len(dense),
         "bytes": path.stat().st_size,
     }
-    log.info("saved shard checkpoint", extra=kv(shard=shard_id, path=str(path), bytes=summary["bytes"]))
+    log.info("saved shard checkpoint", extra=kv(shard=shard_id, path=str(path), kind=meta["kind"],
+                                                bytes=summary["bytes"]))
     return summary
 
 
@@ -328,6 +516,24 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict) -> Path:
     if not shards:
         raise CheckpointError(f"{tmp_dir}: no shard-*.lmdb files to commit")
     metas = [_read_meta(p) for p in shards]
+    plan = read_plan(tmp_dir)
+    want_id = None if plan is None else plan.ckpt_id
+    want_kind = "full" if plan is None else plan.kind
+    for p, mm in zip(shards, metas):
+        if mm.get("ckpt_id") != want_id or mm.get("kind", "full") != want_kind:
+            raise CheckpointError(
+                f"{p} key 'meta': written for checkpoint {mm.get('ckpt_id')} ({mm.get('kind', 'full')}), "
+                f"the plan is {want_id} ({want_kind}): a stale file from another attempt"
+            )
+    if plan is not None and plan.parent is not None:
+        parent_dir = tmp_dir.parent / plan.parent
+        try:
+            pman = read_manifest(parent_dir)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{tmp_dir}: delta over {plan.parent}, which is not committed: {exc}") from None
+        if pman.get("ckpt_id") != plan.parent_id:
+            raise CheckpointError(f"{parent_dir / MANIFEST}: ckpt_id {pman.get('ckpt_id')}, "
+                                  f"the delta was cut over {plan.parent_id}")
     vsh = {mm["num_vshards"] for mm in metas}
     if len(vsh) != 1:
         raise CheckpointError(f"{tmp_dir}: shard files disagree on num_vshards: {sorted(vsh)}")
@@ -354,6 +560,9 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict) -> Path:
         "files": files,
         "info": info,
     }
+    if plan is not None:
+        manifest.update({"ckpt_id": plan.ckpt_id, "kind": plan.kind, "parent": plan.parent,
+                         "chain": [list(c) for c in plan.chain]})
     mpath = tmp_dir / MANIFEST
     with mpath.open("w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
@@ -362,7 +571,8 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict) -> Path:
     _fsync_dir(tmp_dir)
     os.rename(tmp_dir, final)
     _fsync_dir(final.parent)
-    log.info("committed checkpoint", extra=kv(path=str(final), step=step, shards=len(shards), files=len(files)))
+    log.info("committed checkpoint", extra=kv(path=str(final), step=step, shards=len(shards), files=len(files),
+                                              kind=want_kind, parent=None if plan is None else plan.parent))
     return final
 
 
@@ -400,17 +610,67 @@ def verify_checkpoint(ckpt_dir: str | Path, files: Sequence[str] | None = None) 
     return manifest
 
 
+def checkpoint_chain(ckpt_dir: str | Path) -> list[tuple[Path, dict]]:
+    """(directory, manifest) of every checkpoint a restore of ``ckpt_dir`` reads, base first.
+
+    A full checkpoint is its own chain. A delta's manifest lists its chain
+    (base .. parent, names and ids); each member must be a committed sibling
+    directory whose manifest carries that id.
+
+    Raises:
+        CheckpointError: a missing member or an id mismatch (named).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointNotFound(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
+    tip = read_manifest(ckpt_dir)
+    if tip.get("kind", "full") == "full":
+        return [(ckpt_dir, tip)]
+    chain = tip.get("chain")
+    if not isinstance(chain, list) or not chain:
+        raise CheckpointError(f"{ckpt_dir / MANIFEST}: a delta checkpoint without its 'chain'")
+    out: list[tuple[Path, dict]] = []
+    for i, link in enumerate(chain):
+        try:
+            name, cid = str(link[0]), str(link[1])
+        except (TypeError, IndexError, KeyError):
+            raise CheckpointError(f"{ckpt_dir / MANIFEST}: key 'chain' entry {i} is not [name, ckpt_id]") from None
+        d = ckpt_dir.parent / name
+        try:
+            man = read_manifest(d)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{ckpt_dir}: chain member {name} is not a committed checkpoint: {exc}") from None
+        if man.get("ckpt_id") != cid:
+            raise CheckpointError(f"{d / MANIFEST}: ckpt_id {man.get('ckpt_id')}, the chain of {ckpt_dir.name} "
+                                  f"names {cid} (replaced checkpoint)")
+        if (man.get("kind", "full") == "full") != (i == 0):
+            raise CheckpointError(f"{d / MANIFEST}: chain member {i} of {ckpt_dir.name} is "
+                                  f"{man.get('kind', 'full')}; a chain is one full base then deltas")
+        out.append((d, man))
+    out.append((ckpt_dir, tip))
+    return out
+
+
 def verify_for_restore(ckpt_dir: str | Path) -> dict:
     """Everything a restore can check before it touches a shard; returns the manifest.
 
-    The manifest is valid json with its keys; every file it lists exists with
-    its size and sha256; the ``shard-*.lmdb`` files on disk are exactly the ones
-    it lists, as many as its ``shards``; each shard file's ``meta`` agrees with
-    the manifest's num_vshards and table dims/optimizers.
+    For a delta checkpoint every member of its chain (base + deltas) is checked,
+    all before anything is loaded: one bad file refuses the whole restore.
+    Per checkpoint: the manifest is valid json with its keys; every file it lists
+    exists with its size and sha256; the ``shard-*.lmdb`` files on disk are
+    exactly the ones it lists, as many as its ``shards``; each shard file's
+    ``meta`` agrees with the manifest's num_vshards and table dims/optimizers.
 
     Raises:
         CheckpointError: the first problem, naming the file (and key).
     """
+    chain = checkpoint_chain(ckpt_dir)
+    for d, _man in chain:
+        _verify_one_for_restore(d)
+    return chain[-1][1]
+
+
+def _verify_one_for_restore(ckpt_dir: str | Path) -> dict:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointNotFound(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
@@ -521,36 +781,74 @@ def load_shard(
             lacks, or a dim/optimizer mismatch (named).
     """
     ckpt_dir = Path(ckpt_dir)
-    shards = _shards_to_read(ckpt_dir, verify)
+    chain = checkpoint_chain(ckpt_dir)
+    files = [_shards_to_read(d, False) for d, _m in chain]  # all present before anything loads
+    if verify:
+        for d, _m in chain:
+            _verify_one_for_restore(d)
     owned = np.unique(np.asarray(list(owned_vshards), dtype=np.int64))
-    counts = {name: 0 for name in store.tables}
     with store.write_lock():
-        for path in shards:
-            meta = _read_meta(path)
-            same_v = int(meta["num_vshards"]) == store.num_vshards
-            for name, tmeta in meta["tables"].items():
-                t = store.tables.get(name)
-                if t is None:
-                    raise CheckpointError(
-                        f"{path}: checkpoint table '{name}' is not configured on this shard ({sorted(store.tables)})"
-                    )
-                if (t.dim, t.cfg.optimizer.kind.value) != (tmeta["dim"], tmeta["optimizer"]):
-                    raise CheckpointError(
-                        f"{path}: table '{name}' is dim {tmeta['dim']} / {tmeta['optimizer']} in the checkpoint, "
-                        f"configured dim {t.dim} / {t.cfg.optimizer.kind.value}"
-                    )
-                t.step = max(t.step, int(tmeta.get("step", 0)))
-                chunks = _iter_table_chunks(path, name, owned.tolist() if same_v else None)
-                for where, rows in chunks:
-                    if not same_v:  # re-bucket by id under the new vshard count
-                        rows = rows.take(np.nonzero(np.isin(vshard_of(rows.ids, store.num_vshards), owned))[0])
-                    try:
-                        store.import_rows(name, rows)
-                    except BadRequest as exc:
-                        raise CheckpointError(f"{where}: {exc}") from None
-                    counts[name] += len(rows)
-    log.info("loaded shard checkpoint", extra=kv(shard=store.shard_id, path=str(ckpt_dir), **counts))
+        was_empty = all(t.size == 0 for t in store.tables.values())
+        before = {name: t.size for name, t in store.tables.items()}
+        for i, shards in enumerate(files):
+            if i:  # a delta: its removals (ids evicted since the parent), then its changed rows
+                for path in shards:
+                    _apply_removals(store, path, owned)
+            _import_files(store, shards, owned)
+        counts = {name: t.size - before[name] for name, t in store.tables.items()}
+        tip = chain[-1][1]
+        if was_empty and tip.get("ckpt_id"):
+            # the store now holds exactly this checkpoint's rows of its vshards: later deltas over it
+            # write what changes from here
+            store.record_cut(str(tip["ckpt_id"]), store.bump_version())
+    log.info("loaded shard checkpoint", extra=kv(shard=store.shard_id, path=str(ckpt_dir), chain=len(chain), **counts))
     return counts
+
+
+def _apply_removals(store: "ShardStore", path: Path, owned: np.ndarray) -> None:  # noqa: F821
+    """Drop the owned ids a delta shard file lists as removed (``r/<table>``)."""
+    env = _open_ro(path)
+    try:
+        with env.begin() as txn:
+            for name in store.tables:
+                key = f"r/{name}"
+                raw = txn.get(key.encode())
+                if raw is None:
+                    continue
+                ids = unpack_arrays(raw, f"{path} key '{key}'").get("ids")
+                if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
+                    raise CheckpointError(f"{path} key '{key}': expected an int64 [n] array 'ids'")
+                mine = ids[np.isin(vshard_of(ids, store.num_vshards), owned)]
+                store.remove_ids(name, mine)
+    finally:
+        env.close()
+
+
+def _import_files(store: "ShardStore", shards: list[Path], owned: np.ndarray) -> None:  # noqa: F821
+    """Import the owned vshards' rows of ``shards`` (one checkpoint's files) into ``store``."""
+    for path in shards:
+        meta = _read_meta(path)
+        same_v = int(meta["num_vshards"]) == store.num_vshards
+        for name, tmeta in meta["tables"].items():
+            t = store.tables.get(name)
+            if t is None:
+                raise CheckpointError(
+                    f"{path}: checkpoint table '{name}' is not configured on this shard ({sorted(store.tables)})"
+                )
+            if (t.dim, t.cfg.optimizer.kind.value) != (tmeta["dim"], tmeta["optimizer"]):
+                raise CheckpointError(
+                    f"{path}: table '{name}' is dim {tmeta['dim']} / {tmeta['optimizer']} in the checkpoint, "
+                    f"configured dim {t.dim} / {t.cfg.optimizer.kind.value}"
+                )
+            t.step = max(t.step, int(tmeta.get("step", 0)))
+            chunks = _iter_table_chunks(path, name, owned.tolist() if same_v else None)
+            for where, rows in chunks:
+                if not same_v:  # re-bucket by id under the new vshard count
+                    rows = rows.take(np.nonzero(np.isin(vshard_of(rows.ids, store.num_vshards), owned))[0])
+                try:
+                    store.import_rows(name, rows)
+                except BadRequest as exc:
+                    raise CheckpointError(f"{where}: {exc}") from None
 
 
 def load_dense(
@@ -592,8 +890,133 @@ def load_dense(
 
 
 def read_rows(ckpt_dir: str | Path, table: str, verify: bool = False) -> Iterator[TableRows]:
-    """Every row of ``table`` across all shard files, one vshard chunk at a time."""
+    """Every row of ``table`` across all shard files, one vshard chunk at a time.
+
+    For a delta checkpoint the chain is resolved (base rows, minus each delta's
+    removed ids, overridden by its changed rows; sorted-set numpy ops) and the
+    result comes as one chunk; ``verify`` then checks every member of the chain.
+    """
     ckpt_dir = Path(ckpt_dir)
+    chain = checkpoint_chain(ckpt_dir)
+    if len(chain) > 1:
+        yield _resolved_rows(chain, table, verify)
+        return
+    yield from _read_rows_one(ckpt_dir, table, verify)
+
+
+def _resolved_rows(chain: list[tuple[Path, dict]], table: str, verify: bool) -> TableRows:
+    if verify:
+        for d, _m in chain:
+            verify_checkpoint(d)
+    base = list(_read_rows_one(chain[0][0], table, False))
+    dim = int(chain[0][1]["tables"][table]["dim"]) if table in chain[0][1]["tables"] else 0
+    cur = TableRows.concat(base, dim) if base else None
+    for d, _m in chain[1:]:
+        rows, removed = read_changes(d, table)
+        if cur is None:
+            cur = rows
+            continue
+        drop = np.sort(np.concatenate([removed, rows.ids]))
+        cur = TableRows.concat([cur.take(np.flatnonzero(~in_sorted(cur.ids, drop))), rows], dim)
+    if cur is None:
+        raise CheckpointError(f"{chain[-1][0]}: no table '{table}' in its chain")
+    return cur
+
+
+def read_changes(ckpt_dir: str | Path, table: str) -> tuple[TableRows, np.ndarray]:
+    """A delta checkpoint's rows of ``table`` changed since its parent, and the ids removed since then.
+
+    Reads only the delta's own files (no base); removed ids that are also in
+    the changed rows (evicted, then back) are left out of the removals.
+
+    Raises:
+        CheckpointError: not a delta checkpoint, or a corrupt file (named).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    man = read_manifest(ckpt_dir)
+    if man.get("kind", "full") != "delta":
+        raise CheckpointError(f"{ckpt_dir}: not a delta checkpoint")
+    parts: list[TableRows] = []
+    removed: list[np.ndarray] = []
+    dim = int(man["tables"].get(table, {}).get("dim", 0))
+    for path in _shards_to_read(ckpt_dir, False):
+        meta = _read_meta(path)
+        if table not in meta["tables"]:
+            raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")
+        parts.extend(rows for _where, rows in _iter_table_chunks(path, table, None))
+        env = _open_ro(path)
+        try:
+            with env.begin() as txn:
+                raw = txn.get(f"r/{table}".encode())
+        finally:
+            env.close()
+        if raw is None:
+            raise CheckpointError(f"{path}: delta shard file lacks key 'r/{table}'")
+        ids = unpack_arrays(raw, f"{path} key 'r/{table}'").get("ids")
+        if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
+            raise CheckpointError(f"{path} key 'r/{table}': expected an int64 [n] array 'ids'")
+        removed.append(ids)
+    rows = TableRows.concat(parts, dim) if parts else TableRows(np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
+    gone = _sorted_unique(np.concatenate(removed)) if removed else np.zeros(0, np.int64)
+    gone = gone[~in_sorted(gone, np.sort(rows.ids))]
+    return rows, gone
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """Sorted unique values by sort + neighbour compare (numpy 2's hash-based unique is much slower here)."""
+    a = np.sort(a)
+    if a.size > 1:
+        a = a[np.concatenate([[True], a[1:] != a[:-1]])]
+    return a
+
+
+def in_sorted(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """bool per element of ``x``: present in the sorted array ``ref`` (one searchsorted, no hashing)."""
+    if ref.size == 0:
+        return np.zeros(x.shape[0], dtype=bool)
+    pos = np.searchsorted(ref, x).clip(max=ref.size - 1)
+    return ref[pos] == x
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete committed checkpoints beyond the newest ``keep``, never one a kept delta needs.
+
+    A kept delta's whole chain (its base and the deltas between) is kept too,
+    whatever its age. ``*.tmp`` dirs are left alone.
+
+    Args:
+        root: the checkpoint root.
+        keep: how many of the newest committed checkpoints to keep (>= 1).
+
+    Returns:
+        the directories deleted.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    found: list[tuple[int, Path, dict]] = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _CKPT_RE.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        try:
+            found.append((int(m.group(1)), p, read_manifest(p)))
+        except CheckpointError:
+            continue
+    found.sort(key=lambda x: x[0])
+    needed: set[str] = set()
+    for _step, p, man in found[-keep:]:
+        needed.add(p.name)
+        needed.update(str(link[0]) for link in man.get("chain") or ())
+    doomed = [p for _step, p, _man in found if p.name not in needed]
+    for p in doomed:
+        shutil.rmtree(p)
+    if doomed:
+        log.info("pruned checkpoints", extra=kv(root=str(root), deleted=len(doomed), kept=len(needed)))
+    return doomed
+
+
+def _read_rows_one(ckpt_dir: Path, table: str, verify: bool) -> Iterator[TableRows]:
     for path in _shards_to_read(ckpt_dir, verify):
         meta = _read_meta(path)
         if table not in meta["tables"]:

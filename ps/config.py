@@ -338,6 +338,12 @@ class PsConfig:
             expires: it stops holding the other workers back (a worker that died for
             good); the worker rejoins when it comes back. Must exceed the longest step.
             0 = clocks never expire.
+        checkpoint_full_every: a coordinated checkpoint is full every this many; the
+            ones between are deltas over the newest committed one (only the rows changed
+            since it plus the ids evicted since it; restore reads base + deltas). 1 (the
+            default) = always full, as before: a delta chain makes a restore read
+            several checkpoints and retention keep their base, so turn it on (e.g. 4-8)
+            when checkpoints are frequent and a small fraction of rows changes between them.
 
     Example::
 
@@ -366,8 +372,13 @@ class PsConfig:
     max_pause_lease_s: float = 600.0
     max_freeze_lease_s: float = 600.0
     clock_lease_s: float = 60.0
+    checkpoint_full_every: int = 1
 
     def validate(self) -> None:
+        if isinstance(self.checkpoint_full_every, bool) or not isinstance(self.checkpoint_full_every, int) \
+                or self.checkpoint_full_every < 1:
+            raise ValueError(f"checkpoint_full_every must be an integer >= 1 (1 = always full), "
+                             f"got {self.checkpoint_full_every!r}")
         if self.server_threads < 2:
             raise ValueError(f"server_threads must be >= 2, got {self.server_threads}")
         for name in ("wait_timeout_s", "max_pause_lease_s", "max_freeze_lease_s"):

@@ -32,6 +32,7 @@ import concurrent.futures
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ def checkpoint_all(
     rpc_cfg: RpcConfig | None = None,
     extra_info: dict[str, Any] | None = None,
     pause_lease_s: float = 120.0,
+    full_every: int = 1,
 ) -> Path:
     """Checkpoint every shard at one consistent cut and commit it atomically.
 
@@ -68,17 +70,21 @@ def checkpoint_all(
         rpc_cfg: token/TLS/limits.
         extra_info: stored in the manifest's ``info`` (e.g. DDS state, metrics).
         pause_lease_s: the pause ends by itself after this long.
+        full_every: ``[ps] checkpoint_full_every``: a full checkpoint every this many,
+            deltas over the newest committed checkpoint between (1 = always full).
+            When a shard cannot write the delta (restarted without a restore, or
+            its removal log forgot removals) the same cut is retaken as a full one.
 
     Returns:
         the committed checkpoint directory.
     """
-    from ps.checkpoint import checkpoint_tmp_dir, commit_checkpoint
+    from ps.checkpoint import DELTA_UNAVAILABLE, CheckpointPlan, begin_checkpoint, commit_checkpoint, write_plan
 
     rpc_cfg = rpc_cfg or RpcConfig()
     channels = [make_channel(a, rpc_cfg) for a in addresses]
     stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in channels]
     timeout = rpc_cfg.timeout_s
-    tmp = checkpoint_tmp_dir(root, step)
+    tmp, plan = begin_checkpoint(root, step, full_every)
     t0 = time.monotonic()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(stubs)))
     try:
@@ -89,7 +95,17 @@ def checkpoint_all(
         try:
             each("PauseWrites", lambda i: ps_pb2.PauseRequest(paused=True, lease_s=pause_lease_s))
             paused_s = time.monotonic() - t0
-            replies = each("Checkpoint", lambda i: ps_pb2.CheckpointRequest(dir=str(tmp), step=step), timeout * 10)
+            save = lambda i: ps_pb2.CheckpointRequest(dir=str(tmp), step=step)  # noqa: E731
+            try:
+                replies = each("Checkpoint", save, timeout * 10)
+            except grpc.RpcError as exc:
+                if plan.parent is None or DELTA_UNAVAILABLE not in (exc.details() or ""):
+                    raise
+                log.warning("delta checkpoint unavailable; taking a full one",
+                            extra=kv(step=step, parent=plan.parent, error=exc.details()))
+                plan = CheckpointPlan(ckpt_id=uuid.uuid4().hex)
+                write_plan(tmp, plan)
+                replies = each("Checkpoint", save, timeout * 10)
         except grpc.RpcError as exc:
             raise CheckpointCoordinationError(
                 f"checkpoint of step {step} into {tmp} failed: {exc.code().name}: {exc.details()}; nothing committed"
@@ -116,7 +132,8 @@ def checkpoint_all(
         for c in channels:
             c.close()
     log.info("coordinated checkpoint committed",
-             extra=kv(dir=str(final), step=step, shards=len(addresses), pause_s=round(held_s, 3), drain_s=round(paused_s, 3)))
+             extra=kv(dir=str(final), step=step, kind=plan.kind, shards=len(addresses), pause_s=round(held_s, 3),
+                      drain_s=round(paused_s, 3)))
     return final
 
 

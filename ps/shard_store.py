@@ -43,6 +43,9 @@ __all__ = ["ShardStore", "TableRows", "PushResult", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
+_MAX_CUTS = 64
+"""Checkpoint cuts a store remembers (:meth:`ShardStore.record_cut`)."""
+
 
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when available else 'cpu'; 'cuda' without a GPU is an error."""
@@ -95,6 +98,7 @@ class ShardStore:
         }
         self.dense = DenseStore(dense_optimizer)
         self._version = 1
+        self._cuts: dict[str, int] = {}
         log.info(
             "shard store ready",
             extra=kv(shard=self.shard_id, tables=",".join(names), device=self.device, bytes=self.memory_bytes()),
@@ -117,6 +121,7 @@ class ShardStore:
             dense_optimizer=self.dense.cfg,
         )
         fresh._version = self._version
+        fresh._cuts = {}  # a restore registers the checkpoint it loaded (ps.checkpoint.load_shard)
         for t in fresh.tables.values():
             t.current_version = self._version
         return fresh
@@ -217,6 +222,45 @@ class ShardStore:
                 t.current_version = self._version
             return closed
 
+    # -- incremental checkpoints -------------------------------------------------
+    def record_cut(self, ckpt_id: str, version: int) -> None:
+        """Remember that checkpoint ``ckpt_id`` captured this store's rows up to ``version``.
+
+        A later delta over that checkpoint writes the rows stamped after ``version``
+        (``row_version > version``: the dirty rows) and the removals logged after it.
+        Nothing is cleared here: a cut that is never committed is never named as a
+        parent, so the rows it captured stay dirty for the next delta. The last
+        ``_MAX_CUTS`` cuts are kept.
+
+        Args:
+            ckpt_id: the checkpoint's unique id (its plan's ``ckpt_id``).
+            version: the closed version at the cut (``bump_version()`` under the write lock).
+        """
+        self._cuts.pop(ckpt_id, None)
+        self._cuts[ckpt_id] = int(version)
+        while len(self._cuts) > _MAX_CUTS:
+            self._cuts.pop(next(iter(self._cuts)))
+
+    def cut_version(self, ckpt_id: str) -> int | None:
+        """The version recorded by :meth:`record_cut` for ``ckpt_id`` (None when unknown here)."""
+        return self._cuts.get(ckpt_id)
+
+    def dirty_count(self, table: str, since_version: int) -> int:
+        """Rows of ``table`` changed at versions > ``since_version`` (vectorized count)."""
+        t = self.table(table)
+        with t.lock:
+            return int(np.count_nonzero((t.row_ids >= 0) & (t.row_version > since_version)))
+
+    def remove_ids(self, table: str, ids: np.ndarray) -> int:
+        """Remove the rows of ``ids`` that exist (replaying a delta checkpoint's removals).
+
+        Not logged as evictions (like migration drops). Returns rows removed.
+        """
+        t = self.table(table)
+        with t.lock:
+            rows = t.lookup_rows(np.asarray(ids, dtype=np.int64))
+            return t.drop_rows(rows[rows >= 0])
+
     def changed_rows(self, table: str, since_version: int) -> TableRows:
         """Rows changed at versions > since_version (all rows for since_version=0)."""
         t = self.table(table)
@@ -230,7 +274,7 @@ class ShardStore:
             return t.removed_ids(since_version)
 
     # -- all rows (checkpoints) ----------------------------------------------------
-    def vshard_chunks(self, table: str) -> Iterator[tuple[int, TableRows]]:
+    def vshard_chunks(self, table: str, since_version: int | None = None) -> Iterator[tuple[int, TableRows]]:
         """Rows of ``table`` one vshard at a time (ascending vshard, rows in row order), each a copy.
 
         For streaming checkpoints: the caller holds :meth:`write_lock` for a
@@ -240,14 +284,18 @@ class ShardStore:
 
         Args:
             table: the table name (BadRequest when unknown).
+            since_version: only rows changed at versions > this (a delta checkpoint's
+                dirty rows); None = every row.
         """
         t = self.table(table)
-        vs = self._vshard_index(t)
+        vs = self._vshard_index(t, since_version=since_version)
         if t.size == 0:
             return
-        order = np.argsort(vs, kind="stable")  # radix sort for int16: O(C); free rows (-1) first
-        n_free = t.capacity - t.size
-        order = order[n_free:]
+        order = np.argsort(vs, kind="stable")  # radix sort for int16: O(C); skipped rows (-1) first
+        n_skip = int(np.count_nonzero(vs < 0))
+        order = order[n_skip:]
+        if order.size == 0:
+            return
         vs_sorted = vs[order]
         cuts = np.flatnonzero(vs_sorted[1:] != vs_sorted[:-1]) + 1
         del vs
@@ -256,13 +304,17 @@ class ShardStore:
         for lo, hi in zip(starts.tolist(), ends.tolist()):
             yield int(vs_sorted[lo]), t.export_rows(order[lo:hi])
 
-    def _vshard_index(self, t: EmbeddingTable, block: int = 1 << 22) -> np.ndarray:
-        """vshard of every row of ``t`` (-1 for free rows), computed block by block."""
+    def _vshard_index(self, t: EmbeddingTable, block: int = 1 << 22, since_version: int | None = None) -> np.ndarray:
+        """vshard of every row of ``t`` (-1 for free rows, and for clean rows when
+        ``since_version`` is given), computed block by block."""
         dt = np.int16 if self.num_vshards < (1 << 15) else np.int32
         vs = np.full(t.capacity, -1, dtype=dt)
         for lo in range(0, t.capacity, block):
             ids = t.row_ids[lo : lo + block]
-            used = np.flatnonzero(ids >= 0)
+            keep = ids >= 0
+            if since_version is not None:
+                keep &= t.row_version[lo : lo + block] > since_version
+            used = np.flatnonzero(keep)
             if used.size:
                 vs[lo + used] = vshard_of(ids[used], self.num_vshards).astype(dt)
         return vs

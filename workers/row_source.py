@@ -43,7 +43,7 @@ class RowSource(Protocol):
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None: ...
 
-    def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path: ...
+    def checkpoint(self, root: Path, step: int, info: dict[str, Any], full_every: int = 1) -> Path: ...
 
     def leave_clock(self) -> None: ...
 
@@ -96,11 +96,10 @@ class LocalRowSource:
         self.register_dense(values)
         self.store.dense.set(values)
 
-    def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
-        from ps.checkpoint import commit_checkpoint, save_shard
+    def checkpoint(self, root: Path, step: int, info: dict[str, Any], full_every: int = 1) -> Path:
+        from ps.checkpoint import begin_checkpoint, commit_checkpoint, save_shard
 
-        tmp = Path(root) / f"ckpt-{step}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp, _plan = begin_checkpoint(root, step, full_every)  # full, or a delta ([ps] checkpoint_full_every)
         save_shard(self.store, tmp, 0)
         return commit_checkpoint(tmp, info)
 
@@ -146,10 +145,11 @@ class RemoteRowSource:
     def set_dense(self, values: dict[str, np.ndarray]) -> None:
         self.client.set_dense(values)
 
-    def checkpoint(self, root: Path, step: int, info: dict[str, Any]) -> Path:
+    def checkpoint(self, root: Path, step: int, info: dict[str, Any], full_every: int = 1) -> Path:
         from ps.coordinator import checkpoint_all
 
-        return checkpoint_all(self.client.addresses, Path(root), step, rpc_cfg=self.client.rpc_cfg, extra_info=info)
+        return checkpoint_all(self.client.addresses, Path(root), step, rpc_cfg=self.client.rpc_cfg, extra_info=info,
+                              full_every=full_every)
 
     def leave_clock(self) -> None:
         self.client.leave_clock()

@@ -321,7 +321,8 @@ class Worker:
         if step != self.trainer.step_no:
             log.info("checkpoint step taken; using the next free one", extra=kv(rank=self.rank, step=self.trainer.step_no, used=step))
         self.trainer.publish_dense()
-        path = self.rows.checkpoint(root, step, checkpoint_info(self.job, step, metrics))
+        path = self.rows.checkpoint(root, step, checkpoint_info(self.job, step, metrics),
+                                    full_every=self.job.ps.checkpoint_full_every)
         log.info("checkpoint written", extra=kv(rank=self.rank, step=step, dir=str(path), cut_id=cut_id))
         if self.ctl is not None and cut_id:
             self.ctl.checkpoint_done(cut_id, step, str(path))
