@@ -261,7 +261,13 @@ class _PackedPlan:
         self.scenario_loc = (where[self.scenario][0], where[self.scenario][1]) if self.scenario else None
 
     def _blocks(self, rb: pa.RecordBatch, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        blocks = [arrow_to_torch(rb.column(i)).view(*shape, w) for i, w in self.blocks]
+        n = rb.num_rows
+        blocks = []
+        for i, w in self.blocks:
+            a = rb.column(i)
+            v = a.values  # the child [rows * w]: exactly the block when not sliced (always so from a file)
+            blocks.append((torch.from_dlpack(v) if a.offset == 0 and len(v) == n * w else arrow_to_torch(a))
+                          .view(*shape, w))
         return blocks, arrow_to_torch(rb.column(self.mask_idx)).view(shape)
 
     def _dense(self, blocks: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -273,25 +279,26 @@ class _PackedPlan:
         return torch.zeros(*shape, 0)
 
     def _features(self, blocks: list[torch.Tensor], dense: torch.Tensor, mask: torch.Tensor) -> FeatureBatch:
-        parts = [torch.split(b, w, dim=-1) for b, w in zip(blocks, self.widths)]
+        # one C call per block returns every member's view (torch.split's Python wrapper costs as much again)
+        parts = [b.split_with_sizes(w, -1) for b, w in zip(blocks, self.widths)]
         ids = {n: parts[j][k] for n, j, k in self.ids}
         if not self.scenario:
             scenario = torch.zeros(mask.shape, dtype=torch.int64)
         elif self.scenario_is_id:
-            scenario = ids[self.scenario][..., 0]
+            scenario = ids[self.scenario].select(-1, 0)
         else:
             assert self.scenario_loc is not None
-            scenario = parts[self.scenario_loc[0]][self.scenario_loc[1]][..., 0]
+            scenario = parts[self.scenario_loc[0]][self.scenario_loc[1]].select(-1, 0)
             if scenario.dtype != torch.int64:
                 scenario = scenario.to(torch.int64)
         return FeatureBatch(
             ids=ids,
             dense=dense,
             vectors={n: parts[j][k] for n, j, k in self.vectors},
-            labels={n: parts[j][k][..., 0] for n, j, k in self.labels},
+            labels={n: parts[j][k].select(-1, 0) for n, j, k in self.labels},
             mask=mask,
             scenario=scenario,
-            oracle={n: parts[j][k][..., 0] for n, j, k in self.oracle},
+            oracle={n: parts[j][k].select(-1, 0) for n, j, k in self.oracle},
         )
 
     def plain(self, rb: pa.RecordBatch) -> FeatureBatch:
@@ -308,11 +315,14 @@ class _PackedPlan:
         if self.task_key is None:
             raise DataError("packed meta record batch without a __task_key member")
         j, off = self.task_key
-        keys = blocks[j][:, 0, off]
-        s, q = slice(None, support), slice(support, None)
-        sup = self._features([b[:, s] for b in blocks], dense[:, s], mask[:, s])
-        qry = self._features([b[:, q] for b in blocks], dense[:, q], mask[:, q])
-        return sup, qry, keys, mask[:, 0].clone()
+        keys = blocks[j].select(1, 0).select(-1, off)
+        sizes = [support, capacity - support]  # support | query slots: one C call per tensor, no indexing
+        halves = [b.split_with_sizes(sizes, 1) for b in blocks]
+        dense_s, dense_q = dense.split_with_sizes(sizes, 1)
+        mask_s, mask_q = mask.split_with_sizes(sizes, 1)
+        sup = self._features([h[0] for h in halves], dense_s, mask_s)
+        qry = self._features([h[1] for h in halves], dense_q, mask_q)
+        return sup, qry, keys, mask.select(1, 0).clone()
 
 
 def _half(fb: FeatureBatch, part: slice) -> FeatureBatch:
@@ -413,7 +423,7 @@ class _File:
     def unique_ids(self, i: int, offsets: list[int]) -> dict[str, torch.Tensor] | None:
         """table -> sorted unique ids of batch ``i`` from the sidecar (None without one).
 
-        One DLPack view of the batch's concatenated ids, then one slice per table.
+        One DLPack view of the batch's concatenated ids, then one ``torch.split`` into the tables.
         """
         self.open()
         if self.ids_reader is None:
@@ -426,8 +436,8 @@ class _File:
             raise DataError(f"{self.ids_path}: corrupt record batch {i}: {exc}") from None
         if len(offsets) != len(self.tables) + 1 or offsets[-1] != len(col):
             raise DataError(f"{self.ids_path}: record batch {i} holds {len(col)} ids, index offsets say {offsets}")
-        ids = arrow_to_torch(col)
-        return {t: ids[offsets[j] : offsets[j + 1]] for j, t in enumerate(self.tables)}
+        sizes = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        return dict(zip(self.tables, arrow_to_torch(col).split_with_sizes(sizes)))  # one call: every table's slice
 
 
 class MetaIODataset:
