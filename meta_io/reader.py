@@ -13,6 +13,13 @@ its index crc32 the first time it is read -- a flipped byte is a DataError
 naming the file and the batch. A dataset without checksums (older builds)
 reads with a warning.
 
+Packed batches (format 2, :mod:`meta_io.packing`): the numeric columns are
+stored as one block per dtype, so a meta batch costs one DLPack per block
+(int64, float32), one bit-unpack of ``__mask``, then per half one
+``split_with_sizes`` per block: every column is a view out of that split.
+Format 1 datasets (one column per feature: ``pack_columns = False`` or older
+builds) still read, through :meth:`BatchConverter.features`.
+
 What is zero-copy (tensors are views of the mapped file, measured in
 tests/meta_io/test_reader.py)::
 
@@ -21,9 +28,13 @@ tests/meta_io/test_reader.py)::
     labels, oracle float32                                                zero-copy
     scenario       int64 (when the scenario column is an id column)       zero-copy
     task_keys      int64 [T] (a strided view of __task_key)               zero-copy
-    dense          float32 [.., n_dense]: stacked from separate columns   copy
+    dense          float32 [.., n_dense]: one slice of the float block    copy (as in format 1: writable)
     mask           bool: Arrow packs booleans as bits                     copy
     unique_ids     precomputed by the build (*.ids.arrow sidecar)         zero-copy
+
+In a packed dataset the views are strided: a column's rows are one block row
+apart (``stride(-2)`` is the block width), values are the same as format 1's
+(tested value by value in tests/meta_io/test_packed.py).
 
 The views are read-only memory: a consumer must not write into them (copy
 first, e.g. ``batch.map(torch.clone)``). ``torch.from_dlpack`` is used rather
