@@ -208,3 +208,8 @@ def test_old_layout_dataset_still_reads(unpacked: Path, tmp_path: Path) -> None:
     b = next(ds.read_range(0, 0, 1))
     assert isinstance(b, MetaBatch) and b.num_tasks > 0
     assert np.all(b.support.mask.numpy()[:, 0][b.task_mask.numpy()])
+
+
+def test_pack_columns_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="pack_columns must be true or false, got 'no'"):
+        MetaIOBuildConfig(pack_columns="no").validate()  # type: ignore[arg-type]
