@@ -24,6 +24,14 @@ Figures, each against a baseline measured in the same run:
   synthetic ~5 ms consumer (sums + 384x384 matmuls). It shows the reader's own
   Python cost (~0.1-0.3k tensor views per batch competing for the GIL), which a
   consumer this small cannot hide; the figure is sensitive to machine load.
+* **raw reader cost, packed vs unpacked** (``raw_reader_ms_per_batch``,
+  ``raw_reader_ms_per_batch_unpacked``, ``raw_reader_unpacked_vs_packed``): every
+  batch converted to MetaBatch tensors with no consumer, the packed dataset
+  (format 2: one block per dtype) vs the same data built with
+  ``pack_columns=False`` (format 1: one column per feature), paired rounds;
+  ``crc_ms_per_batch``: the crc32 of one record batch (all its blocks, one call),
+  paid once per batch on first read. The overhead figures above and below also
+  carry an ``_unpacked`` twin measured in the same rounds.
 * **generator**: rows/s and peak RSS of ``generate`` in a fresh subprocess
   (quick: 200k rows; full: 10M rows).
 * **build**: rows/s of ``build`` and the fill ratio with and without buckets.
@@ -127,6 +135,69 @@ def naive_meta_batches(table: pa.Table, schema: Any, keys: np.ndarray, T: int, n
         yield {h: {k: torch.from_numpy(v) for k, v in d.items()} for h, d in out.items()}, len(starts), rows
 
 
+# --------------------------------------------------------------------------- raw reader cost
+
+
+def _convert_all(ds: Any) -> tuple[float, float]:
+    """(wall s, this thread's CPU s) to turn every record batch of ``ds`` into MetaBatch tensors (no consumer)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in ds.iter_all():
+        pass
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def raw_reader_figures(packed: Any, unpacked: Any, rounds: int) -> dict[str, Any]:
+    """Per-batch reader cost, packed blocks (format 2) vs one column per feature (format 1), paired rounds.
+
+    Both datasets are read once first (page cache warm, every batch crc-checked),
+    then each round converts every batch of both, alternating which goes first;
+    the figure is the median per-round ratio. Separately: the crc32 of each
+    record batch (once per batch, as on first read) timed on fresh checkers.
+    """
+    from meta_io.integrity import BatchChecker
+
+    n = packed.total_batches
+    _convert_all(packed), _convert_all(unpacked)  # warm + verify once
+    t_new: list[float] = []
+    t_old: list[float] = []
+    c_new: list[float] = []
+    c_old: list[float] = []
+    for r in range(rounds):
+        for which in (("new", "old") if r % 2 == 0 else ("old", "new")):
+            wall, cpu = _convert_all(packed if which == "new" else unpacked)
+            (t_new if which == "new" else t_old).append(wall / n)
+            (c_new if which == "new" else c_old).append(cpu / n)
+    ratio = statistics.median(o / p for p, o in zip(t_new, t_old))
+    cpu_ratio = statistics.median(o / p for p, o in zip(c_new, c_old))
+    # crc32 per record batch: the whole batch's bytes (all blocks), one call per batch
+    crc_s = 0.0
+    n_bytes = 0
+    for f in packed._files:  # noqa: SLF001 - the bench times the checker the reader uses
+        c = f.checker
+        fresh = BatchChecker(c.path, c.offsets, c.lengths, c.crcs, c.frame_crc)
+        t0 = time.perf_counter()
+        for i in range(len(fresh.ok)):
+            fresh.check(i)
+        crc_s += time.perf_counter() - t0
+        n_bytes += int(c.lengths.sum())
+        fresh.close()
+    conv = statistics.median(t_new)
+    _progress(f"      raw reader cost per batch: packed {conv * 1e3:.2f} ms, unpacked "
+              f"{statistics.median(t_old) * 1e3:.2f} ms wall (x{ratio:.2f}); CPU {statistics.median(c_new) * 1e3:.2f} "
+              f"vs {statistics.median(c_old) * 1e3:.2f} ms (x{cpu_ratio:.2f}), median of {rounds} paired rounds; "
+              f"crc32 {crc_s / n * 1e3:.2f} ms per batch on first read ({n_bytes / crc_s / 2**30:.2f} GiB/s)")
+    return dict(raw_reader_ms_per_batch=round(conv * 1e3, 3),
+                raw_reader_ms_per_batch_unpacked=round(statistics.median(t_old) * 1e3, 3),
+                raw_reader_unpacked_vs_packed=round(ratio, 3),
+                raw_reader_cpu_ms_per_batch=round(statistics.median(c_new) * 1e3, 3),
+                raw_reader_cpu_ms_per_batch_unpacked=round(statistics.median(c_old) * 1e3, 3),
+                raw_reader_cpu_unpacked_vs_packed=round(cpu_ratio, 3),
+                crc_ms_per_batch=round(crc_s / n * 1e3, 3),
+                crc_gib_per_s=round(n_bytes / crc_s / 2**30, 3),
+                crc_vs_raw_reader=round(crc_s / n / conv, 3),
+                batch_mib=round(n_bytes / n / 2**20, 3))
+
+
 # --------------------------------------------------------------------------- consumer
 
 
@@ -188,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         ds_dir = work / "metaio"
         res = build(data, data / "schema.json", ds_dir,
                     MetaIOBuildConfig(support=S, query=Q, rows_per_batch=ROWS_PER_BATCH, overwrite=True))
+        # the same dataset stored one column per feature (format 1): the "before" of the packed blocks
+        v1_dir = work / "metaio-v1"
+        build(data, data / "schema.json", v1_dir,
+              MetaIOBuildConfig(support=S, query=Q, rows_per_batch=ROWS_PER_BATCH, overwrite=True, pack_columns=False))
         t = res.manifest["totals"]
         out.update(build_rows_per_s=t["rows_per_s"], fill_ratio=t["fill_ratio"],
                    fill_ratio_without_buckets=t["fill_ratio_without_buckets"])
@@ -210,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             best = dt if best is None else min(best, dt)
         out.update(metaio_tasks_per_s=round(tasks / best), metaio_rows_per_s=round(n_rows / best))
         _progress(f"      {tasks / best:,.0f} tasks/s, {n_rows / best:,.0f} rows/s ({ds.total_batches} batches)")
+        ds_v1 = MetaIODataset(v1_dir)
+        out.update(raw_reader_figures(ds, ds_v1, rounds=5 if args.quick else 7))
 
         # -- naive read ---------------------------------------------------------------------
         _progress(f"[4/5] naive reader: {naive_batches} meta-batches of 64 tasks, grouped at read time")
@@ -243,15 +320,18 @@ def main(argv: list[str] | None = None) -> int:
                 shards.append((f, k))
             left -= k
 
-        def reader_feed():
+        def reader_feed(d: Any = ds):
             for f, k in shards:
-                yield from ds.read_range(f, 0, k)
+                yield from d.read_range(f, 0, k)
 
         memory = [type(mb)(support=mb.support.map(torch.clone), query=mb.query.map(torch.clone),
                            task_keys=mb.task_keys.clone(), task_mask=mb.task_mask.clone(),
                            unique_ids={k: v.clone() for k, v in mb.unique_ids.items()})
                   for mb in reader_feed()]
-        t_reader, t_memory, t_serial = [], [], []
+        t_reader: list[float] = []
+        t_memory: list[float] = []
+        t_serial: list[float] = []
+        t_v1: list[float] = []
         for r in range(rounds):
             t0 = time.perf_counter()
             for mb in memory:
@@ -265,11 +345,17 @@ def main(argv: list[str] | None = None) -> int:
             for mb in reader_feed():  # no prefetch: the reader in the consumer's thread
                 consume(mb, w, reps)
             t_serial.append((time.perf_counter() - t0) / n_b)
+            t0 = time.perf_counter()
+            for mb in prefetch(reader_feed(ds_v1), depth=4):  # the unpacked (format 1) reader
+                consume(mb, w, reps)
+            t_v1.append((time.perf_counter() - t0) / n_b)
             _progress(f"      round {r + 1}/{rounds}: in-memory {t_memory[-1] * 1e3:.2f} ms/batch, "
-                      f"prefetched reader {t_reader[-1] * 1e3:.2f}, same-thread reader {t_serial[-1] * 1e3:.2f}")
+                      f"prefetched reader {t_reader[-1] * 1e3:.2f} (unpacked {t_v1[-1] * 1e3:.2f}), "
+                      f"same-thread reader {t_serial[-1] * 1e3:.2f}")
         tm, tr, ts = statistics.median(t_memory), statistics.median(t_reader), statistics.median(t_serial)
         out.update(consumer_ms_per_batch=round(tm * 1e3, 3), reader_ms_per_batch=round(tr * 1e3, 3),
                    reader_overhead_fixed_5ms=round(tr / tm - 1, 4),
+                   reader_overhead_fixed_5ms_unpacked=round(statistics.median(t_v1) / tm - 1, 4),
                    reader_overhead_fixed_5ms_without_prefetch=round(ts / tm - 1, 4),
                    # least-loaded round of each side: the machine is shared, so also report the best case
                    reader_overhead_fixed_5ms_best=round(min(t_reader) / min(t_memory) - 1, 4))
@@ -295,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         mem_t = memory[:n_t]
         for mb in mem_t[:2]:
             train_consume(mb)  # warm up
-        tt_reader, tt_memory = [], []
+        tt_reader: list[float] = []
+        tt_memory: list[float] = []
+        tt_v1: list[float] = []
         train_rounds = 5 if args.quick else 7
         for r in range(train_rounds):
             # alternate which arm goes first, so drift in machine load hits both alike
@@ -312,14 +400,25 @@ def main(argv: list[str] | None = None) -> int:
                             break
                         train_consume(mb)
                     tt_reader.append((time.perf_counter() - t0) / n_t)
+                if arm == "reader":  # the unpacked (format 1) reader, right after the packed one
+                    t0 = time.perf_counter()
+                    for i, mb in enumerate(prefetch(reader_feed(ds_v1), depth=4)):
+                        if i >= n_t:
+                            break
+                        train_consume(mb)
+                    tt_v1.append((time.perf_counter() - t0) / n_t)
             _progress(f"      round {r + 1}: in-memory {tt_memory[-1] * 1e3:.1f} ms/step, "
-                      f"prefetched reader {tt_reader[-1] * 1e3:.1f} ms/step")
+                      f"prefetched reader {tt_reader[-1] * 1e3:.1f} ms/step (unpacked {tt_v1[-1] * 1e3:.1f})")
         tm2 = statistics.median(tt_memory)
         paired = statistics.median(b / a for a, b in zip(tt_memory, tt_reader))  # per-round ratio, median
+        paired_v1 = statistics.median(b / a for a, b in zip(tt_memory, tt_v1))
         out.update(train_step_ms=round(tm2 * 1e3, 2), reader_overhead=round(paired - 1, 4),
-                   reader_overhead_best=round(min(tt_reader) / min(tt_memory) - 1, 4))
+                   reader_overhead_best=round(min(tt_reader) / min(tt_memory) - 1, 4),
+                   reader_overhead_unpacked=round(paired_v1 - 1, 4),
+                   reader_overhead_unpacked_best=round(min(tt_v1) / min(tt_memory) - 1, 4))
         _progress(f"      overhead inside training {out['reader_overhead'] * 100:+.1f}% "
-                  f"(median of {train_rounds} paired rounds of {n_t} steps)")
+                  f"(unpacked, format 1: {out['reader_overhead_unpacked'] * 100:+.1f}%; "
+                  f"median of {train_rounds} paired rounds of {n_t} steps)")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

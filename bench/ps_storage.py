@@ -20,7 +20,14 @@ Side by side in one run (this machine is noisy, so read the ratios):
   ``min_count = 2``, LFU eviction): each 16K-id push carries 10% first
   sightings and the 10% seen in the previous push (admitted now, evicting
   rows), vs pushes of known ids only on the same table (``stream_push_rows_per_s``, ``stream_new_rows_per_s``,
-  ``stream_vs_known``).
+  ``stream_vs_known``);
+* steady state beyond capacity (``steady_new10_*``, ``steady_new30_*``): the
+  same kind of stream with 10% and 30% of each push's ids not in the table,
+  measured only once eviction runs: rows/s, admitted rows/s, evictions per
+  push, vs pushes of known ids on the same table at the same moment
+  (``_vs_known``), and the invariants: ``_max_size_vs_capacity`` <= 1,
+  ``_full_dropped`` 0, ``_memory_growth`` 0 (the store does not grow while new
+  ids keep coming).
 
 The last line printed is a JSON object of the figures.
 """
@@ -157,6 +164,83 @@ def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
     figures["stream_vs_known"] = round(float(np.median(known_t)) / per_row, 3)
 
 
+def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict) -> None:
+    """Steady state beyond capacity: ``frac`` of each push's ids are not in the table.
+
+    Half of them are first sightings (counted by admission, ``min_count = 2``, no
+    row), half are the previous push's first sightings (admitted now: a new row,
+    so LFU eviction frees rows). The table starts a few pushes short of full
+    (bulk import), the stream runs until eviction has started, then ``pushes``
+    pushes are measured, each followed by a push of known ids only (the
+    baseline, same table, same moment). Checked on the way: the table never
+    holds more than its capacity, nothing admitted is dropped for lack of room,
+    and the store's memory does not grow while ids keep arriving.
+    """
+    cfg = TableConfig(
+        name="t",
+        dim=dim,
+        capacity=cap,
+        optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD),
+        admission=AdmissionConfig(min_count=2),
+        eviction=EvictionConfig(policy=EvictionPolicy.LFU, evict_fraction=0.05),
+    )
+    s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
+    t = s.tables["t"]
+    rng = np.random.default_rng(4)
+    n_first = max(1, int(N_REQ * frac) // 2)
+    start = max(0, cap - 3 * n_first)  # full after ~3 pushes: eviction starts right away
+    s.import_rows("t", _bulk_rows(np.arange(start, dtype=np.int64), dim))
+    g = (rng.normal(size=(N_REQ, dim)) * 1e-3).astype(np.float32)
+    next_new = 1 << 40  # never-seen ids: far from the imported ones
+    prev = np.empty(0, np.int64)
+    rates: list[float] = []
+    new_rates: list[float] = []
+    known: list[float] = []
+    fractions: list[float] = []
+    max_size = 0
+    evict0 = mem0 = -1
+    warm = 0
+    for _ in range(pushes + 200):  # bounded: the table is full after ~3 pushes
+        fresh = np.arange(next_new, next_new + n_first, dtype=np.int64)
+        next_new += n_first
+        hot = t.row_ids[rng.integers(0, cap, N_REQ - fresh.size - prev.size)]
+        hot = hot[hot >= 0]
+        ids = np.concatenate([hot, prev, fresh])
+        t0 = time.perf_counter()
+        r = s.push("t", ids, g[: ids.size])
+        dt = time.perf_counter() - t0
+        max_size = max(max_size, t.size)
+        kn = t.row_ids[rng.integers(0, cap, N_REQ)]
+        kn = kn[kn >= 0]
+        t1 = time.perf_counter()
+        s.push("t", kn, g[: kn.size])
+        dk = time.perf_counter() - t1
+        prev = fresh
+        if t.counters["evictions"] == 0:
+            continue  # not full yet
+        warm += 1
+        if warm <= 2:
+            continue
+        if evict0 < 0:
+            evict0, mem0 = t.counters["evictions"] - r.evicted, s.memory_bytes()
+        rates.append(ids.size / dt)
+        new_rates.append(r.admitted / dt)
+        known.append(kn.size / dk)
+        fractions.append((prev.size + fresh.size) / ids.size)
+        if len(rates) == pushes:
+            break
+    key = f"steady_new{round(frac * 100)}"
+    figures[f"{key}_rows_per_s"] = round(float(np.median(rates)))
+    figures[f"{key}_admitted_rows_per_s"] = round(float(np.median(new_rates)))
+    figures[f"{key}_new_fraction"] = round(float(np.mean(fractions)), 3)
+    figures[f"{key}_evictions_per_push"] = round((t.counters["evictions"] - evict0) / len(rates))
+    figures[f"{key}_known_rows_per_s"] = round(float(np.median(known)))
+    figures[f"{key}_vs_known"] = round(float(np.median(rates)) / float(np.median(known)), 3)
+    figures[f"{key}_max_size_vs_capacity"] = round(max_size / cap, 4)
+    figures[f"{key}_full_dropped"] = t.counters["full_dropped"]
+    figures[f"{key}_memory_growth"] = round(s.memory_bytes() / mem0 - 1, 4)
+
+
 def _bulk_rows(ids: np.ndarray, dim: int) -> TableRows:
     """Rows for a bulk fill: one random block (scale 0.01), tiled; zero momentum."""
     block = (np.random.default_rng(3).normal(size=(min(ids.size, 1 << 16), dim)) * 0.01).astype(np.float32)
@@ -215,6 +299,8 @@ def main() -> None:
 
     _insert_figures(cap, dim, reps, figures)
     _stream_figures(cap // 4 if args.quick else cap, dim, 8 if args.quick else 20, figures)
+    for frac in (0.1, 0.3):
+        _steady_figures(cap // 4 if args.quick else cap, dim, 8 if args.quick else 20, frac, figures)
 
     for k, v in figures.items():
         print(f"{k:34s} {v}")

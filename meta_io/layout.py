@@ -41,7 +41,8 @@ import pyarrow as pa
 
 from meta_io.schema import PAD_ID, Schema
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: numeric columns packed into one block per dtype (meta_io.packing); the reader also reads 1."""
 
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.arrow"

@@ -29,6 +29,10 @@ class MetaIOBuildConfig:
         max_file_mb: start a new part file after this many MiB.
         source_batch_rows: rows per batch requested from ``iter_source``.
         overwrite: replace a dataset already in the output folder.
+        pack_columns: store same-typed numeric columns as one block per record
+            batch (format 2: the reader makes one tensor per dtype, not per
+            column); False writes one Arrow column per schema column (format 1,
+            the older layout, for tools that read the files directly).
 
     Example::
 
@@ -49,6 +53,7 @@ class MetaIOBuildConfig:
     max_file_mb: float = 64.0
     source_batch_rows: int = 65_536
     overwrite: bool = False
+    pack_columns: bool = True
 
     def validate(self) -> None:
         if self.support < 1 or self.query < 1:
@@ -67,6 +72,8 @@ class MetaIOBuildConfig:
             raise ValueError(f"max_partitions must be in [1, 4096], got {self.max_partitions}")
         if not self.max_file_mb > 0:
             raise ValueError(f"max_file_mb must be > 0, got {self.max_file_mb}")
+        if not isinstance(self.pack_columns, bool):
+            raise ValueError(f"pack_columns must be true or false, got {self.pack_columns!r}")
         if self.source_batch_rows < 1:
             raise ValueError(f"source_batch_rows must be >= 1, got {self.source_batch_rows}")
 

@@ -46,6 +46,7 @@ from meta_io.build.manifest import _first_missing, _index_checksum, _manifest, _
 from meta_io.build.pass1 import _pass1
 from meta_io.build.pass2 import _pass2_meta, _pass2_plain
 from meta_io.build.writers import _RollingWriter
+from meta_io.packing import packing_manifest, packing_plans
 from meta_io.index import IndexBuilder
 from meta_io.layout import Layout, Split
 from meta_io.schema import Schema, load_schema
@@ -125,17 +126,18 @@ def build(
         index = IndexBuilder()
         max_bytes = int(config.max_file_mb * 2**20)
         tables = L.id_tables(schema)
+        packs = packing_plans(schema, data_schema, config.layout) if config.pack_columns else {}
         t2 = time.perf_counter()
         if config.layout == Layout.META:
             parts = _RollingWriter(staging, L.PART_PATTERN, L.meta_arrow_schema(data_schema), max_bytes, index,
-                                   tables)
+                                   tables, packs.get("main"))
             left_w = _RollingWriter(staging, L.LEFTOVER_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index,
-                                   tables)
+                                   tables, packs.get("leftover"))
             stats, packers, left = _pass2_meta(spill, schema, data_schema, config, key, parts, left_w)
             files, left_files = parts.close(), left_w.close()
         else:
             parts = _RollingWriter(staging, L.PART_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index,
-                                   tables)
+                                   tables, packs.get("main"))
             stats, plain = _pass2_plain(spill, schema, data_schema, config, parts)
             files, left_files, packers = parts.close(), [], []
         pass2_s = time.perf_counter() - t2
@@ -146,6 +148,7 @@ def build(
         manifest = _manifest(config, schema, key, data_schema, input_path, spill, stats, packers, files,
                              left_files, index, time.perf_counter() - t_start, pass2_s)
         manifest.update(_index_checksum(staging / L.INDEX_NAME))
+        manifest.update(packing_manifest(packs))
         shutil.rmtree(spill_dir, ignore_errors=True)
         if out.exists():  # an empty folder, or a dataset being overwritten
             _publish(staging, out, files + left_files, manifest, config.overwrite)

@@ -12,6 +12,7 @@ import pyarrow.ipc as ipc
 from meta_io import layout as L
 from meta_io.index import BatchEntry, IndexBuilder
 from meta_io.integrity import file_checksums
+from meta_io.packing import Packing
 
 
 class _RollingWriter:
@@ -19,6 +20,8 @@ class _RollingWriter:
 
     Next to each data file it writes the unique-ids sidecar (``*.ids.arrow``):
     one record batch per data batch, so the reader does no sort at read time.
+    With ``packing`` (format 2) the numeric columns are stored as one block per
+    dtype (see :mod:`meta_io.packing`); ``schema`` is the logical schema.
     """
 
     def __init__(
@@ -29,10 +32,12 @@ class _RollingWriter:
         max_bytes: int,
         index: IndexBuilder,
         tables: dict[str, list[str]],
+        packing: Packing | None = None,
     ) -> None:
         self.folder = folder
         self.pattern = pattern
-        self.schema = schema
+        self.packing = packing
+        self.schema = packing.stored_schema(schema) if packing is not None else schema
         self.max_bytes = max_bytes
         self.index = index
         self.tables = tables
@@ -49,6 +54,8 @@ class _RollingWriter:
         n = len(entries)
         table = table.combine_chunks()
         ids = L.unique_ids_batches(table, n, self.tables)
+        if self.packing is not None:  # once per emission, vectorized per column
+            table = self.packing.pack(table)
         for i in range(n):
             self.write(_one_batch(table.slice(i * per, per)), dict(entries[i], ids_offsets=tuple(ids[i][1])), ids[i][0])
 

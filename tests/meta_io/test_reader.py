@@ -106,16 +106,21 @@ def test_meta_batch_matches_the_record_batch(built, generated_schema) -> None:
 def test_id_columns_and_labels_are_zero_copy(built) -> None:
     ds = MetaIODataset(built)
     batch = next(ds.read_range(0, 0, 1))
-    rb = ds.record_batch(0, 0)  # same memory map as the reader's
-    item = rb.column("item_id").buffers()[1]
-    assert batch.support.ids["item_id"].data_ptr() == item.address
-    tags = rb.column("mh_item_tags").flatten().buffers()[1]
-    assert batch.support.ids["mh_item_tags"].data_ptr() == tags.address
-    img = rb.column("image").flatten().buffers()[1]
-    assert batch.support.vectors["image"].data_ptr() == img.address
-    assert batch.support.labels["click"].data_ptr() == rb.column("click").buffers()[1].address
+    rb = ds.stored_record_batch(0, 0)  # same memory map as the reader's (packed blocks, format 2)
+    plan = ds.packing["main"][0]
+
+    def address(col: str, itemsize: int) -> tuple[int, int]:
+        """(address of the column's first value inside its block, bytes per block row)."""
+        blk, m = plan.locate(col)
+        return rb.column(blk.name).flatten().buffers()[1].address + itemsize * m.offset, itemsize * blk.width
+
+    item, row = address("item_id", 8)
+    assert batch.support.ids["item_id"].data_ptr() == item
+    assert batch.support.ids["mh_item_tags"].data_ptr() == address("mh_item_tags", 8)[0]
+    assert batch.support.vectors["image"].data_ptr() == address("image", 4)[0]
+    assert batch.support.labels["click"].data_ptr() == address("click", 4)[0]
     s = ds.index.entry(0).support
-    assert batch.query.ids["item_id"].data_ptr() == item.address + 8 * s  # a strided view, no copy
+    assert batch.query.ids["item_id"].data_ptr() == item + row * s  # a strided view, no copy
 
 
 def test_leftover_and_plain_batches(built, generated, tmp_path) -> None:
