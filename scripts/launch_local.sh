@@ -4,7 +4,7 @@
 #   scripts/launch_local.sh [--config configs/local.toml] [metaps launch options...]
 #
 # e.g. scripts/launch_local.sh --workers 2 --ps 1 --no-progress
-#      scripts/launch_local.sh --config configs/main_job.toml --resume-from runs/main/latest
+#      scripts/launch_local.sh --config configs/main_job.toml --resume-from runs/main/runs/latest
 # Options are those of `metaps launch --help`; the exit code is the launcher's (0 ok,
 # 1 training failed, 130/143 interrupted). Set METAPS_PYTHON to pick the interpreter.
 set -euo pipefail
