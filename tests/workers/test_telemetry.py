@@ -137,6 +137,7 @@ def scenario(worker_data: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     return out
 
 
+@pytest.mark.timeout(900)
 def test_worker_metrics_advance_while_it_trains(scenario: dict[str, Any]) -> None:
     first, later = scenario["first"], scenario["later"]
     assert later["metaps_worker_steps_total"] > first["metaps_worker_steps_total"] >= 1
@@ -148,6 +149,7 @@ def test_worker_metrics_advance_while_it_trains(scenario: dict[str, Any]) -> Non
         assert later[f"metaps_worker_step_seconds_count{{phase={phase}}}"] >= 1, phase
 
 
+@pytest.mark.timeout(900)
 def test_tensorboard_written_before_the_run_ends(scenario: dict[str, Any]) -> None:
     assert scenario["alive_while_read"]
     steps = [e.step for e in scenario["tb_loss"]]
@@ -156,6 +158,7 @@ def test_tensorboard_written_before_the_run_ends(scenario: dict[str, Any]) -> No
     assert auc and all(0.0 <= e.value <= 1.0 for e in auc) and all(e.step % 3 == 0 for e in auc)
 
 
+@pytest.mark.timeout(900)
 def test_restarted_worker_counts_every_incarnation(scenario: dict[str, Any]) -> None:
     assert scenario["rc2"] == 0, scenario["log2"][-3000:]
     run_dir, job = scenario["run_dir"], scenario["job"]
