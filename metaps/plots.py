@@ -431,7 +431,7 @@ def render(name: str, report: Mapping[str, Any]) -> Figure:
         report: the run report dict.
     """
     fig = Figure(figsize=figure_size(name, report), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+    canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     post: PostLayout | None = None
     try:
@@ -440,11 +440,11 @@ def render(name: str, report: Mapping[str, Any]) -> Figure:
         log.exception("plot failed", extra=kv(plot=name))
         ax.clear()
         _empty(ax, f"{name}: plot failed: {exc}"[:120])
-    fig.canvas.draw()  # lays the figure out
+    canvas.draw()  # lays the figure out
     fig.set_layout_engine("none")  # labels added now must not move what they were measured against
     if post is not None:
         try:
-            post(fig.canvas.get_renderer())
+            post(canvas.get_renderer())
         except Exception:
             log.exception("plot labels failed", extra=kv(plot=name))
     return fig
