@@ -291,10 +291,16 @@ class Worker:
         if due:
             self.telemetry.snapshot(self._report_dict(None, None, state="running"))
         if self.ctl is not None:
-            self._report(stats, delay)
+            self._report(stats, delay, telemetry=False)
             self._handle_commands()
 
-    def _report(self, stats: StepStats, delay: float) -> None:
+    def _report(self, stats: StepStats, delay: float, telemetry: bool = True) -> None:
+        """Report one step to the controller's monitor (and, for loops that bypass :meth:`_after_step`
+        such as the DD loop, to telemetry: ``telemetry=True``)."""
+        if telemetry:
+            self.telemetry.on_step(stats.step, stats.samples, stats.loss,
+                                   {"pull": stats.pull_s, "compute": stats.compute_s, "push": stats.push_s,
+                                    "total": stats.total_s + delay}, stats.metrics)
         # One metrics RPC per step is cheap next to a training step and keeps the monitor's windows full.
         try:
             self.ctl.report_metrics(
