@@ -184,9 +184,20 @@ def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
 
 
 def _worker_entry(rank: int, rep: Mapping[str, Any] | None, log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    if rep is not None:
-        return {**rep, "source": "report"}
     hist = list(log_history)
+    log_last = int(hist[-1]["step"]) if hist else 0
+    if rep is not None and all(i.get("state") == "starting" for i in rep.get("incarnations") or [{}]):
+        rep = None  # claimed, never trained far enough to write a snapshot: the log knows more
+    if rep is not None:
+        out = {**rep, "source": "report"}
+        incs = rep.get("incarnations") or []
+        last = int(rep.get("last_step") or rep.get("steps") or 0)
+        if incs and incs[-1].get("state") != "finished" and log_last > last:
+            # killed between two snapshots: its log lines went further
+            out["steps"] = int(rep.get("steps") or 0) + log_last - last
+            out["last_step"] = log_last
+            out["steps_after_snapshot_from_log"] = log_last - last
+        return out
     return {"rank": rank, "steps": int(hist[-1]["step"]) if hist else 0, "samples": None, "samples_per_s": None,
             "history": hist, "eval": {}, "checkpoint": "", "source": "log" if hist else "missing"}
 

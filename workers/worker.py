@@ -133,6 +133,7 @@ class Worker:
         self._draining = False
         self._dd: Any = None
         self._last_step_end = 0.0
+        self.start_step = 0
         self._last_dense_s = 0.0
         self._eval_ds: Any = None
         """All-reduce + DD policy: the workers.dd.DdLoop that applies the controller's batch sizes."""
@@ -275,7 +276,7 @@ class Worker:
                                {"data_wait": data_wait, "pull": stats.pull_s, "compute": stats.compute_s,
                                 "push": stats.push_s, "dense_sync": dense_s, "total": stats.total_s + delay},
                                stats.metrics)
-        due = self.telemetry.due(step)
+        due = self.telemetry.due(step) or step == self.start_step + 1  # a first snapshot early
         if step % self.job.train.log_every == 0 or step == 1 or due:
             rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
                    "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),

@@ -62,6 +62,20 @@ def test_summary_counts_every_incarnation_and_names_the_checkpoint_step(tmp_path
     assert [r[1:3] for r in rows if r[0] == "1"] == [["1", "20"], ["2", "10"], ["all", "30"]], text
 
 
+def test_a_killed_incarnation_counts_what_its_log_says(tmp_path: Path) -> None:
+    """Killed between two snapshots (or before its first): the step log lines fill in the rest."""
+    run, job = _run(tmp_path)
+    _write(run, "worker-2.inc-1.json", {"rank": 2, "incarnation": 1, "state": "starting", "time": 1000.0})
+    _write(run, "worker-1.inc-3.json", _inc(1, 30, 34, 400, "running", 1060.0))
+    logs = {1: [{"step": s, "time": 1060.0 + s, "loss": 0.6} for s in (32, 34, 36, 38)],
+            2: [{"step": 1, "time": 1001.0, "loss": 0.7}, {"step": 2, "time": 1002.0, "loss": 0.7}]}
+    job = job_from_mapping({"data": {"train": "x"}, "train": {"workers": 3}, "run": {"dir": str(tmp_path)}})
+    rep = build_report(run, job, status="interrupted", log_histories=logs)
+    w1, w2 = rep["workers"][1], rep["workers"][2]
+    assert w1["steps"] == 20 + 10 + 8 and w1["last_step"] == 38 and w1["source"] == "report"
+    assert w2["source"] == "log" and w2["steps"] == 2
+
+
 def test_epoch_column_is_the_same_running_and_finished() -> None:
     running = {"dataset": "train", "epoch": 0, "epochs": 1, "finished": False}
     finished = {**running, "finished": True}
