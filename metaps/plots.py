@@ -392,7 +392,7 @@ def plot_auc(report: Mapping[str, Any], ax: Any) -> PostLayout | None:
     ax.set_xticklabels(heads, fontsize=9)
     lo = min([v for _, v in values] + [h.get("oracle", 1.0) for h in by_head.values()] + [0.5])
     ax.set_ylim(max(0.0, lo - 0.1), 1.05)
-    _finish(ax, "eval AUC by head (final evaluation)", "head", "AUC", grid="y", legend=_outside_legend(len(labelled)))
+    _finish(ax, "eval AUC by head (final evaluation)", "head", "AUC", legend=_outside_legend(len(labelled)))
 
     def post(renderer: Any) -> None:
         place_labels(ax, renderer, [[{"x": x, "y": v, "s": f"{v:.3f}", "ha": "center", "va": "bottom",
