@@ -149,6 +149,7 @@ class Telemetry:
         self._writer: Any = None
         self._pending: list[dict[str, Any]] = []
         self.dense_sync_s = 0.0
+        self.last_tb_step: int | None = None
         self.eval_points: list[dict[str, Any]] = []
         log.info("telemetry ready", extra=kv(rank=rank, incarnation=self.incarnation, tb=str(self.tb_dir)))
 
@@ -207,6 +208,8 @@ class Telemetry:
                 continue
             w.add_scalar(f"{prefix}/{k}", float(v), global_step=step, walltime=walltime)
         w.flush()
+        if prefix == "train":
+            self.last_tb_step = step
 
     def on_eval(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """A periodic evaluation's result: gauges, TensorBoard ``eval/<kind>/<head>/auc``; returns the flat AUCs."""

@@ -134,6 +134,7 @@ class Worker:
         self._dd: Any = None
         self._last_step_end = 0.0
         self.start_step = 0
+        self._last_rec: dict[str, Any] | None = None
         self._last_dense_s = 0.0
         self._eval_ds: Any = None
         """All-reduce + DD policy: the workers.dd.DdLoop that applies the controller's batch sizes."""
@@ -276,18 +277,20 @@ class Worker:
                                {"data_wait": data_wait, "pull": stats.pull_s, "compute": stats.compute_s,
                                 "push": stats.push_s, "dense_sync": dense_s, "total": stats.total_s + delay},
                                stats.metrics)
-        due = self.telemetry.due(step) or step == self.start_step + 1  # a first snapshot early
-        if step % self.job.train.log_every == 0 or step == 1 or due:
-            rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
-                   "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
-                   "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
-                   "data_wait_s": data_wait, "dense_sync_s": dense_s, **stats.metrics}
-            if step % self.job.train.log_every == 0 or step == 1:
-                self.history.append(rec)
-                log.info("step", extra=kv(rank=self.rank, step=step, loss=round(stats.loss, 4),
-                                          samples_per_s=round(rec["samples_per_s"], 1)))
-            if due:
-                self.telemetry.scalars(step, rec)
+        # live figures at the incarnation's first step (so its TensorBoard run and snapshot exist
+        # at once) and every tb_every_steps; report() adds the last step
+        due = self.telemetry.due(step) or (step == self.start_step + 1 and self.telemetry.every > 0)
+        rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
+               "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
+               "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
+               "data_wait_s": data_wait, "dense_sync_s": dense_s, **stats.metrics}
+        self._last_rec = rec
+        if step % self.job.train.log_every == 0 or step == 1:
+            self.history.append(rec)
+            log.info("step", extra=kv(rank=self.rank, step=step, loss=round(stats.loss, 4),
+                                      samples_per_s=round(rec["samples_per_s"], 1)))
+        if due:
+            self.telemetry.scalars(step, rec)
         self._periodic_eval(step)
         if due:
             self.telemetry.snapshot(self._report_dict(None, None, state="running"))
@@ -438,6 +441,9 @@ class Worker:
     def report(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None) -> dict[str, Any]:
         """Write this incarnation's final report (``worker-R.inc-N.json``) and ``worker-R.json``."""
         rep = self._report_dict(eval_metrics, checkpoint, state="finished")
+        last = self._last_rec
+        if last is not None and self.telemetry.every > 0 and self.telemetry.last_tb_step != last["step"]:
+            self.telemetry.scalars(int(last["step"]), last)  # the incarnation's last step, in TensorBoard too
         if self._dd is not None:
             rep["dd_steps"] = [r.to_dict() for r in self._dd.records]
         path = self.run_dir / "workers" / f"worker-{self.rank}.json"
