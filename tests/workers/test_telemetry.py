@@ -109,9 +109,10 @@ def scenario(worker_data: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                                    and _scalars(tb1, "train/loss"), proc, log1)
             out["tb_auc"] = _poll("a periodic-eval AUC in TensorBoard",
                                   lambda: _scalars(tb1, "eval/adapted/click/auc"), proc, log1)
-            out["snapshot"] = _poll("a running snapshot with steps",
+            out["snapshot"] = _poll("a running snapshot with steps and a periodic evaluation",
                                     lambda: [r for r in read_incarnations(run_dir).get(0, [])
-                                             if r.get("state") == "running" and r.get("steps_run", 0) >= 2],
+                                             if r.get("state") == "running" and r.get("steps_run", 0) >= 2
+                                             and r.get("eval_history")],
                                     proc, log1)
             out["alive_while_read"] = proc.poll() is None
         finally:
@@ -153,7 +154,8 @@ def test_worker_metrics_advance_while_it_trains(scenario: dict[str, Any]) -> Non
 def test_tensorboard_written_before_the_run_ends(scenario: dict[str, Any]) -> None:
     assert scenario["alive_while_read"]
     steps = [e.step for e in scenario["tb_loss"]]
-    assert len(steps) >= 2 and all(s % 2 == 0 for s in steps), steps
+    # the incarnation's first step, then every tb_every_steps (2)
+    assert len(steps) >= 2 and all(s % 2 == 0 for s in steps[1:]) and steps == sorted(steps), steps
     auc = scenario["tb_auc"]
     assert auc and all(0.0 <= e.value <= 1.0 for e in auc) and all(e.step % 3 == 0 for e in auc)
 
