@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 
 class ControllerCollector(Collector):
-    """Shards by dataset and state, nodes by role and state, slow nodes, events."""
+    """Shards by dataset and state, nodes by role and state, slow nodes, events (total and by kind)."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
@@ -44,9 +44,18 @@ class ControllerCollector(Collector):
             nodes.add_metric([role, state], c)
         for role, c in sorted(slow_counts.items()):
             slow.add_metric([role], c)
+        recorded = self.server.events.list(since=0)
         events = GaugeMetricFamily("metaps_controller_events", "Controller events recorded so far")
-        events.add_metric([], len(self.server.events.list(since=0)))
-        yield from (shards, epoch, nodes, slow, events)
+        events.add_metric([], len(recorded))
+        by_kind = GaugeMetricFamily("metaps_controller_events_by_kind",
+                                    "Controller events recorded so far by kind (slow, shrink_shards, restart, "
+                                    "shards_requeued, move_vshards, checkpoint, ...)", labels=["kind"])
+        kinds: dict[str, int] = {}
+        for e in recorded:
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+        for kind, c in sorted(kinds.items()):
+            by_kind.add_metric([kind], c)
+        yield from (shards, epoch, nodes, slow, events, by_kind)
 
 
 class AgentCollector(Collector):

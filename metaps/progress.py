@@ -122,6 +122,17 @@ def _fmt(v: Any, spec: str = ".4g") -> str:
         return str(v)
 
 
+def epoch_text(d: Mapping[str, Any]) -> str:
+    """``current/total`` epochs, 1-based, the same while running and once finished (``2/2`` at the end).
+
+    Args:
+        d: one dataset of the controller status (``epoch`` 0-based, ``epochs``, ``finished``).
+    """
+    epochs = int(d.get("epochs") or 0)
+    current = epochs if d.get("finished") else min(int(d.get("epoch") or 0) + 1, max(epochs, 1))
+    return f"{current}/{epochs}"
+
+
 def render(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]], elapsed_s: float,
            title: str = "metaps launch", max_events: int = 6) -> Group:
     """Tables for datasets, nodes and recent events.
@@ -142,7 +153,7 @@ def render(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, 
     for col in ("dataset", "epoch", "shards done/total", "doing", "batches", "finished"):
         ds.add_column(col)
     for d in status.get("datasets", []):
-        ds.add_row(str(d["dataset"]), f"{d['epoch'] + (0 if d['finished'] else 1)}/{d['epochs']}",
+        ds.add_row(str(d["dataset"]), epoch_text(d),
                    f"{d['shards_done']}/{d['shards_total']}", str(d["shards_doing"]),
                    f"{d['batches_done']}/{d['batches_total']}", "yes" if d["finished"] else "")
 

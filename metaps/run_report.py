@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import platform
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -73,16 +74,95 @@ def versions() -> dict[str, str]:
     return out
 
 
-def read_worker_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """rank -> the JSON each worker wrote at ``<run>/workers/worker-R.json``."""
-    out: dict[int, dict[str, Any]] = {}
+_INC_FILE = re.compile(r"^worker-(\d+)\.inc-(\d+)\.json$")
+_LEGACY_FILE = re.compile(r"^worker-(\d+)\.json$")
+
+
+def read_incarnations(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> every incarnation's report (``<run>/workers/worker-R.inc-N.json``), in order.
+
+    A worker rewrites its incarnation's file while it trains (``state`` ``running``) and at
+    the end (``finished``); a killed incarnation leaves its last snapshot. Runs from before
+    incarnation files have ``worker-R.json`` only: it counts as incarnation 1.
+    """
+    found: dict[int, dict[int, dict[str, Any]]] = {}
+    legacy: dict[int, dict[str, Any]] = {}
     for p in sorted((run_dir / "workers").glob("worker-*.json")):
+        m_inc, m_old = _INC_FILE.match(p.name), _LEGACY_FILE.match(p.name)
+        if not (m_inc or m_old):
+            continue
         try:
             rep = json.loads(p.read_text())
-            out[int(rep["rank"])] = rep
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError) as exc:
             log.warning("unreadable worker report", extra=kv(path=str(p), error=str(exc)[:200]))
+            continue
+        if m_inc:
+            rank, inc = int(m_inc.group(1)), int(m_inc.group(2))
+            found.setdefault(rank, {})[inc] = {"rank": rank, **rep, "incarnation": inc}
+        elif m_old:
+            legacy[int(m_old.group(1))] = rep
+    out = {r: [incs[i] for i in sorted(incs)] for r, incs in found.items()}
+    for r, rep in legacy.items():
+        out.setdefault(r, [{**rep, "incarnation": 1}])
     return out
+
+
+def _wall(rep: Mapping[str, Any]) -> float:
+    wall = float(rep.get("wall_s") or 0.0)
+    if not wall and rep.get("train_start"):  # a snapshot of an incarnation that did not finish
+        wall = max(0.0, float(rep.get("time") or 0.0) - float(rep["train_start"]))
+    return wall
+
+
+def merge_incarnations(incs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One rank's figures over all its incarnations.
+
+    ``steps`` and ``samples`` are sums of what each incarnation trained (``steps_run``:
+    a restarted worker resumes its step numbering from its PS clock), ``last_step`` the
+    step number reached, ``wall_s`` the sum of the incarnations' training times,
+    ``history`` every incarnation's records tagged with ``incarnation``, ``eval`` and
+    ``checkpoint`` from the last incarnation that has them. ``incarnations`` lists each
+    one's own figures.
+    """
+    last = dict(incs[-1])
+    per: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
+    eval_history: list[dict[str, Any]] = []
+    for rep in incs:
+        inc = int(rep.get("incarnation") or 1)
+        steps_run = int(rep.get("steps_run", int(rep.get("steps") or 0) - int(rep.get("start_step") or 0)))
+        hist = [{**h, "incarnation": inc} for h in rep.get("history") or []]
+        history += hist
+        eval_history += [{**h, "incarnation": inc} for h in rep.get("eval_history") or []]
+        per.append({"incarnation": inc, "state": rep.get("state", "finished"), "start_step": rep.get("start_step", 0),
+                    "last_step": int(rep.get("steps") or 0), "steps": steps_run,
+                    "samples": int(rep.get("samples") or 0), "wall_s": round(_wall(rep), 3),
+                    "train_start": rep.get("train_start", 0.0), "train_end": rep.get("train_end", 0.0),
+                    "final_loss": hist[-1].get("loss") if hist else None})
+    samples = sum(p["samples"] for p in per)
+    wall = sum(p["wall_s"] for p in per)
+    merged = {
+        **last,
+        "steps": sum(p["steps"] for p in per),
+        "last_step": max(p["last_step"] for p in per),
+        "samples": samples,
+        "shards": sum(int(r.get("shards") or 0) for r in incs),
+        "wall_s": round(wall, 3),
+        "busy_s": sum(float(r.get("busy_s") or 0.0) for r in incs),
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "train_start": min((float(r.get("train_start") or 0.0) for r in incs if r.get("train_start")), default=0.0),
+        "history": history,
+        "eval_history": eval_history,
+        "incarnations": per,
+    }
+    for key in ("eval", "checkpoint"):
+        merged[key] = next((r.get(key) for r in reversed(incs) if r.get(key)), last.get(key) or ({} if key == "eval" else ""))
+    return merged
+
+
+def read_worker_reports(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """rank -> that worker's report, every incarnation counted (:func:`merge_incarnations`)."""
+    return {r: merge_incarnations(incs) for r, incs in read_incarnations(run_dir).items() if incs}
 
 
 def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
@@ -104,9 +184,20 @@ def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
 
 
 def _worker_entry(rank: int, rep: Mapping[str, Any] | None, log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    if rep is not None:
-        return {**rep, "source": "report"}
     hist = list(log_history)
+    log_last = int(hist[-1]["step"]) if hist else 0
+    if rep is not None and all(i.get("state") == "starting" for i in rep.get("incarnations") or [{}]):
+        rep = None  # claimed, never trained far enough to write a snapshot: the log knows more
+    if rep is not None:
+        out = {**rep, "source": "report"}
+        incs = rep.get("incarnations") or []
+        last = int(rep.get("last_step") or rep.get("steps") or 0)
+        if incs and incs[-1].get("state") != "finished" and log_last > last:
+            # killed between two snapshots: its log lines went further
+            out["steps"] = int(rep.get("steps") or 0) + log_last - last
+            out["last_step"] = log_last
+            out["steps_after_snapshot_from_log"] = log_last - last
+        return out
     return {"rank": rank, "steps": int(hist[-1]["step"]) if hist else 0, "samples": None, "samples_per_s": None,
             "history": hist, "eval": {}, "checkpoint": "", "source": "log" if hist else "missing"}
 
@@ -208,6 +299,7 @@ def build_report(
     st = dict(controller_status or {})
     now = time.time()
     cov = dict(st.get("coverage", {}) or {})
+    events = list(st.get("events", []) or [])
     return {
         "run_dir": str(run_dir),
         "name": job.run.name,
@@ -226,10 +318,15 @@ def build_report(
             "samples": sum(int(w.get("samples") or 0) for w in workers),
             "steps": sum(int(w.get("steps") or 0) for w in workers),
             "samples_per_s": round(sum(float(w.get("samples_per_s") or 0.0) for w in workers), 3),
+            "last_step": max((int(w.get("last_step") or w.get("steps") or 0) for w in workers), default=0),
+            "incarnations": sum(len(w.get("incarnations") or [1]) for w in workers),
+            "checkpoint_step": checkpoint_step(ckpt),
         },
+        "auc_history": list(reports.get(0, {}).get("eval_history") or []),
+        "shards_note": shards_note(st.get("datasets", []) or [], events),
         "ps": list(ps_stats) if ps_stats is not None else [],
         "controller": {
-            "events": st.get("events", []),
+            "events": events,
             "coverage": cov,
             "datasets": st.get("datasets", []),
             "nodes": st.get("nodes", []),
@@ -246,6 +343,47 @@ def build_report(
         "processes": dict(processes or {}),
         "notes": list(notes),
     }
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The step of a checkpoint directory ``.../ckpt-<step>`` (None: none or not one)."""
+    m = re.search(r"ckpt-(\d+)$", str(path or "").rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def shards_note(datasets: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> str:
+    """Why a dataset's shard total is larger than the shards it started with ('' when nothing explains it).
+
+    The DDS splits a shard when a worker asks for smaller ones (the controller's
+    ``shrink_shards`` on a slow worker) and requeues the shards of a worker that
+    died, hung or lost its lease: both add records mid-run.
+    """
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[str(e.get("kind"))] = kinds.get(str(e.get("kind")), 0) + 1
+    shrinks = kinds.get("shrink_shards", 0)
+    requeues = sum(kinds.get(k, 0) for k in ("shards_requeued", "lease_expired", "hang"))
+    if not (shrinks or requeues):
+        return ""
+    totals = ", ".join(f"{d.get('dataset')} {d.get('shards_total')}" for d in datasets if d.get("shards_total"))
+    why = []
+    if shrinks:
+        why.append(f"{shrinks} shrink_shards event(s): shards split into smaller leases for slow workers")
+    if requeues:
+        why.append(f"{requeues} requeue event(s): shards of a dead, hung or expired-lease worker handed out again")
+    return f"shard totals{' (' + totals + ')' if totals else ''} grew mid-run: " + "; ".join(why)
+
+
+def steps_text(report: Mapping[str, Any]) -> str:
+    """``steps 70 over 3 incarnations (last step 40; last checkpoint at step 63)``: what the step figures mean."""
+    t = report.get("totals", {})
+    text = f"steps {t.get('steps', 0)} (all workers, every incarnation)"
+    if t.get("incarnations") and t["incarnations"] > len(report.get("workers", [])):
+        text += f" over {t['incarnations']} incarnations"
+    ck = t.get("checkpoint_step")
+    text += f"; furthest step {t.get('last_step', 0)}; " + (
+        f"last checkpoint at step {ck}" if ck is not None else "no checkpoint")
+    return text
 
 
 def write_report(run_dir: Path, report: Mapping[str, Any]) -> Path:
@@ -265,17 +403,31 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     console.print(f"[bold {colour}]run {report['status']}[/]" + (f": {report['reason']}" if report["reason"] else ""))
     console.print(f"coverage: {report.get('coverage_summary') or '-'}", markup=False)
 
-    wt = Table(title="workers")
-    for col in ("rank", "steps", "samples", "samples/s", "wall s", "final loss", "source"):
+    wt = Table(title="workers (every incarnation counted)")
+    for col in ("rank", "inc", "steps", "last step", "samples", "samples/s", "wall s", "final loss", "source"):
         wt.add_column(col, justify="right")
-    for w in report["workers"]:
-        hist = w.get("history") or []
-        loss = hist[-1].get("loss") if hist else None
-        wt.add_row(str(w["rank"]), str(w.get("steps", "")), str(w.get("samples") if w.get("samples") is not None else "-"),
+
+    def row(rank: str, inc: str, w: Mapping[str, Any], loss: Any, source: str) -> None:
+        wt.add_row(rank, inc, str(w.get("steps", "")), str(w.get("last_step", w.get("steps", ""))),
+                   str(w.get("samples") if w.get("samples") is not None else "-"),
                    f"{w['samples_per_s']:,.1f}" if w.get("samples_per_s") else "-",
                    f"{w['wall_s']:.1f}" if w.get("wall_s") else "-",
-                   f"{loss:.4f}" if isinstance(loss, (int, float)) else "-", str(w.get("source", "")))
+                   f"{loss:.4f}" if isinstance(loss, (int, float)) else "-", source)
+
+    for w in report["workers"]:
+        hist = w.get("history") or []
+        incs = w.get("incarnations") or []
+        if len(incs) > 1:
+            for i in incs:
+                row(str(w["rank"]), str(i["incarnation"]), {**i, "samples_per_s": i["samples"] / i["wall_s"]
+                                                            if i.get("wall_s") else 0.0}, i.get("final_loss"),
+                    str(i.get("state", "")))
+        loss = hist[-1].get("loss") if hist else None
+        row(str(w["rank"]), "all" if len(incs) > 1 else str(len(incs) or "-"), w, loss, str(w.get("source", "")))
     console.print(wt)
+    console.print(steps_text(report), markup=False)
+    if report.get("shards_note"):
+        console.print(report["shards_note"], markup=False)
 
     if report["ps"]:
         pt = Table(title="parameter servers")

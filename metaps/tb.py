@@ -1,10 +1,14 @@
-"""TensorBoard logs of a run, written from ``report.json`` after it ends.
+"""TensorBoard logs of a run: the workers' live ones, completed from ``report.json`` after it ends.
 
 Layout (``tensorboard --logdir <run>/tb`` overlays the workers)::
 
-    <run>/tb/worker-R/   train/loss, train/samples_per_s, train/pull_s, train/compute_s,
-                         train/push_s (and any other numeric per-step figure), by step
-    <run>/tb/fleet/      eval/<kind>/<head>/auc (final, at the last step), fleet/samples_per_s
+    <run>/tb/worker-R.inc-N/  written live by the worker process (workers/telemetry.py): train/loss,
+                              train/samples_per_s, train/pull_s, ... every [train] tb_every_steps
+                              steps, eval/<kind>/<head>/auc at each periodic evaluation (rank 0)
+    <run>/tb/worker-R/        after the run, only for a rank with no live directory (a worker that
+                              died before its first live write, an older worker): from its history
+    <run>/tb/fleet/           eval/<kind>/<head>/auc (periodic evaluations by step, and the final
+                              one at the last step), fleet/samples_per_s
 
 Example::
 
@@ -40,8 +44,9 @@ def write_tensorboard(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     last_step = 0
     for w in report.get("workers", []):
         hist = w.get("history") or []
-        if not hist:
-            continue
+        last_step = max([last_step, *(int(h["step"]) for h in hist if "step" in h)])
+        if not hist or any(out_dir.glob(f"worker-{w['rank']}.inc-*")):
+            continue  # the worker wrote its own live logs
         d = out_dir / f"worker-{w['rank']}"
         writer = SummaryWriter(log_dir=str(d))
         try:
@@ -58,6 +63,11 @@ def write_tensorboard(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     d = out_dir / "fleet"
     writer = SummaryWriter(log_dir=str(d))
     try:
+        for point in report.get("auc_history") or []:
+            for k, v in point.items():
+                if "/" in k and isinstance(v, (int, float)) and math.isfinite(v):
+                    writer.add_scalar(f"eval/{k}", float(v), global_step=int(point["step"]),
+                                      walltime=float(point.get("time") or 0.0) or None)
         for k, v in sorted(report.get("final_auc", {}).items()):
             writer.add_scalar(f"eval/{k}", float(v), global_step=last_step)
         totals = report.get("totals", {})

@@ -53,6 +53,11 @@ class TrainConfig:
         device: device of the worker process (``cpu``, ``cuda``, ``cuda:N``, ``auto`` = cuda when
             available): where ``train-local`` keeps its in-process tables; a fleet worker checks it
             at start-up. The dense model computes on CPU in this version.
+        tb_every_steps: a fleet worker writes live TensorBoard scalars (``<run>/tb/worker-R.inc-N``) and
+            rewrites its incarnation report every this many steps (0: only at the end).
+        eval_every_steps: rank 0 evaluates on a bounded sample of ``[data] eval`` every this many
+            steps, so AUC is a curve in TensorBoard and report.json (0: only the final evaluation).
+        eval_max_rows: rows of the periodic evaluation's sample (the first batches of the eval set).
     """
 
     mode: TrainMode = TrainMode.META
@@ -67,6 +72,9 @@ class TrainConfig:
     seed: int = 0
     allreduce_port: int = 0
     device: str = "cpu"
+    tb_every_steps: int = 10
+    eval_every_steps: int = 0
+    eval_max_rows: int = 2048
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -79,6 +87,12 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.tb_every_steps < 0:
+            raise ValueError(f"tb_every_steps must be >= 0 (0: no live scalars), got {self.tb_every_steps}")
+        if self.eval_every_steps < 0:
+            raise ValueError(f"eval_every_steps must be >= 0 (0: final evaluation only), got {self.eval_every_steps}")
+        if self.eval_max_rows < 1:
+            raise ValueError(f"eval_max_rows must be >= 1, got {self.eval_max_rows}")
         if not _DEVICE.match(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
 

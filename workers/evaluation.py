@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,34 @@ def evaluate(
     """Score and summarize in one go: ``{"base": {head: metrics}[, "adapted": ...]}``."""
     scores = score_batches(model, rows_src, batches, meta_cfg, adapt, max_batches)
     return {kind: summarize(arrs) for kind, arrs in scores.items()}
+
+
+def batch_rows(batch: MetaBatch | PlainBatch) -> int:
+    """Rows of one batch (support + query of a meta batch)."""
+    if isinstance(batch, MetaBatch):
+        return int(batch.support.num_rows() + batch.query.num_rows())
+    return int(batch.features.num_rows())
+
+
+def bounded_batches(batches: Iterable[MetaBatch | PlainBatch], max_rows: int) -> Iterator[MetaBatch | PlainBatch]:
+    """The leading batches of ``batches`` holding at most ``max_rows`` rows (at least one batch).
+
+    The periodic evaluation's sample: the same rows every time, so its AUC curve moves
+    with the model only.
+
+    Args:
+        batches: held-out batches in dataset order.
+        max_rows: the row budget (>= 1).
+    """
+    seen = 0
+    for n, batch in enumerate(batches):
+        rows = batch_rows(batch)
+        if n and seen + rows > max_rows:
+            return
+        seen += rows
+        yield batch
+        if seen >= max_rows:
+            return
 
 
 def write_eval_file(path: Path, scores: Scores) -> None:

@@ -35,6 +35,7 @@ from workers.config import DenseSync, TrainMode
 from workers.data_feed import BatchRange, static_ranges
 from workers.evaluation import merge_eval_files, score_batches, write_eval_file
 from workers.row_source import RemoteRowSource, RowSource
+from workers.telemetry import CountingRowSource, Telemetry
 from workers.trainer import StepStats, Trainer
 
 log = logging.getLogger(__name__)
@@ -109,15 +110,17 @@ class Worker:
                  world: int | None = None, barrier: Any = None) -> None:
         from metaps.core.faults import FaultInjector
 
-        self.job, self.rank, self.rows, self.ctl = job, rank, rows, controller
+        self.job, self.rank, self.ctl = job, rank, controller
         self.world = job.train.workers if world is None else world
         self.run_dir = Path(run_dir or job.run.dir)
+        self.telemetry = Telemetry(self.run_dir, rank, job.train.tb_every_steps, overlap=job.train.overlap)
+        self.rows: Any = CountingRowSource(rows, self.telemetry)
         self.dataset = MetaIODataset(job.data.train)
         self.model = build_model(job)
         torch.set_num_threads(job.train.threads)
         self._init_allreduce()
         self.trainer = Trainer(
-            self.model, rows, job.train, job.meta, job.ps.dense_optimizer, rank=rank, world=self.world,
+            self.model, self.rows, job.train, job.meta, job.ps.dense_optimizer, rank=rank, world=self.world,
             barrier=barrier,
         )
         self._born = time.time()
@@ -129,6 +132,11 @@ class Worker:
         self._hb: _Heartbeat | None = None
         self._draining = False
         self._dd: Any = None
+        self._last_step_end = 0.0
+        self.start_step = 0
+        self._last_rec: dict[str, Any] | None = None
+        self._last_dense_s = 0.0
+        self._eval_ds: Any = None
         """All-reduce + DD policy: the workers.dd.DdLoop that applies the controller's batch sizes."""
 
     def _init_allreduce(self) -> None:
@@ -169,7 +177,9 @@ class Worker:
                 self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
                 waiting = False
             lease = got.lease
+            self.telemetry.leases(1)
             yield BatchRange(lease.file, lease.start, lease.stop), lease
+            self.telemetry.leases(0)
         self.rows.leave_clock()
 
     # -- main loop --------------------------------------------------------------------
@@ -180,6 +190,8 @@ class Worker:
             self._hb.start()
         t_start = time.perf_counter()
         self.train_start = time.time()
+        self._last_step_end = t_start
+        self.start_step = self.trainer.step_no
         if self._dd_mode():
             from workers.dd import DdLoop
 
@@ -255,18 +267,44 @@ class Worker:
         self.samples += stats.samples
         self.busy_s += stats.total_s + delay
         step = stats.step
+        now = time.perf_counter()
+        # data wait: the time between two steps' ends that the step itself did not use (reading,
+        # waiting for a lease); the fault delay is neither
+        data_wait = max(0.0, now - self._last_step_end - stats.total_s - delay)
+        self._last_step_end = now
+        dense_s, self._last_dense_s = self.telemetry.dense_sync_s - self._last_dense_s, self.telemetry.dense_sync_s
+        self.telemetry.on_step(step, stats.samples, stats.loss,
+                               {"data_wait": data_wait, "pull": stats.pull_s, "compute": stats.compute_s,
+                                "push": stats.push_s, "dense_sync": dense_s, "total": stats.total_s + delay},
+                               stats.metrics)
+        # live figures at the incarnation's first step (so its TensorBoard run and snapshot exist
+        # at once) and every tb_every_steps; report() adds the last step
+        due = self.telemetry.due(step) or (step == self.start_step + 1 and self.telemetry.every > 0)
+        rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
+               "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
+               "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
+               "data_wait_s": data_wait, "dense_sync_s": dense_s, **stats.metrics}
+        self._last_rec = rec
         if step % self.job.train.log_every == 0 or step == 1:
-            rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
-                   "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
-                   "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s, **stats.metrics}
             self.history.append(rec)
             log.info("step", extra=kv(rank=self.rank, step=step, loss=round(stats.loss, 4),
                                       samples_per_s=round(rec["samples_per_s"], 1)))
+        if due:
+            self.telemetry.scalars(step, rec)
+        self._periodic_eval(step)
+        if due:
+            self.telemetry.snapshot(self._report_dict(None, None, state="running"))
         if self.ctl is not None:
-            self._report(stats, delay)
+            self._report(stats, delay, telemetry=False)
             self._handle_commands()
 
-    def _report(self, stats: StepStats, delay: float) -> None:
+    def _report(self, stats: StepStats, delay: float, telemetry: bool = True) -> None:
+        """Report one step to the controller's monitor (and, for loops that bypass :meth:`_after_step`
+        such as the DD loop, to telemetry: ``telemetry=True``)."""
+        if telemetry:
+            self.telemetry.on_step(stats.step, stats.samples, stats.loss,
+                                   {"pull": stats.pull_s, "compute": stats.compute_s, "push": stats.push_s,
+                                    "total": stats.total_s + delay}, stats.metrics)
         # One metrics RPC per step is cheap next to a training step and keeps the monitor's windows full.
         try:
             self.ctl.report_metrics(
@@ -328,6 +366,24 @@ class Worker:
             self.ctl.checkpoint_done(cut_id, step, str(path))
         return path
 
+    def _periodic_eval(self, step: int) -> None:
+        """Rank 0, every ``[train] eval_every_steps``: AUC on the first ``eval_max_rows`` eval rows."""
+        every = self.job.train.eval_every_steps
+        if not every or self.rank != 0 or not self.job.data.eval or step % every:
+            return
+        from workers.evaluation import bounded_batches, evaluate
+
+        if self._eval_ds is None:
+            self._eval_ds = MetaIODataset(self.job.data.eval)
+        ds = self._eval_ds  # the model holds the dense parameters of the step just done
+        t0 = time.perf_counter()
+        batches = (b for f in range(ds.num_files) for b in ds.read_range(f, 0, ds.num_batches(f)))
+        metrics = evaluate(self.model, self.rows, bounded_batches(batches, self.job.train.eval_max_rows),
+                           self.job.meta, adapt=self.job.train.mode == TrainMode.META)
+        flat = self.telemetry.on_eval(step, metrics)
+        log.info("periodic eval", extra=kv(rank=self.rank, step=step, s=round(time.perf_counter() - t0, 2),
+                                           **{k.replace("/", "_"): round(v, 4) for k, v in flat.items()}))
+
     def evaluate(self) -> None:
         """Score this worker's eval shards (controller) or its static slice of eval."""
         if not self.job.data.eval:
@@ -360,10 +416,16 @@ class Worker:
             time.sleep(0.2)
         raise TimeoutError(f"worker {self.rank}: job not finished after {timeout_s}s")
 
-    def report(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None) -> dict[str, Any]:
-        rep = {
+    def _report_dict(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None,
+                     state: str) -> dict[str, Any]:
+        start = getattr(self, "start_step", 0)
+        return {
             "rank": self.rank,
+            "state": state,
+            "time": time.time(),
             "steps": self.trainer.step_no,
+            "start_step": start,
+            "steps_run": self.trainer.step_no - start,
             "samples": self.samples,
             "shards": self.shards_done,
             "wall_s": getattr(self, "wall_s", 0.0),
@@ -374,16 +436,26 @@ class Worker:
             "history": self.history,
             "eval": eval_metrics or {},
             "checkpoint": str(checkpoint) if checkpoint else "",
-            "dense_sha256": dense_digest(self.model),
+            "dense_sha256": dense_digest(self.model) if state == "finished" else "",
         }
+
+    def report(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None) -> dict[str, Any]:
+        """Write this incarnation's final report (``worker-R.inc-N.json``) and ``worker-R.json``."""
+        rep = self._report_dict(eval_metrics, checkpoint, state="finished")
+        last = self._last_rec
+        if last is not None and self.telemetry.every > 0 and self.telemetry.last_tb_step != last["step"]:
+            self.telemetry.scalars(int(last["step"]), last)  # the incarnation's last step, in TensorBoard too
         if self._dd is not None:
             rep["dd_steps"] = [r.to_dict() for r in self._dd.records]
         path = self.run_dir / "workers" / f"worker-{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, rep)
+        write_json_atomic(path, {**rep, "incarnation": self.telemetry.incarnation,
+                                 "eval_history": list(self.telemetry.eval_points)})
+        self.telemetry.snapshot(rep)
         return rep
 
     def close(self) -> None:
+        self.telemetry.close()
         if self._hb is not None:
             self._hb.stop_event.set()
         if self.job.train.dense_sync == DenseSync.ALLREDUCE and self.world > 1:

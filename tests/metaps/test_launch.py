@@ -140,7 +140,7 @@ def test_launch_writes_plots_and_tensorboard(e2e: dict[str, Any]) -> None:
     for name in PLOTS:
         assert_png_not_blank(run / "plots" / name)
     for rank in (0, 1):
-        acc = EventAccumulator(str(run / "tb" / f"worker-{rank}"))
+        acc = EventAccumulator(str(run / "tb" / f"worker-{rank}.inc-1"))  # written live by the worker
         acc.Reload()
         tags = acc.Tags()["scalars"]
         assert {"train/loss", "train/samples_per_s"} <= set(tags), tags

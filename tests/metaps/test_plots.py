@@ -99,11 +99,11 @@ def test_a_plot_that_fails_does_not_stop_the_others(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("fn", "title", "xlabel", "ylabel", "legend"), [
-    ("plot_throughput", "throughput per worker", "seconds since launch", "samples/s", True),
+    ("plot_throughput", "throughput (fleet total and per worker)", "seconds since launch", "samples/s", True),
     ("plot_shard_timeline", "shard timeline (who did which shard; requeues and stragglers marked)",
      "seconds since launch", "", True),
-    ("plot_loss", "training loss", "step", "loss", True),
-    ("plot_auc", "eval AUC (dotted: oracle)", "", "AUC", False),
+    ("plot_loss", "training loss (fleet mean and per worker)", "seconds since launch", "loss", True),
+    ("plot_auc", "eval AUC by head (final evaluation)", "head", "AUC", True),
 ])
 def test_every_plot_finishes_its_axes(fn: str, title: str, xlabel: str, ylabel: str, legend: bool) -> None:
     from matplotlib.figure import Figure

@@ -1,0 +1,88 @@
+"""The summary's counts say what they count: every incarnation, which step, why shards grew; epochs agree.
+
+Built from real incarnation report files in a run directory (the files a worker
+writes: ``workers/worker-R.inc-N.json``), through :func:`build_report` and
+:func:`print_summary` as ``metaps launch`` calls them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from metaps.job import job_from_mapping
+from metaps.progress import epoch_text, render
+from metaps.run_report import build_report, print_summary, read_worker_reports
+
+
+def _write(run: Path, name: str, rep: dict[str, Any]) -> None:
+    (run / "workers").mkdir(parents=True, exist_ok=True)
+    (run / "workers" / name).write_text(json.dumps(rep))
+
+
+def _inc(rank: int, start: int, end: int, samples: int, state: str, t: float) -> dict[str, Any]:
+    return {"rank": rank, "state": state, "steps": end, "start_step": start, "steps_run": end - start,
+            "samples": samples, "wall_s": 0.0 if state == "running" else 10.0, "train_start": t, "time": t + 10.0,
+            "history": [{"step": s, "time": t + s, "loss": 0.7, "samples_per_s": 50.0} for s in range(start + 1, end + 1)]}
+
+
+def _run(tmp_path: Path) -> tuple[Path, Any]:
+    run = tmp_path / "run"
+    _write(run, "worker-0.inc-1.json", {**_inc(0, 0, 40, 4000, "finished", 1000.0),
+                                        "checkpoint": str(run / "checkpoints" / "ckpt-63")})
+    _write(run, "worker-1.inc-1.json", _inc(1, 0, 20, 2000, "running", 1000.0))  # slowed, then restarted
+    _write(run, "worker-1.inc-2.json", _inc(1, 20, 30, 1000, "finished", 1030.0))
+    _write(run, "worker-1.json", _inc(1, 20, 30, 1000, "finished", 1030.0))  # the legacy copy is not counted twice
+    job = job_from_mapping({"data": {"train": "x"}, "train": {"workers": 2}, "run": {"dir": str(tmp_path)}})
+    return run, job
+
+
+def test_summary_counts_every_incarnation_and_names_the_checkpoint_step(tmp_path: Path) -> None:
+    run, job = _run(tmp_path)
+    reps = read_worker_reports(run)
+    assert reps[1]["steps"] == 30 and reps[1]["samples"] == 3000 and reps[1]["last_step"] == 30
+    assert [i["incarnation"] for i in reps[1]["incarnations"]] == [1, 2]
+    status = {"datasets": [{"dataset": "train", "shards_total": 36, "epoch": 0, "epochs": 1, "finished": True}],
+              "events": [{"kind": "shrink_shards", "node": "worker:1", "time": 1012.0},
+                         {"kind": "shards_requeued", "node": "worker:1", "time": 1020.0}]}
+    rep = build_report(run, job, status="succeeded", controller_status=status)
+    assert rep["totals"]["steps"] == 70 and rep["totals"]["samples"] == 7000
+    assert rep["totals"]["checkpoint_step"] == 63 and rep["totals"]["incarnations"] == 3
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=220), rep)
+    text = buf.getvalue()
+    assert "steps 70 (all workers, every incarnation) over 3 incarnations" in text, text
+    assert "last checkpoint at step 63" in text, text
+    assert "train 36" in text and "shrink_shards" in text and "requeue" in text, text
+    rows = [[c.strip() for c in ln.split("│")[1:-1]] for ln in text.splitlines() if ln.count("│") > 3]
+    assert [r[1:3] for r in rows if r[0] == "1"] == [["1", "20"], ["2", "10"], ["all", "30"]], text
+
+
+def test_a_killed_incarnation_counts_what_its_log_says(tmp_path: Path) -> None:
+    """Killed between two snapshots (or before its first): the step log lines fill in the rest."""
+    run, job = _run(tmp_path)
+    _write(run, "worker-2.inc-1.json", {"rank": 2, "incarnation": 1, "state": "starting", "time": 1000.0})
+    _write(run, "worker-1.inc-3.json", _inc(1, 30, 34, 400, "running", 1060.0))
+    logs = {1: [{"step": s, "time": 1060.0 + s, "loss": 0.6} for s in (32, 34, 36, 38)],
+            2: [{"step": 1, "time": 1001.0, "loss": 0.7}, {"step": 2, "time": 1002.0, "loss": 0.7}]}
+    job = job_from_mapping({"data": {"train": "x"}, "train": {"workers": 3}, "run": {"dir": str(tmp_path)}})
+    rep = build_report(run, job, status="interrupted", log_histories=logs)
+    w1, w2 = rep["workers"][1], rep["workers"][2]
+    assert w1["steps"] == 20 + 10 + 8 and w1["last_step"] == 38 and w1["source"] == "report"
+    assert w2["source"] == "log" and w2["steps"] == 2
+
+
+def test_epoch_column_is_the_same_running_and_finished() -> None:
+    running = {"dataset": "train", "epoch": 0, "epochs": 1, "finished": False}
+    finished = {**running, "finished": True}
+    assert epoch_text(running) == epoch_text(finished) == "1/1"
+    assert epoch_text({"epoch": 1, "epochs": 2, "finished": False}) == "2/2"
+    assert epoch_text({"epoch": 1, "epochs": 2, "finished": True}) == "2/2"
+    row = {**finished, "shards_done": 3, "shards_total": 3, "shards_doing": 0, "batches_done": 9, "batches_total": 9}
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render({"datasets": [row]}, {}, 1.0))
+    assert " 1/1 " in buf.getvalue() and " 0/1 " not in buf.getvalue()
