@@ -33,22 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def point_latest(run_dir: Path) -> None:
-    """``<parent>/latest`` -> ``run_dir`` (a symlink; an existing non-link is left alone).
-
-    Args:
-        run_dir: the finished run directory.
-    """
-    link = run_dir.parent / "latest"
-    try:
-        if link.is_symlink():
-            link.unlink()
-        if not link.exists():
-            link.symlink_to(run_dir.name)
-    except OSError as exc:
-        log.warning("could not point latest at the run", extra=kv(link=str(link), error=str(exc)))
-
-
 def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path]:
     """Preflight, make the run dir, train in this process, write the report and its artefacts.
 
@@ -61,7 +45,7 @@ def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path
     """
     from metaps.core.security import make_private_dir
     from metaps.core.toml_writer import write
-    from metaps.launch import LaunchConfig, _new_run_dir
+    from metaps.launch import LaunchConfig, _new_run_dir, mark_latest, settle_latest
     from metaps.plots import make_plots
     from metaps.preflight import preflight
     from metaps.run_report import build_report, write_report
@@ -75,8 +59,14 @@ def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path
     job = job.with_overrides(run=dataclasses.replace(job.run, dir=str(d)),
                              train=dataclasses.replace(job.train, workers=1))
     write(d / "job.toml", job.to_dict())
+    # the launcher's rule: latest names the run from its start, and never a failed run
+    previous = mark_latest(d) if auto_named else None
     t0 = time.time()
-    worker_rep, _ = train_local(job, d)
+    try:
+        worker_rep, _ = train_local(job, d)
+    except BaseException:
+        settle_latest(d, False, previous)
+        raise
     rep = build_report(d, job, status="succeeded", started=t0, checkpoint=str(worker_rep.get("checkpoint") or ""),
                        notes=["metaps train-local: one process, local tables, no PS fleet or controller"])
     write_report(d, rep)
@@ -86,6 +76,5 @@ def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path
             fn()
         except Exception:  # noqa: BLE001 -- the report stands without its pictures
             log.exception("could not write run artefact", extra=kv(what=what))
-    if auto_named:
-        point_latest(d)
+    settle_latest(d, True, previous)
     return {**rep, "worker": worker_rep}, d
