@@ -68,7 +68,7 @@ from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, make_channel
 from ps import wire
 from ps.partition_map import PartitionMap, dense_owner
-from ps.server import (
+from ps.types import (
     CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
     WRONG_OWNER,
 )
