@@ -387,7 +387,9 @@ class PsClient:
             for j, inv in zip(jobs, inverse) if j.out is not None
         }
 
-    def pull_async(self, ids: Mapping[str, Any], *, step: int | None = None) -> concurrent.futures.Future:
+    def pull_async(
+        self, ids: Mapping[str, Any], *, step: int | None = None
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
         """:meth:`pull` on a background thread; ``.result()`` gives its dict."""
         frozen = {t: np.array(_as_ids(v, t)) for t, v in ids.items()}
         return self._pool.submit(self.pull, frozen, step=step)

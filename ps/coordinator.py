@@ -194,7 +194,7 @@ def restore_shard_checkpoint(server: ShardHost, ckpt_dir: str | Path) -> tuple[i
     owned = target.vshards_of(server.shard_id)
     old = _shard_store(server)
     fresh = old.empty_like()
-    counts = load_shard(fresh, ckpt_dir, owned, verify=False)
+    counts = load_shard(fresh, ckpt_dir, owned.tolist(), verify=False)
     names = [n for n in info.get("dense_names", []) if dense_owner(n, target.num_shards) == server.shard_id]
     if names:
         loaded = set(load_dense(fresh, ckpt_dir, names, verify=False))

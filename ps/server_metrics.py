@@ -101,7 +101,7 @@ class PsMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
             registry=r,
         )
-        r.register(StoreCollector(store, shard_id))  # type: ignore[arg-type]  # prometheus wants a Collector subclass
+        r.register(StoreCollector(store, shard_id))
 
 
 class LoadTotals:

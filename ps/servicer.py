@@ -86,7 +86,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import grpc
 import lmdb
@@ -112,16 +112,27 @@ from ps.types import (
     REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY, WRONG_OWNER, RowStore,
 )
 
+if TYPE_CHECKING:
+    from ps.embedding_table import EmbeddingTable
+
 log = logging.getLogger(__name__)
 
 _REPLY_OVERHEAD = 64
 """Bytes a reply spends per table besides its values (name, dtype, dim, rows, framing), generously."""
 
 
-def _rpc(data: bool) -> Callable:
-    """Wrap a servicer method: fault delay, timing, error -> status mapping."""
+Handler = Callable[[Any, Any, grpc.ServicerContext], Any]
+"""A servicer method: (self, request, context) -> reply."""
 
-    def deco(fn: Callable) -> Callable:
+
+def _rpc(data: bool) -> Callable[[Handler], Handler]:
+    """Wrap a servicer method: fault delay, timing, error -> status mapping.
+
+    Args:
+        data: a data-plane request (load totals, gate wait accounting, recovery refusal).
+    """
+
+    def deco(fn: Handler) -> Handler:
         method = fn.__name__
 
         @functools.wraps(fn)
@@ -195,14 +206,19 @@ def _rpc(data: bool) -> Callable:
     return deco
 
 
+_NO_GRADS = np.zeros((0, 0), dtype=np.float32)
+
+
 @dataclasses.dataclass
 class _Parsed:
     table: str
     ids: np.ndarray
-    grads: np.ndarray | None = None
+    grads: np.ndarray = dataclasses.field(default_factory=lambda: _NO_GRADS)
+    """Pushes only; pulls carry an empty [0, 0] array."""
 
 
-class PsServer(ps_pb2_grpc.ParameterServerServicer):
+
+class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # generated base: Any to mypy
     """The gRPC service of one PS shard.
 
     Args:
@@ -339,16 +355,14 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
         self.metrics.map_version.labels(str(self.shard_id)).set(pmap.version)
 
     # -- request checks -------------------------------------------------------------
-    def _table(self, name: str) -> Any:
+    def _table(self, name: str) -> EmbeddingTable:
         table = self.store.tables.get(name)
         if table is None:
             raise bad(f"unknown table '{name}' on shard {self.shard_id}; known tables: {sorted(self.store.tables)}")
         return table
 
     def _dim(self, name: str) -> int:
-        t = self._table(name)
-        cfg = getattr(t, "cfg", None) or getattr(t, "config", None)
-        return int(getattr(t, "dim", None) or cfg.dim)
+        return int(self._table(name).cfg.dim)
 
     def _decode_ids(self, table: str, buf: bytes) -> np.ndarray:
         # A writable copy (8 B/id): torch warns on read-only buffers, and the store may sort in place.
@@ -633,7 +647,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
             raise bad(f"max_chunk_bytes must be >= 0, got {request.max_chunk_bytes}")
         limit = min(request.max_chunk_bytes or self.rpc_cfg.max_message_bytes // 2, self.rpc_cfg.max_message_bytes // 2)
         with self._gate.data(self.wait_timeout_s, hold=True):  # a consistent snapshot of the vshards
-            exported = self.store.export_vshards(vs)
+            exported = self.store.export_vshards(vs.tolist())
         return (chunk for table, rows in exported.items() for chunk in rows_to_chunks(table, rows, limit))
 
     @_rpc(data=False)
@@ -654,7 +668,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"shard {self.shard_id} still owns vshards {owned.tolist()} (map v{self._pmap.version}); refusing to drop them",
                 )
-            n = int(self.store.drop_vshards(vs))
+            n = int(self.store.drop_vshards(vs.tolist()))
         log.info("vshards dropped", extra=kv(shard=self.shard_id, vshards=len(vs), rows=n))
         return ps_pb2.DropResponse(rows=n)
 

@@ -40,7 +40,7 @@ class DType(str, enum.Enum):
     FP16 = "fp16"
 
     @property
-    def numpy(self) -> np.dtype:
+    def numpy(self) -> np.dtype[Any]:
         return _NUMPY[self]
 
     @property
@@ -58,9 +58,9 @@ class DType(str, enum.Enum):
             ) from None
 
 
-_NUMPY = {DType.FP32: np.dtype("<f4"), DType.FP16: np.dtype("<f2")}
-_PROTO = {DType.FP32: ps_pb2.DTYPE_FP32, DType.FP16: ps_pb2.DTYPE_FP16}
-_FROM_PROTO = {v: k for k, v in _PROTO.items()}
+_NUMPY: dict[DType, np.dtype[Any]] = {DType.FP32: np.dtype("<f4"), DType.FP16: np.dtype("<f2")}
+_PROTO: dict[DType, int] = {DType.FP32: int(ps_pb2.DTYPE_FP32), DType.FP16: int(ps_pb2.DTYPE_FP16)}
+_FROM_PROTO: dict[int, DType] = {v: k for k, v in _PROTO.items()}
 _ID_DTYPE = np.dtype("<i8")
 
 
