@@ -143,6 +143,7 @@ def _rpc(data: bool) -> Callable[[Handler], Handler]:
             if data:
                 self.load.enter()
                 self._gate.waited.s = 0.0
+                self._touched.tables = ()
             try:
                 if data and self.awaiting_recovery:
                     raise self._awaiting(method, grpc.StatusCode.UNAVAILABLE)
@@ -200,6 +201,9 @@ def _rpc(data: bool) -> Callable[[Handler], Handler]:
                 self.metrics.latency.labels(shard, method).observe(elapsed)
                 if data:  # waits for a pause/migration/slower workers are not this shard being slow
                     self.load.leave(max(0.0, elapsed - self._gate.waited.s), count=not asked_again)
+                    for table in self._touched.tables:  # per-table requests and latency (issue 14)
+                        self.metrics.table_requests.labels(shard, table, method).inc()
+                        self.metrics.table_latency.labels(shard, table, method).observe(elapsed)
 
         return wrapper
 
@@ -287,6 +291,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         self.metrics.clocks_expired.labels(str(shard_id)).set_function(lambda: self.clock.expired_total)
         self.load = LoadTotals()
         self._gate = Gate()
+        self._touched = threading.local()  # .tables: the tables of this thread's data request (metrics)
         self._frozen = np.zeros(pmap.num_vshards, dtype=bool)
         self._frozen_until = 0.0
         self.adopt_map(pmap)
@@ -411,6 +416,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             self._table(table)
             parsed.append(_Parsed(table, self._decode_ids(table, ids)))
         self._check_rows(sum(p.ids.size for p in parsed))
+        self._touched.tables = tuple(p.table for p in parsed)
         return parsed
 
     def _parse_push(self, items: list[tuple[str, bytes, bytes, int]]) -> list[_Parsed]:
@@ -425,7 +431,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         if self.nonfinite_grads is NonfiniteMode.REJECT:
             # Checked for every table before any is applied: a refused push changes nothing.
             for p in parsed:
-                finite = np.isfinite(p.grads).all(axis=1)
+                if np.isfinite(p.grads.sum(dtype=np.float32)):
+                    continue  # a finite sum: every value is finite (NaN/Inf propagate); one SIMD pass
+                finite = np.isfinite(p.grads).all(axis=1)  # or a finite overflow: the exact check
                 if not finite.all():
                     rows = np.nonzero(~finite)[0]
                     self.metrics.nonfinite.labels(str(self.shard_id), p.table, "reject").inc(int(rows.size))
@@ -433,6 +441,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
                         f"table '{p.table}': {rows.size} gradient row(s) contain NaN/Inf "
                         f"(first: id {int(p.ids[rows[0]])} at position {int(rows[0])}); nonfinite_grads='reject'"
                     )
+        self._touched.tables = tuple(p.table for p in parsed)
         return parsed
 
     def _ask_again(self, behind: Behind) -> RpcAbort:
