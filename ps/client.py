@@ -235,6 +235,12 @@ class PsClient:
         self.max_wait_backoff_s = max_wait_backoff_s
         self._channels = [make_channel(a, self.rpc_cfg) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        # PullMany replies parsed around their row bytes (views, no protobuf copies): ps.wire.decode_pull_reply
+        self._pull_many = [
+            c.unary_unary("/metaps.ps.ParameterServer/PullMany", request_serializer=ps_pb2.PullManyRequest.SerializeToString,
+                          response_deserializer=wire.decode_pull_reply)
+            for c in self._channels
+        ]
         self._dims: dict[str, int] = {}
         self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
         self._map_lock = threading.Lock()
@@ -618,7 +624,6 @@ class PsClient:
             probe: jobs whose dim is unknown: an empty one still asks shard 0 (see ``routing.plan``).
             clock: every shard must get a request (a push with a step), rows or not.
         """
-        method_name = "PullMany" if kind == "pull" else "PushMany"
         pending = routing.everything(jobs)
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
@@ -627,7 +632,8 @@ class PsClient:
         while pending or need_clock:
             pmap = self._pmap
             planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
-            reqs = [(p, getattr(self._stubs[p.shard], method_name), request(p.pieces, pmap)) for p in planned]
+            methods = self._pull_many if kind == "pull" else [s.PushMany for s in self._stubs]
+            reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
             if len(reqs) == 1:
                 # One call: block on it. A gRPC future costs a channel-spin thread per call
                 # (~2-4 ms here), which only pays off when several shards answer in parallel.

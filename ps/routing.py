@@ -209,14 +209,16 @@ def push_request(
     return req
 
 
-def scatter_pull(jobs: list[Job], pieces: list[Piece], resp: ps_pb2.PullManyResponse, dims: dict[str, int]) -> None:
+def scatter_pull(jobs: list[Job], pieces: list[Piece], resp: wire.PullReply | ps_pb2.PullManyResponse,
+                 dims: dict[str, int]) -> None:
     """Put a PullMany reply's rows into ``Job.out`` at their positions; learn each table's dim.
 
     A reply holding every row of a job in order is adopted as its output (no copy).
 
     Args:
         jobs, pieces: what the request asked for (in the request's table order).
-        resp: the shard's reply (one TableValues per piece, same order).
+        resp: the shard's reply (one table per piece, same order), parsed by ``wire.decode_pull_reply``
+            (row views) or by protobuf.
         dims: table -> dim, updated from the reply.
 
     Raises:

@@ -213,6 +213,37 @@ def _rpc(data: bool) -> Callable[[Handler], Handler]:
 _NO_GRADS = np.zeros((0, 0), dtype=np.float32)
 
 
+class _Handlers:
+    """Stands in for a grpc.Server to capture the generated method handlers of the service."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _add_servicer(servicer: "PsServer", server: grpc.Server) -> None:
+    """Register the service as generated, except PullMany: its handler returns the serialized
+    reply itself (``wire.encode_pull_reply``), so it is registered without a serializer.
+
+    Args:
+        servicer: the shard's servicer.
+        server: the gRPC server.
+    """
+    cap = _Handlers()
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, cap)
+    cap.handlers["PullMany"] = grpc.unary_unary_rpc_method_handler(
+        servicer.PullMany, request_deserializer=ps_pb2.PullManyRequest.FromString, response_serializer=None
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.service, cap.handlers),))
+    server.add_registered_method_handlers(cap.service, cap.handlers)
+
+
 @dataclasses.dataclass
 class _Parsed:
     table: str
@@ -296,7 +327,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         self._frozen_until = 0.0
         self.adopt_map(pmap)
         self._server = make_server(rpc_cfg, max_workers=max_workers)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(self, self._server)
+        _add_servicer(self, self._server)
         self._health = add_health(self._server)
         self.port = 0
         self._stopped = threading.Event()
@@ -431,7 +462,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         if self.nonfinite_grads is NonfiniteMode.REJECT:
             # Checked for every table before any is applied: a refused push changes nothing.
             for p in parsed:
-                if np.isfinite(p.grads.sum(dtype=np.float32)):
+                with np.errstate(over="ignore", invalid="ignore"):
+                    total = p.grads.sum(dtype=np.float32)
+                if np.isfinite(total):
                     continue  # a finite sum: every value is finite (NaN/Inf propagate); one SIMD pass
                 finite = np.isfinite(p.grads).all(axis=1)  # or a finite overflow: the exact check
                 if not finite.all():
@@ -487,19 +520,18 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             )
 
     # -- sparse data ------------------------------------------------------------------
-    def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[dict[str, Any]]:
-        """Rows per table as TableValues fields; callers build the reply message once
-        (copying a built TableValues into a reply copies its multi-MB payload again)."""
+    def _pull(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> list[tuple[str, wire.DType, np.ndarray]]:
+        """Rows per table in the wire dtype (C-contiguous [n, dim]); callers write them into
+        the reply once (``wire.encode_pull_reply``: no protobuf copies of the payload)."""
         dtype = wire.DType.FP16 if fp16 else wire.DType.FP32
         out = []
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
             for p in parsed:
                 rows = self.store.pull(p.table, p.ids, fp16=fp16)
-                out.append(dict(
-                    table=p.table, values=wire.encode_rows(rows, dtype), dtype=dtype.proto,
-                    dim=int(rows.shape[1]) if rows.ndim == 2 else self._dim(p.table), rows=int(p.ids.size),
-                ))
+                if rows.ndim != 2:
+                    rows = rows.reshape(int(p.ids.size), self._dim(p.table))
+                out.append((p.table, dtype, wire.wire_rows(rows, dtype)))
         shard = str(self.shard_id)
         for p in parsed:
             self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
@@ -534,22 +566,20 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         return c
 
     @_rpc(data=True)
-    def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> ps_pb2.PullManyResponse:
+    def PullMany(self, request: ps_pb2.PullManyRequest, context: grpc.ServicerContext) -> bytes:
+        """A serialized PullManyResponse, built around the row buffers (registered with no serializer)."""
         parsed = self._parse_pull([(t.table, t.ids) for t in request.tables])
         self._check_reply_size(parsed, request.want_fp16, context)
         self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
-        resp = ps_pb2.PullManyResponse()
-        for fields in self._pull(parsed, request.map_version, request.want_fp16):
-            resp.tables.add(**fields)
-        return resp
+        return wire.encode_pull_reply(self._pull(parsed, request.map_version, request.want_fp16))
 
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:
         parsed = self._parse_pull([(request.table, request.ids)])
         self._check_reply_size(parsed, request.want_fp16, context)
         self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
-        tv = self._pull(parsed, request.map_version, request.want_fp16)[0]
-        return ps_pb2.PullResponse(values=tv["values"], dtype=tv["dtype"], dim=tv["dim"], rows=tv["rows"])
+        _, dtype, rows = self._pull(parsed, request.map_version, request.want_fp16)[0]
+        return ps_pb2.PullResponse(values=rows.tobytes(), dtype=dtype.proto, dim=int(rows.shape[1]), rows=int(rows.shape[0]))
 
     @_rpc(data=True)
     def PushMany(self, request: ps_pb2.PushManyRequest, context: grpc.ServicerContext) -> ps_pb2.PushManyResponse:

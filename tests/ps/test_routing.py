@@ -195,3 +195,48 @@ def test_requests_carry_map_version_clock_and_aggregated_grads() -> None:
     routing.add_push_counts(counts, reply)
     routing.add_push_counts(counts, reply)
     assert counts["user"]["rows"] == 4 and counts["user"]["applied"] == 4
+
+
+# -- the PullMany reply codec (ps/wire.py): protobuf's format, without its copies ----------------
+def _proto_reply(tables: list[tuple[str, np.ndarray, int]]) -> bytes:
+    return ps_pb2.PullManyResponse(tables=[
+        ps_pb2.TableValues(table=t, values=a.tobytes(), dtype=d, dim=a.shape[1], rows=a.shape[0]) for t, a, d in tables
+    ]).SerializeToString()
+
+
+def test_pull_reply_codec_speaks_protobuf_both_ways() -> None:
+    rows = np.random.default_rng(3).standard_normal((300, 64)).astype(np.float32)
+    half = wire.wire_rows(rows[:5, :8], wire.DType.FP16)
+    empty = np.zeros((0, 4), np.float32)
+    ours = wire.encode_pull_reply([("user", wire.DType.FP32, rows), ("item", wire.DType.FP16, half),
+                                   ("none", wire.DType.FP32, empty)])
+    theirs = _proto_reply([("user", rows, wire.DType.FP32.proto), ("item", half, wire.DType.FP16.proto),
+                           ("none", empty, wire.DType.FP32.proto)])
+    assert ps_pb2.PullManyResponse.FromString(ours) == ps_pb2.PullManyResponse.FromString(theirs)
+    for buf in (ours, theirs):
+        got = wire.decode_pull_reply(buf).tables
+        assert [(t.table, t.dtype, t.dim, t.rows) for t in got] == [
+            ("user", wire.DType.FP32.proto, 64, 300), ("item", wire.DType.FP16.proto, 8, 5), ("none", wire.DType.FP32.proto, 4, 0)]
+        np.testing.assert_array_equal(wire.decode_rows(got[0].values, wire.DType.FP32, 300, 64), rows)
+        np.testing.assert_array_equal(wire.decode_rows(got[1].values, wire.DType.FP16, 5, 8), half)
+        assert got[2].values.nbytes == 0
+
+
+def test_pull_reply_decoder_skips_unknown_fields_and_refuses_truncation() -> None:
+    rows = np.arange(6, dtype=np.float32).reshape(2, 3)
+    good = _proto_reply([("user", rows, wire.DType.FP32.proto)])
+    # an unknown varint field (7) inside the table entry and an unknown bytes field (9) at the top
+    entry = ps_pb2.TableValues(table="user", values=rows.tobytes(), dtype=1, dim=3, rows=2).SerializeToString() + b"\x38\x05"
+    extra = b"\x0a" + bytes([len(entry)]) + entry + b"\x4a\x02\x0a\x00"  # field 9 holds what looks like a table
+    got = wire.decode_pull_reply(extra).tables
+    assert len(got) == 1 and got[0].table == "user" and got[0].rows == 2
+    np.testing.assert_array_equal(wire.decode_rows(got[0].values, wire.DType.FP32, 2, 3), rows)
+    # a fixed64 field (wire type 1) inside a table entry that runs past the entry's length
+    overrun = b"\x0a\x04\x0a\x01u\x09" + b"\x4a\x08" + bytes(8)
+    for i, bad_reply in enumerate([good[:1], good[:5], good[:-1], overrun]):
+        try:
+            wire.decode_pull_reply(bad_reply)
+        except wire.WireError as exc:
+            assert "pull reply" in str(exc)
+        else:
+            raise AssertionError(f"bad reply {i} was accepted")
