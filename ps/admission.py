@@ -66,7 +66,8 @@ class Admission:
         if self._cells is None:
             return np.zeros(len(ids), dtype=np.int64)
         cols = self._cols(ids)
-        return self._cells[np.arange(DEPTH)[:, None], cols].min(axis=0).astype(np.int64)
+        counts: np.ndarray = self._cells[np.arange(DEPTH)[:, None], cols].min(axis=0).astype(np.int64)
+        return counts
 
     def observe(self, ids: np.ndarray) -> np.ndarray:
         """Record one sighting of each (unique) id; return which are admitted now."""

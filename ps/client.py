@@ -13,7 +13,10 @@ once; a push likewise with ``PushMany``::
     rows = rows_uniq[inv]  <------------+
 
 Pushes aggregate gradients per id (``index_add``) before sending, so each id
-travels once per step. Failures are handled per shard sub-request:
+travels once per step. The routing itself (owner split, chunking, request
+building, scatter) is pure and lives in ``ps/routing.py``; :meth:`PsClient.pull`
+and :meth:`PsClient.push` are short methods over one fan-out/retry loop
+(``PsClient._fan_out``). Failures are handled per shard sub-request:
 
 * ``UNAVAILABLE`` (a PS restarting): back off exponentially and resend, up to
   ``retry_timeout_s``, with a log line when it starts and when it recovers;
@@ -52,12 +55,10 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
-import warnings
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import grpc
 import numpy as np
@@ -66,10 +67,10 @@ import torch
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, make_channel
-from ps import wire
+from ps import routing, wire
 from ps.partition_map import PartitionMap, dense_owner
-from ps.server import (
-    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
+from ps.types import (
+    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
     WRONG_OWNER,
 )
 from protos import ps_pb2, ps_pb2_grpc
@@ -98,16 +99,6 @@ class PsStalenessTimeout(PsRequestError):
 
 class PsUnavailableError(PsClientError):
     """A shard stayed unreachable for longer than the retry budget."""
-
-
-@dataclasses.dataclass
-class _Job:
-    """One table's part of a call: unique ids and what travels with them."""
-
-    table: str
-    ids: np.ndarray
-    grads: np.ndarray | None = None
-    out: np.ndarray | None = None
 
 
 def _rpc_kind(err: grpc.RpcError) -> str:
@@ -244,6 +235,12 @@ class PsClient:
         self.max_wait_backoff_s = max_wait_backoff_s
         self._channels = [make_channel(a, self.rpc_cfg) for a in self.addresses]
         self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]
+        # PullMany replies parsed around their row bytes (views, no protobuf copies): ps.wire.decode_pull_reply
+        self._pull_many = [
+            c.unary_unary("/metaps.ps.ParameterServer/PullMany", request_serializer=ps_pb2.PullManyRequest.SerializeToString,
+                          response_deserializer=wire.decode_pull_reply)
+            for c in self._channels
+        ]
         self._dims: dict[str, int] = {}
         self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
         self._map_lock = threading.Lock()
@@ -378,18 +375,27 @@ class PsClient:
         """
         jobs, inverse = [], []
         for table, t_ids in ids.items():
-            flat = _as_ids(t_ids, table)
-            uniq, inv = np.unique(flat, return_inverse=True)
-            jobs.append(_Job(table, uniq))
+            uniq, inv = np.unique(_as_ids(t_ids, table), return_inverse=True)
+            jobs.append(routing.Job(table, uniq))
             inverse.append(inv)
-        self._run("pull", jobs, step)
+        fp16 = self.value_dtype == wire.DType.FP16
+
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> ps_pb2.PullManyRequest:
+            return routing.pull_request(jobs, pieces, map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
+
+        self._fan_out("pull", jobs, request, lambda pieces, resp: routing.scatter_pull(jobs, pieces, resp, self._dims),
+                      probe=[i for i, j in enumerate(jobs) if j.table not in self._dims])
+        routing.finish_pull(jobs, self._dims)
         # torch.index_select: a row gather ~3x faster than numpy fancy indexing here.
         return {
-            j.table: np.array(j.out) if _is_identity(inv) else _torch(j.out).index_select(0, torch.from_numpy(inv)).numpy()
-            for j, inv in zip(jobs, inverse)
+            j.table: np.array(j.out) if routing.is_identity(inv)
+            else routing.as_tensor(j.out).index_select(0, torch.from_numpy(inv)).numpy()
+            for j, inv in zip(jobs, inverse) if j.out is not None
         }
 
-    def pull_async(self, ids: Mapping[str, Any], *, step: int | None = None) -> concurrent.futures.Future:
+    def pull_async(
+        self, ids: Mapping[str, Any], *, step: int | None = None
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
         """:meth:`pull` on a background thread; ``.result()`` gives its dict."""
         frozen = {t: np.array(_as_ids(v, t)) for t, v in ids.items()}
         return self._pool.submit(self.pull, frozen, step=step)
@@ -417,8 +423,16 @@ class PsClient:
                 agg = g.numpy()[np.argsort(inv)] if flat.size else g.numpy()
             else:
                 agg = torch.zeros((uniq.size, g.shape[1]), dtype=torch.float32).index_add_(0, torch.from_numpy(inv), g).numpy()
-            jobs.append(_Job(table, uniq, grads=agg))
-        counts = self._run("push", jobs, step)
+            jobs.append(routing.Job(table, uniq, grads=agg))
+        counts = routing.new_counts(jobs)
+
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> ps_pb2.PushManyRequest:
+            return routing.push_request(jobs, pieces, map_version=pmap.version, grad_dtype=self.grad_dtype,
+                                        worker_id=self.worker_id, step=step)
+
+        # With a step, every shard must hear it (clocks), even shards with no rows.
+        self._fan_out("push", jobs, request, lambda pieces, resp: routing.add_push_counts(counts, resp),
+                      clock=step is not None and bool(self.worker_id))
         return counts
 
     def barrier(self, step: int, timeout_s: float | None = None) -> None:
@@ -580,91 +594,65 @@ class PsClient:
             self._down.discard(shard)
             log.info("ps shard reachable again; continuing", extra=kv(shard=shard, address=self.addresses[shard]))
 
-    def _rows_per_call(self, jobs: list[_Job], kind: str) -> int:
+    def _rows_per_call(self, jobs: list[routing.Job], kind: str) -> int:
         dim = max([self._dims.get(j.table, 0) for j in jobs] + [1 if not self._dims else max(self._dims.values())])
-        if kind == "pull":
-            per_row = 8 + dim * self.value_dtype.numpy.itemsize
-        else:
-            per_row = 8 + dim * self.grad_dtype.numpy.itemsize
-        cap = max(1, int(self.rpc_cfg.max_message_bytes * 0.9) // per_row)
+        dtype = self.value_dtype if kind == "pull" else self.grad_dtype
+        cap = max(1, int(self.rpc_cfg.max_message_bytes * 0.9) // (8 + dim * dtype.numpy.itemsize))
         if self.max_request_rows:
             cap = min(cap, self.max_request_rows)
         if self._row_cap:
             cap = min(cap, self._row_cap)
         return cap
 
-    def _build(self, kind: str, parts: list[tuple[_Job, np.ndarray]], step: int | None, pmap: PartitionMap) -> Any:
-        if kind == "pull":
-            req = ps_pb2.PullManyRequest(
-                tables=[ps_pb2.TableIds(table=j.table, ids=wire.encode_ids(j.ids[p])) for j, p in parts],
-                map_version=pmap.version, want_fp16=self.value_dtype == wire.DType.FP16, worker_id=self.worker_id,
-            )
-        else:
-            req = ps_pb2.PushManyRequest(
-                tables=[
-                    ps_pb2.TableGrads(
-                        table=j.table, ids=wire.encode_ids(j.ids[p]),
-                        grads=wire.encode_rows(j.grads[p], self.grad_dtype), dtype=self.grad_dtype.proto,
-                    )
-                    for j, p in parts
-                ],
-                map_version=pmap.version, worker_id=self.worker_id,
-            )
-        if step is not None:
-            req.step = step
-        return req
+    def _fan_out(
+        self,
+        kind: str,
+        jobs: list[routing.Job],
+        request: Callable[[list[routing.Piece], PartitionMap], Any],
+        on_reply: Callable[[list[routing.Piece], Any], None],
+        *,
+        probe: Iterable[int] = (),
+        clock: bool = False,
+    ) -> None:
+        """Route, send to every shard at once, retry what was refused, hand each reply to ``on_reply``.
 
-    def _run(self, kind: str, jobs: list[_Job], step: int | None) -> dict[str, dict[str, int]]:
-        """Route, fan out, retry and (for pulls) scatter replies into ``job.out``."""
-        counts = {j.table: dict.fromkeys(("rows",) + PUSH_COUNT_FIELDS, 0) for j in jobs}
-        pending = [(j, np.arange(j.ids.size)) for j in jobs]
+        Args:
+            kind: "pull" (PullMany) or "push" (PushMany).
+            jobs: the call's tables (``ps.routing.Job``).
+            request: builds one shard's request from its pieces and the map they were routed with.
+            on_reply: takes a reply with the pieces it answers.
+            probe: jobs whose dim is unknown: an empty one still asks shard 0 (see ``routing.plan``).
+            clock: every shard must get a request (a push with a step), rows or not.
+        """
+        pending = routing.everything(jobs)
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
         waiter = self._waiter(self.wait_timeout_s)
-        # With a step, every shard must hear it (clocks), even shards with no rows.
-        need_clock = set(range(self._pmap.num_shards)) if kind == "push" and step is not None and self.worker_id else set()
+        need_clock = set(range(self._pmap.num_shards)) if clock else set()
         while pending or need_clock:
             pmap = self._pmap
-            per_shard: dict[int, list[tuple[_Job, np.ndarray]]] = {}
-            for job, pos in pending:
-                if pos.size == 0:
-                    # No ids: still ask one shard when the dim is unknown (to shape an empty result).
-                    if kind == "pull" and job.table not in self._dims:
-                        per_shard.setdefault(0, []).append((job, pos))
-                    continue
-                owners = pmap.shard_of(job.ids[pos])
-                order = np.argsort(owners, kind="stable")
-                bounds = np.cumsum(np.bincount(owners, minlength=pmap.num_shards))[:-1]
-                for s, part in enumerate(np.split(pos[order], bounds)):
-                    if part.size:
-                        per_shard.setdefault(s, []).append((job, part))
-            for s in need_clock:
-                per_shard.setdefault(s, [])
-            cap = self._rows_per_call(jobs, kind)
-            planned = []
-            for s, parts in per_shard.items():
-                for chunk in _chunks(parts, cap):
-                    req = self._build(kind, chunk, step, pmap)
-                    method = self._stubs[s].PullMany if kind == "pull" else self._stubs[s].PushMany
-                    planned.append((s, chunk, method, req))
-            if len(planned) == 1:
+            planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
+            methods = self._pull_many if kind == "pull" else [s.PushMany for s in self._stubs]
+            reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
+            if len(reqs) == 1:
                 # One call: block on it. A gRPC future costs a channel-spin thread per call
                 # (~2-4 ms here), which only pays off when several shards answer in parallel.
-                s, chunk, method, req = planned[0]
-                calls = [(s, chunk, _Immediate.call(method, req, self.rpc_cfg.timeout_s, self._reply_limit_md))]
+                p, method, req = reqs[0]
+                calls: list[tuple[routing.Planned, Any]] = [
+                    (p, _Immediate.call(method, req, self.rpc_cfg.timeout_s, self._reply_limit_md))]
             else:
-                calls = [(s, chunk, method.future(req, timeout=self.rpc_cfg.timeout_s, metadata=self._reply_limit_md))
-                         for s, chunk, method, req in planned]
+                calls = [(p, method.future(req, timeout=self.rpc_cfg.timeout_s, metadata=self._reply_limit_md))
+                         for p, method, req in reqs]
             pending = []
-            refresh = False
-            retry = waited = paused = False  # what this round's failures ask for
-            for s, chunk, fut in calls:
+            refresh = retry = waited = paused = False  # what this round's failures ask for
+            for p, fut in calls:
+                s = p.shard
                 try:
                     resp = fut.result()
                 except grpc.RpcError as exc:
                     what = _rpc_kind(exc)
                     if what == "fatal":
-                        for _, _, other in calls:
+                        for _, other in calls:
                             other.cancel()
                         raise PsRequestError(
                             f"shard {s} ({self.addresses[s]}) refused {kind}: {exc.code().name}: {exc.details()}", exc.code()
@@ -682,34 +670,12 @@ class PsClient:
                         self._note_down(s, exc)
                         retry = True
                     elif what == "split":
-                        rows = sum(p.size for _, p in chunk)
-                        if rows <= 1:
-                            raise PsRequestError(f"shard {s}: a single row exceeds the limits: {exc.details()}", exc.code()) from None
-                        hint = _md_float(exc, MAX_ROWS_KEY)
-                        cap = int(hint) if hint is not None and 1 <= hint < rows else max(1, rows // 2)
-                        self._row_cap = min(cap, self._row_cap or cap)
-                        log.info("request too large; splitting", extra=kv(shard=s, rows=rows, cap=self._row_cap))
-                        # no sleep needed: the resend is smaller, not later
-                    pending.extend(chunk)
+                        self._shrink(s, p.rows, exc)  # no sleep needed: the resend is smaller, not later
+                    pending.extend(p.pieces)
                     continue
                 self._note_up(s)
                 need_clock.discard(s)
-                if kind == "pull":
-                    for (job, pos), tv in zip(chunk, resp.tables):
-                        dtype = wire.DType.from_proto(tv.dtype, table=tv.table)
-                        vals = wire.decode_rows(tv.values, dtype, pos.size, tv.dim, table=tv.table)
-                        self._dims[job.table] = tv.dim
-                        if job.out is None and pos.size == job.ids.size and _is_identity(pos):
-                            job.out = wire.to_float32(vals)  # one reply holds every row in order: no copy
-                            continue
-                        if job.out is None:
-                            job.out = np.empty((job.ids.size, tv.dim), dtype=np.float32)
-                        _torch(job.out).index_copy_(0, torch.from_numpy(pos), _torch(wire.to_float32(vals)))
-                else:
-                    for tc in resp.tables:
-                        c = counts[tc.table]
-                        for name in c:
-                            c[name] += getattr(tc, name)
+                on_reply(p.pieces, resp)
             if pending or need_clock:
                 if waited:
                     waiter.check(kind, self.addresses)
@@ -730,28 +696,18 @@ class PsClient:
                 # only "split": resend smaller at once
             else:
                 delay = self.backoff_s
-        if kind == "pull":
-            for j in jobs:
-                if j.out is None:
-                    j.out = np.empty((j.ids.size, self._dims.get(j.table, 0)), dtype=np.float32)
-        return counts
+
+    def _shrink(self, shard: int, rows: int, exc: grpc.RpcError) -> None:
+        """A shard said RESOURCE_EXHAUSTED: lower the rows per request (its hint, else half)."""
+        if rows <= 1:
+            raise PsRequestError(f"shard {shard}: a single row exceeds the limits: {exc.details()}", exc.code()) from None
+        hint = _md_float(exc, MAX_ROWS_KEY)
+        cap = int(hint) if hint is not None and 1 <= hint < rows else max(1, rows // 2)
+        self._row_cap = min(cap, self._row_cap or cap)
+        log.info("request too large; splitting", extra=kv(shard=shard, rows=rows, cap=self._row_cap))
 
 
 _THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")
-
-
-def _torch(a: np.ndarray) -> torch.Tensor:
-    """A tensor view of ``a``; read-only reply buffers are only ever read (no warning)."""
-    if a.flags.writeable:
-        return torch.from_numpy(a)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
-def _is_identity(inv: np.ndarray) -> bool:
-    """True when ids were already unique and sorted (the reply is already in request order)."""
-    return bool(inv.size == 0 or (inv[0] == 0 and inv[-1] == inv.size - 1 and (np.diff(inv) == 1).all()))
 
 
 class _Immediate:
@@ -783,24 +739,3 @@ def _as_ids(ids: Any, table: str) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise ValueError(f"table '{table}': ids must be integers, got dtype {arr.dtype}")
     return arr.reshape(-1).astype(np.int64, copy=False)
-
-
-def _chunks(parts: list[tuple[_Job, np.ndarray]], cap: int) -> Iterable[list[tuple[_Job, np.ndarray]]]:
-    """Pack (table, positions) parts into requests of at most ``cap`` rows."""
-    cur: list[tuple[_Job, np.ndarray]] = []
-    room = cap
-    for job, pos in parts:
-        if pos.size == 0:
-            cur.append((job, pos))
-            continue
-        start = 0
-        while start < pos.size:
-            take = min(room, pos.size - start)
-            cur.append((job, pos[start : start + take]))
-            start += take
-            room -= take
-            if room == 0:
-                yield cur
-                cur, room = [], cap
-    if cur or not parts:
-        yield cur

@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -43,6 +43,10 @@ from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, make_channel
 from ps.partition_map import PartitionMap, dense_owner
 from protos import ps_pb2, ps_pb2_grpc
+from ps.types import ShardHost
+
+if TYPE_CHECKING:
+    from ps.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -138,18 +142,30 @@ def checkpoint_all(
 
 
 # -- the server side of Checkpoint / Restore -----------------------------------------------------
-def save_shard_checkpoint(server: Any, ckpt_dir: str, step: int) -> dict[str, Any]:
+def _shard_store(server: ShardHost) -> ShardStore:
+    """The host's store as a ShardStore (the checkpoint format is a ShardStore's), else CheckpointError."""
+    from ps.errors import CheckpointError
+    from ps.shard_store import ShardStore
+
+    store = server.store
+    if not isinstance(store, ShardStore):
+        raise CheckpointError(f"shard {server.shard_id}: checkpoints need a ShardStore, the shard holds a {type(store).__name__}")
+    return store
+
+
+def save_shard_checkpoint(server: ShardHost, ckpt_dir: str, step: int) -> dict[str, Any]:
     """Write ``server``'s store into ``ckpt_dir`` (called under the server's exclusive gate)."""
     from ps.checkpoint import save_shard
 
-    summary = save_shard(server.store, ckpt_dir, server.shard_id)
-    summary["dense_names"] = server.store.dense.names()
+    store = _shard_store(server)
+    summary = save_shard(store, ckpt_dir, server.shard_id)
+    summary["dense_names"] = store.dense.names()
     summary["map_version"] = server.pmap.version
     summary["step"] = step
     return {**summary, "rows": summary.get("rows", {})}
 
 
-def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, int]:
+def restore_shard_checkpoint(server: ShardHost, ckpt_dir: str | Path) -> tuple[int, int]:
     """Make ``server``'s shard *be* the checkpoint, all or nothing.
 
     1. verify: manifest, size + sha256 of every file it lists, the shard files
@@ -170,7 +186,7 @@ def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, in
     before the server starts.
 
     Args:
-        server: the PsServer (``store``, ``shard_id``, ``pmap``, ``_set_map``).
+        server: the serving shard (``ps.types.ShardHost``: ``store``, ``shard_id``, ``pmap``, ``adopt_map``).
         ckpt_dir: a committed checkpoint directory.
 
     Returns:
@@ -193,9 +209,9 @@ def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, in
         if pm.num_shards == cur.num_shards and pm.num_vshards == cur.num_vshards and pm.version >= cur.version:
             target = pm
     owned = target.vshards_of(server.shard_id)
-    old = server.store
+    old = _shard_store(server)
     fresh = old.empty_like()
-    counts = load_shard(fresh, ckpt_dir, owned, verify=False)
+    counts = load_shard(fresh, ckpt_dir, owned.tolist(), verify=False)
     names = [n for n in info.get("dense_names", []) if dense_owner(n, target.num_shards) == server.shard_id]
     if names:
         loaded = set(load_dense(fresh, ckpt_dir, names, verify=False))
@@ -210,7 +226,7 @@ def restore_shard_checkpoint(server: Any, ckpt_dir: str | Path) -> tuple[int, in
         dropped = int(sum(len(t.used_rows()) for t in old.tables.values()))
         # the swap: nothing above changed the live shard
         if target is not cur:
-            server._set_map(target)
+            server.adopt_map(target)
         server.store = fresh
     rows = int(sum(counts.values()))
     step = int(manifest.get("step", info.get("step", 0)))

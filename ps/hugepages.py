@@ -55,7 +55,7 @@ def _madvise(addr: int, length: int) -> bool:
         _warned = True
         log.info("madvise(MADV_HUGEPAGE) refused; big tables use 4 KiB pages",
                  extra=kv(errno=ctypes.get_errno()))
-    return ok
+    return bool(ok)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -80,7 +80,8 @@ class IdMap:
             return torch.empty(0, dtype=torch.int64)
         offsets = torch.tensor([0, t.numel()], dtype=torch.int64)
         rows = torch.ops.fbgemm.pruned_hashmap_lookup(t, offsets, self._table, self._table_offsets)
-        return rows.clamp_(min=-1)  # tombstones (-2) read as unknown
+        found: torch.Tensor = rows.clamp_(min=-1)  # tombstones (-2) read as unknown
+        return found
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All live (ids, rows) as int64 arrays, in slot order."""
@@ -117,7 +118,7 @@ class IdMap:
         if known_new:
             n_new = int(t.numel())
         else:
-            if t.unique().numel() != t.numel():
+            if t.unique().numel() != t.numel():  # type: ignore[no-untyped-call]  # torch.unique is untyped
                 raise ValueError("IdMap.insert: ids must be unique")
             n_new = int((self.lookup(t) < 0).sum())
         if self._size + n_new > self._capacity:
@@ -138,7 +139,7 @@ class IdMap:
         t = _as_ids(ids)
         if t.numel() == 0:
             return 0
-        t = t.unique()
+        t = t.unique()  # type: ignore[no-untyped-call]  # torch.unique is untyped
         present = t[self.lookup(t) >= 0]
         n = int(present.numel())
         if n:

@@ -182,7 +182,7 @@ def _update_map(stub: ps_pb2_grpc.ParameterServerStub, new: PartitionMap, timeou
         raise
 
 
-def _rollback(stubs, frozen: list[int], sources: dict[int, list[int]], dst: int, moving: list[int], timeout: float) -> None:
+def _rollback(stubs: list[ps_pb2_grpc.ParameterServerStub], frozen: list[int], sources: dict[int, list[int]], dst: int, moving: list[int], timeout: float) -> None:
     for src in frozen:
         try:
             stubs[src].FreezeVshards(ps_pb2.FreezeRequest(vshards=sources[src], frozen=False), timeout=timeout)

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import zlib
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,11 +82,13 @@ class PartitionMap:
 
     def shard_of(self, ids: np.ndarray) -> np.ndarray:
         """Owning shard of each int64 id (int32 [n])."""
-        return self.owners[vshard_of(ids, self.num_vshards)]
+        shards: np.ndarray = self.owners[vshard_of(ids, self.num_vshards)]
+        return shards
 
     def owned_mask(self, shard: int) -> np.ndarray:
         """bool [V]: which vshards ``shard`` owns."""
-        return self.owners == shard
+        mask: np.ndarray = self.owners == shard
+        return mask
 
     def moved(self, moves: dict[int, int]) -> "PartitionMap":
         """A new map (version + 1) with ``moves`` (vshard -> new shard) applied."""
@@ -112,11 +115,11 @@ class PartitionMap:
             raise ValueError(f"partition map has {owners.size} owners, expected num_vshards={msg.num_vshards}")
         return cls(int(msg.version), int(msg.num_shards), owners)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "num_shards": self.num_shards, "owners": self.owners.tolist()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PartitionMap":
+    def from_dict(cls, d: dict[str, Any]) -> "PartitionMap":
         return cls(int(d["version"]), int(d["num_shards"]), np.asarray(d["owners"], dtype=np.int32))
 
 

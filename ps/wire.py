@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any
 
@@ -40,7 +41,7 @@ class DType(str, enum.Enum):
     FP16 = "fp16"
 
     @property
-    def numpy(self) -> np.dtype:
+    def numpy(self) -> np.dtype[Any]:
         return _NUMPY[self]
 
     @property
@@ -58,9 +59,9 @@ class DType(str, enum.Enum):
             ) from None
 
 
-_NUMPY = {DType.FP32: np.dtype("<f4"), DType.FP16: np.dtype("<f2")}
-_PROTO = {DType.FP32: ps_pb2.DTYPE_FP32, DType.FP16: ps_pb2.DTYPE_FP16}
-_FROM_PROTO = {v: k for k, v in _PROTO.items()}
+_NUMPY: dict[DType, np.dtype[Any]] = {DType.FP32: np.dtype("<f4"), DType.FP16: np.dtype("<f2")}
+_PROTO: dict[DType, int] = {DType.FP32: int(ps_pb2.DTYPE_FP32), DType.FP16: int(ps_pb2.DTYPE_FP16)}
+_FROM_PROTO: dict[int, DType] = {v: k for k, v in _PROTO.items()}
 _ID_DTYPE = np.dtype("<i8")
 
 
@@ -94,16 +95,174 @@ def encode_rows(rows: np.ndarray, dtype: DType = DType.FP32) -> bytes:
     (client ``grad_dtype = "fp16"``) saturation acts as an element clip at
     65504, so use fp32 gradients where that range matters.
     """
+    return wire_rows(rows, dtype).tobytes()
+
+
+def wire_rows(rows: np.ndarray, dtype: DType = DType.FP32) -> np.ndarray:
+    """``rows`` as a C-contiguous array in the wire dtype, without copying fp32 rows that already are.
+
+    The same conversion and fp16 saturation as :func:`encode_rows`, whose bytes are
+    this array's; :func:`encode_pull_reply` writes it into the reply without ``tobytes``.
+
+    Args:
+        rows: float [n, dim].
+        dtype: the wire dtype.
+    """
     if dtype == DType.FP16 and rows.dtype == np.float32:
         t = torch.from_numpy(np.ascontiguousarray(rows))
         if t.numel():
             lo, hi = torch.aminmax(t)
             if not (-FP16_MAX <= float(lo) and float(hi) <= FP16_MAX):  # also true when a NaN hides the range
                 t = t.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN
-        return t.to(torch.float16).numpy().tobytes()
+        half: np.ndarray = t.to(torch.float16).numpy()
+        return half
     if dtype == DType.FP16:
         rows = np.clip(rows, -FP16_MAX, FP16_MAX)
-    return np.ascontiguousarray(rows, dtype=dtype.numpy).tobytes()
+    return np.ascontiguousarray(rows, dtype=dtype.numpy)
+
+
+# -- PullManyResponse without protobuf copies ----------------------------------------------------
+#   The reply of a pull is almost all row bytes. Built by protobuf, they are copied three
+#   times (tobytes, into the message, serialized); parsed by protobuf, twice more (into the
+#   message, out as bytes). The functions below write and read the same wire format
+#   (``protos/ps.proto``: PullManyResponse{repeated TableValues tables = 1}) around the
+#   row buffer: one copy to build, none to read (the rows are a view of the reply).
+_TABLES_TAG = b"\x0a"  # field 1, length-delimited
+_VALUES_TAG = b"\x12"  # TableValues.values: field 2, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_pull_reply(tables: list[tuple[str, DType, np.ndarray]]) -> bytes:
+    """A serialized ``PullManyResponse`` from (table, wire dtype, rows [n, dim] in that dtype).
+
+    Byte-for-byte a valid PullManyResponse (any protobuf client parses it); the rows are
+    copied once, straight into the reply.
+
+    Args:
+        tables: per table its name, wire dtype and C-contiguous rows (:func:`wire_rows`).
+    """
+    parts: list[bytes | memoryview] = []
+    for name, dtype, rows in tables:
+        if rows.ndim != 2 or rows.dtype != dtype.numpy or not rows.flags.c_contiguous:
+            raise WireError(f"table '{name}': reply rows must be C-contiguous [n, dim] {dtype.value}, "
+                            f"got {rows.dtype} shape {rows.shape}")
+        head = ps_pb2.TableValues(table=name, dtype=dtype.proto, dim=int(rows.shape[1]), rows=int(rows.shape[0]))
+        head_bytes = head.SerializeToString()
+        values_hdr = _VALUES_TAG + _varint(rows.nbytes)
+        parts.append(_TABLES_TAG + _varint(len(head_bytes) + len(values_hdr) + rows.nbytes) + head_bytes + values_hdr)
+        if rows.nbytes:  # (a memoryview of a zero-size array cannot be cast)
+            parts.append(rows.data.cast("B"))
+    return b"".join(parts)
+
+
+@dataclasses.dataclass
+class TableValuesView:
+    """One table of a pull reply; ``values`` is a view of the reply's bytes (no copy)."""
+
+    table: str
+    values: memoryview
+    dtype: int
+    dim: int
+    rows: int
+
+
+@dataclasses.dataclass
+class PullReply:
+    """A parsed ``PullManyResponse`` (``tables`` in reply order)."""
+
+    tables: list[TableValuesView]
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireError(f"pull reply: truncated or overlong varint at byte {pos}")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _skip(buf: memoryview, pos: int, end: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _read_varint(buf, pos, end)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        n, pos = _read_varint(buf, pos, end)
+        return pos + n
+    if wire_type == 5:
+        return pos + 4
+    raise WireError(f"pull reply: unsupported protobuf wire type {wire_type} at byte {pos}")
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def decode_pull_reply(data: bytes) -> PullReply:
+    """Parse a serialized ``PullManyResponse``; the row bytes stay in ``data`` (views, no copy).
+
+    Unknown fields are skipped, as protobuf does; a truncated message raises WireError.
+
+    Args:
+        data: the reply's bytes as received.
+    """
+    buf = memoryview(data)
+    out: list[TableValuesView] = []
+    pos, end = 0, len(buf)
+    while pos < end:
+        tag, pos = _read_varint(buf, pos, end)
+        if tag != 0x0A:
+            pos = _skip(buf, pos, end, tag & 7)
+            continue
+        n, pos = _read_varint(buf, pos, end)
+        stop = pos + n
+        if stop > end:
+            raise WireError(f"pull reply: table entry of {n} bytes at byte {pos} runs past the end ({end})")
+        tv = TableValuesView(table="", values=buf[0:0], dtype=0, dim=0, rows=0)
+        while pos < stop:
+            tag, pos = _read_varint(buf, pos, stop)
+            field, wire_type = tag >> 3, tag & 7
+            if wire_type == 2 and field in (1, 2):
+                k, pos = _read_varint(buf, pos, stop)
+                if pos + k > stop:
+                    raise WireError(f"pull reply: field {field} of {k} bytes at byte {pos} runs past its table entry")
+                if field == 1:
+                    tv.table = bytes(buf[pos:pos + k]).decode("utf-8")
+                else:
+                    tv.values = buf[pos:pos + k]
+                pos += k
+            elif wire_type == 0 and field in (3, 4, 5):
+                v, pos = _read_varint(buf, pos, stop)
+                if field == 3:
+                    tv.dtype = _signed(v)
+                elif field == 4:
+                    tv.dim = _signed(v)
+                else:
+                    tv.rows = _signed(v)
+            else:
+                pos = _skip(buf, pos, stop, wire_type)
+        if pos != stop:
+            raise WireError(f"pull reply: table entry ends at byte {pos}, its length says {stop}")
+        out.append(tv)
+    if pos != end:
+        raise WireError(f"pull reply: a field runs past the end of the message ({pos} > {end})")
+    return PullReply(out)
 
 
 def to_float32(values: np.ndarray) -> np.ndarray:
@@ -113,7 +272,7 @@ def to_float32(values: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.array(values, copy=False)).to(torch.float32).numpy()
 
 
-def decode_rows(buf: bytes, dtype: DType, n: int, dim: int, *, table: str = "", field: str = "values") -> np.ndarray:
+def decode_rows(buf: bytes | memoryview, dtype: DType, n: int, dim: int, *, table: str = "", field: str = "values") -> np.ndarray:
     """Bytes -> read-only [n, dim] array in ``dtype``; refuses a wrong length."""
     itemsize = dtype.numpy.itemsize
     want = n * dim * itemsize

@@ -26,7 +26,7 @@ PACKAGES = ("metaps", "ps", "controller", "workers", "meta_io", "models", "deliv
 
 # Exception classes of the project that are not deliberate errors (internal control flow).
 NOT_ERRORS = {
-    "ps.server.RpcAbort": "internal: carries a gRPC status from a handler to the servicer's abort",
+    "ps.gate.RpcAbort": "internal: carries a gRPC status from a handler to the servicer's abort",
 }
 
 # The errors issue 12 named as bypassing the tree; they must stay in it.

@@ -115,6 +115,16 @@ def test_nonfinite_rejected_and_counted(one) -> None:
     assert reg.get_sample_value("metaps_ps_nonfinite_grads_total", {"shard": "0", "table": "user", "action": "reject"}) == 4
 
 
+def test_finite_grads_whose_sum_overflows_are_applied(one) -> None:
+    """The server's fast finite check sums the gradients; an overflowing sum of finite values is not NaN/Inf."""
+    fleet, client, stub, before = one
+    g = np.full((IDS.size, 8), 3e38, np.float32)  # every value finite, their float32 sum is inf
+    counts = client.push({"user": (IDS, g)})
+    assert counts["user"]["rows"] == IDS.size  # not refused (the store may still drop non-finite updates)
+    reg = fleet.servers[0].metrics.registry
+    assert not reg.get_sample_value("metaps_ps_nonfinite_grads_total", {"shard": "0", "table": "user", "action": "reject"})
+
+
 def test_nonfinite_dropped_and_counted(ps_fleet) -> None:
     fleet = ps_fleet(2, nonfinite_grads="drop")
     client = fleet.client()

@@ -73,10 +73,10 @@ def setup(ps_fleet: Callable[..., Fleet], tmp_path: Path) -> tuple[Fleet, Path]:
     _push(fleet, 0)
     v3 = PartitionMap(3, 2, PartitionMap.initial(2, V).owners)
     for s in fleet.servers:
-        s._set_map(v3)
+        s.adopt_map(v3)
     final = checkpoint_all(fleet.addresses, tmp_path / "ckpt", 5, rpc_cfg=fleet.rpc)
     for s in fleet.servers:
-        s._set_map(PartitionMap.initial(2, V))
+        s.adopt_map(PartitionMap.initial(2, V))
     _push(fleet, 1)
     c.register_dense({"late.w": np.full(4, 7.0, np.float32)})
     return fleet, final

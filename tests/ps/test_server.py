@@ -42,6 +42,11 @@ def test_metrics_and_stats(ps_fleet) -> None:
         assert reg.get_sample_value("metaps_ps_table_rows", {"shard": sh, "table": "user"}) > 0  # table fill
         assert reg.get_sample_value("metaps_ps_memory_bytes", {"shard": sh}) > 0
         assert reg.get_sample_value("metaps_ps_map_version", {"shard": sh}) == 0
+        for table, method in (("user", "PushMany"), ("user", "PullMany"), ("item", "PullMany")):  # per table (issue 14)
+            labels = {"shard": sh, "table": table, "method": method}
+            assert reg.get_sample_value("metaps_ps_table_requests_total", labels) == 1
+            assert reg.get_sample_value("metaps_ps_table_rpc_seconds_count", labels) == 1
+        assert reg.get_sample_value("metaps_ps_table_requests_total", {"shard": sh, "table": "item", "method": "PushMany"}) is None
     assert pushed == 100 and pulled == 100
     stats = client.stats()
     assert [s["shard"] for s in stats] == [0, 1]

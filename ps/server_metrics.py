@@ -1,0 +1,140 @@
+"""Metrics of one PS shard: Prometheus counters/histograms, store gauges, load totals.
+
+:class:`PsMetrics` lives in its own registry (several shards per test process);
+:class:`StoreCollector` reads table fill, admissions, evictions and memory from the
+store at scrape time; :class:`LoadTotals` keeps cheap running totals that the
+controller link reports as the shard's load.
+
+Per-table data-plane metrics (issue 14): ``metaps_ps_table_requests`` (requests
+that touched a table, by method) and ``metaps_ps_table_rpc_seconds`` (their
+handling time, by table and method), beside the per-method ``metaps_ps_rpc_seconds``.
+
+Example::
+
+    metrics = PsMetrics(lambda: store, shard_id=0, registry=None)
+    metrics.rows_pulled.labels("0", "user").inc(16384)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from ps.types import RowStore
+
+
+class StoreCollector:
+    """Table fill, admissions, evictions and memory read from the store at scrape time.
+
+    Args:
+        store: returns the shard's current store (a restore swaps it).
+        shard_id: the shard label.
+    """
+
+    def __init__(self, store: Callable[[], RowStore], shard_id: int) -> None:
+        self._store = store
+        self._shard = str(shard_id)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        shard = self._shard
+        store = self._store()
+        stats = store.stats()
+        fams: dict[str, GaugeMetricFamily] = {}
+        for table, st in (stats.get("tables", stats) or {}).items():
+            if not isinstance(st, dict):
+                continue
+            for key, value in st.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    name = f"metaps_ps_table_{key}"
+                    if name not in fams:
+                        fams[name] = GaugeMetricFamily(name, f"PS table {key} (from ShardStore.stats)", labels=["shard", "table"])
+                    fams[name].add_metric([shard, table], float(value))
+        mem = GaugeMetricFamily("metaps_ps_memory_bytes", "bytes held by the shard store", labels=["shard"])
+        mem.add_metric([shard], float(store.memory_bytes()))
+        yield from fams.values()
+        yield mem
+
+
+class PsMetrics:
+    """Prometheus metrics of one shard, in its own registry (several shards per test process).
+
+    Args:
+        store: returns the shard's current store (read at scrape time).
+        shard_id: the shard label.
+        registry: where to register (None: a private registry).
+    """
+
+    def __init__(self, store: Callable[[], RowStore], shard_id: int, registry: CollectorRegistry | None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.rows_pulled = Counter("metaps_ps_rows_pulled", "rows pulled", ["shard", "table"], registry=r)
+        self.rows_pushed = Counter("metaps_ps_rows_pushed", "rows pushed", ["shard", "table"], registry=r)
+        self.nonfinite = Counter(
+            "metaps_ps_nonfinite_grads", "pushed rows with NaN/Inf gradients", ["shard", "table", "action"], registry=r
+        )
+        self.errors = Counter("metaps_ps_rpc_errors", "refused or failed RPCs", ["shard", "method", "code"], registry=r)
+        self.wait_answers = Counter(
+            "metaps_ps_wait_answers", "'ask again' answers (stale_wait, paused): the client waits", ["shard", "method", "reason"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "metaps_ps_rpc_seconds",
+            "RPC handling time",
+            ["shard", "method"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=r,
+        )
+        self.map_version = Gauge("metaps_ps_map_version", "partition map version", ["shard"], registry=r)
+        self.clocks_expired = Gauge(
+            "metaps_ps_clocks_expired", "worker step clocks whose lease ran out (clock_lease_s)", ["shard"], registry=r
+        )
+        self.table_requests = Counter(
+            "metaps_ps_table_requests", "data requests that touched a table", ["shard", "table", "method"], registry=r
+        )
+        self.table_latency = Histogram(
+            "metaps_ps_table_rpc_seconds",
+            "handling time of data requests that touched a table",
+            ["shard", "table", "method"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=r,
+        )
+        r.register(StoreCollector(store, shard_id))
+
+
+class LoadTotals:
+    """Running totals of data-RPC handling time and in-flight depth (cheap: one lock, no histogram).
+
+    The controller link (``metaps.roles.ps_link``) reads them periodically and reports the
+    deltas as the shard's mean request latency and mean queue depth (requests in flight
+    seen by each arriving request, itself included). Time a request spent waiting for a
+    pause, a migration freeze drain or slower workers (staleness) is left out: that is
+    not this shard being slow. Fault delays are in.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.latency_s = 0.0
+        self.depth = 0
+        self.inflight = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self.inflight += 1
+            self.depth += self.inflight
+
+    def leave(self, seconds: float, count: bool = True) -> None:
+        """A request finished; ``count=False`` for "ask again" answers (not load)."""
+        with self._lock:
+            self.inflight -= 1
+            if count:
+                self.count += 1
+                self.latency_s += seconds
+
+    def read(self) -> tuple[int, float, int]:
+        """(requests finished, their summed seconds, summed depth at arrival) since start."""
+        with self._lock:
+            return self.count, self.latency_s, self.depth
