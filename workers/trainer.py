@@ -93,7 +93,14 @@ class Trainer:
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-lane")
         self._inflight: Future | None = None
         """Overlap mode: the last step's row push, possibly still in flight."""
-        self._names = [n for n, _ in model.named_parameters()]
+        self.learner: Any = None
+        """Meta mode: the models.meta_learner.MetaLearner (learned inner rates, if any); its
+        parameters are dense parameters like the model's (``meta_learner.*``): synced, checkpointed."""
+        if cfg.mode == TrainMode.META and meta_cfg is not None:
+            from models.meta_learner import MetaLearner
+
+            self.learner = MetaLearner(model, meta_cfg)
+        self._names = [n for n, _ in self._named_parameters()]
         self._local_dense: Any = None
         """All-reduce mode: a local DenseStore, the very optimizer code the PS runs in PS mode."""
         if cfg.dense_sync == DenseSync.PS:
@@ -135,12 +142,24 @@ class Trainer:
             self.step_no = step
 
     # -- dense parameters -------------------------------------------------------
+    @property
+    def inner_loop(self) -> Any:
+        """What adapted evaluation takes: the learner (with learned rates) or the ``[meta]`` config."""
+        return self.learner if self.learner is not None else self.meta_cfg
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters, then the meta learner's (``meta_learner.*``): every dense value."""
+        named = list(self.model.named_parameters())
+        if self.learner is not None:
+            named += self.learner.store_named_parameters()
+        return named
+
     def _dense_numpy(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().numpy().copy() for n, p in self.model.named_parameters()}
+        return {n: p.detach().numpy().copy() for n, p in self._named_parameters()}
 
     @torch.no_grad()
     def _load_dense(self, values: dict[str, np.ndarray]) -> None:
-        for name, p in self.model.named_parameters():
+        for name, p in self._named_parameters():
             p.copy_(torch.from_numpy(np.asarray(values[name]).reshape(p.shape)))
 
     def _sync_dense(self, grads: dict[str, torch.Tensor]) -> None:
@@ -153,7 +172,7 @@ class Trainer:
     def _apply_local(self, flat: torch.Tensor) -> None:
         assert self._local_dense is not None
         grads, offset = {}, 0
-        for name, p in self.model.named_parameters():
+        for name, p in self._named_parameters():
             n = p.numel()
             grads[name] = flat[offset : offset + n].view(p.shape).numpy()
             offset += n
@@ -187,7 +206,7 @@ class Trainer:
         if self.cfg.mode == TrainMode.META:
             if not isinstance(batch, MetaBatch):
                 raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
-            return meta_step(self.model, batch, rows, self.meta_cfg)
+            return meta_step(self.model, batch, rows, self.inner_loop)
         if isinstance(batch, MetaBatch):
             # Plain training on a meta layout: support and query rows are all training rows.
             batch = _flatten_meta(batch)
@@ -295,7 +314,7 @@ class Trainer:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = sum(p.numel() for _, p in self._named_parameters())
         samples, tasks = _samples_of(batch) if batch is not None else (0, 0)
         pull_s = compute_s = 0.0
         loss = 0.0
