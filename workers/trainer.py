@@ -15,6 +15,7 @@ the PS-side update hide behind compute; rows are then exactly one step stale.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -27,7 +28,7 @@ import torch
 
 from meta_io.batch import MetaBatch, PlainBatch
 from metaps.core.log import kv
-from workers.config import DenseSync, TrainConfig, TrainMode
+from workers.config import DenseSync, LrSchedule, TrainConfig, TrainMode
 from workers.row_source import RowSource
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,47 @@ class Trainer:
             self._local_dense = DenseStore(dense_optimizer)
             for name, value in self._dense_numpy().items():
                 self._local_dense.register(name, value)
+        self.total_steps = cfg.max_steps
+        """Planned steps of this run (``warmup_cosine`` decays to 0 there); train-local sets it."""
+        self._scheduled: Any = self._scheduled_store(dense_optimizer)
+
+    def _scheduled_store(self, dense_optimizer: Any) -> Any:
+        """The DenseStore whose lr ``[train] lr_schedule`` drives (None: constant).
+
+        Raises:
+            ConfigError: a schedule is set but the dense optimizer runs on a remote PS.
+        """
+        if LrSchedule(self.cfg.lr_schedule) == LrSchedule.CONSTANT:
+            return None
+        if self._local_dense is not None:
+            return self._local_dense
+        store = getattr(self.rows, "store", None) if getattr(self.rows, "in_process", False) else None
+        if store is None:
+            from metaps.core.errors import ConfigError
+
+            raise ConfigError(
+                f"[train] lr_schedule = '{LrSchedule(self.cfg.lr_schedule).value}' needs the dense optimizer in the "
+                f"worker (train-local, or [train] dense_sync = 'allreduce'); with dense_sync = 'ps' the PS steps it "
+                f"at the fixed [ps.dense_optimizer] lr"
+            )
+        return store.dense
+
+    def _set_dense_lr(self) -> None:
+        """Set this step's dense lr (``[train] lr_schedule``) on the optimizer this process runs."""
+        if self._scheduled is None:
+            return
+        from workers.hygiene import lr_factor
+
+        sched = LrSchedule(self.cfg.lr_schedule)
+        if sched == LrSchedule.WARMUP_COSINE and self.total_steps <= 0:
+            from metaps.core.errors import ConfigError
+
+            raise ConfigError("[train] lr_schedule = 'warmup_cosine' needs the run length: set [train] max_steps")
+        if not hasattr(self, "_base_dense_cfg"):
+            self._base_dense_cfg = self._scheduled.cfg
+        base = self._base_dense_cfg
+        factor = lr_factor(sched, self.step_no, self.cfg.warmup_steps, self.total_steps)
+        self._scheduled.cfg = dataclasses.replace(base, lr=base.lr * factor)
 
     # -- step clock -------------------------------------------------------------
     @property
@@ -203,6 +245,7 @@ class Trainer:
         from models.meta import MetaStepResult, meta_step, plain_step
 
         rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_np.items()}
+        self._set_dense_lr()
         if self.cfg.mode == TrainMode.META:
             if not isinstance(batch, MetaBatch):
                 raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
