@@ -17,6 +17,9 @@ What it measures, each against a baseline in the same run:
   checkpoint, fingerprinting every row).
 * ``lookup_rows_per_s``: ``ServingModel.lookup`` on batches of 4096 random ids.
   Baseline: one ``txn.get`` + ``np.frombuffer`` per id.
+* ``adapt.ms_per_task``: per-task adaptation latency of a bundle
+  (``adapt(support).predict(rows)``, 8 support + 16 scored rows per task, vmapped
+  over 1/16/256 tasks). Baseline ``adapt.loop_ms_per_task``: one task at a time.
 
 The last line printed is a JSON object of the figures.
 """
@@ -120,6 +123,66 @@ def _timed_export(ckpt: Path, root: Path, cfg: DeliveryConfig, incremental: bool
     return dt
 
 
+def adaptation_latency(bundle: Path, item_ids: np.ndarray, support: int = 8, query: int = 16,
+                       tasks: tuple[int, ...] = (1, 16, 256)) -> dict[str, object]:
+    """Per-task adaptation latency of ``load_bundle(b).adapt(support).predict(rows)`` (eval16).
+
+    For ``T`` tasks of ``support`` labeled rows and ``query`` rows each: wall time of
+    adapting every task (the bundle's recipe, vmapped over tasks) and scoring its
+    rows, divided by ``T``. Baseline: the same tasks one at a time
+    (``tasks_per_batch=1``: a Python loop over tasks). Min of 3 runs each.
+
+    Args:
+        bundle: a published bundle directory.
+        item_ids: ids to draw items from.
+        support: support rows per task.
+        query: rows scored per task.
+        tasks: task counts to measure.
+    """
+    from meta_io.batch import FeatureBatch
+
+    served = load_bundle(bundle, verify=False)
+    rng = np.random.default_rng(7)
+    out: dict[str, object] = {"support": support, "query": query}
+    per_task: dict[str, float] = {}
+    loop: dict[str, float] = {}
+
+    def rows(n: int, keys: np.ndarray) -> FeatureBatch:
+        return FeatureBatch(
+            ids={"user_id": torch.from_numpy(keys).reshape(-1, 1),
+                 "item_id": torch.from_numpy(rng.choice(item_ids, n)).reshape(-1, 1)},
+            dense=torch.from_numpy(rng.normal(size=(n, 1)).astype(np.float32)), vectors={},
+            labels={"click": torch.from_numpy((rng.random(n) < 0.3).astype(np.float32))},
+            mask=torch.ones(n, dtype=torch.bool), scenario=torch.zeros(n, dtype=torch.int64))
+
+    try:
+        for t in tasks:
+            keys = np.arange(t, dtype=np.int64)
+            s_keys, q_keys = np.repeat(keys, support), np.repeat(keys, query)
+            sup, qry = rows(t * support, s_keys), rows(t * query, q_keys)
+            served.adapt(sup, s_keys).predict(qry, q_keys)  # warm-up (model build, first vmap)
+            best = min(_timed(lambda: served.adapt(sup, s_keys, tasks_per_batch=256).predict(qry, q_keys))
+                       for _ in range(3))
+            per_task[str(t)] = round(1000 * best / t, 3)
+            if t <= 16:
+                base = min(_timed(lambda: served.adapt(sup, s_keys, tasks_per_batch=1).predict(qry, q_keys))
+                           for _ in range(3))
+                loop[str(t)] = round(1000 * base / t, 3)
+            _say(f"  adapt {t} tasks: {per_task[str(t)]:.2f} ms/task" +
+                 (f" vs one task at a time {loop[str(t)]:.2f} ms/task" if str(t) in loop else ""))
+    finally:
+        served.close()
+    out["ms_per_task"] = per_task
+    out["loop_ms_per_task"] = loop
+    return out
+
+
+def _timed(fn: object) -> float:
+    t0 = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - t0
+
+
 def _baseline_put(rows: np.ndarray, ids: np.ndarray, path: Path) -> float:
     """rows/s writing one txn.put per row (what a naive exporter does)."""
     env = lmdb.open(str(path), subdir=False, map_size=1 << 32, lock=False, sync=False)
@@ -212,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         lookup_base = 10 * LOOKUP_BATCH / (time.perf_counter() - t0)
         env.close()
         _say(f"  lookup {lookup_rps:,.0f} rows/s vs per-id get loop {lookup_base:,.0f} rows/s")
+        _say("per-task adaptation ...")
+        adapt_fig = adaptation_latency(work / "full0" / "v000001", ids)
 
         figures = {
             "bench": "delivery",
@@ -228,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             "lookup_baseline_rows_per_s": round(lookup_base),
             "lookup_speedup": round(lookup_rps / lookup_base, 2),
             "lookup_batch": LOOKUP_BATCH,
+            "adapt": adapt_fig,
         }
         print(json.dumps(figures), flush=True)
         return 0

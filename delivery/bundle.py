@@ -133,6 +133,8 @@ class BundleManifest:
     data_range: Any = None
     metrics: dict[str, Any] = field(default_factory=dict)
     gate: dict[str, Any] = field(default_factory=dict)
+    adapt: dict[str, Any] = field(default_factory=dict)
+    """The adaptation recipe (delivery.adapt): base parameters file, [meta] inner loop, unseen-id init."""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

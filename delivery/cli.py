@@ -4,10 +4,15 @@ Examples::
 
     metaps deliver --run runs/main --out bundles --incremental --keep 5 \\
         --holdout data/holdout.parquet --max-auc-drop 0.005          # one shot (cron)
-    metaps deliver --run runs/main --out bundles --every 10m         # periodic loop
+    metaps deliver --run runs/main --out bundles --every 10m --no-gate   # periodic loop, ungated
     metaps predict --bundle bundles --data day2.parquet --out scores.parquet    # labels optional
+    metaps predict --bundle bundles --support first.parquet --data day2.parquet --out scores.parquet \\
+        --keep-columns user_id,click                                  # adapted per user, key + label kept
 
-Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input),
+``deliver`` without ``--holdout`` refuses (exit 1) unless ``--no-gate`` is given; the
+manifest's ``gate.gated`` records which it was.
+
+Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input, no gate),
 3 refused by the validation gate (the reasons are printed).
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
@@ -34,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--every", default="", help="run as a loop with this interval, e.g. 10m (needs --run)")
     d.add_argument("--holdout", default="", help="holdout data for the AUC gate (Parquet/CSV or Meta-IO dir)")
     d.add_argument("--holdout-rows", type=int, default=0, help="evaluate at most this many holdout rows (0 = all)")
+    d.add_argument("--no-gate", action="store_true",
+                   help="publish without a holdout AUC gate (consistency checks still run; the manifest records "
+                        "gate.gated = false). Without --holdout, deliver refuses unless this is given")
     d.add_argument("--max-auc-drop", type=float, default=0.01, help="refuse if AUC drops more than this (default 0.01)")
     d.add_argument("--dtype", choices=[x.value for x in RowDtype], default="fp32", help="row storage (default fp32)")
     d.add_argument("--max-chain", type=int, default=8, help="deltas on one base before a full bundle (default 8)")
@@ -47,12 +56,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True,
                    help="output Parquet file of scores (written aside, renamed at the end: a failure leaves none)")
     p.add_argument("--batch-rows", type=int, default=4096, help="rows per prediction batch (default 4096)")
+    p.add_argument("--support", type=Path, default=None,
+                   help="labeled rows (Parquet/CSV) to adapt on per task key before scoring (default: none, "
+                        "base model only); tasks without support rows are scored by the base model")
+    p.add_argument("--keep-columns", default="",
+                   help="comma-separated input columns copied verbatim into the output, e.g. user_id,click (default none)")
+    p.add_argument("--warn-unknown", type=float, default=0.5,
+                   help="warn when more than this share of looked-up ids is unknown to the bundle (default 0.5)")
+    p.add_argument("--progress", action="store_true",
+                   help="print progress to stderr even when stderr is not a terminal (default: only on a terminal)")
     p.set_defaults(func=_predict)
 
 
 def _deliver(args: argparse.Namespace) -> int:
+    from delivery.bundle import DeliveryError
     from delivery.job import PeriodicDelivery, Status, deliver_once
     from metaps.core.config import from_mapping
+
 
     cfg = from_mapping(
         DeliveryConfig,
@@ -61,6 +81,11 @@ def _deliver(args: argparse.Namespace) -> int:
          "holdout_rows": args.holdout_rows, "every": args.every},
         where="metaps deliver",
     )
+    if not args.holdout and not args.no_gate:
+        raise DeliveryError(
+            "no --holdout given: bundles are published only after the holdout AUC gate; "
+            "pass --holdout DATA, or --no-gate to publish ungated (recorded in the manifest as gate.gated = false)"
+        )
     if cfg.every:
         if args.run is None:
             print("metaps deliver: error: --every needs --run (a run directory to watch)", file=sys.stderr)
@@ -84,8 +109,28 @@ def _deliver(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from delivery.predict import predict_to_parquet
 
-    res = predict_to_parquet(args.bundle, args.data, args.out, args.batch_rows)
+    keep = [c.strip() for c in args.keep_columns.split(",") if c.strip()]
+    show = args.progress or sys.stderr.isatty()
+    last = [0.0]
+    t0 = time.monotonic()
+
+    def progress(rows: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 1.0:
+            last[0] = now
+            rate = rows / max(now - t0, 1e-9)
+            print(f"metaps predict: {rows:,} rows scored ({rate:,.0f} rows/s)", file=sys.stderr, flush=True)
+
+    res = predict_to_parquet(args.bundle, args.data, args.out, args.batch_rows, support=args.support,
+                             keep_columns=keep, warn_unknown=args.warn_unknown, progress=progress if show else None)
+    if show:
+        print(f"metaps predict: {res.rows:,} rows scored in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    if res.warn_unknown:
+        print(f"metaps predict: warning: {res.unknown_share:.0%} of looked-up ids ({res.unknown_ids:,} of "
+              f"{res.looked_up_ids:,}) are unknown to bundle {res.bundle} (threshold {args.warn_unknown:.0%}); "
+              f"is this data from the model's domain?", file=sys.stderr)
     if res.labels:  # evaluation only when the data has labels; the summary stays the last line
         print(json.dumps({"eval": {"auc": res.auc, "labels": res.labels}}))
-    print(json.dumps({"bundle": res.bundle, "rows": res.rows, "out": str(res.out), "unknown_ids": res.unknown_ids}))
+    print(json.dumps({"bundle": res.bundle, "rows": res.rows, "out": str(res.out), "unknown_ids": res.unknown_ids,
+                      "unknown_share": round(res.unknown_share, 6), "adapted": res.adapted}))
     return 0

@@ -393,6 +393,9 @@ def export_bundle(
     scripted, spec = trace_dense(model, src.schema, dims)
     save_scripted(scripted, str(staging / DENSE))
     info = src.info
+    from delivery.adapt import adapt_recipe, write_adapt_params
+
+    write_adapt_params(model, staging)
     manifest = BundleManifest(
         version=version,
         kind=BundleKind.FULL if parent is None else BundleKind.DELTA,
@@ -409,6 +412,7 @@ def export_bundle(
         tables=tables,
         dense=spec.to_dict(),
         files=checksum_files(staging),
+        adapt=adapt_recipe(info, list(dims), str(src.path)),
     )
     write_manifest(staging, manifest)
     log.info(

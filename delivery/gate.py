@@ -65,7 +65,8 @@ class GateReport:
 
     def record(self, holdout: str) -> dict[str, Any]:
         """What goes into the published manifest's ``gate`` field."""
-        return {"holdout": holdout, "rows": self.rows, "auc": self.auc, "published_auc": self.published_auc}
+        return {"gated": True, "holdout": holdout, "rows": self.rows, "auc": self.auc,
+                "published_auc": self.published_auc}
 
 
 # -- consistency ------------------------------------------------------------------------

@@ -133,10 +133,11 @@ def deliver_once(
                 log.warning("gate refused the bundle", extra=kv(version=version, reasons=report.reasons))
                 shutil.rmtree(staging)
                 return DeliveryOutcome(Status.REFUSED, ckpt, version, manifest.kind.value, report)
-            if cfg.holdout:
-                manifest = dataclasses.replace(manifest, gate=report.record(cfg.holdout))
-                manifest = dataclasses.replace(manifest, files=checksum_files(staging))
-                write_manifest(staging, manifest)
+            # The manifest says whether an AUC gate passed it (consistency checks always run).
+            record = report.record(cfg.holdout) if cfg.holdout else {"gated": False, "holdout": ""}
+            manifest = dataclasses.replace(manifest, gate=record)
+            manifest = dataclasses.replace(manifest, files=checksum_files(staging))
+            write_manifest(staging, manifest)
             pub.publish(staging, version)
         except BaseException:
             if staging.exists():

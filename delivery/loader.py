@@ -8,10 +8,11 @@ directory. A delta bundle is served by stacking its chain, newest first::
       v000006 (delta): same, for ids still unresolved
       v000005 (full):  found -> row;  never found -> unknown
 
-Unknown ids (never trained, evicted, or removed) get a **zero row**: the PS's
-initial values are random per id and were never seen by the dense network,
-while zeros are a deterministic "no information" input to sum/mean pooling.
-``ServingModel.unknown_ids`` counts them.
+Unknown ids (never trained, evicted, or removed) read as the **PS's initial row**
+of the id (deterministic per table, id and seed; the spec is the manifest's
+``adapt.init``), which is what a PS pull returns for them in training-time
+evaluation: one rule in both places. Bundles without that record (exported
+before it existed) serve zero rows. ``ServingModel.unknown_ids`` counts them.
 
 Every lookup is one C-level pass per bundle of the chain over the batch's
 unique ids of a table (``b"".join(map(txn.get, keys, ...))``), then one
@@ -141,6 +142,12 @@ class ServingModel:
         self._tables: list[str] = list(self.dense_spec["tables"])
         self.module = load_scripted(str(self.path / DENSE))
         self.unknown_ids = 0
+        self.looked_up_ids = 0
+        from delivery.adapt import unseen_initializers
+
+        # One rule for unseen ids, the same as a PS pull in training: the PS's initial row of the id.
+        self._unseen = unseen_initializers(self.manifest.adapt, self.dims)
+        self._adapting: Any = None
 
     # -- embeddings ------------------------------------------------------------------
     def _lookup_unique(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -160,10 +167,18 @@ class ServingModel:
             gone = link.removed.get(table)
             resolved = hit | (np.isin(ids[pending], gone, assume_unique=True) if gone is not None else False)
             pending = pending[~resolved]
+        init = self._unseen.get(table)
+        if init is not None and not found.all():
+            out[~found] = init(ids[~found])
         return found, out
 
+    def count_lookups(self, found: np.ndarray) -> None:
+        """Add one lookup's ids to ``looked_up_ids`` / ``unknown_ids``."""
+        self.looked_up_ids += int(found.shape[0])
+        self.unknown_ids += int((~found).sum())
+
     def lookup(self, table: str, ids: np.ndarray | torch.Tensor) -> np.ndarray:
-        """Rows of ``ids`` (any order, duplicates allowed) as float32 ``[n, dim]``; zeros for unknown ids.
+        """Rows of ``ids`` (any order, duplicates allowed) as float32 ``[n, dim]``; unknown ids read as their initial row (zeros in bundles without adapt.init).
 
         Example::
 
@@ -173,7 +188,7 @@ class ServingModel:
         arr = arr.astype(np.int64, copy=False).reshape(-1)
         uniq, inv = np.unique(arr, return_inverse=True)
         found, rows = self._lookup_unique(table, uniq)
-        self.unknown_ids += int((~found).sum())
+        self.count_lookups(found)
         return rows[inv]
 
     def contains(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -201,7 +216,7 @@ class ServingModel:
                 # The traced graph indexes position 0; a batch with no id of this table gets one dummy.
                 u = torch.zeros(1, dtype=torch.int64)
             found, r = self._lookup_unique(t, u.numpy())
-            self.unknown_ids += int((~found).sum())
+            self.count_lookups(found)
             uniq[t] = u
             rows[t] = torch.from_numpy(r)
         return uniq, rows
@@ -224,6 +239,21 @@ class ServingModel:
         except RuntimeError as exc:
             raise DeliveryError(f"{self.path}: the dense network rejected the batch: {exc}") from None
         return {h: o.reshape(lead) for h, o in zip(self.heads, out)}
+
+    def adapt(self, support: FeatureBatch, keys: np.ndarray, tasks_per_batch: int = 256) -> Any:
+        """A predictor adapted per task on ``support`` (flat labeled rows, ``keys`` = their task keys).
+
+        Returns a :class:`delivery.adapt.AdaptedPredictor`; see that module for the recipe.
+
+        Example::
+
+            probs = load_bundle("bundles").adapt(support, support_keys).predict(rows, row_keys)
+        """
+        from delivery.adapt import AdaptedPredictor, AdaptingModel
+
+        if self._adapting is None:
+            self._adapting = AdaptingModel(self)
+        return AdaptedPredictor(self._adapting, support, keys, tasks_per_batch)
 
     def info(self) -> dict[str, Any]:
         return {"version": self.version, "chain": [link.manifest.version for link in self.links],

@@ -58,8 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--input", required=True, help="Parquet/CSV file or folder")
     h.add_argument("--schema", required=True, help="schema file")
     h.add_argument("--out", required=True, help="writes OUT/train, OUT/holdout and OUT/schema.json")
-    h.add_argument("--fraction", type=float, default=0.1, help="share of tasks held out (default 0.1)")
-    h.add_argument("--seed", type=int, default=0)
+    how = h.add_mutually_exclusive_group()
+    how.add_argument("--fraction", type=float, default=None,
+                     help="share of tasks held out, chosen by a seeded hash of the task key (default 0.1)")
+    how.add_argument("--keys", default=None,
+                     help="hold out exactly the task keys in this file, one per line (e.g. OUT/holdout_keys.txt "
+                          "of an earlier split), to reproduce an external split")
+    h.add_argument("--seed", type=int, default=0, help="seed of the --fraction choice (default 0)")
     h.set_defaults(func=_split_holdout)
     m.set_defaults(func=lambda args: _missing_action(m))
 
@@ -70,13 +75,16 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
 
 
 def _split_holdout(args: argparse.Namespace) -> int:
-    from meta_io.holdout import split_by_task
+    from meta_io.holdout import KEYS_FILE, read_task_keys, split_by_task
     from meta_io.schema import load_schema
 
-    res = split_by_task(args.input, load_schema(args.schema), args.out, args.fraction, args.seed)
+    keys = read_task_keys(args.keys) if args.keys else None
+    fraction = 0.1 if args.fraction is None else args.fraction
+    res = split_by_task(args.input, load_schema(args.schema), args.out, fraction, args.seed, keys=keys)
     print(f"train   {res.train_rows:,} rows -> {res.train_dir}")
     print(f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}")
     print(f"schema  {res.schema_path}")
+    print(f"keys    {res.schema_path.parent / KEYS_FILE}")
     return 0
 
 

@@ -11,9 +11,17 @@ the input (out of core) and writes normalized Parquet that
                                         OUT/holdout/part-*.parquet   OUT/train/part-*.parquet
                                         OUT/schema.json (the same schema; ids already hashed)
 
+The held-out keys are written to ``OUT/holdout_keys.txt`` (one imported int64
+key per line, sorted). An external split, or an earlier one, is reproduced by
+passing such a file as ``keys`` (``--keys FILE``) instead of a fraction: exactly
+the tasks it names are held out. A keys file holds either imported keys (every
+line a decimal integer: taken as the int64 key) or raw string keys (any other
+line: every line is hashed with ``hash_strings``, as string ids are on import).
+
 Example::
 
     split_by_task("raw/", schema, "split/", fraction=0.1, seed=0)
+    split_by_task("raw/", schema, "again/", keys=read_task_keys("split/holdout_keys.txt"))  # the same split
     # then: metaps meta-io build --input split/train ...; --input split/holdout ...
 """
 
@@ -59,6 +67,35 @@ def holdout_mask(task_keys: np.ndarray, fraction: float, seed: int = 0) -> np.nd
     return h < np.uint64(int(fraction * (1 << 32)))
 
 
+KEYS_FILE = "holdout_keys.txt"
+
+
+def read_task_keys(path: str | Path) -> np.ndarray:
+    """Sorted unique int64 task keys from a file of one key per line (blank lines ignored).
+
+    Args:
+        path: the keys file; all-integer lines are imported keys, otherwise every line is hashed.
+
+    Raises:
+        DataError: the file is missing or names no key.
+    """
+    p = Path(path)
+    try:
+        lines = [ln.strip() for ln in p.read_text().splitlines()]
+    except OSError as exc:
+        raise DataError(f"{p}: cannot read the task keys file: {exc}") from None
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        raise DataError(f"{p}: task keys file names no key (expected one task key per line)")
+    try:
+        keys = np.array([int(ln) for ln in lines], dtype=np.int64)
+    except (ValueError, OverflowError):
+        from metaps.core.hashing import hash_strings
+
+        keys = hash_strings(pa.array(lines, type=pa.string()))
+    return np.unique(keys)
+
+
 def _unpad_lists(table: pa.Table, schema: Schema) -> pa.Table:
     """Padded fixed-size id lists back to variable lists (-1 padding removed), vectorized."""
     from meta_io.schema import LIST_KINDS
@@ -75,8 +112,8 @@ def _unpad_lists(table: pa.Table, schema: Schema) -> pa.Table:
 
 
 def split_by_task(
-    input_path: str | Path, schema: Schema, out_dir: str | Path, fraction: float, seed: int = 0,
-    batch_rows: int = 65_536,
+    input_path: str | Path, schema: Schema, out_dir: str | Path, fraction: float = 0.1, seed: int = 0,
+    batch_rows: int = 65_536, keys: np.ndarray | None = None,
 ) -> HoldoutSplit:
     """Write ``out_dir/train`` and ``out_dir/holdout`` (Parquet, normalized columns).
 
@@ -86,7 +123,16 @@ def split_by_task(
         out_dir: where the two folders go (must not already hold them).
         fraction: share of tasks held out, in [0, 1).
         seed: changes which tasks are held out.
+        keys: hold out exactly these task keys (int64, e.g. :func:`read_task_keys`) instead of a
+            seeded fraction; ``fraction`` and ``seed`` are then ignored.
+
+    Raises:
+        DataError: a non-empty output folder, a split that holds out nothing, or
+            ``keys`` of which none is a task of the input.
     """
+    chosen = None if keys is None else np.unique(np.asarray(keys, dtype=np.int64))
+    if chosen is None and not 0.0 <= fraction < 1.0:
+        raise DataError(f"split-holdout: --fraction must be in [0, 1), got {fraction}")
     out = Path(out_dir)
     train_dir, hold_dir = out / "train", out / "holdout"
     for d in (train_dir, hold_dir):
@@ -104,8 +150,8 @@ def split_by_task(
                     "train": pq.ParquetWriter(train_dir / "part-00000.parquet", table.schema),
                     "holdout": pq.ParquetWriter(hold_dir / "part-00000.parquet", table.schema),
                 }
-            keys = table.column(schema.task_key).to_numpy()
-            mask = holdout_mask(keys, fraction, seed)
+            keys_ = table.column(schema.task_key).to_numpy()
+            mask = holdout_mask(keys_, fraction, seed) if chosen is None else np.isin(keys_, chosen)
             pa_mask = pa.array(mask)
             for name, sel in (("holdout", pa_mask), ("train", pc.invert(pa_mask))):
                 part = table.filter(sel)
@@ -113,13 +159,20 @@ def split_by_task(
                     writers[name].write_table(part)
                     counts[name] += part.num_rows
             if mask.any():
-                held_keys.append(np.unique(keys[mask]))
+                held_keys.append(np.unique(keys_[mask]))
     finally:
         for w in writers.values():
             w.close()
-    if counts["holdout"] == 0 and fraction > 0:
+    if chosen is not None and counts["holdout"] == 0:
+        raise DataError(f"{input_path}: none of the {chosen.size} given task keys is a task of the input "
+                        f"(column '{schema.task_key}'); check the keys file")
+    if chosen is None and counts["holdout"] == 0 and fraction > 0:
         raise DataError(f"{input_path}: holdout fraction {fraction} selected no task; use a larger fraction")
-    n_tasks = int(np.unique(np.concatenate(held_keys)).size) if held_keys else 0
+    held = np.unique(np.concatenate(held_keys)) if held_keys else np.zeros(0, np.int64)
+    n_tasks = int(held.size)
+    if chosen is not None and n_tasks < chosen.size:
+        log.warning("task keys not in the input", extra=kv(given=int(chosen.size), found=n_tasks))
+    (out / KEYS_FILE).write_text("".join(f"{int(k)}\n" for k in held))
     schema_path = out / "schema.json"
     dataclasses.replace(schema, columns=[dataclasses.replace(c, hash=False) for c in schema.columns]).save(schema_path)
     log.info("holdout split", extra=kv(train_rows=counts["train"], holdout_rows=counts["holdout"], holdout_tasks=n_tasks))

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "controller.cli",   # controller, agent
     "metaps.launch",    # launch
     "delivery.cli",     # deliver, predict
+    "metaps.evaluate",  # evaluate
     "metaps.deploy.cli",  # deploy k8s|wait
 )
 

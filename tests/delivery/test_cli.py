@@ -16,14 +16,15 @@ from tests.delivery.conftest import live_features, write_parquet
 
 def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
     out = tmp_path / "bundles"
-    assert main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(out), "--dtype", "fp16"]) == 0
+    assert main(["deliver", "--no-gate", "--checkpoint", str(history.ckpts[30]), "--out", str(out), "--dtype", "fp16"]) == 0
     fb = live_features(tiny, history.live[30], rows=50, seed=4)
     data = write_parquet(tmp_path / "day.parquet", tiny, fb, {h: np.zeros(50) for h in tiny.schema.labels})
     capsys.readouterr()
     assert main(["predict", "--bundle", str(out), "--data", str(data), "--out", str(tmp_path / "s.parquet"),
                  "--batch-rows", "16"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0}
+    assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0,
+                       "unknown_share": 0.0, "adapted": False}
     scores = pq.read_table(tmp_path / "s.parquet").to_pydict()
     want = load_bundle(out).predict(fb)
     assert scores["row"] == list(range(50))
@@ -34,18 +35,18 @@ def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
 def test_deliver_every_runs_the_loop(tmp_path, history, capsys):
     run = tmp_path / "run"
     shutil.copytree(history.ckpts[20], run / "checkpoints" / "ckpt-20")
-    rc = main(["deliver", "--run", str(run), "--out", str(tmp_path / "out"), "--every", "10ms", "--max-ticks", "2"])
+    rc = main(["deliver", "--no-gate", "--run", str(run), "--out", str(tmp_path / "out"), "--every", "10ms", "--max-ticks", "2"])
     assert rc == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x["status"] for x in lines] == ["published", "up_to_date"]
 
 
 def test_bad_input_exits_nonzero_with_the_reason(tmp_path, capsys):
-    assert main(["deliver", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    assert main(["deliver", "--no-gate", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
     assert "none: checkpoint directory not found" in capsys.readouterr().err
-    assert main(["deliver", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--keep", "0"]) == 1
+    assert main(["deliver", "--no-gate", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--keep", "0"]) == 1
     assert "keep must be >= 1, got 0" in capsys.readouterr().err
-    assert main(["deliver", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--every", "soon"]) == 1
+    assert main(["deliver", "--no-gate", "--run", str(tmp_path), "--out", str(tmp_path / "o"), "--every", "soon"]) == 1
     assert "bad interval 'soon'" in capsys.readouterr().err
     assert main(["predict", "--bundle", str(tmp_path / "nb"), "--data", "x.parquet", "--out", "y.parquet"]) == 1
     assert "nb: bundle path does not exist" in capsys.readouterr().err
@@ -54,7 +55,7 @@ def test_bad_input_exits_nonzero_with_the_reason(tmp_path, capsys):
 def test_predict_on_meta_shaped_and_plain_batches(tmp_path, history, tiny):
     from meta_io.batch import PlainBatch
 
-    main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(tmp_path / "b")])
+    main(["deliver", "--no-gate", "--checkpoint", str(history.ckpts[30]), "--out", str(tmp_path / "b")])
     served = load_bundle(tmp_path / "b")
     fb = live_features(tiny, history.live[30], rows=12, seed=9)
     flat = served.predict(PlainBatch(features=fb, unique_ids={}))
@@ -62,3 +63,20 @@ def test_predict_on_meta_shaped_and_plain_batches(tmp_path, history, tiny):
     for h in flat:
         assert meta[h].shape == (3, 4)
         torch.testing.assert_close(meta[h].reshape(-1), flat[h])
+
+
+def test_deliver_without_holdout_needs_no_gate_and_the_manifest_says_so(tmp_path, history, tiny, capsys):
+    out = tmp_path / "bundles"
+    assert main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(out)]) == 1
+    assert "--no-gate" in capsys.readouterr().err
+    assert not (out / "LATEST").exists()
+    assert main(["deliver", "--no-gate", "--checkpoint", str(history.ckpts[30]), "--out", str(out)]) == 0
+    assert load_bundle(out).manifest.gate["gated"] is False
+    fb = live_features(tiny, history.live[30], rows=60, seed=5)
+    rng = np.random.default_rng(0)
+    labels = {h: rng.integers(0, 2, 60).astype(np.float64) for h in tiny.schema.labels}
+    hold = write_parquet(tmp_path / "hold.parquet", tiny, fb, labels)
+    assert main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(out), "--force",
+                 "--holdout", str(hold)]) == 0
+    gate = load_bundle(out).manifest.gate
+    assert gate["gated"] is True and gate["holdout"] == str(hold)

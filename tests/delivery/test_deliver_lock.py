@@ -21,7 +21,7 @@ from tests.delivery.test_job import _killed_delivery
 def test_failed_deliveries_leave_no_lock(tmp_path, history, capsys):
     out = tmp_path / "out"
     # the gate fails inside the lock (holdout missing): exit 1, no lock, no staging
-    assert main(["deliver", "--checkpoint", str(history.ckpts[10]), "--out", str(out),
+    assert main(["deliver", "--no-gate", "--checkpoint", str(history.ckpts[10]), "--out", str(out),
                  "--holdout", str(tmp_path / "no-holdout.parquet")]) == 1
     assert "no-holdout.parquet: holdout not found" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == []

@@ -30,7 +30,7 @@ def _killed_delivery(point: str, ckpt: str, out: str) -> None:
     os.rename = rename
     from metaps.cli import main
 
-    sys.exit(main(["deliver", "--checkpoint", ckpt, "--out", out]))
+    sys.exit(main(["deliver", "--no-gate", "--checkpoint", ckpt, "--out", out]))
 
 
 @pytest.mark.parametrize("point", ["version", "latest"])

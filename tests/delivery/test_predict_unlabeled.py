@@ -19,7 +19,7 @@ from tests.delivery.conftest import live_features, write_parquet
 @pytest.fixture()
 def bundle(tmp_path, history) -> Path:
     out = tmp_path / "bundles"
-    assert main(["deliver", "--checkpoint", str(history.ckpts[30]), "--out", str(out)]) == 0
+    assert main(["deliver", "--no-gate", "--checkpoint", str(history.ckpts[30]), "--out", str(out)]) == 0
     return out
 
 
@@ -38,7 +38,8 @@ def test_predict_scores_unlabeled_data(tmp_path, bundle, history, tiny, capsys) 
     assert main(["predict", "--bundle", str(bundle), "--data", str(data), "--out", str(out), "--batch-rows", "16"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1  # no evaluation without labels
-    assert json.loads(lines[0]) == {"bundle": "v000001", "rows": 40, "out": str(out), "unknown_ids": 0}
+    assert json.loads(lines[0]) == {"bundle": "v000001", "rows": 40, "out": str(out), "unknown_ids": 0,
+                                   "unknown_share": 0.0, "adapted": False}
     scores = pq.read_table(out).to_pydict()
     want = load_bundle(bundle).predict(fb)
     assert scores["row"] == list(range(40))
