@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from delivery.export import CheckpointSource
-from models.meta import MetaLearner
+from delivery.adapt import AdaptingModel
+from delivery.config import DeliveryConfig
+from delivery.export import CheckpointSource, export_bundle
+from delivery.loader import load_bundle
+from meta_io.reader import MetaIODataset
+from models.meta import MetaLearner, adapt_and_predict
 from ps.client import PsClient
 from workers.local import train_local
 from workers.row_source import RemoteRowSource
@@ -41,6 +45,22 @@ def test_learned_rates_train_checkpoint_and_match_distributed(worker_data, ps_se
     restored.load_dense(src.dense(names))
     for (n, a), (_, b) in zip(learner.named_parameters(), restored.named_parameters()):
         torch.testing.assert_close(a, b, msg=f"checkpointed rate {n}")
+
+    # a bundle ships the learned rates and adapts with them, as the trainer does
+    staging = tmp_path / "bundle" / "v000001"
+    staging.mkdir(parents=True)
+    export_bundle(src, staging, "v000001", DeliveryConfig(out=str(tmp_path / "bundle")))
+    served = AdaptingModel(load_bundle(staging))
+    for part in ("dense_lr", "rows_lr"):
+        for n, v in recipe[part].items():
+            torch.testing.assert_close(served.learner.inner_recipe()[part][n], v, msg=f"bundle {part} {n}")
+    mb = next(iter(MetaIODataset(worker_data["meta"]).iter_all()))
+    rows = {t: torch.from_numpy(r) for t, r in local.rows.pull({t: u.numpy() for t, u in mb.unique_ids.items()}).items()}
+    want = adapt_and_predict(local.model, mb.support, mb.query, rows, mb.unique_ids, learner)
+    got = served.adapted_probs(mb.support, mb.query)
+    real = mb.query.mask.bool()
+    for h in want:
+        np.testing.assert_allclose(got[h][real].numpy(), want[h][real].numpy(), atol=1e-5, rtol=0, err_msg=h)
 
     addrs = ps_servers(job)
     client = PsClient(addrs, job.rpc, worker_id="worker-0", register=True)
