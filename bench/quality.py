@@ -111,7 +111,7 @@ def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
 
 
 def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
-                     learn: str, inner_lr: float) -> dict[str, Any]:
+                     learn: str, inner_lr: float, first_k: int = 0) -> dict[str, Any]:
     """One seed of the inner-loop study: steps chosen on validation users, held-out users reported."""
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.holdout import split_by_task
@@ -126,12 +126,14 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     mval = build(vsplit.holdout_dir, vsplit.schema_path, tmp / "m-val", mcfg).out_dir
     mheld = build(split.holdout_dir, split.schema_path, tmp / "m-held", mcfg).out_dir
     runs: dict[int, Any] = {}
+    workers: dict[int, Any] = {}
     for steps in steps_list:
         meta = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
                 "learn_inner_lr": learn}
         _progress(f"  [seed {seed}] meta training, {steps} inner step(s), learn_inner_lr={learn}")
         _, w = train_local(job_for(mtrain, mval, tmp / f"run-meta-{steps}", "meta", "dnn", epochs, meta),
                            tmp / f"run-meta-{steps}", checkpoint=False)
+        workers[steps] = w
         runs[steps] = {"val": _eval_adapted(w, mval, w.trainer.inner_loop),
                        "held": _eval_adapted(w, mheld, w.trainer.inner_loop),
                        "rates": {k: {n: float(v.float().mean()) for n, v in r.items()}
@@ -148,6 +150,28 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     held = runs[chosen]["held"]
     res: dict[str, Any] = {"chosen_inner_steps": chosen, "runs": runs, "plain": plain["base"],
                            "plain_finetuned": plain["adapted"], "base": held["base"], "adapted": held["adapted"]}
+    if first_k:
+        # strict cold start (eval16's first-k): per held-out user the first K rows by time adapt,
+        # every later row is scored once
+        from workers.eval_protocols import evaluate_protocol, protocol_batches
+
+        schema = load_schema(split.schema_path)
+
+        def fk(w: Any, loop: Any) -> dict[str, Any]:
+            w.trainer.refresh_dense()
+            batches = protocol_batches("first-k", split.holdout_dir, schema, k=first_k)
+            return evaluate_protocol(w.model, w.rows, batches, loop, task_key=schema.task_key)
+
+        m_fk = fk(workers[chosen], workers[chosen].trainer.inner_loop)
+        p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
+        res["first_k"] = {"k": first_k, "meta": m_fk, "plain": p_fk}
+        for head in ("click", "conversion"):
+            res[f"first_k_{head}_adapted_minus_base"] = m_fk["adapted"][head]["auc"] - m_fk["base"][head]["auc"]
+            res[f"first_k_{head}_adapted_minus_plain_finetuned"] = (m_fk["adapted"][head]["auc"]
+                                                                    - p_fk["adapted"][head]["auc"])
+            _progress(f"      first-k (k={first_k}) {head}: base {m_fk['base'][head]['auc']:.4f} adapted "
+                      f"{m_fk['adapted'][head]['auc']:.4f} plain {p_fk['base'][head]['auc']:.4f} plain+ft "
+                      f"{p_fk['adapted'][head]['auc']:.4f}")
     for head in ("click", "conversion"):
         res[f"{head}_adapted_minus_base"] = held["adapted"][head]["auc"] - held["base"][head]["auc"]
         res[f"{head}_adapted_minus_plain_finetuned"] = held["adapted"][head]["auc"] - plain["adapted"][head]["auc"]
@@ -182,7 +206,7 @@ def main_inner(args: argparse.Namespace) -> int:
                                                         n_files=max(1, rows // 250_000),
                                                         row_group_rows=min(rows, 65_536)), progress=False)
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
-                                                     args.learn_inner_lr, args.inner_lr)
+                                                     args.learn_inner_lr, args.inner_lr, args.first_k)
     per = list(out["per_seed"].values())
     for key in ("click_adapted_minus_base", "conversion_adapted_minus_base", "click_adapted_minus_plain_finetuned",
                 "conversion_adapted_minus_plain_finetuned"):
@@ -209,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner-steps", default="1,2,3,5", help="inner step counts to choose from (validation users)")
     ap.add_argument("--learn-inner-lr", default="element", choices=("off", "tensor", "element"))
     ap.add_argument("--inner-lr", type=float, default=0.1)
+    ap.add_argument("--first-k", type=int, default=8, help="also score held-out users under first-k (0: off)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cold_only:
