@@ -71,6 +71,16 @@ class MetaLearner(nn.Module):
         )
 
     @property
+    def inner_steps(self) -> int:
+        """``cfg.inner_steps`` (a learner stands in wherever a MetaConfig is read)."""
+        return int(self.cfg.inner_steps)
+
+    @property
+    def inner_lr(self) -> float:
+        """``cfg.inner_lr``: the fixed rate, and the learned rates' initial value."""
+        return float(self.cfg.inner_lr)
+
+    @property
     def learned(self) -> bool:
         """Whether the rates are parameters (``learn_inner_lr != off``)."""
         return InnerLr(self.cfg.learn_inner_lr) != InnerLr.OFF

@@ -100,8 +100,9 @@ def test_rate_shapes_and_adapt_target() -> None:
     te = MetaLearner(model, MetaConfig(learn_inner_lr="tensor", adapt=AdaptTarget.DENSE))
     assert len(te.rows_log_lr) == 0 and all(p.shape == () for p in te.dense_log_lr)
     assert len(te.dense_log_lr) == len(list(model.parameters()))
-    off = MetaLearner(model, MetaConfig())
+    off = MetaLearner(model, MetaConfig(inner_steps=3, inner_lr=0.2))
     assert not off.learned and list(off.parameters()) == []
+    assert (off.inner_steps, off.inner_lr) == (3, 0.2)  # read like a MetaConfig (metaps evaluate, bench)
 
 
 def test_rates_stay_positive_and_learn_under_outer_training() -> None:
