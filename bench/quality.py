@@ -21,6 +21,16 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    episode's support rows ("adapted"), and by a plain-trained model on the same
    rows (the usual no-adaptation baseline).
 
+3. **The inner loop** (``--cold-only --seeds 3,4,5 --inner-steps 1,2,3,5 --learn-inner-lr element``):
+   per seed, G-Meta with the configured inner loop (Meta-SGD rates when asked) is trained
+   once per inner-step count; the count is chosen on a validation split of the *training*
+   users (10%, ``split_by_task`` again, never the held-out users), and the held-out users
+   are reported at the chosen count: base, adapted, and "plain model + the same
+   fine-tuning" (the plain-trained model adapted with the fixed ``inner_lr`` and the
+   same step count). Median and spread (min, max) over seeds; goals: adapted - base
+   >= +0.02 click / +0.01 conversion AUC and adapted > plain + fine-tuning on both heads,
+   on every seed.
+
 The same run measures everything; the last line printed is a JSON object.
 """
 
@@ -90,14 +100,144 @@ def _metrics(ev: dict[str, Any], keys: tuple[str, ...] = ("auc", "oracle_auc", "
     return {head: {k: m[k] for k in keys if k in m} | {"rows": m["rows"]} for head, m in ev.items()}
 
 
+def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
+    """Base and adapted metrics of a trained worker's model on a meta dataset (any training mode)."""
+    from meta_io.reader import MetaIODataset
+    from workers.evaluation import evaluate
+
+    worker.trainer.refresh_dense()
+    ev = evaluate(worker.model, worker.rows, MetaIODataset(data).iter_all(), loop, adapt=True)
+    return {kind: _metrics(m) for kind, m in ev.items()}
+
+
+def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
+                     learn: str, inner_lr: float, first_k: int = 0) -> dict[str, Any]:
+    """One seed of the inner-loop study: steps chosen on validation users, held-out users reported."""
+    from meta_io.build import MetaIOBuildConfig, build
+    from meta_io.holdout import split_by_task
+    from meta_io.schema import load_schema
+    from models.meta import MetaConfig
+    from workers.local import train_local
+
+    split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction, seed=seed)
+    vsplit = split_by_task(split.train_dir, load_schema(split.schema_path), tmp / "vsplit", fraction=0.1, seed=seed + 1000)
+    mcfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
+    mtrain = build(vsplit.train_dir, vsplit.schema_path, tmp / "m-train", mcfg).out_dir
+    mval = build(vsplit.holdout_dir, vsplit.schema_path, tmp / "m-val", mcfg).out_dir
+    mheld = build(split.holdout_dir, split.schema_path, tmp / "m-held", mcfg).out_dir
+    runs: dict[int, Any] = {}
+    workers: dict[int, Any] = {}
+    for steps in steps_list:
+        meta = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
+                "learn_inner_lr": learn}
+        _progress(f"  [seed {seed}] meta training, {steps} inner step(s), learn_inner_lr={learn}")
+        _, w = train_local(job_for(mtrain, mval, tmp / f"run-meta-{steps}", "meta", "dnn", epochs, meta),
+                           tmp / f"run-meta-{steps}", checkpoint=False)
+        workers[steps] = w
+        runs[steps] = {"val": _eval_adapted(w, mval, w.trainer.inner_loop),
+                       "held": _eval_adapted(w, mheld, w.trainer.inner_loop),
+                       "rates": {k: {n: float(v.float().mean()) for n, v in r.items()}
+                                 for k, r in w.trainer.learner.inner_recipe().items() if k.endswith("_lr")
+                                 and isinstance(r, dict)}}
+        v = runs[steps]["val"]["adapted"]
+        _progress(f"      val adapted click {v['click']['auc']:.4f} conversion {v['conversion']['auc']:.4f}")
+    chosen = max(steps_list, key=lambda k: runs[k]["val"]["adapted"]["click"]["auc"]
+                 + runs[k]["val"]["adapted"]["conversion"]["auc"])
+    _progress(f"  [seed {seed}] plain training (baseline + the same fine-tuning, {chosen} step(s))")
+    _, pw = train_local(job_for(mtrain, mval, tmp / "run-plain", "plain", "dnn", epochs), tmp / "run-plain",
+                        checkpoint=False)
+    plain = _eval_adapted(pw, mheld, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
+    held = runs[chosen]["held"]
+    res: dict[str, Any] = {"chosen_inner_steps": chosen, "runs": runs, "plain": plain["base"],
+                           "plain_finetuned": plain["adapted"], "base": held["base"], "adapted": held["adapted"]}
+    if first_k:
+        # strict cold start (eval16's first-k): per held-out user the first K rows by time adapt,
+        # every later row is scored once
+        from workers.eval_protocols import evaluate_protocol, protocol_batches
+
+        schema = load_schema(split.schema_path)
+
+        def fk(w: Any, loop: Any) -> dict[str, Any]:
+            w.trainer.refresh_dense()
+            batches = protocol_batches("first-k", split.holdout_dir, schema, k=first_k)
+            return evaluate_protocol(w.model, w.rows, batches, loop, task_key=schema.task_key)
+
+        m_fk = fk(workers[chosen], workers[chosen].trainer.inner_loop)
+        p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
+        res["first_k"] = {"k": first_k, "meta": m_fk, "plain": p_fk}
+        for head in ("click", "conversion"):
+            res[f"first_k_{head}_adapted_minus_base"] = m_fk["adapted"][head]["auc"] - m_fk["base"][head]["auc"]
+            res[f"first_k_{head}_adapted_minus_plain_finetuned"] = (m_fk["adapted"][head]["auc"]
+                                                                    - p_fk["adapted"][head]["auc"])
+            _progress(f"      first-k (k={first_k}) {head}: base {m_fk['base'][head]['auc']:.4f} adapted "
+                      f"{m_fk['adapted'][head]['auc']:.4f} plain {p_fk['base'][head]['auc']:.4f} plain+ft "
+                      f"{p_fk['adapted'][head]['auc']:.4f}")
+    for head in ("click", "conversion"):
+        res[f"{head}_adapted_minus_base"] = held["adapted"][head]["auc"] - held["base"][head]["auc"]
+        res[f"{head}_adapted_minus_plain_finetuned"] = held["adapted"][head]["auc"] - plain["adapted"][head]["auc"]
+        _progress(f"      held-out {head}: base {held['base'][head]['auc']:.4f} adapted "
+                  f"{held['adapted'][head]['auc']:.4f} plain {plain['base'][head]['auc']:.4f} plain+ft "
+                  f"{plain['adapted'][head]['auc']:.4f}")
+    return res
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
+
+
+def main_inner(args: argparse.Namespace) -> int:
+    """``--cold-only``: the inner-loop study over seeds (no plain model table)."""
+    from meta_io.synth import GeneratorConfig, generate
+
+    rows = args.rows or (16_000 if args.quick else 1_000_000)
+    epochs = 2 if rows <= 50_000 else 1
+    users, items = max(250, rows // 64), max(200, rows // 80)
+    fraction = 0.25 if args.quick else 0.1
+    steps_list = [int(x) for x in args.inner_steps.split(",") if x]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    out: dict[str, Any] = {"rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
+                           "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr, "per_seed": {}}
+    t_all = time.perf_counter()
+    for seed in seeds:
+        with tempfile.TemporaryDirectory(prefix="bench-quality-") as td:
+            tmp = Path(td)
+            _progress(f"[seed {seed}] generating {rows:,} rows ({users:,} users)")
+            gen = generate(tmp / "raw", GeneratorConfig(rows=rows, users=users, items=items, seed=seed,
+                                                        n_files=max(1, rows // 250_000),
+                                                        row_group_rows=min(rows, 65_536)), progress=False)
+            out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
+                                                     args.learn_inner_lr, args.inner_lr, args.first_k)
+    per = list(out["per_seed"].values())
+    for key in ("click_adapted_minus_base", "conversion_adapted_minus_base", "click_adapted_minus_plain_finetuned",
+                "conversion_adapted_minus_plain_finetuned"):
+        out[key] = _spread([r[key] for r in per])
+    out["goals_met_every_seed"] = {
+        "click_adapted_minus_base>=0.02": all(r["click_adapted_minus_base"] >= 0.02 for r in per),
+        "conversion_adapted_minus_base>=0.01": all(r["conversion_adapted_minus_base"] >= 0.01 for r in per),
+        "adapted>plain_finetuned(both heads)": all(r["click_adapted_minus_plain_finetuned"] > 0
+                                                   and r["conversion_adapted_minus_plain_finetuned"] > 0 for r in per),
+    }
+    out["elapsed_s"] = time.perf_counter() - t_all
+    print(json.dumps(out, default=float), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16k rows instead of 1M (about a minute)")
     ap.add_argument("--rows", type=int, default=0, help="generated rows (default 1M, quick 16k)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="model kinds of the plain table")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--cold-only", action="store_true", help="only the inner-loop study (section 3)")
+    ap.add_argument("--seeds", default="3,4,5", help="seeds of the inner-loop study")
+    ap.add_argument("--inner-steps", default="1,2,3,5", help="inner step counts to choose from (validation users)")
+    ap.add_argument("--learn-inner-lr", default="element", choices=("off", "tensor", "element"))
+    ap.add_argument("--inner-lr", type=float, default=0.1)
+    ap.add_argument("--first-k", type=int, default=8, help="also score held-out users under first-k (0: off)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.cold_only:
+        return main_inner(args)
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.synth import GeneratorConfig, generate
     from meta_io.holdout import split_by_task

@@ -97,9 +97,36 @@ def adapt_recipe(info: dict[str, Any], tables: list[str], where: str) -> dict[st
     }
 
 
-def write_adapt_params(model: torch.nn.Module, staging: Path) -> None:
-    """``staging/adapt_params.npz``: every dense parameter of the trained model (float32)."""
+def learned_rates(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The checkpoint's learned inner rates (``[meta] learn_inner_lr``; ``meta_learner.*`` dense values).
+
+    Args:
+        src: the :class:`~delivery.export.CheckpointSource`.
+        model: the checkpoint's model.
+        recipe: :func:`adapt_recipe`'s record (its ``meta``).
+
+    Returns:
+        name -> float32 array; empty when the rates are not learned.
+    """
+    from models.meta_config import MetaConfig
+    from models.meta_learner import MetaLearner
+
+    learner = MetaLearner(model, from_mapping(MetaConfig, recipe["meta"], where=f"{src.path}: adapt.meta"))
+    names = [n for n, _ in learner.store_named_parameters()]
+    if not names:
+        return {}
+    values = src.dense(names)
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise DeliveryError(f"{src.path}: [meta] learn_inner_lr is set but the checkpoint lacks {missing[:3]}")
+    return {n: np.asarray(values[n], np.float32) for n in names}
+
+
+def write_adapt_params(model: torch.nn.Module, staging: Path, extra: dict[str, np.ndarray] | None = None) -> None:
+    """``staging/adapt_params.npz``: every dense parameter of the trained model (float32), and
+    ``extra`` (the learned inner rates, ``meta_learner.*``)."""
     values = {n: p.detach().cpu().numpy().astype(np.float32) for n, p in model.named_parameters()}
+    values.update(extra or {})
     with open(staging / ADAPT_PARAMS, "wb") as fh:
         np.savez(fh, **values)  # type: ignore[arg-type]
 
@@ -196,6 +223,14 @@ class AdaptingModel:
                     raise DeliveryError(f"{path}: parameter '{name}': expected {tuple(p.shape)}, got {v.shape}")
                 p.copy_(torch.from_numpy(np.asarray(v, np.float32).reshape(p.shape)))
         self.model.eval()
+        from models.meta_learner import MetaLearner
+
+        self.learner = MetaLearner(self.model, self.cfg)
+        """The inner loop with its learned rates (``[meta] learn_inner_lr``): ``learner.inner_recipe()``."""
+        try:
+            self.learner.load_dense(values)
+        except ConfigError as exc:
+            raise DeliveryError(f"{path}: {exc}") from None
 
     def rows_for(self, parts: list[FeatureBatch]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(unique_ids, rows)`` per model table over the id columns of ``parts`` (unseen ids: initial rows)."""
@@ -219,7 +254,7 @@ class AdaptingModel:
         from models.meta import adapt_and_predict
 
         uniq, rows = self.rows_for([support, query])
-        return adapt_and_predict(self.model, support, query, rows, uniq, self.cfg)
+        return adapt_and_predict(self.model, support, query, rows, uniq, self.learner)
 
 
 class AdaptedPredictor:

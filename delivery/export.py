@@ -545,9 +545,9 @@ def export_bundle(
     scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
     save_scripted(scripted, str(staging / DENSE))
     info = src.info
-    from delivery.adapt import adapt_recipe, write_adapt_params
+    from delivery.adapt import adapt_recipe, learned_rates, write_adapt_params
 
-    write_adapt_params(model, staging)
+    write_adapt_params(model, staging, learned_rates(src, model, adapt_recipe(info, list(dims), str(src.path))))
     manifest = BundleManifest(
         version=version,
         kind=BundleKind.FULL if parent is None else BundleKind.DELTA,

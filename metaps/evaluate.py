@@ -83,6 +83,26 @@ class _BundleRows:
         return out
 
 
+def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any) -> Any:
+    """The recipe with its learned inner rates (``[meta] learn_inner_lr``), unless ``--inner-lr`` fixes one."""
+    from models.meta_learner import MetaLearner
+
+    learner = MetaLearner(model, meta)
+    if args.inner_lr is not None or not learner.learned:
+        return meta
+    if served is not None:
+        import numpy as np
+
+        with np.load(served.path / str(served.manifest.adapt.get("params", "adapt_params.npz"))) as z:
+            values = {k: z[k] for k in z.files}
+    else:
+        from delivery.export import CheckpointSource
+
+        values = CheckpointSource.open(args.checkpoint).dense([n for n, _ in learner.store_named_parameters()])
+    learner.load_dense(values)
+    return learner
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     from models.meta_config import MetaConfig
     from metaps.core.atomic_write import write_text_atomic
@@ -111,8 +131,9 @@ def _evaluate(args: argparse.Namespace) -> int:
             meta = dataclasses.replace(meta, **over)
         except ValueError as exc:
             raise ConfigError(f"metaps evaluate: {exc}") from None
+        loop = _inner_loop(model, meta, args, served)
         batches = protocol_batches(args.protocol, args.data, schema, k=args.k, query_slots=args.query_slots)
-        res = evaluate_protocol(model, rows, batches, meta, adapt=meta.inner_steps > 0, task_key=schema.task_key)
+        res = evaluate_protocol(model, rows, batches, loop, adapt=meta.inner_steps > 0, task_key=schema.task_key)
     finally:
         if served is not None:
             served.close()

@@ -21,6 +21,12 @@ Layout under ``torch.func.vmap`` (``vectorize=True``)::
     query      [T, Q, ..]  in_dims 0
     -> task losses [T] -> masked mean -> torch.func.grad w.r.t. (p, r)
 
+With ``[meta] learn_inner_lr`` (Meta-SGD, :mod:`models.meta_learner`) ``inner_lr``
+is a learned positive rate per adapted tensor (or element) and the outer
+gradient reaches the rates too: pass a :class:`MetaLearner` where a
+:class:`MetaConfig` goes; its gradients come back in ``dense_grads`` under
+``meta_learner.*`` names.
+
 ``vectorize=False`` runs the same task function in a Python loop over tasks: the
 reference for tests and the baseline of ``bench.meta_step``.
 
@@ -35,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import dataclasses
+
 import torch
 from torch import Tensor
 from torch.func import functional_call, grad_and_value, vmap
@@ -44,7 +52,12 @@ from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from models.base import CtrModel
 from models.embedding import LookupIndex, TableIndex
 from models.losses import loss
-from models.meta_config import AdaptTarget, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
+from models.meta_config import AdaptTarget, InnerLr, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
+from models.meta_learner import PREFIX as LEARNER_PREFIX
+from models.meta_learner import MetaLearner
+
+InnerLoop = MetaConfig | MetaLearner
+"""What the step functions take: the ``[meta]`` settings, or a learner carrying them and its rates."""
 
 Params = dict[str, Tensor]
 Rows = dict[str, Tensor]
@@ -103,16 +116,25 @@ def _batch_loss(model: CtrModel, params: Params, rows: Rows, fb: FeatureBatch, i
     return loss(_forward(model, params, rows, fb, index), fb, model.heads)[0]
 
 
+def _learner(loop: InnerLoop, model: CtrModel) -> MetaLearner:
+    return loop if isinstance(loop, MetaLearner) else MetaLearner(model, loop)
+
+
 def _adapt(
-    model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, index: LookupIndex, cfg: MetaConfig
+    model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, index: LookupIndex, cfg: MetaConfig,
+    rates: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Params, Rows, Tensor, Tensor]:
     """Inner loop on one task's support: ``(fast params, fast rows, loss before, loss after)``.
 
     A pure function of its inputs, so it runs the same under ``vmap`` and in a loop.
+    ``rates`` (:meth:`MetaLearner.rates`) holds each adapted tensor's rate; None: ``cfg.inner_lr``.
     """
     fast = {
         "dense": dict(params) if cfg.adapts_dense else {},
         "rows": dict(rows) if cfg.adapts_rows else {},
+    }
+    lr: dict[str, dict[str, Any]] = {
+        part: {k: (cfg.inner_lr if rates is None else rates[part][k]) for k in fast[part]} for part in fast
     }
 
     def support_loss(fast: dict[str, dict[str, Tensor]]) -> Tensor:
@@ -125,7 +147,7 @@ def _adapt(
             before = value.detach()
         if cfg.first_order:
             g = tree_map(torch.Tensor.detach, g)
-        fast = tree_map(lambda p, gp: p - cfg.inner_lr * gp, fast, g)
+        fast = tree_map(lambda p, gp, rate: p - rate * gp, fast, g, lr)
     with torch.no_grad():  # a metric only: no graph
         after = support_loss(fast)
     if before is None:
@@ -194,43 +216,47 @@ def _task_rows(rows: Rows, l2g: dict[str, Tensor]) -> Rows:
     return {t: rows[t][l2g[t]] for t in l2g}
 
 
-def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: MetaConfig) -> MetaStepResult:
+def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> MetaStepResult:
     """One meta step: inner adaptation per task, outer gradients of the mean query loss.
 
     Args:
         model: any :class:`~models.base.CtrModel` (not mutated; its ``.grad``s untouched).
         batch: T tasks, support ``[T, S, ..]`` and query ``[T, Q, ..]``.
         rows: table -> ``[U_t, dim_t]`` rows of ``batch.unique_ids[t]``.
-        cfg: the inner loop.
+        cfg: the inner loop: a :class:`MetaConfig`, or a :class:`MetaLearner` (learned rates).
 
     Returns:
         :class:`MetaStepResult`; ``row_grads`` is what the worker pushes to the PS,
-        ``dense_grads`` what it applies or syncs (:func:`assign_grads` helps).
+        ``dense_grads`` what it applies or syncs (:func:`assign_grads` helps); with a
+        learner that learns its rates, also ``meta_learner.<name>`` -> the rates' gradients.
 
     Example::
 
         res = meta_step(model, meta_batch, rows, MetaConfig(inner_steps=1, inner_lr=0.1))
         ps.push(res.row_grads); assign_grads(model, res.dense_grads); opt.step()
     """
+    learner = _learner(cfg, model)
+    cfg = learner.cfg
     sup_idx = model.lookup_index(batch.support, batch.unique_ids, rows)
     qry_idx = model.lookup_index(batch.query, batch.unique_ids, rows)
     l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
     weights = _task_weights(batch.task_mask, batch.query)
     n_tasks = int(batch.task_mask.shape[0])
 
-    def task(params: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
-        fp, fr, before, after = _adapt(model, params, rows, FeatureBatch(**sup), sidx, cfg)
+    def task(params: Params, mparams: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
+        rates = learner.rates(mparams) if learner.learned else None
+        fp, fr, before, after = _adapt(model, params, rows, FeatureBatch(**sup), sidx, cfg, rates)
         return _batch_loss(model, fp, fr, FeatureBatch(**qry), qidx), before, after
 
-    def outer(params: Params, rows: Rows):
+    def outer(params: Params, rows: Rows, mparams: Params):
         per_task = (_task_rows(rows, l2g), _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
-        q, before, after = _over_tasks(task, cfg, n_tasks, (params,), per_task)
+        q, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
         stats = torch.stack([total, (before * weights).sum() / n, (after * weights).sum() / n, weights.sum()])
         return total, stats.detach()
 
-    total, stats, dense_grads, row_grads = _grads(outer, model, rows)
+    total, stats, dense_grads, row_grads = _grads(outer, model, rows, learner)
     q, before, after, tasks = stats.tolist()
     metrics = {"query_loss": q, "support_loss_before": before, "support_loss_after": after, "tasks": tasks}
     return MetaStepResult(outer_loss=total, dense_grads=dense_grads, row_grads=row_grads, metrics=metrics)
@@ -250,7 +276,7 @@ def plain_step(model: CtrModel, batch: PlainBatch, rows: Rows) -> tuple[Tensor, 
     """
     index = model.lookup_index(batch.features, batch.unique_ids, rows)
 
-    def objective(params: Params, rows: Rows):
+    def objective(params: Params, rows: Rows, _unused: Params):
         total = _batch_loss(model, params, rows, batch.features, index)
         return total, total.detach()
 
@@ -258,14 +284,22 @@ def plain_step(model: CtrModel, batch: PlainBatch, rows: Rows) -> tuple[Tensor, 
     return total, dense_grads, row_grads
 
 
-def _grads(objective: Callable[[Params, Rows], tuple[Tensor, Tensor]], model: CtrModel, rows: Rows):
+def _grads(
+    objective: Callable[[Params, Rows, Params], tuple[Tensor, Tensor]],
+    model: CtrModel,
+    rows: Rows,
+    learner: MetaLearner | None = None,
+):
     """The one gradient-extraction path of plain and meta steps.
 
-    Returns ``(value, aux, dense_grads, row_grads)`` of ``objective(params, rows)``.
+    Returns ``(value, aux, dense_grads, row_grads)`` of ``objective(params, rows, learner params)``;
+    the learner's gradients join ``dense_grads`` under ``meta_learner.<name>``.
     """
-    (g_params, g_rows), (value, aux) = grad_and_value(objective, argnums=(0, 1), has_aux=True)(
-        _dense_params(model), _detached_rows(rows)
+    mparams = learner.meta_params() if learner is not None else {}
+    (g_params, g_rows, g_meta), (value, aux) = grad_and_value(objective, argnums=(0, 1, 2), has_aux=True)(
+        _dense_params(model), _detached_rows(rows), mparams
     )
+    g_params.update({LEARNER_PREFIX + n: g for n, g in g_meta.items()})
     return value.detach(), aux, g_params, g_rows
 
 
@@ -275,7 +309,7 @@ def adapt_and_predict(
     query: FeatureBatch,
     rows: Rows,
     unique_ids: dict[str, Tensor],
-    cfg: MetaConfig,
+    cfg: InnerLoop,
 ) -> dict[str, Tensor]:
     """Adapt on each task's support set, predict its query set (held-out evaluation).
 
@@ -285,7 +319,8 @@ def adapt_and_predict(
         query: ``[T, Q, ..]``.
         rows: table -> ``[U_t, dim_t]`` rows of ``unique_ids[t]`` (ids of support and query).
         unique_ids: table -> sorted ids.
-        cfg: the inner loop (``first_order`` is irrelevant here: no outer gradient).
+        cfg: the inner loop, a :class:`MetaConfig` or a :class:`MetaLearner` (learned rates);
+            ``first_order`` is irrelevant here: no outer gradient.
 
     Returns:
         head -> probabilities ``[T, Q]`` (detached).
@@ -297,10 +332,12 @@ def adapt_and_predict(
     sup_idx = model.lookup_index(support, unique_ids, rows)
     qry_idx = model.lookup_index(query, unique_ids, rows)
     l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
-    first = MetaConfig(cfg.inner_steps, cfg.inner_lr, True, cfg.adapt, cfg.vectorize)
+    learner = _learner(cfg, model)
+    first = dataclasses.replace(learner.cfg, first_order=True)
+    rates = learner.rates(learner.meta_params()) if learner.learned else None
 
     def task(params: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
-        fp, fr, _, _ = _adapt(model, params, rows, FeatureBatch(**sup), sidx, first)
+        fp, fr, _, _ = _adapt(model, params, rows, FeatureBatch(**sup), sidx, first, rates)
         out = _forward(model, fp, fr, FeatureBatch(**qry), qidx, probabilities=True)
         return tree_map(torch.Tensor.detach, out)
 

@@ -14,6 +14,17 @@ class AdaptTarget(str, enum.Enum):
     BOTH = "both"
 
 
+class InnerLr(str, enum.Enum):
+    """Learned inner learning rates (Meta-SGD), meta-trained in the outer loop."""
+
+    OFF = "off"
+    """One fixed ``inner_lr`` for every adapted parameter."""
+    TENSOR = "tensor"
+    """One learned rate per dense parameter tensor and per embedding table."""
+    ELEMENT = "element"
+    """One learned rate per dense parameter element and per embedding dimension of a table."""
+
+
 @dataclass(frozen=True)
 class MetaConfig:
     """Inner loop of the meta step.
@@ -24,6 +35,11 @@ class MetaConfig:
         first_order: stop gradients through the inner gradients (FOMAML).
         adapt: adapt the dense parameters, the gathered embedding rows, or both.
         vectorize: ``vmap`` over tasks (True) or loop over them (reference).
+        learn_inner_lr: Meta-SGD: ``off`` (the fixed ``inner_lr``), ``tensor`` or ``element``
+            (learned rates, initialised to ``inner_lr``, kept positive as ``exp(log_rate)``,
+            trained by the outer loop with the dense optimizer and stored with the dense
+            parameters under ``meta_learner.*``). Default ``off``: it is the published G-Meta
+            recipe and changes nothing for existing jobs.
 
     Example::
 
@@ -35,9 +51,11 @@ class MetaConfig:
     first_order: bool = True
     adapt: AdaptTarget = AdaptTarget.BOTH
     vectorize: bool = True
+    learn_inner_lr: InnerLr = InnerLr.OFF
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
+        object.__setattr__(self, "learn_inner_lr", InnerLr(self.learn_inner_lr))
         if self.inner_steps < 0:
             raise ValueError(f"inner_steps must be >= 0, got {self.inner_steps}")
         if not self.inner_lr > 0:

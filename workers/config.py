@@ -26,6 +26,18 @@ class TrainMode(str, enum.Enum):
     META = "meta"
 
 
+class LrSchedule(str, enum.Enum):
+    """``[train] lr_schedule``: a factor on the dense optimizer's lr per step."""
+
+    CONSTANT = "constant"
+    """Factor 1 throughout."""
+    WARMUP = "warmup"
+    """Linear from 1/warmup_steps to 1 over ``warmup_steps``, then 1."""
+    WARMUP_COSINE = "warmup_cosine"
+    """The warm-up, then a cosine from 1 to 0 at the last step (``max_steps``, or the
+    dataset's batches x epochs in train-local)."""
+
+
 class DenseSync(str, enum.Enum):
     PS = "ps"
     """Dense parameters live on PS shard 0; workers push grads, pull params."""
@@ -58,6 +70,21 @@ class TrainConfig:
         eval_every_steps: rank 0 evaluates on a bounded sample of ``[data] eval`` every this many
             steps, so AUC is a curve in TensorBoard and report.json (0: only the final evaluation).
         eval_max_rows: rows of the periodic evaluation's sample (the first batches of the eval set).
+        val_fraction: share of each train file's batches held out (a seeded pick, ``seed``) to
+            validate on after every epoch (``train-local``): the best epoch's checkpoint is kept
+            and restored at the end. 0 (default) = no validation, every batch trains (a fleet
+            and ``train-local`` then train on the same rows). 0.1 is a sound value for unseen data.
+        early_stop_patience: epochs without a lower validation loss before training stops
+            (with ``val_fraction`` > 0). Default 2: one noisy epoch does not stop training,
+            two in a row on data never seen before mean it is overfitting. 0 = never stop early
+            (the best epoch is still restored).
+        lr_schedule: ``constant`` (default: Adam's bias correction already damps the first
+            steps, and a decay needs the run length, unknown on new data), ``warmup`` or
+            ``warmup_cosine``; a factor on the dense optimizer's lr (the embedding tables'
+            row-wise optimizers on the PS keep theirs). Needs the dense optimizer in the
+            worker: ``train-local`` or ``dense_sync = "allreduce"``.
+        warmup_steps: steps of the linear warm-up. Default 100: a few hundred samples of
+            statistics for Adam before full steps, short next to any real run.
     """
 
     mode: TrainMode = TrainMode.META
@@ -75,8 +102,19 @@ class TrainConfig:
     tb_every_steps: int = 10
     eval_every_steps: int = 0
     eval_max_rows: int = 2048
+    val_fraction: float = 0.0
+    early_stop_patience: int = 2
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT
+    warmup_steps: int = 100
 
     def validate(self) -> None:
+        object.__setattr__(self, "lr_schedule", LrSchedule(self.lr_schedule))
+        if not 0.0 <= self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction must be in [0, 0.5), got {self.val_fraction}")
+        if self.early_stop_patience < 0:
+            raise ValueError(f"early_stop_patience must be >= 0, got {self.early_stop_patience}")
+        if self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.epochs < 1:

@@ -233,7 +233,7 @@ class DdLoop:
         pull_s = compute_s = push_s = 0.0
         loss, metrics, tasks = 0.0, {}, 0
         share = samples / total if total > 0 else 0.0
-        n_params = sum(p.numel() for p in tr.model.parameters())
+        n_params = sum(p.numel() for _, p in tr._named_parameters())
         if batch is not None:
             ids = _ids_of(batch)
             rows = tr.rows.pull(ids, step=tr.step_no)

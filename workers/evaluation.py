@@ -111,6 +111,16 @@ def score_batches(
         adapt: also score after per-task adaptation (meta batches only).
         max_batches: stop after this many batches (0: all).
     """
+    was = model.training
+    model.eval()  # no dropout while scoring (nor in the inner steps of adapted scores)
+    try:
+        return _score(model, rows_src, batches, meta_cfg, adapt, max_batches)
+    finally:
+        model.train(was)
+
+
+def _score(model: torch.nn.Module, rows_src: RowSource, batches: Iterable[MetaBatch | PlainBatch],
+           meta_cfg: Any, adapt: bool, max_batches: int) -> Scores:
     from models.meta import adapt_and_predict
 
     base, adapted = _Collector(), _Collector()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,29 @@ def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True) 
     """
     store = local_store(job)
     worker = Worker(job, 0, LocalRowSource(store), controller=None, run_dir=run_dir, world=1)
-    worker.train()
+    validation = None
+    if job.train.val_fraction > 0:
+        # validation split, early stopping, the best epoch restored (workers/hygiene.py)
+        from workers.hygiene import train_with_validation
+
+        t0 = time.perf_counter()
+        worker.train_start = time.time()
+        validation = train_with_validation(worker, job).to_dict()
+        worker.wall_s, worker.train_end = time.perf_counter() - t0, time.time()
+    else:
+        ds = worker.dataset
+        worker.trainer.total_steps = job.train.max_steps or job.train.epochs * sum(
+            ds.num_batches(i) for i in range(ds.num_files)
+        )
+        worker.train()
     metrics = None
     if job.data.eval:
         worker.evaluate()
         metrics = merge_eval_files(worker.run_dir / "eval")
     ckpt = worker.checkpoint(metrics=metrics) if checkpoint else None
     rep = worker.report(metrics, ckpt)
+    if validation is not None:
+        rep["validation"] = validation
     log.info("train-local done", extra=kv(steps=rep["steps"], samples=rep["samples"],
                                           samples_per_s=round(rep["samples_per_s"], 1)))
     return rep, worker

@@ -15,6 +15,7 @@ the PS-side update hide behind compute; rows are then exactly one step stale.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -27,7 +28,7 @@ import torch
 
 from meta_io.batch import MetaBatch, PlainBatch
 from metaps.core.log import kv
-from workers.config import DenseSync, TrainConfig, TrainMode
+from workers.config import DenseSync, LrSchedule, TrainConfig, TrainMode
 from workers.row_source import RowSource
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,14 @@ class Trainer:
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-lane")
         self._inflight: Future | None = None
         """Overlap mode: the last step's row push, possibly still in flight."""
-        self._names = [n for n, _ in model.named_parameters()]
+        self.learner: Any = None
+        """Meta mode: the models.meta_learner.MetaLearner (learned inner rates, if any); its
+        parameters are dense parameters like the model's (``meta_learner.*``): synced, checkpointed."""
+        if cfg.mode == TrainMode.META and meta_cfg is not None:
+            from models.meta_learner import MetaLearner
+
+            self.learner = MetaLearner(model, meta_cfg)
+        self._names = [n for n, _ in self._named_parameters()]
         self._local_dense: Any = None
         """All-reduce mode: a local DenseStore, the very optimizer code the PS runs in PS mode."""
         if cfg.dense_sync == DenseSync.PS:
@@ -106,6 +114,47 @@ class Trainer:
             self._local_dense = DenseStore(dense_optimizer)
             for name, value in self._dense_numpy().items():
                 self._local_dense.register(name, value)
+        self.total_steps = cfg.max_steps
+        """Planned steps of this run (``warmup_cosine`` decays to 0 there); train-local sets it."""
+        self._scheduled: Any = self._scheduled_store(dense_optimizer)
+
+    def _scheduled_store(self, dense_optimizer: Any) -> Any:
+        """The DenseStore whose lr ``[train] lr_schedule`` drives (None: constant).
+
+        Raises:
+            ConfigError: a schedule is set but the dense optimizer runs on a remote PS.
+        """
+        if LrSchedule(self.cfg.lr_schedule) == LrSchedule.CONSTANT:
+            return None
+        if self._local_dense is not None:
+            return self._local_dense
+        store = getattr(self.rows, "store", None) if getattr(self.rows, "in_process", False) else None
+        if store is None:
+            from metaps.core.errors import ConfigError
+
+            raise ConfigError(
+                f"[train] lr_schedule = '{LrSchedule(self.cfg.lr_schedule).value}' needs the dense optimizer in the "
+                f"worker (train-local, or [train] dense_sync = 'allreduce'); with dense_sync = 'ps' the PS steps it "
+                f"at the fixed [ps.dense_optimizer] lr"
+            )
+        return store.dense
+
+    def _set_dense_lr(self) -> None:
+        """Set this step's dense lr (``[train] lr_schedule``) on the optimizer this process runs."""
+        if self._scheduled is None:
+            return
+        from workers.hygiene import lr_factor
+
+        sched = LrSchedule(self.cfg.lr_schedule)
+        if sched == LrSchedule.WARMUP_COSINE and self.total_steps <= 0:
+            from metaps.core.errors import ConfigError
+
+            raise ConfigError("[train] lr_schedule = 'warmup_cosine' needs the run length: set [train] max_steps")
+        if not hasattr(self, "_base_dense_cfg"):
+            self._base_dense_cfg = self._scheduled.cfg
+        base = self._base_dense_cfg
+        factor = lr_factor(sched, self.step_no, self.cfg.warmup_steps, self.total_steps)
+        self._scheduled.cfg = dataclasses.replace(base, lr=base.lr * factor)
 
     # -- step clock -------------------------------------------------------------
     @property
@@ -135,12 +184,24 @@ class Trainer:
             self.step_no = step
 
     # -- dense parameters -------------------------------------------------------
+    @property
+    def inner_loop(self) -> Any:
+        """What adapted evaluation takes: the learner (with learned rates) or the ``[meta]`` config."""
+        return self.learner if self.learner is not None else self.meta_cfg
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters, then the meta learner's (``meta_learner.*``): every dense value."""
+        named = list(self.model.named_parameters())
+        if self.learner is not None:
+            named += self.learner.store_named_parameters()
+        return named
+
     def _dense_numpy(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().numpy().copy() for n, p in self.model.named_parameters()}
+        return {n: p.detach().numpy().copy() for n, p in self._named_parameters()}
 
     @torch.no_grad()
     def _load_dense(self, values: dict[str, np.ndarray]) -> None:
-        for name, p in self.model.named_parameters():
+        for name, p in self._named_parameters():
             p.copy_(torch.from_numpy(np.asarray(values[name]).reshape(p.shape)))
 
     def _sync_dense(self, grads: dict[str, torch.Tensor]) -> None:
@@ -153,7 +214,7 @@ class Trainer:
     def _apply_local(self, flat: torch.Tensor) -> None:
         assert self._local_dense is not None
         grads, offset = {}, 0
-        for name, p in self.model.named_parameters():
+        for name, p in self._named_parameters():
             n = p.numel()
             grads[name] = flat[offset : offset + n].view(p.shape).numpy()
             offset += n
@@ -184,10 +245,11 @@ class Trainer:
         from models.meta import MetaStepResult, meta_step, plain_step
 
         rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_np.items()}
+        self._set_dense_lr()
         if self.cfg.mode == TrainMode.META:
             if not isinstance(batch, MetaBatch):
                 raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
-            return meta_step(self.model, batch, rows, self.meta_cfg)
+            return meta_step(self.model, batch, rows, self.inner_loop)
         if isinstance(batch, MetaBatch):
             # Plain training on a meta layout: support and query rows are all training rows.
             batch = _flatten_meta(batch)
@@ -295,7 +357,7 @@ class Trainer:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = sum(p.numel() for _, p in self._named_parameters())
         samples, tasks = _samples_of(batch) if batch is not None else (0, 0)
         pull_s = compute_s = 0.0
         loss = 0.0

@@ -395,13 +395,13 @@ class Worker:
         if self.ctl is not None:
             for lease in self.ctl.shards("eval"):
                 scores = score_batches(self.model, self.rows, eval_ds.read_range(lease.file, lease.start, lease.stop),
-                                       self.job.meta, adapt=adapt)
+                                       self.trainer.inner_loop, adapt=adapt)
                 write_eval_file(out_dir / f"{lease.shard_id.replace('/', '_')}.npz", scores)
                 self.ctl.report_shard(lease, "done", samples=0)
         else:
             for r in static_ranges(eval_ds, self.rank, self.world):
                 scores = score_batches(self.model, self.rows, eval_ds.read_range(r.file, r.start, r.stop),
-                                       self.job.meta, adapt=adapt)
+                                       self.trainer.inner_loop, adapt=adapt)
                 write_eval_file(out_dir / f"static-{r.file}-{r.start}-{r.stop}.npz", scores)
 
     def wait_finished(self, timeout_s: float = 3600.0) -> dict[str, Any]:
