@@ -42,20 +42,33 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from delivery.bundle import DeliveryError
-from meta_io.batch import FeatureBatch
-from meta_io.schema import PAD_ID
+from delivery.bundle import BundleManifest, DeliveryError
+from meta_io.batch import FeatureBatch, PlainBatch
+from meta_io.schema import PAD_ID, Schema
 from metaps.core.config import from_mapping, to_dict
 from metaps.core.errors import ConfigError
 from metaps.core.log import kv
 
-if TYPE_CHECKING:
-    from delivery.loader import ServingModel
+
+class ServingModel(Protocol):
+    """What adaptation needs of a loaded bundle (``delivery.loader.ServingModel`` is one;
+    typed here by a Protocol so the loader can import this module without a circle)."""
+
+    path: Path
+    manifest: BundleManifest
+    schema: Schema
+    heads: list[str]
+
+    def _lookup_unique(self, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def count_lookups(self, found: np.ndarray) -> None: ...
+
+    def predict(self, batch: FeatureBatch | PlainBatch) -> dict[str, torch.Tensor]: ...
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +201,7 @@ class AdaptingModel:
             or its parameters do not fit the model.
     """
 
-    def __init__(self, serving: "ServingModel") -> None:
+    def __init__(self, serving: ServingModel) -> None:
         from models.config import ModelConfig
         from models.factory import build_model
         from models.meta_config import MetaConfig

@@ -27,7 +27,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -129,12 +129,15 @@ def _rows_of(batch: Any) -> int:
     return int(fb.num_rows()) if fb is not None else int(batch.query.num_rows())
 
 
-def train_with_validation(worker: Any, job: Any) -> ValidationRecord:
+def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) -> ValidationRecord:
     """Epochs over the non-held batches, validation after each, early stop, best restored.
 
     Args:
         worker: a ``train-local`` :class:`~workers.worker.Worker` (LocalRowSource).
         job: the job (``[train] epochs, val_fraction, early_stop_patience, seed, max_steps``).
+        make_store: a fresh in-process store of the job's tables, to restore the best epoch into
+            (``workers.local.local_store``; passed in so this module does not import the
+            train-local driver that calls it).
 
     Returns:
         the :class:`ValidationRecord` (also logged).
@@ -175,20 +178,18 @@ def train_with_validation(worker: Any, job: Any) -> ValidationRecord:
             rec.stopped_early = epoch + 1 < cfg.epochs
             break
     if rec.best_checkpoint and rec.best_epoch != len(rec.losses) - 1:
-        restore(worker, job, Path(rec.best_checkpoint))
+        restore(worker, make_store(), Path(rec.best_checkpoint))
     log.info("validation done", extra=kv(best_epoch=rec.best_epoch, best_loss=round(rec.best_loss, 5),
                                          epochs=len(rec.losses), stopped_early=rec.stopped_early,
                                          best_checkpoint=rec.best_checkpoint))
     return rec
 
 
-def restore(worker: Any, job: Any, ckpt: Path) -> None:
-    """Load a checkpoint into a fresh in-process store and point the worker at it."""
+def restore(worker: Any, store: Any, ckpt: Path) -> None:
+    """Load a checkpoint into ``store`` (a fresh in-process one) and point the worker at it."""
     from ps.checkpoint import load_dense, load_shard
-    from workers.local import local_store
     from workers.row_source import LocalRowSource
 
-    store = local_store(job)
     load_shard(store, ckpt, range(store.num_vshards))
     load_dense(store, ckpt)
     tr = worker.trainer

@@ -60,7 +60,7 @@ def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True) 
 
         t0 = time.perf_counter()
         worker.train_start = time.time()
-        validation = train_with_validation(worker, job).to_dict()
+        validation = train_with_validation(worker, job, lambda: local_store(job)).to_dict()
         worker.wall_s, worker.train_end = time.perf_counter() - t0, time.time()
     else:
         ds = worker.dataset
