@@ -146,7 +146,7 @@ def test_public_bind_without_a_token_is_refused_in_one_line(tmp_path) -> None:
                         cwd=REPO, env=_env(), check=False, capture_output=True, text=True, timeout=300)
     assert ps.returncode == 1, ps.stderr[-2000:]
     lines = ps.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("metaps ps: error: metaps ps: refusing to bind '0.0.0.0' "
+    assert len(lines) == 1 and lines[0].startswith("metaps ps: error: refusing to bind '0.0.0.0' "
                                                    "without an auth token"), lines
     assert "--insecure" in lines[0]
     ctl = subprocess.run(_metaps("controller", "--config", str(_ps_job(tmp_path, "0.0.0.0")), "--address", "0.0.0.0:0",
