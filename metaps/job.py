@@ -29,10 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controller.config import ControllerConfig
+from delivery.config import DeliveryConfig
 from metaps.core.config import from_mapping, read_toml, to_dict
 from metaps.core.errors import ConfigError
+from metaps.core.faults import FaultConfig
 from metaps.core.rpc import RpcConfig
 from metaps.core.security import redact
+from metaps.deploy.config import DeployConfig
+from models.config import ModelConfig
+from models.meta_config import MetaConfig
+from ps.config import PsConfig, TableConfig
+from workers.config import TrainConfig
 
 if TYPE_CHECKING:
     from meta_io.schema import Schema
@@ -66,16 +74,8 @@ class RunConfig:
 
 
 def _section_types() -> dict[str, type]:
-    # Imported here so `metaps --help` does not pay for torch/fbgemm imports.
-    from controller.config import ControllerConfig
-    from delivery.config import DeliveryConfig
-    from metaps.deploy.config import DeployConfig
-    from metaps.core.faults import FaultConfig
-    from models.config import ModelConfig
-    from models.meta_config import MetaConfig
-    from ps.config import PsConfig
-    from workers.config import TrainConfig
-
+    # Every section's config is torch-free (tests/metaps/test_job.py checks it), so parsing a
+    # job file stays cheap for the controller, agents and `metaps --help`.
     return {
         "data": DataConfig,
         "ps": PsConfig,
@@ -96,16 +96,16 @@ class JobConfig:
     """Every section of a job file, parsed and validated."""
 
     data: DataConfig
-    ps: Any
-    model: Any
-    meta: Any
-    train: Any
-    controller: Any
-    faults: Any
+    ps: PsConfig
+    model: ModelConfig
+    meta: MetaConfig
+    train: TrainConfig
+    controller: ControllerConfig
+    faults: FaultConfig
     rpc: RpcConfig
-    delivery: Any
+    delivery: DeliveryConfig
     run: RunConfig
-    deploy: Any
+    deploy: DeployConfig
     source: str = ""
     """The file this job was read from ('' when built in code)."""
 
@@ -123,7 +123,7 @@ class JobConfig:
             )
         return schema_from_dict(json.loads(manifest.read_text())["schema"], where=str(manifest))
 
-    def table_configs(self) -> list[Any]:
+    def table_configs(self) -> list[TableConfig]:
         """PS table configs for the schema's tables, dims taken from [model]."""
         schema = self.schema()
         dims = self.model.embedding_dims(schema.tables)

@@ -696,6 +696,21 @@ def _verify_one_for_restore(ckpt_dir: str | Path) -> dict:
     return manifest
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a committed checkpoint directory, from its name ``ckpt-<step>``.
+
+    Args:
+        path: the checkpoint directory.
+
+    Raises:
+        CheckpointError: the name is not ``ckpt-<step>`` (a ``.tmp`` or foreign directory).
+    """
+    m = _CKPT_RE.match(Path(path).name)
+    if not m:
+        raise CheckpointError(f"{path}: not a committed checkpoint directory (expected ckpt-<step>)")
+    return int(m.group(1))
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """Newest committed ``ckpt-<step>`` under root with a valid manifest (``*.tmp`` ignored)."""
     root = Path(root)

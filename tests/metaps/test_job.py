@@ -73,3 +73,16 @@ def test_frozen_and_validated() -> None:
 def test_load_toml_section(tmp_path: Path) -> None:
     p = _write(tmp_path, '[rpc]\ntoken = "abc"\nmax_message_bytes = 2048\n')
     assert load_toml(RpcConfig, p, section="rpc").max_message_bytes == 2048
+
+
+def test_parsing_a_job_file_imports_no_torch() -> None:
+    """Every section's config is torch-free: the controller, agents and `metaps --help` parse
+    job files without paying for torch/fbgemm (and metaps.job imports them at the top)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from metaps.job import load_job; load_job('configs/local.toml'); "
+            "print(sorted(m for m in ('torch', 'fbgemm_gpu') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert out == "[]", f"parsing a job imported {out}"

@@ -204,3 +204,13 @@ def test_pack_unpack_keeps_dtype_shape_and_scalars() -> None:
         unpack_arrays(b"MP", "mem")
     with pytest.raises(CheckpointError, match="runs past the chunk end"):
         unpack_arrays(pack_arrays(arrays)[:-8], "mem")
+
+
+def test_checkpoint_step_reads_committed_names_only(tmp_path: Path) -> None:
+    from ps.checkpoint import checkpoint_step
+    from ps.errors import CheckpointError
+
+    assert checkpoint_step(tmp_path / "ckpt-63") == 63
+    for bad in ("ckpt-63.tmp", "ckpt-", "ckpt-x", "other-3"):
+        with pytest.raises(CheckpointError, match="expected ckpt-<step>"):
+            checkpoint_step(tmp_path / bad)

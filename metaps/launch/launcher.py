@@ -1,248 +1,28 @@
-"""``metaps launch``: run a whole fleet on this machine and leave a run directory.
-
-::
-
-    metaps launch --config configs/local.toml [--workers N] [--ps N] [--run-dir DIR]
-                  [--resume-from DIR] [--timeout S] [--no-progress] [--token-file FILE]
-                  [--set SECTION.KEY=VALUE ...] [--json]
-
-Everything that can be checked is checked before a process starts or the run
-directory is made (:mod:`metaps.roles.launch_checks`, :mod:`metaps.preflight`): the
-``--set`` keys, the job file, the datasets (a missing one says which command builds
-it), the schema, tables and model, the resume checkpoint, that the run and
-checkpoint directories can be written, that the fixed ports are free, the token file.
-
-What it does::
-
-    run dir  <- job.toml (the effective config: counts, run dir, state dir; every process reads it)
-    controller                          metaps controller --address HOST:PORT --state-dir RUN/controller
-    agent ps:K   -> metaps ps --shard K --port P_K (picked up front: a restart comes back on it)
-                     [--restore CKPT with --resume-from]     ... wait for RUN/ps/ps-K.ready
-    agent worker:R -> metaps worker --rank R --ps ADDRS --controller ADDR --run-dir RUN
-    watch: controller status + worker step logs -> live view; exits / signals / timeout
-    end:   PS stats, controller status, (failed or interrupted: workers stopped, then a
-           coordinated checkpoint of the PS), stop PS, stop controller, ledger
-           -> report.json, tb/, plots/, summary table
-
-Auth is always on: the run's token is ``[rpc] token``, a token file or
-``$METAPS_TOKEN``, else a fresh random one (:func:`metaps.core.security.launch_token`);
-children get it through ``$METAPS_TOKEN`` or the 0600 token file, never argv;
-``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
-run dir is 0700, its files 0600; the PS and controller accept checkpoint paths
-under ``RUN/checkpoints`` only (``--checkpoint-root``).
-
-Every process gets ``METAPS_T0`` (one job start time, for fault-injection clocks)
-and its own process group (see :mod:`metaps.fleet`): SIGINT/SIGTERM stop the
-whole fleet with no process left behind; a second signal kills at once.
-
-Exit code: 0 when every worker finished; 1 when training failed (a worker's agent
-gave up after its restart limit, an agent died more often than that limit, a PS
-or the controller died, the controller failed the run -- a PS recovery with no
-restorable checkpoint --, the timeout passed, a process did not start); 130/143
-when interrupted by SIGINT/SIGTERM. An agent that died (SIGKILL, a crash) is
-restarted with its orphaned child stopped and its node reported down
-(docs/design/launch.md). report.json and the summary say why, and what fraction
-of the requested shards was covered (``coverage: 62% (stopped: launcher
-SIGTERM)``; "complete" only when every shard of every requested epoch is done).
-
-Two helpers for fleets started by hand or across hosts (``scripts/``)::
-
-    metaps config-write --config job.toml --set ps.host=10.0.0.2 --out host-job.toml
-    metaps run-report --run-dir DIR [--controller ADDR] [--ps ADDRS]
-"""
+"""The :class:`Launcher`: starts the controller, agents, PS shards and workers of one run,
+watches them, stops them, and writes the run's report (see :mod:`metaps.launch`)."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
 import logging
-import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
 from metaps.core.log import kv
 from metaps.roles.overrides import apply_overrides, describe, parse_sets
+from metaps.launch.config import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, LaunchConfig, _connect_host, _metaps, _new_run_dir, find_resume_checkpoint, write_job, _absolute_data_paths
+from metaps.launch.latest import mark_latest, settle_latest
+
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 130, 143
-_WILDCARD = ("", "0.0.0.0", "::", "[::]")
 
-
-def register(subparsers: Any) -> None:
-    """Add ``launch``, ``config-write`` and ``run-report`` to the ``metaps`` command line.
-
-    Args:
-        subparsers: the ``metaps`` parser's subparsers (see :mod:`metaps.cli`).
-    """
-    p = subparsers.add_parser("launch", help="run a controller, PS shards and workers on this machine")
-    p.add_argument("--config", required=True, help="job TOML")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default [train] workers)")
-    p.add_argument("--ps", type=int, default=None, help="PS shards (default [ps] shards)")
-    p.add_argument("--run-dir", default="", help="run directory, new or empty (default [run] dir/<name>-<time>)")
-    p.add_argument("--resume-from", default="", help="warm start: a run dir, checkpoints dir or checkpoint")
-    p.add_argument("--timeout", type=float, default=0.0, help="fail the run after this many seconds (0: none)")
-    p.add_argument("--no-progress", action="store_true", help="no live view; a progress log line every 10 s")
-    p.add_argument("--token-file", default="",
-                   help="auth token file (0600): read it, or create it with the run's token (default [rpc] token_file)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
-                   help="override a job-file key (VALUE is TOML; bare words are text); repeatable")
-    p.set_defaults(func=_cmd_launch)
-
-    c = subparsers.add_parser("config-write", help="write a job TOML with overrides (per-host configs)")
-    c.add_argument("--config", required=True, help="job TOML to start from")
-    c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override (VALUE is a TOML value; bare words are strings); repeatable")
-    c.add_argument("--out", required=True,
-                   help="file to write: the source file with the overrides, comments and layout kept")
-    c.set_defaults(func=_cmd_config_write)
-
-    r = subparsers.add_parser("run-report", help="assemble report.json, TensorBoard logs and plots of a run dir")
-    r.add_argument("--run-dir", required=True, help="the run directory (holds job.toml, workers/, controller/)")
-    r.add_argument("--config", default="", help="job TOML (default RUN_DIR/job.toml)")
-    r.add_argument("--controller", default="", help="controller host:port to read status from (optional)")
-    r.add_argument("--ps", default="", help="PS addresses host:port,... to read stats from (optional)")
-    r.set_defaults(func=_cmd_run_report)
-
-
-# ============================================================== configuration
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What ``metaps launch`` was asked to do.
-
-    Args:
-        config: the job TOML.
-        workers: worker count (None: ``[train] workers``).
-        ps: PS shard count (None: ``[ps] shards``).
-        run_dir: run directory ('' = ``[run] dir/<name>-<YYYYmmdd-HHMMSS>``); must be new or empty.
-        resume_from: warm start from this run dir / checkpoints dir / checkpoint ('' = cold).
-        progress: live rich view on a terminal.
-        timeout_s: the run fails after this long (0 = no limit).
-        ready_timeout_s: how long the controller and each PS get to come up.
-        stop_grace_s: SIGTERM -> SIGKILL grace per role when stopping.
-        status_every_s: controller status poll period.
-        token_file: read the run's token from this 0600 file, or write it there ('' = ``[rpc] token_file``).
-        sets: ``--set SECTION.KEY=VALUE`` overrides of the job file (:mod:`metaps.roles.overrides`).
-
-    Example::
-
-        LaunchConfig(config="configs/local.toml", workers=2, run_dir="runs/t").validate()
-    """
-
-    config: str
-    workers: int | None = None
-    ps: int | None = None
-    run_dir: str = ""
-    resume_from: str = ""
-    progress: bool = True
-    timeout_s: float = 0.0
-    ready_timeout_s: float = 180.0
-    stop_grace_s: float = 20.0
-    status_every_s: float = 1.0
-    token_file: str = ""
-    sets: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if not self.config:
-            raise ValueError("--config is required")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        if self.ps is not None and self.ps < 1:
-            raise ValueError(f"--ps must be >= 1, got {self.ps}")
-        if self.timeout_s < 0:
-            raise ValueError(f"--timeout must be >= 0, got {self.timeout_s}")
-        for name in ("ready_timeout_s", "stop_grace_s", "status_every_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``ps.host=10.0.0.2`` -> (["ps", "host"], "10.0.0.2"); VALUE is read as TOML, else a string.
-
-    Example::
-
-        parse_override("train.workers=4")   # (["train", "workers"], 4)
-    """
-    return parse_sets([text])[0]
-
-
-def write_job(path: Path, data: dict[str, Any]) -> Any:
-    """Validate a job mapping, write it as TOML, load it back. Returns the JobConfig.
-
-    Nothing is written when the mapping is invalid (the ConfigError names ``path``).
-    """
-    from metaps.job import job_from_mapping, load_job
-    from metaps.core.toml_writer import write
-
-    job_from_mapping(data, where=str(path))
-    write(path, data)
-    return load_job(path)
-
-
-def _absolute_data_paths(data: dict[str, Any]) -> None:
-    """Make [data] paths absolute (processes may run from another directory or host)."""
-    sec = data.get("data", {})
-    for k in ("train", "eval", "schema"):
-        if isinstance(sec.get(k), str) and sec[k]:
-            sec[k] = str(Path(sec[k]).resolve())
-
-
-def find_resume_checkpoint(path: str | Path) -> Path:
-    """The checkpoint to warm-start from: a checkpoint dir itself, else the latest under
-    ``<path>/checkpoints`` or ``<path>``.
-
-    Raises:
-        ConfigError: nothing committed there.
-    """
-    from ps.checkpoint import latest_checkpoint
-
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"--resume-from {p}: no such file or directory")
-    if (p / "manifest.json").exists():
-        return p
-    for root in (p / "checkpoints", p):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
-    raise ConfigError(f"--resume-from {p}: no committed checkpoint (ckpt-<step>/manifest.json) in {p} "
-                      f"or {p / 'checkpoints'}")
-
-
-def _new_run_dir(lc: LaunchConfig, job: Any) -> tuple[Path, bool]:
-    """(run dir, auto-named). An explicit dir must be new or empty."""
-    if lc.run_dir:
-        d = Path(lc.run_dir).resolve()
-        if d.exists() and any(d.iterdir()):
-            raise ConfigError(f"--run-dir {d} is not empty (it holds another run); pick a new directory")
-        return d, False
-    root = Path(job.run.dir)
-    base = f"{job.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    d, n = root / base, 1
-    while d.exists():
-        n += 1
-        d = root / f"{base}-{n}"
-    return d.resolve(), True
-
-
-def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in _WILDCARD else host
-
-
-def _metaps(*args: str) -> list[str]:
-    return [sys.executable, "-m", "metaps", "--log-level", logging.getLevelName(logging.getLogger().level), *args]
-
-
-# ============================================================== the launcher
 @dataclass
 class Outcome:
     """How a launch ended.
@@ -509,7 +289,7 @@ class Launcher:
     # ---------------------------------------------------------------- end
     def _final_checkpoint(self, reason: str) -> str:
         """Coordinated checkpoint of the PS fleet (workers already stopped); '' if impossible."""
-        from ps.checkpoint import latest_checkpoint
+        from ps.checkpoint import checkpoint_step, latest_checkpoint
         from ps.coordinator import checkpoint_all
         from workers.worker import checkpoint_info
 
@@ -520,8 +300,8 @@ class Launcher:
         step = max([self.tail.max_step(), *node_steps])
         root = self.run_dir / "checkpoints"
         last = latest_checkpoint(root)
-        if last is not None and int(last.name.split("-")[1]) >= step:
-            step = int(last.name.split("-")[1]) + 1
+        if last is not None and checkpoint_step(last) >= step:
+            step = checkpoint_step(last) + 1
         try:
             path = checkpoint_all(self.ps_addrs, root, step, rpc_cfg=self.job.rpc,
                                   full_every=self.job.ps.checkpoint_full_every,
@@ -639,185 +419,4 @@ class Launcher:
         self.console.print(f"run directory: {self.run_dir}")
         return outcome.code
 
-
-# ============================================================== runs/latest
-LATEST, LAST_FAILED = "latest", "last-failed"
-
-
-def _point(link: Path, target: str) -> None:
-    """Make ``link`` a symlink to ``target`` (relative) in one rename: readers never see it missing."""
-    tmp = link.with_name(f".{link.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(target)
-    tmp.replace(link)
-
-
-def mark_latest(run_dir: Path) -> str | None:
-    """Point ``<runs>/latest`` at ``run_dir`` as the run starts; returns the previous target ('' if none;
-    None when ``latest`` is not a symlink and was left alone).
-
-    Its logs can be tailed (``runs/latest/logs``) while it runs. A ``latest`` that is not a
-    symlink (a user's directory) is left alone.
-
-    Args:
-        run_dir: the new run directory (its parent holds ``latest``).
-    """
-    link = run_dir.parent / LATEST
-    previous = os.readlink(link) if link.is_symlink() else ""
-    if link.exists() and not link.is_symlink():
-        log.warning("runs/latest is not a symlink; not touching it", extra=kv(path=str(link)))
-        return None
-    _point(link, run_dir.name)
-    log.info("latest points at the running run", extra=kv(link=str(link), run=run_dir.name))
-    return previous
-
-
-def settle_latest(run_dir: Path, succeeded: bool, previous: str | None) -> None:
-    """At the end of a run: ``latest`` stays on it when it succeeded; otherwise ``latest`` goes
-    back to the run it named before (or goes away) and ``last-failed`` names this one.
-
-    Args:
-        run_dir: the run that ended.
-        succeeded: whether it succeeded (failed and interrupted runs never stay ``latest``).
-        previous: :func:`mark_latest`'s return value (None: latest was not marked).
-    """
-    if previous is None:
-        return
-    link = run_dir.parent / LATEST
-    try:
-        if succeeded:
-            _point(link, run_dir.name)
-            return
-        _point(run_dir.parent / LAST_FAILED, run_dir.name)
-        if link.is_symlink() and os.readlink(link) == run_dir.name:
-            if previous:
-                _point(link, previous)
-            else:
-                link.unlink()
-        log.info("run did not succeed: latest restored", extra=kv(latest=previous or "-", last_failed=run_dir.name))
-    except OSError as exc:
-        log.error("could not update runs/latest", extra=kv(dir=str(run_dir.parent), error=str(exc)[:200]))
-
-
-# ============================================================== commands
-def _cmd_launch(args: argparse.Namespace) -> int:
-    from metaps.core.security import set_private_umask
-
-    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
-    from metaps.roles.output import emit, wants_json
-
-    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
-    lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
-                      resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout,
-                      token_file=args.token_file, sets=tuple(args.sets))
-    try:
-        lc.validate()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if not wants_json(args):
-        return Launcher(lc).run()
-    from rich.console import Console
-
-    launcher = Launcher(lc, console=Console(stderr=True))  # the live view and tables on stderr
-    code = launcher.run()
-    rep = json.loads((launcher.run_dir / "report.json").read_text())
-    emit(args, {k: rep.get(k) for k in ("status", "reason", "exit_code", "run_dir", "wall_s", "counts", "totals",
-                                        "coverage_summary", "final_auc", "checkpoint", "resumed_from")}, "")
-    return code
-
-
-def _cmd_config_write(args: argparse.Namespace) -> int:
-    """The source file with the overrides set: comments, blank lines and key order kept."""
-    from metaps.core.atomic_write import write_text_atomic
-    from metaps.core.config import read_toml
-    from metaps.core.toml_writer import set_keys
-    from metaps.job import job_from_mapping, load_job
-    from metaps.roles.output import emit
-
-    sets = parse_sets(args.set)
-    where = describe(args.config, args.set)
-    job_from_mapping(apply_overrides(read_toml(args.config), sets), where=where)  # errors name the source
-    try:
-        text = Path(args.config).read_text()
-    except OSError as exc:
-        raise ConfigError(f"{args.config}: cannot read: {exc.strerror}") from None
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, set_keys(text, sets, where=args.config))
-    load_job(out)  # what was written reads back
-    emit(args, {"out": str(out), "config": args.config, "overrides": list(args.set)},
-         f"wrote {out} ({args.config} with {len(args.set)} override(s))")
-    return 0
-
-
-def _cmd_run_report(args: argparse.Namespace) -> int:
-    """Report of a fleet started by the scripts (or of a launch whose report was lost)."""
-    from rich.console import Console
-
-    from metaps.job import load_job
-    from metaps.plots import make_plots
-    from metaps.run_report import (
-        build_report,
-        print_summary,
-        read_ledger,
-        read_worker_reports,
-        run_failure,
-        write_report,
-    )
-    from metaps.tb import write_tensorboard
-
-    run_dir = Path(args.run_dir).resolve()
-    cfg = Path(args.config) if args.config else run_dir / "job.toml"
-    job = load_job(cfg)
-    status = None
-    if args.controller:
-        from controller.client import ControllerClient, ControllerError
-
-        try:
-            with ControllerClient(args.controller, dataclasses.replace(job.rpc, timeout_s=5.0), retry_s=2.0) as c:
-                status = c.status()
-        except ControllerError as exc:
-            log.warning("controller status unavailable", extra=kv(error=str(exc)[:200]))
-    stats = None
-    if args.ps:
-        from ps.client import PsClient
-
-        try:
-            with PsClient([a for a in args.ps.split(",") if a], job.rpc, retry_timeout_s=5.0) as client:
-                stats = client.stats()
-        except Exception as exc:  # noqa: BLE001 -- PS already gone: report without its stats
-            log.warning("PS stats unavailable", extra=kv(error=str(exc)[:200]))
-    ports: dict[str, int | None] = {}
-    for ready in sorted((run_dir / "ps").glob("ps-*.ready")):
-        ports[ready.stem] = int(json.loads(ready.read_text())["metrics_port"])
-    reports = read_worker_reports(run_dir)
-    missing = sorted(set(range(job.train.workers)) - set(reports))
-    failure = run_failure(status) or (f"no report from worker(s) {missing}" if missing else "")
-    ok = not failure
-    rep = build_report(run_dir, job, status="succeeded" if ok else "failed",
-                       reason=failure, exit_code=0 if ok else 1,
-                       ps_stats=stats, controller_status=status,
-                       ledger=read_ledger(Path(job.controller.state_dir or run_dir / "controller")),
-                       metrics_ports=ports, notes=["assembled by metaps run-report"])
-    write_report(run_dir, rep)
-    write_tensorboard(rep, run_dir / "tb")
-    make_plots(rep, run_dir / "plots")
-    from metaps.roles.output import emit, wants_json
-
-    print_summary(Console(stderr=wants_json(args)), rep)
-    if wants_json(args):
-        emit(args, {k: rep.get(k) for k in ("status", "reason", "exit_code", "run_dir", "counts", "totals",
-                                            "coverage_summary", "final_auc", "checkpoint")}, "")
-    return 0 if ok else 1
-
-
-__all__ = [
-    "LaunchConfig",
-    "Launcher",
-    "apply_overrides",
-    "find_resume_checkpoint",
-    "parse_override",
-    "register",
-    "write_job",
-]
 
