@@ -65,6 +65,25 @@ class HeartbeatReply:
 
 
 @dataclass(frozen=True)
+class DoneReport:
+    """A shard report to piggy-back on the next lease request (``ControllerClient.lease``)."""
+
+    lease: ShardLease
+    status: str = "done"
+    samples: int = 0
+    elapsed_s: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    """What a combined report + lease request got: the lease result and the report's."""
+
+    got: GetResult
+    report: ReportResult | None = None
+
+
+@dataclass(frozen=True)
 class Registration:
     incarnation: int
     heartbeat_s: float
@@ -93,6 +112,7 @@ class ControllerClient:
         self._channel = make_channel(address, self.rpc_cfg)
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._reg_args: dict[str, Any] | None = None
+        self._deferred: DoneReport | None = None  # defer_report(): rides on the next get_shard
 
     def _ref(self) -> pb.NodeRef:
         return pb.NodeRef(role=self.role, index=self.index, source=self.source)
@@ -145,8 +165,74 @@ class ControllerClient:
     # ---------------------------------------------------------------- shards
 
     def get_shard(self, dataset: str) -> GetResult:
-        """A lease (status SHARD), WAIT (ask again soon) or DONE."""
+        """A lease (status SHARD), WAIT (ask again soon) or DONE.
+
+        A report left by :meth:`defer_report` rides on this request (one RPC, one
+        controller transaction for both)."""
+        done, self._deferred = self._deferred, None
+        if done is not None:
+            return self.lease(dataset, done).got
         return self._get_result(self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset)))
+
+    def defer_report(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
+                     error: str = "") -> None:
+        """Report ``lease`` with the next :meth:`get_shard` instead of its own RPC.
+
+        Call :meth:`flush_reports` when no further ``get_shard`` follows (the loop stops
+        early); a second deferral first sends the pending one on its own.
+        """
+        if self._deferred is not None:
+            self.flush_reports()
+        self._deferred = DoneReport(lease, status, samples, elapsed_s, error)
+
+    def flush_reports(self) -> ReportResult | None:
+        """Send a report still waiting for a ``get_shard`` on its own (ReportShard)."""
+        done, self._deferred = self._deferred, None
+        if done is None:
+            return None
+        r = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error)
+        _check_report_result(done, r)
+        return r
+
+    def lease(self, dataset: str, done: DoneReport | None = None) -> LeaseReply:
+        """Report ``done`` (if given) and lease the next shard of ``dataset`` in one RPC.
+
+        The controller records the report and the lease in one transaction, the report
+        durable before the reply; a retry after a lost reply gets the same lease back.
+        A controller that predates the combined request answers without a report: the
+        report is then sent on its own (nothing is lost).
+        """
+        r = self._call("GetShard", self._lease_request(dataset, done))
+        return self._lease_reply(r, done)
+
+    def lease_async(self, dataset: str, done: DoneReport | None = None) -> "Pending[LeaseReply]":
+        """:meth:`lease` without waiting (prefetch the next shard during the current one,
+        carrying the report of the shard finished before it)."""
+        req = self._lease_request(dataset, done)
+        return Pending(self._stub.GetShard.future(req, timeout=self.rpc_cfg.timeout_s),
+                       lambda r: self._lease_reply(r, done), lambda: self.lease(dataset, done), "GetShard")
+
+    def _lease_request(self, dataset: str, done: DoneReport | None) -> pb.GetShardRequest:
+        req = pb.GetShardRequest(worker=self.index, dataset=dataset)
+        if done is not None:
+            l = done.lease
+            req.done.CopyFrom(pb.ReportShardRequest(worker=self.index, shard_id=l.shard_id, attempt=l.attempt,
+                                                    status=done.status, samples=done.samples,
+                                                    elapsed_s=done.elapsed_s, error=done.error))
+        return req
+
+    def _lease_reply(self, r: Any, done: DoneReport | None) -> LeaseReply:
+        got = self._get_result(r)
+        if done is None:
+            return LeaseReply(got)
+        if r.HasField("report"):
+            rep = ReportResult(r.report.accepted, r.report.duplicate, r.report.kind, r.report.message)
+        else:  # an older controller ignored the piggy-backed report: send it on its own
+            log.info("controller ignored a combined report; sending ReportShard",
+                     extra={"kv": {"shard": done.lease.shard_id}})
+            rep = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error)
+        _check_report_result(done, rep)
+        return LeaseReply(got, rep)
 
     def report_shard(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
                      error: str = "") -> ReportResult:
@@ -264,6 +350,14 @@ class Pending(Generic[T]):
             if exc.code() in _RETRYABLE:
                 return self._fallback()
             raise ControllerError(exc.code(), exc.details() or "", self._method) from None
+
+
+def _check_report_result(done: DoneReport, r: ReportResult) -> None:
+    """Log a deferred report the controller did not take as ``done`` (the caller is gone by then)."""
+    if r.kind not in ("done", "retry", "requeued"):
+        log.warning("shard report not recorded as done",
+                    extra={"kv": {"shard": done.lease.shard_id, "attempt": done.lease.attempt, "kind": r.kind,
+                                  "message": r.message}})
 
 
 def _msg_dict(msg: Any) -> dict[str, Any]:
