@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
@@ -113,6 +114,7 @@ class ControllerClient:
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._reg_args: dict[str, Any] | None = None
         self._deferred: DoneReport | None = None  # defer_report(): rides on the next get_shard
+        self._sender: ThreadPoolExecutor | None = None  # the *_async calls (see _submit)
 
     def _ref(self) -> pb.NodeRef:
         return pb.NodeRef(role=self.role, index=self.index, source=self.source)
@@ -208,9 +210,7 @@ class ControllerClient:
     def lease_async(self, dataset: str, done: DoneReport | None = None) -> "Pending[LeaseReply]":
         """:meth:`lease` without waiting (prefetch the next shard during the current one,
         carrying the report of the shard finished before it)."""
-        req = self._lease_request(dataset, done)
-        return Pending(self._stub.GetShard.future(req, timeout=self.rpc_cfg.timeout_s),
-                       lambda r: self._lease_reply(r, done), lambda: self.lease(dataset, done), "GetShard")
+        return self._submit(lambda: self.lease(dataset, done))
 
     def _lease_request(self, dataset: str, done: DoneReport | None) -> pb.GetShardRequest:
         req = pb.GetShardRequest(worker=self.index, dataset=dataset)
@@ -244,18 +244,13 @@ class ControllerClient:
     def get_shard_async(self, dataset: str) -> "Pending[GetResult]":
         """Start a GetShard now, collect it with ``.result()`` (prefetch the next shard
         during the current one's last batch to keep the RPC off the critical path)."""
-        req = pb.GetShardRequest(worker=self.index, dataset=dataset)
-        return Pending(self._stub.GetShard.future(req, timeout=self.rpc_cfg.timeout_s),
-                       lambda r: self._get_result(r), lambda: self.get_shard(dataset), "GetShard")
+        return self._submit(lambda: self._get_result(
+            self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset))))
 
     def report_shard_async(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
                            error: str = "") -> "Pending[ReportResult]":
         """ReportShard without waiting; ``.result()`` before relying on it (retries synchronously)."""
-        req = pb.ReportShardRequest(worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
-                                    samples=samples, elapsed_s=elapsed_s, error=error)
-        return Pending(self._stub.ReportShard.future(req, timeout=self.rpc_cfg.timeout_s),
-                       lambda r: ReportResult(r.accepted, r.duplicate, r.kind, r.message),
-                       lambda: self.report_shard(lease, status, samples, elapsed_s, error), "ReportShard")
+        return self._submit(lambda: self.report_shard(lease, status, samples, elapsed_s, error))
 
     def _get_result(self, r: Any) -> GetResult:
         status = _STATUS[r.status]
@@ -296,7 +291,7 @@ class ControllerClient:
         if wait:
             self._call("ReportMetrics", req)
         else:
-            self._stub.ReportMetrics.future(req, timeout=self.rpc_cfg.timeout_s)
+            self._submit(lambda: self._send_once("ReportMetrics", req))
 
     # ---------------------------------------------------------------- job
 
@@ -324,7 +319,31 @@ class ControllerClient:
         self._call("Shutdown", pb.ShutdownRequest(reason=reason))
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown(wait=False)
         self._channel.close()
+
+    # ---------------------------------------------------------------- calls off the caller's thread
+
+    def _submit(self, fn: Callable[[], T]) -> "Pending[T]":
+        """Run ``fn`` (blocking RPCs with their retries) on this client's one sender thread.
+
+        Not grpc's ``future()``: with no other call in flight on the channel, each future
+        starts a new polling thread, and ``Thread.start`` waits for it to run: measured at
+        1-4 ms of the caller's time per call on the loaded 2-core box (E6 profile,
+        docs/BENCHMARKS.md), more than the RPC. One long-lived thread runs the calls in
+        submission order instead.
+        """
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ctl-{self.role}{self.index}")
+        return Pending(self._sender.submit(fn))
+
+    def _send_once(self, method: str, request: Any) -> None:
+        """One attempt, errors logged (fire-and-forget metrics: a lost one only thins a window)."""
+        try:
+            getattr(self._stub, method)(request, timeout=self.rpc_cfg.timeout_s)
+        except grpc.RpcError as exc:
+            log.debug("fire-and-forget call failed", extra={"kv": {"method": method, "code": exc.code().name}})
 
     def __enter__(self) -> "ControllerClient":
         return self
@@ -337,19 +356,17 @@ T = TypeVar("T")
 
 
 class Pending(Generic[T]):
-    """An RPC in flight. ``result()`` converts the reply; if the controller was
-    unreachable it falls back to the synchronous call (with its retries)."""
+    """A controller call running on the client's sender thread; ``result()`` waits for it.
 
-    def __init__(self, future: Any, convert: Callable[[Any], T], fallback: Callable[[], T], method: str) -> None:
-        self._future, self._convert, self._fallback, self._method = future, convert, fallback, method
+    The call retries while the controller is unreachable (``retry_s``), like the
+    synchronous one; a refusal raises :class:`ControllerError` from ``result()``.
+    """
+
+    def __init__(self, future: "Future[T]") -> None:
+        self._future = future
 
     def result(self) -> T:
-        try:
-            return self._convert(self._future.result())
-        except grpc.RpcError as exc:
-            if exc.code() in _RETRYABLE:
-                return self._fallback()
-            raise ControllerError(exc.code(), exc.details() or "", self._method) from None
+        return self._future.result()
 
 
 def _check_report_result(done: DoneReport, r: ReportResult) -> None:

@@ -6,6 +6,7 @@ commit and the reply) is in ``test_dds_combined_crash.py``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -180,3 +181,27 @@ def test_deferred_report_rides_on_the_next_get_shard(controller: Callable[..., C
     assert c.flush_reports() is None
     assert drain(c, "train") > 0 and drain(c, "eval") > 0
     assert srv.dds.coverage().complete
+
+
+def test_async_calls_run_in_order_on_the_sender_thread(controller: Callable[..., ControllerServer]) -> None:
+    """lease_async / report_shard_async / report_metrics(wait=False) run on the client's one
+    sender thread (no grpc future per call): results arrive, refusals raise from result()."""
+    srv = controller(CFG, DATA)
+    c = client(srv, 0)
+    first = c.lease_async("train").result().got.lease
+    assert first is not None
+    c.report_metrics(batch_times_s=[0.125], samples_per_s=8.0, wait=False)
+    reply = c.lease_async("train", DoneReport(first, samples=first.batches)).result()
+    assert reply.report is not None and reply.report.kind == "done" and reply.got.lease is not None
+    assert c.report_shard_async(reply.got.lease, "done", samples=4).result().kind == "done"
+    bad = ShardLease("train:0:9:0-4", "train", 0, 9, 0, 4, 1, 60.0)
+    with pytest.raises(ControllerError, match="unknown shard train:0:9:0-4"):
+        c.report_shard_async(bad, "done").result()
+    # the fire-and-forget metrics reached the Monitor (poll its windows; no fixed sleep)
+    deadline = time.monotonic() + 60
+    seen = False
+    while not seen and time.monotonic() < deadline:
+        seen = any(w.worker_batch_time.get(0) == 0.125 for w in srv.monitor.snapshot().windows)
+        time.sleep(0.05)
+    assert seen, "report_metrics(wait=False) never reached the controller"
+    c.close()
