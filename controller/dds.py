@@ -84,9 +84,9 @@ class _Shard:
     failures: int = 0
     done_worker: int = -1
     done_attempt: int = 0
-    # the shard leased in the same transaction as this one's done report (report_and_get):
-    # a retried combined request gets that lease back instead of a second one
-    granted_next: str = ""
+    # "<shard id>#<attempt>" of the done report this lease was granted with (report_and_get):
+    # a retried combined request (reply lost) gets this lease back instead of a second one
+    granted_with: str = ""
     # memory only: a restart grants a fresh lease instead of trusting old clocks
     deadline: float = 0.0
     leased_at: float = 0.0
@@ -107,7 +107,7 @@ class _Shard:
         return {"dataset": self.dataset, "epoch": self.epoch, "file": self.file, "start": self.start,
                 "stop": self.stop, "state": self.state.value, "order": self.order, "worker": self.worker,
                 "attempt": self.attempt, "failures": self.failures, "done_worker": self.done_worker,
-                "done_attempt": self.done_attempt, "granted_next": self.granted_next}
+                "done_attempt": self.done_attempt, "granted_with": self.granted_with}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "_Shard":
@@ -312,7 +312,7 @@ class DynamicDataSharding:
         with self._lock:
             return self._get_locked(worker, dataset)
 
-    def _get_locked(self, worker: int, dataset: str) -> GetResult:
+    def _get_locked(self, worker: int, dataset: str, granted_with: str = "") -> GetResult:
         live = self._get_live(dataset)
         if live.finished:
             return GetResult(GetStatus.DONE)
@@ -326,6 +326,7 @@ class DynamicDataSharding:
                 rec = self._split(txn, live, rec, size)
             rec.state, rec.worker, rec.attempt = ShardState.DOING, worker, rec.attempt + 1
             rec.deadline, rec.leased_at = now + self._cfg.lease_s, now
+            rec.granted_with = granted_with
             live.doing[rec.id] = rec
             self._put(txn, rec)
         return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start,
@@ -423,7 +424,7 @@ class DynamicDataSharding:
         same records), at one commit instead of two. The report is committed before the
         lease is returned, so a controller killed after the commit and before its reply
         loses nothing; the worker's retried request then gets the report's ``retry`` and
-        the SAME lease (recorded on the done shard as ``granted_next``), not a second
+        the SAME lease (its record carries the report as ``granted_with``), not a second
         one that nobody would train. A refused report (unknown shard, bad fields) leases
         nothing and changes nothing.
 
@@ -441,24 +442,21 @@ class DynamicDataSharding:
             with _Transition(self) as txn:
                 self._batch = txn
                 try:
-                    rep, rec = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error)
-                    got = None
-                    if rep.kind == "retry" and rec.granted_next:
-                        got = self._regrant(worker, dataset, rec.granted_next)
+                    rep, _ = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error)
+                    tag = f"{shard_id}#{attempt}" if rep.kind in ("done", "retry") else ""
+                    got = self._regrant(worker, dataset, tag) if rep.kind == "retry" else None
                     if got is None:
-                        got = self._get_locked(worker, dataset)
-                        if got.lease is not None and rep.kind in ("done", "retry"):
-                            rec.granted_next = got.lease.shard_id
-                            self._put(txn, rec)
+                        got = self._get_locked(worker, dataset, tag)
                 finally:
                     self._batch = None
             return rep, got
 
-    def _regrant(self, worker: int, dataset: str, shard_id: str) -> GetResult | None:
-        """The lease granted with a report whose reply was lost, if ``worker`` still holds it."""
+    def _regrant(self, worker: int, dataset: str, tag: str) -> GetResult | None:
+        """The lease granted with report ``tag`` (a reply that was lost), if ``worker`` still holds it."""
         live = self._live.get(dataset)
-        rec = live.doing.get(shard_id) if live is not None else None
-        if rec is None or rec.worker != worker:
+        rec = next((r for r in live.doing.values() if r.worker == worker and r.granted_with == tag), None) \
+            if live is not None else None
+        if rec is None:
             return None
         rec.deadline = max(rec.deadline, self._clock() + self._cfg.lease_s)
         return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start, rec.stop,
@@ -612,7 +610,7 @@ class DynamicDataSharding:
                             body = loads(txn.get(k, db=shards_db))
                             head -= 1
                             body.update(state=ShardState.TODO.value, worker=-1, order=head,
-                                        done_worker=-1, done_attempt=0, granted_next="")
+                                        done_worker=-1, done_attempt=0, granted_with="")
                             txn.put(k, dumps(body), db=shards_db)
                             returned.append(_Shard.from_json(body).id)
                         meta = {"spec": live.spec.to_json(), "epoch": cut_epoch, "order_head": head,

@@ -93,7 +93,7 @@ def _records(srv: ControllerServer) -> list[dict[str, Any]]:
     out = []
     for _, body in srv.store.items("shards"):
         body = dict(body)
-        body.pop("granted_next", None)  # the combined path's retry memo
+        body.pop("granted_with", None)  # the combined path's retry memo
         out.append(body)
     return out
 
