@@ -43,9 +43,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from controller.client import ControllerClient
+from controller.client import ControllerClient, DoneReport, Pending
 from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.dds import DatasetKind, DatasetSpec
+from controller.types import ReportResult
 from controller.server import ControllerServer
 from metaps.core.faults import Fault, FaultConfig, FaultInjector
 from metaps.core.rpc import RpcConfig
@@ -196,11 +197,188 @@ def e4(seed: int) -> dict[str, float]:
             "time_ratio_vs_no_kill": dyn["time"] / base["time"]}
 
 
-def e6(seed: int) -> dict[str, float]:
-    slow = lambda i, t: 1.0  # noqa: E731
-    dyn = run_dynamic(slow, seed, files=8)
-    static = run_static(slow, seed, files=8)
-    return {"dynamic_s": dyn["time"], "static_s": static, "overhead": dyn["time"] / static - 1.0}
+def e6(seed: int, own_process: bool = False, combined: bool = True) -> dict[str, Any]:
+    """E6: no stragglers, dynamic sharding vs a static split, paired ABBA within the seed.
+
+    Order: dynamic, static, static, dynamic; overhead = (D1 + D2) / (S1 + S2) - 1, so a
+    linear drift of the shared box's load cancels. ``own_process``: the controller runs
+    as its own process (as in production) instead of in the bench's process (sharing its
+    GIL with the simulated workers); ``combined``: each shard's done report rides on the
+    next lease request (GetShard.done, one RPC per shard) instead of its own ReportShard.
+    """
+    d1 = run_e6_dynamic(seed, own_process, combined)
+    s1 = run_static(lambda i, t: 1.0, seed, files=8)
+    s2 = run_static(lambda i, t: 1.0, seed, files=8)
+    d2 = run_e6_dynamic(seed, own_process, combined)
+    dyn, static = d1["time"] + d2["time"], s1 + s2
+    return {"dynamic_s": dyn / 2, "static_s": static / 2, "overhead": dyn / static - 1.0,
+            "rpc_wait_ms_per_shard": (d1["rpc_wait_ms_per_shard"] + d2["rpc_wait_ms_per_shard"]) / 2,
+            "tail_ms": (d1["tail_ms"] + d2["tail_ms"]) / 2, "rpcs_per_shard": d1["rpcs_per_shard"],
+            # mean time of one 10 ms batch while a shard runs, vs the static split's (no RPCs at all)
+            "batch_ms": (d1["batch_ms"] + d2["batch_ms"]) / 2,
+            "issue_ms_per_shard": (d1["issue_ms_per_shard"] + d2["issue_ms_per_shard"]) / 2,
+            "other_ms_per_shard": (d1["other_ms_per_shard"] + d2["other_ms_per_shard"]) / 2, "static_batch_ms": 1000 * static / (2 * 320)}
+
+
+def e6_dds_cpu(shards: int = 2000, reps: int = 3) -> dict[str, float]:
+    """The DDS engine alone (no gRPC): CPU ms per shard for report + get_shard (two LMDB
+    transactions) vs report_and_get (one), one worker, shards of BPS batches; the two
+    alternate ``reps`` times (ABAB), median of each."""
+    from controller.dds import DynamicDataSharding
+    from controller.state import StateStore
+
+    runs: dict[str, list[float]] = {"two_txn": [], "one_txn": []}
+    for _ in range(reps):
+        for name in runs:
+            with tempfile.TemporaryDirectory() as tmp:
+                dds = DynamicDataSharding(StateStore(tmp), DdsConfig(batches_per_shard=BPS, lease_s=30.0),
+                                          [DatasetSpec("train", (BPS * shards,), DatasetKind.TRAIN, 1)])
+                lease = dds.get_shard(0, "train").lease
+                t0 = time.process_time()
+                while lease is not None:
+                    if name == "two_txn":
+                        dds.report(0, lease.shard_id, lease.attempt, "done", samples=BPS, elapsed_s=0.16)
+                        lease = dds.get_shard(0, "train").lease
+                    else:
+                        lease = dds.report_and_get(0, "train", lease.shard_id, lease.attempt, "done", samples=BPS,
+                                                   elapsed_s=0.16)[1].lease
+                runs[name].append(1000 * (time.process_time() - t0) / shards)
+                assert dds.coverage().complete
+    return {f"dds_cpu_ms_per_shard_{k}": statistics.median(v) for k, v in runs.items()}
+
+
+def _controller_process(tmp: str) -> tuple[subprocess.Popen[str], str]:
+    """The E6 controller as its own process (same config as :func:`controller`)."""
+    p = subprocess.Popen([sys.executable, "-m", "bench.stragglers", "--serve-controller", tmp],
+                         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert p.stdout is not None
+    line = p.stdout.readline().split()
+    if len(line) != 2 or line[0] != "ready":
+        p.kill()
+        raise RuntimeError(f"E6 controller process did not start (said {line!r}, exit {p.poll()})")
+    return p, line[1]
+
+
+def _serve_controller(tmp: str) -> int:
+    srv = controller(tmp, files=8)
+    print("ready", srv.address, flush=True)
+    srv.wait()
+    srv.stop(grace=0)
+    return 0
+
+
+def run_e6_dynamic(seed: int, own_process: bool, combined: bool) -> dict[str, Any]:
+    """Four simulated workers (10 ms batches, +-5 % jitter) drain 8 x 160 batches from a real controller.
+
+    Both paths prefetch the next lease during a shard's last batch. ``combined=False`` is
+    the old protocol: GetShard prefetch + an async ReportShard after the shard (2 RPCs).
+    ``combined=True``: the prefetch carries the report of the shard finished before
+    (GetShard.done, 1 RPC); a WAIT poll carries a still-pending report. Also measured:
+    time blocked on RPC results (the critical path) per shard, and the tail (last worker
+    end - first worker end).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, srv = None, None
+        if own_process:
+            proc, address = _controller_process(tmp)
+        else:
+            srv = controller(tmp, files=8)
+            address = srv.address
+        rng = random.Random(seed)
+        jitter = [[1 + rng.uniform(-0.05, 0.05) for _ in range(4096)] for _ in range(WORKERS)]
+        waited = [0.0] * WORKERS
+        busy = [0.0] * WORKERS
+        issued = [0.0] * WORKERS  # the worker thread's own time issuing RPCs (the critical path)
+        shards = [0] * WORKERS
+        rpcs = [0] * WORKERS
+        ends = [0.0] * WORKERS
+        errors: list[BaseException] = []
+        clients = [ControllerClient(address, RPC, index=i) for i in range(WORKERS)]
+        for c in clients:
+            c.register()
+        t0 = time.monotonic()
+
+        def work(i: int) -> None:
+            c = clients[i]
+            k = 0
+            pending: DoneReport | None = None  # combined: the report riding on the next lease request
+            report: Pending[ReportResult] | None = None  # two RPCs: the report in flight
+            nxt = c.lease_async("train")
+            rpcs[i] += 1
+            while True:
+                w = time.monotonic()
+                got = nxt.result().got
+                waited[i] += time.monotonic() - w
+                if got.status.value == "done":
+                    break
+                if got.status.value == "wait":
+                    time.sleep(0.005)
+                    nxt, pending = c.lease_async("train", pending), None
+                    rpcs[i] += 1
+                    continue
+                lease = got.lease
+                assert lease is not None
+                start = time.monotonic()
+                for b in range(lease.batches):
+                    if b == lease.batches - 1:  # prefetch during the last batch: RPC off the critical path
+                        w = time.monotonic()
+                        nxt, pending = c.lease_async("train", pending if combined else None), None
+                        issued[i] += time.monotonic() - w
+                        rpcs[i] += 1
+                    k += 1
+                    time.sleep(BASE_S * jitter[i][k % 4096])
+                took = time.monotonic() - start
+                busy[i] += took
+                shards[i] += 1
+                if combined:
+                    pending = DoneReport(lease, samples=lease.batches, elapsed_s=took)
+                else:
+                    if report is not None:
+                        w = time.monotonic()
+                        assert report.result().kind == "done"
+                        waited[i] += time.monotonic() - w
+                    report = c.report_shard_async(lease, "done", samples=lease.batches, elapsed_s=took)
+                    rpcs[i] += 1
+                c.report_metrics(batch_times_s=[took / lease.batches], samples_per_s=lease.batches / took, wait=False)
+                rpcs[i] += 1
+                issued[i] += time.monotonic() - start - took
+            if report is not None:
+                assert report.result().kind == "done"
+            assert pending is None, "a done report was never sent"
+            ends[i] = time.monotonic() - t0
+
+        def guarded(i: int) -> None:
+            try:
+                work(i)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=guarded, args=(i,)) for i in range(WORKERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        try:
+            if errors:
+                raise errors[0]
+            cov = clients[0].status()["coverage"]
+            assert cov["complete"] and cov["duplicate_entries"] == 0 and cov["stale_entries"] == 0, cov
+        finally:
+            for c in clients:
+                c.close()
+            if srv is not None:
+                srv.stop(grace=0)
+            if proc is not None:
+                proc.kill()
+                proc.wait(30)
+                assert proc.stdout is not None
+                proc.stdout.close()
+    n = sum(shards)
+    return {"time": elapsed, "rpc_wait_ms_per_shard": 1000 * sum(waited) / n, "tail_ms": 1000 * (max(ends) - min(ends)),
+            "rpcs_per_shard": sum(rpcs) / n, "shards": shards, "batch_ms": 1000 * sum(busy) / (n * BPS),
+            "issue_ms_per_shard": 1000 * sum(issued) / n,
+            "other_ms_per_shard": 1000 * (sum(ends) - sum(busy) - sum(waited)) / n}
 
 
 def e5(seed: int, steps: int = 60) -> dict[str, float]:
@@ -848,8 +1026,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one seed / one run of each, shorter runs")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated subset: sim,e1,e2,e5,e5i (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated subset: sim,e6,e1,e2,e5,e5i (default: all; "
+                                               "sim includes e6)")
+    ap.add_argument("--serve-controller", default="", help=argparse.SUPPRESS)  # E6's controller process
     args = ap.parse_args(argv)
+    if args.serve_controller:
+        return _serve_controller(args.serve_controller)
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(",")) if args.only else {"sim", "e1", "e2", "e5", "e5i"}
     seeds = [0] if args.quick else list(range(args.seeds))
@@ -859,9 +1041,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{tag}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))
 
     if "sim" in only:
-        res: dict[str, list[dict[str, Any]]] = {k: [] for k in ("e1", "e3", "e4", "e5", "e6")}
+        res: dict[str, list[dict[str, Any]]] = {k: [] for k in ("e1", "e3", "e4", "e5")}
         for s in seeds:
-            for name, fn in (("e1", e1), ("e3", e3), ("e4", e4), ("e5", e5), ("e6", e6)):
+            for name, fn in (("e1", e1), ("e3", e3), ("e4", e4), ("e5", e5)):
                 r = fn(s)
                 res[name].append(r)
                 show(f"seed {s} {name}{'_sim' if name in ('e1', 'e5') else ''}", r)
@@ -878,8 +1060,27 @@ def main(argv: list[str] | None = None) -> int:
             "e4_coverage": med("e4", "complete"), "e4_dup_shards_per_kill": med("e4", "dup_shards_per_kill"),
             "e4_time_ratio_vs_no_kill": med("e4", "time_ratio_vs_no_kill"),
             "e5_sim_dd_speedup": med("e5", "speedup"),
-            "e6_overhead": med("e6", "overhead"),
         })
+    if only & {"sim", "e6"}:
+        # E6, four ways: controller in the bench's process / in its own (production), one RPC per
+        # shard (report on the next lease request) / two (GetShard + ReportShard, the old protocol)
+        variants = {"e6": (False, True), "e6_proc": (True, True), "e6_two_rpc": (False, False),
+                    "e6_proc_two_rpc": (True, False)}
+        r6: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
+        for s in seeds:
+            for name, (own, comb) in variants.items():
+                r = e6(s, own_process=own, combined=comb)
+                r6[name].append(r)
+                show(f"seed {s} {name}", r)
+        for name in variants:
+            figures[f"{name}_overhead"] = round(statistics.median(r["overhead"] for r in r6[name]), 4)
+            figures[f"{name}_overhead_all"] = [round(r["overhead"], 4) for r in r6[name]]
+            figures[f"{name}_rpc_wait_ms_per_shard"] = round(
+                statistics.median(r["rpc_wait_ms_per_shard"] for r in r6[name]), 3)
+        figures["e6_load_avg_1m"] = round(os.getloadavg()[0], 2)
+        cpu = e6_dds_cpu()
+        show("e6 dds engine alone", cpu)
+        figures.update({k: round(v, 4) for k, v in cpu.items()})
     if only & {"e1", "e5", "e5i"}:
         with tempfile.TemporaryDirectory() as tmpd:
             data = _real_data(Path(tmpd), args.quick)
