@@ -20,7 +20,10 @@ they test the controller's logic, not the system; reported as e1_sim_* / e5_sim_
     E3  transient slowdowns only: actions taken (must be 0)
     E4  a worker killed mid-shard: coverage, duplicated shards per kill, time vs no kill
     E5 sim  all-reduce, one worker 2x slower: DD speed-proportional batches vs equal batches
-    E6  no stragglers: dynamic sharding overhead vs a static split
+    E6  no stragglers: dynamic sharding overhead vs a static split (ABBA pairs), with the
+        controller in the bench's process and in its own (e6_proc, as in production), one
+        RPC per shard (the report rides on the next lease) and two (e6_*two_rpc, the old
+        protocol); plus the DDS engine alone per shard, one LMDB transaction vs two
 
 Run: ``python -m bench.stragglers [--quick]``; the last line is a JSON object.
 """
@@ -197,54 +200,70 @@ def e4(seed: int) -> dict[str, float]:
             "time_ratio_vs_no_kill": dyn["time"] / base["time"]}
 
 
-def e6(seed: int, own_process: bool = False, combined: bool = True) -> dict[str, Any]:
+def e6(seed: int, own_process: bool = False, combined: bool = True, pairs: int = 2) -> dict[str, Any]:
     """E6: no stragglers, dynamic sharding vs a static split, paired ABBA within the seed.
 
-    Order: dynamic, static, static, dynamic; overhead = (D1 + D2) / (S1 + S2) - 1, so a
-    linear drift of the shared box's load cancels. ``own_process``: the controller runs
-    as its own process (as in production) instead of in the bench's process (sharing its
-    GIL with the simulated workers); ``combined``: each shard's done report rides on the
-    next lease request (GetShard.done, one RPC per shard) instead of its own ReportShard.
+    Order per pair: dynamic, static, static, dynamic; overhead = sum(dynamic) / sum(static) - 1
+    over ``pairs`` such quadruples, so a linear drift of the shared box's load cancels.
+    ``own_process``: the controller runs as its own process (as in production) instead of
+    in the bench's process (sharing its GIL with the simulated workers); ``combined``: each
+    shard's done report rides on the next lease request (GetShard.done, one RPC per shard)
+    instead of its own ReportShard. ``rpc_critical_fraction`` is the profile's share: the
+    workers' time blocked on or issuing RPCs plus between shards, over the static time (it
+    leaves out the sleep overshoot that load adds to every batch, the noise in ``overhead``).
     """
-    d1 = run_e6_dynamic(seed, own_process, combined)
-    s1 = run_static(lambda i, t: 1.0, seed, files=8)
-    s2 = run_static(lambda i, t: 1.0, seed, files=8)
-    d2 = run_e6_dynamic(seed, own_process, combined)
-    dyn, static = d1["time"] + d2["time"], s1 + s2
-    return {"dynamic_s": dyn / 2, "static_s": static / 2, "overhead": dyn / static - 1.0,
-            "rpc_wait_ms_per_shard": (d1["rpc_wait_ms_per_shard"] + d2["rpc_wait_ms_per_shard"]) / 2,
-            "tail_ms": (d1["tail_ms"] + d2["tail_ms"]) / 2, "rpcs_per_shard": d1["rpcs_per_shard"],
+    dyn: list[dict[str, Any]] = []
+    static: list[float] = []
+    for _ in range(pairs):
+        dyn.append(run_e6_dynamic(seed, own_process, combined))
+        static += [run_static(lambda i, t: 1.0, seed, files=8) for _ in range(2)]
+        dyn.append(run_e6_dynamic(seed, own_process, combined))
+
+    def mean(key: str) -> float:
+        return statistics.fmean(d[key] for d in dyn)
+
+    d_s, s_s = mean("time"), statistics.fmean(static)
+    per_worker_shards = 8 * 160 / BPS / WORKERS
+    critical_ms = (mean("rpc_wait_ms_per_shard") + mean("issue_ms_per_shard") + mean("other_ms_per_shard"))
+    return {"dynamic_s": d_s, "static_s": s_s, "overhead": d_s / s_s - 1.0,
+            "rpc_critical_fraction": critical_ms * per_worker_shards / 1000 / s_s,
+            "rpc_wait_ms_per_shard": mean("rpc_wait_ms_per_shard"), "issue_ms_per_shard": mean("issue_ms_per_shard"),
+            "other_ms_per_shard": mean("other_ms_per_shard"), "tail_ms": mean("tail_ms"),
+            "rpcs_per_shard": mean("rpcs_per_shard"),
             # mean time of one 10 ms batch while a shard runs, vs the static split's (no RPCs at all)
-            "batch_ms": (d1["batch_ms"] + d2["batch_ms"]) / 2,
-            "issue_ms_per_shard": (d1["issue_ms_per_shard"] + d2["issue_ms_per_shard"]) / 2,
-            "other_ms_per_shard": (d1["other_ms_per_shard"] + d2["other_ms_per_shard"]) / 2, "static_batch_ms": 1000 * static / (2 * 320)}
+            "batch_ms": mean("batch_ms"), "static_batch_ms": 1000 * s_s / (8 * 160 / WORKERS)}
 
 
-def e6_dds_cpu(shards: int = 2000, reps: int = 3) -> dict[str, float]:
-    """The DDS engine alone (no gRPC): CPU ms per shard for report + get_shard (two LMDB
-    transactions) vs report_and_get (one), one worker, shards of BPS batches; the two
-    alternate ``reps`` times (ABAB), median of each."""
+def e6_dds_cpu(shards: int = 2000, reps: int = 3, fsync_shards: int = 300) -> dict[str, float]:
+    """The DDS engine alone (no gRPC), report + get_shard (two LMDB transactions) vs
+    report_and_get (one), one worker, shards of BPS batches, alternating ``reps`` times
+    (ABAB), medians: CPU ms per shard with ``fsync = false`` (the default) and wall ms
+    per shard with ``fsync = true`` (each commit waits for the disk)."""
     from controller.dds import DynamicDataSharding
     from controller.state import StateStore
 
-    runs: dict[str, list[float]] = {"two_txn": [], "one_txn": []}
+    out: dict[str, list[float]] = {}
     for _ in range(reps):
-        for name in runs:
-            with tempfile.TemporaryDirectory() as tmp:
-                dds = DynamicDataSharding(StateStore(tmp), DdsConfig(batches_per_shard=BPS, lease_s=30.0),
-                                          [DatasetSpec("train", (BPS * shards,), DatasetKind.TRAIN, 1)])
-                lease = dds.get_shard(0, "train").lease
-                t0 = time.process_time()
-                while lease is not None:
-                    if name == "two_txn":
-                        dds.report(0, lease.shard_id, lease.attempt, "done", samples=BPS, elapsed_s=0.16)
-                        lease = dds.get_shard(0, "train").lease
-                    else:
-                        lease = dds.report_and_get(0, "train", lease.shard_id, lease.attempt, "done", samples=BPS,
-                                                   elapsed_s=0.16)[1].lease
-                runs[name].append(1000 * (time.process_time() - t0) / shards)
-                assert dds.coverage().complete
-    return {f"dds_cpu_ms_per_shard_{k}": statistics.median(v) for k, v in runs.items()}
+        for fsync, n in ((False, shards), (True, fsync_shards)):
+            for name in ("two_txn", "one_txn"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    dds = DynamicDataSharding(StateStore(tmp, fsync=fsync),
+                                              DdsConfig(batches_per_shard=BPS, lease_s=30.0),
+                                              [DatasetSpec("train", (BPS * n,), DatasetKind.TRAIN, 1)])
+                    lease = dds.get_shard(0, "train").lease
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    while lease is not None:
+                        if name == "two_txn":
+                            dds.report(0, lease.shard_id, lease.attempt, "done", samples=BPS, elapsed_s=0.16)
+                            lease = dds.get_shard(0, "train").lease
+                        else:
+                            lease = dds.report_and_get(0, "train", lease.shard_id, lease.attempt, "done",
+                                                       samples=BPS, elapsed_s=0.16)[1].lease
+                    key = f"dds_fsync_wall_ms_per_shard_{name}" if fsync else f"dds_cpu_ms_per_shard_{name}"
+                    took = (time.perf_counter() - w0) if fsync else (time.process_time() - c0)
+                    out.setdefault(key, []).append(1000 * took / n)
+                    assert dds.coverage().complete
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def _controller_process(tmp: str) -> tuple[subprocess.Popen[str], str]:
@@ -1063,22 +1082,23 @@ def main(argv: list[str] | None = None) -> int:
         })
     if only & {"sim", "e6"}:
         # E6, four ways: controller in the bench's process / in its own (production), one RPC per
-        # shard (report on the next lease request) / two (GetShard + ReportShard, the old protocol)
+        # shard (report on the next lease request) / two (GetShard + ReportShard, the old protocol);
+        # each seed: 2 ABBA quadruples (dynamic, static, static, dynamic) per way
         variants = {"e6": (False, True), "e6_proc": (True, True), "e6_two_rpc": (False, False),
                     "e6_proc_two_rpc": (True, False)}
         r6: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
         for s in seeds:
             for name, (own, comb) in variants.items():
-                r = e6(s, own_process=own, combined=comb)
+                r = e6(s, own_process=own, combined=comb, pairs=1 if args.quick else 2)
                 r6[name].append(r)
                 show(f"seed {s} {name}", r)
         for name in variants:
             figures[f"{name}_overhead"] = round(statistics.median(r["overhead"] for r in r6[name]), 4)
             figures[f"{name}_overhead_all"] = [round(r["overhead"], 4) for r in r6[name]]
-            figures[f"{name}_rpc_wait_ms_per_shard"] = round(
-                statistics.median(r["rpc_wait_ms_per_shard"] for r in r6[name]), 3)
+            for key in ("rpc_critical_fraction", "rpc_wait_ms_per_shard", "rpcs_per_shard"):
+                figures[f"{name}_{key}"] = round(statistics.median(r[key] for r in r6[name]), 4)
         figures["e6_load_avg_1m"] = round(os.getloadavg()[0], 2)
-        cpu = e6_dds_cpu()
+        cpu = e6_dds_cpu(reps=1 if args.quick else 3)
         show("e6 dds engine alone", cpu)
         figures.update({k: round(v, 4) for k, v in cpu.items()})
     if only & {"e1", "e5", "e5i"}:
