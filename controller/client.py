@@ -28,7 +28,9 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
@@ -114,7 +116,7 @@ class ControllerClient:
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._reg_args: dict[str, Any] | None = None
         self._deferred: DoneReport | None = None  # defer_report(): rides on the next get_shard
-        self._sender: ThreadPoolExecutor | None = None  # the *_async calls (see _submit)
+        self._sender: _Sender | None = None  # the *_async calls (see _submit)
 
     def _ref(self) -> pb.NodeRef:
         return pb.NodeRef(role=self.role, index=self.index, source=self.source)
@@ -320,7 +322,7 @@ class ControllerClient:
 
     def close(self) -> None:
         if self._sender is not None:
-            self._sender.shutdown(wait=False)
+            self._sender.close()
         self._channel.close()
 
     # ---------------------------------------------------------------- calls off the caller's thread
@@ -335,7 +337,7 @@ class ControllerClient:
         submission order instead.
         """
         if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ctl-{self.role}{self.index}")
+            self._sender = _Sender(f"ctl-{self.role}{self.index}")
         return Pending(self._sender.submit(fn))
 
     def _send_once(self, method: str, request: Any) -> None:
@@ -353,6 +355,38 @@ class ControllerClient:
 
 
 T = TypeVar("T")
+
+
+class _Sender:
+    """One daemon thread running submitted calls in order (a daemon, unlike a
+    ThreadPoolExecutor's worker, so a call stuck on an unreachable controller never holds
+    the process at exit; what is still queued then is dropped, as grpc futures were)."""
+
+    def __init__(self, name: str) -> None:
+        self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+        fut: Future[T] = Future()
+        self._q.put((fut, fn))
+        return fut
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to whoever calls result()
+                fut.set_exception(exc)
 
 
 class Pending(Generic[T]):
