@@ -20,7 +20,10 @@ they test the controller's logic, not the system; reported as e1_sim_* / e5_sim_
     E3  transient slowdowns only: actions taken (must be 0)
     E4  a worker killed mid-shard: coverage, duplicated shards per kill, time vs no kill
     E5 sim  all-reduce, one worker 2x slower: DD speed-proportional batches vs equal batches
-    E6  no stragglers: dynamic sharding overhead vs a static split
+    E6  no stragglers: dynamic sharding overhead vs a static split (ABBA pairs), with the
+        controller in the bench's process and in its own (e6_proc, as in production), one
+        RPC per shard (the report rides on the next lease) and two (e6_*two_rpc, the old
+        protocol); plus the DDS engine alone per shard, one LMDB transaction vs two
 
 Run: ``python -m bench.stragglers [--quick]``; the last line is a JSON object.
 """
@@ -43,9 +46,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from controller.client import ControllerClient
+from controller.client import ControllerClient, DoneReport, Pending
 from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.dds import DatasetKind, DatasetSpec
+from controller.types import ReportResult
 from controller.server import ControllerServer
 from metaps.core.faults import Fault, FaultConfig, FaultInjector
 from metaps.core.rpc import RpcConfig
@@ -196,11 +200,204 @@ def e4(seed: int) -> dict[str, float]:
             "time_ratio_vs_no_kill": dyn["time"] / base["time"]}
 
 
-def e6(seed: int) -> dict[str, float]:
-    slow = lambda i, t: 1.0  # noqa: E731
-    dyn = run_dynamic(slow, seed, files=8)
-    static = run_static(slow, seed, files=8)
-    return {"dynamic_s": dyn["time"], "static_s": static, "overhead": dyn["time"] / static - 1.0}
+def e6(seed: int, own_process: bool = False, combined: bool = True, pairs: int = 2) -> dict[str, Any]:
+    """E6: no stragglers, dynamic sharding vs a static split, paired ABBA within the seed.
+
+    Order per pair: dynamic, static, static, dynamic; overhead = sum(dynamic) / sum(static) - 1
+    over ``pairs`` such quadruples, so a linear drift of the shared box's load cancels.
+    ``own_process``: the controller runs as its own process (as in production) instead of
+    in the bench's process (sharing its GIL with the simulated workers); ``combined``: each
+    shard's done report rides on the next lease request (GetShard.done, one RPC per shard)
+    instead of its own ReportShard. ``rpc_critical_fraction`` is the profile's share: the
+    workers' time blocked on or issuing RPCs plus between shards, over the static time (it
+    leaves out the sleep overshoot that load adds to every batch, the noise in ``overhead``).
+    """
+    dyn: list[dict[str, Any]] = []
+    static: list[float] = []
+    for _ in range(pairs):
+        dyn.append(run_e6_dynamic(seed, own_process, combined))
+        static += [run_static(lambda i, t: 1.0, seed, files=8) for _ in range(2)]
+        dyn.append(run_e6_dynamic(seed, own_process, combined))
+
+    def mean(key: str) -> float:
+        return statistics.fmean(d[key] for d in dyn)
+
+    d_s, s_s = mean("time"), statistics.fmean(static)
+    per_worker_shards = 8 * 160 / BPS / WORKERS
+    critical_ms = (mean("rpc_wait_ms_per_shard") + mean("issue_ms_per_shard") + mean("other_ms_per_shard"))
+    return {"dynamic_s": d_s, "static_s": s_s, "overhead": d_s / s_s - 1.0,
+            "rpc_critical_fraction": critical_ms * per_worker_shards / 1000 / s_s,
+            "rpc_wait_ms_per_shard": mean("rpc_wait_ms_per_shard"), "issue_ms_per_shard": mean("issue_ms_per_shard"),
+            "other_ms_per_shard": mean("other_ms_per_shard"), "tail_ms": mean("tail_ms"),
+            "rpcs_per_shard": mean("rpcs_per_shard"),
+            # mean time of one 10 ms batch while a shard runs, vs the static split's (no RPCs at all)
+            "batch_ms": mean("batch_ms"), "static_batch_ms": 1000 * s_s / (8 * 160 / WORKERS)}
+
+
+def e6_dds_cpu(shards: int = 2000, reps: int = 3, fsync_shards: int = 300) -> dict[str, float]:
+    """The DDS engine alone (no gRPC), report + get_shard (two LMDB transactions) vs
+    report_and_get (one), one worker, shards of BPS batches, alternating ``reps`` times
+    (ABAB), medians: CPU ms per shard with ``fsync = false`` (the default) and wall ms
+    per shard with ``fsync = true`` (each commit waits for the disk)."""
+    from controller.dds import DynamicDataSharding
+    from controller.state import StateStore
+
+    out: dict[str, list[float]] = {}
+    for _ in range(reps):
+        for fsync, n in ((False, shards), (True, fsync_shards)):
+            for name in ("two_txn", "one_txn"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    dds = DynamicDataSharding(StateStore(tmp, fsync=fsync),
+                                              DdsConfig(batches_per_shard=BPS, lease_s=30.0),
+                                              [DatasetSpec("train", (BPS * n,), DatasetKind.TRAIN, 1)])
+                    lease = dds.get_shard(0, "train").lease
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    while lease is not None:
+                        if name == "two_txn":
+                            dds.report(0, lease.shard_id, lease.attempt, "done", samples=BPS, elapsed_s=0.16)
+                            lease = dds.get_shard(0, "train").lease
+                        else:
+                            lease = dds.report_and_get(0, "train", lease.shard_id, lease.attempt, "done",
+                                                       samples=BPS, elapsed_s=0.16)[1].lease
+                    key = f"dds_fsync_wall_ms_per_shard_{name}" if fsync else f"dds_cpu_ms_per_shard_{name}"
+                    took = (time.perf_counter() - w0) if fsync else (time.process_time() - c0)
+                    out.setdefault(key, []).append(1000 * took / n)
+                    assert dds.coverage().complete
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _controller_process(tmp: str) -> tuple[subprocess.Popen[str], str]:
+    """The E6 controller as its own process (same config as :func:`controller`)."""
+    p = subprocess.Popen([sys.executable, "-m", "bench.stragglers", "--serve-controller", tmp],
+                         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert p.stdout is not None
+    line = p.stdout.readline().split()
+    if len(line) != 2 or line[0] != "ready":
+        p.kill()
+        raise RuntimeError(f"E6 controller process did not start (said {line!r}, exit {p.poll()})")
+    return p, line[1]
+
+
+def _serve_controller(tmp: str) -> int:
+    srv = controller(tmp, files=8)
+    print("ready", srv.address, flush=True)
+    srv.wait()
+    srv.stop(grace=0)
+    return 0
+
+
+def run_e6_dynamic(seed: int, own_process: bool, combined: bool) -> dict[str, Any]:
+    """Four simulated workers (10 ms batches, +-5 % jitter) drain 8 x 160 batches from a real controller.
+
+    Both paths prefetch the next lease during a shard's last batch. ``combined=False`` is
+    the old protocol: GetShard prefetch + an async ReportShard after the shard (2 RPCs).
+    ``combined=True``: the prefetch carries the report of the shard finished before
+    (GetShard.done, 1 RPC); a WAIT poll carries a still-pending report. Also measured:
+    time blocked on RPC results (the critical path) per shard, and the tail (last worker
+    end - first worker end).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, srv = None, None
+        if own_process:
+            proc, address = _controller_process(tmp)
+        else:
+            srv = controller(tmp, files=8)
+            address = srv.address
+        rng = random.Random(seed)
+        jitter = [[1 + rng.uniform(-0.05, 0.05) for _ in range(4096)] for _ in range(WORKERS)]
+        waited = [0.0] * WORKERS
+        busy = [0.0] * WORKERS
+        issued = [0.0] * WORKERS  # the worker thread's own time issuing RPCs (the critical path)
+        shards = [0] * WORKERS
+        rpcs = [0] * WORKERS
+        ends = [0.0] * WORKERS
+        errors: list[BaseException] = []
+        clients = [ControllerClient(address, RPC, index=i) for i in range(WORKERS)]
+        for c in clients:
+            c.register()
+        t0 = time.monotonic()
+
+        def work(i: int) -> None:
+            c = clients[i]
+            k = 0
+            pending: DoneReport | None = None  # combined: the report riding on the next lease request
+            report: Pending[ReportResult] | None = None  # two RPCs: the report in flight
+            nxt = c.lease_async("train")
+            rpcs[i] += 1
+            while True:
+                w = time.monotonic()
+                got = nxt.result().got
+                waited[i] += time.monotonic() - w
+                if got.status.value == "done":
+                    break
+                if got.status.value == "wait":
+                    time.sleep(0.005)
+                    nxt, pending = c.lease_async("train", pending), None
+                    rpcs[i] += 1
+                    continue
+                lease = got.lease
+                assert lease is not None
+                start = time.monotonic()
+                for b in range(lease.batches):
+                    if b == lease.batches - 1:  # prefetch during the last batch: RPC off the critical path
+                        w = time.monotonic()
+                        nxt, pending = c.lease_async("train", pending if combined else None), None
+                        issued[i] += time.monotonic() - w
+                        rpcs[i] += 1
+                    k += 1
+                    time.sleep(BASE_S * jitter[i][k % 4096])
+                took = time.monotonic() - start
+                busy[i] += took
+                shards[i] += 1
+                if combined:
+                    pending = DoneReport(lease, samples=lease.batches, elapsed_s=took)
+                else:
+                    if report is not None:
+                        w = time.monotonic()
+                        assert report.result().kind == "done"
+                        waited[i] += time.monotonic() - w
+                    report = c.report_shard_async(lease, "done", samples=lease.batches, elapsed_s=took)
+                    rpcs[i] += 1
+                c.report_metrics(batch_times_s=[took / lease.batches], samples_per_s=lease.batches / took, wait=False)
+                rpcs[i] += 1
+                issued[i] += time.monotonic() - start - took
+            if report is not None:
+                assert report.result().kind == "done"
+            assert pending is None, "a done report was never sent"
+            ends[i] = time.monotonic() - t0
+
+        def guarded(i: int) -> None:
+            try:
+                work(i)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=guarded, args=(i,)) for i in range(WORKERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+        try:
+            if errors:
+                raise errors[0]
+            cov = clients[0].status()["coverage"]
+            assert cov["complete"] and cov["duplicate_entries"] == 0 and cov["stale_entries"] == 0, cov
+        finally:
+            for c in clients:
+                c.close()
+            if srv is not None:
+                srv.stop(grace=0)
+            if proc is not None:
+                proc.kill()
+                proc.wait(30)
+                assert proc.stdout is not None
+                proc.stdout.close()
+    n = sum(shards)
+    return {"time": elapsed, "rpc_wait_ms_per_shard": 1000 * sum(waited) / n, "tail_ms": 1000 * (max(ends) - min(ends)),
+            "rpcs_per_shard": sum(rpcs) / n, "shards": shards, "batch_ms": 1000 * sum(busy) / (n * BPS),
+            "issue_ms_per_shard": 1000 * sum(issued) / n,
+            "other_ms_per_shard": 1000 * (sum(ends) - sum(busy) - sum(waited)) / n}
 
 
 def e5(seed: int, steps: int = 60) -> dict[str, float]:
@@ -848,8 +1045,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one seed / one run of each, shorter runs")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated subset: sim,e1,e2,e5,e5i (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated subset: sim,e6,e1,e2,e5,e5i (default: all; "
+                                               "sim includes e6)")
+    ap.add_argument("--serve-controller", default="", help=argparse.SUPPRESS)  # E6's controller process
     args = ap.parse_args(argv)
+    if args.serve_controller:
+        return _serve_controller(args.serve_controller)
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(",")) if args.only else {"sim", "e1", "e2", "e5", "e5i"}
     seeds = [0] if args.quick else list(range(args.seeds))
@@ -859,9 +1060,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{tag}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))
 
     if "sim" in only:
-        res: dict[str, list[dict[str, Any]]] = {k: [] for k in ("e1", "e3", "e4", "e5", "e6")}
+        res: dict[str, list[dict[str, Any]]] = {k: [] for k in ("e1", "e3", "e4", "e5")}
         for s in seeds:
-            for name, fn in (("e1", e1), ("e3", e3), ("e4", e4), ("e5", e5), ("e6", e6)):
+            for name, fn in (("e1", e1), ("e3", e3), ("e4", e4), ("e5", e5)):
                 r = fn(s)
                 res[name].append(r)
                 show(f"seed {s} {name}{'_sim' if name in ('e1', 'e5') else ''}", r)
@@ -878,8 +1079,28 @@ def main(argv: list[str] | None = None) -> int:
             "e4_coverage": med("e4", "complete"), "e4_dup_shards_per_kill": med("e4", "dup_shards_per_kill"),
             "e4_time_ratio_vs_no_kill": med("e4", "time_ratio_vs_no_kill"),
             "e5_sim_dd_speedup": med("e5", "speedup"),
-            "e6_overhead": med("e6", "overhead"),
         })
+    if only & {"sim", "e6"}:
+        # E6, four ways: controller in the bench's process / in its own (production), one RPC per
+        # shard (report on the next lease request) / two (GetShard + ReportShard, the old protocol);
+        # each seed: 2 ABBA quadruples (dynamic, static, static, dynamic) per way
+        variants = {"e6": (False, True), "e6_proc": (True, True), "e6_two_rpc": (False, False),
+                    "e6_proc_two_rpc": (True, False)}
+        r6: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
+        for s in seeds:
+            for name, (own, comb) in variants.items():
+                r = e6(s, own_process=own, combined=comb, pairs=1 if args.quick else 2)
+                r6[name].append(r)
+                show(f"seed {s} {name}", r)
+        for name in variants:
+            figures[f"{name}_overhead"] = round(statistics.median(r["overhead"] for r in r6[name]), 4)
+            figures[f"{name}_overhead_all"] = [round(r["overhead"], 4) for r in r6[name]]
+            for key in ("rpc_critical_fraction", "rpc_wait_ms_per_shard", "rpcs_per_shard"):
+                figures[f"{name}_{key}"] = round(statistics.median(r[key] for r in r6[name]), 4)
+        figures["e6_load_avg_1m"] = round(os.getloadavg()[0], 2)
+        cpu = e6_dds_cpu(reps=1 if args.quick else 3)
+        show("e6 dds engine alone", cpu)
+        figures.update({k: round(v, 4) for k, v in cpu.items()})
     if only & {"e1", "e5", "e5i"}:
         with tempfile.TemporaryDirectory() as tmpd:
             data = _real_data(Path(tmpd), args.quick)

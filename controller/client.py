@@ -28,6 +28,9 @@ import json
 import logging
 import os
 import time
+import queue
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
@@ -65,6 +68,25 @@ class HeartbeatReply:
 
 
 @dataclass(frozen=True)
+class DoneReport:
+    """A shard report to piggy-back on the next lease request (``ControllerClient.lease``)."""
+
+    lease: ShardLease
+    status: str = "done"
+    samples: int = 0
+    elapsed_s: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    """What a combined report + lease request got: the lease result and the report's."""
+
+    got: GetResult
+    report: ReportResult | None = None
+
+
+@dataclass(frozen=True)
 class Registration:
     incarnation: int
     heartbeat_s: float
@@ -93,6 +115,8 @@ class ControllerClient:
         self._channel = make_channel(address, self.rpc_cfg)
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._reg_args: dict[str, Any] | None = None
+        self._deferred: DoneReport | None = None  # defer_report(): rides on the next get_shard
+        self._sender: _Sender | None = None  # the *_async calls (see _submit)
 
     def _ref(self) -> pb.NodeRef:
         return pb.NodeRef(role=self.role, index=self.index, source=self.source)
@@ -145,8 +169,72 @@ class ControllerClient:
     # ---------------------------------------------------------------- shards
 
     def get_shard(self, dataset: str) -> GetResult:
-        """A lease (status SHARD), WAIT (ask again soon) or DONE."""
+        """A lease (status SHARD), WAIT (ask again soon) or DONE.
+
+        A report left by :meth:`defer_report` rides on this request (one RPC, one
+        controller transaction for both)."""
+        done, self._deferred = self._deferred, None
+        if done is not None:
+            return self.lease(dataset, done).got
         return self._get_result(self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset)))
+
+    def defer_report(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
+                     error: str = "") -> None:
+        """Report ``lease`` with the next :meth:`get_shard` instead of its own RPC.
+
+        Call :meth:`flush_reports` when no further ``get_shard`` follows (the loop stops
+        early); a second deferral first sends the pending one on its own.
+        """
+        if self._deferred is not None:
+            self.flush_reports()
+        self._deferred = DoneReport(lease, status, samples, elapsed_s, error)
+
+    def flush_reports(self) -> ReportResult | None:
+        """Send a report still waiting for a ``get_shard`` on its own (ReportShard)."""
+        done, self._deferred = self._deferred, None
+        if done is None:
+            return None
+        r = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error)
+        _check_report_result(done, r)
+        return r
+
+    def lease(self, dataset: str, done: DoneReport | None = None) -> LeaseReply:
+        """Report ``done`` (if given) and lease the next shard of ``dataset`` in one RPC.
+
+        The controller records the report and the lease in one transaction, the report
+        durable before the reply; a retry after a lost reply gets the same lease back.
+        A controller that predates the combined request answers without a report: the
+        report is then sent on its own (nothing is lost).
+        """
+        r = self._call("GetShard", self._lease_request(dataset, done))
+        return self._lease_reply(r, done)
+
+    def lease_async(self, dataset: str, done: DoneReport | None = None) -> "Pending[LeaseReply]":
+        """:meth:`lease` without waiting (prefetch the next shard during the current one,
+        carrying the report of the shard finished before it)."""
+        return self._submit(lambda: self.lease(dataset, done))
+
+    def _lease_request(self, dataset: str, done: DoneReport | None) -> pb.GetShardRequest:
+        req = pb.GetShardRequest(worker=self.index, dataset=dataset)
+        if done is not None:
+            l = done.lease
+            req.done.CopyFrom(pb.ReportShardRequest(worker=self.index, shard_id=l.shard_id, attempt=l.attempt,
+                                                    status=done.status, samples=done.samples,
+                                                    elapsed_s=done.elapsed_s, error=done.error))
+        return req
+
+    def _lease_reply(self, r: Any, done: DoneReport | None) -> LeaseReply:
+        got = self._get_result(r)
+        if done is None:
+            return LeaseReply(got)
+        if r.HasField("report"):
+            rep = ReportResult(r.report.accepted, r.report.duplicate, r.report.kind, r.report.message)
+        else:  # an older controller ignored the piggy-backed report: send it on its own
+            log.info("controller ignored a combined report; sending ReportShard",
+                     extra={"kv": {"shard": done.lease.shard_id}})
+            rep = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error)
+        _check_report_result(done, rep)
+        return LeaseReply(got, rep)
 
     def report_shard(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
                      error: str = "") -> ReportResult:
@@ -158,18 +246,13 @@ class ControllerClient:
     def get_shard_async(self, dataset: str) -> "Pending[GetResult]":
         """Start a GetShard now, collect it with ``.result()`` (prefetch the next shard
         during the current one's last batch to keep the RPC off the critical path)."""
-        req = pb.GetShardRequest(worker=self.index, dataset=dataset)
-        return Pending(self._stub.GetShard.future(req, timeout=self.rpc_cfg.timeout_s),
-                       lambda r: self._get_result(r), lambda: self.get_shard(dataset), "GetShard")
+        return self._submit(lambda: self._get_result(
+            self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset))))
 
     def report_shard_async(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
                            error: str = "") -> "Pending[ReportResult]":
         """ReportShard without waiting; ``.result()`` before relying on it (retries synchronously)."""
-        req = pb.ReportShardRequest(worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
-                                    samples=samples, elapsed_s=elapsed_s, error=error)
-        return Pending(self._stub.ReportShard.future(req, timeout=self.rpc_cfg.timeout_s),
-                       lambda r: ReportResult(r.accepted, r.duplicate, r.kind, r.message),
-                       lambda: self.report_shard(lease, status, samples, elapsed_s, error), "ReportShard")
+        return self._submit(lambda: self.report_shard(lease, status, samples, elapsed_s, error))
 
     def _get_result(self, r: Any) -> GetResult:
         status = _STATUS[r.status]
@@ -210,7 +293,7 @@ class ControllerClient:
         if wait:
             self._call("ReportMetrics", req)
         else:
-            self._stub.ReportMetrics.future(req, timeout=self.rpc_cfg.timeout_s)
+            self._submit(lambda: self._send_once("ReportMetrics", req))
 
     # ---------------------------------------------------------------- job
 
@@ -238,7 +321,31 @@ class ControllerClient:
         self._call("Shutdown", pb.ShutdownRequest(reason=reason))
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
         self._channel.close()
+
+    # ---------------------------------------------------------------- calls off the caller's thread
+
+    def _submit(self, fn: Callable[[], T]) -> "Pending[T]":
+        """Run ``fn`` (blocking RPCs with their retries) on this client's one sender thread.
+
+        Not grpc's ``future()``: with no other call in flight on the channel, each future
+        starts a new polling thread, and ``Thread.start`` waits for it to run: measured at
+        1-4 ms of the caller's time per call on the loaded 2-core box (E6 profile,
+        docs/BENCHMARKS.md), more than the RPC. One long-lived thread runs the calls in
+        submission order instead.
+        """
+        if self._sender is None:
+            self._sender = _Sender(f"ctl-{self.role}{self.index}")
+        return Pending(self._sender.submit(fn))
+
+    def _send_once(self, method: str, request: Any) -> None:
+        """One attempt, errors logged (fire-and-forget metrics: a lost one only thins a window)."""
+        try:
+            getattr(self._stub, method)(request, timeout=self.rpc_cfg.timeout_s)
+        except grpc.RpcError as exc:
+            log.debug("fire-and-forget call failed", extra={"kv": {"method": method, "code": exc.code().name}})
 
     def __enter__(self) -> "ControllerClient":
         return self
@@ -250,20 +357,58 @@ class ControllerClient:
 T = TypeVar("T")
 
 
-class Pending(Generic[T]):
-    """An RPC in flight. ``result()`` converts the reply; if the controller was
-    unreachable it falls back to the synchronous call (with its retries)."""
+class _Sender:
+    """One daemon thread running submitted calls in order (a daemon, unlike a
+    ThreadPoolExecutor's worker, so a call stuck on an unreachable controller never holds
+    the process at exit; what is still queued then is dropped, as grpc futures were)."""
 
-    def __init__(self, future: Any, convert: Callable[[Any], T], fallback: Callable[[], T], method: str) -> None:
-        self._future, self._convert, self._fallback, self._method = future, convert, fallback, method
+    def __init__(self, name: str) -> None:
+        self._q: "queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> "Future[T]":
+        fut: Future[T] = Future()
+        self._q.put((fut, fn))
+        return fut
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to whoever calls result()
+                fut.set_exception(exc)
+
+
+class Pending(Generic[T]):
+    """A controller call running on the client's sender thread; ``result()`` waits for it.
+
+    The call retries while the controller is unreachable (``retry_s``), like the
+    synchronous one; a refusal raises :class:`ControllerError` from ``result()``.
+    """
+
+    def __init__(self, future: "Future[T]") -> None:
+        self._future = future
 
     def result(self) -> T:
-        try:
-            return self._convert(self._future.result())
-        except grpc.RpcError as exc:
-            if exc.code() in _RETRYABLE:
-                return self._fallback()
-            raise ControllerError(exc.code(), exc.details() or "", self._method) from None
+        return self._future.result()
+
+
+def _check_report_result(done: DoneReport, r: ReportResult) -> None:
+    """Log a deferred report the controller did not take as ``done`` (the caller is gone by then)."""
+    if r.kind not in ("done", "retry", "requeued"):
+        log.warning("shard report not recorded as done",
+                    extra={"kv": {"shard": done.lease.shard_id, "attempt": done.lease.attempt, "kind": r.kind,
+                                  "message": r.message}})
 
 
 def _msg_dict(msg: Any) -> dict[str, Any]:

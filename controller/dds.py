@@ -84,6 +84,9 @@ class _Shard:
     failures: int = 0
     done_worker: int = -1
     done_attempt: int = 0
+    # "<shard id>#<attempt>" of the done report this lease was granted with (report_and_get):
+    # a retried combined request (reply lost) gets this lease back instead of a second one
+    granted_with: str = ""
     # memory only: a restart grants a fresh lease instead of trusting old clocks
     deadline: float = 0.0
     leased_at: float = 0.0
@@ -104,7 +107,7 @@ class _Shard:
         return {"dataset": self.dataset, "epoch": self.epoch, "file": self.file, "start": self.start,
                 "stop": self.stop, "state": self.state.value, "order": self.order, "worker": self.worker,
                 "attempt": self.attempt, "failures": self.failures, "done_worker": self.done_worker,
-                "done_attempt": self.done_attempt}
+                "done_attempt": self.done_attempt, "granted_with": self.granted_with}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "_Shard":
@@ -152,6 +155,7 @@ class DynamicDataSharding:
         self._events = events
         self._clock = clock
         self._lock = threading.RLock()
+        self._batch: lmdb.Transaction | None = None  # the open txn of a combined transition
         self.ledger = Ledger(store)
         self._live: dict[str, _Live] = {}
         self._slow: set[int] = set()
@@ -230,7 +234,9 @@ class DynamicDataSharding:
     def _put(self, txn: lmdb.Transaction, rec: _Shard) -> None:
         txn.put(rec.key, dumps(rec.to_json()), db=self._store.db("shards"))
 
-    def _txn(self) -> "_Transition":
+    def _txn(self) -> "_Transition | _Joined":
+        if self._batch is not None:  # inside report_and_get: join its one transaction
+            return _Joined(self._batch)
         return _Transition(self)
 
     # ---------------------------------------------------------------- queries
@@ -304,23 +310,27 @@ class DynamicDataSharding:
         """Lease the head of TODO to ``worker`` (split to its shard size), or WAIT / DONE."""
         _check_worker(worker)
         with self._lock:
-            live = self._get_live(dataset)
-            if live.finished:
-                return GetResult(GetStatus.DONE)
-            if not live.todo:
-                return GetResult(GetStatus.WAIT)
-            now = self._clock()
-            with self._txn() as txn:
-                rec = live.records[live.todo.popleft()]
-                size = self.shard_size(worker)
-                if rec.batches > size:
-                    rec = self._split(txn, live, rec, size)
-                rec.state, rec.worker, rec.attempt = ShardState.DOING, worker, rec.attempt + 1
-                rec.deadline, rec.leased_at = now + self._cfg.lease_s, now
-                live.doing[rec.id] = rec
-                self._put(txn, rec)
-            return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start,
-                                                          rec.stop, rec.attempt, self._cfg.lease_s))
+            return self._get_locked(worker, dataset)
+
+    def _get_locked(self, worker: int, dataset: str, granted_with: str = "") -> GetResult:
+        live = self._get_live(dataset)
+        if live.finished:
+            return GetResult(GetStatus.DONE)
+        if not live.todo:
+            return GetResult(GetStatus.WAIT)
+        now = self._clock()
+        with self._txn() as txn:
+            rec = live.records[live.todo.popleft()]
+            size = self.shard_size(worker)
+            if rec.batches > size:
+                rec = self._split(txn, live, rec, size)
+            rec.state, rec.worker, rec.attempt = ShardState.DOING, worker, rec.attempt + 1
+            rec.deadline, rec.leased_at = now + self._cfg.lease_s, now
+            rec.granted_with = granted_with
+            live.doing[rec.id] = rec
+            self._put(txn, rec)
+        return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start,
+                                                      rec.stop, rec.attempt, self._cfg.lease_s))
 
     def _split(self, txn: lmdb.Transaction, live: _Live, parent: _Shard, size: int) -> _Shard:
         head = _Shard(parent.dataset, parent.epoch, parent.file, parent.start, parent.start + size,
@@ -344,70 +354,113 @@ class DynamicDataSharding:
         ``duplicate``; a report after the lease was lost -> ledger ``stale``.
         ``failed`` -> the shard returns to the head of TODO (never dropped).
         """
-        _check_worker(worker)
-        try:
-            status = ReportStatus(status)
-        except ValueError:
-            raise DdsError(f"shard {shard_id}: status must be 'done' or 'failed', got {status!r}") from None
-        if attempt < 1:
-            raise DdsError(f"shard {shard_id}: attempt must be >= 1 (from the lease), got {attempt}")
-        if samples < 0 or elapsed_s < 0:
-            raise DdsError(f"shard {shard_id}: samples and elapsed_s must be >= 0, got {samples}, {elapsed_s}")
-        ds, epoch, f, start, stop = parse_shard_id(shard_id)
+        status = _check_report(worker, shard_id, attempt, status, samples, elapsed_s)
         with self._lock:
-            live = self._get_live(ds)
-            rec = live.records.get(shard_id) if epoch == live.epoch else None
-            if rec is None and epoch < live.epoch:
-                body = self._read_shard(ds, epoch, f, start, stop)
-                rec = _Shard.from_json(body) if body else None
-            if rec is None:
-                raise UnknownShard(
-                    f"worker {worker}: unknown shard {shard_id} (dataset {ds} is in epoch {live.epoch}"
-                    f" with {len(live.records)} shards; file {f} has "
-                    f"{live.spec.batches_per_file[f] if f < len(live.spec.batches_per_file) else 'no such file'}"
-                    f" batches)"
-                )
-            now = self._clock()
-            holder = rec.state is ShardState.DOING and rec.worker == worker and rec.attempt == attempt
-            entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
-                         worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
-            if status is ReportStatus.FAILED:
-                if not holder:
-                    return ReportResult(False, rec.state is ShardState.DONE, "stale",
-                                        f"shard {shard_id} is {rec.state.value}, not held by worker {worker} attempt {attempt}")
-                with self._txn() as txn:
-                    rec.failures += 1
-                    self._requeue(txn, live, rec)
-                    if rec.failures >= self._cfg.warn_failures:
-                        log.error("shard keeps failing; requeued, not dropped",
-                                  extra=kv(shard=shard_id, failures=rec.failures, worker=worker, error=error))
-                        self._event(txn, f"dataset:{ds}", "shard_failing",
-                                    {"shard": shard_id, "failures": rec.failures, "worker": worker, "error": error},
-                                    "requeue")
-                return ReportResult(True, False, "requeued", f"shard {shard_id} requeued (failure {rec.failures})")
-            if rec.state is ShardState.DONE:
-                if rec.done_worker == worker and rec.done_attempt == attempt:
-                    return ReportResult(True, True, "retry", f"shard {shard_id} already recorded for this attempt")
-                with self._txn() as txn:
-                    self.ledger.append(txn, kind=EntryKind.DUPLICATE, **entry)
-                return ReportResult(False, True, "duplicate", f"shard {shard_id} was already done by worker {rec.done_worker}")
+            return self._report_locked(worker, shard_id, attempt, status, samples, elapsed_s, error)[0]
+
+    def _report_locked(self, worker: int, shard_id: str, attempt: int, status: ReportStatus, samples: int,
+                       elapsed_s: float, error: str) -> tuple[ReportResult, _Shard]:
+        ds, epoch, f, start, stop = parse_shard_id(shard_id)
+        live = self._get_live(ds)
+        rec = live.records.get(shard_id) if epoch == live.epoch else None
+        if rec is None and epoch < live.epoch:
+            body = self._read_shard(ds, epoch, f, start, stop)
+            rec = _Shard.from_json(body) if body else None
+        if rec is None:
+            raise UnknownShard(
+                f"worker {worker}: unknown shard {shard_id} (dataset {ds} is in epoch {live.epoch}"
+                f" with {len(live.records)} shards; file {f} has "
+                f"{live.spec.batches_per_file[f] if f < len(live.spec.batches_per_file) else 'no such file'}"
+                f" batches)"
+            )
+        now = self._clock()
+        holder = rec.state is ShardState.DOING and rec.worker == worker and rec.attempt == attempt
+        entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
+                     worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
+        if status is ReportStatus.FAILED:
             if not holder:
-                with self._txn() as txn:
-                    self.ledger.append(txn, kind=EntryKind.STALE, **entry)
-                return ReportResult(False, False, "stale",
-                                    f"worker {worker} attempt {attempt} lost the lease on {shard_id} "
-                                    f"(now {rec.state.value}{' by worker %d' % rec.worker if rec.state is ShardState.DOING else ''})")
+                return ReportResult(False, rec.state is ShardState.DONE, "stale",
+                                    f"shard {shard_id} is {rec.state.value}, not held by worker {worker} attempt {attempt}"), rec
             with self._txn() as txn:
-                rec.state, rec.done_worker, rec.done_attempt = ShardState.DONE, worker, attempt
-                live.doing.pop(rec.id, None)
-                self._put(txn, rec)
-                self.ledger.append(txn, kind=EntryKind.DONE, **entry)
-                took = elapsed_s if elapsed_s > 0 else max(now - rec.leased_at, 0.0)
-                per = took / max(rec.batches, 1)
-                live.sec_per_batch = per if live.sec_per_batch == 0 else 0.8 * live.sec_per_batch + 0.2 * per
-                if not live.todo and not live.doing:
-                    self._advance(txn, live)
-            return ReportResult(True, False, "done")
+                rec.failures += 1
+                self._requeue(txn, live, rec)
+                if rec.failures >= self._cfg.warn_failures:
+                    log.error("shard keeps failing; requeued, not dropped",
+                              extra=kv(shard=shard_id, failures=rec.failures, worker=worker, error=error))
+                    self._event(txn, f"dataset:{ds}", "shard_failing",
+                                {"shard": shard_id, "failures": rec.failures, "worker": worker, "error": error},
+                                "requeue")
+            return ReportResult(True, False, "requeued", f"shard {shard_id} requeued (failure {rec.failures})"), rec
+        if rec.state is ShardState.DONE:
+            if rec.done_worker == worker and rec.done_attempt == attempt:
+                return ReportResult(True, True, "retry", f"shard {shard_id} already recorded for this attempt"), rec
+            with self._txn() as txn:
+                self.ledger.append(txn, kind=EntryKind.DUPLICATE, **entry)
+            return ReportResult(False, True, "duplicate", f"shard {shard_id} was already done by worker {rec.done_worker}"), rec
+        if not holder:
+            with self._txn() as txn:
+                self.ledger.append(txn, kind=EntryKind.STALE, **entry)
+            return ReportResult(False, False, "stale",
+                                f"worker {worker} attempt {attempt} lost the lease on {shard_id} "
+                                f"(now {rec.state.value}{' by worker %d' % rec.worker if rec.state is ShardState.DOING else ''})"), rec
+        with self._txn() as txn:
+            rec.state, rec.done_worker, rec.done_attempt = ShardState.DONE, worker, attempt
+            live.doing.pop(rec.id, None)
+            self._put(txn, rec)
+            self.ledger.append(txn, kind=EntryKind.DONE, **entry)
+            took = elapsed_s if elapsed_s > 0 else max(now - rec.leased_at, 0.0)
+            per = took / max(rec.batches, 1)
+            live.sec_per_batch = per if live.sec_per_batch == 0 else 0.8 * live.sec_per_batch + 0.2 * per
+            if not live.todo and not live.doing:
+                self._advance(txn, live)
+        return ReportResult(True, False, "done"), rec
+
+    def report_and_get(self, worker: int, dataset: str, shard_id: str, attempt: int,
+                       status: ReportStatus | str = ReportStatus.DONE, samples: int = 0, elapsed_s: float = 0.0,
+                       error: str = "") -> tuple[ReportResult, GetResult]:
+        """Report a shard and lease the next one of ``dataset`` in ONE LMDB transaction.
+
+        The same outcome as :meth:`report` followed by :meth:`get_shard` (same ledger,
+        same records), at one commit instead of two. The report is committed before the
+        lease is returned, so a controller killed after the commit and before its reply
+        loses nothing; the worker's retried request then gets the report's ``retry`` and
+        the SAME lease (its record carries the report as ``granted_with``), not a second
+        one that nobody would train. A refused report (unknown shard, bad fields) leases
+        nothing and changes nothing.
+
+        Args:
+            worker: the reporting worker (it also gets the lease).
+            dataset: the dataset to lease from (may differ from the reported shard's).
+            shard_id, attempt, status, samples, elapsed_s, error: as for :meth:`report`.
+
+        Returns:
+            ``(report result, lease result)``.
+        """
+        parsed = _check_report(worker, shard_id, attempt, status, samples, elapsed_s)
+        with self._lock:
+            self._get_live(dataset)  # an unknown dataset refuses before the report is recorded
+            with _Transition(self) as txn:
+                self._batch = txn
+                try:
+                    rep, _ = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error)
+                    tag = f"{shard_id}#{attempt}" if rep.kind in ("done", "retry") else ""
+                    got = self._regrant(worker, dataset, tag) if rep.kind == "retry" else None
+                    if got is None:
+                        got = self._get_locked(worker, dataset, tag)
+                finally:
+                    self._batch = None
+            return rep, got
+
+    def _regrant(self, worker: int, dataset: str, tag: str) -> GetResult | None:
+        """The lease granted with report ``tag`` (a reply that was lost), if ``worker`` still holds it."""
+        live = self._live.get(dataset)
+        rec = next((r for r in live.doing.values() if r.worker == worker and r.granted_with == tag), None) \
+            if live is not None else None
+        if rec is None:
+            return None
+        rec.deadline = max(rec.deadline, self._clock() + self._cfg.lease_s)
+        return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start, rec.stop,
+                                                      rec.attempt, self._cfg.lease_s))
 
     def _read_shard(self, ds: str, epoch: int, f: int, start: int, stop: int) -> dict[str, Any] | None:
         with self._store.begin() as txn:
@@ -557,7 +610,7 @@ class DynamicDataSharding:
                             body = loads(txn.get(k, db=shards_db))
                             head -= 1
                             body.update(state=ShardState.TODO.value, worker=-1, order=head,
-                                        done_worker=-1, done_attempt=0)
+                                        done_worker=-1, done_attempt=0, granted_with="")
                             txn.put(k, dumps(body), db=shards_db)
                             returned.append(_Shard.from_json(body).id)
                         meta = {"spec": live.spec.to_json(), "epoch": cut_epoch, "order_head": head,
@@ -587,6 +640,20 @@ class DynamicDataSharding:
             self._events.record(Event(self._clock(), node, kind, evidence, action), txn)
 
 
+class _Joined:
+    """A transition run inside :meth:`DynamicDataSharding.report_and_get`: it joins that
+    one transaction (commit, abort and the memory rebuild on error are the outer one's)."""
+
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self._txn = txn
+
+    def __enter__(self) -> lmdb.Transaction:
+        return self._txn
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        return None
+
+
 class _Transition:
     """One LMDB write txn per transition; on any error memory is rebuilt from LMDB."""
 
@@ -609,6 +676,21 @@ class _Transition:
                 raise
         self._txn.abort()
         self._dds._load_all()
+
+
+def _check_report(worker: int, shard_id: str, attempt: int, status: ReportStatus | str, samples: int,
+                  elapsed_s: float) -> ReportStatus:
+    """Validate a report's fields (before any lock or transaction); returns the parsed status."""
+    _check_worker(worker)
+    try:
+        parsed = ReportStatus(status)
+    except ValueError:
+        raise DdsError(f"shard {shard_id}: status must be 'done' or 'failed', got {status!r}") from None
+    if attempt < 1:
+        raise DdsError(f"shard {shard_id}: attempt must be >= 1 (from the lease), got {attempt}")
+    if samples < 0 or elapsed_s < 0:
+        raise DdsError(f"shard {shard_id}: samples and elapsed_s must be >= 0, got {samples}, {elapsed_s}")
+    return parsed
 
 
 def _check_worker(worker: int) -> None:

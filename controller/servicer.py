@@ -152,8 +152,22 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def GetShard(self, request: pb.GetShardRequest, context: grpc.ServicerContext) -> pb.GetShardResponse:
         self._require_worker(request.worker)
-        got = self.s.dds.get_shard(request.worker, request.dataset)
-        resp = pb.GetShardResponse(status=_GET[got.status])
+        report = None
+        if request.HasField("done"):  # report + lease in one transaction (dds.report_and_get)
+            d = request.done
+            if d.worker != request.worker:
+                raise ValueError(f"GetShard: done.worker must be the requesting worker {request.worker}, "
+                                 f"got {d.worker} (shard {d.shard_id})")
+            if self.s.liveness is not None:
+                self.s.liveness.reported(request.worker, d.shard_id)
+            r, got = self.s.dds.report_and_get(request.worker, request.dataset, d.shard_id, d.attempt, d.status,
+                                               d.samples, d.elapsed_s, d.error)
+            SHARD_REPORTS.labels(r.kind).inc()
+            report = pb.ReportShardResponse(accepted=r.accepted, duplicate=r.duplicate, kind=r.kind,
+                                            message=r.message)
+        else:
+            got = self.s.dds.get_shard(request.worker, request.dataset)
+        resp = pb.GetShardResponse(status=_GET[got.status], report=report)
         if got.lease is not None and self.s.liveness is not None:
             self.s.liveness.granted(request.worker, got.lease.shard_id)
         if got.lease is not None:

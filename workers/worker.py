@@ -206,11 +206,13 @@ class Worker:
                 batches = prefetch(self.dataset.read_range(rng.file, rng.start, rng.stop), depth=2)
                 for stats in self.trainer.run(batches):
                     self._after_step(stats)
-                if self.ctl is not None and lease is not None:
-                    self.ctl.report_shard(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
+                if self.ctl is not None and lease is not None:  # rides on the next GetShard (one RPC)
+                    self.ctl.defer_report(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
                 self.shards_done += 1
                 if self._draining or self.trainer._at_limit():
                     break
+            if self.ctl is not None:
+                self.ctl.flush_reports()  # stopped early (drain, step limit): the last report on its own
         # Done training (data exhausted, step limit, drain): leave the step clocks now, not at
         # exit, so peers still training are not held at a barrier / the staleness bound while
         # this worker evaluates, waits for the job or checkpoints.
