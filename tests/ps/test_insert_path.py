@@ -28,6 +28,7 @@ from ps.config import (
     TableConfig,
 )
 from ps.embedding_table import EmbeddingTable
+from ps.admission import Admission
 from ps.id_map import IdMap
 from ps.initializer import RowInitializer, _normal_tables, _uniform_tables
 
@@ -228,3 +229,70 @@ def test_big_table_on_hugepages_behaves_like_4k_pages(monkeypatch: pytest.Monkey
     np.testing.assert_array_equal(huge.pull(probe), plain.pull(probe))
     r = torch.from_numpy(huge.lookup_rows(probe[huge.lookup_rows(probe) >= 0]))
     assert torch.equal(huge.optimizer.state_tensors()["momentum"][r], plain.optimizer.state_tensors()["momentum"][r])
+
+
+def _ref_observe(adm: Admission, cells: np.ndarray, sightings: list[int], ids: np.ndarray) -> np.ndarray:
+    """One push's sightings, one id at a time: est = min over the id's cells before the push,
+    + 1; every cell hit becomes the max of itself and the est of each id hitting it; admitted
+    when est >= min_count; cells halved every 10 x width sightings."""
+    w = adm.width
+    before = cells.copy()
+    est = []
+    for x in ids.tolist():
+        h = int(mix64(np.array([x], dtype=np.int64), salt=0x243F6A8885A308D3)[0])
+        a, b = h & 0xFFFFFFFF, (h >> 32) | 1
+        cols = [(((a + d * b) & 0xFFFFFFFF) * w) >> 32 for d in range(4)]
+        e = min(int(before[d, c]) for d, c in enumerate(cols)) + 1
+        for d, c in enumerate(cols):
+            cells[d, c] = max(int(cells[d, c]), e)
+        est.append(e)
+    sightings[0] += len(ids)
+    if sightings[0] >= 10 * w:
+        cells >>= 1
+        sightings[0] = 0
+        sightings[1] += 1
+    return np.array(est) >= adm.cfg.min_count
+
+
+def test_admission_batch_update_equals_per_id_reference() -> None:
+    """Many ids per cell (width 1024, 3000 ids per push), repeats across pushes, aging."""
+    adm = Admission(AdmissionConfig(min_count=3), capacity=10, seed=0)
+    assert adm.width == 1024
+    cells = np.zeros((4, 1024), np.int32)
+    sightings = [0, 0]  # since the last aging, agings
+    rng = np.random.default_rng(7)
+    admitted_total = 0
+    for step in range(6):
+        ids = np.unique(rng.integers(0, 6000, 3000)).astype(np.int64)
+        got = adm.observe(ids)
+        want = _ref_observe(adm, cells, sightings, ids)
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        np.testing.assert_array_equal(adm.state()["cells"], cells, err_msg=f"step {step}")
+        admitted_total += int(got.sum())
+    assert admitted_total > 0 and sightings[1] == 1  # both paths: admitted some, aged once
+
+
+def test_admission_never_undercounts_and_spreads_cells() -> None:
+    adm = Admission(AdmissionConfig(min_count=1000), capacity=5000, seed=1)
+    rng = np.random.default_rng(8)
+    true = np.zeros(20000, np.int64)
+    for _ in range(8):  # 8 x ~6K sightings < 10 x width: no aging
+        ids = np.unique(rng.integers(0, 20000, 7000)).astype(np.int64)
+        adm.observe(ids)
+        true[ids] += 1
+    assert (adm.count(np.arange(20000, dtype=np.int64)) >= true).all()
+    flat = adm._flat_cells(np.arange(100_000, dtype=np.int64))
+    rows, cols = np.divmod(flat, adm.width)
+    np.testing.assert_array_equal(rows, np.broadcast_to(np.arange(4)[:, None], rows.shape))  # one cell per row
+    per_cell = np.bincount(cols[0], minlength=adm.width)
+    assert per_cell.min() > 0 and per_cell.max() < 3 * 100_000 / adm.width  # ~uniform over the width
+    assert np.mean(cols[0] == cols[1]) < 0.01  # the rows' cells are not the same column
+
+
+def test_admission_probability_rule_is_deterministic() -> None:
+    ids = np.arange(10_000, dtype=np.int64)
+    a = Admission(AdmissionConfig(probability=0.3), capacity=1000, seed=4).observe(ids)
+    b = Admission(AdmissionConfig(probability=0.3), capacity=1000, seed=4).observe(ids)
+    c = Admission(AdmissionConfig(probability=0.3), capacity=1000, seed=5).observe(ids)
+    np.testing.assert_array_equal(a, b)
+    assert abs(a.mean() - 0.3) < 0.03 and (a != c).any()
