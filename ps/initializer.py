@@ -51,6 +51,8 @@ import threading
 
 import numpy as np
 import pyarrow as pa
+import torch
+import torch.nn.functional as F
 
 from metaps.core.hashing import hash_strings, mix64
 from ps.config import InitKind
@@ -64,6 +66,7 @@ _N_TABLES = 3
 _BIJ_SALT = 0x3C6EF372FE94F82B
 _UNI_SALT = 0xA54FF53A5F1D36F1
 _tables: dict[str, np.ndarray] = {}
+_weights: dict[int, torch.Tensor] = {}
 _tables_lock = threading.Lock()
 
 
@@ -148,7 +151,8 @@ def _round_keys(salt: int, tables: int) -> np.ndarray:
 
 
 def _normal_tables() -> np.ndarray:
-    """float32 [3, TABLE_ROWS, WIDTH]: each column a keyed permutation of the unit-RMS normal quantiles."""
+    """float32 [3, TABLE_ROWS, WIDTH] (read-only view): each column a keyed permutation of
+    the unit-RMS normal quantiles."""
     with _tables_lock:
         got = _tables.get("normal")
         if got is None:
@@ -158,9 +162,24 @@ def _normal_tables() -> np.ndarray:
             k = np.arange(TABLE_ROWS, dtype=np.uint32)[:, None]
             keys = _round_keys(_BIJ_SALT, _N_TABLES)
             got = np.stack([q32[_bijection16(k, keys[t])] for t in range(_N_TABLES)])
-            got.setflags(write=False)
-            _tables["normal"] = got
-        return got
+            _tables["normal"] = got  # writable base, shared with the torch weight of width 64
+    view = got.view()
+    view.setflags(write=False)
+    return view
+
+
+def _normal_weight(w: int) -> torch.Tensor:
+    """float32 [3 * TABLE_ROWS, w], contiguous: N1, N2, N3 stacked, their first ``w`` columns
+    (the ``embedding_bag`` weight; width 64 shares the tables' memory, narrower widths are
+    cached copies). Never written."""
+    got = _weights.get(w)
+    if got is None:
+        _normal_tables()
+        base = _tables["normal"]
+        flat = base.reshape(-1, WIDTH) if w == WIDTH else np.ascontiguousarray(base[:, :, :w]).reshape(-1, w)
+        with _tables_lock:
+            got = _weights.setdefault(w, torch.from_numpy(flat))
+    return got
 
 
 def _uniform_tables() -> np.ndarray:
@@ -239,13 +258,18 @@ class RowInitializer:
 
     def _normal_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
         """float32 [n, w]: ``((N1[i1, :w] + N2[i2, :w]) + N3[i3, :w]) * float32(scale / sqrt(3))``."""
-        i1, i2, i3 = self._fields(key, c)
-        tabs = _normal_tables()
-        a = tabs[0, :, :w].take(i1, axis=0)  # (a fresh array: faster here than take(out=))
-        a += tabs[1, :, :w].take(i2, axis=0)
-        a += tabs[2, :, :w].take(i3, axis=0)
-        a *= self._mul
-        return a
+        with np.errstate(over="ignore"):
+            h = mix64(key + np.uint64(c)) if c else mix64(key)
+        bags = np.empty((key.shape[0], 3), dtype=np.uint64)  # row r of N_t is row t * 2^16 + r
+        np.bitwise_and(h, _MASK16, out=bags[:, 0])
+        bags[:, 1] = ((h >> _S16) & _MASK16) + np.uint64(TABLE_ROWS)
+        bags[:, 2] = ((h >> _S32) & _MASK16) + np.uint64(2 * TABLE_ROWS)
+        # one fused gather-sum per row: acc = 0 + N1[i1]; acc += N2[i2]; acc += N3[i3] (float32,
+        # in this order; no zero in the tables, so 0 + x == x), then * mul: exact IEEE ops,
+        # tested bit-identical to the numpy transcription (tests/ps/test_insert_path.py)
+        out = F.embedding_bag(torch.from_numpy(bags.view(np.int64)), _normal_weight(w), mode="sum")
+        out.mul_(float(self._mul))  # the float32 multiplier (a float32 tensor times a scalar: float32 math)
+        return out.numpy()
 
     def _uniform_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
         """float32 [n, w]: ``((((U1 + U2 + U3) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * float32(scale)``."""

@@ -27,7 +27,7 @@ from ps.config import (
     OptimizerKind,
     TableConfig,
 )
-from ps.embedding_table import EmbeddingTable
+from ps.embedding_table import EmbeddingTable, PushResult
 from ps.admission import Admission
 from ps.id_map import IdMap
 from ps.initializer import RowInitializer, _normal_tables, _uniform_tables
@@ -73,7 +73,31 @@ def ref_rows(init: RowInitializer, ids: np.ndarray) -> np.ndarray:
 
 
 class OldAllocTable(EmbeddingTable):
-    """EmbeddingTable with the old ``_alloc``: old initializer, checked map insert, rows_written."""
+    """EmbeddingTable with the old insertion stage (torch masks, admission called even when
+    immediate) and the old ``_alloc``: reference initializer, scatters, checked map insert,
+    rows_written."""
+
+    def insert_new(self, uniq: torch.Tensor, rows: torch.Tensor, res: PushResult) -> None:
+        new_pos = torch.nonzero(rows < 0).reshape(-1)
+        if new_pos.numel():
+            new_ids = uniq[new_pos].numpy()
+            admitted = self.admission.observe(new_ids)
+            res.unadmitted_dropped = int((~admitted).sum())
+            adm_pos = new_pos[torch.from_numpy(admitted)]
+            k = int(adm_pos.numel())
+            if k > self._n_free:
+                existing = rows[rows >= 0].numpy()
+                res.evicted = self._evict(k - self._n_free, protect=existing)
+            take = min(k, self._n_free)
+            res.full_dropped = k - take
+            if take:
+                got_pos = adm_pos[:take]
+                new_rows = self._alloc(uniq[got_pos].numpy())
+                rows[got_pos] = torch.from_numpy(new_rows)
+            res.admitted = take
+            self.counters["unadmitted_dropped"] += res.unadmitted_dropped
+            self.counters["full_dropped"] += res.full_dropped
+            self.counters["admissions"] += take
 
     def _alloc(self, ids: np.ndarray, init_values: bool = True) -> np.ndarray:
         k = ids.shape[0]
@@ -148,6 +172,34 @@ def test_stream_of_new_ids_matches_old_insert_path(opt: OptimizerKind) -> None:
     ids_o, rows_o = old.id_map.items()
     assert dict(zip(ids_n.tolist(), rows_n.tolist())) == dict(zip(ids_o.tolist(), rows_o.tolist()))
     probe = np.arange(0, 2200, dtype=np.int64)  # known, evicted and never-seen ids
+    np.testing.assert_array_equal(new.pull(probe), old.pull(probe))
+
+
+@pytest.mark.parametrize(
+    "admission, policy",
+    [(AdmissionConfig(), EvictionPolicy.LFU), (AdmissionConfig(min_count=2), EvictionPolicy.NONE),
+     (AdmissionConfig(), EvictionPolicy.NONE)],
+    ids=["immediate-lfu", "mincount-none", "immediate-none"],
+)
+def test_all_new_pushes_past_capacity_match_old_insert_path(admission: AdmissionConfig, policy: EvictionPolicy) -> None:
+    """Pushes of only new ids beyond capacity: immediate admission (no sketch), eviction or
+    ``full_dropped`` (policy none: some admitted ids get no row), same results as the old path."""
+    new, old = _stream_tables(
+        OptimizerKind.ROWWISE_ADAGRAD, admission=admission, eviction=EvictionConfig(policy=policy, evict_fraction=0.1)
+    )
+    rng = np.random.default_rng(6)
+    for step in range(12):
+        ids = np.concatenate([rng.integers(step * 60, step * 60 + 140, 120), rng.integers(0, 50, 10 * (step % 2))])
+        g = rng.normal(size=(ids.size, 8)).astype(np.float32)
+        assert new.push(ids, g) == old.push(ids, g), f"step {step}"
+    assert new.counters == old.counters
+    dropped = new.counters["evictions"] if policy == EvictionPolicy.LFU else new.counters["full_dropped"]
+    assert dropped > 0 and new.size == 300
+    assert torch.equal(new.weights, old.weights)
+    np.testing.assert_array_equal(new.row_ids, old.row_ids)
+    np.testing.assert_array_equal(new.row_version, old.row_version)
+    probe = np.arange(0, 1200, dtype=np.int64)
+    np.testing.assert_array_equal(new.lookup_rows(probe), old.lookup_rows(probe))
     np.testing.assert_array_equal(new.pull(probe), old.pull(probe))
 
 
