@@ -10,9 +10,9 @@ Formula (issue 15 point 2; the values changed from the old per-element
 Box-Muller, see docs/design/ps_storage.md)::
 
     key      = mix64(id, salt = mix64(fnv(table)) ^ seed)          one per row
-    h_c      = mix64(key + c)               c = 0 .. ceil(dim / 64) - 1 (64 columns each)
+    h_0      = key;  h_c = mix64(key + c)   c = 1 .. ceil(dim / 64) - 1 (64 columns each)
     i1, i2, i3 = bits 0-15, 16-31 and 32-47 of h_c
-    normal   = ((N1[i1, :w] + N2[i2, :w]) + N3[i3, :w]) * float32(scale / sqrt(3))     float32
+    normal   = (S1[i1, :w] + S2[i2, :w]) + S3[i3, :w],   S_t = N_t * float32(scale / sqrt(3))   float32
     uniform  = ((((U1[i1, :w] + U2[i2, :w] + U3[i3, :w]) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * float32(scale)
 
 ``N1..N3`` (float32 [65536, 64]) and ``U1..U3`` (uint32 [65536, 64]) are
@@ -35,8 +35,17 @@ two of 32K consecutive ids already shared a row). Ids that share one field are
 correlated 1/3 in that chunk: random pairs, 3 in 65536, never systematically
 neighbours (the fields come from a 64-bit mix of the salted id).
 
-Cost: one ``mix64`` per row and chunk, three row gathers, two adds, one
-multiply: ~1-2 ns per element instead of ~20 ns (Box-Muller with scalar libm).
+The scaled tables ``S_t`` (one IEEE multiply per element) are cached per (width,
+scale), at most ``_SCALED_MAX`` of them; past that the same operations run
+unfused (gather, multiply, add), so the values never depend on the cache. Rows
+are one ``embedding_bag`` (mode sum) over the stacked ``S_t``: a fused gather
+and sum, ``acc = 0 + S1[i1]; acc += S2[i2]; acc += S3[i3]`` in float32 (tested
+bit-identical to a numpy transcription; the tables hold no zero, and scales
+too small for ``N * scale`` to stay a normal float are not supported).
+
+Cost: one ``mix64`` per row (and per extra chunk), the gather-sum of three rows
+of 64 floats: ~0.25 us per row of dim 64 instead of ~1.3 us (Box-Muller with
+scalar libm).
 
 Example::
 
@@ -66,7 +75,10 @@ _N_TABLES = 3
 _BIJ_SALT = 0x3C6EF372FE94F82B
 _UNI_SALT = 0xA54FF53A5F1D36F1
 _tables: dict[str, np.ndarray] = {}
-_weights: dict[int, torch.Tensor] = {}
+_weights: dict[tuple[int, float], torch.Tensor] = {}
+_SCALED_MAX = 8
+"""Scaled copies of the normal tables kept per process (each <= 48 MiB); more (w, scale)
+pairs than this compute the same values from the unscaled tables, slower."""
 _tables_lock = threading.Lock()
 
 
@@ -168,17 +180,27 @@ def _normal_tables() -> np.ndarray:
     return view
 
 
-def _normal_weight(w: int) -> torch.Tensor:
-    """float32 [3 * TABLE_ROWS, w], contiguous: N1, N2, N3 stacked, their first ``w`` columns
-    (the ``embedding_bag`` weight; width 64 shares the tables' memory, narrower widths are
-    cached copies). Never written."""
-    got = _weights.get(w)
+def _scaled_weight(w: int, mul: np.float32) -> torch.Tensor | None:
+    """float32 [3 * TABLE_ROWS, w], contiguous: ``float32(N_t[:, :w] * mul)`` for t = 1, 2, 3
+    stacked (the ``embedding_bag`` weight of the tables scaled by ``mul``), cached per
+    (w, mul); None once ``_SCALED_MAX`` are cached (the caller then computes the same values
+    without it). Never written.
+
+    Args:
+        w: columns (<= 64).
+        mul: the float32 multiplier.
+    """
+    key = (w, float(mul))
+    got = _weights.get(key)
     if got is None:
-        _normal_tables()
-        base = _tables["normal"]
-        flat = base.reshape(-1, WIDTH) if w == WIDTH else np.ascontiguousarray(base[:, :, :w]).reshape(-1, w)
+        base = _normal_tables()
+        scaled = np.multiply(base[:, :, :w], mul).reshape(-1, w)  # float32 * float32: one IEEE rounding
         with _tables_lock:
-            got = _weights.setdefault(w, torch.from_numpy(flat))
+            got = _weights.get(key)
+            if got is None:
+                if len(_weights) >= _SCALED_MAX:
+                    return None
+                got = _weights[key] = torch.from_numpy(scaled)
     return got
 
 
@@ -248,27 +270,34 @@ class RowInitializer:
 
     @staticmethod
     def _fields(key: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Table rows (i1, i2, i3) of chunk ``c``: bits 0-15, 16-31, 32-47 of ``mix64(key + c)``."""
+        """Table rows (i1, i2, i3) of chunk ``c``: bits 0-15, 16-31, 32-47 of ``h_c``."""
         with np.errstate(over="ignore"):
-            h = mix64(key + np.uint64(c)) if c else mix64(key)
+            h = mix64(key + np.uint64(c)) if c else key  # h_0 = key: one hash per row
         i1 = (h & _MASK16).astype(np.intp)
         i2 = ((h >> _S16) & _MASK16).astype(np.intp)
         i3 = ((h >> _S32) & _MASK16).astype(np.intp)
         return i1, i2, i3
 
     def _normal_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
-        """float32 [n, w]: ``((N1[i1, :w] + N2[i2, :w]) + N3[i3, :w]) * float32(scale / sqrt(3))``."""
+        """float32 [n, w]: ``(S1[i1, :w] + S2[i2, :w]) + S3[i3, :w]``, ``S_t = float32(N_t * mul)``."""
         with np.errstate(over="ignore"):
-            h = mix64(key + np.uint64(c)) if c else mix64(key)
+            h = mix64(key + np.uint64(c)) if c else key  # h_0 = key: one hash per row
         bags = np.empty((key.shape[0], 3), dtype=np.uint64)  # row r of N_t is row t * 2^16 + r
         np.bitwise_and(h, _MASK16, out=bags[:, 0])
         bags[:, 1] = ((h >> _S16) & _MASK16) + np.uint64(TABLE_ROWS)
         bags[:, 2] = ((h >> _S32) & _MASK16) + np.uint64(2 * TABLE_ROWS)
-        # one fused gather-sum per row: acc = 0 + N1[i1]; acc += N2[i2]; acc += N3[i3] (float32,
-        # in this order; no zero in the tables, so 0 + x == x), then * mul: exact IEEE ops,
-        # tested bit-identical to the numpy transcription (tests/ps/test_insert_path.py)
-        out = F.embedding_bag(torch.from_numpy(bags.view(np.int64)), _normal_weight(w), mode="sum")
-        out.mul_(float(self._mul))  # the float32 multiplier (a float32 tensor times a scalar: float32 math)
+        idx = torch.from_numpy(bags.view(np.int64))
+        weight = _scaled_weight(w, self._mul)
+        if weight is not None:
+            # one fused gather-sum per row over the scaled tables: acc = 0 + S1[i1];
+            # acc += S2[i2]; acc += S3[i3] (float32, this order; 0 + x == x for x != -0.0)
+            out = F.embedding_bag(idx, weight, mode="sum")
+        else:  # the same IEEE operations, unfused: scale each gathered row, then sum in order
+            base = torch.from_numpy(_tables["normal"].reshape(-1, WIDTH)[:, :w])
+            m = float(self._mul)
+            out = base.index_select(0, idx[:, 0]).mul_(m)
+            out += base.index_select(0, idx[:, 1]).mul_(m)
+            out += base.index_select(0, idx[:, 2]).mul_(m)
         return out.numpy()
 
     def _uniform_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:

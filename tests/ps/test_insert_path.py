@@ -38,8 +38,8 @@ torch.set_num_threads(1)
 def ref_init(table: str, dim: int, kind: InitKind, scale: float, seed: int, ids: np.ndarray) -> np.ndarray:
     """The initializer's formula (ps/initializer.py docstring) on whole arrays, from its inputs only.
 
-    ``key = mix64(id, mix64(fnv(table)) ^ seed)``; per 64 columns c, ``h = mix64(key + c)``,
-    ``i1, i2, i3`` = its bits 0-15, 16-31, 32-47; normal ``((N1[i1] + N2[i2]) + N3[i3]) * f32(scale / sqrt 3)``,
+    ``key = mix64(id, mix64(fnv(table)) ^ seed)``; per 64 columns c, ``h = key`` (c = 0) or ``mix64(key + c)``,
+    ``i1, i2, i3`` = its bits 0-15, 16-31, 32-47; normal ``(N1[i1] m + N2[i2] m) + N3[i3] m``, m = f32(scale / sqrt 3),
     uniform ``((((U1[i1] + U2[i2] + U3[i3]) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * f32(scale)``.
     """
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -51,13 +51,14 @@ def ref_init(table: str, dim: int, kind: InitKind, scale: float, seed: int, ids:
     for c in range((dim + 63) // 64):
         w = min(64, dim - 64 * c)
         with np.errstate(over="ignore"):
-            h = mix64(key + np.uint64(c))
+            h = mix64(key + np.uint64(c)) if c > 0 else key
         i1 = (h % np.uint64(1 << 16)).astype(np.int64)
         i2 = ((h // np.uint64(1 << 16)) % np.uint64(1 << 16)).astype(np.int64)
         i3 = ((h // np.uint64(1 << 32)) % np.uint64(1 << 16)).astype(np.int64)
         if kind == InitKind.NORMAL:
+            m = np.float32(scale / math.sqrt(3.0))
             n1, n2, n3 = _normal_tables()
-            v = ((n1[i1, :w] + n2[i2, :w]) + n3[i3, :w]) * np.float32(scale / math.sqrt(3.0))
+            v = (n1[i1, :w] * m + n2[i2, :w] * m) + n3[i3, :w] * m
         else:
             u1, u2, u3 = _uniform_tables()
             s = (u1[i1, :w].astype(np.uint64) + u2[i2, :w] + u3[i3, :w]) % np.uint64(1 << 32)
