@@ -147,6 +147,41 @@ def _insert_figures(cap: int, dim: int, reps: int, figures: dict) -> None:
     figures["insert_vs_hashmap"] = round(best["map"] / best["push"], 3)
     figures["insert_path_vs_hashmap"] = round(best["map"] / best["path"], 3)
     figures["insert_vs_init"] = round(init_s / best["push"], 3)
+    figures["insert_path_profile_ms_per_16k"] = _insert_profile(cfg, sorted_batches)
+
+
+def _insert_profile(cfg: TableConfig, batches: list[torch.Tensor]) -> dict[str, float]:
+    """Where the insertion stage's thread CPU time goes (cProfile with a thread-time clock,
+    one fill of a fresh table, after a warm-up fill built the initializer's tables):
+    ms per 16K new ids for the initializer, the map insert, the map lookup, admission,
+    and the rest of ``insert_new`` / ``_alloc`` (masks, free-list slice, weights copy,
+    ``aminmax`` bound, optimizer-state fill, metadata)."""
+    import cProfile
+    import pstats
+
+    def fill() -> None:
+        t = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0).tables["t"]
+        for u in batches:
+            with t.lock:
+                t.insert_new(u, t.id_map.lookup(u), PushResult())
+
+    fill()
+    prof = cProfile.Profile(time.thread_time)
+    prof.runcall(fill)
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    cum = {"init": 0.0, "map_insert": 0.0, "lookup": 0.0, "admission": 0.0, "total": 0.0}
+    names = {("initializer.py", "__call__"): "init", ("id_map.py", "insert"): "map_insert",
+             ("id_map.py", "lookup"): "lookup", ("admission.py", "observe"): "admission",
+             ("embedding_table.py", "insert_new"): "total"}
+    for (path, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
+        key = names.get((path.rsplit("/", 1)[-1], func))
+        if key:
+            cum[key] += ct
+    scale = 1e3 * N_REQ / sum(int(u.numel()) for u in batches)
+    out = {k: round(v * scale, 3) for k, v in cum.items()}
+    out["total"] = round(out["total"] + out["lookup"], 3)  # lookup is called by the loop, not insert_new
+    out["other"] = round(out["total"] - out["init"] - out["map_insert"] - out["lookup"] - out["admission"], 3)
+    return out
 
 
 def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
