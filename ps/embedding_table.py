@@ -65,6 +65,8 @@ from ps.optimizers import clip_rows, make_optimizer, tbe_optim_type
 log = logging.getLogger(__name__)
 
 _REMOVED_LOG_MIN = 1 << 16
+FREE = -1
+"""``row_ids`` of a free row (id -1 is refused; every other int64, negative too, is an id)."""
 FP16_MAX = 65504.0
 """Largest finite float16; pulls for an fp16 wire saturate to +-FP16_MAX."""
 
@@ -577,7 +579,7 @@ class EmbeddingTable:
 
     # -- export / import / drop ----------------------------------------------------
     def used_rows(self) -> np.ndarray:
-        return np.nonzero(self.row_ids >= 0)[0]
+        return np.nonzero(self.row_ids != FREE)[0]  # (negative ids are real ids; only -1 is refused)
 
     def export_rows(self, rows: np.ndarray) -> TableRows:
         """TableRows of the given row indices (copies)."""
@@ -593,7 +595,7 @@ class EmbeddingTable:
 
     def changed_rows(self, since_version: int) -> TableRows:
         """Rows changed (pushed, admitted, imported) at versions > since_version."""
-        return self.export_rows(np.nonzero((self.row_ids >= 0) & (self.row_version > since_version))[0])
+        return self.export_rows(np.nonzero((self.row_ids != FREE) & (self.row_version > since_version))[0])
 
     def check_rows(self, rows: TableRows) -> None:
         """Validate rows for import (raises BadRequest naming the problem)."""

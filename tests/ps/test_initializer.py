@@ -21,6 +21,7 @@ import math
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,3 +209,33 @@ def test_values_do_not_depend_on_the_scaled_table_cache(dim: int, monkeypatch: p
     assert pi._scaled_weight(64, np.float32(0.37)) is None
     unfused = RowInitializer("user", dim, InitKind.NORMAL, 0.37, 1)(ids)
     assert np.array_equal(fused.view(np.uint32), unfused.view(np.uint32))
+
+
+def test_restored_rows_and_never_pushed_rows_agree(tmp_path: Path) -> None:
+    """Rows admitted with a zero gradient (their initial value), checkpointed on 2 shards and
+    restored on 3 with another vshard count, read exactly as never-pushed ids do, and as
+    RowInitializer computes them."""
+    from metaps.core.hashing import vshard_of
+    from ps.checkpoint import load_shard
+    from tests.ps.test_checkpoint import fleet, owned, save_all
+
+    ids = np.unique(_ids(500, 9))
+    old = fleet(2, 16)
+    for k, s in enumerate(old):
+        sel = ids[vshard_of(ids, 16) % 2 == k]
+        s.push("user", sel, np.zeros((sel.size, 8), np.float32))  # admitted, rowwise adagrad: w unchanged
+    assert sum(s.tables["user"].size for s in old) == ids.size
+    final = save_all(old, tmp_path, 1)
+    new = fleet(3, 8)
+    for k, s in enumerate(new):
+        load_shard(s, final, owned(k, 3, 8))
+    restored = np.empty((ids.size, 8), np.float32)
+    for k, s in enumerate(new):
+        sel = vshard_of(ids, 8) % 3 == k
+        assert (s.tables["user"].lookup_rows(ids[sel]) >= 0).all()  # really restored rows
+        restored[sel] = s.pull("user", ids[sel])
+    never = fleet(1, 8)[0].pull("user", ids)  # a fresh store: every id unknown
+    np.testing.assert_array_equal(restored, never)
+    cfg = old[0].tables["user"].cfg
+    want = RowInitializer("user", 8, cfg.init, cfg.init_scale, 3)(ids)
+    np.testing.assert_array_equal(restored, want)

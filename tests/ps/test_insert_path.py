@@ -349,3 +349,29 @@ def test_admission_probability_rule_is_deterministic() -> None:
     c = Admission(AdmissionConfig(probability=0.3), capacity=1000, seed=5).observe(ids)
     np.testing.assert_array_equal(a, b)
     assert abs(a.mean() - 0.3) < 0.03 and (a != c).any()
+
+
+def test_negative_ids_are_rows_like_any_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Only id -1 is refused; a row holding a negative id is a used row: listed, counted as
+    changed, evictable, checkpointed and restored (they used to be treated as free rows:
+    invisible to saves and never evicted)."""
+    from ps.checkpoint import load_shard
+    from ps.shard_store import ShardStore
+    from tests.ps.test_checkpoint import save_all
+
+    cfg = TableConfig(name="user", dim=8, capacity=64,
+                      eviction=EvictionConfig(policy=EvictionPolicy.LFU, evict_fraction=0.1))
+    s = ShardStore([cfg], shard_id=0, num_vshards=16, seed=3)
+    neg = -np.arange(2, 52, dtype=np.int64) * 1_000_003
+    s.push("user", neg, np.ones((50, 8), np.float32))
+    t = s.tables["user"]
+    assert t.size == 50 and t.used_rows().size == 50
+    assert len(s.all_rows("user")) == 50 and len(s.changed_rows("user", 0)) == 50
+    assert s.dirty_count("user", 0) == 50 and int(s.vshard_row_counts()["user"].sum()) == 50
+    restored = ShardStore([cfg], shard_id=0, num_vshards=16, seed=3)
+    load_shard(restored, save_all([s], tmp_path, 1), range(16))
+    np.testing.assert_array_equal(restored.pull("user", neg), s.pull("user", neg))
+    assert (restored.tables["user"].lookup_rows(neg) >= 0).all()
+    more = -np.arange(60, 100, dtype=np.int64)  # past capacity: rows holding negative ids are evicted
+    r = s.push("user", more, np.ones((40, 8), np.float32))
+    assert r.evicted > 0 and r.full_dropped == 0 and r.admitted == 40
