@@ -12,6 +12,7 @@ tests/ps/test_initializer.py.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -351,7 +352,7 @@ def test_admission_probability_rule_is_deterministic() -> None:
     assert abs(a.mean() - 0.3) < 0.03 and (a != c).any()
 
 
-def test_negative_ids_are_rows_like_any_other(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_negative_ids_are_rows_like_any_other(tmp_path: Path) -> None:
     """Only id -1 is refused; a row holding a negative id is a used row: listed, counted as
     changed, evictable, checkpointed and restored (they used to be treated as free rows:
     invisible to saves and never evicted)."""
