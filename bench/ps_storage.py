@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.ps_storage [--quick] [--device cpu|cuda]
+    python -m bench.ps_storage [--quick] [--device cpu|cuda] [--only new-ids]
 
 Side by side in one run (this machine is noisy, so read the ratios):
 
@@ -13,9 +13,15 @@ Side by side in one run (this machine is noisy, so read the ratios):
 * memory: ``ShardStore.memory_bytes()`` of a full 1M-row table vs the raw bytes of
   its rows + optimizer state, for dim 16 and 64;
 * insert: ``ShardStore.push`` of 16K never-seen ids (dim 64, rowwise Adagrad,
-  normal init) into an empty table, vs its floors on the same ids: the fbgemm
-  hash-map insert alone and the deterministic initializer alone
-  (``insert_rows_per_s``, ``insert_vs_hashmap``, ``insert_vs_init``);
+  normal init) into an empty table (``insert_rows_per_s``), the same pushes
+  once the ids are known (``insert_known_push_rows_per_s``: the gradient
+  update every push pays), and the insertion stage alone
+  (``insert_path_rows_per_s``: id-map lookup + ``EmbeddingTable.insert_new``:
+  admission, allocation, initial rows, optimizer state, metadata, map insert),
+  vs its floors on the same ids: the fbgemm hash-map insert alone and the
+  deterministic initializer alone (``insert_vs_hashmap``, ``insert_vs_init``);
+  ``*_cpu_rows_per_s`` are the same in thread CPU time (median), which the
+  load of a shared box does not inflate;
 * stream: steady state of a full table under a stream of new ids (admission
   ``min_count = 2``, LFU eviction): each 16K-id push carries 10% first
   sightings and the 10% seen in the previous push (admitted now, evicting
@@ -25,7 +31,7 @@ Side by side in one run (this machine is noisy, so read the ratios):
   same kind of stream with 10% and 30% of each push's ids not in the table,
   measured only once eviction runs: rows/s, admitted rows/s, evictions per
   push, vs pushes of known ids on the same table at the same moment
-  (``_vs_known``), and the invariants: ``_max_size_vs_capacity`` <= 1,
+  (``_vs_known``; ``_cpu_*`` the same in thread CPU time), and the invariants: ``_max_size_vs_capacity`` <= 1,
   ``_full_dropped`` 0, ``_memory_growth`` 0 (the store does not grow while new
   ids keep coming).
 
@@ -50,7 +56,7 @@ from ps.config import (
     OptimizerKind,
     TableConfig,
 )
-from ps.embedding_table import TableRows
+from ps.embedding_table import PushResult, TableRows
 from ps.id_map import IdMap
 from ps.shard_store import ShardStore
 
@@ -79,39 +85,103 @@ def _filled_store(kind: OptimizerKind, capacity: int, dim: int, fill: int, devic
 
 
 def _insert_figures(cap: int, dim: int, reps: int, figures: dict) -> None:
-    """All-new pushes into an empty table vs the hash-map insert and the initializer alone."""
+    """All-new pushes into an empty table vs the insertion stage, the hash-map insert and the
+    initializer alone, on the same ids; wall time (best of ``reps``) and thread CPU time
+    (median: the box is shared, CPU time is what the code costs)."""
     cfg = TableConfig(name="t", dim=dim, capacity=cap, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD))
     base = np.random.default_rng(1).permutation(cap).astype(np.int64) * 7919 + 13
     g = np.zeros((N_REQ, dim), np.float32)
     batches = [base[lo : lo + N_REQ] for lo in range(0, min(cap, 8 * N_REQ), N_REQ)]
+    sorted_batches = [torch.from_numpy(np.sort(b)) for b in batches]  # as torch.unique returns them
     n = sum(b.size for b in batches)
+    wall: dict[str, list[float]] = {k: [] for k in ("push", "known", "path", "map")}
+    cpu: dict[str, list[float]] = {k: [] for k in wall}
+
+    def timed(key: str, fn) -> None:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        wall[key].append(time.perf_counter() - w0)
+        cpu[key].append(time.thread_time() - c0)
 
     def fill() -> None:
         s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
-        t0 = time.perf_counter()
-        for b in batches:
-            s.push("t", b, g[: b.size])
-        times.append(time.perf_counter() - t0)
+        timed("push", lambda: [s.push("t", b, g[: b.size]) for b in batches])
+        timed("known", lambda: [s.push("t", b, g[: b.size]) for b in batches])  # same ids, now known
+
+    def insert_path() -> None:
+        t = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0).tables["t"]
+
+        def run() -> None:
+            for u in sorted_batches:  # what a push does for new ids, minus the gradient update
+                with t.lock:
+                    t.insert_new(u, t.id_map.lookup(u), PushResult())
+
+        timed("path", run)
 
     def hashmap() -> None:
         m = IdMap(cap)
-        t0 = time.perf_counter()
-        for b in batches:
-            m.insert(b, np.arange(b.size, dtype=np.int64), known_new=True)
-        times_map.append(time.perf_counter() - t0)
+        timed("map", lambda: [m.insert(b, np.arange(b.size, dtype=np.int64), known_new=True) for b in batches])
 
     probe = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0).tables["t"].init
-    times: list[float] = []
-    times_map: list[float] = []
-    for _ in range(reps):  # interleaved, best of each
+    for _ in range(reps):  # interleaved
         fill()
+        insert_path()
         hashmap()
     init_s = _best(lambda: [probe(b) for b in batches], reps)
-    figures["insert_rows_per_s"] = round(n / min(times))
-    figures["insert_hashmap_rows_per_s"] = round(n / min(times_map))
+    c0 = time.thread_time()
+    for _ in range(reps):
+        for b in batches:
+            probe(b)
+    init_cpu = (time.thread_time() - c0) / reps
+    best = {k: min(v) for k, v in wall.items()}
+    med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
+    figures["insert_rows_per_s"] = round(n / best["push"])
+    figures["insert_cpu_rows_per_s"] = round(n / med_cpu["push"])
+    figures["insert_known_push_rows_per_s"] = round(n / best["known"])
+    figures["insert_vs_known_push"] = round(best["known"] / best["push"], 3)
+    figures["insert_path_rows_per_s"] = round(n / best["path"])
+    figures["insert_path_cpu_rows_per_s"] = round(n / med_cpu["path"])
+    figures["insert_hashmap_rows_per_s"] = round(n / best["map"])
     figures["insert_init_rows_per_s"] = round(n / init_s)
-    figures["insert_vs_hashmap"] = round(min(times_map) / min(times), 3)
-    figures["insert_vs_init"] = round(init_s / min(times), 3)
+    figures["insert_init_cpu_rows_per_s"] = round(n / init_cpu)
+    figures["insert_vs_hashmap"] = round(best["map"] / best["push"], 3)
+    figures["insert_path_vs_hashmap"] = round(best["map"] / best["path"], 3)
+    figures["insert_vs_init"] = round(init_s / best["push"], 3)
+    figures["insert_path_profile_ms_per_16k"] = _insert_profile(cfg, sorted_batches)
+
+
+def _insert_profile(cfg: TableConfig, batches: list[torch.Tensor]) -> dict[str, float]:
+    """Where the insertion stage's thread CPU time goes (cProfile with a thread-time clock,
+    one fill of a fresh table, after a warm-up fill built the initializer's tables):
+    ms per 16K new ids for the initializer, the map insert, the map lookup, admission,
+    and the rest of ``insert_new`` / ``_alloc`` (masks, free-list slice, weights copy,
+    ``aminmax`` bound, optimizer-state fill, metadata)."""
+    import cProfile
+    import pstats
+
+    def fill() -> None:
+        t = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0).tables["t"]
+        for u in batches:
+            with t.lock:
+                t.insert_new(u, t.id_map.lookup(u), PushResult())
+
+    fill()
+    prof = cProfile.Profile(time.thread_time)
+    prof.runcall(fill)
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    cum = {"init": 0.0, "map_insert": 0.0, "lookup": 0.0, "admission": 0.0, "total": 0.0}
+    names = {("initializer.py", "__call__"): "init", ("id_map.py", "insert"): "map_insert",
+             ("id_map.py", "lookup"): "lookup", ("admission.py", "observe"): "admission",
+             ("embedding_table.py", "insert_new"): "total"}
+    for (path, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
+        key = names.get((path.rsplit("/", 1)[-1], func))
+        if key:
+            cum[key] += ct
+    scale = 1e3 * N_REQ / sum(int(u.numel()) for u in batches)
+    out = {k: round(v * scale, 3) for k, v in cum.items()}
+    out["total"] = round(out["total"] + out["lookup"], 3)  # lookup is called by the loop, not insert_new
+    out["other"] = round(out["total"] - out["init"] - out["map_insert"] - out["lookup"] - out["admission"], 3)
+    return out
 
 
 def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
@@ -196,6 +266,8 @@ def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict)
     rates: list[float] = []
     new_rates: list[float] = []
     known: list[float] = []
+    rates_cpu: list[float] = []
+    known_cpu: list[float] = []
     fractions: list[float] = []
     max_size = 0
     evict0 = mem0 = -1
@@ -206,15 +278,15 @@ def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict)
         hot = t.row_ids[rng.integers(0, cap, N_REQ - fresh.size - prev.size)]
         hot = hot[hot >= 0]
         ids = np.concatenate([hot, prev, fresh])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         r = s.push("t", ids, g[: ids.size])
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         max_size = max(max_size, t.size)
         kn = t.row_ids[rng.integers(0, cap, N_REQ)]
         kn = kn[kn >= 0]
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         s.push("t", kn, g[: kn.size])
-        dk = time.perf_counter() - t1
+        dk, dkc = time.perf_counter() - t1, time.thread_time() - c1
         prev = fresh
         if t.counters["evictions"] == 0:
             continue  # not full yet
@@ -226,6 +298,8 @@ def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict)
         rates.append(ids.size / dt)
         new_rates.append(r.admitted / dt)
         known.append(kn.size / dk)
+        rates_cpu.append(ids.size / max(dc, 1e-9))
+        known_cpu.append(kn.size / max(dkc, 1e-9))
         fractions.append((prev.size + fresh.size) / ids.size)
         if len(rates) == pushes:
             break
@@ -236,6 +310,8 @@ def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict)
     figures[f"{key}_evictions_per_push"] = round((t.counters["evictions"] - evict0) / len(rates))
     figures[f"{key}_known_rows_per_s"] = round(float(np.median(known)))
     figures[f"{key}_vs_known"] = round(float(np.median(rates)) / float(np.median(known)), 3)
+    figures[f"{key}_cpu_rows_per_s"] = round(float(np.median(rates_cpu)))
+    figures[f"{key}_cpu_vs_known"] = round(float(np.median(rates_cpu)) / float(np.median(known_cpu)), 3)
     figures[f"{key}_max_size_vs_capacity"] = round(max_size / cap, 4)
     figures[f"{key}_full_dropped"] = t.counters["full_dropped"]
     figures[f"{key}_memory_growth"] = round(s.memory_bytes() / mem0 - 1, 4)
@@ -253,6 +329,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller tables (CI smoke)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the tables live")
+    ap.add_argument(
+        "--only", default="all", choices=("all", "new-ids"),
+        help="new-ids: only the insert, stream and steady-state figures (issue 15 point 2)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     cap = 200_000 if args.quick else 1_000_000
@@ -263,7 +343,7 @@ def main() -> None:
 
     # pull / push per optimizer on a table holding `fill` rows
     fill = min(cap, 200_000)
-    for kind in OptimizerKind:
+    for kind in OptimizerKind if args.only == "all" else ():
         s = _filled_store(kind, cap if kind == OptimizerKind.ROWWISE_ADAGRAD else fill, dim, fill, args.device)
         t = s.tables["t"]
         ids = rng.integers(0, fill, size=N_REQ).astype(np.int64)
@@ -286,7 +366,7 @@ def main() -> None:
         del s, t
 
     # memory per row at full capacity
-    for mdim in (16, 64):
+    for mdim in (16, 64) if args.only == "all" else ():
         s = _filled_store(OptimizerKind.ROWWISE_ADAGRAD, cap, mdim, cap, args.device)
         t = s.tables["t"]
         raw = cap * t.raw_bytes_per_row()

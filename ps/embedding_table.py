@@ -65,6 +65,8 @@ from ps.optimizers import clip_rows, make_optimizer, tbe_optim_type
 log = logging.getLogger(__name__)
 
 _REMOVED_LOG_MIN = 1 << 16
+FREE = -1
+"""``row_ids`` of a free row (id -1 is refused; every other int64, negative too, is an id)."""
 FP16_MAX = 65504.0
 """Largest finite float16; pulls for an fp16 wire saturate to +-FP16_MAX."""
 
@@ -402,26 +404,7 @@ class EmbeddingTable:
         self.counters["pushes"] += 1
         self.counters["push_ids"] += n
         rows = self.id_map.lookup(uniq)
-        new_pos = torch.nonzero(rows < 0).reshape(-1)
-        if new_pos.numel():
-            new_ids = uniq[new_pos].numpy()
-            admitted = self.admission.observe(new_ids)
-            res.unadmitted_dropped = int((~admitted).sum())
-            adm_pos = new_pos[torch.from_numpy(admitted)]
-            k = int(adm_pos.numel())
-            if k > self._n_free:
-                existing = rows[rows >= 0].numpy()
-                res.evicted = self._evict(k - self._n_free, protect=existing)
-            take = min(k, self._n_free)
-            res.full_dropped = k - take
-            if take:
-                got_pos = adm_pos[:take]
-                new_rows = self._alloc(uniq[got_pos].numpy())
-                rows[got_pos] = torch.from_numpy(new_rows)
-            res.admitted = take
-            self.counters["unadmitted_dropped"] += res.unadmitted_dropped
-            self.counters["full_dropped"] += res.full_dropped
-            self.counters["admissions"] += take
+        self.insert_new(uniq, rows, res)
         live = rows >= 0
         if not bool(live.all()):
             rows, agg, uniq = rows[live], agg[live], uniq[live]
@@ -448,28 +431,88 @@ class EmbeddingTable:
         return res
 
     # -- allocation / eviction -----------------------------------------------------
+    def insert_new(self, uniq: torch.Tensor, rows: torch.Tensor, res: PushResult) -> None:
+        """The insertion stage of a push: give the unknown ids among ``uniq`` rows.
+
+        Admission (one sketch update for the batch), eviction when the table is
+        full, then one allocation for the admitted ids (:meth:`_alloc`: a slice of
+        the free list, one initializer call, one weights copy, one optimizer-state
+        fill, one scatter per metadata array, one map insert). No per-id Python.
+
+        Args:
+            uniq: int64 [n] unique ids of the push (sorted, from ``torch.unique``).
+            rows: int64 [n] their rows from the id map, -1 = unknown; the rows of
+                the ids that got one are written in place.
+            res: the push's result; admitted / unadmitted_dropped / evicted /
+                full_dropped are set.
+        """
+        rows_np = rows.numpy()  # same memory: writes below land in ``rows``
+        new_pos = np.flatnonzero(rows_np < 0)
+        if not new_pos.size:
+            return
+        uniq_np = uniq.numpy()
+        all_new = new_pos.size == uniq_np.shape[0]
+        new_ids = uniq_np if all_new else uniq_np[new_pos]  # (the fill of a table: no gather)
+        if self.cfg.admission.immediate:
+            adm_pos, adm_ids = new_pos, new_ids
+        else:
+            admitted = self.admission.observe(new_ids)
+            res.unadmitted_dropped = int(new_ids.shape[0] - np.count_nonzero(admitted))
+            adm_pos = new_pos[admitted] if res.unadmitted_dropped else new_pos
+            adm_ids = new_ids[admitted] if res.unadmitted_dropped else new_ids
+        k = int(adm_pos.size)
+        if k > self._n_free:
+            existing = rows_np[rows_np >= 0]
+            res.evicted = self._evict(k - self._n_free, protect=existing)
+        take = min(k, self._n_free)
+        res.full_dropped = k - take
+        if take:
+            new_rows = self._alloc(adm_ids[:take] if take < k else adm_ids)
+            if all_new and take == rows_np.shape[0]:
+                rows_np[:] = new_rows
+            else:
+                rows_np[adm_pos[:take]] = new_rows
+        res.admitted = take
+        self.counters["unadmitted_dropped"] += res.unadmitted_dropped
+        self.counters["full_dropped"] += res.full_dropped
+        self.counters["admissions"] += take
+
     def _alloc(self, ids: np.ndarray, init_values: bool = True) -> np.ndarray:
         """Take rows for new unique ``ids`` (caller ensured enough are free); map and init them.
 
         ``ids`` must be unique and absent from the id map (both callers derive them from
         a lookup that returned -1 on unique ids), so the map skips its own checks.
+        The rows are one slice of the free list; while a table fills they are
+        consecutive (the free list starts as 0, 1, 2, ...), and then the weights and
+        metadata are written as slices (one copy) instead of scatters.
+
+        Args:
+            ids: int64 [k] unique ids without a row.
+            init_values: write their initial rows and optimizer state (False: the
+                caller imports values).
         """
         k = ids.shape[0]
         rows = self._free[self._n_free - k : self._n_free][::-1].astype(np.int64)
         self._n_free -= k
         rows_t = torch.from_numpy(rows)
         dev_rows = rows_t.to(self.device)
+        r0 = int(rows[0]) if k else 0
+        run = k > 1 and int(rows[-1]) - r0 == k - 1 and bool((np.diff(rows) == 1).all())
+        at: slice | np.ndarray = slice(r0, r0 + k) if run else rows  # the same rows, as a slice when consecutive
         if init_values:
             vals = torch.from_numpy(self.init(ids))
             lo, hi = torch.aminmax(vals)
             absmax = max(-float(lo), float(hi))
-            self.weights[dev_rows] = vals.to(self.device)
+            if run:
+                self.weights[r0 : r0 + k] = vals.to(self.device)
+            else:
+                self.weights.index_copy_(0, dev_rows, vals.to(self.device))
             self.optimizer.reset_rows(dev_rows)
             self.optimizer.rows_initialized(dev_rows, absmax)
-        self.row_ids[rows] = ids
-        self.freq[rows] = 0
-        self.last_step[rows] = self.step
-        self.row_version[rows] = self.current_version
+        self.row_ids[at] = ids
+        self.freq[at] = 0
+        self.last_step[at] = self.step
+        self.row_version[at] = self.current_version
         self.id_map.insert(ids, rows_t, known_new=True)
         return rows
 
@@ -536,7 +579,7 @@ class EmbeddingTable:
 
     # -- export / import / drop ----------------------------------------------------
     def used_rows(self) -> np.ndarray:
-        return np.nonzero(self.row_ids >= 0)[0]
+        return np.nonzero(self.row_ids != FREE)[0]  # (negative ids are real ids; only -1 is refused)
 
     def export_rows(self, rows: np.ndarray) -> TableRows:
         """TableRows of the given row indices (copies)."""
@@ -552,7 +595,7 @@ class EmbeddingTable:
 
     def changed_rows(self, since_version: int) -> TableRows:
         """Rows changed (pushed, admitted, imported) at versions > since_version."""
-        return self.export_rows(np.nonzero((self.row_ids >= 0) & (self.row_version > since_version))[0])
+        return self.export_rows(np.nonzero((self.row_ids != FREE) & (self.row_version > since_version))[0])
 
     def check_rows(self, rows: TableRows) -> None:
         """Validate rows for import (raises BadRequest naming the problem)."""

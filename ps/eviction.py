@@ -47,7 +47,7 @@ def pick_victims(
     if needed <= 0 or cfg.policy == EvictionPolicy.NONE:
         return np.empty(0, dtype=np.int64)
     capacity = row_ids.shape[0]
-    candidates = row_ids >= 0
+    candidates = row_ids != -1  # -1 = free; negative ids are ids
     if protect is not None and protect.size:
         candidates[protect] = False  # candidates is a fresh array (comparison result)
     cand = np.nonzero(candidates)[0]

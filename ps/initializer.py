@@ -1,22 +1,51 @@
-"""Initial embedding rows: deterministic per (table name, id, seed).
+"""Initial embedding rows: deterministic per (table name, id, seed), at gather speed.
 
 A row's initial value depends only on the table name, the id and the job seed,
-never on which shard (or which row slot) holds it, so a resharded or restarted
-job and a not-yet-admitted id all read the same value. Values are computed
-vectorized from counters hashed with :func:`metaps.core.hashing.mix64`::
+never on which shard, row slot or batch holds it, so a resharded or restarted
+job and a not-yet-admitted id all read the same value, in every process on any
+machine. At run time only IEEE-exact operations are used (integer hashing,
+gathers, float32 ``+`` and ``*``); no libm function is evaluated per id.
 
-    key[i]      = mix64(id[i], salt = mix64(fnv(table)) ^ seed)
-    u1[i, j]    = uniform(mix64(key[i] + 2j))       in (0, 1]
-    u2[i, j]    = uniform(mix64(key[i] + 2j + 1))   in (0, 1]
-    normal      = scale * sqrt(-2 ln u1) * cos(2 pi u2)        (Box-Muller)
-    uniform     = scale * (2 u1 - 1)
+Formula (issue 15 point 2; the values changed from the old per-element
+Box-Muller, see docs/design/ps_storage.md)::
 
-The rows are computed in blocks of ~16K elements, in place in scratch arrays
-that stay in L2, with the same float64 operations in the same order, so the
-values are bit-identical to evaluating the formula on whole arrays (tested
-against that transcription in tests/ps/test_insert_path.py). The floor is
-glibc's scalar ``log`` and ``cos`` (numpy uses them for float64 on AVX2):
-~20 ns per element, i.e. ~1.3 us per row of dim 64.
+    key      = mix64(id, salt = mix64(fnv(table)) ^ seed)          one per row
+    h_0      = key;  h_c = mix64(key + c)   c = 1 .. ceil(dim / 64) - 1 (64 columns each)
+    i1, i2, i3 = bits 0-15, 16-31 and 32-47 of h_c
+    normal   = (S1[i1, :w] + S2[i2, :w]) + S3[i3, :w],   S_t = N_t * float32(scale / sqrt(3))   float32
+    uniform  = ((((U1[i1, :w] + U2[i2, :w] + U3[i3, :w]) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * float32(scale)
+
+``N1..N3`` (float32 [65536, 64]) and ``U1..U3`` (uint32 [65536, 64]) are
+process-wide constants built once, lazily, from integer hashes and IEEE-exact
+float64 arithmetic only (:func:`_normal_tables`, :func:`_uniform_tables`), so
+they are bit-identical everywhere:
+
+* every column of ``N1`` / ``N2`` is a permutation (a keyed 16-bit bijection
+  of the row index) of the 65536 standard-normal quantiles
+  ``Phi^-1((k + 0.5) / 65536)`` (Acklam's rational approximation, relative error
+  1.2e-9, with an fdlibm ``log`` written in numpy ops), rescaled to unit RMS;
+  so each table column has mean 0 and std 1 exactly (up to float32 rounding),
+  and the sum of three independent columns scaled by 1/sqrt(3) is N(0, 1);
+* ``U1`` / ``U2`` are hash bits; their sum mod 2^32 is uniform, so the uniform
+  kind is a grid of 2^23 levels symmetric in (-scale, scale).
+
+Two ids share a chunk only if all three 16-bit fields collide (2^-48 per
+pair: ~4 pairs among 50M ids; with two fields, 2^-32, it was ~300K pairs, and
+two of 32K consecutive ids already shared a row). Ids that share one field are
+correlated 1/3 in that chunk: random pairs, 3 in 65536, never systematically
+neighbours (the fields come from a 64-bit mix of the salted id).
+
+The scaled tables ``S_t`` (one IEEE multiply per element) are cached per (width,
+scale), at most ``_SCALED_MAX`` of them; past that the same operations run
+unfused (gather, multiply, add), so the values never depend on the cache. Rows
+are one ``embedding_bag`` (mode sum) over the stacked ``S_t``: a fused gather
+and sum, ``acc = 0 + S1[i1]; acc += S2[i2]; acc += S3[i3]`` in float32 (tested
+bit-identical to a numpy transcription; the tables hold no zero, and scales
+too small for ``N * scale`` to stay a normal float are not supported).
+
+Cost: one ``mix64`` per row (and per extra chunk), the gather-sum of three rows
+of 64 floats: ~0.25 us per row of dim 64 instead of ~1.3 us (Box-Muller with
+scalar libm).
 
 Example::
 
@@ -26,24 +55,178 @@ Example::
 
 from __future__ import annotations
 
+import math
+import threading
+
 import numpy as np
 import pyarrow as pa
+import torch
+import torch.nn.functional as F
 
 from metaps.core.hashing import hash_strings, mix64
 from ps.config import InitKind
 
-_TWO_POW_M53 = 1.0 / float(1 << 53)
-_CHUNK_ELEMS = 16384
-"""Elements per block: the ~6 scratch arrays of a block (128 KiB each) stay in L2."""
+TABLE_ROWS = 1 << 16
+"""Rows of each constant table (indexed by a 16-bit hash field)."""
+WIDTH = 64
+"""Columns of each constant table; rows longer than this take one chunk per 64 columns."""
+
+_N_TABLES = 3
+_BIJ_SALT = 0x3C6EF372FE94F82B
+_UNI_SALT = 0xA54FF53A5F1D36F1
+_tables: dict[str, np.ndarray] = {}
+_weights: dict[tuple[int, float], torch.Tensor] = {}
+_SCALED_MAX = 8
+"""Scaled copies of the normal tables kept per process (each <= 48 MiB); more (w, scale)
+pairs than this compute the same values from the unscaled tables, slower."""
+_tables_lock = threading.Lock()
 
 
-def _unit(u: np.ndarray) -> np.ndarray:
-    """uint64 -> float64 in (0, 1] using the top 53 bits."""
-    return ((u >> np.uint64(11)).astype(np.float64) + 1.0) * _TWO_POW_M53
+def _log(x: np.ndarray) -> np.ndarray:
+    """Natural log of float64 ``x`` > 0 in numpy +, -, *, / only (fdlibm's ``__ieee754_log``).
+
+    Every step is one IEEE-rounded operation, so the result is the same on every
+    machine (libm's ``log`` and numpy's SIMD ``log`` may differ in the last ulp).
+
+    Args:
+        x: float64 array of finite positive normal numbers.
+    """
+    m, e = np.frexp(x)  # x = m 2^e, m in [0.5, 1): exact
+    small = m < 0.7071067811865476
+    m = np.where(small, m * 2.0, m)  # m in [sqrt(1/2), sqrt(2)): exact
+    k = (e - small.astype(e.dtype)).astype(np.float64)
+    f = m - 1.0  # exact (Sterbenz)
+    s = f / (2.0 + f)
+    z = s * s
+    w = z * z
+    t1 = w * (3.999999999940941908e-01 + w * (2.222219843214978396e-01 + w * 1.531383769920937332e-01))
+    t2 = z * (6.666666666666735130e-01 + w * (2.857142874366239149e-01 + w * (1.818357216161805012e-01
+                                                                             + w * 1.479819860511658591e-01)))
+    r = t2 + t1
+    hfsq = 0.5 * f * f
+    return k * 6.93147180369123816490e-01 - ((hfsq - (s * (hfsq + r) + k * 1.90821492927058770002e-10)) - f)
+
+
+_A = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
+      -3.066479806614716e01, 2.506628277459239e00)
+_B = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02, 6.680131188771972e01,
+      -1.328068155288572e01)
+_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00, -2.549732539343734e00,
+      4.374664141464968e00, 2.938163982698783e00)
+_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+
+
+def normal_quantiles(n: int = TABLE_ROWS) -> np.ndarray:
+    """``Phi^-1((k + 0.5) / n)`` for k < n, float64, exactly antisymmetric (Acklam, rel. error 1.2e-9).
+
+    Args:
+        n: number of quantiles (even).
+    """
+    half = n // 2
+    p = (np.arange(half, dtype=np.float64) + 0.5) / float(n)  # lower half, p < 0.5
+    out = np.empty(half, dtype=np.float64)
+    tail = p < 0.02425
+    q = np.sqrt(-2.0 * _log(p[tail]))
+    out[tail] = (((((_C[0] * q + _C[1]) * q + _C[2]) * q + _C[3]) * q + _C[4]) * q + _C[5]) / (
+        (((_D[0] * q + _D[1]) * q + _D[2]) * q + _D[3]) * q + 1.0
+    )
+    q = p[~tail] - 0.5
+    r = q * q
+    out[~tail] = (((((_A[0] * r + _A[1]) * r + _A[2]) * r + _A[3]) * r + _A[4]) * r + _A[5]) * q / (
+        ((((_B[0] * r + _B[1]) * r + _B[2]) * r + _B[3]) * r + _B[4]) * r + 1.0
+    )
+    return np.concatenate([out, -out[::-1]])
+
+
+def _bijection16(k: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """A keyed bijection of 16-bit ints: xor/add a key, multiply by an odd key, xorshift, 3 rounds.
+
+    Args:
+        k: uint32 [n, 1] values < 2^16.
+        keys: uint32 [3, 3, cols] round keys (xor, odd multiplier, add) < 2^16.
+    """
+    mask = np.uint32(0xFFFF)
+    x = np.broadcast_to(k, (k.shape[0], keys.shape[2])).copy()
+    for r, shift in enumerate((7, 9, 8)):
+        x ^= keys[r, 0]
+        x *= keys[r, 1] | np.uint32(1)
+        x += keys[r, 2]
+        x &= mask
+        x ^= x >> np.uint32(shift)
+    return x
+
+
+def _round_keys(salt: int, tables: int) -> np.ndarray:
+    """uint32 [tables, 3, 3, WIDTH] 16-bit round keys from hashes of counters."""
+    h = mix64(np.arange(tables * 9 * WIDTH, dtype=np.uint64), salt=salt)
+    return (h & np.uint64(0xFFFF)).astype(np.uint32).reshape(tables, 3, 3, WIDTH)
+
+
+def _normal_tables() -> np.ndarray:
+    """float32 [3, TABLE_ROWS, WIDTH] (read-only view): each column a keyed permutation of
+    the unit-RMS normal quantiles."""
+    with _tables_lock:
+        got = _tables.get("normal")
+        if got is None:
+            q = normal_quantiles(TABLE_ROWS)
+            rms = math.sqrt(math.fsum((q * q).tolist()) / TABLE_ROWS)  # fsum: exact, order-free
+            q32 = (q / rms).astype(np.float32)
+            k = np.arange(TABLE_ROWS, dtype=np.uint32)[:, None]
+            keys = _round_keys(_BIJ_SALT, _N_TABLES)
+            got = np.stack([q32[_bijection16(k, keys[t])] for t in range(_N_TABLES)])
+            _tables["normal"] = got  # writable base, shared with the torch weight of width 64
+    view = got.view()
+    view.setflags(write=False)
+    return view
+
+
+def _scaled_weight(w: int, mul: np.float32) -> torch.Tensor | None:
+    """float32 [3 * TABLE_ROWS, w], contiguous: ``float32(N_t[:, :w] * mul)`` for t = 1, 2, 3
+    stacked (the ``embedding_bag`` weight of the tables scaled by ``mul``), cached per
+    (w, mul); None once ``_SCALED_MAX`` are cached (the caller then computes the same values
+    without it). Never written.
+
+    Args:
+        w: columns (<= 64).
+        mul: the float32 multiplier.
+    """
+    key = (w, float(mul))
+    got = _weights.get(key)
+    if got is None:
+        base = _normal_tables()
+        scaled = np.multiply(base[:, :, :w], mul).reshape(-1, w)  # float32 * float32: one IEEE rounding
+        with _tables_lock:
+            got = _weights.get(key)
+            if got is None:
+                if len(_weights) >= _SCALED_MAX:
+                    return None
+                got = _weights[key] = torch.from_numpy(scaled)
+    return got
+
+
+def _uniform_tables() -> np.ndarray:
+    """uint32 [3, TABLE_ROWS, WIDTH] of hash bits (3 x 32 of 2 x 64 hash bits per element pair)."""
+    with _tables_lock:
+        got = _tables.get("uniform")
+        if got is None:
+            h = mix64(np.arange(2 * TABLE_ROWS * WIDTH, dtype=np.uint64), salt=_UNI_SALT)
+            lo = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            hi = (h >> np.uint64(32)).astype(np.uint32)
+            got = np.concatenate([lo, hi])[: _N_TABLES * TABLE_ROWS * WIDTH].reshape(_N_TABLES, TABLE_ROWS, WIDTH)
+            got.setflags(write=False)
+            _tables["uniform"] = got
+        return got
+
+
+_MASK16 = np.uint64(0xFFFF)
+_S16 = np.uint64(16)
+_S32 = np.uint64(32)
+_S9 = np.uint32(9)
+_TWO_M22 = np.float32(2.0**-22)
 
 
 class RowInitializer:
-    """Deterministic initial rows of one table.
+    """Deterministic initial rows of one table (see the module docstring).
 
     Args:
         table: table name (part of the hash salt, so tables differ).
@@ -58,95 +241,76 @@ class RowInitializer:
         self.dim = int(dim)
         self.kind = InitKind(kind)
         self.scale = float(scale)
+        self.seed = int(seed)
         name_hash = int(hash_strings(pa.array([table]))[0])
         self._salt = int(mix64(np.uint64(name_hash))) ^ (int(seed) & 0xFFFFFFFFFFFFFFFF)
-        self._col = (np.arange(self.dim, dtype=np.uint64) * np.uint64(2))[None, :]
+        self._chunks = -(-self.dim // WIDTH)
+        # the multiplier, rounded once to float32 (the rows are float32 products)
+        self._mul = np.float32(self.scale / math.sqrt(3.0) if self.kind == InitKind.NORMAL else self.scale)
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
-        """Initial rows of ``ids`` (int64 [n]) as float32 [n, dim]."""
+        """Initial rows of ``ids`` (int64 [n]) as float32 [n, dim].
+
+        Args:
+            ids: int64 [n] (any values; duplicates get identical rows).
+        """
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
         if self.kind == InitKind.ZEROS or n == 0 or self.scale == 0.0:
             return np.zeros((n, self.dim), dtype=np.float32)
+        key = mix64(ids, salt=self._salt)
+        chunk = self._normal_chunk if self.kind == InitKind.NORMAL else self._uniform_chunk
+        if self._chunks == 1:  # dim <= 64: the chunk is the result (no extra copy)
+            return chunk(key, 0, self.dim)
         out = np.empty((n, self.dim), dtype=np.float32)
-        key = mix64(ids, salt=self._salt)[:, None]
-        step = max(1, _CHUNK_ELEMS // self.dim)
-        shape = (min(step, n), self.dim)
-        bufs = _Buffers(shape, normal=self.kind == InitKind.NORMAL)
-        with np.errstate(over="ignore"):
-            for lo in range(0, n, step):  # per cache-sized block of rows, vectorized inside
-                hi = min(n, lo + step)
-                self._block(key[lo:hi], out[lo:hi], bufs.view(hi - lo))
+        for c in range(self._chunks):  # one chunk per 64 columns
+            lo, hi = c * WIDTH, min(self.dim, (c + 1) * WIDTH)
+            out[:, lo:hi] = chunk(key, c, hi - lo)
         return out
 
-    def _block(self, key: np.ndarray, out: np.ndarray, b: "_Buffers") -> None:
-        """Rows of one block, in place in ``b``: the same float64 operations, in the same
-        order, as the formula in the module docstring, so the values are bit-identical."""
-        np.add(key, self._col, out=b.c)
-        if self.kind == InitKind.NORMAL:
-            np.add(b.c, _ONE, out=b.c2)  # c + 1 (u2's counter)
-        _mix64_(b.c, b.tmp)
-        _unit_(b.c, b.f1)  # u1
-        if self.kind == InitKind.UNIFORM:
-            b.f1 *= 2.0
-            b.f1 -= 1.0
-            b.f1 *= self.scale
-            out[...] = b.f1
-            return
-        _mix64_(b.c2, b.tmp)
-        _unit_(b.c2, b.f2)  # u2
-        np.log(b.f1, out=b.f1)
-        b.f1 *= -2.0
-        np.sqrt(b.f1, out=b.f1)
-        b.f2 *= _TWO_PI  # (2.0 * np.pi) * u2, as Python evaluates 2.0 * np.pi * u2
-        np.cos(b.f2, out=b.f2)
-        b.f1 *= b.f2
-        b.f1 *= self.scale
-        out[...] = b.f1  # float64 -> float32, round to nearest (as astype)
+    @staticmethod
+    def _fields(key: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Table rows (i1, i2, i3) of chunk ``c``: bits 0-15, 16-31, 32-47 of ``h_c``."""
+        with np.errstate(over="ignore"):
+            h = mix64(key + np.uint64(c)) if c else key  # h_0 = key: one hash per row
+        i1 = (h & _MASK16).astype(np.intp)
+        i2 = ((h >> _S16) & _MASK16).astype(np.intp)
+        i3 = ((h >> _S32) & _MASK16).astype(np.intp)
+        return i1, i2, i3
 
+    def _normal_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
+        """float32 [n, w]: ``(S1[i1, :w] + S2[i2, :w]) + S3[i3, :w]``, ``S_t = float32(N_t * mul)``."""
+        with np.errstate(over="ignore"):
+            h = mix64(key + np.uint64(c)) if c else key  # h_0 = key: one hash per row
+        bags = np.empty((key.shape[0], 3), dtype=np.uint64)  # row r of N_t is row t * 2^16 + r
+        np.bitwise_and(h, _MASK16, out=bags[:, 0])
+        bags[:, 1] = ((h >> _S16) & _MASK16) + np.uint64(TABLE_ROWS)
+        bags[:, 2] = ((h >> _S32) & _MASK16) + np.uint64(2 * TABLE_ROWS)
+        idx = torch.from_numpy(bags.view(np.int64))
+        weight = _scaled_weight(w, self._mul)
+        if weight is not None:
+            # one fused gather-sum per row over the scaled tables: acc = 0 + S1[i1];
+            # acc += S2[i2]; acc += S3[i3] (float32, this order; 0 + x == x for x != -0.0)
+            out = F.embedding_bag(idx, weight, mode="sum")
+        else:  # the same IEEE operations, unfused: scale each gathered row, then sum in order
+            base = torch.from_numpy(_tables["normal"].reshape(-1, WIDTH)[:, :w])
+            m = float(self._mul)
+            out = base.index_select(0, idx[:, 0]).mul_(m)
+            out += base.index_select(0, idx[:, 1]).mul_(m)
+            out += base.index_select(0, idx[:, 2]).mul_(m)
+        return out.numpy()
 
-class _Buffers:
-    """Scratch arrays of one block (reused across blocks; cache-sized)."""
-
-    def __init__(self, shape: tuple[int, int], normal: bool) -> None:
-        self.shape = shape
-        self._c = np.empty(shape, dtype=np.uint64)
-        self._c2 = np.empty(shape, dtype=np.uint64) if normal else self._c
-        self._tmp = np.empty(shape, dtype=np.uint64)
-        self._f1 = np.empty(shape, dtype=np.float64)
-        self._f2 = np.empty(shape, dtype=np.float64) if normal else self._f1
-
-    def view(self, rows: int) -> "_Buffers":
-        v = object.__new__(_Buffers)
-        v.c, v.c2, v.tmp = self._c[:rows], self._c2[:rows], self._tmp[:rows]
-        v.f1, v.f2 = self._f1[:rows], self._f2[:rows]
-        return v
-
-
-_ONE = np.uint64(1)
-_TWO_PI = 2.0 * np.pi
-_MIX_ADD = np.uint64(0x9E3779B97F4A7C15)
-_MIX_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
-
-
-def _mix64_(z: np.ndarray, tmp: np.ndarray) -> None:
-    """``z = mix64(z)`` (salt 0) in place; ``tmp`` is scratch of z's shape (same bits as metaps.core.hashing.mix64)."""
-    z += _MIX_ADD
-    np.right_shift(z, _S30, out=tmp)
-    z ^= tmp
-    z *= _MIX_M1
-    np.right_shift(z, _S27, out=tmp)
-    z ^= tmp
-    z *= _MIX_M2
-    np.right_shift(z, _S31, out=tmp)
-    z ^= tmp
-
-
-def _unit_(u: np.ndarray, out: np.ndarray) -> None:
-    """``out = _unit(u)``; clobbers ``u``. (u >> 11) + 1 <= 2^53 is exact in float64, so
-    adding the 1 before the conversion gives the same value as adding 1.0 after it."""
-    u >>= _S11
-    u += _ONE
-    np.multiply(u, _TWO_POW_M53, out=out)
+    def _uniform_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
+        """float32 [n, w]: ``((((U1 + U2 + U3) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * float32(scale)``."""
+        i1, i2, i3 = self._fields(key, c)
+        tabs = _uniform_tables()
+        s = tabs[0, :, :w].take(i1, axis=0)
+        s += tabs[1, :, :w].take(i2, axis=0)  # uint32: wraps mod 2^32
+        s += tabs[2, :, :w].take(i3, axis=0)
+        s >>= _S9  # 23 bits: (k + 0.5) * 2^-22 - 1 is exact in float32
+        f = s.astype(np.float32)
+        f += np.float32(0.5)
+        f *= _TWO_M22
+        f -= np.float32(1.0)
+        f *= self._mul
+        return f

@@ -249,7 +249,7 @@ class ShardStore:
         """Rows of ``table`` changed at versions > ``since_version`` (vectorized count)."""
         t = self.table(table)
         with t.lock:
-            return int(np.count_nonzero((t.row_ids >= 0) & (t.row_version > since_version)))
+            return int(np.count_nonzero((t.row_ids != -1) & (t.row_version > since_version)))
 
     def remove_ids(self, table: str, ids: np.ndarray) -> int:
         """Remove the rows of ``ids`` that exist (replaying a delta checkpoint's removals).
@@ -311,7 +311,7 @@ class ShardStore:
         vs = np.full(t.capacity, -1, dtype=dt)
         for lo in range(0, t.capacity, block):
             ids = t.row_ids[lo : lo + block]
-            keep = ids >= 0
+            keep = ids != -1  # -1 = free row (negative ids are ids)
             if since_version is not None:
                 keep &= t.row_version[lo : lo + block] > since_version
             used = np.flatnonzero(keep)
