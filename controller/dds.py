@@ -48,7 +48,7 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import lmdb
 
@@ -607,7 +607,11 @@ class DynamicDataSharding:
                                 if loads(v)["state"] == ShardState.DOING.value:
                                     back.append(bytes(k))
                         for k in back:
-                            body = loads(txn.get(k, db=shards_db))
+                            raw = txn.get(k, db=shards_db)
+                            if raw is None:
+                                raise DdsError(f"rollback of dataset {name!r}: shard {k!r} of epoch {cut_epoch} "
+                                               f"is not in the shard table")
+                            body = loads(raw)
                             head -= 1
                             body.update(state=ShardState.TODO.value, worker=-1, order=head,
                                         done_worker=-1, done_attempt=0, granted_with="")
@@ -698,7 +702,7 @@ def _check_worker(worker: int) -> None:
         raise DdsError(f"worker index must be an int >= 0, got {worker!r}")
 
 
-__all__: Iterable[str] = [
+__all__: list[str] = [
     "DatasetKind", "DatasetSpec", "DdsCut", "DdsError", "DynamicDataSharding", "GetResult", "GetStatus",
     "ReportResult", "ReportStatus", "ShardLease", "ShardState", "StateMismatch", "UnknownDataset",
     "UnknownShard", "parse_shard_id",

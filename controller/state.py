@@ -38,7 +38,7 @@ def seq_key(seq: int) -> bytes:
     return struct.pack(">Q", seq)
 
 
-def key_seq(key: bytes) -> int:
+def key_seq(key: bytes | memoryview) -> int:
     return struct.unpack(">Q", key)[0]
 
 
@@ -46,7 +46,7 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-def loads(raw: bytes) -> Any:
+def loads(raw: bytes | memoryview) -> Any:
     return json.loads(bytes(raw))
 
 
@@ -95,9 +95,10 @@ class StateStore:
             if not cur.set_range(prefix):
                 return
             for k, v in cur:
-                if not k.startswith(prefix):
+                key = bytes(k)
+                if not key.startswith(prefix):
                     break
-                yield bytes(k), loads(v)
+                yield key, loads(v)
 
     def close(self) -> None:
         self.env.close()
