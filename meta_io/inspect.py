@@ -51,7 +51,7 @@ def inspect_dataset(path: str | Path, check_files: bool = True, verify: bool = F
         for i, cap in enumerate(caps.tolist()):
             sel = np.flatnonzero(meta)[inv == i]
             slots = int(c["n_slots"][sel].sum())
-            rows = int(c["n_rows"][sel].sum())
+            n_rows = int(c["n_rows"][sel].sum())
             buckets.append(
                 dict(
                     capacity=cap,
@@ -60,8 +60,8 @@ def inspect_dataset(path: str | Path, check_files: bool = True, verify: bool = F
                     tasks_per_batch=int(c["task_slots"][sel[0]]),
                     batches=int(sel.size),
                     episodes=int(c["n_tasks"][sel].sum()),
-                    rows=rows,
-                    fill_ratio=round(rows / slots, 4) if slots else 0.0,
+                    rows=n_rows,
+                    fill_ratio=round(n_rows / slots, 4) if slots else 0.0,
                 )
             )
         buckets.sort(key=lambda b: -b["capacity"])

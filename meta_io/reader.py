@@ -66,7 +66,7 @@ from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from meta_io.index import CHECKSUM_COLUMNS, BatchIndex
 from meta_io.integrity import BatchChecker
 from meta_io.layout import BatchKind
-from meta_io.packing import PACKED_FORMAT_VERSION, UNPACKED_FORMAT_VERSION, Packing, logical_schemas, unpack
+from meta_io.packing import PACKED_FORMAT_VERSION, UNPACKED_FORMAT_VERSION, Block, Packing, logical_schemas, unpack
 from meta_io.source import normalized_arrow_schema
 from meta_io.schema import LIST_KINDS, ColumnKind, Schema, schema_from_dict
 from metaps.core.errors import DataError, SchemaError
@@ -244,7 +244,7 @@ class _PackedPlan:
         needed |= set(conv.schema.oracle.values()) | {L.TASK_KEY_COL}
         if conv.schema.scenario:
             needed.add(conv.schema.scenario)
-        used = []
+        used: list[Block] = []
         for b in packing.blocks:
             if not any(m.name in needed for m in b.members):
                 continue  # e.g. the int32 block of __task/__slot: never converted
@@ -621,7 +621,10 @@ class MetaIODataset:
     def leftover(self) -> Iterator[PlainBatch]:
         """The leftover rows of a meta layout (tasks of one row), as plain batches."""
         for f, rows in zip(self._leftover, self._left_rows):
-            yield from self._iter(f, rows, 0, f.n_batches)
+            for batch in self._iter(f, rows, 0, f.n_batches):
+                if not isinstance(batch, PlainBatch):
+                    raise DataError(f"{f.path}: leftover file holds a meta batch, expected plain batches")
+                yield batch
 
     def _iter(self, f: _File, rows: np.ndarray, start: int, stop: int) -> Iterator[MetaBatch | PlainBatch]:
         with self._lock:

@@ -125,7 +125,7 @@ def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, s
         type_cell = _type_str(tp).replace("|", "\\|")
         default_cell = _default_str(f).replace("|", "\\|")
         lines.append(f"| `{f.name}` | {type_cell} | {default_cell} | {docs.get(f.name, '')} |")
-        inner = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        inner = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         for a in inner:
             suffix = "[]" if typing.get_origin(tp) in (list, tuple) else ""
             nested.append((a, f"{key}.{f.name}{suffix}"))

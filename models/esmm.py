@@ -66,6 +66,7 @@ class ESMM(CtrModel):
         if len(self.heads) != 2:
             raise ValueError(f"ESMM needs exactly 2 labels (click, conversion), schema has {schema.labels}")
         d = self.encoder.flat_dim
+        self.bottom: MMoE | SharedBottom
         if config.bottom == BottomKind.MMOE:
             self.bottom = MMoE(d, 2, config.n_experts, config.expert_hidden, config.dropout)
         else:

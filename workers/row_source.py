@@ -80,7 +80,8 @@ class LocalRowSource:
 
     def push_async(self, grads: GradsByTable, step: int) -> "Future[None]":
         """Applied before returning (in-process: nothing to overlap with)."""
-        return _Done(self.push(grads, step))
+        self.push(grads, step)
+        return _Done(None)
 
     def register_dense(self, params: dict[str, np.ndarray]) -> None:
         for name, value in params.items():

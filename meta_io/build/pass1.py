@@ -109,10 +109,12 @@ def _pass1(
                 table = table.take(pa.array(np.argsort(part, kind="stable")))
             off = 0
             for p in np.flatnonzero(counts).tolist():
-                if sinks[p] is None:
+                entry = sinks[p]
+                if entry is None:
                     sink = pa.OSFile(str(paths[p]), "wb")
-                    sinks[p] = (sink, ipc.new_file(sink, spill_schema))
-                sinks[p][1].write_table(table.slice(off, int(counts[p])))
+                    entry = (sink, ipc.new_file(sink, spill_schema))
+                    sinks[p] = entry
+                entry[1].write_table(table.slice(off, int(counts[p])))
                 off += int(counts[p])
     finally:
         for s in sinks:
