@@ -31,7 +31,7 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,9 @@ from torch import Tensor, nn
 from delivery.bundle import DeliveryError
 from meta_io.batch import FeatureBatch
 from meta_io.schema import LIST_KINDS, PAD_ID, Schema
+
+if TYPE_CHECKING:
+    from models.base import CtrModel
 
 _TOLERANCE = 1e-5
 
@@ -96,7 +99,7 @@ def flat_inputs(
 class _FlatPredict(nn.Module):
     """``model.predict`` over flat tensors (the module that gets traced)."""
 
-    def __init__(self, model: nn.Module, names: list[str], heads: list[str]) -> None:
+    def __init__(self, model: CtrModel, names: list[str], heads: list[str]) -> None:
         super().__init__()
         self.model = model
         self.names = names
@@ -159,7 +162,7 @@ def example_inputs(
     return fb, uniq, table_rows
 
 
-def trace_dense(model: nn.Module, schema: Schema, dims: dict[str, int]) -> tuple[torch.jit.ScriptModule, DenseSpec]:
+def trace_dense(model: CtrModel, schema: Schema, dims: dict[str, int]) -> tuple[torch.jit.ScriptModule, DenseSpec]:
     """Trace ``model.predict`` over flat inputs and verify it on a differently sized batch.
 
     Args:

@@ -37,7 +37,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -52,6 +52,9 @@ from meta_io.schema import Schema, schema_from_dict
 from metaps.core.config import from_mapping
 from metaps.core.errors import ConfigError, MetapsError
 from metaps.core.log import kv
+
+if TYPE_CHECKING:
+    from models.base import CtrModel
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +386,7 @@ def changed_since(parent_ids: np.ndarray, parent_fp: np.ndarray, ids: np.ndarray
 
 
 # -- export ---------------------------------------------------------------------------
-def build_trained_model(src: CheckpointSource) -> tuple[torch.nn.Module, dict[str, int]]:
+def build_trained_model(src: CheckpointSource) -> tuple[CtrModel, dict[str, int]]:
     """The checkpoint's model with its trained dense parameters loaded."""
     from models.factory import build_model
 

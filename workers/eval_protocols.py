@@ -34,7 +34,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from metaps.core.errors import DataError
 from metaps.core.evaluation import auc
 from metaps.core.log import kv
 from workers.evaluation import score_batches, summarize
+
+if TYPE_CHECKING:
+    from models.base import CtrModel
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +207,7 @@ def gauc(keys: np.ndarray, target: np.ndarray, score: np.ndarray) -> float:
 
 
 def evaluate_protocol(
-    model: torch.nn.Module,
+    model: CtrModel,
     rows_src: Any,
     batches: Iterable[MetaBatch | PlainBatch],
     meta_cfg: Any = None,

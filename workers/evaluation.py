@@ -16,7 +16,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ import torch
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from metaps.core.evaluation import auc, logloss
 from workers.row_source import RowSource
+
+if TYPE_CHECKING:
+    from models.base import CtrModel
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +92,12 @@ def summarize(arrays: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _predict(model: torch.nn.Module, fb: FeatureBatch, rows: dict[str, torch.Tensor], uids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _predict(model: CtrModel, fb: FeatureBatch, rows: dict[str, torch.Tensor], uids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return model.predict(fb, rows, uids)
 
 
 def score_batches(
-    model: torch.nn.Module,
+    model: CtrModel,
     rows_src: RowSource,
     batches: Iterable[MetaBatch | PlainBatch],
     meta_cfg: Any = None,
@@ -119,7 +122,7 @@ def score_batches(
         model.train(was)
 
 
-def _score(model: torch.nn.Module, rows_src: RowSource, batches: Iterable[MetaBatch | PlainBatch],
+def _score(model: CtrModel, rows_src: RowSource, batches: Iterable[MetaBatch | PlainBatch],
            meta_cfg: Any, adapt: bool, max_batches: int) -> Scores:
     from models.meta import adapt_and_predict
 
@@ -143,7 +146,7 @@ def _score(model: torch.nn.Module, rows_src: RowSource, batches: Iterable[MetaBa
 
 
 def evaluate(
-    model: torch.nn.Module,
+    model: CtrModel,
     rows_src: RowSource,
     batches: Iterable[MetaBatch | PlainBatch],
     meta_cfg: Any = None,
@@ -188,7 +191,7 @@ def write_eval_file(path: Path, scores: Scores) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     flat = {f"{kind}/{head}/{k}": v for kind, heads in scores.items() for head, arrs in heads.items() for k, v in arrs.items()}
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **flat)
+    np.savez(tmp, allow_pickle=True, **flat)
     tmp.replace(path)
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from meta_io.batch import MetaBatch, PlainBatch
 from metaps.core.log import kv
 from workers.config import DenseSync, LrSchedule, TrainConfig, TrainMode
 from workers.row_source import RowSource
+
+if TYPE_CHECKING:
+    from models.base import CtrModel
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CtrModel,
         rows: RowSource,
         cfg: TrainConfig,
         meta_cfg: Any,
@@ -338,6 +341,7 @@ class Trainer:
         try:
             while nxt is not None and not self._at_limit():
                 batch, fut = nxt, pending
+                assert fut is not None  # pending is set whenever nxt is
                 t0 = time.perf_counter()
                 rows = fut.result()
                 wait_s = time.perf_counter() - t0

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from workers.evaluation import merge_eval_files, score_batches, write_eval_file
 from workers.row_source import RemoteRowSource, RowSource
 from workers.telemetry import CountingRowSource, Telemetry
 from workers.trainer import StepStats, Trainer
+
+if TYPE_CHECKING:
+    from models.base import CtrModel
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ def checkpoint_info(job: Any, step: int, metrics: dict[str, Any] | None = None) 
     }
 
 
-def build_model(job: Any) -> torch.nn.Module:
+def build_model(job: Any) -> CtrModel:
     from models.factory import build_model as _build
 
     torch.manual_seed(job.train.seed)
