@@ -63,7 +63,7 @@ import re
 import struct
 import time
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import lmdb
 import numpy as np
@@ -73,6 +73,9 @@ from metaps.core.log import kv
 from ps.embedding_table import TableRows
 from metaps.core.atomic_write import write_json_atomic
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
+
+if TYPE_CHECKING:
+    from ps.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,7 @@ def unpack_arrays(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
 
 
 def _rows_to_arrays(rows: TableRows) -> dict[str, np.ndarray]:
+    assert rows.freq is not None and rows.last_step is not None  # set by TableRows.__post_init__
     d = {"ids": rows.ids, "weights": rows.weights, "freq": rows.freq, "last_step": rows.last_step}
     d.update({f"state/{k}": v for k, v in rows.state.items()})
     return d
@@ -201,12 +205,12 @@ class CheckpointPlan:
     def kind(self) -> str:
         return "full" if self.parent is None else "delta"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"ckpt_id": self.ckpt_id, "kind": self.kind, "parent": self.parent, "parent_id": self.parent_id,
                 "chain": [list(c) for c in self.chain]}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str) -> "CheckpointPlan":
+    def from_dict(cls, d: dict[str, Any], where: str) -> "CheckpointPlan":
         try:
             plan = cls(ckpt_id=str(d["ckpt_id"]), parent=d.get("parent"), parent_id=d.get("parent_id"),
                        chain=tuple((str(n), str(i)) for n, i in d.get("chain") or ()))
@@ -297,11 +301,11 @@ def shard_path(ckpt_dir: str | Path, shard_id: int) -> Path:
 
 
 def save_shard(
-    store: "ShardStore",  # noqa: F821
+    store: ShardStore,
     ckpt_dir: str | Path,
     shard_id: int,
     plan: CheckpointPlan | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Write this shard's tables and dense params into ``<ckpt_dir>/shard-<K>.lmdb``.
 
     Streamed: under ``store.write_lock()`` (a consistent cut) every table is
@@ -412,7 +416,7 @@ def save_shard(
     return summary
 
 
-def _shard_meta(store: "ShardStore", shard_id: int) -> dict:  # noqa: F821
+def _shard_meta(store: ShardStore, shard_id: int) -> dict[str, Any]:
     """The ``meta`` record of a shard file (call under ``store.write_lock()``)."""
     return {
         "format": FORMAT,
@@ -460,7 +464,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _read_meta(path: Path) -> dict:
+def _read_meta(path: Path) -> dict[str, Any]:
     env = _open_ro(path)
     try:
         with env.begin() as txn:
@@ -470,9 +474,10 @@ def _read_meta(path: Path) -> dict:
     if raw is None:
         raise CheckpointError(f"{path}: key 'meta' missing (incomplete shard file)")
     try:
-        return json.loads(bytes(raw))
+        meta: dict[str, Any] = json.loads(bytes(raw))
     except ValueError as exc:
         raise CheckpointError(f"{path}: key 'meta' is not valid json: {exc}") from None
+    return meta
 
 
 def _open_ro(path: Path) -> lmdb.Environment:
@@ -484,11 +489,11 @@ def _open_ro(path: Path) -> lmdb.Environment:
 
 def shard_files(ckpt_dir: str | Path) -> list[Path]:
     """``shard-*.lmdb`` files of a checkpoint dir, by shard id."""
-    files = [p for p in Path(ckpt_dir).iterdir() if _SHARD_RE.match(p.name)]
-    return sorted(files, key=lambda p: int(_SHARD_RE.match(p.name).group(1)))
+    numbered = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir() if (m := _SHARD_RE.match(p.name))]
+    return [p for _, p in sorted(numbered, key=lambda t: t[0])]
 
 
-def commit_checkpoint(tmp_dir: str | Path, info: dict) -> Path:
+def commit_checkpoint(tmp_dir: str | Path, info: dict[str, Any]) -> Path:
     """Seal ``<root>/ckpt-<step>.tmp`` into ``<root>/ckpt-<step>`` atomically.
 
     fsyncs every file, writes manifest.json (sha256 and size of each file,
@@ -537,7 +542,7 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict) -> Path:
     vsh = {mm["num_vshards"] for mm in metas}
     if len(vsh) != 1:
         raise CheckpointError(f"{tmp_dir}: shard files disagree on num_vshards: {sorted(vsh)}")
-    tables: dict[str, dict] = {}
+    tables: dict[str, dict[str, Any]] = {}
     for p, mm in zip(shards, metas):
         for name, t in mm["tables"].items():
             prev = tables.get(name)
@@ -576,11 +581,11 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict) -> Path:
     return final
 
 
-def read_manifest(ckpt_dir: str | Path) -> dict:
+def read_manifest(ckpt_dir: str | Path) -> dict[str, Any]:
     """The manifest of a committed checkpoint (CheckpointError when missing or invalid)."""
     path = Path(ckpt_dir) / MANIFEST
     try:
-        data = json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointNotFound(f"{path}: no manifest (not a committed checkpoint)") from None
     except ValueError as exc:
@@ -591,7 +596,7 @@ def read_manifest(ckpt_dir: str | Path) -> dict:
     return data
 
 
-def verify_checkpoint(ckpt_dir: str | Path, files: Sequence[str] | None = None) -> dict:
+def verify_checkpoint(ckpt_dir: str | Path, files: Sequence[str] | None = None) -> dict[str, Any]:
     """Check sha256 and size of the manifest's files (or the given subset); returns the manifest."""
     ckpt_dir = Path(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
@@ -610,7 +615,7 @@ def verify_checkpoint(ckpt_dir: str | Path, files: Sequence[str] | None = None) 
     return manifest
 
 
-def checkpoint_chain(ckpt_dir: str | Path) -> list[tuple[Path, dict]]:
+def checkpoint_chain(ckpt_dir: str | Path) -> list[tuple[Path, dict[str, Any]]]:
     """(directory, manifest) of every checkpoint a restore of ``ckpt_dir`` reads, base first.
 
     A full checkpoint is its own chain. A delta's manifest lists its chain
@@ -629,7 +634,7 @@ def checkpoint_chain(ckpt_dir: str | Path) -> list[tuple[Path, dict]]:
     chain = tip.get("chain")
     if not isinstance(chain, list) or not chain:
         raise CheckpointError(f"{ckpt_dir / MANIFEST}: a delta checkpoint without its 'chain'")
-    out: list[tuple[Path, dict]] = []
+    out: list[tuple[Path, dict[str, Any]]] = []
     for i, link in enumerate(chain):
         try:
             name, cid = str(link[0]), str(link[1])
@@ -651,7 +656,7 @@ def checkpoint_chain(ckpt_dir: str | Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def verify_for_restore(ckpt_dir: str | Path) -> dict:
+def verify_for_restore(ckpt_dir: str | Path) -> dict[str, Any]:
     """Everything a restore can check before it touches a shard; returns the manifest.
 
     For a delta checkpoint every member of its chain (base + deltas) is checked,
@@ -670,7 +675,7 @@ def verify_for_restore(ckpt_dir: str | Path) -> dict:
     return chain[-1][1]
 
 
-def _verify_one_for_restore(ckpt_dir: str | Path) -> dict:
+def _verify_one_for_restore(ckpt_dir: str | Path) -> dict[str, Any]:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointNotFound(f"{ckpt_dir}: checkpoint directory not found (no manifest)")
@@ -775,7 +780,7 @@ def _iter_table_chunks(path: Path, table: str, vshards: Sequence[int] | None) ->
 
 
 def load_shard(
-    store: "ShardStore",  # noqa: F821
+    store: ShardStore,
     ckpt_dir: str | Path,
     owned_vshards: Sequence[int],
     verify: bool = True,
@@ -820,7 +825,7 @@ def load_shard(
     return counts
 
 
-def _apply_removals(store: "ShardStore", path: Path, owned: np.ndarray) -> None:  # noqa: F821
+def _apply_removals(store: ShardStore, path: Path, owned: np.ndarray) -> None:
     """Drop the owned ids a delta shard file lists as removed (``r/<table>``)."""
     env = _open_ro(path)
     try:
@@ -839,7 +844,7 @@ def _apply_removals(store: "ShardStore", path: Path, owned: np.ndarray) -> None:
         env.close()
 
 
-def _import_files(store: "ShardStore", shards: list[Path], owned: np.ndarray) -> None:  # noqa: F821
+def _import_files(store: ShardStore, shards: list[Path], owned: np.ndarray) -> None:
     """Import the owned vshards' rows of ``shards`` (one checkpoint's files) into ``store``."""
     for path in shards:
         meta = _read_meta(path)
@@ -867,7 +872,7 @@ def _import_files(store: "ShardStore", shards: list[Path], owned: np.ndarray) ->
 
 
 def load_dense(
-    store: "ShardStore",  # noqa: F821
+    store: ShardStore,
     ckpt_dir: str | Path,
     names: Sequence[str] | None = None,
     verify: bool = True,
@@ -919,7 +924,7 @@ def read_rows(ckpt_dir: str | Path, table: str, verify: bool = False) -> Iterato
     yield from _read_rows_one(ckpt_dir, table, verify)
 
 
-def _resolved_rows(chain: list[tuple[Path, dict]], table: str, verify: bool) -> TableRows:
+def _resolved_rows(chain: list[tuple[Path, dict[str, Any]]], table: str, verify: bool) -> TableRows:
     if verify:
         for d, _m in chain:
             verify_checkpoint(d)
@@ -990,7 +995,8 @@ def in_sorted(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
     if ref.size == 0:
         return np.zeros(x.shape[0], dtype=bool)
     pos = np.searchsorted(ref, x).clip(max=ref.size - 1)
-    return ref[pos] == x
+    found: np.ndarray = ref[pos] == x
+    return found
 
 
 def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
@@ -1009,7 +1015,7 @@ def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
-    found: list[tuple[int, Path, dict]] = []
+    found: list[tuple[int, Path, dict[str, Any]]] = []
     for p in root.iterdir() if root.is_dir() else ():
         m = _CKPT_RE.match(p.name)
         if not m or not p.is_dir():

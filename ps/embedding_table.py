@@ -103,16 +103,20 @@ class TableRows:
 
     def take(self, idx: np.ndarray) -> "TableRows":
         """The subset at positions ``idx``."""
+        freq, last_step = self.freq, self.last_step
+        assert freq is not None and last_step is not None  # set by __post_init__
         return TableRows(
             ids=self.ids[idx],
             weights=self.weights[idx],
             state={k: v[idx] for k, v in self.state.items()},
-            freq=self.freq[idx],
-            last_step=self.last_step[idx],
+            freq=freq[idx],
+            last_step=last_step[idx],
         )
 
     @staticmethod
-    def concat(parts: list["TableRows"], dim: int, state_spec: dict | None = None) -> "TableRows":
+    def concat(
+        parts: list["TableRows"], dim: int, state_spec: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+    ) -> "TableRows":
         """Concatenate parts (an empty list gives empty rows of ``dim``)."""
         if not parts:
             state = {}
@@ -518,7 +522,7 @@ class EmbeddingTable:
 
     def _release(self, rows: np.ndarray) -> np.ndarray:
         """Unmap and free ``rows``; returns the ids they held."""
-        ids = self.row_ids[rows].copy()
+        ids: np.ndarray = self.row_ids[rows].copy()
         self.id_map.remove(ids)
         self.row_ids[rows] = -1
         self.freq[rows] = 0
@@ -616,10 +620,10 @@ class EmbeddingTable:
                 f"{self.cfg.optimizer.kind.value} state {sorted(spec)}"
             )
         for k, (shape, _dt) in spec.items():
-            got = np.asarray(rows.state[k])
-            if got.shape != (n, *shape):
+            got_state = np.asarray(rows.state[k])
+            if got_state.shape != (n, *shape):
                 raise BadRequest(
-                    f"table '{self.name}': optimizer state '{k}' shape {got.shape}, expected {(n, *shape)}"
+                    f"table '{self.name}': optimizer state '{k}' shape {got_state.shape}, expected {(n, *shape)}"
                 )
         bad = ~np.isfinite(w).all(axis=1) if n else np.zeros(0, bool)
         for k in spec:
@@ -670,6 +674,7 @@ class EmbeddingTable:
                 "imported weights differ from the optimizer state's; stored the state's",
                 extra=kv(table=self.name, rows=rewritten, optimizer=self.cfg.optimizer.kind.value),
             )
+        assert rows.freq is not None  # set by TableRows.__post_init__
         self.freq[cur] = np.minimum(rows.freq, np.iinfo(np.int32).max).astype(np.int32)
         self.last_step[cur] = np.asarray(rows.last_step).astype(np.int32)
         self.row_version[cur] = self.current_version
@@ -683,7 +688,7 @@ class EmbeddingTable:
         self._release(rows)
         return int(rows.size)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int | float | str]:
         return {
             "rows": self.size,
             "capacity": self.capacity,

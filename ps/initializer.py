@@ -104,7 +104,8 @@ def _log(x: np.ndarray) -> np.ndarray:
                                                                              + w * 1.479819860511658591e-01)))
     r = t2 + t1
     hfsq = 0.5 * f * f
-    return k * 6.93147180369123816490e-01 - ((hfsq - (s * (hfsq + r) + k * 1.90821492927058770002e-10)) - f)
+    out: np.ndarray = k * 6.93147180369123816490e-01 - ((hfsq - (s * (hfsq + r) + k * 1.90821492927058770002e-10)) - f)
+    return out
 
 
 _A = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02, 1.383577518672690e02,
@@ -243,7 +244,7 @@ class RowInitializer:
         self.scale = float(scale)
         self.seed = int(seed)
         name_hash = int(hash_strings(pa.array([table]))[0])
-        self._salt = int(mix64(np.uint64(name_hash))) ^ (int(seed) & 0xFFFFFFFFFFFFFFFF)
+        self._salt = int(mix64(np.asarray(np.uint64(name_hash)))) ^ (int(seed) & 0xFFFFFFFFFFFFFFFF)
         self._chunks = -(-self.dim // WIDTH)
         # the multiplier, rounded once to float32 (the rows are float32 products)
         self._mul = np.float32(self.scale / math.sqrt(3.0) if self.kind == InitKind.NORMAL else self.scale)

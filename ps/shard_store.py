@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -329,9 +329,9 @@ class ShardStore:
         """Bytes allocated by all tables (rows, state, map, metadata) and dense params."""
         return int(sum(t.memory_bytes() for t in self.tables.values()) + self.dense.memory_bytes())
 
-    def stats(self) -> dict:
-        """Per table: rows, capacity, fill, admissions, evictions, drops, pulls, pushes, bytes."""
-        tables = {}
+    def stats(self) -> dict[str, Any]:
+        """Per table: rows, capacity, fill, admissions, evictions, drops, pulls, pushes, bytes (a JSON document)."""
+        tables: dict[str, dict[str, int | float | str]] = {}
         for name, t in self.tables.items():
             with t.lock:
                 tables[name] = t.stats()
