@@ -25,10 +25,10 @@ from metaps.job import load_job
 from metaps.launch import (
     LaunchConfig,
     Launcher,
-    apply_overrides,
     find_resume_checkpoint,
     parse_override,
 )
+from metaps.roles.overrides import apply_overrides
 from metaps.plots import PLOTS
 from ps.checkpoint import latest_checkpoint, read_manifest
 from tests.metaps.fleet_data import (
