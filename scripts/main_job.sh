@@ -9,7 +9,7 @@
 #   5. metaps deliver               the run's checkpoint -> a published serving bundle (gated on AUC)
 #
 # Usage: PATH=.venv/bin:$PATH bash scripts/main_job.sh RUN_DIR
-# Sizes: METAPS_ROWS, METAPS_USERS, METAPS_ITEMS, METAPS_SEED (defaults fit ~5 minutes on 2 cores).
+# Sizes: METAPS_ROWS, METAPS_USERS, METAPS_ITEMS, METAPS_SEED (run time of the defaults: README, "What `make run` does").
 # The job file is configs/main_job.toml; its data paths are rewritten to RUN_DIR here.
 set -euo pipefail
 
