@@ -769,7 +769,7 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
         cfg = dataclasses.replace(job.controller, policy=_PK.DD, tick_s=0.1)
         half = global_batch // REAL_WORKERS_E5
         equal = {k: half + (1 if k < global_batch - half * REAL_WORKERS_E5 else 0) for k in range(REAL_WORKERS_E5)}
-        pol = _InterleavedDd(make_policy(_PK.DD, cfg), equal, window_s)
+        pol = _InterleavedDd(make_policy(cfg), equal, window_s)
         spec = DatasetSpec.from_meta_io("train", job.data.train, "train", epochs=job.train.epochs)
         srv = ControllerServer(cfg, tmp / "ctl", [spec], RPC, policy=pol)  # type: ignore[arg-type]
         srv.start("127.0.0.1:0")
