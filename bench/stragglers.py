@@ -10,7 +10,7 @@ Real processes (ratios measured side by side in the same run):
         load drift cancels), for [controller.nd] keep = 1 (default) and 0
     E5  2 all-reduce `metaps worker` processes (gloo) + 1 PS, worker 1 slowed 2x:
         DD plans from the controller vs the same DD loop with equal batches (two runs), and
-        E5i: both arms in ONE run, the DD plan and the equal split alternating every 25 s
+        E5i: both arms in ONE run, the DD plan and the equal split alternating every 8 s
         (ABAB windows, median of adjacent-pair ratios; drift between runs cannot bias it)
 
 Simulations (threads that sleep ``base_s * slowdown`` per batch against a real controller;
@@ -745,7 +745,7 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, skip: int = 1) ->
 
 
 def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_batch: int = 1024,
-                        window_s: float = 25.0) -> dict[str, Any]:
+                        window_s: float = 8.0) -> dict[str, Any]:
     """E5 with both arms in one run: DD plan and equal split alternate (see ``_InterleavedDd``).
 
     Same fleet as :func:`e5_real` (2 gloo workers + 1 PS, worker 1 slowed 2x). The figure is
