@@ -184,8 +184,8 @@ def _insert_profile(cfg: TableConfig, batches: list[torch.Tensor]) -> dict[str, 
     return out
 
 
-def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
-    """Steady state of a full table: 20% never-seen ids per push (admission + eviction working)."""
+def _admitting_store(cap: int, dim: int) -> ShardStore:
+    """One table ``t`` of ``cap`` rows with admission (``min_count = 2``) and LFU eviction."""
     cfg = TableConfig(
         name="t",
         dim=dim,
@@ -194,7 +194,12 @@ def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
         admission=AdmissionConfig(min_count=2),
         eviction=EvictionConfig(policy=EvictionPolicy.LFU, evict_fraction=0.05),
     )
-    s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
+    return ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
+
+
+def _stream_figures(cap: int, dim: int, pushes: int, figures: dict) -> None:
+    """Steady state of a full table: 20% never-seen ids per push (admission + eviction working)."""
+    s = _admitting_store(cap, dim)
     t = s.tables["t"]
     rng = np.random.default_rng(2)
     known = np.arange(cap, dtype=np.int64)
@@ -246,15 +251,7 @@ def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict)
     holds more than its capacity, nothing admitted is dropped for lack of room,
     and the store's memory does not grow while ids keep arriving.
     """
-    cfg = TableConfig(
-        name="t",
-        dim=dim,
-        capacity=cap,
-        optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD),
-        admission=AdmissionConfig(min_count=2),
-        eviction=EvictionConfig(policy=EvictionPolicy.LFU, evict_fraction=0.05),
-    )
-    s = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0)
+    s = _admitting_store(cap, dim)
     t = s.tables["t"]
     rng = np.random.default_rng(4)
     n_first = max(1, int(N_REQ * frac) // 2)

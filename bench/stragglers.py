@@ -611,6 +611,15 @@ def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_W
     return out
 
 
+def _e5_job(tmp: Path, data: dict[str, Path], seed: int, epochs: int, global_batch: int) -> Path:
+    """The E5 job: 2 all-reduce workers, the last slowed 2x, DD policy with 2 s monitor windows."""
+    return _real_job(tmp, data, REAL_WORKERS_E5, 2.0,
+                     train={"epochs": epochs, "seed": seed, "dense_sync": "allreduce", "log_every": 1000},
+                     controller={"policy": "dd", "dd": {"global_batch": global_batch, "min_change": 0.05},
+                                 "monitor": {"window_s": 2.0, "keep_windows": 1000},
+                                 "dds": {"batches_per_shard": 2}})
+
+
 def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
     """2 real all-reduce workers (gloo) + 1 real PS; worker 1 slowed 2x; DD vs equal batches.
 
@@ -634,11 +643,7 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
     for mode in ("equal", "dd"):
         with tempfile.TemporaryDirectory() as tmpd:
             tmp = Path(tmpd)
-            job = _real_job(tmp, data, REAL_WORKERS_E5, 2.0,
-                            train={"epochs": epochs, "seed": seed, "dense_sync": "allreduce", "log_every": 1000},
-                            controller={"policy": "dd", "dd": {"global_batch": g, "min_change": 0.05},
-                                        "monitor": {"window_s": 2.0, "keep_windows": 1000},
-                                        "dds": {"batches_per_shard": 2}})
+            job = _e5_job(tmp, data, seed, epochs, g)
             srv = _real_controller(tmp, job, PolicyKind.DD if mode == "dd" else PolicyKind.NONE)
             try:
                 reps = _real_fleet(tmp, job, REAL_WORKERS_E5, srv.address,
@@ -676,7 +681,7 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
 class _InterleavedDd:
     """A bench policy: the product's DD policy until its first plan, then plan vs equal in turns.
 
-    Phase 1 delegates to the DD policy (controller/policy_dd.py) untouched, so the split it
+    Phase 1 delegates to the DD policy (controller/policy/dd.py) untouched, so the split it
     learns is the product's. From its first ``SetBatchSizes`` on, this wrapper stops
     consulting it and alternates, every ``window_s`` seconds, between that plan and the
     equal split, through the same ``SetBatchSizes`` action the product uses (plan stamps,
@@ -760,11 +765,7 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
     epochs = 16 if quick else 24
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
-        job_path = _real_job(tmp, data, REAL_WORKERS_E5, 2.0,
-                             train={"epochs": epochs, "seed": seed, "dense_sync": "allreduce", "log_every": 1000},
-                             controller={"policy": "dd", "dd": {"global_batch": global_batch, "min_change": 0.05},
-                                         "monitor": {"window_s": 2.0, "keep_windows": 1000},
-                                         "dds": {"batches_per_shard": 2}})
+        job_path = _e5_job(tmp, data, seed, epochs, global_batch)
         job = load_job(str(job_path))
         cfg = dataclasses.replace(job.controller, policy=_PK.DD, tick_s=0.1)
         half = global_batch // REAL_WORKERS_E5

@@ -67,11 +67,15 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-def netns_available() -> bool:
-    """root + iproute2 + unshare + a namespace can actually be created here."""
+def netns_available(need_unshare: bool = True) -> bool:
+    """root + iproute2 (+ unshare) + a namespace can actually be created here.
+
+    Args:
+        need_unshare: also require ``unshare`` (pods get a private mount namespace).
+    """
     import shutil
 
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+    if os.geteuid() != 0 or not shutil.which("ip") or (need_unshare and not shutil.which("unshare")):
         return False
     probe = f"psprobe{os.getpid() % 100000}"
     try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.ports import pick_port
+from metaps.deploy.podsim import netns_available as podsim_netns_available
 from metaps.plots import PLOTS
 from tests.metaps.fleet_data import (
     fleet_pids,
@@ -47,16 +47,8 @@ def _ip(*args: str) -> None:
 
 
 def netns_available() -> bool:
-    """root + iproute2 + a namespace can actually be created here."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or os.environ.get("METAPS_TEST_FORCE_LOOPBACK"):
-        return False
-    probe = f"mpsprobe{os.getpid() % 100000}"
-    try:
-        _ip("netns", "add", probe)
-    except (subprocess.CalledProcessError, OSError):
-        return False
-    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=30)
-    return True
+    """A namespace can be created here (metaps.deploy.podsim's probe), unless loopback is forced."""
+    return not os.environ.get("METAPS_TEST_FORCE_LOOPBACK") and podsim_netns_available(need_unshare=False)
 
 
 @dataclass
