@@ -8,14 +8,16 @@ label column that *every* input file has. Heads whose label is present are
 evaluated (streaming AUC over the real rows); the others are only scored.
 
 With ``support`` (labeled rows of the same schema), each task key's rows are
-scored after adapting on that task's support rows (``ServingModel.adapt``:
+scored after adapting on that task's support rows (grouped by the task key column,
+also when it is of kind ``key``, i.e. not a feature) (``ServingModel.adapt``:
 vectorized over tasks); tasks without support are scored by the base model.
 When more than ``warn_unknown`` of the looked-up ids are unknown to the bundle,
 a warning is logged (and printed by the CLI): the data is probably not from
 the model's domain.
 
 Output: one Parquet file, ``row`` (0-based input row), ``p_<head>`` per head, and
-the ``keep_columns`` copied verbatim from the input (e.g. a key and a label),
+the ``keep_columns`` copied verbatim from the input (e.g. a key and a label:
+a string task key comes out as the raw string, not its int64 hash),
 written beside ``--out`` and renamed over it at the end
 (:func:`metaps.core.atomic_write.atomic_output`), so a failure at any point leaves no
 file (or the previous one) at ``--out``.
@@ -79,23 +81,32 @@ class PredictResult:
     adapted: bool = False
 
 
-def serving_schema(schema: Schema, files: list[Path]) -> Schema:
+def serving_schema(schema: Schema, files: list[Path], task_key: bool = False) -> Schema:
     """The columns ``metaps predict`` reads: features, the scenario, and the labels every file has.
 
     Args:
         schema: the bundle's (training) schema.
         files: the input files (their column names decide which labels are present).
+        task_key: read the task key column too (``--support`` groups rows by it), also
+            when it is of kind ``key`` (not a feature).
     """
     from meta_io.source.files import _file_columns
 
     have = [set(_file_columns(f).names) for f in files]
     present = [lab for lab in schema.labels if all(lab in h for h in have)]
-    cols = [c for c in schema.columns if c.kind in FEATURE_KINDS or c.name == schema.scenario or c.name in present]
+    cols = [c for c in schema.columns if c.kind in FEATURE_KINDS or c.name == schema.scenario or c.name in present
+            or (task_key and c.name == schema.task_key)]
     return dataclasses.replace(schema, columns=cols, labels=present, oracle={}, timestamp="")
 
 
-def _batches(data: Path, schema: Schema, batch_rows: int) -> tuple[Iterator[FeatureBatch], list[str]]:
-    """(feature batches, labels present) for a Meta-IO dataset or Parquet/CSV input."""
+def _batches(
+    data: Path, schema: Schema, batch_rows: int, with_keys: bool = False
+) -> tuple[Iterator[tuple[FeatureBatch, np.ndarray | None]], list[str]]:
+    """((feature batch, task key per row or None), labels present) for a Meta-IO dataset or Parquet/CSV input.
+
+    Args:
+        with_keys: read the task key column of Parquet/CSV input (its int64 keys, for ``--support``).
+    """
     from meta_io.layout import INDEX_NAME, MANIFEST_NAME, MASK_COL
 
     if not data.exists():
@@ -103,18 +114,19 @@ def _batches(data: Path, schema: Schema, batch_rows: int) -> tuple[Iterator[Feat
     if data.is_dir() and (data / MANIFEST_NAME).is_file() and (data / INDEX_NAME).is_file():
         from delivery.gate import holdout_batches
 
-        return holdout_batches(data, schema, batch_rows), list(schema.labels)
+        return ((fb, None) for fb in holdout_batches(data, schema, batch_rows)), list(schema.labels)
     from meta_io.reader import BatchConverter
     from meta_io.source import iter_source, list_source_files
 
-    view = serving_schema(schema, list_source_files(data))
+    view = serving_schema(schema, list_source_files(data), task_key=with_keys)
     conv = BatchConverter(view)
 
-    def gen() -> Iterator[FeatureBatch]:
+    def gen() -> Iterator[tuple[FeatureBatch, np.ndarray | None]]:
         for sb in iter_source(data, view, batch_rows, validate_schema=False):
             tab = sb.table.append_column(MASK_COL, pa.array(np.ones(sb.num_rows, dtype=bool)))
             for rb in tab.to_batches(max_chunksize=batch_rows):
-                yield conv.plain(rb).features
+                keys = rb.column(schema.task_key).to_numpy(zero_copy_only=False) if with_keys else None
+                yield conv.plain(rb).features, keys
 
     return gen(), list(view.labels)
 
@@ -179,7 +191,7 @@ def _support(model: Any, path: Path, batch_rows: int) -> tuple[FeatureBatch, np.
 
     if not path.exists():
         raise DeliveryError(f"{path}: support data not found")
-    view = serving_schema(model.schema, list_source_files(path))
+    view = serving_schema(model.schema, list_source_files(path), task_key=True)
     missing = [h for h in model.heads if h not in view.labels]
     if missing:
         raise DeliveryError(f"{path}: support data lacks label columns {missing}; adaptation trains on labeled rows")
@@ -189,14 +201,16 @@ def _support(model: Any, path: Path, batch_rows: int) -> tuple[FeatureBatch, np.
         raise DeliveryError(f"{path}: support data has no rows")
     tab = tab.append_column(MASK_COL, pa.array(np.ones(tab.num_rows, dtype=bool)))
     fb = BatchConverter(view).plain(tab.combine_chunks().to_batches()[0]).features
-    return fb, _task_keys(model.schema, fb, path)
+    return fb, tab.column(model.schema.task_key).to_numpy()
 
 
 def _task_keys(schema: Schema, fb: FeatureBatch, where: Path) -> np.ndarray:
+    """Task keys of a Meta-IO dataset's rows: only a ``sparse`` task key is among the features."""
     key = schema.task_key
     if key not in fb.ids:
-        raise DeliveryError(f"{where}: task key '{key}' is not an id column of the bundle's schema; "
-                            f"--support needs it to group rows by task")
+        raise DeliveryError(f"{where}: task key '{key}' is not a feature of the bundle's schema (kind "
+                            f"'{schema.column(key).kind.value}'); with --support give Parquet/CSV data, "
+                            f"which is grouped by the key column itself")
     return fb.ids[key].reshape(fb.mask.shape[0], -1)[:, 0].numpy()
 
 
@@ -236,7 +250,7 @@ def predict_to_parquet(
     out, data = Path(out), Path(data)
     model = load_bundle(bundle)
     try:
-        batches, labels = _batches(data, model.schema, batch_rows)
+        batches, labels = _batches(data, model.schema, batch_rows, with_keys=support is not None)
         raw = None
         if keep:
             from meta_io.layout import MANIFEST_NAME
@@ -257,9 +271,10 @@ def predict_to_parquet(
         with atomic_output(out) as tmp:
             writer = None
             try:
-                for fb in batches:
+                for fb, fb_keys in batches:
                     if predictor is not None:
-                        probs = predictor.predict(fb, _task_keys(model.schema, fb, data))
+                        keys = fb_keys if fb_keys is not None else _task_keys(model.schema, fb, data)
+                        probs = predictor.predict(fb, keys)
                     else:
                         probs = model.predict(fb)
                     n = fb.mask.numel()

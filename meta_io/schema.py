@@ -37,7 +37,25 @@ Column kinds and how they are stored after import / in Meta-IO::
     label      0/1 per row (no NaN allowed)    -> float32 [rows]
     oracle     true probability of a label     -> float32 [rows]
     timestamp  int64 per row                   -> int64 [rows]
+    key        a grouping key, not a feature   -> int64 [rows]          (string keys hashed)
     extra      carried through, not a feature  -> as is
+
+The task key and features: ``task_key`` names the column rows are grouped by
+into tasks (episodes, the first-k layout, split-holdout, per-task GAUC,
+per-task adaptation). Whether it is also a model feature is the schema's
+choice, made by the task key column's kind:
+
+* ``sparse``: the key is also an embedding feature (it has a table, e.g. a
+  per-user embedding row);
+* ``key``: the key only groups rows; it is not a feature, creates no
+  embedding table and is never looked up on the PS.
+
+Both normalize the same way: integer keys are kept, string keys are hashed
+to int64 with :func:`metaps.core.hashing.hash_strings` (as string ids are),
+so the same data grouped by a ``key`` or a ``sparse`` column gives the same
+tasks. A ``key`` column must have a value on every row (a null is an error
+naming the file, column and row). Any other kind cannot be the task key
+(``extra`` is carried as text: declare the column ``key`` to group by it).
 """
 
 from __future__ import annotations
@@ -64,11 +82,22 @@ class ColumnKind(str, enum.Enum):
     LABEL = "label"
     ORACLE = "oracle"
     TIMESTAMP = "timestamp"
+    KEY = "key"
     EXTRA = "extra"
 
 
 ID_KINDS = (ColumnKind.SPARSE, ColumnKind.MULTI_HOT, ColumnKind.TEXT)
 LIST_KINDS = (ColumnKind.MULTI_HOT, ColumnKind.TEXT)
+TASK_KEY_KINDS = (ColumnKind.SPARSE, ColumnKind.KEY)
+"""Kinds a task key column may have: ``sparse`` (key and feature) or ``key`` (key only)."""
+
+
+def task_key_kind_error(name: str, kind: ColumnKind) -> str:
+    """The one-line problem with grouping tasks by column ``name`` of kind ``kind`` ('' if none)."""
+    if kind in TASK_KEY_KINDS:
+        return ""
+    return (f"task key '{name}' is a column of kind '{kind.value}'; a task key must be of kind 'key' "
+            f"(groups rows only, not a model feature) or 'sparse' (groups rows and is an embedding feature)")
 
 
 class Pooling(str, enum.Enum):
@@ -88,7 +117,8 @@ class ColumnSpec:
         max_len: list length after padding/truncation (multi_hot, text).
         dim: vector length (vector).
         pooling: how a multi-hot/text list is pooled on the worker.
-        hash: hash string ids to int64 (default: automatic for string columns).
+        hash: hash string ids to int64 (default: automatic for string columns);
+            on a ``key`` column, hash integer keys too (their decimal text).
     """
 
     name: str
@@ -123,7 +153,8 @@ class Schema:
 
     Args:
         columns: every column the pipeline reads.
-        task_key: the column that defines meta-learning tasks (a user, usually).
+        task_key: the column that defines meta-learning tasks (a user, usually);
+            of kind ``key`` (grouping only) or ``sparse`` (grouping and a feature).
         timestamp: the time column ('' if none; then time splits are refused).
         scenario: the scenario column ('' if none).
         labels: label columns, in head order (e.g. click then conversion).
@@ -146,6 +177,9 @@ class Schema:
         by_name = {c.name: c for c in self.columns}
         if self.task_key not in by_name:
             raise ValueError(f"task_key '{self.task_key}' is not a declared column")
+        bad_key = task_key_kind_error(self.task_key, by_name[self.task_key].kind)
+        if bad_key:
+            raise ValueError(bad_key)
         if not self.labels:
             raise ValueError("at least one label is required")
         for lab in self.labels:

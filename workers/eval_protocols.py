@@ -162,7 +162,9 @@ def _plain_batches(p: Path, schema: Schema, batch_rows: int) -> Iterator[PlainBa
     for sb in iter_source(p, schema, batch_rows):
         tab = sb.table.append_column(MASK_COL, pa.array(np.ones(sb.num_rows, dtype=bool)))
         for rb in tab.to_batches(max_chunksize=batch_rows):
-            yield conv.plain(rb)
+            # the task key column itself (a 'key' column is not among the features' ids)
+            keys = torch.from_numpy(rb.column(schema.task_key).to_numpy(zero_copy_only=False))
+            yield _tagged(conv.plain(rb), keys)
 
 
 def _tagged(b: PlainBatch, keys: torch.Tensor) -> PlainBatch:

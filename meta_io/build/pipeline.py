@@ -15,6 +15,10 @@ Two passes, out of core (input may be larger than memory)::
               one take per bucket scatters rows into fixed-shape slots
             --> part-*.arrow, leftover-*.arrow (+ index rows)
 
+Task key: the schema's ``task_key`` (or ``config.task_key``), a column of kind
+``sparse`` (also a feature) or ``key`` (grouping only, no embedding table);
+both are int64 after import (string keys hashed), so both group alike.
+
 Episode rule (documented in docs/design/meta_io.md and tested): a task with
 ``n >= 2`` rows (in split order) is cut into ``E = ceil(n / (S+Q))`` episodes;
 row ``r`` goes to episode ``r*E // n``. An episode of ``n_e`` rows gets
@@ -49,7 +53,7 @@ from meta_io.build.writers import _RollingWriter
 from meta_io.packing import packing_manifest, packing_plans
 from meta_io.index import IndexBuilder
 from meta_io.layout import Layout, Split
-from meta_io.schema import Schema, load_schema
+from meta_io.schema import Schema, load_schema, task_key_kind_error
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core.errors import ConfigError, DataError, SchemaError
 from metaps.core.log import kv
@@ -68,9 +72,9 @@ def _resolve(schema: Schema | str | Path, cfg: MetaIOBuildConfig) -> tuple[Schem
     if cfg.layout == Layout.META:
         if key not in names:
             raise SchemaError(f"task key '{key}' is not a column of the schema; columns: {names}")
-        tp = data_schema.field(key).type
-        if not pa.types.is_integer(tp):
-            raise SchemaError(f"task key '{key}' must be an id column (int64 after import), got {tp}")
+        bad_key = task_key_kind_error(key, schema.column(key).kind)
+        if bad_key:
+            raise SchemaError(bad_key)
         if cfg.split == Split.TIME and not schema.timestamp:
             raise ConfigError("split 'time' needs a timestamp column, but the schema declares none "
                               "(set \"timestamp\" in the schema or use --split random)")

@@ -17,15 +17,16 @@ Normalized columns (one per schema column, schema order, exact types)::
     label       int, float, bool: 0 or 1                        float32          (else: error)
     oracle      int, float in [0, 1]                            float32
     timestamp   int seconds, timestamp[unit], date, ISO string  int64 seconds
+    key         int*, uint*, string, binary, dictionary         int64            (null: error)
     extra       any non-nested type                             string
 
-Ids: integers stay as they are (negative is an error: -1 is padding); strings
+Ids and keys: integers stay as they are (negative is an error: -1 is padding); strings
 are hashed with :func:`metaps.core.hashing.hash_strings` (FNV-1a, non-negative
 int64). ``hash = true`` on a column hashes integers too (their decimal text),
 so the same ids typed as int in Parquet and as text in CSV agree.
 
 CSV: every declared column is read as text and parsed here (so a bad value
-is reported with its row). For an id column without ``hash = true`` the
+is reported with its row). For an id or key column without ``hash = true`` the
 first batch of each file decides: if every value is a decimal integer the
 column is integer (a later non-integer is an error that suggests
 ``hash = true``), otherwise every value of that file is hashed. List and

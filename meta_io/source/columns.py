@@ -174,6 +174,14 @@ def _sparse(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int, sche
     return pa.array(vals, pa.int64())
 
 
+def _key(arr: pa.Array, st: _FileState, col: ColumnSpec, first_row: int, schema: Schema) -> pa.Array:
+    """A ``key`` column (grouping only, not a feature): int64 like a sparse id, but never null."""
+    what = "null task key{more} (every row needs a task)" if col.name == schema.task_key else \
+        "null key{more} (a 'key' column needs a value on every row)"
+    arr = _decoded_no_nulls(arr, st, col, first_row, what)
+    return pa.array(_ids(arr, st, col, None, first_row, parsed=st.csv), pa.int64())
+
+
 def _split_tokens(arr: pa.Array) -> pa.Array:
     """'a b,c' -> ['a', 'b', 'c'] (empty tokens dropped later)."""
     return pc.split_pattern_regex(pc.utf8_trim_whitespace(_decode(arr)), TOKEN_SEP)
@@ -345,6 +353,8 @@ def _normalize(table: pa.Table, st: _FileState, schema: Schema, out_schema: pa.S
         k = col.kind
         if k == ColumnKind.SPARSE:
             out = _sparse(arr, st, col, first_row, schema)
+        elif k == ColumnKind.KEY:
+            out = _key(arr, st, col, first_row, schema)
         elif k in LIST_KINDS:
             out = _id_list(arr, st, col, first_row)
         elif k == ColumnKind.VECTOR:

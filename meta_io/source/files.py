@@ -108,7 +108,7 @@ def _is_list(t: pa.DataType) -> bool:
 def _accepts(col: ColumnSpec, t: pa.DataType) -> bool:
     b = _base(t)
     k = col.kind
-    if k == ColumnKind.SPARSE:
+    if k in (ColumnKind.SPARSE, ColumnKind.KEY):
         return pa.types.is_integer(b) or _is_text(b)
     if k in LIST_KINDS:
         return _is_text(b) or (_is_list(b) and (pa.types.is_integer(b.value_type) or _is_text(b.value_type)))
@@ -132,6 +132,7 @@ _EXPECTED = {
     ColumnKind.LABEL: "0/1 as int, float or bool",
     ColumnKind.ORACLE: "a probability (float)",
     ColumnKind.TIMESTAMP: "int seconds, a timestamp or a date",
+    ColumnKind.KEY: "an integer or string key",
     ColumnKind.EXTRA: "any non-nested type",
 }
 

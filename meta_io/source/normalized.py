@@ -31,7 +31,7 @@ class SourceBatch:
 
 def normalized_type(col: ColumnSpec) -> pa.DataType:
     """The Arrow type a column has after :func:`iter_source`."""
-    if col.kind == ColumnKind.SPARSE or col.kind == ColumnKind.TIMESTAMP:
+    if col.kind in (ColumnKind.SPARSE, ColumnKind.KEY, ColumnKind.TIMESTAMP):
         return pa.int64()
     if col.kind in LIST_KINDS:
         return pa.list_(pa.int64(), col.max_len)
