@@ -163,7 +163,7 @@ def _plain_batches(p: Path, schema: Schema, batch_rows: int) -> Iterator[PlainBa
         tab = sb.table.append_column(MASK_COL, pa.array(np.ones(sb.num_rows, dtype=bool)))
         for rb in tab.to_batches(max_chunksize=batch_rows):
             # the task key column itself (a 'key' column is not among the features' ids)
-            keys = torch.from_numpy(rb.column(schema.task_key).to_numpy(zero_copy_only=False))
+            keys = torch.from_numpy(rb.column(schema.task_key).to_numpy(zero_copy_only=False).copy())
             yield _tagged(conv.plain(rb), keys)
 
 

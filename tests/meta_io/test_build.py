@@ -304,10 +304,10 @@ def test_bad_source_data_names_file_column_row(generated, generated_schema, tmp_
     assert not list(out.glob("*.arrow")) and not list(out.glob(L.STAGING_PREFIX + "*"))
 
 
-def test_task_key_must_be_an_id_column(generated, generated_schema, tmp_path) -> None:
+def test_task_key_must_be_a_key_or_sparse_column(generated, generated_schema, tmp_path) -> None:
     with pytest.raises(SchemaError, match="task key 'nope' is not a column"):
         build(generated.out_dir, generated_schema, tmp_path / "o", MetaIOBuildConfig(task_key="nope"))
-    with pytest.raises(SchemaError, match="task key 'dense_0' must be an id column"):
+    with pytest.raises(SchemaError, match="task key 'dense_0' is a column of kind 'dense'; a task key must be of kind 'key'"):
         build(generated.out_dir, generated_schema, tmp_path / "o", MetaIOBuildConfig(task_key="dense_0"))
     assert not (tmp_path / "o").exists()
 
