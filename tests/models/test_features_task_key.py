@@ -64,6 +64,37 @@ def test_meta_training_grouped_by_a_key_that_is_not_a_feature(gen, tmp_path: Pat
     job = make_job(meta, tmp_path, eval_path=meta, train={"max_steps": 6}, meta={"inner_steps": 1, "inner_lr": 0.1})
     sparse_tables = load_schema(gen.schema_path).tables
     assert [t.name for t in job.table_configs()] == [t for t in sparse_tables if t != "user"]
-    report, worker = train_local(job, tmp_path / "run", checkpoint=False)
+    report, worker = train_local(job, tmp_path / "run")
     assert sorted(worker.rows.store.tables) == sorted(t.name for t in job.table_configs())  # no "user" table
     assert report["eval"]["adapted"]["click"]["rows"] > 0 and report["eval"]["base"]["click"]["rows"] > 0
+    _predict_keeps_the_raw_key(Path(report["checkpoint"]), gen, keyed, tmp_path)
+
+
+def _predict_keeps_the_raw_key(ckpt: Path, gen, keyed: Schema, tmp_path: Path) -> None:
+    """The bundle of that run: ``predict --support`` groups by the key column (not a feature, here
+    given as strings: no table ever sees it) and ``--keep-columns`` writes the raw string key."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from delivery.config import DeliveryConfig
+    from delivery.job import deliver_once
+    from delivery.predict import predict_to_parquet
+
+    deliver_once(DeliveryConfig(out=tmp_path / "bundles"), checkpoint=ckpt)
+    raw = pq.read_table(gen.files[0]).slice(0, 400)
+    raw = raw.set_column(raw.schema.get_field_index("user_id"), "user_id",
+                         pc.binary_join_element_wise("u-", pc.cast(raw.column("user_id"), pa.string()), ""))
+    support, data = tmp_path / "support.parquet", tmp_path / "data.parquet"
+    pq.write_table(raw.slice(0, 200), support)
+    pq.write_table(raw.slice(200), data)
+    res = predict_to_parquet(tmp_path / "bundles", data, tmp_path / "p.parquet", batch_rows=64,
+                             support=support, keep_columns=["user_id"])
+    out = pq.read_table(tmp_path / "p.parquet")
+    assert res.adapted and res.rows == 200
+    assert out.column("user_id").to_pylist() == raw.slice(200).column("user_id").to_pylist()
+    base = predict_to_parquet(tmp_path / "bundles", data, tmp_path / "b.parquet", batch_rows=64)
+    assert not base.adapted
+    moved = np.abs(out.column("p_click").to_numpy() - pq.read_table(tmp_path / "b.parquet").column("p_click").to_numpy())
+    assert moved.max() > 0, "adapting per (string) key changed no score"
