@@ -17,6 +17,10 @@ passing such a file as ``keys`` (``--keys FILE``) instead of a fraction: exactly
 the tasks it names are held out. A keys file holds either imported keys (every
 line a decimal integer: taken as the int64 key) or raw string keys (any other
 line: every line is hashed with ``hash_strings``, as string ids are on import).
+The task key may be a feature (kind ``sparse``) or only a key (kind ``key``);
+both split alike. A string key whose values are all decimal digits in a typed
+Parquet string column is hashed on import: give such keys as the imported int64
+keys (the file this split writes), since an all-integer file is read as those.
 
 Example::
 

@@ -224,7 +224,8 @@ def evaluate_protocol(
         batches: from :func:`protocol_batches`.
         meta_cfg: the inner loop for adapted scores (None or 0 steps: base only).
         adapt: score adapted too (meta batches only).
-        task_key: id column holding the task key of plain rows (for GAUC).
+        task_key: the task key column of plain rows without task keys (for GAUC); Parquet/CSV
+            plain rows are tagged with the key column itself (of kind ``key`` or ``sparse``).
 
     Returns:
         ``{"rows", "tasks", "base": {head: metrics}, ["adapted": ..., "gain": {head: {...}}]}``.
