@@ -150,7 +150,14 @@ def _plain_batches(p: Path, schema: Schema, batch_rows: int) -> Iterator[PlainBa
                 yield _tagged(PlainBatch(b.query, b.unique_ids), keys_q)
             else:
                 yield b
-        yield from ds.leftover()
+        # leftover rows: a 'key' task key is no feature, so tag them from the stored key column
+        key = str(ds.manifest.get("task_key") or ds.schema.task_key)
+        raws = None if key in {c.name for c in ds.schema.id_columns} else ds.leftover_record_batches()
+        for lb in ds.leftover():
+            if raws is not None:
+                col = next(raws).column(key).to_numpy(zero_copy_only=False).copy()
+                lb = _tagged(lb, torch.from_numpy(col))
+            yield lb
         return
     import pyarrow as pa
 

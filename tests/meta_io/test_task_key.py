@@ -216,6 +216,25 @@ def test_first_k_and_evaluation_batches_carry_the_key_column(data) -> None:
     assert got.tolist() == hashed.tolist()
 
 
+def test_plain_evaluation_of_a_meta_io_dataset_keys_every_row(data, tmp_path: Path) -> None:
+    """Support, query and leftover (one-row task) rows all get their key column's value."""
+    from workers.eval_protocols import _row_keys, protocol_batches
+
+    schema = _schema("uid")
+    rows = _rows()
+    one = rows["uid"][0]
+    keep = np.array([u != one for u in rows["uid"].tolist()])
+    keep[0] = True  # user `one` keeps a single row: a leftover task
+    (tmp_path / "lo").mkdir()
+    table = pa.table({k: pa.array(list(v[keep]) if v.dtype == object else v[keep]) for k, v in rows.items()})
+    pq.write_table(table, tmp_path / "lo" / "x.parquet")
+    out = build(tmp_path / "lo", schema, tmp_path / "m2", CFG).out_dir
+    assert MetaIODataset(out).manifest["totals"]["leftover_rows"] >= 1
+    got = np.concatenate([_row_keys(b, schema.task_key) for b in protocol_batches("plain", out, schema)])
+    want = hash_strings(pa.array(rows["uid"][keep].tolist()))
+    assert sorted(got.tolist()) == sorted(want.tolist())
+
+
 def test_schema_kind_key_round_trips_and_validates(tmp_path: Path) -> None:
     s = _schema("uid")
     s.save(tmp_path / "s.json")
