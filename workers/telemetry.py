@@ -9,8 +9,8 @@ every series is labelled ``rank``)::
     metaps_worker_steps_total                 counter   training steps done by this process
     metaps_worker_samples_total               counter   samples trained (rate() = samples/s)
     metaps_worker_step                        gauge     the current step number (resumes after a restart)
-    metaps_worker_loss{head,kind}             gauge     last step's loss; head="all" (the model returns the
-                                                        heads' summed loss), kind total / query /
+    metaps_worker_loss{head,kind}             gauge     last step's loss; head = each head (click, conversion,
+                                                        ...) and "all" (their sum), kind total / query /
                                                         support_before / support_after (meta mode)
     metaps_worker_step_seconds{phase}         histogram data_wait, pull, compute, push, dense_sync, total
     metaps_worker_row_staleness_steps         gauge     steps between the rows a step used and the step
@@ -23,7 +23,7 @@ every series is labelled ``rank``)::
     metaps_worker_eval_auc{kind,head}         gauge     last periodic evaluation's AUC
 
 TensorBoard: ``<run>/tb/worker-R.inc-N/`` (one TensorBoard run per worker
-incarnation), ``train/*`` scalars every ``[train] tb_every_steps`` steps and
+incarnation), ``train/*`` scalars (``train/loss`` and ``train/loss/<head>``, ...) every ``[train] tb_every_steps`` steps and
 ``eval/<kind>/<head>/auc`` at every periodic evaluation, flushed at once.
 
 Incarnation reports: ``<run>/workers/worker-R.inc-N.json`` is claimed (created
@@ -66,7 +66,7 @@ PHASES = ("data_wait", "pull", "compute", "push", "dense_sync", "total")
 STEPS = Counter("metaps_worker_steps", "Training steps done by this worker process", ["rank"])
 SAMPLES = Counter("metaps_worker_samples", "Samples trained by this worker process", ["rank"])
 STEP = Gauge("metaps_worker_step", "Current step number of this worker", ["rank"])
-LOSS = Gauge("metaps_worker_loss", "Last training loss (head=all: the heads' summed loss; kind: total, "
+LOSS = Gauge("metaps_worker_loss", "Last training loss (head: each head, and all = their sum; kind: total, "
              "query, support_before, support_after)", ["rank", "head", "kind"])
 STEP_SECONDS = Histogram("metaps_worker_step_seconds", "Step time by phase", ["rank", "phase"], buckets=_BUCKETS)
 STALENESS = Gauge("metaps_worker_row_staleness_steps", "Steps between the rows a step used and the step",
@@ -116,6 +116,23 @@ def claim_incarnation(workers_dir: Path, rank: int, limit: int = 10_000) -> int:
         return inc
     raise MetapsError(f"{workers_dir}: worker {rank} has {limit} incarnation reports already; "
                       f"expected a fresh run directory")
+
+
+def loss_labels(name: str) -> tuple[str, str] | None:
+    """``(head, kind)`` of a step metric that is a loss, None for other metrics.
+
+    ``loss/click`` -> (click, total); ``query_loss`` -> (all, query);
+    ``query_loss/click`` -> (click, query); ``support_loss_before`` -> (all, support_before).
+
+    Args:
+        name: a key of :attr:`workers.trainer.StepStats.metrics`.
+    """
+    base, _, head = name.partition("/")
+    if base == "loss":
+        return (head, "total") if head else None
+    if not (base.endswith("_loss") or "_loss_" in base):
+        return None
+    return head or "all", base.replace("_loss", "")
 
 
 def _finite(v: Any) -> bool:
@@ -172,7 +189,8 @@ class Telemetry:
             samples: samples of the step.
             loss: the step's loss.
             phases: seconds per phase (keys of :data:`PHASES`; missing ones are not observed).
-            parts: loss components the step reports (``query_loss``, ``support_loss_before``, ...).
+            parts: the step's metrics; its losses (``loss/<head>``, ``query_loss``, ``query_loss/<head>``,
+                ``support_loss_before``, ...; :func:`loss_labels`) set the loss gauge.
         """
         self._steps.inc()
         self._samples.inc(samples)
@@ -180,10 +198,9 @@ class Telemetry:
         if _finite(loss):
             LOSS.labels(str(self.rank), "all", "total").set(loss)
         for name, v in (parts or {}).items():
-            if name.endswith("_loss") or "_loss_" in name:
-                kind = name.replace("_loss", "")
-                if _finite(v):
-                    LOSS.labels(str(self.rank), "all", kind).set(v)
+            labels = loss_labels(name)
+            if labels is not None and _finite(v):
+                LOSS.labels(str(self.rank), *labels).set(v)
         for p, v in phases.items():
             if p in self._phase and _finite(v):
                 self._phase[p].observe(max(float(v), 0.0))
