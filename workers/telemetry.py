@@ -21,6 +21,11 @@ every series is labelled ``rank``)::
     metaps_worker_leases_held                 gauge     train shard leases this worker holds now
     metaps_worker_incarnation                 gauge     1 for the first start, 2 after one restart, ...
     metaps_worker_eval_auc{kind,head}         gauge     last periodic evaluation's AUC
+    metaps_worker_stale_waits_total{kind}     counter   calls held back by the staleness bound or a barrier
+                                                        (kind pull / push / barrier / <RPC>), read from the
+                                                        PS client (:class:`ps.client.StaleWaits`) at scrape
+    metaps_worker_stale_wait_seconds_total{kind} counter seconds those calls waited for slower workers
+                                                        (a wait in progress counts as it goes)
 
 TensorBoard: ``<run>/tb/worker-R.inc-N/`` (one TensorBoard run per worker
 incarnation), ``train/*`` scalars (``train/loss`` and ``train/loss/<head>``, ...) every ``[train] tb_every_steps`` steps and
@@ -47,13 +52,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core.log import kv
@@ -77,11 +83,35 @@ LEASES = Gauge("metaps_worker_leases_held", "Train shard leases held by this wor
 INCARNATION = Gauge("metaps_worker_incarnation", "Incarnation of this worker (1 = first start)", ["rank"])
 EVAL_AUC = Gauge("metaps_worker_eval_auc", "AUC of the last periodic evaluation", ["rank", "kind", "head"])
 
+class _WaitCollector:
+    """``metaps_worker_stale_waits_total`` / ``..._stale_wait_seconds_total`` read from each rank's
+    PS client at scrape time (a worker held back for long shows its wait while it lasts)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Callable[[], Mapping[str, tuple[int, float]]]] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        waits = CounterMetricFamily("metaps_worker_stale_waits", "Calls that waited for slower workers "
+                                    "(staleness bound, barriers)", labels=["rank", "kind"])
+        secs = CounterMetricFamily("metaps_worker_stale_wait_seconds", "Seconds spent waiting for slower workers",
+                                   labels=["rank", "kind"])
+        for rank, totals in list(self.sources.items()):
+            for kind, (n, s) in sorted(totals().items()):
+                waits.add_metric([rank, kind], float(n))
+                secs.add_metric([rank, kind], float(s))
+        yield waits
+        yield secs
+
+
+WAITS = _WaitCollector()
+REGISTRY.register(WAITS)
+
 METRIC_NAMES = (
     "metaps_worker_steps_total", "metaps_worker_samples_total", "metaps_worker_step", "metaps_worker_loss",
     "metaps_worker_step_seconds_bucket", "metaps_worker_step_seconds_sum", "metaps_worker_step_seconds_count",
     "metaps_worker_row_staleness_steps", "metaps_worker_rows_pulled_total", "metaps_worker_rows_pushed_total",
     "metaps_worker_leases_held", "metaps_worker_incarnation", "metaps_worker_eval_auc",
+    "metaps_worker_stale_waits_total", "metaps_worker_stale_wait_seconds_total",
 )
 """Every series name this module exports (the Grafana dashboard test checks its queries against it)."""
 
@@ -177,6 +207,10 @@ class Telemetry:
         if pushed:
             self._pushed.inc(pushed)
 
+    def watch_waits(self, totals: Callable[[], Mapping[str, tuple[int, float]]]) -> None:
+        """Export this rank's waits for slower workers from ``totals`` (``PsClient.waits.totals``)."""
+        WAITS.sources[str(self.rank)] = totals
+
     def leases(self, held: int) -> None:
         self._leases.set(held)
 
@@ -270,6 +304,9 @@ class CountingRowSource:
 
     def __init__(self, inner: Any, tel: Telemetry) -> None:
         self.inner, self.tel = inner, tel
+        waits = getattr(getattr(inner, "client", None), "waits", None)  # a RemoteRowSource's PsClient
+        if waits is not None:
+            tel.watch_waits(waits.totals)
 
     def __getattr__(self, name: str) -> Any:  # clocks, checkpoints, close, ... pass through
         return getattr(self.inner, name)
