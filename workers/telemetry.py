@@ -33,7 +33,8 @@ incarnation), ``train/*`` scalars (``train/loss`` and ``train/loss/<head>``, ...
 
 Incarnation reports: ``<run>/workers/worker-R.inc-N.json`` is claimed (created
 exclusively) when the process starts and rewritten every ``tb_every_steps``
-steps (``"state": "running"``) and at the end (``"finished"``): an incarnation
+steps (``"state": "running"``, ``"last"``: the newest step's figures) and at the
+end (``"finished"``): an incarnation
 that is killed keeps its last snapshot, and :func:`metaps.run_report.read_worker_reports`
 sums every incarnation of a rank.
 
@@ -198,6 +199,8 @@ class Telemetry:
         self.dense_sync_s = 0.0
         self.last_tb_step: int | None = None
         self.eval_points: list[dict[str, Any]] = []
+        self.last: dict[str, Any] = {}
+        """The last step's figures (step, time, loss, samples_per_s, loss/<head>, ...): the snapshot's ``last``."""
         log.info("telemetry ready", extra=kv(rank=rank, incarnation=self.incarnation, tb=str(self.tb_dir)))
 
     # -- counters fed by the row source and the loop --------------------------------------
@@ -238,6 +241,10 @@ class Telemetry:
         for p, v in phases.items():
             if p in self._phase and _finite(v):
                 self._phase[p].observe(max(float(v), 0.0))
+        total = phases.get("total")
+        self.last = {"step": step, "time": time.time(), "loss": loss, "samples": samples,
+                     **({"samples_per_s": samples / max(float(total), 1e-9)} if _finite(total) else {}),
+                     **{k: v for k, v in (parts or {}).items() if loss_labels(k) is not None and _finite(v)}}
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is one where scalars and the snapshot are written."""
@@ -282,9 +289,10 @@ class Telemetry:
 
     # -- report snapshots ------------------------------------------------------------------
     def snapshot(self, report: Mapping[str, Any]) -> None:
-        """Rewrite this incarnation's report file (atomic)."""
+        """Rewrite this incarnation's report file (atomic); ``last`` is the newest step's figures
+        (what the launcher's live view shows, :class:`metaps.progress.LiveWorkers`)."""
         write_json_atomic(self.report_path, {**report, "incarnation": self.incarnation,
-                                             "eval_history": list(self.eval_points)})
+                                             "eval_history": list(self.eval_points), "last": dict(self.last)})
 
     def close(self) -> None:
         if self._writer is not None:
