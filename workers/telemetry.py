@@ -243,7 +243,7 @@ class Telemetry:
                 self._phase[p].observe(max(float(v), 0.0))
         total = phases.get("total")
         self.last = {"step": step, "time": time.time(), "loss": loss, "samples": samples,
-                     **({"samples_per_s": samples / max(float(total), 1e-9)} if _finite(total) else {}),
+                     **({"samples_per_s": samples / max(total, 1e-9)} if total is not None and _finite(total) else {}),
                      **{k: v for k, v in (parts or {}).items() if loss_labels(k) is not None and _finite(v)}}
 
     def due(self, step: int) -> bool:
