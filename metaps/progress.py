@@ -1,28 +1,39 @@
-"""The launcher's live view of a run: controller status + workers' step log lines.
+"""The launcher's live view of a run: controller status + what the workers publish while they train.
 
-Two sources, both already produced by the fleet:
+Sources, all produced by the fleet:
 
 * ``ControllerClient.status()``: shards done/total per dataset, nodes (step,
   slow flag, restarts, RSS), events (stragglers, requeues, restarts);
-* each worker's structured ``msg="step"`` log lines (``rank= step= loss=
-  samples_per_s=``), tailed from ``<run>/logs/worker-R.log`` by :class:`StepLogTail`.
-  They also give a per-worker history when a worker dies before writing its report.
+* each worker's live state, read by :class:`LiveWorkers` from
+
+  - its incarnation snapshots ``<run>/workers/worker-R.inc-N.json`` (rewritten
+    every ``[train] tb_every_steps`` steps, ``last`` = the newest step's figures;
+    ``workers/telemetry.py``): steps and samples summed over every incarnation of
+    the rank, so a restarted worker keeps its history;
+  - its ``/metrics`` endpoint when the launcher knows its port (``metaps_worker_step``,
+    ``..._samples_total``, ``..._loss``): the current step, between two snapshots;
+
+* as a fallback only (a rank with neither yet), its structured ``msg="step"`` log
+  lines, tailed from ``<run>/logs/worker-R.log`` by :class:`StepLogTail`, which also
+  give a per-worker history when a worker dies before writing any report.
 
 :func:`render` turns them into rich tables; :class:`ProgressDisplay` shows them
 live on a terminal, or logs a one-line summary every few seconds otherwise.
 
 Example::
 
-    tail = StepLogTail({0: run / "logs" / "worker-0.log"})
+    live = LiveWorkers(run_dir, ports={0: 9101})
+    tail = StepLogTail({0: run_dir / "logs" / "worker-0.log"})
     display = ProgressDisplay(Console(), live=True)
     while running:
-        tail.poll()
-        display.update(ctl.status(), tail.latest(), elapsed_s)
+        live.poll(); tail.poll()
+        display.update(ctl.status(), live.latest(fallback=tail.latest()), elapsed_s)
     display.close()
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -111,6 +122,145 @@ class StepLogTail:
 
     def max_step(self) -> int:
         return max((int(h[-1]["step"]) for h in self.history.values() if h), default=0)
+
+
+_INC_FILE = re.compile(r"^worker-(\d+)\.inc-(\d+)\.json$")
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+class LiveWorkers:
+    """Each worker's live state from its incarnation snapshots and (when known) its ``/metrics``.
+
+    A rank's record (:meth:`latest`): ``step`` (the step number reached), ``samples``
+    (summed over its incarnations), ``incarnations``, ``loss``, ``samples_per_s``,
+    ``time`` and ``source`` (``snapshot`` or ``metrics``).
+
+    Args:
+        run_dir: the run directory (``workers/`` under it).
+        ports: rank -> its ``/metrics`` port (None or missing: snapshots only).
+        scrape_timeout_s: per scrape; an endpoint that does not answer leaves the snapshot figures.
+    """
+
+    def __init__(self, run_dir: Path, ports: Mapping[int, int | None] | None = None,
+                 scrape_timeout_s: float = 1.0) -> None:
+        self.workers_dir = Path(run_dir) / "workers"
+        self.ports: dict[int, int | None] = dict(ports or {})
+        self.scrape_timeout_s = scrape_timeout_s
+        self._files: dict[Path, tuple[tuple[int, int], dict[str, Any]]] = {}
+        self._scraped: dict[int, tuple[int, float, float]] = {}  # rank -> (incarnation, samples, time)
+        self._latest: dict[int, dict[str, Any]] = {}
+
+    def _snapshots(self) -> dict[int, list[dict[str, Any]]]:
+        """rank -> its incarnation reports in order (unchanged files are not re-read)."""
+        out: dict[int, dict[int, dict[str, Any]]] = {}
+        seen: set[Path] = set()
+        for p in self.workers_dir.glob("worker-*.inc-*.json"):
+            m = _INC_FILE.match(p.name)
+            if not m:
+                continue
+            try:
+                st = p.stat()
+                key = (st.st_mtime_ns, st.st_size)
+                cached = self._files.get(p)
+                if cached is None or cached[0] != key:
+                    cached = (key, json.loads(p.read_text()))
+                    self._files[p] = cached
+            except (OSError, ValueError) as exc:  # replaced between stat and read: next poll
+                log.debug("worker snapshot unreadable", extra=kv(path=str(p), error=str(exc)[:200]))
+                continue
+            seen.add(p)
+            out.setdefault(int(m.group(1)), {})[int(m.group(2))] = cached[1]
+        for gone in set(self._files) - seen:
+            del self._files[gone]
+        return {r: [incs[i] for i in sorted(incs)] for r, incs in out.items()}
+
+    def _scrape(self, rank: int, port: int) -> dict[str, float]:
+        """``metaps_worker_*`` samples of ``rank`` at ``/metrics`` (name or name{head,kind} -> value)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=self.scrape_timeout_s) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith("metaps_worker_"):
+                continue
+            for smp in fam.samples:
+                if smp.labels.get("rank") != str(rank):
+                    continue
+                name = smp.name
+                if "head" in smp.labels:
+                    name += f"{{{smp.labels['head']},{smp.labels.get('kind', '')}}}"
+                out[name] = float(smp.value)
+        return out
+
+    def poll(self) -> None:
+        """Re-read the snapshots that changed and scrape the known endpoints."""
+        latest: dict[int, dict[str, Any]] = {}
+        for rank, incs in self._snapshots().items():
+            cur = incs[-1]
+            # loss and rate from the newest incarnation that has stepped (a fresh restart has not yet)
+            src = next((r for r in reversed(incs) if r.get("last") or r.get("history")), cur)
+            last = src.get("last") or {}
+            hist = src.get("history") or []
+            rec: dict[str, Any] = {
+                "step": max(int(_num(r.get("steps")) or 0) for r in incs),
+                "samples": sum(int(_num(r.get("samples")) or 0) for r in incs),
+                "incarnations": len(incs),
+                "time": _num(cur.get("time")),
+                "source": "snapshot",
+            }
+            for key in ("loss", "samples_per_s"):
+                v = _num(last.get(key)) if key in last else (_num(hist[-1].get(key)) if hist else None)
+                if v is not None:
+                    rec[key] = v
+            port = self.ports.get(rank)
+            if port:
+                self._merge_metrics(rank, port, incs, rec)
+            latest[rank] = rec
+        self._latest = latest
+
+    def _merge_metrics(self, rank: int, port: int, incs: list[dict[str, Any]], rec: dict[str, Any]) -> None:
+        """Newer figures from the running incarnation's ``/metrics`` (when it is the newest snapshot's)."""
+        try:
+            m = self._scrape(rank, port)
+        except (OSError, ValueError) as exc:  # not up yet, restarting, gone
+            log.debug("worker metrics unavailable", extra=kv(rank=rank, port=port, error=str(exc)[:200]))
+            return
+        inc = int(m.get("metaps_worker_incarnation", 0))
+        if inc != int(_num(incs[-1].get("incarnation")) or len(incs)) or "metaps_worker_step" not in m:
+            return  # another process (an old one still exiting, or a newer one before its snapshot)
+        earlier = sum(int(_num(r.get("samples")) or 0) for r in incs[:-1])
+        samples = m.get("metaps_worker_samples_total", 0.0)
+        now = time.time()
+        rec["step"] = max(rec["step"], int(m["metaps_worker_step"]))
+        rec["samples"] = max(rec["samples"], earlier + int(samples))
+        rec["time"], rec["source"] = now, "metrics"
+        loss = m.get("metaps_worker_loss{all,total}")
+        if loss is not None and loss == loss:
+            rec["loss"] = loss
+        prev = self._scraped.get(rank)
+        if prev is not None and prev[0] == inc and now > prev[2] and samples > prev[1]:
+            rec["samples_per_s"] = (samples - prev[1]) / (now - prev[2])
+        if prev is None or prev[0] != inc or samples > prev[1]:
+            self._scraped[rank] = (inc, samples, now)
+
+    def latest(self, fallback: Mapping[int, Mapping[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
+        """rank -> its live record; ranks with no snapshot yet take ``fallback``'s (e.g. :meth:`StepLogTail.latest`).
+
+        Args:
+            fallback: rank -> a step record from another source, used only for ranks missing here.
+        """
+        out = {r: {**w, "source": "log"} for r, w in (fallback or {}).items() if r not in self._latest}
+        out.update(self._latest)
+        return out
+
+    def max_step(self) -> int:
+        return max((int(w["step"]) for w in self._latest.values()), default=0)
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:

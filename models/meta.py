@@ -71,7 +71,8 @@ class MetaStepResult:
         outer_loss: scalar, mean over real tasks of the query loss after adaptation (detached).
         dense_grads: ``model.named_parameters()`` name -> outer gradient.
         row_grads: table -> ``[U_t, dim_t]`` outer gradient of the gathered rows (push to the PS).
-        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss``, ``tasks``.
+        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss``, ``tasks``, and
+            ``query_loss/<head>`` per head (they sum to ``query_loss``).
     """
 
     outer_loss: Tensor
@@ -246,29 +247,37 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
     def task(params: Params, mparams: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
         rates = learner.rates(mparams) if learner.learned else None
         fp, fr, before, after = _adapt(model, params, rows, FeatureBatch(**sup), sidx, cfg, rates)
-        return _batch_loss(model, fp, fr, FeatureBatch(**qry), qidx), before, after
+        qb = FeatureBatch(**qry)
+        q_total, q_heads = loss(_forward(model, fp, fr, qb, qidx), qb, model.heads)
+        return q_total, torch.stack(list(q_heads.values())).detach(), before, after
 
     def outer(params: Params, rows: Rows, mparams: Params):
         per_task = (_task_rows(rows, l2g), _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
-        q, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
+        q, q_heads, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
-        stats = torch.stack([total, (before * weights).sum() / n, (after * weights).sum() / n, weights.sum()])
+        heads = (q_heads * weights[:, None]).sum(0) / n  # [H]: each head's share of the query loss
+        stats = torch.cat([torch.stack([total, (before * weights).sum() / n, (after * weights).sum() / n,
+                                        weights.sum()]), heads])
         return total, stats.detach()
 
     total, stats, dense_grads, row_grads = _grads(outer, model, rows, learner)
-    q, before, after, tasks = stats.tolist()
+    q, before, after, tasks, *per_head = stats.tolist()
     metrics = {"query_loss": q, "support_loss_before": before, "support_loss_after": after, "tasks": tasks}
+    metrics.update({f"query_loss/{h.name}": v for h, v in zip(model.heads, per_head)})
     return MetaStepResult(outer_loss=total, dense_grads=dense_grads, row_grads=row_grads, metrics=metrics)
 
 
-def plain_step(model: CtrModel, batch: PlainBatch, rows: Rows) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+def plain_step(
+    model: CtrModel, batch: PlainBatch, rows: Rows, metrics: dict[str, float] | None = None
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
     """Ordinary supervised step over the same forward: ``(loss, dense_grads, row_grads)``.
 
     Args:
         model: the model (not mutated).
         batch: B rows.
         rows: table -> ``[U_t, dim_t]`` rows of ``batch.unique_ids[t]``.
+        metrics: when given, receives ``loss/<head>``, each head's loss (they sum to the loss).
 
     Example::
 
@@ -277,10 +286,12 @@ def plain_step(model: CtrModel, batch: PlainBatch, rows: Rows) -> tuple[Tensor, 
     index = model.lookup_index(batch.features, batch.unique_ids, rows)
 
     def objective(params: Params, rows: Rows, _unused: Params):
-        total = _batch_loss(model, params, rows, batch.features, index)
-        return total, total.detach()
+        total, per_head = loss(_forward(model, params, rows, batch.features, index), batch.features, model.heads)
+        return total, torch.stack(list(per_head.values())).detach()
 
-    total, _, dense_grads, row_grads = _grads(objective, model, rows)
+    total, heads, dense_grads, row_grads = _grads(objective, model, rows)
+    if metrics is not None:
+        metrics.update({f"loss/{h.name}": v for h, v in zip(model.heads, heads.tolist())})
     return total, dense_grads, row_grads
 
 

@@ -31,6 +31,7 @@ and :meth:`PsClient.push` are short methods over one fan-out/retry loop
   ask again, until the bound is met or the wait time is spent (the client's
   ``wait_timeout_s`` capped by the shard's ``metaps-wait-timeout``), then
   :class:`PsStalenessTimeout` (``DEADLINE_EXCEEDED``) with the shard's message;
+  every such wait is counted with its seconds in :attr:`PsClient.waits` (:class:`StaleWaits`);
 * ``UNAVAILABLE`` + ``awaiting_recovery`` (a restarted shard the controller has not
   restored yet): retried like any UNAVAILABLE;
 * ``FAILED_PRECONDITION`` + ``clock_expired`` (this worker's step clock lease ran out
@@ -130,25 +131,80 @@ def _md_float(err: grpc.RpcError, key: str) -> float | None:
     return v if v == v else None
 
 
+class StaleWaits:
+    """How long this client waited for slower workers (staleness bound, barriers), by call kind.
+
+    A *wait* is one call (pull, push, barrier) that a shard told to ask again
+    (``stale_wait``); its seconds run from the first such answer until the call
+    returns or gives up. A wait in progress counts at once, and its seconds so
+    far are in :meth:`totals` (they only grow: a Prometheus counter can read them).
+
+    Example::
+
+        client.waits.totals()   # {"pull": (3, 0.42)}: 3 waits, 0.42 s in all
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[str, tuple[int, float]] = {}
+        self._active: dict[int, tuple[str, float]] = {}
+        self._next = 0
+
+    def begin(self, kind: str) -> int:
+        """A call of ``kind`` starts waiting; returns the token for :meth:`end`."""
+        with self._lock:
+            self._next += 1
+            self._active[self._next] = (kind, time.monotonic())
+            return self._next
+
+    def end(self, token: int) -> None:
+        """The wait ``token`` is over (the call went through or gave up)."""
+        with self._lock:
+            kind, start = self._active.pop(token)
+            n, secs = self._done.get(kind, (0, 0.0))
+            self._done[kind] = (n + 1, secs + time.monotonic() - start)
+
+    def totals(self) -> dict[str, tuple[int, float]]:
+        """kind -> (waits, seconds), waits in progress included."""
+        with self._lock:
+            out = dict(self._done)
+            now = time.monotonic()
+            for kind, start in self._active.values():
+                n, secs = out.get(kind, (0, 0.0))
+                out[kind] = (n + 1, secs + now - start)
+            return out
+
+
 class _Waiter:
     """Client-side wait for slower workers: backoff 1 ms doubling to 50 ms, bounded time.
 
     Args:
         own_limit_s: the caller's own bound (None: only the shard's cap).
         backoff_s, max_backoff_s: first and largest pause between asks.
+        waits / kind: where the wait is accounted (:class:`StaleWaits`), under which call kind.
     """
 
-    def __init__(self, own_limit_s: float | None, backoff_s: float, max_backoff_s: float) -> None:
+    def __init__(self, own_limit_s: float | None, backoff_s: float, max_backoff_s: float,
+                 waits: StaleWaits | None = None, kind: str = "") -> None:
         self.limit = own_limit_s if own_limit_s else float("inf")
         self.start: float | None = None
         self.delay = backoff_s
         self.max_delay = max_backoff_s
         self.last: tuple[int, grpc.RpcError] | None = None
+        self._waits, self._kind, self._token = waits, kind, 0
+
+    def finish(self) -> None:
+        """The call is over: close its wait in :class:`StaleWaits` (if it waited)."""
+        if self._token and self._waits is not None:
+            self._waits.end(self._token)
+        self._token = 0
 
     def behind(self, shard: int, err: grpc.RpcError) -> None:
         """A shard said stale_wait: start the clock, adopt its cap."""
         if self.start is None:
             self.start = time.monotonic()
+            if self._waits is not None:
+                self._token = self._waits.begin(self._kind)
         cap = _md_float(err, WAIT_TIMEOUT_KEY)
         if cap is not None:
             self.limit = min(self.limit, cap)
@@ -197,6 +253,7 @@ class PsClient:
             (:meth:`join_clock`): a restarted worker's old clock, or at least the
             slowest clock present; the worker numbers its steps from it.
         rejoins: how often a shard told this worker its clock lease had expired.
+        waits: time spent waiting for slower workers (:class:`StaleWaits`).
     """
 
     def __init__(
@@ -248,6 +305,7 @@ class PsClient:
         self._down: set[int] = set()
         self.registered_clock = 0
         self.rejoins = 0
+        self.waits = StaleWaits()
         self._pmap: PartitionMap = self.refresh_map()
         if self._pmap.num_shards != len(self.addresses):
             raise PsClientError(
@@ -452,7 +510,13 @@ class PsClient:
             raise ValueError("barrier needs a worker_id")
         t = timeout_s or self.wait_timeout_s or 0.0
         req = ps_pb2.BarrierRequest(worker_id=self.worker_id, step=step, timeout_s=t)
-        waiter = self._waiter(t or None)
+        waiter = self._waiter(t or None, "barrier")
+        try:
+            self._barrier(step, req, waiter)
+        finally:
+            waiter.finish()
+
+    def _barrier(self, step: int, req: ps_pb2.BarrierRequest, waiter: _Waiter) -> None:
         pending = set(range(self.num_shards))
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
@@ -488,8 +552,8 @@ class PsClient:
             else:
                 deadline += waiter.sleep()  # waiting for slower workers is not retry time
 
-    def _waiter(self, own_limit_s: float | None) -> _Waiter:
-        return _Waiter(own_limit_s, self.wait_backoff_s, self.max_wait_backoff_s)
+    def _waiter(self, own_limit_s: float | None, kind: str) -> _Waiter:
+        return _Waiter(own_limit_s, self.wait_backoff_s, self.max_wait_backoff_s, self.waits, kind)
 
     # -- dense ------------------------------------------------------------------------------
     def register_dense(self, params: Mapping[str, Any], *, overwrite: bool = False) -> list[str]:
@@ -535,9 +599,15 @@ class PsClient:
 
     # -- internals ----------------------------------------------------------------------------------
     def _call_with_retry(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
+        waiter = self._waiter(self.wait_timeout_s, method)
+        try:
+            return self._call_retrying(waiter, shard, method, request, timeout)
+        finally:
+            waiter.finish()
+
+    def _call_retrying(self, waiter: _Waiter, shard: int, method: str, request: Any, timeout: float | None) -> Any:
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
-        waiter = self._waiter(self.wait_timeout_s)
         while True:
             try:
                 resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s,
@@ -614,7 +684,25 @@ class PsClient:
         probe: Iterable[int] = (),
         clock: bool = False,
     ) -> None:
-        """Route, send to every shard at once, retry what was refused, hand each reply to ``on_reply``.
+        """Route, send to every shard at once, retry what was refused, hand each reply to ``on_reply``."""
+        waiter = self._waiter(self.wait_timeout_s, kind)
+        try:
+            self._fan_out_with(waiter, kind, jobs, request, on_reply, probe=probe, clock=clock)
+        finally:
+            waiter.finish()
+
+    def _fan_out_with(
+        self,
+        waiter: _Waiter,
+        kind: str,
+        jobs: list[routing.Job],
+        request: Callable[[list[routing.Piece], PartitionMap], Any],
+        on_reply: Callable[[list[routing.Piece], Any], None],
+        *,
+        probe: Iterable[int] = (),
+        clock: bool = False,
+    ) -> None:
+        """:meth:`_fan_out`'s loop; ``waiter`` accounts its waits for slower workers.
 
         Args:
             kind: "pull" (PullMany) or "push" (PushMany).
@@ -627,7 +715,6 @@ class PsClient:
         pending = routing.everything(jobs)
         deadline = time.monotonic() + self.retry_timeout_s
         delay = self.backoff_s
-        waiter = self._waiter(self.wait_timeout_s)
         need_clock = set(range(self._pmap.num_shards)) if clock else set()
         while pending or need_clock:
             pmap = self._pmap

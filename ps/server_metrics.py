@@ -9,6 +9,12 @@ Per-table data-plane metrics (issue 14): ``metaps_ps_table_requests`` (requests
 that touched a table, by method) and ``metaps_ps_table_rpc_seconds`` (their
 handling time, by table and method), beside the per-method ``metaps_ps_rpc_seconds``.
 
+Staleness (issue 14), read from the shard's :class:`ps.staleness.StepClock` at scrape time
+(:class:`ClockCollector`): ``metaps_ps_worker_clock{shard,worker}`` (each registered worker's
+clock: steps completed, half-steps in sync mode), ``metaps_ps_worker_clock_lag{shard,worker}``
+(how far it is behind the fastest clock) and ``metaps_ps_max_staleness{shard}`` (the bound;
+-1 unbounded). A worker whose lag reaches the bound holds the faster ones back.
+
 Example::
 
     metrics = PsMetrics(lambda: store, shard_id=0, registry=None)
@@ -18,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -56,6 +62,36 @@ class StoreCollector:
         mem.add_metric([shard], float(store.memory_bytes()))
         yield from fams.values()
         yield mem
+
+
+class ClockCollector:
+    """Worker clocks and their lag behind the fastest clock, read from the shard's clock at scrape time.
+
+    Args:
+        clock: returns the shard's :class:`ps.staleness.StepClock` (anything with ``lags()`` and
+            ``max_staleness``).
+        shard_id: the shard label.
+    """
+
+    def __init__(self, clock: Callable[[], Any], shard_id: int) -> None:
+        self._clock = clock
+        self._shard = str(shard_id)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        clock = self._clock()
+        fam = GaugeMetricFamily("metaps_ps_worker_clock", "each registered worker's step clock on this shard "
+                                "(steps completed; half-steps in sync mode)", labels=["shard", "worker"])
+        lag = GaugeMetricFamily("metaps_ps_worker_clock_lag", "how far a worker's clock is behind the fastest "
+                                "registered worker's on this shard", labels=["shard", "worker"])
+        bound = GaugeMetricFamily("metaps_ps_max_staleness", "the staleness bound of this shard's clock "
+                                  "(steps a worker may run ahead of the slowest; -1 unbounded)", labels=["shard"])
+        for worker, (c, behind) in sorted(clock.lags().items()):
+            fam.add_metric([self._shard, worker], float(c))
+            lag.add_metric([self._shard, worker], float(behind))
+        bound.add_metric([self._shard], float(clock.max_staleness))
+        yield fam
+        yield lag
+        yield bound
 
 
 class PsMetrics:
@@ -102,6 +138,11 @@ class PsMetrics:
             registry=r,
         )
         r.register(StoreCollector(store, shard_id))
+        self._shard_id = shard_id
+
+    def watch_clock(self, clock: Callable[[], Any]) -> None:
+        """Export the worker clocks of ``clock()`` (the shard's StepClock): :class:`ClockCollector`."""
+        self.registry.register(ClockCollector(clock, self._shard_id))
 
 
 class LoadTotals:

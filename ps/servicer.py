@@ -320,6 +320,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         """Restore RPCs completed by this process (the controller's fleet recoveries)."""
         self.metrics = PsMetrics(lambda: self.store, shard_id, registry)
         self.metrics.clocks_expired.labels(str(shard_id)).set_function(lambda: self.clock.expired_total)
+        self.metrics.watch_clock(lambda: self.clock)
         self.load = LoadTotals()
         self._gate = Gate()
         self._touched = threading.local()  # .tables: the tables of this thread's data request (metrics)

@@ -217,6 +217,13 @@ class StepClock:
             self._expire_locked()
             return dict(self._clocks)
 
+    def lags(self) -> dict[str, tuple[int, int]]:
+        """worker -> (its clock, how far it is behind the fastest registered clock): the
+        staleness bound at work (``metaps_ps_worker_clock`` / ``metaps_ps_worker_clock_lag``)."""
+        clocks = self.snapshot()
+        top = max(clocks.values(), default=0)
+        return {w: (c, top - c) for w, c in clocks.items()}
+
     def expired(self) -> dict[str, int]:
         """Workers whose lease ran out (and that have not re-registered), with their clock then."""
         with self._cond:

@@ -9,8 +9,8 @@ every series is labelled ``rank``)::
     metaps_worker_steps_total                 counter   training steps done by this process
     metaps_worker_samples_total               counter   samples trained (rate() = samples/s)
     metaps_worker_step                        gauge     the current step number (resumes after a restart)
-    metaps_worker_loss{head,kind}             gauge     last step's loss; head="all" (the model returns the
-                                                        heads' summed loss), kind total / query /
+    metaps_worker_loss{head,kind}             gauge     last step's loss; head = each head (click, conversion,
+                                                        ...) and "all" (their sum), kind total / query /
                                                         support_before / support_after (meta mode)
     metaps_worker_step_seconds{phase}         histogram data_wait, pull, compute, push, dense_sync, total
     metaps_worker_row_staleness_steps         gauge     steps between the rows a step used and the step
@@ -21,14 +21,20 @@ every series is labelled ``rank``)::
     metaps_worker_leases_held                 gauge     train shard leases this worker holds now
     metaps_worker_incarnation                 gauge     1 for the first start, 2 after one restart, ...
     metaps_worker_eval_auc{kind,head}         gauge     last periodic evaluation's AUC
+    metaps_worker_stale_waits_total{kind}     counter   calls held back by the staleness bound or a barrier
+                                                        (kind pull / push / barrier / <RPC>), read from the
+                                                        PS client (:class:`ps.client.StaleWaits`) at scrape
+    metaps_worker_stale_wait_seconds_total{kind} counter seconds those calls waited for slower workers
+                                                        (a wait in progress counts as it goes)
 
 TensorBoard: ``<run>/tb/worker-R.inc-N/`` (one TensorBoard run per worker
-incarnation), ``train/*`` scalars every ``[train] tb_every_steps`` steps and
+incarnation), ``train/*`` scalars (``train/loss`` and ``train/loss/<head>``, ...) every ``[train] tb_every_steps`` steps and
 ``eval/<kind>/<head>/auc`` at every periodic evaluation, flushed at once.
 
 Incarnation reports: ``<run>/workers/worker-R.inc-N.json`` is claimed (created
 exclusively) when the process starts and rewritten every ``tb_every_steps``
-steps (``"state": "running"``) and at the end (``"finished"``): an incarnation
+steps (``"state": "running"``, ``"last"``: the newest step's figures) and at the
+end (``"finished"``): an incarnation
 that is killed keeps its last snapshot, and :func:`metaps.run_report.read_worker_reports`
 sums every incarnation of a rank.
 
@@ -47,13 +53,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core.log import kv
@@ -66,7 +73,7 @@ PHASES = ("data_wait", "pull", "compute", "push", "dense_sync", "total")
 STEPS = Counter("metaps_worker_steps", "Training steps done by this worker process", ["rank"])
 SAMPLES = Counter("metaps_worker_samples", "Samples trained by this worker process", ["rank"])
 STEP = Gauge("metaps_worker_step", "Current step number of this worker", ["rank"])
-LOSS = Gauge("metaps_worker_loss", "Last training loss (head=all: the heads' summed loss; kind: total, "
+LOSS = Gauge("metaps_worker_loss", "Last training loss (head: each head, and all = their sum; kind: total, "
              "query, support_before, support_after)", ["rank", "head", "kind"])
 STEP_SECONDS = Histogram("metaps_worker_step_seconds", "Step time by phase", ["rank", "phase"], buckets=_BUCKETS)
 STALENESS = Gauge("metaps_worker_row_staleness_steps", "Steps between the rows a step used and the step",
@@ -77,11 +84,35 @@ LEASES = Gauge("metaps_worker_leases_held", "Train shard leases held by this wor
 INCARNATION = Gauge("metaps_worker_incarnation", "Incarnation of this worker (1 = first start)", ["rank"])
 EVAL_AUC = Gauge("metaps_worker_eval_auc", "AUC of the last periodic evaluation", ["rank", "kind", "head"])
 
+class _WaitCollector:
+    """``metaps_worker_stale_waits_total`` / ``..._stale_wait_seconds_total`` read from each rank's
+    PS client at scrape time (a worker held back for long shows its wait while it lasts)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Callable[[], Mapping[str, tuple[int, float]]]] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        waits = CounterMetricFamily("metaps_worker_stale_waits", "Calls that waited for slower workers "
+                                    "(staleness bound, barriers)", labels=["rank", "kind"])
+        secs = CounterMetricFamily("metaps_worker_stale_wait_seconds", "Seconds spent waiting for slower workers",
+                                   labels=["rank", "kind"])
+        for rank, totals in list(self.sources.items()):
+            for kind, (n, s) in sorted(totals().items()):
+                waits.add_metric([rank, kind], float(n))
+                secs.add_metric([rank, kind], float(s))
+        yield waits
+        yield secs
+
+
+WAITS = _WaitCollector()
+REGISTRY.register(WAITS)
+
 METRIC_NAMES = (
     "metaps_worker_steps_total", "metaps_worker_samples_total", "metaps_worker_step", "metaps_worker_loss",
     "metaps_worker_step_seconds_bucket", "metaps_worker_step_seconds_sum", "metaps_worker_step_seconds_count",
     "metaps_worker_row_staleness_steps", "metaps_worker_rows_pulled_total", "metaps_worker_rows_pushed_total",
     "metaps_worker_leases_held", "metaps_worker_incarnation", "metaps_worker_eval_auc",
+    "metaps_worker_stale_waits_total", "metaps_worker_stale_wait_seconds_total",
 )
 """Every series name this module exports (the Grafana dashboard test checks its queries against it)."""
 
@@ -118,6 +149,23 @@ def claim_incarnation(workers_dir: Path, rank: int, limit: int = 10_000) -> int:
                       f"expected a fresh run directory")
 
 
+def loss_labels(name: str) -> tuple[str, str] | None:
+    """``(head, kind)`` of a step metric that is a loss, None for other metrics.
+
+    ``loss/click`` -> (click, total); ``query_loss`` -> (all, query);
+    ``query_loss/click`` -> (click, query); ``support_loss_before`` -> (all, support_before).
+
+    Args:
+        name: a key of :attr:`workers.trainer.StepStats.metrics`.
+    """
+    base, _, head = name.partition("/")
+    if base == "loss":
+        return (head, "total") if head else None
+    if not (base.endswith("_loss") or "_loss_" in base):
+        return None
+    return head or "all", base.replace("_loss", "")
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -151,6 +199,8 @@ class Telemetry:
         self.dense_sync_s = 0.0
         self.last_tb_step: int | None = None
         self.eval_points: list[dict[str, Any]] = []
+        self.last: dict[str, Any] = {}
+        """The last step's figures (step, time, loss, samples_per_s, loss/<head>, ...): the snapshot's ``last``."""
         log.info("telemetry ready", extra=kv(rank=rank, incarnation=self.incarnation, tb=str(self.tb_dir)))
 
     # -- counters fed by the row source and the loop --------------------------------------
@@ -159,6 +209,10 @@ class Telemetry:
             self._pulled.inc(pulled)
         if pushed:
             self._pushed.inc(pushed)
+
+    def watch_waits(self, totals: Callable[[], Mapping[str, tuple[int, float]]]) -> None:
+        """Export this rank's waits for slower workers from ``totals`` (``PsClient.waits.totals``)."""
+        WAITS.sources[str(self.rank)] = totals
 
     def leases(self, held: int) -> None:
         self._leases.set(held)
@@ -172,7 +226,8 @@ class Telemetry:
             samples: samples of the step.
             loss: the step's loss.
             phases: seconds per phase (keys of :data:`PHASES`; missing ones are not observed).
-            parts: loss components the step reports (``query_loss``, ``support_loss_before``, ...).
+            parts: the step's metrics; its losses (``loss/<head>``, ``query_loss``, ``query_loss/<head>``,
+                ``support_loss_before``, ...; :func:`loss_labels`) set the loss gauge.
         """
         self._steps.inc()
         self._samples.inc(samples)
@@ -180,13 +235,16 @@ class Telemetry:
         if _finite(loss):
             LOSS.labels(str(self.rank), "all", "total").set(loss)
         for name, v in (parts or {}).items():
-            if name.endswith("_loss") or "_loss_" in name:
-                kind = name.replace("_loss", "")
-                if _finite(v):
-                    LOSS.labels(str(self.rank), "all", kind).set(v)
+            labels = loss_labels(name)
+            if labels is not None and _finite(v):
+                LOSS.labels(str(self.rank), *labels).set(v)
         for p, v in phases.items():
             if p in self._phase and _finite(v):
                 self._phase[p].observe(max(float(v), 0.0))
+        total = phases.get("total")
+        self.last = {"step": step, "time": time.time(), "loss": loss, "samples": samples,
+                     **({"samples_per_s": samples / max(total, 1e-9)} if total is not None and _finite(total) else {}),
+                     **{k: v for k, v in (parts or {}).items() if loss_labels(k) is not None and _finite(v)}}
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is one where scalars and the snapshot are written."""
@@ -231,9 +289,10 @@ class Telemetry:
 
     # -- report snapshots ------------------------------------------------------------------
     def snapshot(self, report: Mapping[str, Any]) -> None:
-        """Rewrite this incarnation's report file (atomic)."""
+        """Rewrite this incarnation's report file (atomic); ``last`` is the newest step's figures
+        (what the launcher's live view shows, :class:`metaps.progress.LiveWorkers`)."""
         write_json_atomic(self.report_path, {**report, "incarnation": self.incarnation,
-                                             "eval_history": list(self.eval_points)})
+                                             "eval_history": list(self.eval_points), "last": dict(self.last)})
 
     def close(self) -> None:
         if self._writer is not None:
@@ -253,6 +312,9 @@ class CountingRowSource:
 
     def __init__(self, inner: Any, tel: Telemetry) -> None:
         self.inner, self.tel = inner, tel
+        waits = getattr(getattr(inner, "client", None), "waits", None)  # a RemoteRowSource's PsClient
+        if waits is not None:
+            tel.watch_waits(waits.totals)
 
     def __getattr__(self, name: str) -> Any:  # clocks, checkpoints, close, ... pass through
         return getattr(self.inner, name)

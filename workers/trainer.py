@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
+    """One step's figures; ``metrics`` holds ``loss/<head>`` (each head's share of ``loss``) and,
+    in meta mode, ``query_loss``, ``query_loss/<head>``, ``support_loss_before/after``, ``tasks``."""
+
     step: int
     loss: float
     samples: int
@@ -252,12 +255,17 @@ class Trainer:
         if self.cfg.mode == TrainMode.META:
             if not isinstance(batch, MetaBatch):
                 raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
-            return meta_step(self.model, batch, rows, self.inner_loop)
+            res = meta_step(self.model, batch, rows, self.inner_loop)
+            # the outer loss is the query loss: its per-head split is the step's loss per head
+            res.metrics.update({"loss/" + k.split("/", 1)[1]: v for k, v in list(res.metrics.items())
+                                if k.startswith("query_loss/")})
+            return res
         if isinstance(batch, MetaBatch):
             # Plain training on a meta layout: support and query rows are all training rows.
             batch = _flatten_meta(batch)
-        loss, dense_grads, row_grads = plain_step(self.model, batch, rows)
-        return MetaStepResult(outer_loss=loss, dense_grads=dense_grads, row_grads=row_grads)
+        head_losses: dict[str, float] = {}
+        loss, dense_grads, row_grads = plain_step(self.model, batch, rows, head_losses)
+        return MetaStepResult(outer_loss=loss, dense_grads=dense_grads, row_grads=row_grads, metrics=head_losses)
 
     def step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float) -> StepStats:
         """One step; returns once its row push and dense sync are done."""

@@ -108,9 +108,10 @@ class Launcher:
         self.status: dict[str, Any] | None = None
         self.ckpt = ""
         self.agent_notes: list[str] = []  # agents that died and were restarted (true reasons, for the report)
-        from metaps.progress import StepLogTail
+        from metaps.progress import LiveWorkers, StepLogTail
 
         self.tail = StepLogTail({r: self.run_dir / "logs" / f"worker-{r}.log" for r in range(n_workers)})
+        self.live = LiveWorkers(self.run_dir)  # the live view: snapshots + /metrics; the log tail is its fallback
         self.previous_latest = mark_latest(self.run_dir) if self.auto_named else None
         log.info("run directory ready", extra=kv(run_dir=str(self.run_dir), ps=n_ps, workers=n_workers,
                                                   resume=self.resume or "-"))
@@ -224,7 +225,9 @@ class Launcher:
                     next_status = now + self.lc.status_every_s
                     self._poll_status(client)
                     self.tail.poll()
-                    display.update(self.status, self.tail.latest(), elapsed)
+                    self.live.ports = {r: self.metrics_ports.get(f"worker-{r}") for r in range(self.job.train.workers)}
+                    self.live.poll()
+                    display.update(self.status, self.live.latest(fallback=self.tail.latest()), elapsed)
                     failed = controller_failed(self.status)
                     if failed is not None:
                         return failed

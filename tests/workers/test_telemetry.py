@@ -80,6 +80,16 @@ def _scalars(tb_dir: Path, tag: str) -> list[Any]:
     return list(acc.Scalars(tag)) if tag in acc.Tags()["scalars"] else []
 
 
+def _tags(tb_dir: Path, prefix: str) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not tb_dir.is_dir():
+        return []
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return sorted(t for t in acc.Tags()["scalars"] if t.startswith(prefix))
+
+
 @pytest.fixture(scope="module")
 def scenario(worker_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from ps.server import build_server
@@ -107,6 +117,8 @@ def scenario(worker_data: dict[str, Path], tmp_path_factory: pytest.TempPathFact
             tb1 = run_dir / "tb" / "worker-0.inc-1"
             out["tb_loss"] = _poll("live TensorBoard train/loss", lambda: len(_scalars(tb1, "train/loss")) >= 2
                                    and _scalars(tb1, "train/loss"), proc, log1)
+            out["tb_head_loss"] = _poll("live TensorBoard train/loss/<head>", lambda: _tags(tb1, "train/loss/"),
+                                        proc, log1)
             out["tb_auc"] = _poll("a periodic-eval AUC in TensorBoard",
                                   lambda: _scalars(tb1, "eval/adapted/click/auc"), proc, log1)
             out["snapshot"] = _poll("a running snapshot with steps and a periodic evaluation",
@@ -146,6 +158,11 @@ def test_worker_metrics_advance_while_it_trains(scenario: dict[str, Any]) -> Non
     assert later["metaps_worker_rows_pulled_total"] > 0 and later["metaps_worker_rows_pushed_total"] > 0
     assert later["metaps_worker_incarnation"] == 1
     assert "metaps_worker_loss{head=all,kind=total}" in later
+    # loss per head (meta mode: the query loss of each head is the step's loss of that head)
+    heads = {k.split("head=")[1].split(",")[0] for k in later if k.startswith("metaps_worker_loss{")} - {"all"}
+    assert len(heads) >= 2, sorted(later)
+    for h in heads:
+        assert f"metaps_worker_loss{{head={h},kind=total}}" in later and f"metaps_worker_loss{{head={h},kind=query}}" in later
     for phase in ("data_wait", "pull", "compute", "push", "dense_sync", "total"):
         assert later[f"metaps_worker_step_seconds_count{{phase={phase}}}"] >= 1, phase
 
@@ -156,6 +173,7 @@ def test_tensorboard_written_before_the_run_ends(scenario: dict[str, Any]) -> No
     steps = [e.step for e in scenario["tb_loss"]]
     # the incarnation's first step, then every tb_every_steps (2)
     assert len(steps) >= 2 and all(s % 2 == 0 for s in steps[1:]) and steps == sorted(steps), steps
+    assert len(scenario["tb_head_loss"]) >= 2, scenario["tb_head_loss"]  # train/loss/click, train/loss/conversion
     auc = scenario["tb_auc"]
     assert auc and all(0.0 <= e.value <= 1.0 for e in auc) and all(e.step % 3 == 0 for e in auc)
 
