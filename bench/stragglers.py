@@ -749,6 +749,41 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, skip: int = 1) ->
     return ratios
 
 
+_E5_PROFILE_FIELDS = ("size", "units", "read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s",
+                      "grad_wait_s", "wall_s")
+
+
+def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, skip: int = 1) -> dict[str, Any]:
+    """Per arm and worker, the median per step of each part of the step (``DdStepRecord``).
+
+    A step's arm is read from worker 0's size at that step (``dd_size0``: the plan's size for
+    worker 0); the first ``skip`` steps after each switch are dropped, like ``_paired_windows``.
+    Also the median step period (end to end, worker 0) per arm.
+    """
+    by_step = [{r["step"]: r for r in rep["dd_steps"]} for rep in reports]
+    arm_of: dict[int, str] = {}
+    prev, run = "", 0
+    steps0 = sorted(by_step[0])
+    for st in steps0:
+        arm = "dd" if by_step[0][st]["size"] == dd_size0 else "equal"
+        run = run + 1 if arm == prev else 0
+        prev = arm
+        if run >= skip:
+            arm_of[st] = arm
+    out: dict[str, Any] = {}
+    for arm in ("dd", "equal"):
+        steps = [st for st in steps0 if arm_of.get(st) == arm]
+        prof: dict[str, Any] = {"steps": len(steps)}
+        periods = [by_step[0][st]["t"] - by_step[0][st - 1]["t"] for st in steps if st - 1 in by_step[0]]
+        prof["period_s"] = round(statistics.median(periods), 4) if periods else None
+        for k, recs in enumerate(by_step):
+            rows = [recs[st] for st in steps if st in recs]
+            prof[f"w{k}"] = {f: round(statistics.median(float(r.get(f, 0.0)) for r in rows), 4)
+                             for f in _E5_PROFILE_FIELDS} if rows else {}
+        out[arm] = prof
+    return out
+
+
 def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_batch: int = 1024,
                         window_s: float = 8.0) -> dict[str, Any]:
     """E5 with both arms in one run: DD plan and equal split alternate (see ``_InterleavedDd``).
@@ -784,6 +819,7 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
         return {"speedup": float("nan"), "pairs": 0, "note": "the DD policy made no plan"}
     ratios = _paired_windows(recs, pol.plan[0])
     return {"speedup": statistics.median(ratios) if ratios else float("nan"), "pairs": len(ratios),
+            "profile": _e5_profile(reps, pol.plan[0]),
             "pair_ratios": [round(r, 3) for r in ratios], "dd_plan": [pol.plan[k] for k in sorted(pol.plan)],
             "switches": len(pol.switches), "steps": len(recs)}
 
@@ -1142,7 +1178,8 @@ def main(argv: list[str] | None = None) -> int:
                                e5_interleaved_pairs=len(allr),
                                e5_interleaved_pair_min=round(min(allr), 4) if allr else None,
                                e5_interleaved_pair_max=round(max(allr), 4) if allr else None,
-                               e5_interleaved_runs=runs, e5_interleaved_plan=rs[0].get("dd_plan"))
+                               e5_interleaved_runs=runs, e5_interleaved_plan=rs[0].get("dd_plan"),
+                               e5_interleaved_profile=rs[0].get("profile"))
     if "e2" in only:
         # E2 starts real PS processes (~10-20 s each under load)
         e2r = e2(1 if args.quick else 3, quick=args.quick)
