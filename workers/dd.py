@@ -116,6 +116,20 @@ class DdStepRecord:
     spans: list[list[int]]
     t: float
     """Wall-clock time at the end of the step (for throughput over a window of steps)."""
+    read_s: float = 0.0
+    """Seconds in ``BatchSlicer.take`` (lease RPCs, record-batch reads, slicing)."""
+    pull_s: float = 0.0
+    compute_s: float = 0.0
+    push_s: float = 0.0
+    sleep_s: float = 0.0
+    """The fault injector's requested sleep (0 unless this worker is slowed): (factor - 1) x ``compute_s``."""
+    head_wait_s: float = 0.0
+    """Seconds in collective A (the sizes/plan exchange): mostly waiting for the slower peer."""
+    grad_wait_s: float = 0.0
+    """Seconds in collective B (the dense gradients)."""
+    wall_s: float = 0.0
+    """This iteration's wall time from ``take`` to the end of the step (the rest of it is the
+    optimizer, the weighting and bookkeeping)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -136,6 +150,8 @@ class DdLoop:
         self.records: list[DdStepRecord] = []
         self._leases_done = False
         self._idle = False
+        self._last_sleep_s = 0.0
+        self._last_grad_wait_s = 0.0
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
         from controller.types import GetStatus
@@ -162,6 +178,7 @@ class DdLoop:
             while True:
                 size = self.plans.size
                 t0 = time.perf_counter()
+                t_iter = t0
                 take = slicer.take(size)
                 read_s = time.perf_counter() - t0
                 self._clock(take.units > 0)
@@ -171,7 +188,9 @@ class DdLoop:
                 head[0], head[1], head[2], head[3], head[4] = samples, float(take.batch is not None), size, take.units, \
                     float(idle_done)
                 head[_HEAD + rank] = self.plans.latest
+                t_head = time.perf_counter()
                 dist.all_reduce(head)
+                head_wait_s = time.perf_counter() - t_head
                 total, active, size_sum, units_sum, n_done = (float(head[0]), float(head[1]), int(head[2]),
                                                                int(head[3]), int(head[4]))
                 step = self.trainer.step_no + 1
@@ -195,7 +214,10 @@ class DdLoop:
                     self.w.shards_done += 1
                     shard_t0, shard_samples = time.perf_counter(), 0
                 rec = DdStepRecord(stats.step, plan_now, size, take.units, samples, size_sum, units_sum,
-                                   [s.to_list() for s in take.spans], time.time())
+                                   [s.to_list() for s in take.spans], time.time(), read_s=read_s,
+                                   pull_s=stats.pull_s, compute_s=stats.compute_s, push_s=stats.push_s,
+                                   sleep_s=self._last_sleep_s, head_wait_s=head_wait_s,
+                                   grad_wait_s=self._last_grad_wait_s, wall_s=time.perf_counter() - t_iter)
                 self.records.append(rec)
                 if stats.step % self.w.job.train.log_every == 0 or stats.step == 1:
                     log.info("dd step", extra=kv(rank=rank, step=stats.step, plan=plan_now, size=size,
@@ -250,17 +272,26 @@ class DdLoop:
         else:
             flat = torch.zeros(n_params)
         busy = read_s + (time.perf_counter() - t0)
+        self._last_sleep_s = 0.0
         if batch is not None:
-            delay = self.w.faults.step_delay(busy)
+            # A worker slowed `factor` x computes `factor` x as long on the same batch: the sleep is
+            # (factor - 1) x its own forward/backward for this batch. Not x its whole busy time: the
+            # pull/push time is mostly the PS serving every worker (a shared, serialised cost that
+            # grows with the *other* workers' shares), so scaling it made a smaller batch barely
+            # cheaper for the slowed worker (docs/BENCHMARKS.md, E5i).
+            delay = self.w.faults.step_delay(compute_s)
             if delay > 0:  # an injected slowdown is this worker's own work: before the collective
                 time.sleep(delay)
+                self._last_sleep_s = delay
                 busy += delay
             if self.w.faults.kill_due(born=self.w._born):
                 log.error("fault injection: killing this worker now", extra=kv(rank=self.w.rank, step=tr.step_no))
                 import os
 
                 os._exit(137)
+        t_grad = time.perf_counter()
         dist.all_reduce(flat)
+        self._last_grad_wait_s = time.perf_counter() - t_grad
         if total > 0:
             tr._apply_local(flat)
         tr.step_no += 1
