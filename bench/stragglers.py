@@ -726,7 +726,7 @@ class _InterleavedDd:
             for a in acts:
                 if isinstance(a, SetBatchSizes):
                     self.learned.append({"sizes": [a.sizes[k] for k in sorted(a.sizes)],
-                                         "mode": a.reason.get("mode")})
+                                         "mode": a.evidence.get("mode")})
                     self.first_plan_at = now if self.first_plan_at is None else self.first_plan_at
                     self.last_plan_at = now
             if self.first_plan_at is None:
@@ -792,7 +792,7 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, equal_size0: int,
 
 
 _E5_PROFILE_FIELDS = ("size", "units", "read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s",
-                      "grad_wait_s", "wall_s")
+                      "grad_wait_s", "apply_s", "shard_report_s", "report_s", "wall_s")
 
 
 def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, skip: int = 1,

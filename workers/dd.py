@@ -127,9 +127,15 @@ class DdStepRecord:
     """Seconds in collective A (the sizes/plan exchange): mostly waiting for the slower peer."""
     grad_wait_s: float = 0.0
     """Seconds in collective B (the dense gradients)."""
+    apply_s: float = 0.0
+    """The local optimizer step on the all-reduced dense gradients."""
+    shard_report_s: float = 0.0
+    """``ReportShard`` RPCs for the leases this step finished."""
+    report_s: float = 0.0
+    """The per-step metrics report to the controller's monitor and the command check."""
     wall_s: float = 0.0
-    """This iteration's wall time from ``take`` to the end of the step (the rest of it is the
-    optimizer, the weighting and bookkeeping)."""
+    """This iteration's wall time from ``take`` to the end of its reports (the parts above
+    plus the weighting and bookkeeping between them)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -152,6 +158,7 @@ class DdLoop:
         self._idle = False
         self._last_sleep_s = 0.0
         self._last_grad_wait_s = 0.0
+        self._last_apply_s = 0.0
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
         from controller.types import GetStatus
@@ -207,26 +214,31 @@ class DdLoop:
                     self._commands()
                     continue
                 stats = self._step(take, samples, total, read_s)
+                t_post = time.perf_counter()
                 shard_samples += samples
                 for lease in take.finished:
                     self.w.ctl.report_shard(lease, "done", samples=shard_samples,
                                             elapsed_s=time.perf_counter() - shard_t0)
                     self.w.shards_done += 1
                     shard_t0, shard_samples = time.perf_counter(), 0
-                rec = DdStepRecord(stats.step, plan_now, size, take.units, samples, size_sum, units_sum,
-                                   [s.to_list() for s in take.spans], time.time(), read_s=read_s,
-                                   pull_s=stats.pull_s, compute_s=stats.compute_s, push_s=stats.push_s,
-                                   sleep_s=self._last_sleep_s, head_wait_s=head_wait_s,
-                                   grad_wait_s=self._last_grad_wait_s, wall_s=time.perf_counter() - t_iter)
-                self.records.append(rec)
-                if stats.step % self.w.job.train.log_every == 0 or stats.step == 1:
-                    log.info("dd step", extra=kv(rank=rank, step=stats.step, plan=plan_now, size=size,
-                                                 units=take.units, size_sum=size_sum, units_sum=units_sum))
+                t_report = time.perf_counter()
                 if take.batch is not None:
                     self.w.samples += samples
                     self.w.busy_s += stats.total_s
                     self.w._report(stats, 0.0)
                 self._commands()
+                t_end = time.perf_counter()
+                rec = DdStepRecord(stats.step, plan_now, size, take.units, samples, size_sum, units_sum,
+                                   [s.to_list() for s in take.spans], time.time(), read_s=read_s,
+                                   pull_s=stats.pull_s, compute_s=stats.compute_s, push_s=stats.push_s,
+                                   sleep_s=self._last_sleep_s, head_wait_s=head_wait_s,
+                                   grad_wait_s=self._last_grad_wait_s, apply_s=self._last_apply_s,
+                                   shard_report_s=t_report - t_post, report_s=t_end - t_report,
+                                   wall_s=t_end - t_iter)
+                self.records.append(rec)
+                if stats.step % self.w.job.train.log_every == 0 or stats.step == 1:
+                    log.info("dd step", extra=kv(rank=rank, step=stats.step, plan=plan_now, size=size,
+                                                 units=take.units, size_sum=size_sum, units_sum=units_sum))
                 if self.w._draining or self.trainer._at_limit():
                     break
         finally:
@@ -292,7 +304,9 @@ class DdLoop:
         t_grad = time.perf_counter()
         dist.all_reduce(flat)
         self._last_grad_wait_s = time.perf_counter() - t_grad
+        t_apply = time.perf_counter()
         if total > 0:
             tr._apply_local(flat)
+        self._last_apply_s = time.perf_counter() - t_apply
         tr.step_no += 1
         return StepStats(tr.step_no, loss, samples, tasks, pull_s, compute_s, push_s, busy, metrics)

@@ -45,7 +45,7 @@ class FaultTarget(str, enum.Enum):
 
 
 class FaultKind(str, enum.Enum):
-    SLOW = "slow"        # multiply step time by `factor`
+    SLOW = "slow"        # multiply the worker's own work by `factor` (see FaultInjector.step_delay)
     LATENCY = "latency"  # add `latency_s` to every request
     KILL = "kill"        # die at `at_s`
 

@@ -50,7 +50,8 @@ from tests.workers.procs import start_worker, wait_exit, write_job
 G = 96
 PLANS = [{0: 64, 1: 32}, {0: 20, 1: 76}]
 SLOW = 3.0  # worker 1's slow fault factor
-PARTS = ("read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s", "grad_wait_s")
+PARTS = ("read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s", "grad_wait_s", "apply_s",
+         "shard_report_s", "report_s")
 
 
 def _wait(cond, what: str, timeout_s: float = 120.0, procs=()) -> None:
