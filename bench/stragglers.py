@@ -791,7 +791,7 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, equal_size0: int,
     return ratios
 
 
-_E5_PROFILE_FIELDS = ("size", "units", "read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s",
+_E5_PROFILE_FIELDS = ("size", "units", "read_s", "pull_s", "compute_s", "compute_cpu_s", "push_s", "sleep_s", "head_wait_s",
                       "grad_wait_s", "apply_s", "shard_report_s", "report_s", "wall_s")
 
 

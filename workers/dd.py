@@ -121,6 +121,9 @@ class DdStepRecord:
     pull_s: float = 0.0
     compute_s: float = 0.0
     push_s: float = 0.0
+    compute_cpu_s: float = 0.0
+    """CPU seconds of this process during ``compute_s`` (all its threads): below ``compute_s``
+    when the worker waited for a core (a shared, oversubscribed box)."""
     sleep_s: float = 0.0
     """The fault injector's requested sleep (0 unless this worker is slowed): (factor - 1) x ``compute_s``."""
     head_wait_s: float = 0.0
@@ -159,6 +162,7 @@ class DdLoop:
         self._last_sleep_s = 0.0
         self._last_grad_wait_s = 0.0
         self._last_apply_s = 0.0
+        self._last_compute_cpu_s = 0.0
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
         from controller.types import GetStatus
@@ -233,6 +237,7 @@ class DdLoop:
                                    pull_s=stats.pull_s, compute_s=stats.compute_s, push_s=stats.push_s,
                                    sleep_s=self._last_sleep_s, head_wait_s=head_wait_s,
                                    grad_wait_s=self._last_grad_wait_s, apply_s=self._last_apply_s,
+                                   compute_cpu_s=self._last_compute_cpu_s,
                                    shard_report_s=t_report - t_post, report_s=t_end - t_report,
                                    wall_s=t_end - t_iter)
                 self.records.append(rec)
@@ -265,6 +270,7 @@ class DdLoop:
         batch = take.batch
         t0 = time.perf_counter()
         pull_s = compute_s = push_s = 0.0
+        self._last_compute_cpu_s = 0.0
         loss, metrics, tasks = 0.0, {}, 0
         share = samples / total if total > 0 else 0.0
         n_params = sum(p.numel() for _, p in tr._named_parameters())
@@ -272,8 +278,10 @@ class DdLoop:
             ids = _ids_of(batch)
             rows = tr.rows.pull(ids, step=tr.step_no)
             pull_s = time.perf_counter() - t0
+            cpu0 = time.process_time()
             result = tr.compute(batch, rows)
             compute_s = time.perf_counter() - t0 - pull_s
+            self._last_compute_cpu_s = time.process_time() - cpu0
             t1 = time.perf_counter()
             tr.rows.push({t: (ids[t], result.row_grads[t].detach().numpy() * share)
                           for t in ids if t in result.row_grads}, tr.step_no)
