@@ -611,9 +611,19 @@ def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_W
     return out
 
 
-def _e5_job(tmp: Path, data: dict[str, Path], seed: int, epochs: int, global_batch: int) -> Path:
-    """The E5 job: 2 all-reduce workers, the last slowed 2x, DD policy with 2 s monitor windows."""
-    return _real_job(tmp, data, REAL_WORKERS_E5, 2.0,
+E5_HIDDEN = [1024, 1024, 512]
+"""E5i's dense tower: per-unit compute must dominate the step for a batch split to matter
+(with the shared [32, 16] tower the step was ~85% fixed cost: PS push, controller RPCs)."""
+
+
+def _e5_job(tmp: Path, data: dict[str, Path], seed: int, epochs: int, global_batch: int,
+            hidden: list[int] | None = None) -> Path:
+    """The E5 job: 2 all-reduce workers, the last slowed 2x, DD policy with 2 s monitor windows.
+
+    Args:
+        hidden: the DNN's hidden layers (default: the bench's shared small tower).
+    """
+    return _real_job(tmp, data, REAL_WORKERS_E5, 2.0, **({"model": {"hidden": hidden}} if hidden else {}),
                      train={"epochs": epochs, "seed": seed, "dense_sync": "allreduce", "log_every": 1000},
                      controller={"policy": "dd", "dd": {"global_batch": global_batch, "min_change": 0.05},
                                  "monitor": {"window_s": 2.0, "keep_windows": 1000},
@@ -679,21 +689,31 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
 
 
 class _InterleavedDd:
-    """A bench policy: the product's DD policy until its first plan, then plan vs equal in turns.
+    """A bench policy: the product's DD policy until it settles, then its plan vs equal in turns.
 
     Phase 1 delegates to the DD policy (controller/policy/dd.py) untouched, so the split it
-    learns is the product's. From its first ``SetBatchSizes`` on, this wrapper stops
-    consulting it and alternates, every ``window_s`` seconds, between that plan and the
-    equal split, through the same ``SetBatchSizes`` action the product uses (plan stamps,
-    min-agreement in the workers). Both arms then run in the same fleet, same processes,
-    same data, interleaved in time: load drift on a shared box hits both alike.
+    learns is the product's: its first plan is only a damped step of the samples/s fallback
+    (one size observed, nothing to fit yet), so phase 1 lasts until the policy has made a
+    plan and then made no new one for ``settle_s`` seconds (or ``max_learn_s`` passed since
+    its first plan). From then on this wrapper stops consulting it and alternates, every
+    ``window_s`` seconds, between the policy's last plan and the equal split, through the
+    same ``SetBatchSizes`` action the product uses (plan stamps, min-agreement in the
+    workers). Both arms then run in the same fleet, same processes, same data, interleaved
+    in time: load drift on a shared box hits both alike.
     """
 
     name = "dd-interleaved"
 
-    def __init__(self, inner: Any, equal: dict[int, int], window_s: float) -> None:
+    def __init__(self, inner: Any, equal: dict[int, int], window_s: float, settle_s: float = 8.0,
+                 max_learn_s: float = 60.0) -> None:
         self.inner, self.equal, self.window_s = inner, equal, window_s
-        self.plan: dict[int, int] | None = None
+        self.settle_s, self.max_learn_s = settle_s, max_learn_s
+        self.learned: list[dict[str, Any]] = []  # the policy's plans in phase 1 (sizes, mode)
+        self.first_plan_at: float | None = None
+        self.last_plan_at = 0.0
+        self.plan: dict[int, int] | None = None  # frozen at the end of phase 1
+        self.settled = False
+        self.frozen_at: float | None = None  # wall-clock (time.time) when the alternation began
         self.switch_at = 0.0
         self.mode = "dd"
         self.switches: list[tuple[float, str]] = []
@@ -705,9 +725,21 @@ class _InterleavedDd:
             acts = self.inner.evaluate(snapshot, now)
             for a in acts:
                 if isinstance(a, SetBatchSizes):
-                    self.plan = dict(a.sizes)
-                    self.switch_at = now + self.window_s
-                    self.switches.append((now, "dd"))
+                    self.learned.append({"sizes": [a.sizes[k] for k in sorted(a.sizes)],
+                                         "mode": a.evidence.get("mode")})
+                    self.first_plan_at = now if self.first_plan_at is None else self.first_plan_at
+                    self.last_plan_at = now
+            if self.first_plan_at is None:
+                return acts
+            quiet = now - self.last_plan_at >= self.settle_s
+            if not (quiet or now - self.first_plan_at >= self.max_learn_s):
+                return acts
+            self.settled = quiet
+            last = [a for a in acts if isinstance(a, SetBatchSizes)]
+            self.plan = dict(last[-1].sizes) if last else dict(self.inner.sizes)
+            self.frozen_at = time.time()
+            self.switch_at = now + self.window_s
+            self.switches.append((now, "dd"))
             return acts
         if now < self.switch_at:
             return []
@@ -718,17 +750,27 @@ class _InterleavedDd:
                               sizes=dict(self.plan if self.mode == "dd" else self.equal))]
 
 
-def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, skip: int = 1) -> list[float]:
+def _arm(size0: int, dd_size0: int, equal_size0: int) -> str:
+    """Which arm a step of worker 0 with ``size0`` units belongs to ("" for neither)."""
+    return "dd" if size0 == dd_size0 else "equal" if size0 == equal_size0 else ""
+
+
+def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, equal_size0: int, skip: int = 1,
+                    since: float = 0.0) -> list[float]:
     """DD/equal samples/s ratios of adjacent windows, from worker 0's per-step records.
 
     A window is a run of consecutive steps trained under one split (worker 0's size tells
-    which); its first ``skip`` steps (the switch) are dropped. Each DD window is paired with
+    which; a step under any other split, e.g. a plan of the learning phase, belongs to
+    neither and ends a run); only steps that end at or after ``since`` count, and each
+    window's first ``skip`` steps (the switch) are dropped. Each DD window is paired with
     the equal window just before it (the ABAB order pairs every window with a neighbour,
     so slow drift cancels within a pair).
     """
     runs: list[tuple[str, list[dict[str, Any]]]] = []
     for r in recs:
-        mode = "dd" if r["size"] == dd_size0 else "equal"
+        if r["t"] < since:
+            continue
+        mode = _arm(r["size"], dd_size0, equal_size0)
         if runs and runs[-1][0] == mode:
             runs[-1][1].append(r)
         else:
@@ -749,12 +791,52 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, skip: int = 1) ->
     return ratios
 
 
+_E5_PROFILE_FIELDS = ("size", "units", "read_s", "pull_s", "compute_s", "compute_cpu_s", "push_s", "sleep_s", "head_wait_s",
+                      "grad_wait_s", "apply_s", "shard_report_s", "report_s", "wall_s")
+
+
+def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, skip: int = 1,
+                since: float = 0.0) -> dict[str, Any]:
+    """Per arm and worker, the median per step of each part of the step (``DdStepRecord``).
+
+    A step's arm is read from worker 0's size at that step (see :func:`_arm`); steps before
+    ``since`` and the first ``skip`` steps after each switch are dropped, like
+    ``_paired_windows``. Also the median step period (end to end, worker 0) per arm.
+    """
+    by_step = [{r["step"]: r for r in rep["dd_steps"]} for rep in reports]
+    arm_of: dict[int, str] = {}
+    prev, run = "", 0
+    steps0 = sorted(by_step[0])
+    for st in steps0:
+        if by_step[0][st]["t"] < since:
+            continue
+        arm = _arm(by_step[0][st]["size"], dd_size0, equal_size0)
+        run = run + 1 if arm == prev else 0
+        prev = arm
+        if run >= skip:
+            arm_of[st] = arm
+    out: dict[str, Any] = {}
+    for arm in ("dd", "equal"):
+        steps = [st for st in steps0 if arm_of.get(st) == arm]
+        prof: dict[str, Any] = {"steps": len(steps)}
+        periods = [by_step[0][st]["t"] - by_step[0][st - 1]["t"] for st in steps if st - 1 in by_step[0]]
+        prof["period_s"] = round(statistics.median(periods), 4) if periods else None
+        for k, recs in enumerate(by_step):
+            rows = [recs[st] for st in steps if st in recs]
+            prof[f"w{k}"] = {f: round(statistics.median(float(r.get(f, 0.0)) for r in rows), 4)
+                             for f in _E5_PROFILE_FIELDS} if rows else {}
+        out[arm] = prof
+    return out
+
+
 def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_batch: int = 1024,
-                        window_s: float = 8.0) -> dict[str, Any]:
+                        window_s: float = 10.0, hidden: list[int] | None = None) -> dict[str, Any]:
     """E5 with both arms in one run: DD plan and equal split alternate (see ``_InterleavedDd``).
 
     Same fleet as :func:`e5_real` (2 gloo workers + 1 PS, worker 1 slowed 2x). The figure is
-    the median over adjacent (equal, DD) window pairs of the samples/s ratio.
+    the median over adjacent (equal, DD) window pairs of the samples/s ratio, counted from
+    the end of the policy's learning phase. Also: the plans it made while learning, whether
+    it settled, and the per-arm step profile (:func:`_e5_profile`).
     """
     from controller.config import PolicyKind as _PK
     from controller.policy import make_policy
@@ -762,10 +844,11 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
     from metaps.job import load_job
     import dataclasses
 
-    epochs = 16 if quick else 24
+    hidden = E5_HIDDEN if hidden is None else hidden
+    epochs = 24 if quick else 40  # the learning phase (a few 2 s windows per plan) comes first
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
-        job_path = _e5_job(tmp, data, seed, epochs, global_batch)
+        job_path = _e5_job(tmp, data, seed, epochs, global_batch, hidden)
         job = load_job(str(job_path))
         cfg = dataclasses.replace(job.controller, policy=_PK.DD, tick_s=0.1)
         half = global_batch // REAL_WORKERS_E5
@@ -782,8 +865,14 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
     recs = reps[0]["dd_steps"]
     if pol.plan is None:
         return {"speedup": float("nan"), "pairs": 0, "note": "the DD policy made no plan"}
-    ratios = _paired_windows(recs, pol.plan[0])
+    since = pol.frozen_at or 0.0
+    if pol.plan[0] == equal[0]:
+        return {"speedup": float("nan"), "pairs": 0, "note": "the DD policy's plan is the equal split",
+                "learned": pol.learned}
+    ratios = _paired_windows(recs, pol.plan[0], equal[0], since=since)
     return {"speedup": statistics.median(ratios) if ratios else float("nan"), "pairs": len(ratios),
+            "settled": pol.settled, "learned": pol.learned, "hidden": hidden,
+            "profile": _e5_profile(reps, pol.plan[0], equal[0], since=since),
             "pair_ratios": [round(r, 3) for r in ratios], "dd_plan": [pol.plan[k] for k in sorted(pol.plan)],
             "switches": len(pol.switches), "steps": len(recs)}
 
@@ -1142,7 +1231,11 @@ def main(argv: list[str] | None = None) -> int:
                                e5_interleaved_pairs=len(allr),
                                e5_interleaved_pair_min=round(min(allr), 4) if allr else None,
                                e5_interleaved_pair_max=round(max(allr), 4) if allr else None,
-                               e5_interleaved_runs=runs, e5_interleaved_plan=rs[0].get("dd_plan"))
+                               e5_interleaved_runs=runs, e5_interleaved_plan=rs[0].get("dd_plan"),
+                               e5_interleaved_profile=rs[0].get("profile"),
+                               e5_interleaved_learned=rs[0].get("learned"),
+                               e5_interleaved_settled=rs[0].get("settled"),
+                               e5_interleaved_hidden=rs[0].get("hidden"))
     if "e2" in only:
         # E2 starts real PS processes (~10-20 s each under load)
         e2r = e2(1 if args.quick else 3, quick=args.quick)

@@ -116,6 +116,29 @@ class DdStepRecord:
     spans: list[list[int]]
     t: float
     """Wall-clock time at the end of the step (for throughput over a window of steps)."""
+    read_s: float = 0.0
+    """Seconds in ``BatchSlicer.take`` (lease RPCs, record-batch reads, slicing)."""
+    pull_s: float = 0.0
+    compute_s: float = 0.0
+    push_s: float = 0.0
+    compute_cpu_s: float = 0.0
+    """CPU seconds of this process during ``compute_s`` (all its threads): below ``compute_s``
+    when the worker waited for a core (a shared, oversubscribed box)."""
+    sleep_s: float = 0.0
+    """The fault injector's requested sleep (0 unless this worker is slowed): (factor - 1) x ``compute_s``."""
+    head_wait_s: float = 0.0
+    """Seconds in collective A (the sizes/plan exchange): mostly waiting for the slower peer."""
+    grad_wait_s: float = 0.0
+    """Seconds in collective B (the dense gradients)."""
+    apply_s: float = 0.0
+    """The local optimizer step on the all-reduced dense gradients."""
+    shard_report_s: float = 0.0
+    """``ReportShard`` RPCs for the leases this step finished."""
+    report_s: float = 0.0
+    """The per-step metrics report to the controller's monitor and the command check."""
+    wall_s: float = 0.0
+    """This iteration's wall time from ``take`` to the end of its reports (the parts above
+    plus the weighting and bookkeeping between them)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -136,6 +159,10 @@ class DdLoop:
         self.records: list[DdStepRecord] = []
         self._leases_done = False
         self._idle = False
+        self._last_sleep_s = 0.0
+        self._last_grad_wait_s = 0.0
+        self._last_apply_s = 0.0
+        self._last_compute_cpu_s = 0.0
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
         from controller.types import GetStatus
@@ -162,6 +189,7 @@ class DdLoop:
             while True:
                 size = self.plans.size
                 t0 = time.perf_counter()
+                t_iter = t0
                 take = slicer.take(size)
                 read_s = time.perf_counter() - t0
                 self._clock(take.units > 0)
@@ -171,7 +199,9 @@ class DdLoop:
                 head[0], head[1], head[2], head[3], head[4] = samples, float(take.batch is not None), size, take.units, \
                     float(idle_done)
                 head[_HEAD + rank] = self.plans.latest
+                t_head = time.perf_counter()
                 dist.all_reduce(head)
+                head_wait_s = time.perf_counter() - t_head
                 total, active, size_sum, units_sum, n_done = (float(head[0]), float(head[1]), int(head[2]),
                                                                int(head[3]), int(head[4]))
                 step = self.trainer.step_no + 1
@@ -188,23 +218,32 @@ class DdLoop:
                     self._commands()
                     continue
                 stats = self._step(take, samples, total, read_s)
+                t_post = time.perf_counter()
                 shard_samples += samples
                 for lease in take.finished:
                     self.w.ctl.report_shard(lease, "done", samples=shard_samples,
                                             elapsed_s=time.perf_counter() - shard_t0)
                     self.w.shards_done += 1
                     shard_t0, shard_samples = time.perf_counter(), 0
-                rec = DdStepRecord(stats.step, plan_now, size, take.units, samples, size_sum, units_sum,
-                                   [s.to_list() for s in take.spans], time.time())
-                self.records.append(rec)
-                if stats.step % self.w.job.train.log_every == 0 or stats.step == 1:
-                    log.info("dd step", extra=kv(rank=rank, step=stats.step, plan=plan_now, size=size,
-                                                 units=take.units, size_sum=size_sum, units_sum=units_sum))
+                t_report = time.perf_counter()
                 if take.batch is not None:
                     self.w.samples += samples
                     self.w.busy_s += stats.total_s
                     self.w._report(stats, 0.0)
                 self._commands()
+                t_end = time.perf_counter()
+                rec = DdStepRecord(stats.step, plan_now, size, take.units, samples, size_sum, units_sum,
+                                   [s.to_list() for s in take.spans], time.time(), read_s=read_s,
+                                   pull_s=stats.pull_s, compute_s=stats.compute_s, push_s=stats.push_s,
+                                   sleep_s=self._last_sleep_s, head_wait_s=head_wait_s,
+                                   grad_wait_s=self._last_grad_wait_s, apply_s=self._last_apply_s,
+                                   compute_cpu_s=self._last_compute_cpu_s,
+                                   shard_report_s=t_report - t_post, report_s=t_end - t_report,
+                                   wall_s=t_end - t_iter)
+                self.records.append(rec)
+                if stats.step % self.w.job.train.log_every == 0 or stats.step == 1:
+                    log.info("dd step", extra=kv(rank=rank, step=stats.step, plan=plan_now, size=size,
+                                                 units=take.units, size_sum=size_sum, units_sum=units_sum))
                 if self.w._draining or self.trainer._at_limit():
                     break
         finally:
@@ -231,6 +270,7 @@ class DdLoop:
         batch = take.batch
         t0 = time.perf_counter()
         pull_s = compute_s = push_s = 0.0
+        self._last_compute_cpu_s = 0.0
         loss, metrics, tasks = 0.0, {}, 0
         share = samples / total if total > 0 else 0.0
         n_params = sum(p.numel() for _, p in tr._named_parameters())
@@ -238,8 +278,10 @@ class DdLoop:
             ids = _ids_of(batch)
             rows = tr.rows.pull(ids, step=tr.step_no)
             pull_s = time.perf_counter() - t0
+            cpu0 = time.process_time()
             result = tr.compute(batch, rows)
             compute_s = time.perf_counter() - t0 - pull_s
+            self._last_compute_cpu_s = time.process_time() - cpu0
             t1 = time.perf_counter()
             tr.rows.push({t: (ids[t], result.row_grads[t].detach().numpy() * share)
                           for t in ids if t in result.row_grads}, tr.step_no)
@@ -250,18 +292,29 @@ class DdLoop:
         else:
             flat = torch.zeros(n_params)
         busy = read_s + (time.perf_counter() - t0)
+        self._last_sleep_s = 0.0
         if batch is not None:
-            delay = self.w.faults.step_delay(busy)
+            # A worker slowed `factor` x computes `factor` x as long on the same batch: the sleep is
+            # (factor - 1) x its own forward/backward for this batch. Not x its whole busy time: the
+            # pull/push time is mostly the PS serving every worker (a shared, serialised cost that
+            # grows with the *other* workers' shares), so scaling it made a smaller batch barely
+            # cheaper for the slowed worker (docs/BENCHMARKS.md, E5i).
+            delay = self.w.faults.step_delay(compute_s)
             if delay > 0:  # an injected slowdown is this worker's own work: before the collective
                 time.sleep(delay)
+                self._last_sleep_s = delay
                 busy += delay
             if self.w.faults.kill_due(born=self.w._born):
                 log.error("fault injection: killing this worker now", extra=kv(rank=self.w.rank, step=tr.step_no))
                 import os
 
                 os._exit(137)
+        t_grad = time.perf_counter()
         dist.all_reduce(flat)
+        self._last_grad_wait_s = time.perf_counter() - t_grad
+        t_apply = time.perf_counter()
         if total > 0:
             tr._apply_local(flat)
+        self._last_apply_s = time.perf_counter() - t_apply
         tr.step_no += 1
         return StepStats(tr.step_no, loss, samples, tasks, pull_s, compute_s, push_s, busy, metrics)

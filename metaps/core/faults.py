@@ -5,7 +5,7 @@ Mounted at ``[faults]`` of the job TOML::
     [[faults.faults]]
     target = "worker"      # worker | ps
     index = 3
-    kind = "slow"          # slow: step time x factor
+    kind = "slow"          # slow: the worker's own compute x factor
     factor = 4.0
     start_s = 10.0         # seconds after the job start
     duration_s = 0.0       # 0 = until the end
@@ -25,7 +25,7 @@ Mounted at ``[faults]`` of the job TOML::
 Workers and PS build a :class:`FaultInjector` for themselves and ask it::
 
     inj = FaultInjector(job.faults, "worker", rank, t0=job_start)
-    time.sleep(inj.step_delay(step_time))     # a slowed worker
+    time.sleep(inj.step_delay(compute_s))     # a slowed worker: its own compute x (factor - 1)
     time.sleep(inj.added_latency())           # in a PS request handler
     if inj.kill_due(): os._exit(137)          # an injected crash
 """
@@ -45,7 +45,7 @@ class FaultTarget(str, enum.Enum):
 
 
 class FaultKind(str, enum.Enum):
-    SLOW = "slow"        # multiply step time by `factor`
+    SLOW = "slow"        # multiply the worker's own work by `factor` (see FaultInjector.step_delay)
     LATENCY = "latency"  # add `latency_s` to every request
     KILL = "kill"        # die at `at_s`
 
@@ -155,7 +155,18 @@ class FaultInjector:
         return m
 
     def step_delay(self, step_time_s: float, now: float | None = None) -> float:
-        """Extra seconds a slowed worker sleeps after a step that took ``step_time_s``."""
+        """Extra seconds a slowed worker sleeps after ``step_time_s`` seconds of its own work.
+
+        ``factor`` x slower means ``factor`` x as long for the same batch, so pass the time
+        this worker spent computing on the batch itself (the all-reduce DD loop passes its
+        forward/backward time), not time spent waiting on the PS or on peers: that time does
+        not depend on this worker's speed, and scaling it would make the injected slowdown
+        grow with the other workers' load.
+
+        Args:
+            step_time_s: seconds of this worker's own work in the step (negative counts as 0).
+            now: the current time (default: the clock).
+        """
         return max(0.0, step_time_s) * (self.slowdown(now) - 1.0)
 
     def added_latency(self, now: float | None = None) -> float:

@@ -8,6 +8,11 @@ controller sends two batch-size plans (64/32, then 20/76 of a global batch of
 * every step's sizes sum to the global batch (each worker logs what the step's
   collective summed, and the two reports agree step by step);
 * each plan took effect at one step on both workers (never a mix);
+* worker 1 is slowed 3x by the fault injector: its injected sleep is exactly 2 x its own
+  forward/backward time of each step (a 3x slower worker computes 3x as long on the same
+  batch), never scaled by its pull/push time, which is the PS's shared cost; worker 0 never
+  sleeps; each step's recorded parts (read, pull, compute, push, sleep, collective waits)
+  fit inside its wall time;
 * the dense parameters and embedding rows equal a single-process reference that
   trains, step by step, on the union of the two workers' pieces (each worker
   recorded exactly which units it took), to float tolerance: the all-reduce
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from controller.config import AgentConfig, ControllerConfig, DdsConfig, PolicyKind
@@ -43,6 +49,9 @@ from tests.workers.procs import start_worker, wait_exit, write_job
 
 G = 96
 PLANS = [{0: 64, 1: 32}, {0: 20, 1: 76}]
+SLOW = 3.0  # worker 1's slow fault factor
+PARTS = ("read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s", "grad_wait_s", "apply_s",
+         "shard_report_s", "report_s")
 
 
 def _wait(cond, what: str, timeout_s: float = 120.0, procs=()) -> None:
@@ -61,7 +70,8 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
                        # SGD on both sides: linear in the gradient, so the comparison tests the weighting
                        # and not Adam's normalisation of near-zero gradients (rounding -> lr-sized steps)
                        "dense_optimizer": {"kind": "sgd", "lr": 0.05}},
-                   controller={"policy": "dd", "dd": {"global_batch": G}})
+                   controller={"policy": "dd", "dd": {"global_batch": G}},
+                   faults={"faults": [{"target": "worker", "index": 1, "kind": "slow", "factor": SLOW}]})
     config = write_job(job, tmp_path / "job.toml")
     addrs = ps_servers(job)
     cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.NONE, heartbeat_timeout_s=120.0,
@@ -107,6 +117,16 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
     full = sum(1 for a, _ in zip(*recs) if a["units_sum"] == G)
     assert full >= 0.6 * len(pairs), (full, len(pairs))
     assert reports[0]["dense_sha256"] == reports[1]["dense_sha256"]
+
+    # -- the slow fault and the step profile ------------------------------------------
+    for r, rec in ((r, rec) for r in range(2) for rec in recs[r]):
+        assert sum(rec[k] for k in PARTS) <= rec["wall_s"] + 1e-6, (r, rec)
+        if r == 0 or rec["units"] == 0:
+            assert rec["sleep_s"] == 0.0, rec
+    slow = [rec for rec in recs[1] if rec["units"] > 0]
+    assert slow and all(rec["compute_s"] > 0 for rec in slow)
+    for rec in slow:  # (factor - 1) x its own compute, not x its pull/push (the PS's time)
+        assert rec["sleep_s"] == pytest.approx((SLOW - 1) * rec["compute_s"], rel=1e-9), rec
 
     # -- single-process reference on the same global batches --------------------------
     ds = MetaIODataset(worker_data["plain"])
