@@ -114,7 +114,7 @@ def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
 
 def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
                      learn: str, inner_lr: float, first_k: int = 0, emb_list: tuple[bool, ...] = (False,),
-                     emb_cold_weight: float = 0.5) -> dict[str, Any]:
+                     emb_cold_weight: float = 0.5, emb_labels: bool = False) -> dict[str, Any]:
     """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
     validation users, held-out users reported (and, with ``first_k``, every variant under first-k)."""
     from meta_io.build import MetaIOBuildConfig, build
@@ -138,7 +138,8 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
             meta: dict[str, Any] = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
                                     "learn_inner_lr": learn}
             if emb:
-                meta.update(meta_emb=True, meta_emb_tables=["user"], meta_emb_cold_weight=emb_cold_weight)
+                meta.update(meta_emb=True, meta_emb_tables=["user"], meta_emb_cold_weight=emb_cold_weight,
+                            meta_emb_labels=emb_labels)
             _progress(f"  [seed {seed}] meta training, {steps} inner step(s), learn_inner_lr={learn}, meta_emb={emb}")
             _, w = train_local(job_for(mtrain, mval, tmp / f"run-meta-{key}", "meta", "dnn", epochs, meta),
                                tmp / f"run-meta-{key}", checkpoint=False)
@@ -220,6 +221,7 @@ def main_inner(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
                            "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
                            "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
+                           "meta_emb_labels": args.meta_emb_labels,
                            "per_seed": {}}
     t_all = time.perf_counter()
     for seed in seeds:
@@ -231,7 +233,7 @@ def main_inner(args: argparse.Namespace) -> int:
                                                         row_group_rows=min(rows, 65_536)), progress=False)
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
                                                      args.learn_inner_lr, args.inner_lr, args.first_k,
-                                                     emb_list, args.meta_emb_cold_weight)
+                                                     emb_list, args.meta_emb_cold_weight, args.meta_emb_labels)
     per = list(out["per_seed"].values())
     if args.first_k:  # each variant's first-k gains over seeds (side by side, same data)
         out["first_k_per_variant"] = {
@@ -267,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
                     help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
     ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")
+    ap.add_argument("--meta-emb-labels", action="store_true", help="[meta] meta_emb_labels (support labels feed the generator)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cold_only:

@@ -53,6 +53,11 @@ class MetaConfig:
             task's outer loss is ``(1 - a) * L(as pulled) + a * L(every meta_emb_tables id of
             the task treated as unseen)``, so the generator learns from warm ids too (MetaEmb's
             cold + warm-up objective). 0 trains it only on ids that really are unseen.
+        meta_emb_labels: also feed the generator the mean of each head's label over the id's
+            support rows (beside the features): the generated row can then carry what only the
+            id's own labels reveal (a user's click propensity), amortizing part of the inner loop.
+            Off: the published MetaEmb (features only). Adaptation needs labeled support rows
+            anyway, so serving has them.
 
     Example::
 
@@ -68,6 +73,7 @@ class MetaConfig:
     meta_emb: bool = False
     meta_emb_tables: list[str] = field(default_factory=list)
     meta_emb_cold_weight: float = 0.5
+    meta_emb_labels: bool = False
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))

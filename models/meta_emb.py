@@ -18,7 +18,8 @@ same init row (``delivery/adapt.py``), so the same ids count as unseen there.
 generating zero rows), of the mean over the id's *support* rows of the row's other
 features::
 
-    x_row  = [pooled rows of every other table (flattened), signed_log1p(dense)]   detached
+    x_row  = [pooled rows of every other table (flattened), signed_log1p(dense)
+              (, each head's label: ``[meta] meta_emb_labels``)]                   detached
     x_id   = mean of x_row over the support rows holding the id       (slots: one-hot matmul)
     gen_id = W_t x_id + b_t                                           [dim_t]
 
@@ -59,9 +60,10 @@ InitRows = Callable[[np.ndarray], np.ndarray]
 """ids int64 [n] -> the PS's initial rows float32 [n, dim] (a RowInitializer)."""
 
 
-def input_dim(layouts: Sequence[TableLayout], n_dense: int, table: str) -> int:
-    """Width of the generator's input for ``table``: the other tables' pooled widths plus the dense count."""
-    return sum(len(lay.columns) * lay.dim for lay in layouts if lay.table != table) + n_dense
+def input_dim(layouts: Sequence[TableLayout], n_dense: int, table: str, n_labels: int = 0) -> int:
+    """Width of the generator's input for ``table``: the other tables' pooled widths, the dense
+    count, and the labels fed (``[meta] meta_emb_labels``)."""
+    return sum(len(lay.columns) * lay.dim for lay in layouts if lay.table != table) + n_dense + n_labels
 
 
 @torch.no_grad()
@@ -82,7 +84,7 @@ def unseen_mask(rows: Tensor, ids: Tensor, init: InitRows) -> Tensor:
 
 def generate(
     weight: Tensor, bias: Tensor, layouts: Sequence[TableLayout], table: str,
-    rows: Mapping[str, Tensor], support: FeatureBatch, sidx: LookupIndex,
+    rows: Mapping[str, Tensor], support: FeatureBatch, sidx: LookupIndex, labels: Sequence[str] = (),
 ) -> Tensor:
     """Generated rows ``[K, dim]`` for every row slot of ``table`` from one task's support.
 
@@ -96,9 +98,11 @@ def generate(
         rows: table -> ``[K_t, D_t]`` the task's rows.
         support: the task's support rows ``[S, ..]``.
         sidx: their lookup index into ``rows``.
+        labels: heads whose support labels join the input (``[meta] meta_emb_labels``), in order.
     """
     parts = [pool(rows[lay.table], sidx[lay.table]).flatten(-2) for lay in layouts if lay.table != table]
     parts.append(signed_log1p(support.dense))
+    parts += [support.labels[h].to(support.dense.dtype)[..., None] for h in labels]
     x = torch.cat(parts, dim=-1).detach()  # [S, F]: features only, no gradient into other rows
     tix = sidx[table]
     k = rows[table].shape[0]

@@ -84,7 +84,11 @@ class MetaLearner(nn.Module):
         encoder = getattr(model, "encoder", None)
         self.layouts: list[Any] = list(getattr(model, "layouts", [])) if self.emb_tables else []
         n_dense = len(getattr(encoder, "dense_columns", []))
-        widths = [meta_emb.input_dim(self.layouts, n_dense, t) for t in self.emb_tables]
+        self.emb_labels: list[str] = (
+            [h.name for h in getattr(model, "heads", [])] if self.emb_tables and cfg.meta_emb_labels else []
+        )
+        """MetaEmb: heads whose support labels the generators read (``[meta] meta_emb_labels``)."""
+        widths = [meta_emb.input_dim(self.layouts, n_dense, t, len(self.emb_labels)) for t in self.emb_tables]
         self.meta_emb_w = nn.ParameterList([nn.Parameter(torch.zeros(dims[t], w)) for t, w in zip(self.emb_tables, widths)])
         self.meta_emb_b = nn.ParameterList([nn.Parameter(torch.zeros(dims[t])) for t in self.emb_tables])
         self.init_rows: dict[str, meta_emb.InitRows] | None = None
@@ -153,7 +157,7 @@ class MetaLearner(nn.Module):
         out = dict(rows)
         for i, t in enumerate(self.emb_tables):
             gen = meta_emb.generate(meta_params[f"meta_emb_w.{i}"], meta_params[f"meta_emb_b.{i}"], self.layouts, t,
-                                    rows, support, sidx)
+                                    rows, support, sidx, self.emb_labels)
             out[t] = meta_emb.substitute(rows[t], gen, cold[t], straight_through)
         return out
 

@@ -22,14 +22,14 @@ from ps.initializer import RowInitializer
 from tests.workers.conftest import make_job, worker_data  # noqa: F401  (fixtures)
 
 
-def _setup(steps: int = 0, cold_weight: float = 0.0, first_order: bool = True, seed: int = 0):
+def _setup(steps: int = 0, cold_weight: float = 0.0, first_order: bool = True, seed: int = 0, labels: bool = False):
     g = torch.Generator().manual_seed(seed)
     schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=2, vector_dim=4, max_len=3)
     model = build_model(schema, ModelConfig(kind="dnn", hidden=[8], default_dim=4))
     mb = random_meta_batch(schema, tasks=4, support=5, query=4, vocab=8, generator=g, pad_tasks=1)
     rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
     cfg = MetaConfig(inner_steps=steps, inner_lr=0.1, first_order=first_order, meta_emb=True,
-                     meta_emb_tables=["user"], meta_emb_cold_weight=cold_weight)
+                     meta_emb_tables=["user"], meta_emb_cold_weight=cold_weight, meta_emb_labels=labels)
     learner = MetaLearner(model, cfg)
     init = {t: RowInitializer(t, d, InitKind.NORMAL, 0.01, 7) for t, d in model.dims.items()}
     learner.set_init_rows(init)
@@ -58,10 +58,12 @@ def test_unseen_rule_is_row_equals_init() -> None:
     assert unseen_mask(rows, ids, init).tolist() == [True, False, True, True]
 
 
-def test_generated_rows_replace_exactly_the_unseen_rows() -> None:
+@pytest.mark.parametrize("labels", [False, True])
+def test_generated_rows_replace_exactly_the_unseen_rows(labels: bool) -> None:
     """Row-by-row reference: per task, every unseen user id present gets W mean(x over its support rows) + b,
-    every other row is left as pulled; with 0 inner steps the predictions must equal the model on those rows."""
-    model, mb, rows, learner, init = _setup(steps=0)
+    every other row is left as pulled; with 0 inner steps the predictions must equal the model on those rows.
+    With ``meta_emb_labels`` x also holds each head's support label."""
+    model, mb, rows, learner, init = _setup(steps=0, labels=labels)
     unseen = _make_unseen(rows, mb, init, slice(0, None, 2))
     assert torch.equal(learner.unseen(rows, mb.unique_ids)["user"], unseen)
     got = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, learner)
@@ -73,7 +75,9 @@ def test_generated_rows_replace_exactly_the_unseen_rows() -> None:
     for t in range(mb.task_mask.shape[0]):
         sup, qry = mb.support.map(lambda x: x[t]), mb.query.map(lambda x: x[t])
         enc = model.encoder(sup, rows, model.lookup_index(sup, mb.unique_ids, rows))
-        x = torch.cat([enc.pooled[i].flatten(-2) for i in others] + [enc.dense], -1)
+        heads = [h.name for h in model.heads] if labels else []
+        x = torch.cat([enc.pooled[i].flatten(-2) for i in others] + [enc.dense]
+                      + [sup.labels[h][:, None] for h in heads], -1)
         task_rows = {k: v.clone() for k, v in rows.items()}
         ids_here = torch.cat([sup.ids["user_id"][sup.mask.bool()].reshape(-1), qry.ids["user_id"][qry.mask.bool()]
                               .reshape(-1)]).unique()
