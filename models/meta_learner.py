@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from metaps.core.errors import ConfigError
-from models import meta_emb
+from models import meta_emb as memb
 from models.meta_config import InnerLr, MetaConfig
 
 PREFIX = "meta_learner."
@@ -88,10 +88,10 @@ class MetaLearner(nn.Module):
             [h.name for h in getattr(model, "heads", [])] if self.emb_tables and cfg.meta_emb_labels else []
         )
         """MetaEmb: heads whose support labels the generators read (``[meta] meta_emb_labels``)."""
-        widths = [meta_emb.input_dim(self.layouts, n_dense, t, len(self.emb_labels)) for t in self.emb_tables]
+        widths = [memb.input_dim(self.layouts, n_dense, t, len(self.emb_labels)) for t in self.emb_tables]
         self.meta_emb_w = nn.ParameterList([nn.Parameter(torch.zeros(dims[t], w)) for t, w in zip(self.emb_tables, widths)])
         self.meta_emb_b = nn.ParameterList([nn.Parameter(torch.zeros(dims[t])) for t in self.emb_tables])
-        self.init_rows: dict[str, meta_emb.InitRows] | None = None
+        self.init_rows: dict[str, memb.InitRows] | None = None
         """table -> the PS's initial rows (the unseen rule); None until :meth:`set_init_rows`."""
 
     @property
@@ -119,7 +119,7 @@ class MetaLearner(nn.Module):
         """Whether the learner has dense values to store, sync and ship (rates or generators)."""
         return any(True for _ in self.parameters())
 
-    def set_init_rows(self, init_rows: Mapping[str, meta_emb.InitRows]) -> None:
+    def set_init_rows(self, init_rows: Mapping[str, memb.InitRows]) -> None:
         """The unseen rule's reference: table -> the PS's initial-row function (a RowInitializer).
 
         Raises:
@@ -143,7 +143,7 @@ class MetaLearner(nn.Module):
                 "[meta] meta_emb = true needs the unseen-id rule (the PS's initial rows): use the trainer's or the "
                 "bundle's inner loop (MetaLearner.set_init_rows), not a bare [meta] config"
             )
-        return {t: meta_emb.unseen_mask(rows[t], unique_ids[t], self.init_rows[t]) for t in self.emb_tables}
+        return {t: memb.unseen_mask(rows[t], unique_ids[t], self.init_rows[t]) for t in self.emb_tables}
 
     def cold_rows(
         self, meta_params: Mapping[str, Tensor], rows: Mapping[str, Tensor], cold: Mapping[str, Tensor],
@@ -156,9 +156,9 @@ class MetaLearner(nn.Module):
         """
         out = dict(rows)
         for i, t in enumerate(self.emb_tables):
-            gen = meta_emb.generate(meta_params[f"meta_emb_w.{i}"], meta_params[f"meta_emb_b.{i}"], self.layouts, t,
+            gen = memb.generate(meta_params[f"meta_emb_w.{i}"], meta_params[f"meta_emb_b.{i}"], self.layouts, t,
                                     rows, support, sidx, self.emb_labels)
-            out[t] = meta_emb.substitute(rows[t], gen, cold[t], straight_through)
+            out[t] = memb.substitute(rows[t], gen, cold[t], straight_through)
         return out
 
     # -- the functional view used inside meta_step ------------------------------------------
