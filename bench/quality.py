@@ -177,6 +177,9 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
         for key, w in workers.items():  # every variant side by side under first-k
             fk_k = fk(w, w.trainer.inner_loop)
             runs[key]["first_k"] = fk_k
+            runs[key]["first_k_effect_click"] = effect_sizes(
+                w, protocol_batches("first-k", split.holdout_dir, schema, k=first_k))
+            _progress(f"      first-k {key} click logit per task: {runs[key]['first_k_effect_click']}")
             _progress(f"      first-k {key}: adapted - base click "
                       f"{fk_k['adapted']['click']['auc'] - fk_k['base']['click']['auc']:+.4f} conversion "
                       f"{fk_k['adapted']['conversion']['auc'] - fk_k['base']['conversion']['auc']:+.4f}; adapted click "
@@ -197,6 +200,57 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                   f"{held['adapted'][head]['auc']:.4f} plain {plain['base'][head]['auc']:.4f} plain+ft "
                   f"{plain['adapted'][head]['auc']:.4f}")
     return res
+
+
+def effect_sizes(w: Any, batches: Any, head: str = "click") -> dict[str, float]:
+    """Per held-out task, how far adaptation moves the ``head`` logit vs how far it should move.
+
+    Over first-k meta batches, per task (mean over its scored rows): ``residual`` =
+    logit(oracle) - base logit (the task's own effect the base model misses: what adaptation
+    should add), ``adapted`` = adapted - base logit, and, with MetaEmb, ``generated`` = the
+    logit shift of the generated rows alone (0 inner steps). Returns their std over tasks and
+    each shift's correlation with the residual.
+    """
+    import dataclasses
+
+    import torch
+
+    from models.meta import adapt_and_predict
+    from models.meta_learner import MetaLearner
+
+    learner = w.trainer.learner
+    gen0 = None
+    if learner is not None and learner.meta_emb:
+        gen0 = MetaLearner(w.model, dataclasses.replace(learner.cfg, inner_steps=0))
+        gen0.load_state_dict(learner.state_dict())
+        gen0.set_init_rows(learner.init_rows or {})
+    w.trainer.refresh_dense()
+    w.model.eval()
+    logit = lambda p: torch.logit(p.double().clamp(1e-6, 1 - 1e-6))  # noqa: E731
+    per: dict[str, list[np.ndarray]] = {"residual": [], "adapted": [], "generated": []}
+    for mb in batches:
+        rows = {t: torch.from_numpy(r) for t, r in w.rows.pull({t: u.numpy() for t, u in mb.unique_ids.items()}).items()}
+        m = mb.query.mask.bool() & mb.task_mask.bool()[:, None]
+        cnt = m.sum(1)
+        keep = cnt > 0
+        mean = lambda x: ((x * m).sum(1) / cnt.clamp_min(1))[keep].numpy()  # noqa: E731
+        base = logit(w.model.predict(mb.query, rows, mb.unique_ids)[head])
+        per["residual"].append(mean(logit(mb.query.oracle[head]) - base))
+        per["adapted"].append(mean(logit(adapt_and_predict(w.model, mb.support, mb.query, rows, mb.unique_ids,
+                                                           learner)[head]) - base))
+        if gen0 is not None:
+            per["generated"].append(mean(logit(adapt_and_predict(w.model, mb.support, mb.query, rows, mb.unique_ids,
+                                                                 gen0)[head]) - base))
+    out: dict[str, float] = {}
+    res = np.concatenate(per["residual"])
+    out["tasks"] = float(res.shape[0])
+    out["residual_std"] = float(res.std())
+    for k in ("adapted", "generated"):
+        if per[k]:
+            v = np.concatenate(per[k])
+            out[f"{k}_std"] = float(v.std())
+            out[f"{k}_corr_residual"] = float(np.corrcoef(v, res)[0, 1])
+    return out
 
 
 def _spread(values: list[float]) -> dict[str, float]:
