@@ -29,7 +29,9 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    fine-tuning" (the plain-trained model adapted with the fixed ``inner_lr`` and the
    same step count). Median and spread (min, max) over seeds; goals: adapted - base
    >= +0.02 click / +0.01 conversion AUC and adapted > plain + fine-tuning on both heads,
-   on every seed.
+   on every seed. ``--meta-emb both`` trains every step count with and without MetaEmb
+   (generated initial rows for unseen user ids, ``[meta] meta_emb``) and reports every
+   variant under first-k side by side (``first_k_per_variant``).
 
 The same run measures everything; the last line printed is a JSON object.
 """
@@ -111,8 +113,10 @@ def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
 
 
 def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
-                     learn: str, inner_lr: float, first_k: int = 0) -> dict[str, Any]:
-    """One seed of the inner-loop study: steps chosen on validation users, held-out users reported."""
+                     learn: str, inner_lr: float, first_k: int = 0, emb_list: tuple[bool, ...] = (False,),
+                     emb_cold_weight: float = 0.5, emb_labels: bool = False) -> dict[str, Any]:
+    """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
+    validation users, held-out users reported (and, with ``first_k``, every variant under first-k)."""
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.holdout import split_by_task
     from meta_io.schema import load_schema
@@ -125,30 +129,37 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     mtrain = build(vsplit.train_dir, vsplit.schema_path, tmp / "m-train", mcfg).out_dir
     mval = build(vsplit.holdout_dir, vsplit.schema_path, tmp / "m-val", mcfg).out_dir
     mheld = build(split.holdout_dir, split.schema_path, tmp / "m-held", mcfg).out_dir
-    runs: dict[int, Any] = {}
-    workers: dict[int, Any] = {}
+    runs: dict[str, Any] = {}
+    workers: dict[str, Any] = {}
+    n_steps: dict[str, int] = {}
     for steps in steps_list:
-        meta = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
-                "learn_inner_lr": learn}
-        _progress(f"  [seed {seed}] meta training, {steps} inner step(s), learn_inner_lr={learn}")
-        _, w = train_local(job_for(mtrain, mval, tmp / f"run-meta-{steps}", "meta", "dnn", epochs, meta),
-                           tmp / f"run-meta-{steps}", checkpoint=False)
-        workers[steps] = w
-        runs[steps] = {"val": _eval_adapted(w, mval, w.trainer.inner_loop),
-                       "held": _eval_adapted(w, mheld, w.trainer.inner_loop),
-                       "rates": {k: {n: float(v.float().mean()) for n, v in r.items()}
-                                 for k, r in w.trainer.learner.inner_recipe().items() if k.endswith("_lr")
-                                 and isinstance(r, dict)}}
-        v = runs[steps]["val"]["adapted"]
-        _progress(f"      val adapted click {v['click']['auc']:.4f} conversion {v['conversion']['auc']:.4f}")
-    chosen = max(steps_list, key=lambda k: runs[k]["val"]["adapted"]["click"]["auc"]
-                 + runs[k]["val"]["adapted"]["conversion"]["auc"])
+        for emb in emb_list:
+            key = f"{steps}+meta_emb" if emb else str(steps)
+            meta: dict[str, Any] = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
+                                    "learn_inner_lr": learn}
+            if emb:
+                meta.update(meta_emb=True, meta_emb_tables=["user"], meta_emb_cold_weight=emb_cold_weight,
+                            meta_emb_labels=emb_labels)
+            _progress(f"  [seed {seed}] meta training, {steps} inner step(s), learn_inner_lr={learn}, meta_emb={emb}")
+            _, w = train_local(job_for(mtrain, mval, tmp / f"run-meta-{key}", "meta", "dnn", epochs, meta),
+                               tmp / f"run-meta-{key}", checkpoint=False)
+            workers[key], n_steps[key] = w, steps
+            runs[key] = {"val": _eval_adapted(w, mval, w.trainer.inner_loop),
+                         "held": _eval_adapted(w, mheld, w.trainer.inner_loop),
+                         "rates": {k: {n: float(v.float().mean()) for n, v in r.items()}
+                                   for k, r in w.trainer.learner.inner_recipe().items() if k.endswith("_lr")
+                                   and isinstance(r, dict)}}
+            v = runs[key]["val"]["adapted"]
+            _progress(f"      val adapted click {v['click']['auc']:.4f} conversion {v['conversion']['auc']:.4f}")
+    chosen_key = max(runs, key=lambda k: runs[k]["val"]["adapted"]["click"]["auc"]
+                     + runs[k]["val"]["adapted"]["conversion"]["auc"])
+    chosen = n_steps[chosen_key]
     _progress(f"  [seed {seed}] plain training (baseline + the same fine-tuning, {chosen} step(s))")
     _, pw = train_local(job_for(mtrain, mval, tmp / "run-plain", "plain", "dnn", epochs), tmp / "run-plain",
                         checkpoint=False)
     plain = _eval_adapted(pw, mheld, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
-    held = runs[chosen]["held"]
-    res: dict[str, Any] = {"chosen_inner_steps": chosen, "runs": runs, "plain": plain["base"],
+    held = runs[chosen_key]["held"]
+    res: dict[str, Any] = {"chosen_inner_steps": chosen, "chosen_variant": chosen_key, "runs": runs, "plain": plain["base"],
                            "plain_finetuned": plain["adapted"], "base": held["base"], "adapted": held["adapted"]}
     if first_k:
         # strict cold start (eval16's first-k): per held-out user the first K rows by time adapt,
@@ -162,8 +173,18 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
             batches = protocol_batches("first-k", split.holdout_dir, schema, k=first_k)
             return evaluate_protocol(w.model, w.rows, batches, loop, task_key=schema.task_key)
 
-        m_fk = fk(workers[chosen], workers[chosen].trainer.inner_loop)
         p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
+        for key, w in workers.items():  # every variant side by side under first-k
+            fk_k = fk(w, w.trainer.inner_loop)
+            runs[key]["first_k"] = fk_k
+            runs[key]["first_k_effect_click"] = effect_sizes(
+                w, protocol_batches("first-k", split.holdout_dir, schema, k=first_k))
+            _progress(f"      first-k {key} click logit per task: {runs[key]['first_k_effect_click']}")
+            _progress(f"      first-k {key}: adapted - base click "
+                      f"{fk_k['adapted']['click']['auc'] - fk_k['base']['click']['auc']:+.4f} conversion "
+                      f"{fk_k['adapted']['conversion']['auc'] - fk_k['base']['conversion']['auc']:+.4f}; adapted click "
+                      f"{fk_k['adapted']['click']['auc']:.4f} conversion {fk_k['adapted']['conversion']['auc']:.4f}")
+        m_fk = runs[chosen_key]["first_k"]
         res["first_k"] = {"k": first_k, "meta": m_fk, "plain": p_fk}
         for head in ("click", "conversion"):
             res[f"first_k_{head}_adapted_minus_base"] = m_fk["adapted"][head]["auc"] - m_fk["base"][head]["auc"]
@@ -181,8 +202,63 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     return res
 
 
+def effect_sizes(w: Any, batches: Any, head: str = "click") -> dict[str, float]:
+    """Per held-out task, how far adaptation moves the ``head`` logit vs how far it should move.
+
+    Over first-k meta batches, per task (mean over its scored rows): ``residual`` =
+    logit(oracle) - base logit (the task's own effect the base model misses: what adaptation
+    should add), ``adapted`` = adapted - base logit, and, with MetaEmb, ``generated`` = the
+    logit shift of the generated rows alone (0 inner steps). Returns their std over tasks and
+    each shift's correlation with the residual.
+    """
+    import dataclasses
+
+    import torch
+
+    from models.meta import adapt_and_predict
+    from models.meta_learner import MetaLearner
+
+    learner = w.trainer.learner
+    gen0 = None
+    if learner is not None and learner.meta_emb:
+        gen0 = MetaLearner(w.model, dataclasses.replace(learner.cfg, inner_steps=0))
+        gen0.load_state_dict(learner.state_dict())
+        gen0.set_init_rows(learner.init_rows or {})
+    w.trainer.refresh_dense()
+    w.model.eval()
+    logit = lambda p: torch.logit(p.double().clamp(1e-6, 1 - 1e-6))  # noqa: E731
+    per: dict[str, list[np.ndarray]] = {"residual": [], "adapted": [], "generated": []}
+    for mb in batches:
+        rows = {t: torch.from_numpy(r) for t, r in w.rows.pull({t: u.numpy() for t, u in mb.unique_ids.items()}).items()}
+        m = mb.query.mask.bool() & mb.task_mask.bool()[:, None]
+        cnt = m.sum(1)
+        keep = cnt > 0
+        mean = lambda x: ((x * m).sum(1) / cnt.clamp_min(1))[keep].numpy()  # noqa: E731
+        base = logit(w.model.predict(mb.query, rows, mb.unique_ids)[head])
+        per["residual"].append(mean(logit(mb.query.oracle[head]) - base))
+        per["adapted"].append(mean(logit(adapt_and_predict(w.model, mb.support, mb.query, rows, mb.unique_ids,
+                                                           learner)[head]) - base))
+        if gen0 is not None:
+            per["generated"].append(mean(logit(adapt_and_predict(w.model, mb.support, mb.query, rows, mb.unique_ids,
+                                                                 gen0)[head]) - base))
+    out: dict[str, float] = {}
+    res = np.concatenate(per["residual"])
+    out["tasks"] = float(res.shape[0])
+    out["residual_std"] = float(res.std())
+    for k in ("adapted", "generated"):
+        if per[k]:
+            v = np.concatenate(per[k])
+            out[f"{k}_std"] = float(v.std())
+            out[f"{k}_corr_residual"] = float(np.corrcoef(v, res)[0, 1])
+    return out
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
+
+
+def _fk_gain(m: dict[str, Any], head: str, what: str) -> float:
+    return float(m["adapted"][head]["auc"] - (m["base"][head]["auc"] if what == "adapted_minus_base" else 0.0))
 
 
 def main_inner(args: argparse.Namespace) -> int:
@@ -195,8 +271,12 @@ def main_inner(args: argparse.Namespace) -> int:
     fraction = 0.25 if args.quick else 0.1
     steps_list = [int(x) for x in args.inner_steps.split(",") if x]
     seeds = [int(x) for x in args.seeds.split(",") if x]
+    emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
     out: dict[str, Any] = {"rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
-                           "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr, "per_seed": {}}
+                           "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
+                           "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
+                           "meta_emb_labels": args.meta_emb_labels,
+                           "per_seed": {}}
     t_all = time.perf_counter()
     for seed in seeds:
         with tempfile.TemporaryDirectory(prefix="bench-quality-") as td:
@@ -206,8 +286,14 @@ def main_inner(args: argparse.Namespace) -> int:
                                                         n_files=max(1, rows // 250_000),
                                                         row_group_rows=min(rows, 65_536)), progress=False)
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
-                                                     args.learn_inner_lr, args.inner_lr, args.first_k)
+                                                     args.learn_inner_lr, args.inner_lr, args.first_k,
+                                                     emb_list, args.meta_emb_cold_weight, args.meta_emb_labels)
     per = list(out["per_seed"].values())
+    if args.first_k:  # each variant's first-k gains over seeds (side by side, same data)
+        out["first_k_per_variant"] = {
+            key: {f"{head}_{what}": _spread([_fk_gain(r["runs"][key]["first_k"], head, what) for r in per])
+                  for head in ("click", "conversion") for what in ("adapted_minus_base", "adapted")}
+            for key in per[0]["runs"]}
     for key in ("click_adapted_minus_base", "conversion_adapted_minus_base", "click_adapted_minus_plain_finetuned",
                 "conversion_adapted_minus_plain_finetuned"):
         out[key] = _spread([r[key] for r in per])
@@ -234,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learn-inner-lr", default="element", choices=("off", "tensor", "element"))
     ap.add_argument("--inner-lr", type=float, default=0.1)
     ap.add_argument("--first-k", type=int, default=8, help="also score held-out users under first-k (0: off)")
+    ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
+                    help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
+    ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")
+    ap.add_argument("--meta-emb-labels", action="store_true", help="[meta] meta_emb_labels (support labels feed the generator)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.cold_only:

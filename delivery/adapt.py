@@ -31,6 +31,12 @@ serve zero rows and cannot adapt.
 
 Rows of query tasks without any support row are scored by the base model.
 
+MetaEmb (``[meta] meta_emb``): the generator ships with the learned rates in
+``adapt_params.npz`` (``meta_learner.meta_emb_*``), and adaptation replaces the
+rows of unseen ids -- by the same rule as the trainer: a row equal to the
+recipe's initial row of its id (:mod:`models.meta_emb`) -- with generated rows
+before the inner loop, so a bundle adapts exactly as the trainer evaluates.
+
 Example::
 
     served = load_bundle("bundles")
@@ -111,7 +117,8 @@ def adapt_recipe(info: dict[str, Any], tables: list[str], where: str) -> dict[st
 
 
 def learned_rates(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The checkpoint's learned inner rates (``[meta] learn_inner_lr``; ``meta_learner.*`` dense values).
+    """The checkpoint's learned inner-loop values (``meta_learner.*`` dense values: the Meta-SGD rates
+    of ``[meta] learn_inner_lr``, the MetaEmb generators of ``[meta] meta_emb``).
 
     Args:
         src: the :class:`~delivery.export.CheckpointSource`.
@@ -131,7 +138,7 @@ def learned_rates(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> d
     values = src.dense(names)
     missing = [n for n in names if n not in values]
     if missing:
-        raise DeliveryError(f"{src.path}: [meta] learn_inner_lr is set but the checkpoint lacks {missing[:3]}")
+        raise DeliveryError(f"{src.path}: [meta] learn_inner_lr or meta_emb is set but the checkpoint lacks {missing[:3]}")
     return {n: np.asarray(values[n], np.float32) for n in names}
 
 
@@ -242,6 +249,8 @@ class AdaptingModel:
         """The inner loop with its learned rates (``[meta] learn_inner_lr``): ``learner.inner_recipe()``."""
         try:
             self.learner.load_dense(values)
+            if self.learner.meta_emb:  # the one unseen rule: a row equal to the PS's initial row of its id
+                self.learner.set_init_rows(unseen_initializers(rec, dict(self.model.dims)))
         except ConfigError as exc:
             raise DeliveryError(f"{path}: {exc}") from None
 

@@ -83,12 +83,14 @@ class _BundleRows:
         return out
 
 
-def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any) -> Any:
+def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any, recipe: Any = None) -> Any:
     """The recipe with its learned inner rates (``[meta] learn_inner_lr``), unless ``--inner-lr`` fixes one."""
     from models.meta_learner import MetaLearner
 
+    if args.inner_lr is not None and meta.meta_emb:  # a fixed rate, but the MetaEmb generator still ships
+        meta = dataclasses.replace(meta, learn_inner_lr="off")
     learner = MetaLearner(model, meta)
-    if args.inner_lr is not None or not learner.learned:
+    if (args.inner_lr is not None and not meta.meta_emb) or not learner.has_parameters:
         return meta
     if served is not None:
         import numpy as np
@@ -100,6 +102,10 @@ def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any) ->
 
         values = CheckpointSource.open(args.checkpoint).dense([n for n, _ in learner.store_named_parameters()])
     learner.load_dense(values)
+    if learner.meta_emb:
+        from delivery.adapt import unseen_initializers
+
+        learner.set_init_rows(unseen_initializers(recipe or {}, dict(model.dims)))
     return learner
 
 
@@ -131,7 +137,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             meta = dataclasses.replace(meta, **over)
         except ValueError as exc:
             raise ConfigError(f"metaps evaluate: {exc}") from None
-        loop = _inner_loop(model, meta, args, served)
+        loop = _inner_loop(model, meta, args, served, source["recipe"])
         batches = protocol_batches(args.protocol, args.data, schema, k=args.k, query_slots=args.query_slots)
         res = evaluate_protocol(model, rows, batches, loop, adapt=meta.inner_steps > 0, task_key=schema.task_key)
     finally:

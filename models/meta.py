@@ -21,6 +21,10 @@ Layout under ``torch.func.vmap`` (``vectorize=True``)::
     query      [T, Q, ..]  in_dims 0
     -> task losses [T] -> masked mean -> torch.func.grad w.r.t. (p, r)
 
+With ``[meta] meta_emb`` (:mod:`models.meta_emb`) the rows of each task's unseen ids
+of the ``meta_emb_tables`` are replaced by the learner's generated rows before the
+inner loop (training, adapted evaluation and a bundle's adaptation alike).
+
 With ``[meta] learn_inner_lr`` (Meta-SGD, :mod:`models.meta_learner`) ``inner_lr``
 is a learned positive rate per adapted tensor (or element) and the outer
 gradient reaches the rates too: pass a :class:`MetaLearner` where a
@@ -217,6 +221,11 @@ def _task_rows(rows: Rows, l2g: dict[str, Tensor]) -> Rows:
     return {t: rows[t][l2g[t]] for t in l2g}
 
 
+def _task_cold(learner: MetaLearner, rows: Rows, unique_ids: dict[str, Tensor], l2g: dict[str, Tensor]) -> Rows:
+    """MetaEmb: table -> bool ``[T, K_t]``, which of each task's row slots hold an unseen id (empty: off)."""
+    return {t: m[l2g[t]] for t, m in learner.unseen(rows, unique_ids).items()}
+
+
 def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> MetaStepResult:
     """One meta step: inner adaptation per task, outer gradients of the mean query loss.
 
@@ -244,15 +253,26 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
     weights = _task_weights(batch.task_mask, batch.query)
     n_tasks = int(batch.task_mask.shape[0])
 
-    def task(params: Params, mparams: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
+    cold = _task_cold(learner, rows, batch.unique_ids, l2g)
+    alpha = float(cfg.meta_emb_cold_weight) if learner.meta_emb else 0.0
+
+    def task(params: Params, mparams: Params, rows: Rows, cold: Rows, sup: dict, sidx: LookupIndex, qry: dict,
+             qidx: LookupIndex):
         rates = learner.rates(mparams) if learner.learned else None
-        fp, fr, before, after = _adapt(model, params, rows, FeatureBatch(**sup), sidx, cfg, rates)
-        qb = FeatureBatch(**qry)
-        q_total, q_heads = loss(_forward(model, fp, fr, qb, qidx), qb, model.heads)
-        return q_total, torch.stack(list(q_heads.values())).detach(), before, after
+        sfb, qfb = FeatureBatch(**sup), FeatureBatch(**qry)
+        start = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=True) if learner.meta_emb else rows
+        fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates)
+        q, q_heads = loss(_forward(model, fp, fr, qfb, qidx), qfb, model.heads)
+        if alpha > 0:  # MetaEmb's simulated cold start: every id of the meta_emb tables starts generated
+            every = {t: torch.ones_like(c) for t, c in cold.items()}
+            start = learner.cold_rows(mparams, rows, every, sfb, sidx, straight_through=False)
+            fp, fr, _, _ = _adapt(model, params, start, sfb, sidx, cfg, rates)
+            q = (1.0 - alpha) * q + alpha * _batch_loss(model, fp, fr, qfb, qidx)
+        # per-head figures are the query loss's heads (before MetaEmb's cold-start blend, if any)
+        return q, torch.stack(list(q_heads.values())).detach(), before, after
 
     def outer(params: Params, rows: Rows, mparams: Params):
-        per_task = (_task_rows(rows, l2g), _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
+        per_task = (_task_rows(rows, l2g), cold, _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
         q, q_heads, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
@@ -347,8 +367,14 @@ def adapt_and_predict(
     first = dataclasses.replace(learner.cfg, first_order=True)
     rates = learner.rates(learner.meta_params()) if learner.learned else None
 
-    def task(params: Params, rows: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
-        fp, fr, _, _ = _adapt(model, params, rows, FeatureBatch(**sup), sidx, first, rates)
+    cold = _task_cold(learner, rows, unique_ids, l2g)
+    mparams = learner.meta_params()
+
+    def task(params: Params, rows: Rows, cold: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
+        sfb = FeatureBatch(**sup)
+        if learner.meta_emb:
+            rows = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=False)
+        fp, fr, _, _ = _adapt(model, params, rows, sfb, sidx, first, rates)
         out = _forward(model, fp, fr, FeatureBatch(**qry), qidx, probabilities=True)
         return tree_map(torch.Tensor.detach, out)
 
@@ -357,7 +383,7 @@ def adapt_and_predict(
         first,
         int(support.mask.shape[0]),
         (_dense_params(model),),
-        (_task_rows(_detached_rows(rows), l2g), _tree(support), sup_idx, _tree(query), qry_idx),
+        (_task_rows(_detached_rows(rows), l2g), cold, _tree(support), sup_idx, _tree(query), qry_idx),
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class AdaptTarget(str, enum.Enum):
@@ -40,6 +40,24 @@ class MetaConfig:
             trained by the outer loop with the dense optimizer and stored with the dense
             parameters under ``meta_learner.*``). Default ``off``: it is the published G-Meta
             recipe and changes nothing for existing jobs.
+        meta_emb: MetaEmb (Pan et al. 2019) cold-id initialization: during adaptation, the row
+            of an *unseen* id of a ``meta_emb_tables`` table (its row equals the PS's
+            deterministic initial row of that id) is replaced by a generated row, a learned
+            linear map of the mean of the other features (other tables' pooled embeddings and
+            the dense features) over that id's support rows. The generator is meta-trained by
+            the outer loop (a dense parameter under ``meta_learner.*``) and ships in bundles;
+            see docs/design/meta_learning.md. Default off.
+        meta_emb_tables: the tables whose unseen ids get generated rows (e.g. ``["user"]``);
+            required (non-empty) when ``meta_emb`` is on; each must be a model table.
+        meta_emb_cold_weight: weight ``a`` of the simulated cold-start loss in training: each
+            task's outer loss is ``(1 - a) * L(as pulled) + a * L(every meta_emb_tables id of
+            the task treated as unseen)``, so the generator learns from warm ids too (MetaEmb's
+            cold + warm-up objective). 0 trains it only on ids that really are unseen.
+        meta_emb_labels: also feed the generator the mean of each head's label over the id's
+            support rows (beside the features): the generated row can then carry what only the
+            id's own labels reveal (a user's click propensity), amortizing part of the inner loop.
+            Off: the published MetaEmb (features only). Adaptation needs labeled support rows
+            anyway, so serving has them.
 
     Example::
 
@@ -52,6 +70,10 @@ class MetaConfig:
     adapt: AdaptTarget = AdaptTarget.BOTH
     vectorize: bool = True
     learn_inner_lr: InnerLr = InnerLr.OFF
+    meta_emb: bool = False
+    meta_emb_tables: list[str] = field(default_factory=list)
+    meta_emb_cold_weight: float = 0.5
+    meta_emb_labels: bool = False
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
@@ -60,6 +82,11 @@ class MetaConfig:
             raise ValueError(f"inner_steps must be >= 0, got {self.inner_steps}")
         if not self.inner_lr > 0:
             raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
+        object.__setattr__(self, "meta_emb_tables", list(self.meta_emb_tables))
+        if self.meta_emb and not self.meta_emb_tables:
+            raise ValueError("meta_emb_tables must name at least one table when meta_emb = true, got []")
+        if not 0.0 <= self.meta_emb_cold_weight <= 1.0:
+            raise ValueError(f"meta_emb_cold_weight must be in [0, 1], got {self.meta_emb_cold_weight}")
 
     def __post_init__(self) -> None:
         self.validate()

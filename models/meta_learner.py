@@ -17,6 +17,12 @@ synchronised, checkpointed and restored like any dense parameter.
 
 A bundle reads the recipe with :meth:`MetaLearner.inner_recipe`, or rebuilds the
 learner from a checkpoint's dense values with :meth:`MetaLearner.load_dense`.
+
+With ``[meta] meta_emb`` the learner also holds the MetaEmb generator of each
+``meta_emb_tables`` table (:mod:`models.meta_emb`: ``meta_emb_w.<i>`` /
+``meta_emb_b.<i>``, tables sorted), stored, synced and shipped the same way, and
+the unseen-id rule's initial rows (:meth:`MetaLearner.set_init_rows`, from the
+``[ps]`` config in a trainer, from the bundle's recipe in serving).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from metaps.core.errors import ConfigError
+from models import meta_emb as memb
 from models.meta_config import InnerLr, MetaConfig
 
 PREFIX = "meta_learner."
@@ -69,6 +76,23 @@ class MetaLearner(nn.Module):
         self.rows_log_lr = nn.ParameterList(
             [log_rate((dims[t],)) for t in self.tables] if mode != InnerLr.OFF else []
         )
+        self.emb_tables: list[str] = sorted(dict.fromkeys(cfg.meta_emb_tables)) if cfg.meta_emb else []
+        """MetaEmb: the tables whose unseen ids get generated rows."""
+        unknown = [t for t in self.emb_tables if t not in dims]
+        if unknown:
+            raise ConfigError(f"[meta] meta_emb_tables: {unknown} are not tables of the model (tables: {sorted(dims)})")
+        encoder = getattr(model, "encoder", None)
+        self.layouts: list[Any] = list(getattr(model, "layouts", [])) if self.emb_tables else []
+        n_dense = len(getattr(encoder, "dense_columns", []))
+        self.emb_labels: list[str] = (
+            [h.name for h in getattr(model, "heads", [])] if self.emb_tables and cfg.meta_emb_labels else []
+        )
+        """MetaEmb: heads whose support labels the generators read (``[meta] meta_emb_labels``)."""
+        widths = [memb.input_dim(self.layouts, n_dense, t, len(self.emb_labels)) for t in self.emb_tables]
+        self.meta_emb_w = nn.ParameterList([nn.Parameter(torch.zeros(dims[t], w)) for t, w in zip(self.emb_tables, widths)])
+        self.meta_emb_b = nn.ParameterList([nn.Parameter(torch.zeros(dims[t])) for t in self.emb_tables])
+        self.init_rows: dict[str, memb.InitRows] | None = None
+        """table -> the PS's initial rows (the unseen rule); None until :meth:`set_init_rows`."""
 
     @property
     def inner_steps(self) -> int:
@@ -84,6 +108,58 @@ class MetaLearner(nn.Module):
     def learned(self) -> bool:
         """Whether the rates are parameters (``learn_inner_lr != off``)."""
         return InnerLr(self.cfg.learn_inner_lr) != InnerLr.OFF
+
+    @property
+    def meta_emb(self) -> bool:
+        """Whether unseen ids of some table get generated rows (``[meta] meta_emb``)."""
+        return bool(self.emb_tables)
+
+    @property
+    def has_parameters(self) -> bool:
+        """Whether the learner has dense values to store, sync and ship (rates or generators)."""
+        return any(True for _ in self.parameters())
+
+    def set_init_rows(self, init_rows: Mapping[str, memb.InitRows]) -> None:
+        """The unseen rule's reference: table -> the PS's initial-row function (a RowInitializer).
+
+        Raises:
+            ConfigError: a ``meta_emb_tables`` table has none.
+        """
+        missing = [t for t in self.emb_tables if t not in init_rows]
+        if missing:
+            raise ConfigError(f"[meta] meta_emb_tables: no initial-row rule for tables {missing}")
+        self.init_rows = {t: init_rows[t] for t in self.emb_tables}
+
+    def unseen(self, rows: Mapping[str, Tensor], unique_ids: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """table -> bool ``[U_t]``: the ids of each meta_emb table that read their initial row.
+
+        Raises:
+            ConfigError: meta_emb is on but no initial-row rule was set.
+        """
+        if not self.emb_tables:
+            return {}
+        if self.init_rows is None:
+            raise ConfigError(
+                "[meta] meta_emb = true needs the unseen-id rule (the PS's initial rows): use the trainer's or the "
+                "bundle's inner loop (MetaLearner.set_init_rows), not a bare [meta] config"
+            )
+        return {t: memb.unseen_mask(rows[t], unique_ids[t], self.init_rows[t]) for t in self.emb_tables}
+
+    def cold_rows(
+        self, meta_params: Mapping[str, Tensor], rows: Mapping[str, Tensor], cold: Mapping[str, Tensor],
+        support: Any, sidx: Any, straight_through: bool,
+    ) -> dict[str, Tensor]:
+        """One task's rows with its ``cold`` slots (table -> bool ``[K_t]``) replaced by generated rows.
+
+        A pure tensor function of ``meta_params`` (runs under ``vmap``; the outer gradient reaches
+        the generators through it).
+        """
+        out = dict(rows)
+        for i, t in enumerate(self.emb_tables):
+            gen = memb.generate(meta_params[f"meta_emb_w.{i}"], meta_params[f"meta_emb_b.{i}"], self.layouts, t,
+                                    rows, support, sidx, self.emb_labels)
+            out[t] = memb.substitute(rows[t], gen, cold[t], straight_through)
+        return out
 
     # -- the functional view used inside meta_step ------------------------------------------
     def meta_params(self) -> dict[str, Tensor]:
@@ -124,6 +200,7 @@ class MetaLearner(nn.Module):
             "learn_inner_lr": InnerLr(self.cfg.learn_inner_lr).value,
             "dense_lr": {n: as_t(v) for n, v in rates["dense"].items()},
             "rows_lr": {t: as_t(v) for t, v in rates["rows"].items()},
+            "meta_emb_tables": list(self.emb_tables),
         }
 
     # -- dense-store plumbing ----------------------------------------------------------------
@@ -147,7 +224,8 @@ class MetaLearner(nn.Module):
             if name not in values:
                 raise ConfigError(
                     f"dense value '{name}' missing ([meta] learn_inner_lr = "
-                    f"'{InnerLr(self.cfg.learn_inner_lr).value}'): was the checkpoint trained with another setting?"
+                    f"'{InnerLr(self.cfg.learn_inner_lr).value}', meta_emb = {str(self.cfg.meta_emb).lower()}, "
+                    f"meta_emb_tables = {self.emb_tables}): was the checkpoint trained with another setting?"
                 )
             v = np.asarray(values[name], dtype=np.float32)
             if v.size != p.numel():

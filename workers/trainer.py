@@ -73,6 +73,8 @@ class Trainer:
         meta_cfg: the ``[meta]`` section (used when ``cfg.mode == "meta"``).
         dense_optimizer: the ``[ps].dense_optimizer`` config (all-reduce mode steps locally with it).
         rank / world: this worker's rank and the worker count (all-reduce mode).
+        ps_cfg: the ``[ps]`` section: ``[meta] meta_emb``'s unseen rule compares pulled rows
+            with its initial rows (:mod:`models.meta_emb`); needed only then.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Trainer:
         rank: int = 0,
         world: int = 1,
         barrier: Any = None,
+        ps_cfg: Any = None,
     ) -> None:
         self.model = model
         self.rows = rows
@@ -107,6 +110,8 @@ class Trainer:
             from models.meta_learner import MetaLearner
 
             self.learner = MetaLearner(model, meta_cfg)
+            if self.learner.meta_emb:
+                self.learner.set_init_rows(initial_rows(ps_cfg, model.dims))
         self._names = [n for n, _ in self._named_parameters()]
         self._local_dense: Any = None
         """All-reduce mode: a local DenseStore, the very optimizer code the PS runs in PS mode."""
@@ -407,6 +412,23 @@ class Trainer:
 
     def _at_limit(self) -> bool:
         return bool(self.cfg.max_steps) and self.step_no >= self.cfg.max_steps
+
+
+def initial_rows(ps_cfg: Any, dims: dict[str, int]) -> dict[str, Any]:
+    """table -> the PS's initial-row function (``[meta] meta_emb``'s unseen rule).
+
+    Args:
+        ps_cfg: the job's ``[ps]`` section (None: the ``[ps]`` defaults, logged as a warning).
+        dims: the model's table dims.
+    """
+    from ps.config import PsConfig
+    from ps.initializer import RowInitializer
+
+    if ps_cfg is None:
+        log.warning("meta_emb: no [ps] config given; the unseen rule uses the default initial rows")
+        ps_cfg = PsConfig()
+    return {c.name: RowInitializer(c.name, c.dim, c.init, c.init_scale, int(ps_cfg.seed))
+            for c in ps_cfg.table_configs(list(dims))}
 
 
 def _flatten_meta(batch: MetaBatch) -> PlainBatch:

@@ -124,7 +124,7 @@ class Worker:
         self._init_allreduce()
         self.trainer = Trainer(
             self.model, self.rows, job.train, job.meta, job.ps.dense_optimizer, rank=rank, world=self.world,
-            barrier=barrier,
+            barrier=barrier, ps_cfg=job.ps,
         )
         self._born = time.time()
         self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", self._born)))
