@@ -123,14 +123,22 @@ class NdConfig:
             it keeps a little traffic, so its latency stays measured and it can be seen to
             recover; 0: a persistently slow PS can be drained completely (best when its
             slowness is per request rather than per row, but then nothing measures it).
+        release_slow_clock: a worker flagged slow leaves the PS step clocks (bounded
+            staleness, async mode) until it is no longer flagged or restarts: the others
+            stop waiting for it in their pulls, its own pulls never wait (it is behind) and
+            its pushes are applied as in pure async. It rejoins at no less than the slowest
+            clock present. false: a slow worker holds the fleet to its step rate + max_staleness.
     """
 
     restart_after: int = 3
     move_vshards: int = 8
     cooldown_windows: int = 6
     keep: int = 1
+    release_slow_clock: bool = True
 
     def validate(self) -> None:
+        if not isinstance(self.release_slow_clock, bool):
+            raise ValueError(f"nd.release_slow_clock must be true or false, got {self.release_slow_clock!r}")
         if self.restart_after < 0:
             raise ValueError(f"nd.restart_after must be >= 0, got {self.restart_after}")
         if self.move_vshards < 0:

@@ -41,6 +41,8 @@ from controller.policy import (
     MoveVshards,
     Policy,
     Recovered,
+    RejoinClock,
+    ReleaseClock,
     RestartNode,
     RestoreShards,
     SetBatchSizes,
@@ -269,6 +271,14 @@ class ControllerServer:
             elif isinstance(a, RestoreShards):
                 self.dds.set_slow(a.worker, False)
                 evidence["shard_size"] = self.dds.shard_size(a.worker)
+            elif isinstance(a, (ReleaseClock, RejoinClock)):
+                # the worker process leaves / rejoins the PS step clocks itself (workers/worker.py):
+                # controller/ never talks to the PS's clocks directly
+                if self.registry.known("worker", a.worker):
+                    self.registry.enqueue("worker", a.worker, a.kind.value, target="process",
+                                          reason=f"flagged slow: {a.kind.value}")
+                else:
+                    action = f"{a.kind.value} skipped: worker {a.worker} is not registered"
             elif isinstance(a, RestartNode):
                 self.registry.enqueue(a.role, a.index, "restart", target="agent", reason="persistently slow")
             elif isinstance(a, SetBatchSizes):

@@ -223,7 +223,8 @@ class Command:
 
     Args:
         id: unique per controller run.
-        kind: ``restart`` | ``drain`` | ``stop`` (agent) or ``set_batch_size`` | ``checkpoint`` | ``stop`` (process).
+        kind: ``restart`` | ``drain`` | ``stop`` (agent) or ``set_batch_size`` | ``checkpoint`` | ``stop`` |
+            ``release_clock`` | ``rejoin_clock`` (process; the last two: leave / rejoin the PS step clocks).
         target: ``process`` or ``agent``.
         batch_size: for ``set_batch_size``.
         cut_id: the checkpoint cut (``checkpoint``) or the batch-size plan stamp (``set_batch_size``).

@@ -138,7 +138,9 @@ class _Waiter:
         backoff_s, max_backoff_s: first and largest pause between asks.
     """
 
-    def __init__(self, own_limit_s: float | None, backoff_s: float, max_backoff_s: float) -> None:
+    def __init__(self, own_limit_s: float | None, backoff_s: float, max_backoff_s: float,
+                 on_sleep: Callable[[float], None] | None = None) -> None:
+        self.on_sleep = on_sleep
         self.limit = own_limit_s if own_limit_s else float("inf")
         self.start: float | None = None
         self.delay = backoff_s
@@ -170,6 +172,8 @@ class _Waiter:
         d = self.delay
         time.sleep(d)
         self.delay = min(self.delay * 2, self.max_delay)
+        if self.on_sleep is not None:
+            self.on_sleep(d)
         return d
 
 
@@ -197,6 +201,8 @@ class PsClient:
             (:meth:`join_clock`): a restarted worker's old clock, or at least the
             slowest clock present; the worker numbers its steps from it.
         rejoins: how often a shard told this worker its clock lease had expired.
+        stale_wait_s: seconds spent waiting for slower workers (staleness bound, barriers) so
+            far; a worker reports its batch times without it (its own speed, for the monitor).
     """
 
     def __init__(
@@ -248,6 +254,8 @@ class PsClient:
         self._down: set[int] = set()
         self.registered_clock = 0
         self.rejoins = 0
+        self.stale_wait_s = 0.0
+        self._wait_lock = threading.Lock()
         self._pmap: PartitionMap = self.refresh_map()
         if self._pmap.num_shards != len(self.addresses):
             raise PsClientError(
@@ -489,7 +497,11 @@ class PsClient:
                 deadline += waiter.sleep()  # waiting for slower workers is not retry time
 
     def _waiter(self, own_limit_s: float | None) -> _Waiter:
-        return _Waiter(own_limit_s, self.wait_backoff_s, self.max_wait_backoff_s)
+        return _Waiter(own_limit_s, self.wait_backoff_s, self.max_wait_backoff_s, self._waited)
+
+    def _waited(self, seconds: float) -> None:
+        with self._wait_lock:
+            self.stale_wait_s += seconds
 
     # -- dense ------------------------------------------------------------------------------
     def register_dense(self, params: Mapping[str, Any], *, overwrite: bool = False) -> list[str]:

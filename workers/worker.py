@@ -134,6 +134,8 @@ class Worker:
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
         self._draining = False
+        self._stale_wait_seen = 0.0  # PsClient.stale_wait_s at the last metrics report
+        self._clock_released = False  # the controller took this worker out of the PS step clocks (flagged slow)
         self._dd: Any = None
         self._last_step_end = 0.0
         self.start_step = 0
@@ -175,7 +177,7 @@ class Worker:
                     waiting = True
                 time.sleep(0.2)
                 continue
-            if waiting:
+            if waiting and not self._clock_released:
                 # rejoin at no less than the fleet's slowest clock: never drag it back to missed steps
                 self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
                 waiting = False
@@ -310,11 +312,17 @@ class Worker:
             self.telemetry.on_step(stats.step, stats.samples, stats.loss,
                                    {"pull": stats.pull_s, "compute": stats.compute_s, "push": stats.push_s,
                                     "total": stats.total_s + delay}, stats.metrics)
+        # The monitor judges the worker's own speed: time spent waiting for slower workers at the
+        # staleness bound is not counted (else under bounded staleness every worker runs at the slow
+        # one's pace and none stands out). Absent for in-process rows (no `client`): 0.
+        waited = float(getattr(getattr(self.rows, "client", None), "stale_wait_s", 0.0))
+        own_s = max(stats.total_s + delay - (waited - self._stale_wait_seen), 1e-6)
+        self._stale_wait_seen = waited
         # One metrics RPC per step is cheap next to a training step and keeps the monitor's windows full.
         try:
             self.ctl.report_metrics(
-                batch_times_s=[stats.total_s + delay],
-                samples_per_s=stats.samples / max(stats.total_s + delay, 1e-9),
+                batch_times_s=[own_s],
+                samples_per_s=stats.samples / own_s,
                 samples=stats.samples,
                 ps_pull_latency_s={0: stats.pull_s},
                 ps_push_latency_s={0: stats.push_s},
@@ -335,6 +343,33 @@ class Worker:
             if cmd.kind == "drain":
                 log.info("draining on controller command", extra=kv(rank=self.rank, reason=cmd.reason))
                 self._draining = True
+            if cmd.kind in ("release_clock", "rejoin_clock"):
+                self._set_clock_released(cmd.kind == "release_clock", cmd.reason)
+
+    def _set_clock_released(self, released: bool, reason: str = "") -> None:
+        """Leave (``released``) or rejoin the PS step clocks on the controller's word (flagged slow / recovered).
+
+        A released worker holds nobody back in bounded staleness; its own pulls never wait
+        (it is behind) and its pushes are applied as in async mode. Rejoining numbers the
+        next steps from the clock the PS answers (at least the slowest one present). Sync
+        mode (PS barriers) keeps every worker in step: the command is ignored there.
+
+        Args:
+            released: True to leave the clocks, False to rejoin them.
+            reason: the controller's reason, for the log.
+        """
+        if released == self._clock_released:
+            return
+        if self.trainer.barrier is not None:
+            log.info("clock release ignored in sync mode", extra=kv(rank=self.rank, released=released))
+            return
+        if released:
+            self.rows.leave_clock()
+        else:
+            self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
+        self._clock_released = released
+        log.info("left the PS step clocks" if released else "rejoined the PS step clocks",
+                 extra=kv(rank=self.rank, step=self.trainer.step_no, reason=reason))
 
     # -- checkpoints, eval, report ---------------------------------------------------------
     def _checkpoint_cuts(self, cut_ids: list[int]) -> None:
