@@ -44,6 +44,11 @@ class DdsConfig:
         warn_failures: from this many failures of one shard on, every failure is an ERROR
             log and an event (the shard is still never dropped).
         slow_shrink: a worker flagged slow gets shards ``slow_shrink`` times smaller.
+        tail_split_min_batches: the tail fix. When a dataset's TODO is empty and a worker
+            waits for data while another holds a lease with at least this many batches left
+            after its reported position + 1, the holder is told to stop that lease early
+            (``truncate`` command); its report of the part it trained puts the rest at the
+            head of TODO for the idle worker (exactly once: see controller/dds.py). 0: off.
 
     Example::
 
@@ -58,8 +63,11 @@ class DdsConfig:
     seed: int = 0
     warn_failures: int = 3
     slow_shrink: int = 4
+    tail_split_min_batches: int = 2
 
     def validate(self) -> None:
+        if self.tail_split_min_batches < 0:
+            raise ValueError(f"dds.tail_split_min_batches must be >= 0 (0 = off), got {self.tail_split_min_batches}")
         if self.batches_per_shard < 1:
             raise ValueError(f"dds.batches_per_shard must be >= 1, got {self.batches_per_shard}")
         for k, v in self.worker_batches_per_shard.items():
