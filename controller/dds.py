@@ -15,8 +15,21 @@ an epoch every shard goes through::
     split:  TODO [s, e)  --(worker wants k < e-s)-->  DOING [s, s+k) + TODO head [s+k, e)
             the parent record becomes SPLIT (kept, so late reports on it are recognised)
 
+    tail:   DOING [s, e) held by W, TODO empty, another worker told WAIT
+            --tail_split: stop_at = W's reported next batch + 1 (durable)-->  `truncate` command to W
+            W reports done with stop p (s < p <= e; p >= stop_at unless it stopped sooner):
+            ONE transaction: [s, e) -> SPLIT, [s, p) DONE (one ledger entry), [p, e) head of TODO
+            (p == e, or no stop: the whole shard, as usual; lease lost meanwhile: stale, and
+            [s, e) went back whole)
+
 When TODO is empty but shards are DOING, ``get_shard`` answers WAIT (one of
-them may come back). When every shard of an epoch is DONE the next epoch is
+them may come back). **Tail fix** (``tail_split_min_batches``): a slow worker's
+last lease would otherwise keep the others idle until it finishes. The worker
+itself decides where it stops (never before a batch it already trained), so the
+ledger still tiles every batch exactly once: [s, p) by W, [p, e) by whoever takes
+the tail; a retried partial report (reply lost) is a ``retry``, a partial report
+nobody asked for is refused and changes nothing. No batch is trained twice (this is
+not a backup lease). When every shard of an epoch is DONE the next epoch is
 created (shuffled with ``seed + epoch``) in the same transaction; after the
 last epoch the dataset answers DONE.
 
