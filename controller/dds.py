@@ -106,6 +106,7 @@ class _Shard:
     deadline: float = 0.0
     leased_at: float = 0.0
     progress: int = -1  # the next batch its holder will train (heartbeats); -1: not reported
+    not_for: int = -1  # a tail split off this worker's lease: it does not take it back while another waits
 
     @property
     def id(self) -> str:
@@ -177,6 +178,7 @@ class DynamicDataSharding:
         self._live: dict[str, _Live] = {}
         self._slow: set[int] = set()
         self._sizes: dict[int, int] = {}
+        self._spb: dict[int, float] = {}  # worker -> EMA of its seconds per batch (done reports; memory)
         names = [d.name for d in datasets]
         if len(set(names)) != len(names):
             raise DdsError(f"duplicate dataset names: {names}")
@@ -334,7 +336,7 @@ class DynamicDataSharding:
         if live.finished:
             return GetResult(GetStatus.DONE)
         now = self._clock()
-        if not live.todo:
+        if not live.todo or self._tail_reserved(live, worker, now):
             live.waiting[worker] = now
             return GetResult(GetStatus.WAIT)
         live.waiting.pop(worker, None)
@@ -441,6 +443,7 @@ class DynamicDataSharding:
             self._put(txn, rec)
             self.ledger.append(txn, kind=EntryKind.DONE, **entry)
             took = elapsed_s if elapsed_s > 0 else max(now - rec.leased_at, 0.0)
+            self._note_speed(worker, rec.batches, took)
             per = took / max(rec.batches, 1)
             live.sec_per_batch = per if live.sec_per_batch == 0 else 0.8 * live.sec_per_batch + 0.2 * per
             if not live.todo and not live.doing:
@@ -467,7 +470,8 @@ class DynamicDataSharding:
         with self._txn() as txn:
             head = _Shard(rec.dataset, rec.epoch, rec.file, rec.start, stop_at, state=ShardState.DONE,
                           order=rec.order, worker=worker, attempt=attempt, done_worker=worker, done_attempt=attempt)
-            rest = _Shard(rec.dataset, rec.epoch, rec.file, stop_at, rec.stop, failures=rec.failures)
+            rest = _Shard(rec.dataset, rec.epoch, rec.file, stop_at, rec.stop, failures=rec.failures, not_for=worker)
+            self._note_speed(worker, stop_at - rec.start, elapsed_s if elapsed_s > 0 else now - rec.leased_at)
             live.doing.pop(rec.id, None)
             rec.state, rec.stop_at = ShardState.SPLIT, 0
             self._put(txn, rec)
@@ -488,6 +492,17 @@ class DynamicDataSharding:
                  extra=kv(worker=worker, shard=rec.id, done=head.id, tail=rest.id))
         return ReportResult(True, False, "done", f"done up to batch {stop_at}; [{stop_at}, {rec.stop}) requeued")
 
+    def _tail_reserved(self, live: _Live, worker: int, now: float, waiting_s: float = 5.0) -> bool:
+        """The head of TODO is a tail split off ``worker``'s own lease and another worker waits for it."""
+        head = live.records[live.todo[0]]
+        return head.not_for == worker and any(w != worker and now - t <= waiting_s for w, t in live.waiting.items())
+
+    def _note_speed(self, worker: int, batches: int, seconds: float) -> None:
+        if batches > 0 and seconds > 0:
+            per = seconds / batches
+            old = self._spb.get(worker)
+            self._spb[worker] = per if old is None else 0.5 * old + 0.5 * per
+
     def note_progress(self, worker: int, shard_id: str, next_batch: int) -> None:
         """The next batch ``worker`` will train of the lease ``shard_id`` (heartbeats; memory only)."""
         with self._lock:
@@ -500,10 +515,14 @@ class DynamicDataSharding:
         """The tail fix: ask lease holders to stop early so that waiting workers get the rest.
 
         For each dataset whose TODO is empty and where a worker was told WAIT within
-        ``waiting_s`` and holds nothing: the lease (held by another worker, progress reported,
-        not asked already) with the most batches left after ``progress + 1``, if that is at
-        least ``tail_split_min_batches``, is marked ``stop_at = progress + 1`` (durable, one
-        transaction, event ``tail_split``). One lease per waiting worker per call.
+        ``waiting_s`` and holds nothing: the lease (held by another worker, at least one batch
+        trained, not asked already, its holder's pace in it 1.5x slower than the waiter's
+        seconds per batch, if known) with the most batches left after ``progress + 1``, if
+        that is at least ``tail_split_min_batches``, is marked ``stop_at = progress + 1``
+        (durable, one transaction, event ``tail_split``). One lease per waiting worker per call.
+
+        Args:
+            waiting_s: a worker told WAIT longer ago than this no longer counts as waiting.
 
         Returns:
             (holder, shard id, stop batch) for each lease to stop: the controller sends the
@@ -523,9 +542,13 @@ class DynamicDataSharding:
                 if live.finished or live.todo:
                     continue
                 idle = [w for w, t in live.waiting.items() if now - t <= waiting_s and w not in held]
-                for _ in idle:
-                    cands = [r for r in live.doing.values() if r.stop_at <= 0 and r.progress >= r.start
-                             and r.stop - (r.progress + 1) >= self._cfg.tail_split_min_batches]
+                for w in idle:
+                    # only for a waiter faster than the holder's pace in this lease (or of unknown speed):
+                    # a slow worker waiting must not take the tail back from a fast one
+                    mine = self._spb.get(w)
+                    cands = [r for r in live.doing.values() if r.stop_at <= 0 and r.progress > r.start
+                             and r.stop - (r.progress + 1) >= self._cfg.tail_split_min_batches
+                             and (mine is None or 1.5 * mine < (now - r.leased_at) / (r.progress - r.start))]
                     if not cands:
                         break
                     rec = max(cands, key=lambda r: (r.stop - r.progress, r.id))

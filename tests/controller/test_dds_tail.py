@@ -15,10 +15,19 @@ from controller.types import DatasetKind, DatasetSpec, DdsError, GetStatus
 ONE = DatasetSpec("train", (12,), DatasetKind.TRAIN, epochs=1)  # one shard of 12 batches
 
 
-def make(tmp: Path, min_batches: int = 2) -> tuple[StateStore, DynamicDataSharding]:
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(tmp: Path, min_batches: int = 2, clock: Clock | None = None,
+         spec: DatasetSpec = ONE) -> tuple[StateStore, DynamicDataSharding]:
     store = StateStore(tmp / "state")
     return store, DynamicDataSharding(store, DdsConfig(batches_per_shard=12, tail_split_min_batches=min_batches),
-                                      [ONE], EventLog(store))
+                                      [spec], EventLog(store), clock or Clock())
 
 
 def _slow_holds_fast_waits(dds: DynamicDataSharding):
@@ -128,3 +137,29 @@ def test_a_lease_lost_during_truncation_goes_back_whole(tmp_path: Path) -> None:
     dds.report(1, again.shard_id, again.attempt, "done", samples=12)
     cov = dds.coverage()
     assert cov.complete and cov.done_entries == 1, cov
+
+
+def test_the_truncated_holder_does_not_take_its_own_tail_back_while_another_waits(tmp_path: Path) -> None:
+    _, dds = make(tmp_path)
+    lease = _slow_holds_fast_waits(dds)
+    dds.tail_split()
+    # the holder's report rides on its next lease request (one transaction): it must not get the tail
+    rep, got = dds.report_and_get(0, "train", lease.shard_id, lease.attempt, "done", samples=4, stop=4)
+    assert rep.kind == "done" and got.status is GetStatus.WAIT
+    tail = dds.get_shard(1, "train").lease
+    assert (tail.start, tail.stop) == (4, 12)
+
+
+def test_a_slower_waiter_does_not_split_a_faster_holders_lease(tmp_path: Path) -> None:
+    clock = Clock()
+    two = DatasetSpec("train", (12, 12), DatasetKind.TRAIN, epochs=1)
+    _, dds = make(tmp_path, clock=clock, spec=two)
+    a = dds.get_shard(0, "train").lease
+    b = dds.get_shard(1, "train").lease
+    clock.t += 10.0
+    dds.report(1, b.shard_id, b.attempt, "done", samples=12, elapsed_s=10.0)  # worker 1: ~0.8 s per batch
+    assert dds.get_shard(1, "train").status is GetStatus.WAIT
+    dds.note_progress(0, a.shard_id, 8)  # worker 0: 8 batches in 10 s, 1.25 s per batch: not 1.5x slower
+    assert dds.tail_split() == []
+    dds.note_progress(0, a.shard_id, 3)  # as if 3 batches in 10 s: 3.3 s per batch, 4x slower
+    assert dds.tail_split() == [(0, a.shard_id, 4)]
