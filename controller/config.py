@@ -45,8 +45,8 @@ class DdsConfig:
             log and an event (the shard is still never dropped).
         slow_shrink: a worker flagged slow gets shards ``slow_shrink`` times smaller.
         tail_split_min_batches: the tail fix. When a dataset's TODO is empty and a worker
-            waits for data while another holds a lease with at least this many batches left
-            after its reported position + 1, the holder is told to stop that lease early
+            waits for data while another holds a lease with at least this many batches not
+            yet started (heartbeat progress), the holder is told to stop that lease early
             (``truncate`` command); its report of the part it trained puts the rest at the
             head of TODO for the idle worker (exactly once: see controller/dds.py). 0: off.
 

@@ -16,7 +16,7 @@ an epoch every shard goes through::
             the parent record becomes SPLIT (kept, so late reports on it are recognised)
 
     tail:   DOING [s, e) held by W, TODO empty, another worker told WAIT
-            --tail_split: stop_at = W's reported next batch + 1 (durable)-->  `truncate` command to W
+            --tail_split: stop_at = W's first batch not started (durable)-->  `truncate` command to W
             W reports done with stop p (s < p <= e; p >= stop_at unless it stopped sooner):
             ONE transaction: [s, e) -> SPLIT, [s, p) DONE (one ledger entry), [p, e) head of TODO
             (p == e, or no stop: the whole shard, as usual; lease lost meanwhile: stale, and
@@ -504,7 +504,7 @@ class DynamicDataSharding:
             self._spb[worker] = per if old is None else 0.5 * old + 0.5 * per
 
     def note_progress(self, worker: int, shard_id: str, next_batch: int) -> None:
-        """The next batch ``worker`` will train of the lease ``shard_id`` (heartbeats; memory only)."""
+        """The first batch of the lease ``shard_id`` that ``worker`` has not started (heartbeats; memory only)."""
         with self._lock:
             for live in self._live.values():
                 rec = live.doing.get(shard_id)
@@ -517,8 +517,9 @@ class DynamicDataSharding:
         For each dataset whose TODO is empty and where a worker was told WAIT within
         ``waiting_s`` and holds nothing: the lease (held by another worker, at least one batch
         trained, not asked already, its holder's pace in it 1.5x slower than the waiter's
-        seconds per batch, if known) with the most batches left after ``progress + 1``, if
-        that is at least ``tail_split_min_batches``, is marked ``stop_at = progress + 1``
+        seconds per batch, if known) with the most batches left after ``progress`` (the first
+        batch its holder has not started: it stops after the one in progress), if that is at
+        least ``tail_split_min_batches``, is marked ``stop_at = progress``
         (durable, one transaction, event ``tail_split``). One lease per waiting worker per call.
 
         Args:
@@ -547,13 +548,13 @@ class DynamicDataSharding:
                     # a slow worker waiting must not take the tail back from a fast one
                     mine = self._spb.get(w)
                     cands = [r for r in live.doing.values() if r.stop_at <= 0 and r.progress > r.start
-                             and r.stop - (r.progress + 1) >= self._cfg.tail_split_min_batches
+                             and r.stop - r.progress >= self._cfg.tail_split_min_batches
                              and (mine is None or 1.5 * mine < (now - r.leased_at) / (r.progress - r.start))]
                     if not cands:
                         break
                     rec = max(cands, key=lambda r: (r.stop - r.progress, r.id))
                     with self._txn() as txn:
-                        rec.stop_at = rec.progress + 1
+                        rec.stop_at = rec.progress
                         self._put(txn, rec)
                         self._event(txn, f"worker:{rec.worker}", "tail_split",
                                     {"shard": rec.id, "progress": rec.progress, "stop_at": rec.stop_at,

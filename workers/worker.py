@@ -373,7 +373,7 @@ class Worker:
                 if pos >= self._lease_stop:
                     break
                 pos += 1
-                self.lease_progress = (shard_id, pos)  # handed to the trainer: it will be trained
+                self.lease_progress = (shard_id, pos)  # batches before pos are handed to the trainer: they will be trained
                 yield b
         finally:
             close = getattr(batches, "close", None)

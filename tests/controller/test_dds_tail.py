@@ -33,15 +33,15 @@ def make(tmp: Path, min_batches: int = 2, clock: Clock | None = None,
 def _slow_holds_fast_waits(dds: DynamicDataSharding):
     lease = dds.get_shard(0, "train").lease  # the slow worker 0 takes the only shard
     assert dds.get_shard(1, "train").status is GetStatus.WAIT  # the fast worker 1 waits
-    dds.note_progress(0, lease.shard_id, 3)  # worker 0 is about to train batch 3
+    dds.note_progress(0, lease.shard_id, 3)  # worker 0 has started batches 0-2 (2 is in progress)
     return lease
 
 
 def test_a_waiting_worker_gets_the_tail_of_a_long_lease_exactly_once(tmp_path: Path) -> None:
     _, dds = make(tmp_path)
     lease = _slow_holds_fast_waits(dds)
-    assert dds.tail_split() == [(0, lease.shard_id, 4)]  # stop after the batch in progress
-    assert dds.tail_split() == [(0, lease.shard_id, 4)]  # asked again (idempotent), no second cut
+    assert dds.tail_split() == [(0, lease.shard_id, 3)]  # stop after the batch in progress
+    assert dds.tail_split() == [(0, lease.shard_id, 3)]  # asked again (idempotent), no second cut
     assert dds.get_shard(1, "train").status is GetStatus.WAIT  # nothing requeued before the holder reports
     rep = dds.report(0, lease.shard_id, lease.attempt, "done", samples=4, stop=4)
     assert rep.accepted and rep.kind == "done"
@@ -96,7 +96,7 @@ def test_no_split_when_off_or_too_little_is_left_or_nobody_waits(tmp_path: Path)
     _, short = make(tmp_path / "short", min_batches=2)
     lease = short.get_shard(0, "train").lease
     assert short.get_shard(1, "train").status is GetStatus.WAIT
-    short.note_progress(0, lease.shard_id, 10)  # 12 - 11 = 1 batch left after the one in progress
+    short.note_progress(0, lease.shard_id, 11)  # 12 - 11 = 1 batch not started
     assert short.tail_split() == []
     _, idle = make(tmp_path / "idle")
     lease = idle.get_shard(0, "train").lease
@@ -111,8 +111,8 @@ def test_controller_restart_mid_truncation_keeps_exactly_once(tmp_path: Path) ->
     store.close()  # the controller dies after the cut was recorded, before the holder reported
     store, dds = make(tmp_path)
     rec = dds._live["train"].records[lease.shard_id]
-    assert rec.state is ShardState.DOING and rec.stop_at == 4  # durable
-    assert dds.tail_split() == [(0, lease.shard_id, 4)]  # re-sent by the new controller
+    assert rec.state is ShardState.DOING and rec.stop_at == 3  # durable
+    assert dds.tail_split() == [(0, lease.shard_id, 3)]  # re-sent by the new controller
     assert dds.report(0, lease.shard_id, lease.attempt, "done", samples=4, stop=4).kind == "done"
     store.close()  # dies again right after the partial report committed
     store, dds = make(tmp_path)
@@ -162,4 +162,4 @@ def test_a_slower_waiter_does_not_split_a_faster_holders_lease(tmp_path: Path) -
     dds.note_progress(0, a.shard_id, 8)  # worker 0: 8 batches in 10 s, 1.25 s per batch: not 1.5x slower
     assert dds.tail_split() == []
     dds.note_progress(0, a.shard_id, 3)  # as if 3 batches in 10 s: 3.3 s per batch, 4x slower
-    assert dds.tail_split() == [(0, a.shard_id, 4)]
+    assert dds.tail_split() == [(0, a.shard_id, 3)]
