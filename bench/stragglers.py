@@ -581,7 +581,10 @@ def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_W
     ahead of the slowest, so a 4x slower worker holds the others back in both modes).
     ``[ps] wait_timeout_s`` is 600 s here: under load the slowed worker's first step
     (imports, first pulls) takes tens of seconds and the fault sleeps 3x that, longer
-    than the product's 60 s wait.
+    than the product's 60 s wait. ``dynamic_actions`` counts the controller's events about the
+    slow worker: ``release_clock`` (it left the staleness clock, ``[controller.nd]
+    release_slow_clock``) and ``tail_split`` / ``tail_split_done`` (its lease's tail went to an
+    idle worker, ``[controller.dds] tail_split_min_batches``).
     """
     epochs = 3 if quick else 6
     out: dict[str, Any] = {"workers": workers, "max_staleness": max_staleness}
@@ -598,6 +601,11 @@ def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_W
             load0 = os.getloadavg()[0]
             try:
                 reps = _real_fleet(tmp, job, workers, srv.address if srv else "")
+                if srv is not None:  # what the product did about the slow worker (release, tail split)
+                    kinds = [e.kind for e in srv.events.list()]
+                    out[f"{mode}_actions"] = {k: kinds.count(k) for k in
+                                              ("slow_detected", "release_clock", "rejoin_clock", "tail_split",
+                                               "tail_split_done") if k in kinds}
             finally:
                 if srv is not None:
                     srv.stop(grace=0)

@@ -76,6 +76,7 @@ class DoneReport:
     samples: int = 0
     elapsed_s: float = 0.0
     error: str = ""
+    stop: int = 0  # where a lease told to truncate was stopped (0: the whole shard)
 
 
 @dataclass(frozen=True)
@@ -146,18 +147,23 @@ class ControllerClient:
 
     def heartbeat(self, step: int = 0, rss_bytes: float = 0.0, cpu_percent: float = 0.0,
                   metrics: Mapping[str, float] | None = None, child_alive: bool = False,
-                  child_restarts: int = 0) -> HeartbeatReply:
+                  child_restarts: int = 0, shard_id: str = "", next_batch: int = 0) -> HeartbeatReply:
         """Renew this node (and a worker's shard leases); get pending commands.
 
         If the controller does not know this node (a fresh state dir), it registers again.
+
+        Args:
+            shard_id, next_batch: a worker's progress in its lease (the DDS tail split).
         """
         req = pb.HeartbeatRequest(node=self._ref(), step=step, rss_bytes=rss_bytes, cpu_percent=cpu_percent,
-                                  metrics=dict(metrics or {}), child_alive=child_alive, child_restarts=child_restarts)
+                                  metrics=dict(metrics or {}), child_alive=child_alive, child_restarts=child_restarts,
+                                  shard_id=shard_id, next_batch=next_batch)
         r = self._call("Heartbeat", req)
         if not r.known:
             self.register(**(self._reg_args or {}))
             r = self._call("Heartbeat", req)
-        cmds = [Command(c.id, c.kind, self.source, c.batch_size, c.cut_id, c.reason) for c in r.commands]
+        cmds = [Command(c.id, c.kind, self.source, c.batch_size, c.cut_id, c.reason, c.shard_id, c.stop_batch)
+                for c in r.commands]
         return HeartbeatReply(cmds, r.batch_size, r.known)
 
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]:
@@ -179,7 +185,7 @@ class ControllerClient:
         return self._get_result(self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset)))
 
     def defer_report(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
-                     error: str = "") -> None:
+                     error: str = "", stop: int = 0) -> None:
         """Report ``lease`` with the next :meth:`get_shard` instead of its own RPC.
 
         Call :meth:`flush_reports` when no further ``get_shard`` follows (the loop stops
@@ -187,14 +193,14 @@ class ControllerClient:
         """
         if self._deferred is not None:
             self.flush_reports()
-        self._deferred = DoneReport(lease, status, samples, elapsed_s, error)
+        self._deferred = DoneReport(lease, status, samples, elapsed_s, error, stop)
 
     def flush_reports(self) -> ReportResult | None:
         """Send a report still waiting for a ``get_shard`` on its own (ReportShard)."""
         done, self._deferred = self._deferred, None
         if done is None:
             return None
-        r = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error)
+        r = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error, done.stop)
         _check_report_result(done, r)
         return r
 
@@ -220,7 +226,8 @@ class ControllerClient:
             l = done.lease
             req.done.CopyFrom(pb.ReportShardRequest(worker=self.index, shard_id=l.shard_id, attempt=l.attempt,
                                                     status=done.status, samples=done.samples,
-                                                    elapsed_s=done.elapsed_s, error=done.error))
+                                                    elapsed_s=done.elapsed_s, error=done.error,
+                                                    stop_batch=done.stop))
         return req
 
     def _lease_reply(self, r: Any, done: DoneReport | None) -> LeaseReply:
@@ -232,15 +239,16 @@ class ControllerClient:
         else:  # an older controller ignored the piggy-backed report: send it on its own
             log.info("controller ignored a combined report; sending ReportShard",
                      extra={"kv": {"shard": done.lease.shard_id}})
-            rep = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error)
+            rep = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error, done.stop)
         _check_report_result(done, rep)
         return LeaseReply(got, rep)
 
     def report_shard(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
-                     error: str = "") -> ReportResult:
+                     error: str = "", stop: int = 0) -> ReportResult:
+        """Report ``lease``; ``stop``: where a lease told to ``truncate`` was stopped (0: the whole shard)."""
         r = self._call("ReportShard", pb.ReportShardRequest(
             worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
-            samples=samples, elapsed_s=elapsed_s, error=error))
+            samples=samples, elapsed_s=elapsed_s, error=error, stop_batch=stop))
         return ReportResult(r.accepted, r.duplicate, r.kind, r.message)
 
     def get_shard_async(self, dataset: str) -> "Pending[GetResult]":

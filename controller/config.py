@@ -44,6 +44,11 @@ class DdsConfig:
         warn_failures: from this many failures of one shard on, every failure is an ERROR
             log and an event (the shard is still never dropped).
         slow_shrink: a worker flagged slow gets shards ``slow_shrink`` times smaller.
+        tail_split_min_batches: the tail fix. When a dataset's TODO is empty and a worker
+            waits for data while another holds a lease with at least this many batches not
+            yet started (heartbeat progress), the holder is told to stop that lease early
+            (``truncate`` command); its report of the part it trained puts the rest at the
+            head of TODO for the idle worker (exactly once: see controller/dds.py). 0: off.
 
     Example::
 
@@ -58,8 +63,11 @@ class DdsConfig:
     seed: int = 0
     warn_failures: int = 3
     slow_shrink: int = 4
+    tail_split_min_batches: int = 2
 
     def validate(self) -> None:
+        if self.tail_split_min_batches < 0:
+            raise ValueError(f"dds.tail_split_min_batches must be >= 0 (0 = off), got {self.tail_split_min_batches}")
         if self.batches_per_shard < 1:
             raise ValueError(f"dds.batches_per_shard must be >= 1, got {self.batches_per_shard}")
         for k, v in self.worker_batches_per_shard.items():
@@ -123,14 +131,22 @@ class NdConfig:
             it keeps a little traffic, so its latency stays measured and it can be seen to
             recover; 0: a persistently slow PS can be drained completely (best when its
             slowness is per request rather than per row, but then nothing measures it).
+        release_slow_clock: a worker flagged slow leaves the PS step clocks (bounded
+            staleness, async mode) until it is no longer flagged or restarts: the others
+            stop waiting for it in their pulls, its own pulls never wait (it is behind) and
+            its pushes are applied as in pure async. It rejoins at no less than the slowest
+            clock present. false: a slow worker holds the fleet to its step rate + max_staleness.
     """
 
     restart_after: int = 3
     move_vshards: int = 8
     cooldown_windows: int = 6
     keep: int = 1
+    release_slow_clock: bool = True
 
     def validate(self) -> None:
+        if not isinstance(self.release_slow_clock, bool):
+            raise ValueError(f"nd.release_slow_clock must be true or false, got {self.release_slow_clock!r}")
         if self.restart_after < 0:
             raise ValueError(f"nd.restart_after must be >= 0, got {self.restart_after}")
         if self.move_vshards < 0:

@@ -15,8 +15,21 @@ an epoch every shard goes through::
     split:  TODO [s, e)  --(worker wants k < e-s)-->  DOING [s, s+k) + TODO head [s+k, e)
             the parent record becomes SPLIT (kept, so late reports on it are recognised)
 
+    tail:   DOING [s, e) held by W, TODO empty, another worker told WAIT
+            --tail_split: stop_at = W's first batch not started (durable)-->  `truncate` command to W
+            W reports done with stop p (s < p <= e; p >= stop_at unless it stopped sooner):
+            ONE transaction: [s, e) -> SPLIT, [s, p) DONE (one ledger entry), [p, e) head of TODO
+            (p == e, or no stop: the whole shard, as usual; lease lost meanwhile: stale, and
+            [s, e) went back whole)
+
 When TODO is empty but shards are DOING, ``get_shard`` answers WAIT (one of
-them may come back). When every shard of an epoch is DONE the next epoch is
+them may come back). **Tail fix** (``tail_split_min_batches``): a slow worker's
+last lease would otherwise keep the others idle until it finishes. The worker
+itself decides where it stops (never before a batch it already trained), so the
+ledger still tiles every batch exactly once: [s, p) by W, [p, e) by whoever takes
+the tail; a retried partial report (reply lost) is a ``retry``, a partial report
+nobody asked for is refused and changes nothing. No batch is trained twice (this is
+not a backup lease). When every shard of an epoch is DONE the next epoch is
 created (shuffled with ``seed + epoch``) in the same transaction; after the
 last epoch the dataset answers DONE.
 
@@ -87,9 +100,13 @@ class _Shard:
     # "<shard id>#<attempt>" of the done report this lease was granted with (report_and_get):
     # a retried combined request (reply lost) gets this lease back instead of a second one
     granted_with: str = ""
+    # tail split: the holder was asked to stop this lease at this batch (0: not asked); durable
+    stop_at: int = 0
     # memory only: a restart grants a fresh lease instead of trusting old clocks
     deadline: float = 0.0
     leased_at: float = 0.0
+    progress: int = -1  # the next batch its holder will train (heartbeats); -1: not reported
+    not_for: int = -1  # a tail split off this worker's lease: it does not take it back while another waits
 
     @property
     def id(self) -> str:
@@ -107,11 +124,11 @@ class _Shard:
         return {"dataset": self.dataset, "epoch": self.epoch, "file": self.file, "start": self.start,
                 "stop": self.stop, "state": self.state.value, "order": self.order, "worker": self.worker,
                 "attempt": self.attempt, "failures": self.failures, "done_worker": self.done_worker,
-                "done_attempt": self.done_attempt, "granted_with": self.granted_with}
+                "done_attempt": self.done_attempt, "granted_with": self.granted_with, "stop_at": self.stop_at}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "_Shard":
-        return _Shard(**{**d, "state": ShardState(d["state"])})
+        return _Shard(**{"stop_at": 0, **d, "state": ShardState(d["state"])})
 
 
 def shard_key(dataset: str, epoch: int, file: int, start: int, stop: int) -> bytes:
@@ -130,6 +147,7 @@ class _Live:
     todo: deque[str] = field(default_factory=deque)
     doing: dict[str, _Shard] = field(default_factory=dict)
     sec_per_batch: float = 0.0  # EMA of completed shards, for the hang timeout
+    waiting: dict[int, float] = field(default_factory=dict)  # worker -> when it was last told WAIT (memory)
 
     def meta(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "epoch": self.epoch, "order_head": self.order_head,
@@ -160,6 +178,7 @@ class DynamicDataSharding:
         self._live: dict[str, _Live] = {}
         self._slow: set[int] = set()
         self._sizes: dict[int, int] = {}
+        self._spb: dict[int, float] = {}  # worker -> EMA of its seconds per batch (done reports; memory)
         names = [d.name for d in datasets]
         if len(set(names)) != len(names):
             raise DdsError(f"duplicate dataset names: {names}")
@@ -316,9 +335,11 @@ class DynamicDataSharding:
         live = self._get_live(dataset)
         if live.finished:
             return GetResult(GetStatus.DONE)
-        if not live.todo:
-            return GetResult(GetStatus.WAIT)
         now = self._clock()
+        if not live.todo or self._tail_reserved(live, worker, now):
+            live.waiting[worker] = now
+            return GetResult(GetStatus.WAIT)
+        live.waiting.pop(worker, None)
         with self._txn() as txn:
             rec = live.records[live.todo.popleft()]
             size = self.shard_size(worker)
@@ -346,20 +367,25 @@ class DynamicDataSharding:
         return head
 
     def report(self, worker: int, shard_id: str, attempt: int, status: ReportStatus | str,
-               samples: int = 0, elapsed_s: float = 0.0, error: str = "") -> ReportResult:
+               samples: int = 0, elapsed_s: float = 0.0, error: str = "", stop: int = 0) -> ReportResult:
         """Record a worker's result for a shard it leased.
 
         ``done`` by the lease holder -> DONE + ledger ``done``; the same report again
         -> ``retry`` (no-op); a done shard reported by another attempt -> ledger
         ``duplicate``; a report after the lease was lost -> ledger ``stale``.
         ``failed`` -> the shard returns to the head of TODO (never dropped).
+
+        Args:
+            stop: ``done`` only: the batch the worker stopped at when it was asked to stop
+                the lease early (:meth:`tail_split`); ``start < stop < shard stop`` makes it a
+                *partial* done (see the module doc). 0 or the shard's stop: the whole shard.
         """
-        status = _check_report(worker, shard_id, attempt, status, samples, elapsed_s)
+        status = _check_report(worker, shard_id, attempt, status, samples, elapsed_s, stop)
         with self._lock:
-            return self._report_locked(worker, shard_id, attempt, status, samples, elapsed_s, error)[0]
+            return self._report_locked(worker, shard_id, attempt, status, samples, elapsed_s, error, stop)[0]
 
     def _report_locked(self, worker: int, shard_id: str, attempt: int, status: ReportStatus, samples: int,
-                       elapsed_s: float, error: str) -> tuple[ReportResult, _Shard]:
+                       elapsed_s: float, error: str, stop_at: int = 0) -> tuple[ReportResult, _Shard]:
         ds, epoch, f, start, stop = parse_shard_id(shard_id)
         live = self._get_live(ds)
         rec = live.records.get(shard_id) if epoch == live.epoch else None
@@ -375,6 +401,14 @@ class DynamicDataSharding:
             )
         now = self._clock()
         holder = rec.state is ShardState.DOING and rec.worker == worker and rec.attempt == attempt
+        if stop_at and status is ReportStatus.DONE:
+            if not start < stop_at <= stop:
+                raise DdsError(f"worker {worker}: shard {shard_id}: stopped at batch {stop_at}, expected a batch in "
+                               f"({start}, {stop}]")
+            if stop_at < stop:
+                partial = self._partial_done(live, rec, worker, attempt, stop_at, samples, elapsed_s, now, holder)
+                if partial is not None:
+                    return partial, rec
         entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
                      worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
         if status is ReportStatus.FAILED:
@@ -409,15 +443,128 @@ class DynamicDataSharding:
             self._put(txn, rec)
             self.ledger.append(txn, kind=EntryKind.DONE, **entry)
             took = elapsed_s if elapsed_s > 0 else max(now - rec.leased_at, 0.0)
+            self._note_speed(worker, rec.batches, took)
             per = took / max(rec.batches, 1)
             live.sec_per_batch = per if live.sec_per_batch == 0 else 0.8 * live.sec_per_batch + 0.2 * per
             if not live.todo and not live.doing:
                 self._advance(txn, live)
         return ReportResult(True, False, "done"), rec
 
+    def _partial_done(self, live: _Live, rec: _Shard, worker: int, attempt: int, stop_at: int, samples: int,
+                      elapsed_s: float, now: float, holder: bool) -> ReportResult | None:
+        """A lease stopped early at ``stop_at`` (tail split), in ONE transaction: the record
+        [s, e) becomes SPLIT, its head [s, stop_at) DONE (one ledger ``done`` entry), its rest
+        [stop_at, e) TODO at the head of the queue. None: not a partial done after all (the
+        caller records the report as usual: ``stale`` or ``duplicate``)."""
+        head_id = f"{rec.dataset}:{rec.epoch}:{rec.file}:{rec.start}-{stop_at}"
+        if rec.state is ShardState.SPLIT:  # the same report again (its reply was lost)?
+            head = live.records.get(head_id)
+            if head is not None and head.state is ShardState.DONE and (head.done_worker, head.done_attempt) == (worker, attempt):
+                return ReportResult(True, True, "retry", f"shard {rec.id} already recorded as done up to batch {stop_at}")
+            return None
+        if not holder:
+            return None
+        if rec.stop_at <= 0:
+            raise DdsError(f"worker {worker}: shard {rec.id} reported done up to batch {stop_at}, but it was never "
+                           f"asked to stop early (report the whole shard)")
+        with self._txn() as txn:
+            head = _Shard(rec.dataset, rec.epoch, rec.file, rec.start, stop_at, state=ShardState.DONE,
+                          order=rec.order, worker=worker, attempt=attempt, done_worker=worker, done_attempt=attempt)
+            rest = _Shard(rec.dataset, rec.epoch, rec.file, stop_at, rec.stop, failures=rec.failures, not_for=worker)
+            self._note_speed(worker, stop_at - rec.start, elapsed_s if elapsed_s > 0 else now - rec.leased_at)
+            live.doing.pop(rec.id, None)
+            rec.state, rec.stop_at = ShardState.SPLIT, 0
+            self._put(txn, rec)
+            self._put(txn, head)
+            live.records[head.id] = head
+            live.records[rest.id] = rest
+            live.order_head -= 1
+            rest.order = live.order_head
+            live.todo.appendleft(rest.id)  # the tail goes next, to the worker that waits
+            self._put(txn, rest)
+            self._put_meta(txn, live)
+            self.ledger.append(txn, kind=EntryKind.DONE, time=now, dataset=rec.dataset, epoch=rec.epoch, file=rec.file,
+                               start=rec.start, stop=stop_at, worker=worker, attempt=attempt, samples=int(samples),
+                               elapsed_s=float(elapsed_s))
+            self._event(txn, f"worker:{worker}", "tail_split_done",
+                        {"shard": rec.id, "done": head.id, "requeued": rest.id}, "requeue_tail")
+        log.info("lease stopped early; its tail is next in TODO",
+                 extra=kv(worker=worker, shard=rec.id, done=head.id, tail=rest.id))
+        return ReportResult(True, False, "done", f"done up to batch {stop_at}; [{stop_at}, {rec.stop}) requeued")
+
+    def _tail_reserved(self, live: _Live, worker: int, now: float, waiting_s: float = 5.0) -> bool:
+        """The head of TODO is a tail split off ``worker``'s own lease and another worker waits for it."""
+        head = live.records[live.todo[0]]
+        return head.not_for == worker and any(w != worker and now - t <= waiting_s for w, t in live.waiting.items())
+
+    def _note_speed(self, worker: int, batches: int, seconds: float) -> None:
+        if batches > 0 and seconds > 0:
+            per = seconds / batches
+            old = self._spb.get(worker)
+            self._spb[worker] = per if old is None else 0.5 * old + 0.5 * per
+
+    def note_progress(self, worker: int, shard_id: str, next_batch: int) -> None:
+        """The first batch of the lease ``shard_id`` that ``worker`` has not started (heartbeats; memory only)."""
+        with self._lock:
+            for live in self._live.values():
+                rec = live.doing.get(shard_id)
+                if rec is not None and rec.worker == worker and rec.start <= next_batch <= rec.stop:
+                    rec.progress = next_batch
+
+    def tail_split(self, waiting_s: float = 5.0) -> list[tuple[int, str, int]]:
+        """The tail fix: ask lease holders to stop early so that waiting workers get the rest.
+
+        For each dataset whose TODO is empty and where a worker was told WAIT within
+        ``waiting_s`` and holds nothing: the lease (held by another worker, at least one batch
+        trained, not asked already, its holder's pace in it 1.5x slower than the waiter's
+        seconds per batch, if known) with the most batches left after ``progress`` (the first
+        batch its holder has not started: it stops after the one in progress), if that is at
+        least ``tail_split_min_batches``, is marked ``stop_at = progress``
+        (durable, one transaction, event ``tail_split``). One lease per waiting worker per call.
+
+        Args:
+            waiting_s: a worker told WAIT longer ago than this no longer counts as waiting.
+
+        Returns:
+            (holder, shard id, stop batch) for each lease to stop: the controller sends the
+            holder a ``truncate`` command. Leases asked before and still held are included
+            again (idempotent; a restarted controller re-sends them).
+        """
+        if self._cfg.tail_split_min_batches <= 0:
+            return []
+        out: list[tuple[int, str, int]] = []
+        with self._lock:
+            now = self._clock()
+            held = {rec.worker for live in self._live.values() for rec in live.doing.values()}
+            for live in self._live.values():
+                for rec in live.doing.values():
+                    if rec.stop_at > 0:
+                        out.append((rec.worker, rec.id, rec.stop_at))
+                if live.finished or live.todo:
+                    continue
+                idle = [w for w, t in live.waiting.items() if now - t <= waiting_s and w not in held]
+                for w in idle:
+                    # only for a waiter faster than the holder's pace in this lease (or of unknown speed):
+                    # a slow worker waiting must not take the tail back from a fast one
+                    mine = self._spb.get(w)
+                    cands = [r for r in live.doing.values() if r.stop_at <= 0 and r.progress > r.start
+                             and r.stop - r.progress >= self._cfg.tail_split_min_batches
+                             and (mine is None or 1.5 * mine < (now - r.leased_at) / (r.progress - r.start))]
+                    if not cands:
+                        break
+                    rec = max(cands, key=lambda r: (r.stop - r.progress, r.id))
+                    with self._txn() as txn:
+                        rec.stop_at = rec.progress
+                        self._put(txn, rec)
+                        self._event(txn, f"worker:{rec.worker}", "tail_split",
+                                    {"shard": rec.id, "progress": rec.progress, "stop_at": rec.stop_at,
+                                     "waiting": sorted(idle)}, "truncate")
+                    out.append((rec.worker, rec.id, rec.stop_at))
+        return out
+
     def report_and_get(self, worker: int, dataset: str, shard_id: str, attempt: int,
                        status: ReportStatus | str = ReportStatus.DONE, samples: int = 0, elapsed_s: float = 0.0,
-                       error: str = "") -> tuple[ReportResult, GetResult]:
+                       error: str = "", stop: int = 0) -> tuple[ReportResult, GetResult]:
         """Report a shard and lease the next one of ``dataset`` in ONE LMDB transaction.
 
         The same outcome as :meth:`report` followed by :meth:`get_shard` (same ledger,
@@ -436,13 +583,13 @@ class DynamicDataSharding:
         Returns:
             ``(report result, lease result)``.
         """
-        parsed = _check_report(worker, shard_id, attempt, status, samples, elapsed_s)
+        parsed = _check_report(worker, shard_id, attempt, status, samples, elapsed_s, stop)
         with self._lock:
             self._get_live(dataset)  # an unknown dataset refuses before the report is recorded
             with _Transition(self) as txn:
                 self._batch = txn
                 try:
-                    rep, _ = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error)
+                    rep, _ = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error, stop)
                     tag = f"{shard_id}#{attempt}" if rep.kind in ("done", "retry") else ""
                     got = self._regrant(worker, dataset, tag) if rep.kind == "retry" else None
                     if got is None:
@@ -481,6 +628,7 @@ class DynamicDataSharding:
         live.doing.pop(rec.id, None)
         live.order_head -= 1
         rec.state, rec.worker, rec.order = ShardState.TODO, -1, live.order_head
+        rec.stop_at, rec.progress = 0, -1
         live.todo.appendleft(rec.id)
         self._put(txn, rec)
         self._put_meta(txn, live)
@@ -683,8 +831,10 @@ class _Transition:
 
 
 def _check_report(worker: int, shard_id: str, attempt: int, status: ReportStatus | str, samples: int,
-                  elapsed_s: float) -> ReportStatus:
+                  elapsed_s: float, stop: int = 0) -> ReportStatus:
     """Validate a report's fields (before any lock or transaction); returns the parsed status."""
+    if not isinstance(stop, int) or stop < 0:
+        raise DdsError(f"shard {shard_id}: stop must be a batch index >= 0 (0 = the whole shard), got {stop!r}")
     _check_worker(worker)
     try:
         parsed = ReportStatus(status)

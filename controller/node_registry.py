@@ -33,7 +33,7 @@ from controller.state import StateStore
 from controller.types import ROLES, SOURCES, BadNode, Command, UnknownNode, check_node
 
 AGENT_COMMANDS = ("restart", "drain", "stop")
-PROCESS_COMMANDS = ("set_batch_size", "checkpoint", "stop")
+PROCESS_COMMANDS = ("set_batch_size", "checkpoint", "stop", "release_clock", "rejoin_clock", "truncate")
 
 
 class NodeState(str, enum.Enum):

@@ -41,6 +41,8 @@ from controller.policy import (
     MoveVshards,
     Policy,
     Recovered,
+    RejoinClock,
+    ReleaseClock,
     RestartNode,
     RestoreShards,
     SetBatchSizes,
@@ -107,6 +109,7 @@ class ControllerServer:
         self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
         self.recovery = PsRecovery(self, ps_fleet)
         self.address = ""
+        self._truncates: set[tuple[str, int]] = set()  # truncate commands sent by this process
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -160,6 +163,7 @@ class ControllerServer:
         for info in self.registry.timed_out(self.cfg.heartbeat_timeout_s):
             self.node_down(info.role, info.index, f"no heartbeat for {self.cfg.heartbeat_timeout_s}s")
         self.check_stalls()
+        self.tail_split()
         now = self.clock()
         self.apply(self.policy.evaluate(self.monitor.snapshot(now), now))
         if self.cfg.checkpoint_interval_s > 0 and now - self._last_ckpt >= self.cfg.checkpoint_interval_s:
@@ -197,6 +201,25 @@ class ControllerServer:
                 "frozen": st.frozen, "last_step": st.last_step, "shards": list(st.shards),
                 "requeued": requeued, "timeout_s": self.liveness.timeout_s}, action))
         return [st.worker for st in stalls]
+
+    def tail_split(self) -> list[tuple[int, str, int]]:
+        """The DDS tail fix (controller/dds.py): tell lease holders to stop early for waiting workers.
+
+        A ``truncate`` command goes to each holder once per controller run (a restarted
+        controller sends the ones its state still holds again).
+
+        Returns:
+            the (worker, shard id, stop batch) sent in this call.
+        """
+        sent = []
+        for worker, shard_id, stop in self.dds.tail_split():
+            if (shard_id, stop) in self._truncates or not self.registry.known("worker", worker):
+                continue
+            self._truncates.add((shard_id, stop))
+            self.registry.enqueue("worker", worker, "truncate", target="process", shard_id=shard_id,
+                                  stop_batch=stop, reason="tail split: a worker waits for data")
+            sent.append((worker, shard_id, stop))
+        return sent
 
     def trigger_checkpoint(self) -> int:
         """Open a cut and send a ``checkpoint`` command to every live process."""
@@ -269,6 +292,14 @@ class ControllerServer:
             elif isinstance(a, RestoreShards):
                 self.dds.set_slow(a.worker, False)
                 evidence["shard_size"] = self.dds.shard_size(a.worker)
+            elif isinstance(a, (ReleaseClock, RejoinClock)):
+                # the worker process leaves / rejoins the PS step clocks itself (workers/worker.py):
+                # controller/ never talks to the PS's clocks directly
+                if self.registry.known("worker", a.worker):
+                    self.registry.enqueue("worker", a.worker, a.kind.value, target="process",
+                                          reason=f"flagged slow: {a.kind.value}")
+                else:
+                    action = f"{a.kind.value} skipped: worker {a.worker} is not registered"
             elif isinstance(a, RestartNode):
                 self.registry.enqueue(a.role, a.index, "restart", target="agent", reason="persistently slow")
             elif isinstance(a, SetBatchSizes):

@@ -142,11 +142,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.s.monitor.heartbeat(info.name)
         if role == "worker" and source == "process":
             self.s.dds.renew(index)
+            if request.shard_id:
+                self.s.dds.note_progress(index, request.shard_id, int(request.next_batch))
             if self.s.liveness is not None:
                 self.s.liveness.step(index, request.step)
         return pb.HeartbeatResponse(
             known=True, batch_size=info.batch_size,
-            commands=[pb.Command(id=c.id, kind=c.kind, batch_size=c.batch_size, cut_id=c.cut_id, reason=c.reason)
+            commands=[pb.Command(id=c.id, kind=c.kind, batch_size=c.batch_size, cut_id=c.cut_id, reason=c.reason,
+                                shard_id=c.shard_id, stop_batch=c.stop_batch)
                       for c in cmds])
 
     @_guard
@@ -161,7 +164,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if self.s.liveness is not None:
                 self.s.liveness.reported(request.worker, d.shard_id)
             r, got = self.s.dds.report_and_get(request.worker, request.dataset, d.shard_id, d.attempt, d.status,
-                                               d.samples, d.elapsed_s, d.error)
+                                               d.samples, d.elapsed_s, d.error, int(d.stop_batch))
             SHARD_REPORTS.labels(r.kind).inc()
             report = pb.ReportShardResponse(accepted=r.accepted, duplicate=r.duplicate, kind=r.kind,
                                             message=r.message)
@@ -184,7 +187,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if self.s.liveness is not None:  # done with it, whatever the DDS makes of the report
             self.s.liveness.reported(request.worker, request.shard_id)
         r = self.s.dds.report(request.worker, request.shard_id, request.attempt, request.status,
-                              request.samples, request.elapsed_s, request.error)
+                              request.samples, request.elapsed_s, request.error, int(request.stop_batch))
         SHARD_REPORTS.labels(r.kind).inc()
         return pb.ReportShardResponse(accepted=r.accepted, duplicate=r.duplicate, kind=r.kind, message=r.message)
 

@@ -223,11 +223,14 @@ class Command:
 
     Args:
         id: unique per controller run.
-        kind: ``restart`` | ``drain`` | ``stop`` (agent) or ``set_batch_size`` | ``checkpoint`` | ``stop`` (process).
+        kind: ``restart`` | ``drain`` | ``stop`` (agent) or ``set_batch_size`` | ``checkpoint`` | ``stop`` |
+            ``release_clock`` | ``rejoin_clock`` | ``truncate`` (process; leave / rejoin the PS step
+            clocks; stop the lease ``shard_id`` before batch ``stop_batch``: the DDS tail split).
         target: ``process`` or ``agent``.
         batch_size: for ``set_batch_size``.
         cut_id: the checkpoint cut (``checkpoint``) or the batch-size plan stamp (``set_batch_size``).
         reason: why, for the logs.
+        shard_id, stop_batch: for ``truncate``.
     """
 
     id: int
@@ -236,6 +239,8 @@ class Command:
     batch_size: int = 0
     cut_id: int = 0
     reason: str = ""
+    shard_id: str = ""
+    stop_batch: int = 0
 
 
 def check_node(role: str, index: int, source: str = "process") -> None:

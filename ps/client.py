@@ -254,6 +254,9 @@ class PsClient:
             slowest clock present; the worker numbers its steps from it.
         rejoins: how often a shard told this worker its clock lease had expired.
         waits: time spent waiting for slower workers (:class:`StaleWaits`).
+        stale_wait_s: seconds spent waiting for slower workers (staleness bound, barriers) so
+            far, all kinds (from ``waits``); a worker reports its batch times without it (its
+            own speed, for the monitor).
     """
 
     def __init__(
@@ -551,6 +554,11 @@ class PsClient:
                 delay = min(delay * 2, self.max_backoff_s)
             else:
                 deadline += waiter.sleep()  # waiting for slower workers is not retry time
+
+    @property
+    def stale_wait_s(self) -> float:
+        """Seconds spent waiting for slower workers so far, all call kinds (from :attr:`waits`)."""
+        return sum(secs for _, secs in self.waits.totals().values())
 
     def _waiter(self, own_limit_s: float | None, kind: str) -> _Waiter:
         return _Waiter(own_limit_s, self.wait_backoff_s, self.max_wait_backoff_s, self.waits, kind)

@@ -9,7 +9,12 @@ Registered workers hold the others back::
                             (w0 may pull step 7, not step 8)
     sync (staleness 0) ->  step s waits until every worker completed s - 1
 
-A worker that never registered (or left) holds nobody back.
+A worker that never registered (or left) holds nobody back. Its requests still work:
+its pulls never wait for anyone, its pushes are applied (as in async mode) and do
+not advance any clock. Workers leave while idle on the data queue, when done, and
+while the controller flags them slow (``[controller.nd] release_slow_clock``: a
+persistently slow worker would otherwise hold every other worker to its step rate
++ ``max_staleness``); they rejoin with :meth:`StepClock.join` (below).
 
 **Joining, resuming.** :meth:`StepClock.join` answers the clock the worker now
 has on this shard (``RegisterWorkerResponse.clock``), and the worker numbers its

@@ -76,7 +76,9 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.wait(self.period_s):
             try:
-                reply = self.ctl.heartbeat(step=self.worker.trainer.step_no, rss_bytes=_rss_bytes())
+                shard_id, next_batch = self.worker.lease_progress
+                reply = self.ctl.heartbeat(step=self.worker.trainer.step_no, rss_bytes=_rss_bytes(),
+                                           shard_id=shard_id, next_batch=next_batch)
             except Exception as exc:  # the controller may restart; keep training
                 log.warning("heartbeat failed", extra=kv(error=str(exc)[:200]))
                 continue
@@ -134,6 +136,10 @@ class Worker:
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
         self._draining = False
+        self._stale_wait_seen = 0.0  # PsClient.stale_wait_s at the last metrics report
+        self.lease_progress: tuple[str, int] = ("", 0)  # (lease, next batch of it): heartbeats, tail split
+        self._lease_stop = 0  # the batch the current lease ends before (lowered by a `truncate` command)
+        self._clock_released = False  # the controller took this worker out of the PS step clocks (flagged slow)
         self._dd: Any = None
         self._last_step_end = 0.0
         self.start_step = 0
@@ -175,7 +181,7 @@ class Worker:
                     waiting = True
                 time.sleep(0.2)
                 continue
-            if waiting:
+            if waiting and not self._clock_released:
                 # rejoin at no less than the fleet's slowest clock: never drag it back to missed steps
                 self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
                 waiting = False
@@ -207,10 +213,16 @@ class Worker:
                 t0 = time.perf_counter()
                 n0 = self.samples
                 batches = prefetch(self.dataset.read_range(rng.file, rng.start, rng.stop), depth=2)
+                if lease is not None:
+                    batches = self._stoppable(batches, lease.shard_id, rng.start, rng.stop)
                 for stats in self.trainer.run(batches):
                     self._after_step(stats)
                 if self.ctl is not None and lease is not None:  # rides on the next GetShard (one RPC)
-                    self.ctl.defer_report(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
+                    # a lease told to truncate reports where it stopped; the DDS requeues the rest
+                    stop = self.lease_progress[1] if self._lease_stop < rng.stop else 0
+                    self.lease_progress = ("", 0)
+                    self.ctl.defer_report(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0,
+                                          stop=stop)
                 self.shards_done += 1
                 if self._draining or self.trainer._at_limit():
                     break
@@ -310,11 +322,17 @@ class Worker:
             self.telemetry.on_step(stats.step, stats.samples, stats.loss,
                                    {"pull": stats.pull_s, "compute": stats.compute_s, "push": stats.push_s,
                                     "total": stats.total_s + delay}, stats.metrics)
+        # The monitor judges the worker's own speed: time spent waiting for slower workers at the
+        # staleness bound is not counted (else under bounded staleness every worker runs at the slow
+        # one's pace and none stands out). Absent for in-process rows (no `client`): 0.
+        waited = float(getattr(getattr(self.rows, "client", None), "stale_wait_s", 0.0))
+        own_s = max(stats.total_s + delay - (waited - self._stale_wait_seen), 1e-6)
+        self._stale_wait_seen = waited
         # One metrics RPC per step is cheap next to a training step and keeps the monitor's windows full.
         try:
             self.ctl.report_metrics(
-                batch_times_s=[stats.total_s + delay],
-                samples_per_s=stats.samples / max(stats.total_s + delay, 1e-9),
+                batch_times_s=[own_s],
+                samples_per_s=stats.samples / own_s,
                 samples=stats.samples,
                 ps_pull_latency_s={0: stats.pull_s},
                 ps_push_latency_s={0: stats.push_s},
@@ -335,6 +353,67 @@ class Worker:
             if cmd.kind == "drain":
                 log.info("draining on controller command", extra=kv(rank=self.rank, reason=cmd.reason))
                 self._draining = True
+            if cmd.kind == "truncate":
+                self._truncate(cmd.shard_id, cmd.stop_batch)
+            if cmd.kind in ("release_clock", "rejoin_clock"):
+                self._set_clock_released(cmd.kind == "release_clock", cmd.reason)
+
+    def _stoppable(self, batches: Iterator[Any], shard_id: str, start: int, stop: int) -> Iterator[Any]:
+        """The lease's batches, ending early at a ``truncate`` command's stop; keeps :attr:`lease_progress`.
+
+        Args:
+            batches: the lease's batches, in order from ``start``.
+            shard_id, start, stop: the lease.
+        """
+        self._lease_stop = stop
+        pos = start
+        self.lease_progress = (shard_id, pos)
+        try:
+            for b in batches:
+                if pos >= self._lease_stop:
+                    break
+                pos += 1
+                self.lease_progress = (shard_id, pos)  # batches before pos are handed to the trainer: they will be trained
+                yield b
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # stops the read-ahead thread
+
+    def _truncate(self, shard_id: str, stop_batch: int) -> None:
+        """Stop the current lease before ``stop_batch``, or where it already is (the DDS tail split)."""
+        current, pos = self.lease_progress
+        if shard_id != current:
+            log.info("truncate for a lease no longer held; ignored", extra=kv(rank=self.rank, shard=shard_id))
+            return
+        self._lease_stop = min(self._lease_stop, max(int(stop_batch), pos))
+        log.info("lease truncated: its tail goes to a waiting worker",
+                 extra=kv(rank=self.rank, shard=shard_id, stop=self._lease_stop, at=pos))
+
+    def _set_clock_released(self, released: bool, reason: str = "") -> None:
+        """Leave (``released``) or rejoin the PS step clocks on the controller's word (flagged slow / recovered).
+
+        A released worker holds nobody back in bounded staleness; its own pulls never wait
+        (it is behind) and its pushes are applied as in async mode. Rejoining numbers the
+        next steps from the clock the PS answers (at least the slowest one present). Sync
+        mode (PS barriers) keeps every worker in step: the command is ignored there.
+
+        Args:
+            released: True to leave the clocks, False to rejoin them.
+            reason: the controller's reason, for the log.
+        """
+        if released == self._clock_released:
+            return
+        if self.trainer.barrier is not None:
+            log.info("clock release ignored in sync mode", extra=kv(rank=self.rank, released=released))
+            return
+        if released:
+            self.rows.leave_clock()
+        else:
+            self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
+        self._clock_released = released
+        log.info("left the PS step clocks" if released else "rejoined the PS step clocks",
+                 extra=kv(rank=self.rank, step=self.trainer.step_no, reason=reason))
 
     # -- checkpoints, eval, report ---------------------------------------------------------
     def _checkpoint_cuts(self, cut_ids: list[int]) -> None:

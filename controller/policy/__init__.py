@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from controller.config import ControllerConfig, PolicyKind
 from controller.policy.base import (Action, ActionKind, DetectOnlyPolicy, MoveVshards, Policy, Recovered,
-                                    RestartNode, RestoreShards, SetBatchSizes, ShrinkShards, SlowDetected,
+                                    RejoinClock, ReleaseClock, RestartNode, RestoreShards, SetBatchSizes, ShrinkShards, SlowDetected,
                                     StragglerDetector, Verdict, WindowCursor, detection_actions)
 from controller.policy.dd import DdPolicy
 from controller.policy.nd import NdPolicy
@@ -48,6 +48,6 @@ def make_policy(cfg: ControllerConfig) -> Policy:
 
 __all__ = [
     "Action", "ActionKind", "DdPolicy", "DetectOnlyPolicy", "MoveVshards", "NdPolicy", "Policy", "Recovered",
-    "RestartNode", "RestoreShards", "SetBatchSizes", "ShrinkShards", "SlowDetected", "StragglerDetector",
+    "RejoinClock", "ReleaseClock", "RestartNode", "RestoreShards", "SetBatchSizes", "ShrinkShards", "SlowDetected", "StragglerDetector",
     "Verdict", "WindowCursor", "detection_actions", "make_policy",
 ]

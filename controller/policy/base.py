@@ -46,6 +46,8 @@ class ActionKind(str, enum.Enum):
     RESTART = "restart"
     MOVE_VSHARDS = "move_vshards"
     SET_BATCH_SIZES = "set_batch_sizes"
+    RELEASE_CLOCK = "release_clock"
+    REJOIN_CLOCK = "rejoin_clock"
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,28 @@ class RestoreShards(Action):
     @property
     def kind(self) -> ActionKind:
         return ActionKind.RESTORE_SHARDS
+
+
+@dataclass(frozen=True)
+class ReleaseClock(Action):
+    """The worker leaves the PS step clocks (bounded staleness) while it is flagged slow."""
+
+    worker: int = 0
+
+    @property
+    def kind(self) -> ActionKind:
+        return ActionKind.RELEASE_CLOCK
+
+
+@dataclass(frozen=True)
+class RejoinClock(Action):
+    """The worker, no longer flagged slow, rejoins the PS step clocks."""
+
+    worker: int = 0
+
+    @property
+    def kind(self) -> ActionKind:
+        return ActionKind.REJOIN_CLOCK
 
 
 @dataclass(frozen=True)

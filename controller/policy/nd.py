@@ -4,8 +4,10 @@ Fast workers already pull more shards from the DDS (no action needed for
 that). On top of detection (:mod:`controller.policy.base`):
 
     worker flagged slow        -> SlowDetected + ShrinkShards (smaller shards)
-    ... still slow for `restart_after` more windows -> RestartNode (its agent restarts it)
-    worker back to normal      -> Recovered + RestoreShards
+                                  + ReleaseClock (leaves the PS staleness clock; `release_slow_clock`)
+    ... still slow for `restart_after` more windows -> RestartNode (its agent restarts it; the
+                                  fresh process registers, so it rejoins the clock)
+    worker back to normal      -> Recovered + RestoreShards + RejoinClock
     PS flagged slow            -> SlowDetected + MoveVshards(src=slow PS, dst=fastest PS, n)
     ... still slow after `cooldown_windows` -> another MoveVshards
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 from controller.config import MonitorConfig, NdConfig
 from controller.monitor import MonitorSnapshot
-from controller.policy.base import (Action, MoveVshards, Policy, Recovered, RestartNode, RestoreShards,
-                                    ShrinkShards, SlowDetected, StragglerDetector, WindowCursor, detection_actions)
+from controller.policy.base import (Action, MoveVshards, Policy, Recovered, RejoinClock, ReleaseClock, RestartNode,
+                                    RestoreShards, ShrinkShards, SlowDetected, StragglerDetector, WindowCursor,
+                                    detection_actions)
 
 
 class NdPolicy(Policy):
@@ -53,8 +56,12 @@ class NdPolicy(Policy):
                 idx = int(a.node.split(":")[1])
                 if isinstance(a, SlowDetected):
                     out.append(ShrinkShards(a.node, a.evidence, worker=idx))
+                    if self.cfg.release_slow_clock:
+                        out.append(ReleaseClock(a.node, a.evidence, worker=idx))
                 elif isinstance(a, Recovered):
                     out.append(RestoreShards(a.node, a.evidence, worker=idx))
+                    if self.cfg.release_slow_clock:
+                        out.append(RejoinClock(a.node, a.evidence, worker=idx))
             if self.cfg.restart_after > 0:
                 for idx in sorted(self.workers.flagged):
                     node = f"worker:{idx}"

@@ -69,8 +69,8 @@ def test_nd_shrinks_then_restarts_a_persistent_straggler() -> None:
     assert acts == []
     acts = pol.evaluate(snap(SIX, SIX, SIX), 3.0)
     assert [(a.kind, a.node) for a in acts] == [
-        (ActionKind.SLOW_DETECTED, "worker:4"), (ActionKind.SHRINK_SHARDS, "worker:4"),
-        (ActionKind.SLOW_DETECTED, "worker:5"), (ActionKind.SHRINK_SHARDS, "worker:5")]
+        (ActionKind.SLOW_DETECTED, "worker:4"), (ActionKind.SHRINK_SHARDS, "worker:4"), (ActionKind.RELEASE_CLOCK, "worker:4"),
+        (ActionKind.SLOW_DETECTED, "worker:5"), (ActionKind.SHRINK_SHARDS, "worker:5"), (ActionKind.RELEASE_CLOCK, "worker:5")]
     assert acts[0].evidence["ratio"] == 3.0 and acts[0].evidence["streak"] == 3
     acts = pol.evaluate(snap(*[SIX] * 5), 5.0)
     assert sorted((a.index for a in acts if isinstance(a, RestartNode))) == [4, 5]

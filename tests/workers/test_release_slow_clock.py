@@ -1,0 +1,106 @@
+"""A worker flagged slow leaves the PS staleness clock: it no longer holds a fast worker back.
+
+Real processes on loopback: a real controller (gRPC, ND policy, short monitor windows),
+one real PS shard (async, ``max_staleness = 2``) and two ``metaps worker`` processes,
+worker 0 slowed 5x by the fault injector. With ``[controller.nd] release_slow_clock``
+on, the policy flags worker 0, the controller sends it ``release_clock`` on its next
+heartbeat, and worker 1 runs more than ``max_staleness`` steps ahead of it while the
+DDS still has shards to hand out (neither worker idle). With the release off (the
+mutation this test was checked against), worker 1 stays within the bound.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.config import AgentConfig, ControllerConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
+from controller.dds import DatasetSpec
+from controller.server import ControllerServer
+from meta_io.build import MetaIOBuildConfig, build
+from meta_io.layout import Layout
+from meta_io.synth import GeneratorConfig, generate
+from metaps.core.rpc import RpcConfig
+from ps.server import build_server
+
+from tests.workers.conftest import TOKEN, make_job
+from tests.workers.procs import start_worker, write_job
+
+BOUND = 2  # [ps] max_staleness
+
+
+@pytest.fixture(scope="module")
+def small_batches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3k rows in batches of 8 rows (~375 batches): enough steps to watch the clocks."""
+    root = tmp_path_factory.mktemp("release-data")
+    gen = generate(root / "raw", GeneratorConfig(rows=3000, users=300, items=200, seed=5, n_files=1,
+                                                 row_group_rows=1000), progress=False)
+    return build(gen.out_dir, gen.schema_path, root / "plain",
+                 MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=8)).out_dir
+
+
+def _steps(srv: ControllerServer) -> dict[int, int]:
+    return {i.index: i.step for i in srv.registry.nodes() if i.role == "worker"}
+
+
+def _todo(srv: ControllerServer) -> int:
+    return int(srv.dds.progress()[0]["shards_todo"])
+
+
+def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_batches: Path,
+                                                                          tmp_path: Path) -> None:
+    job = make_job(small_batches, tmp_path, mode="plain", workers=2,
+                   train={"epochs": 1, "log_every": 1},
+                   ps={"sync": "async", "max_staleness": BOUND, "clock_lease_s": 0.0},  # no lease expiry
+                   # from 20 s on: the first step (process warm-up, seconds on a loaded box) is not slowed 5x
+                   faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 5.0,
+                                       "start_s": 20.0}]})
+    config = write_job(job, tmp_path / "job.toml")
+    # a generous wait cap: should the warm-up step still be slowed, the fast worker waits instead of failing
+    ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
+    addrs = [f"127.0.0.1:{ps.start('127.0.0.1:0')}"]
+    cfg = ControllerConfig(
+        tick_s=0.05, policy=PolicyKind.ND, heartbeat_timeout_s=120.0, worker_stall_timeout_s=0.0,
+        dds=DdsConfig(batches_per_shard=2, lease_s=120.0),
+        monitor=MonitorConfig(window_s=0.5, consecutive=2, ratio=2.0, min_peers=1),
+        nd=NdConfig(restart_after=0, move_vshards=0, release_slow_clock=True),
+        agent=AgentConfig(heartbeat_s=0.1))
+    spec = DatasetSpec.from_meta_io("train", str(small_batches), "train", epochs=1)
+    srv = ControllerServer(cfg, tmp_path / "ctl", [spec], RpcConfig(token=TOKEN))
+    srv.start("127.0.0.1:0")
+    env = {"METAPS_CONTROLLER": srv.address}
+    logs = [tmp_path / f"worker-{r}.log" for r in range(2)]
+    procs = [start_worker(config, r, addrs, tmp_path / "run", logs[r], env) for r in range(2)]
+    best = (0, {})  # the largest lead of worker 1 seen while shards were still to hand out
+    try:
+        deadline = time.monotonic() + 240.0
+        while True:
+            for r, p in enumerate(procs):
+                assert p.poll() is None, f"worker {r} exited early:\n{logs[r].read_text()[-4000:]}"
+            steps = _steps(srv)
+            todo = _todo(srv)
+            if todo > 0 and len(steps) == 2 and steps[0] > 0:
+                lead = steps[1] - steps[0]
+                if lead > best[0]:
+                    best = (lead, steps)
+                if lead > BOUND + 6:
+                    break
+            if todo == 0 or time.monotonic() > deadline:
+                events = [(e.node, e.kind, e.action) for e in srv.events.list()]
+                pytest.fail(f"worker 1 never ran more than {BOUND + 6} steps ahead of the slow worker 0 while the "
+                            f"DDS had shards left (best lead {best}); todo={todo}; events={events}\n"
+                            f"worker 0 log tail:\n{logs[0].read_text()[-3000:]}")
+            time.sleep(0.05)
+        kinds = [(e.node, e.kind) for e in srv.events.list()]
+        assert ("worker:0", "release_clock") in kinds, kinds
+        assert "left the PS step clocks" in logs[0].read_text()
+        assert "left the PS step clocks" not in logs[1].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        srv.stop(grace=0)
+        ps.stop(0)
