@@ -278,7 +278,9 @@ class Worker:
         if self.faults.kill_due(born=self._born):
             log.error("fault injection: killing this worker now", extra=kv(rank=self.rank, step=stats.step))
             os._exit(137)  # like SIGKILL: the agent restarts it, the DDS requeues its shard
-        delay = self.faults.step_delay(stats.total_s)
+        # a factor-x slower worker takes x as long for its own forward/backward; its pulls and
+        # pushes (the PS's time) and waits for slower workers are not scaled (faults.step_delay)
+        delay = self.faults.step_delay(stats.compute_s)
         if delay > 0:
             time.sleep(delay)
         self.samples += stats.samples
@@ -300,7 +302,7 @@ class Worker:
         rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
                "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
                "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
-               "data_wait_s": data_wait, "dense_sync_s": dense_s, **stats.metrics}
+               "data_wait_s": data_wait, "dense_sync_s": dense_s, "fault_sleep_s": delay, **stats.metrics}
         self._last_rec = rec
         if step % self.job.train.log_every == 0 or step == 1:
             self.history.append(rec)

@@ -11,6 +11,7 @@ mutation this test was checked against), worker 1 stays within the bound.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -97,6 +98,13 @@ def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_
         assert ("worker:0", "release_clock") in kinds, kinds
         assert "left the PS step clocks" in logs[0].read_text()
         assert "left the PS step clocks" not in logs[1].read_text()
+        # the slow fault is faithful: worker 0 sleeps (factor - 1) x its own forward/backward of
+        # each step, not x its pulls/pushes or its waits for slower workers
+        snap = json.loads((tmp_path / "run" / "workers" / "worker-0.inc-1.json").read_text())
+        slowed = [r for r in snap["history"] if r.get("fault_sleep_s", 0.0) > 0]
+        assert slowed, snap["history"][-3:]
+        for r in slowed:
+            assert r["fault_sleep_s"] == pytest.approx(4.0 * r["compute_s"], rel=1e-9), r
     finally:
         for p in procs:
             if p.poll() is None:
