@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ps import rowwise_update
 from ps.config import OptimizerConfig, OptimizerKind
 
 TBE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAGRAD, OptimizerKind.SGD)
@@ -218,6 +219,12 @@ class FusedTbeOptimizer(SparseOptimizer):
             m.fill_(cfg.initial_accumulator)
         self.bound_w = 0.0
         self.bound_m = float(cfg.initial_accumulator)
+        # rowwise adagrad on CPU: the same update as TBE's fused backward, bit for bit, without
+        # its forward pass and autograd (ps.rowwise_update); other kinds and CUDA keep TBE
+        self._vectorized = (
+            cfg.kind == OptimizerKind.ROWWISE_ADAGRAD and weights.device.type == "cpu"
+            and rowwise_update.supported(int(weights.shape[1]))
+        )
         self.exact_pushes = 0  # pushes that took the snapshot path (for tests / stats)
         self._since_refresh = _REFRESH_EVERY
 
@@ -310,6 +317,9 @@ class FusedTbeOptimizer(SparseOptimizer):
         return ok
 
     def _run(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        if self._vectorized:
+            rowwise_update.rowwise_adagrad_update(self.weights, self._momentum, rows, grads, self.cfg.lr, self.cfg.eps)
+            return
         offsets = torch.arange(rows.numel() + 1, dtype=torch.int64, device=rows.device)
         out = self.tbe(rows, offsets)
         out.backward(grads)
