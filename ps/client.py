@@ -13,7 +13,9 @@ once; a push likewise with ``PushMany``::
     rows = rows_uniq[inv]  <------------+
 
 Pushes aggregate gradients per id (``index_add``) before sending, so each id
-travels once per step. The routing itself (owner split, chunking, request
+travels once per step. Ids that are already unique (one sort of a copy tells)
+skip ``np.unique``: they travel in request order, and a pull's reply needs no
+gather back, a push's gradients no reordering. The routing itself (owner split, chunking, request
 building, scatter) is pure and lives in ``ps/routing.py``; :meth:`PsClient.pull`
 and :meth:`PsClient.push` are short methods over one fan-out/retry loop
 (``PsClient._fan_out``). Failures are handled per shard sub-request:
@@ -373,9 +375,15 @@ class PsClient:
             ids: table -> int64 ids (numpy or torch, any shape is flattened; duplicates fine).
             step: this worker's training step (bounded staleness waits on the PS).
         """
-        jobs, inverse = [], []
+        jobs: list[routing.Job] = []
+        inverse: list[np.ndarray | None] = []
         for table, t_ids in ids.items():
-            uniq, inv = np.unique(_as_ids(t_ids, table), return_inverse=True)
+            flat = _as_ids(t_ids, table)
+            if _all_unique(flat):  # sent in request order: the reply needs no gather back
+                jobs.append(routing.Job(table, flat))
+                inverse.append(None)
+                continue
+            uniq, inv = np.unique(flat, return_inverse=True)
             jobs.append(routing.Job(table, uniq))
             inverse.append(inv)
         fp16 = self.value_dtype == wire.DType.FP16
@@ -388,7 +396,7 @@ class PsClient:
         routing.finish_pull(jobs, self._dims)
         # torch.index_select: a row gather ~3x faster than numpy fancy indexing here.
         return {
-            j.table: np.array(j.out) if routing.is_identity(inv)
+            j.table: np.array(j.out) if inv is None or routing.is_identity(inv)
             else routing.as_tensor(j.out).index_select(0, torch.from_numpy(inv)).numpy()
             for j, inv in zip(jobs, inverse) if j.out is not None
         }
@@ -418,11 +426,11 @@ class PsClient:
             )
             if g.ndim != 2 or g.shape[0] != flat.size:
                 raise ValueError(f"table '{table}': grads must be [n={flat.size}, dim], got shape {tuple(g.shape)}")
+            if _all_unique(flat):  # sent in request order (the shard takes unique ids in any order)
+                jobs.append(routing.Job(table, flat, grads=g.numpy()))
+                continue
             uniq, inv = np.unique(flat, return_inverse=True)
-            if uniq.size == flat.size:
-                agg = g.numpy()[np.argsort(inv)] if flat.size else g.numpy()
-            else:
-                agg = torch.zeros((uniq.size, g.shape[1]), dtype=torch.float32).index_add_(0, torch.from_numpy(inv), g).numpy()
+            agg = torch.zeros((uniq.size, g.shape[1]), dtype=torch.float32).index_add_(0, torch.from_numpy(inv), g).numpy()
             jobs.append(routing.Job(table, uniq, grads=agg))
         counts = routing.new_counts(jobs)
 
@@ -730,6 +738,19 @@ class _Immediate:
 
     def cancel(self) -> bool:
         return False
+
+
+def _all_unique(ids: np.ndarray) -> bool:
+    """Whether ``ids`` holds no repeat (one sort of a copy: cheaper than ``np.unique``'s
+    argsort, inverse and the gathers back to request order that unique ids do not need).
+
+    Args:
+        ids: int64 [n].
+    """
+    if ids.size < 2:
+        return True
+    s = np.sort(ids)
+    return not bool((s[1:] == s[:-1]).any())
 
 
 def _as_ids(ids: Any, table: str) -> np.ndarray:

@@ -284,7 +284,8 @@ class FusedTbeOptimizer(SparseOptimizer):
         if rows.numel() == 0:
             return None
         g = self._decayed(rows, grads)  # may hold Inf (decay of a huge weight): gmax Inf -> exact path
-        dw, dm = self._growth(float(g.abs().amax()))
+        lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates as before
+        dw, dm = self._growth(float(torch.maximum(-lo, hi)))
         if not self._safe(dw, dm) and self._since_refresh >= _REFRESH_EVERY:
             self._refresh_bounds()
         if self._safe(dw, dm):

@@ -199,8 +199,10 @@ def push_request(
         job = jobs[j]
         if job.grads is None:
             raise ValueError(f"table '{job.table}': a push needs gradients")
+        whole = p.size == job.ids.size and is_identity(p)  # every row in order: no gather
+        ids, grads = (job.ids, job.grads) if whole else (job.ids[p], job.grads[p])
         tables.append(ps_pb2.TableGrads(
-            table=job.table, ids=wire.encode_ids(job.ids[p]), grads=wire.encode_rows(job.grads[p], grad_dtype),
+            table=job.table, ids=wire.encode_ids(ids), grads=wire.encode_rows(grads, grad_dtype),
             dtype=grad_dtype.proto,
         ))
     req = ps_pb2.PushManyRequest(tables=tables, map_version=map_version, worker_id=worker_id)
