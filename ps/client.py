@@ -243,6 +243,12 @@ class PsClient:
                           response_deserializer=wire.decode_pull_reply)
             for c in self._channels
         ]
+        # PushMany requests serialized around the gradient buffers: ps.routing.push_request_bytes
+        self._push_many = [
+            c.unary_unary("/metaps.ps.ParameterServer/PushMany", request_serializer=None,
+                          response_deserializer=ps_pb2.PushManyResponse.FromString)
+            for c in self._channels
+        ]
         self._dims: dict[str, int] = {}
         self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
         self._map_lock = threading.Lock()
@@ -434,9 +440,9 @@ class PsClient:
             jobs.append(routing.Job(table, uniq, grads=agg))
         counts = routing.new_counts(jobs)
 
-        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> ps_pb2.PushManyRequest:
-            return routing.push_request(jobs, pieces, map_version=pmap.version, grad_dtype=self.grad_dtype,
-                                        worker_id=self.worker_id, step=step)
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
+            return routing.push_request_bytes(jobs, pieces, map_version=pmap.version, grad_dtype=self.grad_dtype,
+                                              worker_id=self.worker_id, step=step)
 
         # With a step, every shard must hear it (clocks), even shards with no rows.
         self._fan_out("push", jobs, request, lambda pieces, resp: routing.add_push_counts(counts, resp),
@@ -640,7 +646,7 @@ class PsClient:
         while pending or need_clock:
             pmap = self._pmap
             planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
-            methods = self._pull_many if kind == "pull" else [s.PushMany for s in self._stubs]
+            methods = self._pull_many if kind == "pull" else self._push_many
             reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
             if len(reqs) == 1:
                 # One call: block on it. A gRPC future costs a channel-spin thread per call
