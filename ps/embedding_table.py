@@ -300,7 +300,7 @@ class EmbeddingTable:
         """Row of each id (-1 when the id has no row)."""
         return self.id_map.lookup(ids).numpy()
 
-    def pull(self, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
+    def pull(self, ids: np.ndarray, fp16: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """float32 [n, dim] rows of ``ids`` (duplicates ok); unknown ids read as their initial value.
 
         Args:
@@ -308,8 +308,10 @@ class EmbeddingTable:
             fp16: the rows go on an fp16 wire: values beyond +-65504 (no finite
                 float16 holds them) are saturated to +-65504, counted in the
                 ``fp16_saturated`` counter (values, not rows).
+            out: float32 [n, dim] C-contiguous to write the rows into (e.g. a reply
+                buffer, ``ps.reply_buffer``); returned. None: a new array.
         """
-        out = self._pull(ids)
+        out = self._pull(ids, out)
         if fp16 and out.size:
             t = torch.from_numpy(out)
             lo, hi = torch.aminmax(t)
@@ -324,27 +326,40 @@ class EmbeddingTable:
                     )
         return out
 
-    def _pull(self, ids: np.ndarray) -> np.ndarray:
+    def _pull(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         check_ids(self.name, ids)
         n = ids.shape[0]
+        if out is not None and (out.shape != (n, self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous
+                                or not out.flags.writeable):
+            raise BadRequest(f"table '{self.name}': pull output must be writable C-contiguous float32 "
+                             f"({n}, {self.dim}), got {out.dtype} {out.shape}")
         self.counters["pulls"] += 1
         self.counters["pull_ids"] += n
         if n == 0:
-            return np.empty((0, self.dim), dtype=np.float32)
+            return np.empty((0, self.dim), dtype=np.float32) if out is None else out
         rows = self.id_map.lookup(ids)
         known = rows >= 0
         n_known = int(known.sum())
         if n_known == n:
-            return self._gather(rows)
-        out = np.empty((n, self.dim), dtype=np.float32)
+            return self._gather(rows, out)
+        if out is None:
+            out = np.empty((n, self.dim), dtype=np.float32)
         kn = known.numpy()
         if n_known:
             out[kn] = self._gather(rows[known])
         out[~kn] = self.init(ids[~kn])
         return out
 
-    def _gather(self, rows: torch.Tensor) -> np.ndarray:
-        return self.weights.index_select(0, rows.to(self.device)).detach().cpu().numpy()
+    def _gather(self, rows: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows' weights; with ``out`` (float32 [k, dim]) written there by one ``index_select(out=)``."""
+        if out is not None and self.device.type == "cpu":
+            torch.index_select(self.weights, 0, rows, out=torch.from_numpy(out))
+            return out
+        got: np.ndarray = self.weights.index_select(0, rows.to(self.device)).detach().cpu().numpy()
+        if out is not None:
+            out[...] = got
+            return out
+        return got
 
     # -- push ----------------------------------------------------------------------
     def check_push(self, ids: object, grads: object) -> tuple[np.ndarray, np.ndarray]:

@@ -318,7 +318,7 @@ class FusedTbeOptimizer(SparseOptimizer):
         return ok
 
     def _run(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        if self._vectorized:
+        if self._vectorized and self._momentum is not None:
             rowwise_update.rowwise_adagrad_update(self.weights, self._momentum, rows, grads, self.cfg.lr, self.cfg.eps)
             return
         offsets = torch.arange(rows.numel() + 1, dtype=torch.int64, device=rows.device)
