@@ -13,7 +13,8 @@ Layout (C = capacity rows, D = dim)::
     free             int32 [C]          stack of free rows (free[:n_free])
     Admission        count-min sketch   bounded; only when admission is not immediate
 
-A push (ids may repeat) runs: validate -> sum duplicates -> NaN/Inf check ->
+A push (ids may repeat) runs: validate -> sum duplicates (a request of unique
+ids, detected without a sort, skips the sort and the sum) -> NaN/Inf check ->
 look up rows -> admission of unknown ids -> evict if full -> init new rows ->
 gradient clip (``grad_clip_value`` / ``grad_clip_norm``, per row) ->
 fused/torch optimizer on the touched rows (rows whose update would be NaN/Inf

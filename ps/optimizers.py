@@ -8,12 +8,15 @@ before the update), applied here rather than by TBE so all kinds agree.
 ===============  ==========================  ===============================
 kind             where it runs               per-row state (TableRows.state)
 ===============  ==========================  ===============================
-rowwise_adagrad  fbgemm TBE, fused backward  momentum  float32 [n]
+rowwise_adagrad  torch, vectorized (CPU)(*) momentum  float32 [n]
 adagrad          fbgemm TBE, fused backward  momentum  float32 [n, dim]
 sgd              fbgemm TBE, fused backward  (none)
 adam             torch, vectorized           m, v float32 [n, dim]; step int64 [n]
 ftrl             torch, vectorized           z, n float32 [n, dim]
 ===============  ==========================  ===============================
+
+(*) bit-identical to fbgemm's fused backward (``ps.rowwise_update``); CUDA tables
+and dims not a multiple of 8 keep TBE.
 
 TBE has no "apply these gradients" call: the fused kinds run a forward with one
 row per bag, then ``out.backward(grads)``. Adam and FTRL (refused by TBE on CPU)
