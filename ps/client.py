@@ -13,7 +13,9 @@ once; a push likewise with ``PushMany``::
     rows = rows_uniq[inv]  <------------+
 
 Pushes aggregate gradients per id (``index_add``) before sending, so each id
-travels once per step. The routing itself (owner split, chunking, request
+travels once per step. Ids that are already unique (one sort of a copy tells)
+skip ``np.unique``: they travel in request order, and a pull's reply needs no
+gather back, a push's gradients no reordering. The routing itself (owner split, chunking, request
 building, scatter) is pure and lives in ``ps/routing.py``; :meth:`PsClient.pull`
 and :meth:`PsClient.push` are short methods over one fan-out/retry loop
 (``PsClient._fan_out``). Failures are handled per shard sub-request:
@@ -301,6 +303,12 @@ class PsClient:
                           response_deserializer=wire.decode_pull_reply)
             for c in self._channels
         ]
+        # PushMany requests serialized around the gradient buffers: ps.routing.push_request_bytes
+        self._push_many = [
+            c.unary_unary("/metaps.ps.ParameterServer/PushMany", request_serializer=None,
+                          response_deserializer=ps_pb2.PushManyResponse.FromString)
+            for c in self._channels
+        ]
         self._dims: dict[str, int] = {}
         self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
         self._map_lock = threading.Lock()
@@ -434,9 +442,15 @@ class PsClient:
             ids: table -> int64 ids (numpy or torch, any shape is flattened; duplicates fine).
             step: this worker's training step (bounded staleness waits on the PS).
         """
-        jobs, inverse = [], []
+        jobs: list[routing.Job] = []
+        inverse: list[np.ndarray | None] = []
         for table, t_ids in ids.items():
-            uniq, inv = np.unique(_as_ids(t_ids, table), return_inverse=True)
+            flat = _as_ids(t_ids, table)
+            if _all_unique(flat):  # sent in request order: the reply needs no gather back
+                jobs.append(routing.Job(table, flat))
+                inverse.append(None)
+                continue
+            uniq, inv = np.unique(flat, return_inverse=True)
             jobs.append(routing.Job(table, uniq))
             inverse.append(inv)
         fp16 = self.value_dtype == wire.DType.FP16
@@ -449,7 +463,7 @@ class PsClient:
         routing.finish_pull(jobs, self._dims)
         # torch.index_select: a row gather ~3x faster than numpy fancy indexing here.
         return {
-            j.table: np.array(j.out) if routing.is_identity(inv)
+            j.table: np.array(j.out) if inv is None or routing.is_identity(inv)
             else routing.as_tensor(j.out).index_select(0, torch.from_numpy(inv)).numpy()
             for j, inv in zip(jobs, inverse) if j.out is not None
         }
@@ -479,17 +493,17 @@ class PsClient:
             )
             if g.ndim != 2 or g.shape[0] != flat.size:
                 raise ValueError(f"table '{table}': grads must be [n={flat.size}, dim], got shape {tuple(g.shape)}")
+            if _all_unique(flat):  # sent in request order (the shard takes unique ids in any order)
+                jobs.append(routing.Job(table, flat, grads=g.numpy()))
+                continue
             uniq, inv = np.unique(flat, return_inverse=True)
-            if uniq.size == flat.size:
-                agg = g.numpy()[np.argsort(inv)] if flat.size else g.numpy()
-            else:
-                agg = torch.zeros((uniq.size, g.shape[1]), dtype=torch.float32).index_add_(0, torch.from_numpy(inv), g).numpy()
+            agg = torch.zeros((uniq.size, g.shape[1]), dtype=torch.float32).index_add_(0, torch.from_numpy(inv), g).numpy()
             jobs.append(routing.Job(table, uniq, grads=agg))
         counts = routing.new_counts(jobs)
 
-        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> ps_pb2.PushManyRequest:
-            return routing.push_request(jobs, pieces, map_version=pmap.version, grad_dtype=self.grad_dtype,
-                                        worker_id=self.worker_id, step=step)
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
+            return routing.push_request_bytes(jobs, pieces, map_version=pmap.version, grad_dtype=self.grad_dtype,
+                                              worker_id=self.worker_id, step=step)
 
         # With a step, every shard must hear it (clocks), even shards with no rows.
         self._fan_out("push", jobs, request, lambda pieces, resp: routing.add_push_counts(counts, resp),
@@ -727,7 +741,7 @@ class PsClient:
         while pending or need_clock:
             pmap = self._pmap
             planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
-            methods = self._pull_many if kind == "pull" else [s.PushMany for s in self._stubs]
+            methods = self._pull_many if kind == "pull" else self._push_many
             reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
             if len(reqs) == 1:
                 # One call: block on it. A gRPC future costs a channel-spin thread per call
@@ -825,6 +839,19 @@ class _Immediate:
 
     def cancel(self) -> bool:
         return False
+
+
+def _all_unique(ids: np.ndarray) -> bool:
+    """Whether ``ids`` holds no repeat (one sort of a copy: cheaper than ``np.unique``'s
+    argsort, inverse and the gathers back to request order that unique ids do not need).
+
+    Args:
+        ids: int64 [n].
+    """
+    if ids.size < 2:
+        return True
+    s = np.sort(ids)
+    return not bool((s[1:] == s[:-1]).any())
 
 
 def _as_ids(ids: Any, table: str) -> np.ndarray:

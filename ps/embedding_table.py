@@ -13,7 +13,8 @@ Layout (C = capacity rows, D = dim)::
     free             int32 [C]          stack of free rows (free[:n_free])
     Admission        count-min sketch   bounded; only when admission is not immediate
 
-A push (ids may repeat) runs: validate -> sum duplicates -> NaN/Inf check ->
+A push (ids may repeat) runs: validate -> sum duplicates (a request of unique
+ids, detected without a sort, skips the sort and the sum) -> NaN/Inf check ->
 look up rows -> admission of unknown ids -> evict if full -> init new rows ->
 gradient clip (``grad_clip_value`` / ``grad_clip_norm``, per row) ->
 fused/torch optimizer on the touched rows (rows whose update would be NaN/Inf
@@ -300,7 +301,7 @@ class EmbeddingTable:
         """Row of each id (-1 when the id has no row)."""
         return self.id_map.lookup(ids).numpy()
 
-    def pull(self, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
+    def pull(self, ids: np.ndarray, fp16: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """float32 [n, dim] rows of ``ids`` (duplicates ok); unknown ids read as their initial value.
 
         Args:
@@ -308,8 +309,10 @@ class EmbeddingTable:
             fp16: the rows go on an fp16 wire: values beyond +-65504 (no finite
                 float16 holds them) are saturated to +-65504, counted in the
                 ``fp16_saturated`` counter (values, not rows).
+            out: float32 [n, dim] C-contiguous to write the rows into (e.g. a reply
+                buffer, ``ps.reply_buffer``); returned. None: a new array.
         """
-        out = self._pull(ids)
+        out = self._pull(ids, out)
         if fp16 and out.size:
             t = torch.from_numpy(out)
             lo, hi = torch.aminmax(t)
@@ -324,27 +327,40 @@ class EmbeddingTable:
                     )
         return out
 
-    def _pull(self, ids: np.ndarray) -> np.ndarray:
+    def _pull(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         check_ids(self.name, ids)
         n = ids.shape[0]
+        if out is not None and (out.shape != (n, self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous
+                                or not out.flags.writeable):
+            raise BadRequest(f"table '{self.name}': pull output must be writable C-contiguous float32 "
+                             f"({n}, {self.dim}), got {out.dtype} {out.shape}")
         self.counters["pulls"] += 1
         self.counters["pull_ids"] += n
         if n == 0:
-            return np.empty((0, self.dim), dtype=np.float32)
+            return np.empty((0, self.dim), dtype=np.float32) if out is None else out
         rows = self.id_map.lookup(ids)
         known = rows >= 0
         n_known = int(known.sum())
         if n_known == n:
-            return self._gather(rows)
-        out = np.empty((n, self.dim), dtype=np.float32)
+            return self._gather(rows, out)
+        if out is None:
+            out = np.empty((n, self.dim), dtype=np.float32)
         kn = known.numpy()
         if n_known:
             out[kn] = self._gather(rows[known])
         out[~kn] = self.init(ids[~kn])
         return out
 
-    def _gather(self, rows: torch.Tensor) -> np.ndarray:
-        return self.weights.index_select(0, rows.to(self.device)).detach().cpu().numpy()
+    def _gather(self, rows: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows' weights; with ``out`` (float32 [k, dim]) written there by one ``index_select(out=)``."""
+        if out is not None and self.device.type == "cpu":
+            torch.index_select(self.weights, 0, rows, out=torch.from_numpy(out))
+            return out
+        got: np.ndarray = self.weights.index_select(0, rows.to(self.device)).detach().cpu().numpy()
+        if out is not None:
+            out[...] = got
+            return out
+        return got
 
     # -- push ----------------------------------------------------------------------
     def check_push(self, ids: object, grads: object) -> tuple[np.ndarray, np.ndarray]:
@@ -376,11 +392,27 @@ class EmbeddingTable:
         # read-only inputs (np.frombuffer over a request) are copied: torch refuses to alias them silently
         ids_t = torch.from_numpy(ids if ids.flags.writeable else ids.copy())
         g_t = torch.from_numpy(g if g.flags.writeable else g.copy())
-        uniq, inv = torch.unique(ids_t, return_inverse=True)
-        agg = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32).index_add_(0, inv, g_t)
         # fast path: a finite total means every element is finite (NaN/Inf propagate);
         # only a non-finite total pays for the per-row checks
-        all_ok = bool(torch.isfinite(g_t.sum())) and bool(torch.isfinite(agg.sum()))
+        all_ok = bool(torch.isfinite(g_t.sum()))
+        rows: torch.Tensor | None = None
+        new_pos: np.ndarray | None = None
+        if all_ok:
+            # ids unique in the request (the usual case: clients deduplicate) need no sort and
+            # no duplicate sum; the lookup is the one the push needs anyway
+            rows = self.id_map.lookup(ids_t)
+            new_pos = self._unique_request(ids, rows.numpy())
+        if new_pos is not None:
+            assert rows is not None
+            uniq, agg = ids_t, g_t
+        else:
+            uniq, inv = torch.unique(ids_t, return_inverse=True)
+            agg = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32).index_add_(0, inv, g_t)
+            all_ok = all_ok and bool(torch.isfinite(agg.sum()))
+            if rows is not None:  # rows of the unique ids from the lookup above (duplicates agree)
+                rows_u = torch.empty(uniq.numel(), dtype=torch.int64)
+                rows_u[inv] = rows
+                rows = rows_u
         if not all_ok:
             row_ok = torch.isfinite(g_t).all(dim=1)
             agg_ok = torch.isfinite(agg).all(dim=1)
@@ -402,13 +434,15 @@ class EmbeddingTable:
             bad_u[inv[~row_ok]] = True
             res.nonfinite_dropped = int(bad_u.sum())
             uniq, agg = uniq[~bad_u], agg[~bad_u]
+            rows = None
             self.counters["nonfinite_dropped"] += res.nonfinite_dropped
 
         self.step += 1
         self.counters["pushes"] += 1
         self.counters["push_ids"] += n
-        rows = self.id_map.lookup(uniq)
-        self.insert_new(uniq, rows, res)
+        if rows is None:
+            rows = self.id_map.lookup(uniq)
+        self.insert_new(uniq, rows, res, new_pos)
         live = rows >= 0
         if not bool(live.all()):
             rows, agg, uniq = rows[live], agg[live], uniq[live]
@@ -435,7 +469,48 @@ class EmbeddingTable:
         return res
 
     # -- allocation / eviction -----------------------------------------------------
-    def insert_new(self, uniq: torch.Tensor, rows: torch.Tensor, res: PushResult) -> None:
+    def _unique_request(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+        """Whether the ids of a request are unique, without sorting the known ones.
+
+        Known ids are unique iff their rows are: each known row is stamped with its
+        position in ``last_step`` (saved first and put back, so nothing changes) and
+        read back; a row stamped twice reads another position. The unknown ids are
+        sorted (the insertion stage allocates rows in id order, as after ``torch.unique``).
+
+        Args:
+            ids: int64 [n] the request's ids.
+            rows: int64 [n] their rows, -1 = unknown.
+
+        Returns:
+            None when some id repeats; else the positions of the unknown ids in
+            ascending id order (for :meth:`insert_new`).
+        """
+        known = rows >= 0
+        n_known = int(np.count_nonzero(known))
+        kr = rows if n_known == rows.shape[0] else rows[known]
+        if n_known > 1:
+            saved = self.last_step[kr]
+            pos = np.arange(n_known, dtype=np.int32)
+            self.last_step[kr] = pos
+            dup = not np.array_equal(self.last_step[kr], pos)
+            self.last_step[kr] = saved  # duplicates saved the same value: restored exactly
+            if dup:
+                return None
+        if n_known == rows.shape[0]:
+            return np.empty(0, dtype=np.int64)
+        new_pos = np.flatnonzero(~known)
+        new_ids = ids[new_pos]
+        if new_ids.shape[0] > 1 and not bool((new_ids[1:] > new_ids[:-1]).all()):  # (sorted: unique, in order)
+            order = np.argsort(new_ids)
+            srt = new_ids[order]
+            if bool((srt[1:] == srt[:-1]).any()):
+                return None
+            new_pos = new_pos[order]
+        return new_pos
+
+    def insert_new(
+        self, uniq: torch.Tensor, rows: torch.Tensor, res: PushResult, new_pos: np.ndarray | None = None
+    ) -> None:
         """The insertion stage of a push: give the unknown ids among ``uniq`` rows.
 
         Admission (one sketch update for the batch), eviction when the table is
@@ -444,18 +519,25 @@ class EmbeddingTable:
         fill, one scatter per metadata array, one map insert). No per-id Python.
 
         Args:
-            uniq: int64 [n] unique ids of the push (sorted, from ``torch.unique``).
+            uniq: int64 [n] unique ids of the push (sorted, from ``torch.unique``, or in
+                request order with ``new_pos``).
             rows: int64 [n] their rows from the id map, -1 = unknown; the rows of
                 the ids that got one are written in place.
             res: the push's result; admitted / unadmitted_dropped / evicted /
                 full_dropped are set.
+            new_pos: the positions of the unknown ids in ascending id order, when
+                ``uniq`` is not sorted (:meth:`_unique_request`); None = every
+                position with row -1 (``uniq`` sorted). Rows go to ids in id order
+                either way.
         """
         rows_np = rows.numpy()  # same memory: writes below land in ``rows``
-        new_pos = np.flatnonzero(rows_np < 0)
+        if new_pos is None:
+            new_pos = np.flatnonzero(rows_np < 0)
+        # every position, in order (an increasing permutation of 0..n-1 is the identity)
+        all_new = new_pos.size == rows_np.shape[0] and bool((new_pos[1:] > new_pos[:-1]).all())
         if not new_pos.size:
             return
         uniq_np = uniq.numpy()
-        all_new = new_pos.size == uniq_np.shape[0]
         new_ids = uniq_np if all_new else uniq_np[new_pos]  # (the fill of a table: no gather)
         if self.cfg.admission.immediate:
             adm_pos, adm_ids = new_pos, new_ids

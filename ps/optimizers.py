@@ -8,12 +8,15 @@ before the update), applied here rather than by TBE so all kinds agree.
 ===============  ==========================  ===============================
 kind             where it runs               per-row state (TableRows.state)
 ===============  ==========================  ===============================
-rowwise_adagrad  fbgemm TBE, fused backward  momentum  float32 [n]
+rowwise_adagrad  torch, vectorized (CPU)(*) momentum  float32 [n]
 adagrad          fbgemm TBE, fused backward  momentum  float32 [n, dim]
 sgd              fbgemm TBE, fused backward  (none)
 adam             torch, vectorized           m, v float32 [n, dim]; step int64 [n]
 ftrl             torch, vectorized           z, n float32 [n, dim]
 ===============  ==========================  ===============================
+
+(*) bit-identical to fbgemm's fused backward (``ps.rowwise_update``); CUDA tables
+and dims not a multiple of 8 keep TBE.
 
 TBE has no "apply these gradients" call: the fused kinds run a forward with one
 row per bag, then ``out.backward(grads)``. Adam and FTRL (refused by TBE on CPU)
@@ -67,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ps import rowwise_update
 from ps.config import OptimizerConfig, OptimizerKind
 
 TBE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAGRAD, OptimizerKind.SGD)
@@ -218,6 +222,12 @@ class FusedTbeOptimizer(SparseOptimizer):
             m.fill_(cfg.initial_accumulator)
         self.bound_w = 0.0
         self.bound_m = float(cfg.initial_accumulator)
+        # rowwise adagrad on CPU: the same update as TBE's fused backward, bit for bit, without
+        # its forward pass and autograd (ps.rowwise_update); other kinds and CUDA keep TBE
+        self._vectorized = (
+            cfg.kind == OptimizerKind.ROWWISE_ADAGRAD and weights.device.type == "cpu"
+            and rowwise_update.supported(int(weights.shape[1]))
+        )
         self.exact_pushes = 0  # pushes that took the snapshot path (for tests / stats)
         self._since_refresh = _REFRESH_EVERY
 
@@ -277,7 +287,8 @@ class FusedTbeOptimizer(SparseOptimizer):
         if rows.numel() == 0:
             return None
         g = self._decayed(rows, grads)  # may hold Inf (decay of a huge weight): gmax Inf -> exact path
-        dw, dm = self._growth(float(g.abs().amax()))
+        lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates as before
+        dw, dm = self._growth(float(torch.maximum(-lo, hi)))
         if not self._safe(dw, dm) and self._since_refresh >= _REFRESH_EVERY:
             self._refresh_bounds()
         if self._safe(dw, dm):
@@ -310,6 +321,9 @@ class FusedTbeOptimizer(SparseOptimizer):
         return ok
 
     def _run(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        if self._vectorized and self._momentum is not None:
+            rowwise_update.rowwise_adagrad_update(self.weights, self._momentum, rows, grads, self.cfg.lr, self.cfg.eps)
+            return
         offsets = torch.arange(rows.numel() + 1, dtype=torch.int64, device=rows.device)
         out = self.tbe(rows, offsets)
         out.backward(grads)

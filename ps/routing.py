@@ -8,7 +8,8 @@ without a server (tests/ps/test_routing.py)::
       | split_by_owner: vshard_of(ids[pos]) -> pmap.owners -> shard, stable per shard
     {shard: [(job, positions)]}
       | chunks: at most ``cap`` rows per request, tables packed together
-    [Planned(shard, pieces)]  -> pull_request / push_request (one PullMany/PushMany each)
+    [Planned(shard, pieces)]  -> pull_request / push_request (one PullMany/PushMany each;
+                                 push_request_bytes: the same PushMany serialized, fewer copies)
       | replies: scatter_pull (rows into Job.out at their positions) / add_push_counts
     a refused piece goes back to ``pending`` and is planned again (new map, smaller cap)
 
@@ -199,14 +200,59 @@ def push_request(
         job = jobs[j]
         if job.grads is None:
             raise ValueError(f"table '{job.table}': a push needs gradients")
+        whole = p.size == job.ids.size and is_identity(p)  # every row in order: no gather
+        ids, grads = (job.ids, job.grads) if whole else (job.ids[p], job.grads[p])
         tables.append(ps_pb2.TableGrads(
-            table=job.table, ids=wire.encode_ids(job.ids[p]), grads=wire.encode_rows(job.grads[p], grad_dtype),
+            table=job.table, ids=wire.encode_ids(ids), grads=wire.encode_rows(grads, grad_dtype),
             dtype=grad_dtype.proto,
         ))
     req = ps_pb2.PushManyRequest(tables=tables, map_version=map_version, worker_id=worker_id)
     if step is not None:
         req.step = step
     return req
+
+
+_TABLES_TAG = b"\x0a"  # PushManyRequest.tables: field 1, length-delimited
+_IDS_TAG = b"\x12"  # TableGrads.ids: field 2, length-delimited
+_GRADS_TAG = b"\x1a"  # TableGrads.grads: field 3, length-delimited
+
+
+def push_request_bytes(
+    jobs: list[Job], pieces: list[Piece], *, map_version: int, grad_dtype: wire.DType, worker_id: str, step: int | None
+) -> bytes:
+    """:func:`push_request` serialized, built around the id and gradient buffers.
+
+    Byte for byte a PushManyRequest any protobuf parser reads as :func:`push_request`'s
+    message (fields in another order: protobuf merges them). Built by protobuf the
+    gradients are copied three times (``tobytes``, into the message, serialized);
+    here once, by the final join (none gathered when a piece is a whole job in order).
+
+    Args:
+        jobs, pieces, map_version, grad_dtype, worker_id, step: as :func:`push_request`.
+    """
+    parts: list[bytes | memoryview] = []
+    for j, p in pieces:
+        job = jobs[j]
+        if job.grads is None:
+            raise ValueError(f"table '{job.table}': a push needs gradients")
+        whole = p.size == job.ids.size and is_identity(p)
+        ids = np.ascontiguousarray(job.ids if whole else job.ids[p], dtype="<i8")
+        grads = wire.wire_rows(job.grads if whole else job.grads[p], grad_dtype)
+        head = ps_pb2.TableGrads(table=job.table, dtype=grad_dtype.proto).SerializeToString()
+        ids_hdr = _IDS_TAG + wire._varint(ids.nbytes)
+        grads_hdr = _GRADS_TAG + wire._varint(grads.nbytes)
+        size = len(head) + len(ids_hdr) + ids.nbytes + len(grads_hdr) + grads.nbytes
+        parts += [_TABLES_TAG + wire._varint(size) + head + ids_hdr]
+        if ids.nbytes:  # (a memoryview of a zero-size array cannot be cast)
+            parts.append(ids.data.cast("B"))
+        parts.append(grads_hdr)
+        if grads.nbytes:
+            parts.append(grads.data.cast("B"))
+    tail = ps_pb2.PushManyRequest(map_version=map_version, worker_id=worker_id)
+    if step is not None:
+        tail.step = step
+    parts.append(tail.SerializeToString())
+    return b"".join(parts)
 
 
 def scatter_pull(jobs: list[Job], pieces: list[Piece], resp: wire.PullReply | ps_pb2.PullManyResponse,

@@ -105,6 +105,7 @@ from ps.config import NonfiniteMode
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
 from ps.gate import Gate, RpcAbort, bad
 from ps.partition_map import PartitionMap
+from ps.reply_buffer import PullReplyBuffer
 from ps.server_metrics import LoadTotals, PsMetrics
 from ps.staleness import Behind, ClockExpired, StalenessTimeout, StepClock
 from ps.types import (
@@ -538,6 +539,22 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
         return out
 
+    def _pull_reply(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> bytes:
+        """The serialized PullManyResponse. fp32 rows are gathered straight into the reply's
+        bytes (``ps.reply_buffer``: no intermediate tensor, no join copy); fp16 rows are
+        converted into it."""
+        if fp16:
+            return wire.encode_pull_reply(self._pull(parsed, map_version, fp16))
+        buf = PullReplyBuffer([(p.table, wire.DType.FP32, int(p.ids.size), self._dim(p.table)) for p in parsed])
+        with self._gate.data(self.wait_timeout_s):
+            self._check_owner(map_version, parsed)
+            for i, p in enumerate(parsed):
+                self.store.pull(p.table, p.ids, out=buf.rows(i))
+        shard = str(self.shard_id)
+        for p in parsed:
+            self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
+        return buf.bytes()
+
     def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None) -> list[ps_pb2.PushCounts]:
         if step is not None and step < 0:
             raise bad(f"step must be >= 0, got {step}")
@@ -572,7 +589,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         parsed = self._parse_pull([(t.table, t.ids) for t in request.tables])
         self._check_reply_size(parsed, request.want_fp16, context)
         self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
-        return wire.encode_pull_reply(self._pull(parsed, request.map_version, request.want_fp16))
+        return self._pull_reply(parsed, request.map_version, request.want_fp16)
 
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:

@@ -149,16 +149,18 @@ class ShardStore:
         return self._version
 
     # -- data path -----------------------------------------------------------------
-    def pull(self, table: str, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
+    def pull(self, table: str, ids: np.ndarray, fp16: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``ids`` (int64 [n], any order, duplicates ok) as float32 [n, dim].
 
         Ids without a row (not admitted yet, or evicted) read as their initial value.
         With ``fp16`` (rows bound for an fp16 wire) values beyond +-65504 saturate
-        to +-65504, counted in the table's ``fp16_saturated`` stat.
+        to +-65504, counted in the table's ``fp16_saturated`` stat. With ``out``
+        (writable C-contiguous float32 [n, dim], e.g. a reply buffer) the rows are
+        gathered straight into it and it is returned.
         """
         t = self.table(table)
         with t.lock:
-            return t.pull(ids, fp16=fp16)
+            return t.pull(ids, fp16=fp16, out=out)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:
         """Apply gradients float32 [n, dim] to ``ids`` int64 [n]; duplicates are summed.

@@ -74,8 +74,9 @@ class RowStore(Protocol):
         """Dense parameters held by this shard."""
         ...
 
-    def pull(self, table: str, ids: np.ndarray, fp16: bool = False) -> np.ndarray:
-        """Rows of ``ids`` (int64 [n], known or admitted on read) as float32 (or saturated fp16) [n, dim]."""
+    def pull(self, table: str, ids: np.ndarray, fp16: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids`` (int64 [n], known or admitted on read) as float32 (or saturated fp16) [n, dim];
+        with ``out`` (writable float32 [n, dim]) written there and returned."""
         ...
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray) -> PushResult:

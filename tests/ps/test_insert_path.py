@@ -79,8 +79,11 @@ class OldAllocTable(EmbeddingTable):
     immediate) and the old ``_alloc``: reference initializer, scatters, checked map insert,
     rows_written."""
 
-    def insert_new(self, uniq: torch.Tensor, rows: torch.Tensor, res: PushResult) -> None:
-        new_pos = torch.nonzero(rows < 0).reshape(-1)
+    def insert_new(
+        self, uniq: torch.Tensor, rows: torch.Tensor, res: PushResult, new_pos_np: np.ndarray | None = None
+    ) -> None:
+        # (a push of unique ids passes their unknown positions in id order: the old order)
+        new_pos = torch.nonzero(rows < 0).reshape(-1) if new_pos_np is None else torch.from_numpy(new_pos_np)
         if new_pos.numel():
             new_ids = uniq[new_pos].numpy()
             admitted = self.admission.observe(new_ids)

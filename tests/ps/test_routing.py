@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from metaps.core.hashing import vshard_of
 from protos import ps_pb2
@@ -240,3 +241,19 @@ def test_pull_reply_decoder_skips_unknown_fields_and_refuses_truncation() -> Non
             assert "pull reply" in str(exc)
         else:
             raise AssertionError(f"bad reply {i} was accepted")
+
+
+# -- PushMany serialized without protobuf copies (routing.push_request_bytes) ---------------------
+@pytest.mark.parametrize("dtype", [wire.DType.FP32, wire.DType.FP16])
+@pytest.mark.parametrize("step", [None, 0, 12])
+def test_push_request_bytes_parse_as_push_request(dtype: wire.DType, step: int | None) -> None:
+    rng = np.random.default_rng(1)
+    jobs = [
+        routing.Job("user", np.array([9, -3, 5, 1 << 60], dtype=np.int64), grads=rng.standard_normal((4, 3)).astype(np.float32)),
+        routing.Job("item", np.array([7], dtype=np.int64), grads=rng.standard_normal((1, 2)).astype(np.float32)),
+        routing.Job("none", np.empty(0, dtype=np.int64), grads=np.empty((0, 5), np.float32)),
+    ]
+    for pieces in ([(0, np.arange(4)), (1, np.arange(1)), (2, np.arange(0))], [(0, np.array([3, 1]))]):
+        kw = dict(map_version=7, grad_dtype=dtype, worker_id="w9", step=step)
+        got = ps_pb2.PushManyRequest.FromString(routing.push_request_bytes(jobs, pieces, **kw))
+        assert got == routing.push_request(jobs, pieces, **kw)
