@@ -144,7 +144,7 @@ def ps_battery(address: str, token: str, outside_dir: str, table: str = "user", 
     # the server should split it, or refuse with a status that says how much to ask for. The caller
     # states its receive limit in metadata, as ps.client.PsClient does on every call (a shard cannot
     # guess a smaller limit than its own)
-    from ps.server import REPLY_LIMIT_KEY
+    from ps.types import REPLY_LIMIT_KEY
 
     n_big = max(1024, (small_limit_bytes // (4 * dim)) + 8192)
     big_ids = np.arange(1, n_big + 1, dtype="<i8")

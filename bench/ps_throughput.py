@@ -98,7 +98,7 @@ def _serve_ps(port_file: str, shard: int, shards: int, capacity: int, device: st
     torch.set_num_threads(1)
     from metaps.core.rpc import RpcConfig
     from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig
-    from ps.server import build_server
+    from ps.factory import build_server
 
     ps_cfg = PsConfig(shards=shards, num_vshards=256, device=device, max_request_rows=1 << 20)
     table = TableConfig(name="t", dim=DIM, capacity=capacity, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01))

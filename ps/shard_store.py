@@ -1,6 +1,6 @@
 """Everything one PS shard stores: its embedding tables and its dense parameters.
 
-The gRPC service (ps/server.py) calls these methods from several threads. Each
+The gRPC service (ps/servicer.py) calls these methods from several threads. Each
 table has its own lock, so pulls and pushes of different tables run
 concurrently; :meth:`ShardStore.write_lock` holds every lock at once for a
 consistent checkpoint cut or a migration freeze.

@@ -47,7 +47,7 @@ wait times out, as before). Expiry is evaluated lazily, whenever a clock is read
 The PS service never blocks on these clocks: it asks :meth:`StepClock.check_pull`
 and :meth:`StepClock.arrive` (non-blocking; they return a :class:`Behind` when
 the caller must wait) and answers at once, and the *client* waits with backoff
-(see ``ps/server.py``). :meth:`wait_pull` / :meth:`barrier` are the blocking
+(see ``ps/servicer.py``). :meth:`wait_pull` / :meth:`barrier` are the blocking
 forms for in-process callers; their waits have a timeout, so a dead worker
 stalls the others for at most that long and the caller gets a clear error
 instead of a hang.

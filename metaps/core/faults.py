@@ -189,7 +189,7 @@ class FaultInjector:
 
 
 def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None) -> Callable[[], float] | None:
-    """The per-request delay hook of PS ``shard`` (``ps.server`` sleeps its value), or None.
+    """The per-request delay hook of PS ``shard`` (``ps.servicer`` sleeps its value), or None.
 
     ``t0`` defaults to ``$METAPS_T0`` (the launcher's job start, shared by every
     process of a job) or now, so ``start_s`` / ``duration_s`` mean the same on

@@ -1,6 +1,6 @@
 """Structured logging for every metaps process.
 
-Lines look like ``2026-11-29T12:00:00 INFO ps.server shard=0 msg="serving" port=5001``:
+Lines look like ``2026-11-29T12:00:00 INFO ps.servicer shard=0 msg="serving" port=5001``:
 ``key=value`` pairs after the message, so fleets can grep and parse them.
 Use ``log.info("serving", extra=kv(port=port))``.
 """

@@ -1,7 +1,7 @@
 """Prometheus metrics: every metaps process serves ``/metrics`` on its own port.
 
 Metric objects are module-level in the code that updates them (e.g.
-``ps.server``); this module only starts the endpoint and picks a free port.
+``ps.server_metrics``); this module only starts the endpoint and picks a free port.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ last committed checkpoint when it restarts after a crash.
 the fleet's rows. With ``--awaiting-recovery`` (default: on when
 ``$METAPS_RESTARTS`` > 0, which ``metaps agent`` sets when it restarts its child)
 it serves no data and refuses Checkpoint until the controller's fleet recovery
-restores it (``ps/server.py``), so no checkpoint cut captures its empty shard.
+restores it (``ps/servicer.py``), so no checkpoint cut captures its empty shard.
 The controller link also sets it when the controller has seen an earlier process
 of this shard (a restart not made by an agent; no Restore arrived yet), and
 clears it when the controller has seen none (the crashed process never served).
@@ -108,7 +108,7 @@ def run_ps(args: argparse.Namespace) -> int:
 
     from metaps.core.metrics import serve_metrics
     from ps.coordinator import restore_shard_checkpoint
-    from ps.server import build_server
+    from ps.factory import build_server
 
     # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
     torch.set_num_threads(1)

@@ -42,7 +42,7 @@ class ControllerLink(threading.Thread):
     """Background thread of one PS process. See the module docstring.
 
     Args:
-        server: the running :class:`ps.server.PsServer`.
+        server: the running :class:`ps.servicer.PsServer`.
         controller: controller ``host:port``.
         rpc_cfg: the job's RPC settings (token).
         address: this shard's ``host:port`` as clients reach it.

@@ -38,7 +38,7 @@ from ps.checkpoint import latest_checkpoint
 from ps.client import PsClient, PsUnavailableError
 from ps.coordinator import CheckpointCoordinationError, checkpoint_all
 from ps.partition_map import PartitionMap
-from ps.server import build_server
+from ps.factory import build_server
 from tests.metaps.fleet_data import wait_for
 from tests.ps.conftest import REPO, write_job
 from tests.ps.conftest import TOKEN as PS_TOKEN

@@ -24,7 +24,7 @@ from controller.ps_recovery import RUN_FAILED
 from controller.server import ControllerServer
 from ps.checkpoint import shard_path
 from ps.coordinator import checkpoint_all
-from ps.server import build_server
+from ps.factory import build_server
 from tests.metaps.fleet_data import wait_for
 from tests.ps.conftest import start_fleet
 

@@ -15,8 +15,8 @@ def _record(name: str, level: int, msg: str, **fields) -> logging.LogRecord:
 
 
 def test_key_value_format() -> None:
-    line = KeyValueFormatter().format(_record("ps.server", logging.INFO, "serving", port=5001, shard=0))
-    assert 'INFO ps.server' in line and 'msg="serving"' in line and line.endswith("port=5001 shard=0")
+    line = KeyValueFormatter().format(_record("ps.servicer", logging.INFO, "serving", port=5001, shard=0))
+    assert 'INFO ps.servicer' in line and 'msg="serving"' in line and line.endswith("port=5001 shard=0")
 
 
 def test_root_info_is_dropped_but_warnings_and_named_loggers_pass() -> None:

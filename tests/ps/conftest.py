@@ -23,7 +23,8 @@ from metaps.core.rpc import RpcConfig
 from ps.client import PsClient
 from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig, TableDefaults
 from ps.partition_map import PartitionMap
-from ps.server import PsServer, build_server
+from ps.factory import build_server
+from ps.servicer import PsServer
 
 TOKEN = "test-token"
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 from metaps.core.rpc import RpcConfig, make_channel
 from ps.client import PsClient, PsRequestError
 from ps.partition_map import PartitionMap
-from ps.server import ERROR_KEY, MAP_VERSION_KEY, WRONG_OWNER
+from ps.types import ERROR_KEY, MAP_VERSION_KEY, WRONG_OWNER
 from protos import ps_pb2, ps_pb2_grpc
 
 from .conftest import TOKEN

@@ -12,7 +12,7 @@ import torch
 
 from ps.client import PsClient, PsUnavailableError
 from ps.config import OptimizerConfig
-from ps.server import build_server
+from ps.factory import build_server
 
 
 def test_pull_dedups_and_keeps_request_order(ps_fleet) -> None:

@@ -21,7 +21,8 @@ import pytest
 from metaps.core.rpc import RpcConfig
 from ps.client import PsClient, PsStalenessTimeout
 from ps.config import PsConfig
-from ps.server import ERROR_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY, build_server
+from ps.factory import build_server
+from ps.types import ERROR_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY
 from protos import ps_pb2
 
 from .conftest import TOKEN, sgd_tables

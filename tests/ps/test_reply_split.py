@@ -45,7 +45,7 @@ def test_a_client_with_a_smaller_receive_limit_gets_replies_sized_to_it(ps_fleet
 
     from metaps.core.rpc import make_channel
     from protos import ps_pb2, ps_pb2_grpc
-    from ps.server import MAX_ROWS_KEY, REPLY_LIMIT_KEY
+    from ps.types import MAX_ROWS_KEY, REPLY_LIMIT_KEY
 
     tables = sgd_tables(user_dim=64)
     fleet = ps_fleet(1, tables=tables, rpc=RpcConfig(token=TOKEN, timeout_s=60.0, max_message_bytes=16 << 20))

@@ -27,7 +27,7 @@ from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.coordinator import checkpoint_all, restore_shard_checkpoint
 from ps.errors import CheckpointError
 from ps.partition_map import PartitionMap
-from ps.server import PsServer
+from ps.servicer import PsServer
 from protos import ps_pb2
 
 from .conftest import Fleet

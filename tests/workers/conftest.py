@@ -11,7 +11,7 @@ from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.synth import GeneratorConfig, generate
 from metaps.job import JobConfig, job_from_mapping
-from ps.server import build_server
+from ps.factory import build_server
 
 from tests.workers.procs import TOKEN  # noqa: E402 -- one token for in-process PS and worker processes
 

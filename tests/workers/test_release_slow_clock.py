@@ -24,7 +24,7 @@ from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.synth import GeneratorConfig, generate
 from metaps.core.rpc import RpcConfig
-from ps.server import build_server
+from ps.factory import build_server
 
 from tests.workers.conftest import TOKEN, make_job
 from tests.workers.procs import start_worker, write_job

@@ -92,7 +92,7 @@ def _tags(tb_dir: Path, prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def scenario(worker_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from ps.server import build_server
+    from ps.factory import build_server
 
     tmp = tmp_path_factory.mktemp("telemetry")
     run_dir = tmp / "run"

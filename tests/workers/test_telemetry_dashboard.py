@@ -48,7 +48,7 @@ def _queries() -> list[str]:
 
 
 def test_every_dashboard_metric_is_exported(worker_data: dict[str, Path], tmp_path: Path) -> None:
-    from ps.server import build_server
+    from ps.factory import build_server
 
     Telemetry(tmp_path / "run", rank=0, every=0)  # registers its series' labels
     job = make_job(worker_data["meta"], tmp_path)
