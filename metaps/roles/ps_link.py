@@ -65,7 +65,7 @@ class ControllerLink(threading.Thread):
         self.client = ControllerClient(controller, rpc_cfg, role="ps", index=server.shard_id, retry_s=retry_s)
         self.heartbeat_s = 2.0
         self.incarnation = 0
-        self._stop = threading.Event()
+        self._stopping = threading.Event()  # not `_stop`: that would shadow threading.Thread._stop
         self._last = server.load.read()
         self.reports = 0
 
@@ -92,7 +92,7 @@ class ControllerLink(threading.Thread):
 
     def run(self) -> None:
         next_hb = time.monotonic() + self.heartbeat_s
-        while not self._stop.wait(self.report_s):
+        while not self._stopping.wait(self.report_s):
             try:
                 self.report_once()
                 if time.monotonic() >= next_hb:
@@ -105,7 +105,7 @@ class ControllerLink(threading.Thread):
                 log.warning("controller link: call failed", extra=kv(shard=self.server.shard_id, error=str(exc)[:200]))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         if self.is_alive():
             self.join(timeout=5.0)
         self.client.close()
