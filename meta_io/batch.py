@@ -25,8 +25,10 @@ Per-feature tensors::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: opening a dataset (controller, launcher) needs no torch
+    import torch
 
 
 @dataclass

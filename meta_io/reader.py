@@ -53,12 +53,11 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
-import torch
 
 from meta_io import integrity
 from meta_io import layout as L
@@ -70,7 +69,13 @@ from meta_io.packing import PACKED_FORMAT_VERSION, UNPACKED_FORMAT_VERSION, Bloc
 from meta_io.source import normalized_arrow_schema
 from meta_io.schema import LIST_KINDS, ColumnKind, Schema, schema_from_dict
 from metaps.core.errors import DataError, SchemaError
+from metaps.core.lazy import LazyModule
 from metaps.core.log import kv
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch", globals())  # the controller and launcher read datasets without tensors
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +96,16 @@ def arrow_to_torch(arr: pa.Array) -> torch.Tensor:
     if pa.types.is_boolean(arr.type):
         return torch.from_numpy(arr.to_numpy(zero_copy_only=False))
     if len(arr) == 0:
-        return torch.empty(0, dtype=_TORCH_DTYPES[arr.type])
+        return torch.empty(0, dtype=_torch_dtype(arr.type))
     if arr.null_count:
         raise DataError(f"column of type {arr.type} has {arr.null_count} nulls; Meta-IO files never hold nulls")
     return torch.from_dlpack(arr)
 
 
-_TORCH_DTYPES: dict[pa.DataType, torch.dtype] = {
-    pa.int64(): torch.int64,
-    pa.int32(): torch.int32,
-    pa.float32(): torch.float32,
-    pa.float64(): torch.float64,
-}
+def _torch_dtype(t: pa.DataType) -> torch.dtype:
+    """The torch dtype of a Meta-IO column type (a function, not a module-level table: no torch at import)."""
+    return {pa.int64(): torch.int64, pa.int32(): torch.int32, pa.float32(): torch.float32,
+            pa.float64(): torch.float64}[t]
 
 
 class BatchConverter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -278,3 +279,20 @@ def test_prefetch_over_the_reader(built) -> None:
         assert_batches_equal(a, b)
     with pytest.raises(ValueError, match="depth"):
         prefetch([], depth=0)
+
+
+def test_opening_a_dataset_imports_no_torch(built) -> None:
+    """The controller (batch counts for the DDS) and `meta-io inspect` open datasets without
+    paying for torch (~2.7 s of CPU, ~300 MB per process); the first tensor read imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from controller.types import DatasetSpec; from meta_io.inspect import inspect_dataset; "
+            f"DatasetSpec.from_meta_io('train', {str(built)!r}); inspect_dataset({str(built)!r}); "
+            "print('torch' in sys.modules); "
+            f"from meta_io.reader import MetaIODataset; ds = MetaIODataset({str(built)!r}); "
+            "b = next(ds.read_range(0, 0, 1)); import torch; "
+            "print('torch' in sys.modules, isinstance(b.task_keys, torch.Tensor))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
+    assert out[:2] == ["False", "True True"], out
