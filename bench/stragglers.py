@@ -497,7 +497,10 @@ def _real_job(tmp: Path, data: dict[str, Path], workers: int, slow: float, **sec
         "rpc": {"token": RPC.token, "timeout_s": 60.0},
         "delivery": {"out": str(tmp / "bundles")},
         "run": {"dir": str(tmp / "run")},
-        "faults": {"faults": [{"target": "worker", "index": workers - 1, "kind": "slow", "factor": slow}]
+        # basis "step": the slowed worker is `slow` x slower at everything it does (its pulls and
+        # pushes too, not its waits for slower workers): its forward/backward is a few % of a step
+        "faults": {"faults": [{"target": "worker", "index": workers - 1, "kind": "slow", "factor": slow,
+                               "basis": "step"}]
                    if slow > 1 else []},
     }
     for name, values in sections.items():

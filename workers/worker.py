@@ -137,6 +137,7 @@ class Worker:
         self._hb: _Heartbeat | None = None
         self._draining = False
         self._stale_wait_seen = 0.0  # PsClient.stale_wait_s at the last metrics report
+        self._fault_wait_seen = 0.0  # PsClient.stale_wait_s at the last step's fault delay
         self.lease_progress: tuple[str, int] = ("", 0)  # (lease, next batch of it): heartbeats, tail split
         self._lease_stop = 0  # the batch the current lease ends before (lowered by a `truncate` command)
         self._clock_released = False  # the controller took this worker out of the PS step clocks (flagged slow)
@@ -278,9 +279,12 @@ class Worker:
         if self.faults.kill_due(born=self._born):
             log.error("fault injection: killing this worker now", extra=kv(rank=self.rank, step=stats.step))
             os._exit(137)  # like SIGKILL: the agent restarts it, the DDS requeues its shard
-        # a factor-x slower worker takes x as long for its own forward/backward; its pulls and
-        # pushes (the PS's time) and waits for slower workers are not scaled (faults.step_delay)
-        delay = self.faults.step_delay(stats.compute_s)
+        # a factor-x slower worker: x its forward/backward (basis "compute") or x its whole step
+        # but its waits for slower workers (basis "step"); see faults.step_delay
+        waited = float(getattr(getattr(self.rows, "client", None), "stale_wait_s", 0.0))
+        step_waits, self._fault_wait_seen = max(0.0, waited - self._fault_wait_seen), waited
+        own_step_s = max(0.0, stats.total_s - step_waits)
+        delay = self.faults.step_delay(stats.compute_s, own_step_s)
         if delay > 0:
             time.sleep(delay)
         self.samples += stats.samples
@@ -302,7 +306,7 @@ class Worker:
         rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
                "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
                "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
-               "data_wait_s": data_wait, "dense_sync_s": dense_s, "fault_sleep_s": delay, **stats.metrics}
+               "data_wait_s": data_wait, "dense_sync_s": dense_s, "own_step_s": own_step_s, "fault_sleep_s": delay, **stats.metrics}
         self._last_rec = rec
         if step % self.job.train.log_every == 0 or step == 1:
             self.history.append(rec)

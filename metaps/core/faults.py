@@ -7,6 +7,7 @@ Mounted at ``[faults]`` of the job TOML::
     index = 3
     kind = "slow"          # slow: the worker's own compute x factor
     factor = 4.0
+    basis = "compute"      # or "step": its whole step but waits for slower workers, x factor
     start_s = 10.0         # seconds after the job start
     duration_s = 0.0       # 0 = until the end
 
@@ -25,7 +26,7 @@ Mounted at ``[faults]`` of the job TOML::
 Workers and PS build a :class:`FaultInjector` for themselves and ask it::
 
     inj = FaultInjector(job.faults, "worker", rank, t0=job_start)
-    time.sleep(inj.step_delay(compute_s))     # a slowed worker: its own compute x (factor - 1)
+    time.sleep(inj.step_delay(compute_s, own_step_s))  # a slowed worker: its own work x (factor - 1)
     time.sleep(inj.added_latency())           # in a PS request handler
     if inj.kill_due(): os._exit(137)          # an injected crash
 """
@@ -44,6 +45,14 @@ class FaultTarget(str, enum.Enum):
     PS = "ps"
 
 
+class SlowBasis(str, enum.Enum):
+    """What a ``slow`` fault multiplies (see :meth:`FaultInjector.step_delay`)."""
+
+    COMPUTE = "compute"  # the forward/backward on the batch: a slower processor, PS time unscaled
+    STEP = "step"        # the whole step as the worker lived it (its pulls/pushes included) except
+                         # its waits for slower workers: everything it does takes factor x as long
+
+
 class FaultKind(str, enum.Enum):
     SLOW = "slow"        # multiply the worker's own work by `factor` (see FaultInjector.step_delay)
     LATENCY = "latency"  # add `latency_s` to every request
@@ -59,6 +68,7 @@ class Fault:
         index: the worker rank or PS shard.
         kind: ``slow`` | ``latency`` | ``kill``.
         factor: slow: step time multiplier (> 1).
+        basis: slow: what ``factor`` multiplies, ``compute`` (default) or ``step`` (:class:`SlowBasis`).
         latency_s: latency: seconds added per request (> 0).
         start_s: slow/latency: seconds after t0 when it begins.
         duration_s: slow/latency: how long it lasts; 0 = persistent.
@@ -69,6 +79,7 @@ class Fault:
     index: int
     kind: FaultKind
     factor: float = 1.0
+    basis: SlowBasis = SlowBasis.COMPUTE
     latency_s: float = 0.0
     start_s: float = 0.0
     duration_s: float = 0.0
@@ -77,6 +88,7 @@ class Fault:
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", FaultTarget(self.target))
         object.__setattr__(self, "kind", FaultKind(self.kind))
+        object.__setattr__(self, "basis", SlowBasis(self.basis))
 
     def validate(self) -> None:
         where = f"{self.kind.value} fault on {self.target.value} {self.index}"
@@ -154,20 +166,32 @@ class FaultInjector:
                 m *= f.factor
         return m
 
-    def step_delay(self, step_time_s: float, now: float | None = None) -> float:
-        """Extra seconds a slowed worker sleeps after ``step_time_s`` seconds of its own work.
+    def step_delay(self, compute_s: float, own_step_s: float | None = None, now: float | None = None) -> float:
+        """Extra seconds a slowed worker sleeps after a step.
 
-        ``factor`` x slower means ``factor`` x as long for the same batch, so pass the time
-        this worker spent computing on the batch itself (the all-reduce DD loop passes its
-        forward/backward time), not time spent waiting on the PS or on peers: that time does
-        not depend on this worker's speed, and scaling it would make the injected slowdown
-        grow with the other workers' load.
+        ``factor`` x slower means ``factor`` x as long for the same batch. With ``basis =
+        "compute"`` (the default) that is the worker's forward/backward on the batch: time
+        spent on the PS or waiting for peers does not depend on this worker's speed, and
+        scaling it would make the injected slowdown grow with the other workers' load. With
+        ``basis = "step"`` it is the whole step as the worker lived it (its pulls and pushes
+        included) except its waits for slower workers: a worker that is factor x slower at
+        everything it does, e.g. on a box where the forward/backward is a small part of a
+        step (the E1 bench). Factors of the same basis multiply.
 
         Args:
-            step_time_s: seconds of this worker's own work in the step (negative counts as 0).
+            compute_s: this step's forward/backward seconds (negative counts as 0).
+            own_step_s: this step's seconds less its waits for slower workers (None: a loop
+                that does not measure it; a ``step`` fault then scales ``compute_s``).
             now: the current time (default: the clock).
         """
-        return max(0.0, step_time_s) * (self.slowdown(now) - 1.0)
+        e = self._elapsed(now)
+        by_basis = {SlowBasis.COMPUTE: 1.0, SlowBasis.STEP: 1.0}
+        for f in self._faults:
+            if f.kind is FaultKind.SLOW and f.active(e):
+                by_basis[f.basis] *= f.factor
+        step = compute_s if own_step_s is None else own_step_s
+        return (max(0.0, compute_s) * (by_basis[SlowBasis.COMPUTE] - 1.0)
+                + max(0.0, step) * (by_basis[SlowBasis.STEP] - 1.0))
 
     def added_latency(self, now: float | None = None) -> float:
         """Seconds a PS adds to the request it is serving now."""

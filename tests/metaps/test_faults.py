@@ -48,3 +48,15 @@ def test_ps_added_latency_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     hook = ps_added_latency(cfg, 1)
     assert hook is not None
     assert hook(now=104.0) == 0.0 and hook(now=105.0) == pytest.approx(0.03)  # t0 from $METAPS_T0
+
+
+def test_slow_basis_compute_or_step() -> None:
+    """``basis = "compute"`` scales the forward/backward only; ``"step"`` the whole step less the
+    waits for slower workers; a loop that measures no step falls back to compute."""
+    comp = FaultInjector(FaultConfig([Fault("worker", 0, "slow", factor=4.0)]), "worker", 0, t0=0.0)
+    step = FaultInjector(FaultConfig([Fault("worker", 0, "slow", factor=4.0, basis="step")]), "worker", 0, t0=0.0)
+    assert comp.step_delay(0.1, 0.5, now=1.0) == pytest.approx(0.3)
+    assert step.step_delay(0.1, 0.5, now=1.0) == pytest.approx(1.5)
+    assert step.step_delay(0.1, None, now=1.0) == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        Fault("worker", 0, "slow", factor=4.0, basis="wall")
