@@ -841,8 +841,12 @@ def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, 
 
 
 def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_batch: int = 1024,
-                        window_s: float = 10.0, hidden: list[int] | None = None) -> dict[str, Any]:
+                        window_s: float = 10.0, hidden: list[int] | None = None,
+                        epochs: int | None = None) -> dict[str, Any]:
     """E5 with both arms in one run: DD plan and equal split alternate (see ``_InterleavedDd``).
+
+    ``epochs`` (default 24 quick, 40 full) sets the run's length: on a quiet box 24 quick epochs
+    end about when the policy has settled, before the first equal window (no pair).
 
     Same fleet as :func:`e5_real` (2 gloo workers + 1 PS, worker 1 slowed 2x). The figure is
     the median over adjacent (equal, DD) window pairs of the samples/s ratio, counted from
@@ -856,7 +860,8 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
     import dataclasses
 
     hidden = E5_HIDDEN if hidden is None else hidden
-    epochs = 24 if quick else 40  # the learning phase (a few 2 s windows per plan) comes first
+    if epochs is None:
+        epochs = 24 if quick else 40  # the learning phase (a few 2 s windows per plan) comes first
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
         job_path = _e5_job(tmp, data, seed, epochs, global_batch, hidden)
@@ -1146,6 +1151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one seed / one run of each, shorter runs")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--e5i-epochs", type=int, default=None,
+                    help="epochs of the e5i run (default: 24 with --quick, else 40; a quiet box needs more "
+                         "for the interleaved windows to start after the policy settles)")
     ap.add_argument("--only", default="", help="comma-separated subset: sim,e6,e1,e2,e5,e5i (default: all; "
                                                "sim includes e6)")
     ap.add_argument("--serve-controller", default="", help=argparse.SUPPRESS)  # E6's controller process
@@ -1234,7 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
                                e5_dd_speedup_max=round(max(v), 4), e5_runs=runs,
                                e5_dd_sizes=rs[0]["dd_sizes"])
             if "e5i" in only:
-                rs = [e5_real_interleaved(s, data, args.quick) for s in range(runs)]
+                rs = [e5_real_interleaved(s, data, args.quick, epochs=args.e5i_epochs) for s in range(runs)]
                 for i, r in enumerate(rs):
                     show(f"run {i} e5 interleaved (real processes)", r)
                 allr = [x for r in rs for x in r["pair_ratios"]] if all("pair_ratios" in r for r in rs) else []
