@@ -184,7 +184,8 @@ def test_operations_quick_paths_run_as_written_after_the_readme(readme_clone: Pa
         "metaps launch --config configs/local.toml",
         "metaps deliver --run runs/local/runs/latest --out runs/local/bundles --holdout runs/local/metaio-holdout",
     ], repeated
-    _run(work, cmds, "operations")
+    # the reader's shell has the venv active (README's set-up, the chain's first line); this is a new shell
+    _run(work, [". .venv/bin/activate", *cmds], "operations")
     local = work / "runs" / "local"
     small = json.loads((local / "try1" / "report.json").read_text())  # the smaller warm-started fleet
     assert small["status"] == "succeeded" and small["counts"] == {"ps": 1, "workers": 1}, small.get("reason")
