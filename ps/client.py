@@ -201,6 +201,12 @@ class _Waiter:
             self._waits.end(self._token)
         self._token = 0
 
+    def __enter__(self) -> "_Waiter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
     def behind(self, shard: int, err: grpc.RpcError) -> None:
         """A shard said stale_wait: start the clock, adopt its cap."""
         if self.start is None:
@@ -527,47 +533,41 @@ class PsClient:
             raise ValueError("barrier needs a worker_id")
         t = timeout_s or self.wait_timeout_s or 0.0
         req = ps_pb2.BarrierRequest(worker_id=self.worker_id, step=step, timeout_s=t)
-        waiter = self._waiter(t or None, "barrier")
-        try:
-            self._barrier(step, req, waiter)
-        finally:
-            waiter.finish()
-
-    def _barrier(self, step: int, req: ps_pb2.BarrierRequest, waiter: _Waiter) -> None:
-        pending = set(range(self.num_shards))
-        deadline = time.monotonic() + self.retry_timeout_s
-        delay = self.backoff_s
-        while pending:
-            futs = {s: self._stubs[s].Barrier.future(req, timeout=self.rpc_cfg.timeout_s) for s in sorted(pending)}
-            down = False
-            for s, fut in futs.items():
-                try:
-                    fut.result()
-                except grpc.RpcError as exc:
-                    what = _rpc_kind(exc)
-                    if what in ("wait", "paused"):
-                        waiter.behind(s, exc)
-                    elif what == "clock_expired":
-                        self._rejoin(s, exc)
-                    elif what == "unavailable":
-                        self._note_down(s, exc)
-                        down = True
-                    else:
-                        raise PsRequestError(f"shard {s} ({self.addresses[s]}) Barrier: {exc.details()}", exc.code()) from None
-                    continue
-                self._note_up(s)
-                pending.discard(s)
-            if not pending:
-                break
-            waiter.check(f"barrier of step {step}", self.addresses)
-            if down:
-                if time.monotonic() + delay > deadline:
-                    raise PsUnavailableError(f"barrier of step {step}: shards {sorted(self._down)} unavailable for "
-                                             f"{self.retry_timeout_s:.0f}s")
-                time.sleep(delay)
-                delay = min(delay * 2, self.max_backoff_s)
-            else:
-                deadline += waiter.sleep()  # waiting for slower workers is not retry time
+        with self._waiter(t or None, "barrier") as waiter:
+            pending = set(range(self.num_shards))
+            deadline = time.monotonic() + self.retry_timeout_s
+            delay = self.backoff_s
+            while pending:
+                futs = {s: self._stubs[s].Barrier.future(req, timeout=self.rpc_cfg.timeout_s) for s in sorted(pending)}
+                down = False
+                for s, fut in futs.items():
+                    try:
+                        fut.result()
+                    except grpc.RpcError as exc:
+                        what = _rpc_kind(exc)
+                        if what in ("wait", "paused"):
+                            waiter.behind(s, exc)
+                        elif what == "clock_expired":
+                            self._rejoin(s, exc)
+                        elif what == "unavailable":
+                            self._note_down(s, exc)
+                            down = True
+                        else:
+                            raise PsRequestError(f"shard {s} ({self.addresses[s]}) Barrier: {exc.details()}", exc.code()) from None
+                        continue
+                    self._note_up(s)
+                    pending.discard(s)
+                if not pending:
+                    break
+                waiter.check(f"barrier of step {step}", self.addresses)
+                if down:
+                    if time.monotonic() + delay > deadline:
+                        raise PsUnavailableError(f"barrier of step {step}: shards {sorted(self._down)} unavailable for "
+                                                 f"{self.retry_timeout_s:.0f}s")
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.max_backoff_s)
+                else:
+                    deadline += waiter.sleep()  # waiting for slower workers is not retry time
 
     @property
     def stale_wait_s(self) -> float:
@@ -621,46 +621,40 @@ class PsClient:
 
     # -- internals ----------------------------------------------------------------------------------
     def _call_with_retry(self, shard: int, method: str, request: Any, timeout: float | None = None) -> Any:
-        waiter = self._waiter(self.wait_timeout_s, method)
-        try:
-            return self._call_retrying(waiter, shard, method, request, timeout)
-        finally:
-            waiter.finish()
-
-    def _call_retrying(self, waiter: _Waiter, shard: int, method: str, request: Any, timeout: float | None) -> Any:
-        deadline = time.monotonic() + self.retry_timeout_s
-        delay = self.backoff_s
-        while True:
-            try:
-                resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s,
-                                                           metadata=self._reply_limit_md)
-                self._note_up(shard)
-                return resp
-            except grpc.RpcError as exc:
-                what = _rpc_kind(exc)
-                if what == "wait":
-                    waiter.behind(shard, exc)
-                    waiter.check(method, self.addresses)
-                    deadline += waiter.sleep()
-                    continue
-                if what == "clock_expired" and self.worker_id:
-                    self._rejoin(shard, exc)
-                    continue
-                if what == "paused":  # a checkpoint pause: lease-bounded on the shard
-                    if time.monotonic() > deadline:
-                        raise PsUnavailableError(f"shard {shard} ({self.addresses[shard]}) {method}: paused for "
-                                                 f"{self.retry_timeout_s:.0f}s: {exc.details()}") from None
-                    waiter.sleep()
-                    continue
-                if what != "unavailable":
-                    raise PsRequestError(f"shard {shard} ({self.addresses[shard]}) {method}: {exc.details()}", exc.code()) from None
-                self._note_down(shard, exc)
-                if time.monotonic() + delay > deadline:
-                    raise PsUnavailableError(
-                        f"shard {shard} ({self.addresses[shard]}) unavailable for {self.retry_timeout_s:.0f}s: {exc.details()}"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, self.max_backoff_s)
+        with self._waiter(self.wait_timeout_s, method) as waiter:
+            deadline = time.monotonic() + self.retry_timeout_s
+            delay = self.backoff_s
+            while True:
+                try:
+                    resp = getattr(self._stubs[shard], method)(request, timeout=timeout or self.rpc_cfg.timeout_s,
+                                                               metadata=self._reply_limit_md)
+                    self._note_up(shard)
+                    return resp
+                except grpc.RpcError as exc:
+                    what = _rpc_kind(exc)
+                    if what == "wait":
+                        waiter.behind(shard, exc)
+                        waiter.check(method, self.addresses)
+                        deadline += waiter.sleep()
+                        continue
+                    if what == "clock_expired" and self.worker_id:
+                        self._rejoin(shard, exc)
+                        continue
+                    if what == "paused":  # a checkpoint pause: lease-bounded on the shard
+                        if time.monotonic() > deadline:
+                            raise PsUnavailableError(f"shard {shard} ({self.addresses[shard]}) {method}: paused for "
+                                                     f"{self.retry_timeout_s:.0f}s: {exc.details()}") from None
+                        waiter.sleep()
+                        continue
+                    if what != "unavailable":
+                        raise PsRequestError(f"shard {shard} ({self.addresses[shard]}) {method}: {exc.details()}", exc.code()) from None
+                    self._note_down(shard, exc)
+                    if time.monotonic() + delay > deadline:
+                        raise PsUnavailableError(
+                            f"shard {shard} ({self.addresses[shard]}) unavailable for {self.retry_timeout_s:.0f}s: {exc.details()}"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.max_backoff_s)
 
     def _per_shard(self, method: str, requests: dict[int, Any], timeout: float | None = None) -> list[Any]:
         """One call per shard, in parallel, each retried while its shard is unavailable."""
@@ -706,25 +700,7 @@ class PsClient:
         probe: Iterable[int] = (),
         clock: bool = False,
     ) -> None:
-        """Route, send to every shard at once, retry what was refused, hand each reply to ``on_reply``."""
-        waiter = self._waiter(self.wait_timeout_s, kind)
-        try:
-            self._fan_out_with(waiter, kind, jobs, request, on_reply, probe=probe, clock=clock)
-        finally:
-            waiter.finish()
-
-    def _fan_out_with(
-        self,
-        waiter: _Waiter,
-        kind: str,
-        jobs: list[routing.Job],
-        request: Callable[[list[routing.Piece], PartitionMap], Any],
-        on_reply: Callable[[list[routing.Piece], Any], None],
-        *,
-        probe: Iterable[int] = (),
-        clock: bool = False,
-    ) -> None:
-        """:meth:`_fan_out`'s loop; ``waiter`` accounts its waits for slower workers.
+        """Route, send to every shard at once, retry what was refused, hand each reply to ``on_reply``.
 
         Args:
             kind: "pull" (PullMany) or "push" (PushMany).
@@ -734,77 +710,78 @@ class PsClient:
             probe: jobs whose dim is unknown: an empty one still asks shard 0 (see ``routing.plan``).
             clock: every shard must get a request (a push with a step), rows or not.
         """
-        pending = routing.everything(jobs)
-        deadline = time.monotonic() + self.retry_timeout_s
-        delay = self.backoff_s
-        need_clock = set(range(self._pmap.num_shards)) if clock else set()
-        while pending or need_clock:
-            pmap = self._pmap
-            planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
-            methods = self._pull_many if kind == "pull" else self._push_many
-            reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
-            if len(reqs) == 1:
-                # One call: block on it. A gRPC future costs a channel-spin thread per call
-                # (~2-4 ms here), which only pays off when several shards answer in parallel.
-                p, method, req = reqs[0]
-                calls: list[tuple[routing.Planned, Any]] = [
-                    (p, _Immediate.call(method, req, self.rpc_cfg.timeout_s, self._reply_limit_md))]
-            else:
-                calls = [(p, method.future(req, timeout=self.rpc_cfg.timeout_s, metadata=self._reply_limit_md))
-                         for p, method, req in reqs]
-            pending = []
-            refresh = retry = waited = paused = False  # what this round's failures ask for
-            for p, fut in calls:
-                s = p.shard
-                try:
-                    resp = fut.result()
-                except grpc.RpcError as exc:
-                    what = _rpc_kind(exc)
-                    if what == "fatal":
-                        for _, other in calls:
-                            other.cancel()
-                        raise PsRequestError(
-                            f"shard {s} ({self.addresses[s]}) refused {kind}: {exc.code().name}: {exc.details()}", exc.code()
-                        ) from None
-                    if what == "wait":
-                        waiter.behind(s, exc)
-                        waited = True
-                    elif what == "paused":
-                        paused = True
-                    elif what == "wrong_owner":
-                        refresh = retry = True
-                    elif what == "clock_expired":
-                        self._rejoin(s, exc)  # then resend at once: nothing was applied
-                    elif what == "unavailable":
-                        self._note_down(s, exc)
-                        retry = True
-                    elif what == "split":
-                        self._shrink(s, p.rows, exc)  # no sleep needed: the resend is smaller, not later
-                    pending.extend(p.pieces)
-                    continue
-                self._note_up(s)
-                need_clock.discard(s)
-                on_reply(p.pieces, resp)
-            if pending or need_clock:
-                if waited:
-                    waiter.check(kind, self.addresses)
-                if retry or (paused and time.monotonic() > deadline):
-                    if time.monotonic() + delay > deadline:
-                        raise PsUnavailableError(
-                            f"{kind} could not complete within {self.retry_timeout_s:.0f}s (shards down: {sorted(self._down)}, "
-                            f"map v{self._pmap.version}{', paused' if paused else ''})"
-                        )
-                    time.sleep(delay)
-                    delay = min(delay * 2, self.max_backoff_s)
-                    if refresh:
-                        self.refresh_map()
-                elif waited or paused:
-                    slept = waiter.sleep()
-                    if not paused:
-                        deadline += slept  # waiting for slower workers is not retry time
-                # only "split": resend smaller at once
-            else:
-                delay = self.backoff_s
+        with self._waiter(self.wait_timeout_s, kind) as waiter:
+            pending = routing.everything(jobs)
+            deadline = time.monotonic() + self.retry_timeout_s
+            delay = self.backoff_s
+            need_clock = set(range(self._pmap.num_shards)) if clock else set()
+            while pending or need_clock:
+                pmap = self._pmap
+                planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
+                methods = self._pull_many if kind == "pull" else self._push_many
+                reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
+                if len(reqs) == 1:
+                    # One call: block on it. A gRPC future costs a channel-spin thread per call
+                    # (~2-4 ms here), which only pays off when several shards answer in parallel.
+                    p, method, req = reqs[0]
+                    calls: list[tuple[routing.Planned, Any]] = [
+                        (p, _Immediate.call(method, req, self.rpc_cfg.timeout_s, self._reply_limit_md))]
+                else:
+                    calls = [(p, method.future(req, timeout=self.rpc_cfg.timeout_s, metadata=self._reply_limit_md))
+                             for p, method, req in reqs]
+                pending = []
+                refresh = retry = waited = paused = False  # what this round's failures ask for
+                for p, fut in calls:
+                    s = p.shard
+                    try:
+                        resp = fut.result()
+                    except grpc.RpcError as exc:
+                        what = _rpc_kind(exc)
+                        if what == "fatal":
+                            for _, other in calls:
+                                other.cancel()
+                            raise PsRequestError(
+                                f"shard {s} ({self.addresses[s]}) refused {kind}: {exc.code().name}: {exc.details()}", exc.code()
+                            ) from None
+                        if what == "wait":
+                            waiter.behind(s, exc)
+                            waited = True
+                        elif what == "paused":
+                            paused = True
+                        elif what == "wrong_owner":
+                            refresh = retry = True
+                        elif what == "clock_expired":
+                            self._rejoin(s, exc)  # then resend at once: nothing was applied
+                        elif what == "unavailable":
+                            self._note_down(s, exc)
+                            retry = True
+                        elif what == "split":
+                            self._shrink(s, p.rows, exc)  # no sleep needed: the resend is smaller, not later
+                        pending.extend(p.pieces)
+                        continue
+                    self._note_up(s)
+                    need_clock.discard(s)
+                    on_reply(p.pieces, resp)
+                if pending or need_clock:
+                    if waited:
+                        waiter.check(kind, self.addresses)
+                    if retry or (paused and time.monotonic() > deadline):
+                        if time.monotonic() + delay > deadline:
+                            raise PsUnavailableError(
+                                f"{kind} could not complete within {self.retry_timeout_s:.0f}s (shards down: {sorted(self._down)}, "
+                                f"map v{self._pmap.version}{', paused' if paused else ''})"
+                            )
+                        time.sleep(delay)
+                        delay = min(delay * 2, self.max_backoff_s)
+                        if refresh:
+                            self.refresh_map()
+                    elif waited or paused:
+                        slept = waiter.sleep()
+                        if not paused:
+                            deadline += slept  # waiting for slower workers is not retry time
+                    # only "split": resend smaller at once
+                else:
+                    delay = self.backoff_s
 
     def _shrink(self, shard: int, rows: int, exc: grpc.RpcError) -> None:
         """A shard said RESOURCE_EXHAUSTED: lower the rows per request (its hint, else half)."""
