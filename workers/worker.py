@@ -136,8 +136,7 @@ class Worker:
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
         self._draining = False
-        self._stale_wait_seen = 0.0  # PsClient.stale_wait_s at the last metrics report
-        self._fault_wait_seen = 0.0  # PsClient.stale_wait_s at the last step's fault delay
+        self._stale_wait_seen = 0.0  # PsClient.stale_wait_s when _step_waits last read it
         self.lease_progress: tuple[str, int] = ("", 0)  # (lease, next batch of it): heartbeats, tail split
         self._lease_stop = 0  # the batch the current lease ends before (lowered by a `truncate` command)
         self._clock_released = False  # the controller took this worker out of the PS step clocks (flagged slow)
@@ -281,9 +280,7 @@ class Worker:
             os._exit(137)  # like SIGKILL: the agent restarts it, the DDS requeues its shard
         # a factor-x slower worker: x its forward/backward (basis "compute") or x its whole step
         # but its waits for slower workers (basis "step"); see faults.step_delay
-        waited = float(getattr(getattr(self.rows, "client", None), "stale_wait_s", 0.0))
-        step_waits, self._fault_wait_seen = max(0.0, waited - self._fault_wait_seen), waited
-        own_step_s = max(0.0, stats.total_s - step_waits)
+        own_step_s = max(0.0, stats.total_s - self._step_waits())
         delay = self.faults.step_delay(stats.compute_s, own_step_s)
         if delay > 0:
             time.sleep(delay)
@@ -318,22 +315,38 @@ class Worker:
         if due:
             self.telemetry.snapshot(self._report_dict(None, None, state="running"))
         if self.ctl is not None:
-            self._report(stats, delay, telemetry=False)
+            self._report(stats, delay, telemetry=False, own_s=own_step_s + delay)
             self._handle_commands()
 
-    def _report(self, stats: StepStats, delay: float, telemetry: bool = True) -> None:
+    def _step_waits(self) -> float:
+        """Seconds this worker waited for slower workers (staleness bound, barriers) since the last call.
+
+        Absent for in-process rows (no PS ``client``): 0.
+        """
+        waited = float(getattr(getattr(self.rows, "client", None), "stale_wait_s", 0.0))
+        step_waits, self._stale_wait_seen = max(0.0, waited - self._stale_wait_seen), waited
+        return step_waits
+
+    def _report(self, stats: StepStats, delay: float, telemetry: bool = True, own_s: float | None = None) -> None:
         """Report one step to the controller's monitor (and, for loops that bypass :meth:`_after_step`
-        such as the DD loop, to telemetry: ``telemetry=True``)."""
+        such as the DD loop, to telemetry: ``telemetry=True``).
+
+        Args:
+            stats, delay: the step and the fault's sleep after it.
+            telemetry: also record the step in telemetry.
+            own_s: the step's own seconds (its time less its waits for slower workers, plus the
+                fault's sleep); None: derived here from :meth:`_step_waits`.
+        """
         if telemetry:
             self.telemetry.on_step(stats.step, stats.samples, stats.loss,
                                    {"pull": stats.pull_s, "compute": stats.compute_s, "push": stats.push_s,
                                     "total": stats.total_s + delay}, stats.metrics)
         # The monitor judges the worker's own speed: time spent waiting for slower workers at the
         # staleness bound is not counted (else under bounded staleness every worker runs at the slow
-        # one's pace and none stands out). Absent for in-process rows (no `client`): 0.
-        waited = float(getattr(getattr(self.rows, "client", None), "stale_wait_s", 0.0))
-        own_s = max(stats.total_s + delay - (waited - self._stale_wait_seen), 1e-6)
-        self._stale_wait_seen = waited
+        # one's pace and none stands out).
+        if own_s is None:
+            own_s = stats.total_s + delay - self._step_waits()
+        own_s = max(own_s, 1e-6)
         # One metrics RPC per step is cheap next to a training step and keeps the monitor's windows full.
         try:
             self.ctl.report_metrics(
