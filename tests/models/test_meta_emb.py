@@ -3,7 +3,6 @@ is meta-trained by the outer loop, and a bundle adapts exactly as the trainer ev
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from models.testing import random_meta_batch, random_rows, synthetic_schema
 from ps.config import InitKind
 from ps.initializer import RowInitializer
 
+from tests.models.conftest import assert_evaluate_matches_training
 from tests.workers.conftest import make_job, worker_data  # noqa: F401  (fixtures)
 
 
@@ -146,8 +146,6 @@ def test_trained_generator_ships_and_bundle_adapts_like_the_trainer(worker_data,
     from delivery.export import CheckpointSource, export_bundle
     from delivery.loader import load_bundle
     from meta_io.reader import MetaIODataset
-    from metaps.cli import main
-    from workers.evaluation import evaluate
     from workers.local import train_local
 
     job = make_job(worker_data["meta"], tmp_path, meta={"inner_lr": 0.1, "learn_inner_lr": "tensor", "meta_emb": True,
@@ -179,10 +177,5 @@ def test_trained_generator_ships_and_bundle_adapts_like_the_trainer(worker_data,
     assert mixed, "no batch had both trained and unseen users"
 
     # metaps evaluate on the checkpoint applies the generator too (episodes == training-time eval)
-    out = tmp_path / "eval.json"
-    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(worker_data["meta"]), "--protocol", "episodes",
-                 "--out", str(out)]) == 0
-    rep = json.loads(out.read_text())
-    want_ev = evaluate(local.model, local.rows, MetaIODataset(worker_data["meta"]).iter_all(), learner)
-    for h in want_ev["adapted"]:
-        assert rep["adapted"][h]["auc"] == pytest.approx(want_ev["adapted"][h]["auc"], abs=1e-6), h
+    assert_evaluate_matches_training(ckpt, worker_data["meta"], tmp_path / "eval.json", local.model, local.rows,
+                                     learner)

@@ -63,19 +63,10 @@ def test_learned_rates_train_checkpoint_and_match_distributed(worker_data, ps_se
         np.testing.assert_allclose(got[h][real].numpy(), want[h][real].numpy(), atol=1e-5, rtol=0, err_msg=h)
 
     # metaps evaluate on the checkpoint adapts with the learned rates too (episodes == training-time eval)
-    from metaps.cli import main
-    from workers.evaluation import evaluate
+    from tests.models.conftest import assert_evaluate_matches_training
 
-    out = tmp_path / "eval.json"
-    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(worker_data["meta"]), "--protocol", "episodes",
-                 "--out", str(out)]) == 0
-    import json
-
-    rep = json.loads(out.read_text())
-    want_ev = evaluate(local.model, local.rows, MetaIODataset(worker_data["meta"]).iter_all(), learner)
-    for h in want_ev["adapted"]:
-        for m in ("auc", "logloss"):
-            assert rep["adapted"][h][m] == pytest.approx(want_ev["adapted"][h][m], abs=1e-6), (h, m)
+    assert_evaluate_matches_training(ckpt, worker_data["meta"], tmp_path / "eval.json", local.model, local.rows,
+                                     learner)
 
     addrs = ps_servers(job)
     client = PsClient(addrs, job.rpc, worker_id="worker-0", register=True)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 from metaps.job import JobConfig
 from metaps.core.toml_writer import dumps
@@ -62,3 +63,11 @@ def wait_exit(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> int:
         proc.kill()
         proc.wait()
         raise AssertionError(f"process still running after {timeout_s}s:\n{log_path.read_text()[-4000:]}") from None
+
+
+def kill_all(procs: Iterable[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """Kill (SIGKILL) and reap every process of ``procs`` still running (a test's teardown)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=timeout_s)

@@ -27,7 +27,7 @@ from metaps.core.rpc import RpcConfig
 from ps.factory import build_server
 
 from tests.workers.conftest import TOKEN, make_job
-from tests.workers.procs import start_worker, wait_exit, write_job
+from tests.workers.procs import kill_all, start_worker, wait_exit, write_job
 
 ROWS = 3000
 
@@ -65,10 +65,7 @@ def test_slow_workers_last_lease_is_split_for_the_idle_worker_exactly_once(data:
         events = [(e.node, e.kind, e.evidence) for e in srv.events.list()]
         cov = srv.dds.coverage()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        kill_all(procs)
         srv.stop(grace=0)
         ps.stop(0)
     splits = [ev for node, kind, ev in events if kind == "tail_split_done"]
