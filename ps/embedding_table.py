@@ -532,9 +532,10 @@ class EmbeddingTable:
         """
         rows_np = rows.numpy()  # same memory: writes below land in ``rows``
         if new_pos is None:
-            new_pos = np.flatnonzero(rows_np < 0)
-        # every position, in order (an increasing permutation of 0..n-1 is the identity)
-        all_new = new_pos.size == rows_np.shape[0] and bool((new_pos[1:] > new_pos[:-1]).all())
+            new_pos = np.flatnonzero(rows_np < 0)  # increasing: all new iff every position
+            all_new = new_pos.size == rows_np.shape[0]
+        else:  # every position, in order (an increasing permutation of 0..n-1 is the identity)
+            all_new = new_pos.size == rows_np.shape[0] and bool((new_pos[1:] > new_pos[:-1]).all())
         if not new_pos.size:
             return
         uniq_np = uniq.numpy()
@@ -593,7 +594,7 @@ class EmbeddingTable:
                 self.weights[r0 : r0 + k] = vals.to(self.device)
             else:
                 self.weights.index_copy_(0, dev_rows, vals.to(self.device))
-            self.optimizer.reset_rows(dev_rows)
+            self.optimizer.reset_rows(at if run else dev_rows)  # a slice: one fill, no scatter
             self.optimizer.rows_initialized(dev_rows, absmax)
         self.row_ids[at] = ids
         self.freq[at] = 0

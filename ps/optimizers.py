@@ -147,8 +147,8 @@ class SparseOptimizer:
         """name -> (row shape, numpy dtype) of each state entry in TableRows."""
         return {k: (tuple(t.shape[1:]), _np_dtype(t.dtype)) for k, t in self.state_tensors().items()}
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Put the state of freshly allocated rows at its initial value."""
+    def reset_rows(self, rows: torch.Tensor | slice) -> None:
+        """Put the state of freshly allocated rows (an index tensor, or a slice of consecutive rows) at its initial value."""
         for name, t in self.state_tensors().items():
             t[rows] = self._initial(name)
 
