@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.ps_scale [--quick] [--rows N] [--ckpt-dir DIR]
+    python -m bench.ps_scale --gather-order [--quick] [--rows N]   (only the gather-order comparison)
 
 Side by side in one run (the machine is shared and noisy: read the ratios):
 
@@ -144,6 +145,66 @@ def _pull_push(stores: dict[str, ShardStore], reps: int, figures: dict) -> None:
         figures[f"{op}_rows_per_s_{tag}"] = round(N_REQ / min(v))
 
 
+def _gather_order(big: int, reps: int, figures: dict) -> None:
+    """Does gathering 16K random rows in ascending row order help at scale? (issue 15 point 3)
+
+    Two float32 [rows, 64] tables on 2 MiB pages (``BASE`` and ``big`` rows, random
+    values), 16K fresh random rows per rep, the two sizes interleaved rep by rep; best
+    wall time of ``reps`` of each way to fill a [16K, 64] reply (every way is checked
+    bit-identical to the plain gather):
+
+    * ``plain``: one ``index_select(out=)`` in request order (what ``EmbeddingTable`` does);
+    * ``sorted``: ``np.argsort`` of the rows, ``index_select`` in ascending row order
+      into a buffer, then the inverse permutation (``index_select`` from the
+      cache-resident buffer) into the reply;
+    * ``sorted_chunked``: the same, the sorted gather in chunks of 2048 rows;
+    * ``presorted``: the ascending-order gather alone (its own gain, without the
+      sort and the placement back; not a way to answer a pull).
+    """
+    rng = np.random.default_rng(11)
+    tabs = {"base": hugepages.full((BASE, DIM), 0.0, torch.float32), "big": hugepages.full((big, DIM), 0.0, torch.float32)}
+    for t in tabs.values():
+        t.normal_(generator=torch.Generator().manual_seed(5))
+    out = torch.empty((N_REQ, DIM), dtype=torch.float32)
+    buf = torch.empty_like(out)
+    inv = torch.empty(N_REQ, dtype=torch.int64)
+    ar = np.arange(N_REQ, dtype=np.int64)
+
+    def plain(w: torch.Tensor, r: np.ndarray) -> None:
+        torch.index_select(w, 0, torch.from_numpy(r), out=out)
+
+    def sorted_(w: torch.Tensor, r: np.ndarray, chunk: int = N_REQ) -> None:
+        perm = np.argsort(r)
+        srt = torch.from_numpy(r[perm])
+        for lo in range(0, N_REQ, chunk):
+            torch.index_select(w, 0, srt[lo : lo + chunk], out=buf[lo : lo + chunk])
+        inv.numpy()[perm] = ar
+        torch.index_select(buf, 0, inv, out=out)
+
+    def presorted(w: torch.Tensor, r: np.ndarray) -> None:
+        torch.index_select(w, 0, torch.from_numpy(r), out=buf)
+
+    ways = {"plain": plain, "sorted": sorted_, "sorted_chunked": lambda w, r: sorted_(w, r, 2048),
+            "presorted": presorted}
+    best = {(tag, k): float("inf") for tag in tabs for k in ways}
+    for _ in range(reps):
+        for tag, w in tabs.items():
+            r = rng.integers(0, w.shape[0], N_REQ).astype(np.int64)
+            ref = w.index_select(0, torch.from_numpy(r))
+            for k, fn in ways.items():
+                arg = np.sort(r) if k == "presorted" else r
+                t0 = time.perf_counter()
+                fn(w, arg)
+                best[tag, k] = min(best[tag, k], time.perf_counter() - t0)
+                if k != "presorted" and not torch.equal(out, ref):
+                    raise AssertionError(f"gather order '{k}' differs from the plain gather")
+    for (tag, k), dt in best.items():
+        figures[f"gather_{k}_rows_per_s_{tag}"] = round(N_REQ / dt)
+    for k in ways:
+        figures[f"gather_{k}_big_vs_base"] = round(best["base", k] / best["big", k], 3)
+        figures[f"gather_{k}_vs_plain_big"] = round(best["big", "plain"] / best["big", k], 3)
+
+
 def build(rows: int, figures: dict, tag: str, new_rows: int) -> ShardStore:
     """Fill a ``rows``-capacity table (all but ``new_rows`` by import, the rest by push); memory figures."""
     before = rss_anon()
@@ -191,6 +252,8 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="", help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--no-hugepages", action="store_true", help="tables on 4 KiB pages (A/B of ps.hugepages)")
     ap.add_argument("--no-ckpt", action="store_true", help="skip checkpoint and restore")
+    ap.add_argument("--gather-order", action="store_true",
+                    help="only compare gathers in request order vs ascending row order (1M vs --rows)")
     args = ap.parse_args()
     hugepages.ENABLED = not args.no_hugepages
     torch.set_num_threads(1)
@@ -201,6 +264,9 @@ def main() -> None:
     figures: dict = {"base_rows": BASE, "big_rows": big, "dim": DIM, "rows_per_request": N_REQ,
                      "hugepages": hugepages.ENABLED}
     try:
+        if args.gather_order:
+            _gather_order(big, reps, figures)
+            raise _Done
         base = build(BASE, figures, "base", new_rows=0)
         figures["service_restore_extra_vs_store"] = round(service_restore_extra(base, work), 3)
         gc.collect()
