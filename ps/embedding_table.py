@@ -594,7 +594,7 @@ class EmbeddingTable:
                 self.weights[r0 : r0 + k] = vals.to(self.device)
             else:
                 self.weights.index_copy_(0, dev_rows, vals.to(self.device))
-            self.optimizer.reset_rows(at if run else dev_rows)  # a slice: one fill, no scatter
+            self.optimizer.reset_rows(slice(r0, r0 + k) if run else dev_rows)  # a slice: one fill, no scatter
             self.optimizer.rows_initialized(dev_rows, absmax)
         self.row_ids[at] = ids
         self.freq[at] = 0
