@@ -7,7 +7,9 @@ Real processes (ratios measured side by side in the same run):
     E2  2 `metaps ps` processes, PS 1 +20 ms per request (fault injection), 2 client threads
         pulling/pushing 256 random ids per step; recovery = fault-on / fault-off windows
         interleaved (ABBA) on the migrated layout, median of the paired ratios (like for like,
-        load drift cancels), for [controller.nd] keep = 1 (default) and 0
+        load drift cancels), for [controller.nd] keep = 1 (default) and 0; per window, the
+        requests reaching each PS and each process's CPU (/proc), and the paired ratios per
+        CPU-second beside the wall ones, with a bootstrap interval and a sign test
     E5  2 all-reduce `metaps worker` processes (gloo) + 1 PS, worker 1 slowed 2x:
         DD plans from the controller vs the same DD loop with equal batches (two runs), and
         E5i: both arms in ONE run, the DD plan and the equal split alternating every 8 s
