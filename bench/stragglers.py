@@ -7,7 +7,9 @@ Real processes (ratios measured side by side in the same run):
     E2  2 `metaps ps` processes, PS 1 +20 ms per request (fault injection), 2 client threads
         pulling/pushing 256 random ids per step; recovery = fault-on / fault-off windows
         interleaved (ABBA) on the migrated layout, median of the paired ratios (like for like,
-        load drift cancels), for [controller.nd] keep = 1 (default) and 0
+        load drift cancels), for [controller.nd] keep = 1 (default) and 0; per window, the
+        requests reaching each PS and each process's CPU (/proc), and the paired ratios per
+        CPU-second beside the wall ones, with a bootstrap interval and a sign test
     E5  2 all-reduce `metaps worker` processes (gloo) + 1 PS, worker 1 slowed 2x:
         DD plans from the controller vs the same DD loop with equal batches (two runs), and
         E5i: both arms in ONE run, the DD plan and the equal split alternating every 8 s
@@ -899,6 +901,122 @@ E2_IDS = 256          # unique ids per pull/push step (one table, dim 16)
 E2_CLIENTS = 2        # client threads, each: pull ids -> push grads -> next
 
 
+# What reaches each PS and what CPU each process used, per E2 window (issue 11 point 3):
+# read from /proc and the PS's own Prometheus counters at each window's edges.
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_DATA_METHODS = ("PullMany", "Pull", "PushMany", "Push", "PullDense", "PushDense")
+"""The PS RPCs the latency fault delays (``ps.servicer._rpc(data=True)``): every one of them
+that arrives while a latency window is on sleeps ``latency_s`` first."""
+
+
+def _stat_cpu_s(stat_path: str) -> float:
+    """utime + stime in seconds from a ``/proc/.../stat`` file (process or thread).
+
+    Args:
+        stat_path: ``/proc/PID/stat`` or ``/proc/PID/task/TID/stat``.
+    """
+    text = Path(stat_path).read_text()
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) is fields[0]
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def _box_cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine since boot, from ``/proc/stat``."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    total = sum(vals[:8])  # guest time is already inside user/nice
+    return total - idle, total
+
+
+def _ps_requests(metrics_port: int) -> dict[str, int]:
+    """Requests a PS has handled so far, per gRPC method (``metaps_ps_rpc_seconds_count``).
+
+    Args:
+        metrics_port: the PS's Prometheus port (its ready file's ``metrics_port``).
+    """
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, int] = {}
+    for m in re.finditer(r'^metaps_ps_rpc_seconds_count\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        method = re.search(r'method="([^"]*)"', m.group(1))
+        if method:
+            out[method.group(1)] = out.get(method.group(1), 0) + int(float(m.group(2)))
+    return out
+
+
+def _e2_snapshot(ps_pids: Sequence[int], metrics_ports: Sequence[int], client_tids: Sequence[int]) -> dict[str, Any]:
+    """One reading of the counters E2's windows are accounted with.
+
+    Args:
+        ps_pids: the PS processes, by shard.
+        metrics_ports: their Prometheus ports, by shard.
+        client_tids: native thread ids of the bench's client threads (this process).
+    """
+    t = time.time()
+    busy, total = _box_cpu_jiffies()
+    return {"t": t, "box_busy": busy, "box_total": total,
+            "cpu": {f"ps{k}": _stat_cpu_s(f"/proc/{pid}/stat") for k, pid in enumerate(ps_pids)}
+            | {"bench": _stat_cpu_s(f"/proc/{os.getpid()}/stat"),
+               "clients": sum(_stat_cpu_s(f"/proc/{os.getpid()}/task/{tid}/stat") for tid in client_tids)},
+            "requests": [_ps_requests(p) for p in metrics_ports]}
+
+
+def _e2_window_figures(samples: Sequence[tuple[dict[str, Any], dict[str, Any]]], done: Sequence[Sequence[float]],
+                       on: Sequence[bool]) -> dict[str, Any]:
+    """Per-window deltas and the paired ratios of E2's interleaved windows.
+
+    Args:
+        samples: (first, last) :func:`_e2_snapshot` of each window, in order.
+        done: each client's step completion times.
+        on: whether the fault was on in each window (ABBA: pairs are windows 2j, 2j+1).
+
+    Returns ``windows`` (per window: seconds, steps, steps/s, CPU seconds per process,
+    the box's busy fraction, requests per PS split into data (delayed when on) and
+    other), and per pair (fault-on / fault-off): ``paired_wall`` (steps/s),
+    ``paired_per_client_cpu`` (steps per CPU-second of the client threads),
+    ``paired_per_fleet_cpu`` (steps per CPU-second of PS 0 + PS 1 + the bench process)
+    and ``ps1_cpu_on_minus_off`` (PS 1's CPU share, on - off).
+    """
+    times = np.sort(np.concatenate([np.asarray(d, dtype=np.float64) for d in done])) if done else np.zeros(0)
+    wins: list[dict[str, Any]] = []
+    for (a, b), fault in zip(samples, on):
+        secs = b["t"] - a["t"]
+        steps = int(np.searchsorted(times, b["t"]) - np.searchsorted(times, a["t"]))
+        cpu = {k: b["cpu"][k] - a["cpu"][k] for k in a["cpu"]}
+        reqs = []
+        for ra, rb in zip(a["requests"], b["requests"]):
+            delta = {m: rb.get(m, 0) - ra.get(m, 0) for m in rb}
+            data = sum(v for m, v in delta.items() if m in _DATA_METHODS)
+            reqs.append({"data": data, "other": {m: v for m, v in delta.items() if m not in _DATA_METHODS and v}})
+        box_total = b["box_total"] - a["box_total"]
+        wins.append({"on": fault, "s": round(secs, 3), "steps": steps, "rate": round(steps / max(secs, 1e-9), 2),
+                     "cpu_s": {k: round(v, 3) for k, v in cpu.items()},
+                     "box_busy": round((b["box_busy"] - a["box_busy"]) / max(box_total, 1), 4),
+                     "requests": reqs})
+
+    def pair(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        return (wins[i], wins[i + 1]) if wins[i]["on"] else (wins[i + 1], wins[i])
+
+    def ratio(i: int, f: Callable[[dict[str, Any]], float]) -> float:
+        w_on, w_off = pair(i)
+        return f(w_on) / max(f(w_off), 1e-9)
+
+    def share(w: dict[str, Any], k: str) -> float:
+        return float(w["cpu_s"][k]) / max(float(w["s"]), 1e-9)
+
+    pairs = range(0, len(wins) - 1, 2)
+    fleet = ("ps0", "ps1", "bench")
+    return {"windows": wins,
+            "paired_wall": [ratio(i, lambda w: w["steps"] / max(w["s"], 1e-9)) for i in pairs],
+            "paired_per_client_cpu": [ratio(i, lambda w: w["steps"] / max(w["cpu_s"]["clients"], 1e-9)) for i in pairs],
+            "paired_per_fleet_cpu": [ratio(i, lambda w: w["steps"] / max(sum(w["cpu_s"][k] for k in fleet), 1e-9))
+                                     for i in pairs],
+            "ps1_cpu_share_on_minus_off": [share(pair(i)[0], "ps1") - share(pair(i)[1], "ps1") for i in pairs]}
+
+
 def _e2_windows(fault_end_s: float, window_s: float, pairs: int) -> list[tuple[float, float, bool]]:
     """The interleaved windows after the migration: (start, end, fault on), seconds after launch.
 
@@ -1023,8 +1141,11 @@ def _e2_run(keep: int, start_s: float, phase_s: float, seed: int, pairs: int = 4
             stop = threading.Event()
             done: list[list[float]] = [[] for _ in range(E2_CLIENTS)]
             errors: list[BaseException] = []
+            tids: list[int] = [0] * E2_CLIENTS
+            ready_info = [json.loads((tmp / f"ps-{k}.ready").read_text()) for k in range(2)]
 
             def work(i: int) -> None:
+                tids[i] = threading.get_native_id()
                 rng = np.random.default_rng(seed * 100 + i)
                 try:
                     with PsClient(addrs, RPC, retry_timeout_s=30.0, backoff_s=0.01, max_backoff_s=0.1) as c:
@@ -1074,12 +1195,21 @@ def _e2_run(keep: int, start_s: float, phase_s: float, seed: int, pairs: int = 4
                                    "raise the fault duration")
             with PsClient(addrs, RPC) as c:
                 layout = sorted(c.refresh_map().vshards_of(1))
-            time.sleep(max(0.0, t_launch + windows[-1][1] - time.time()))
             edge = 0.3  # skip the switch at each window's start (PS-side clock vs ours, in-flight requests)
+            samples = []  # (first, last) snapshot of each window: CPU per process, requests per PS
+            for a, b, _on in windows:
+                time.sleep(max(0.0, t_launch + a + edge - time.time()))
+                first = _e2_snapshot([int(i["pid"]) for i in ready_info], [int(i["metrics_port"]) for i in ready_info],
+                                     tids)
+                time.sleep(max(0.0, t_launch + b - time.time()))
+                samples.append((first, _e2_snapshot([int(i["pid"]) for i in ready_info],
+                                                    [int(i["metrics_port"]) for i in ready_info], tids)))
             rates = [(rate(t_launch + a + edge, t_launch + b), on) for a, b, on in windows]
             paired = [(rates[i][0] if rates[i][1] else rates[i + 1][0]) /
                       max(rates[i + 1][0] if rates[i][1] else rates[i][0], 1e-9) for i in range(0, len(rates), 2)]
             out["paired"] = paired
+            acct = _e2_window_figures(samples, done, [on for _a, _b, on in windows])
+            out.update(acct)
             out["control"] = statistics.mean(r for r, on in rates if not on)
             out["on_rates"] = [round(r, 1) for r, on in rates if on]
             out["off_rates"] = [round(r, 1) for r, on in rates if not on]
@@ -1104,20 +1234,86 @@ def _e2_run(keep: int, start_s: float, phase_s: float, seed: int, pairs: int = 4
                 p.wait(15)
 
 
-def e2(runs: int, quick: bool = False) -> dict[str, Any]:
+def _ratio_stats(vals: Sequence[float], resamples: int = 20_000) -> dict[str, Any]:
+    """How precisely paired ratios pin their centre: the geometric mean with a bootstrap 95%
+    interval (percentiles of resampled means of the logs, fixed seed) and the exact two-sided
+    sign test of "as many pairs above 1 as below" (its p-value; pairs equal to 1 are dropped).
+
+    Args:
+        vals: paired ratios (> 0).
+        resamples: bootstrap resamples.
+    """
+    import math
+
+    logs = np.log(np.asarray(vals, dtype=np.float64))
+    rng = np.random.default_rng(0)
+    means = logs[rng.integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    above, below = int((logs > 0).sum()), int((logs < 0).sum())
+    n, k = above + below, min(above, below)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"geo_mean": round(float(np.exp(logs.mean())), 4),
+            "ci95": [round(float(np.exp(lo)), 4), round(float(np.exp(hi)), 4)], "sign_p": round(p, 4)}
+
+
+def _e2_accounting(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What reached each PS and the CPU each process used, fault-on vs fault-off windows,
+    over all runs of one ``keep`` (:func:`_e2_window_figures`' per-window records).
+
+    Args:
+        rs: the runs' results (each with ``windows`` and the ``paired_*`` lists).
+    """
+    wins = [w for r in rs for w in r["windows"]]
+    out: dict[str, Any] = {}
+    for tag, sel in (("on", True), ("off", False)):
+        ws = [w for w in wins if w["on"] == sel]
+        secs = sum(w["s"] for w in ws)
+        out[tag] = {
+            "windows": len(ws), "s": round(secs, 2), "steps_per_s": round(sum(w["steps"] for w in ws) / secs, 2),
+            # CPU share of one core per process (CPU-seconds / wall second) and the box's busy fraction
+            "cpu_share": {k: round(sum(w["cpu_s"][k] for w in ws) / secs, 4) for k in ws[0]["cpu_s"]},
+            "box_busy": round(statistics.mean(w["box_busy"] for w in ws), 4),
+            "ps_data_requests": [sum(w["requests"][k]["data"] for w in ws) for k in range(2)],
+            "ps_other_requests": [{m: sum(w["requests"][k]["other"].get(m, 0) for w in ws)
+                                   for m in sorted({m for w in ws for m in w["requests"][k]["other"]})}
+                                  for k in range(2)],
+        }
+    for key in ("paired_wall", "paired_per_client_cpu", "paired_per_fleet_cpu", "ps1_cpu_share_on_minus_off"):
+        allv = [v for r in rs for v in r[key]]
+        out[key] = {"median_of_runs": round(statistics.median(statistics.median(r[key]) for r in rs), 4),
+                    "median": round(statistics.median(allv), 4), "min": round(min(allv), 4),
+                    "max": round(max(allv), 4), "pairs": len(allv),
+                    "above_1" if key.startswith("paired") else "above_0":
+                        sum(1 for v in allv if v > (1.0 if key.startswith("paired") else 0.0))}
+        if key.startswith("paired"):
+            out[key].update(_ratio_stats(allv))
+    return out
+
+
+def e2(runs: int, quick: bool = False, pairs: int = 4, keeps: Sequence[int] | None = None) -> dict[str, Any]:
     """One of 2 real PS processes slowed by added latency; ND vshard migration, like for like.
 
     For the product's default ``[controller.nd] keep`` (1) and for keep=0 (the slow PS
     drained), ``runs`` fleets each: ``recovery_ratio`` = after / control (same clients, same
-    migrated layout, fault vs no fault); median and [min, max] over the runs.
+    migrated layout, fault vs no fault); median and [min, max] over the runs; ``accounting``:
+    requests reaching each PS and each process's CPU in the fault-on vs fault-off windows,
+    and the paired ratios per CPU-second beside the wall-clock ones (:func:`_e2_accounting`).
+
+    Args:
+        runs: fleets per ``keep``.
+        quick: 2 s windows instead of 4 s.
+        pairs: fault-on/off window pairs per run.
+        keeps: the ``keep`` values to run (default: the product's default, then 0).
     """
     start, phase = 45.0, (2.0 if quick else 4.0)  # PS start takes up to ~25 s on the loaded box
     out: dict[str, Any] = {}
-    for keep in (NdConfig().keep, 0):
+    for keep in (keeps if keeps is not None else (NdConfig().keep, 0)):
         rs = []
         for r in range(runs):
-            got = _e2_run(keep, start, phase, r)
-            say(f"e2 keep={keep} run {r}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+            got = _e2_run(keep, start, phase, r, pairs=pairs)
+            say(f"e2 keep={keep} run {r}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else
+                                                               [round(x, 4) for x in v] if k.startswith(("paired", "ps1_"))
+                                                               else v)
                                                            for k, v in got.items()}))
             rs.append(got)
         tag = f"keep{keep}"
@@ -1143,7 +1339,9 @@ def e2(runs: int, quick: bool = False) -> dict[str, Any]:
                     "after_vs_original_layout": summary("after_vs_original_layout"),
                     "control_vs_original_layout": summary("control_vs_original_layout"),
                     "recover_s": summary("recover_s"), "detect_s": summary("detect_s"),
-                    "left": [r["left"] for r in rs], "moves": [r["moves"] for r in rs]}
+                    "left": [r["left"] for r in rs], "moves": [r["moves"] for r in rs],
+                    "accounting": _e2_accounting(rs)}
+        say(f"e2 keep={keep} accounting: " + json.dumps(out[tag]["accounting"]))
     return out
 
 
@@ -1156,6 +1354,9 @@ def main(argv: list[str] | None = None) -> int:
                          "for the interleaved windows to start after the policy settles)")
     ap.add_argument("--only", default="", help="comma-separated subset: sim,e6,e1,e2,e5,e5i (default: all; "
                                                "sim includes e6)")
+    ap.add_argument("--e2-pairs", type=int, default=4, help="E2: fault-on/off window pairs per run (default 4)")
+    ap.add_argument("--e2-runs", type=int, default=0, help="E2: runs per keep (default: 1 with --quick, else 3)")
+    ap.add_argument("--e2-keep", default="", help="E2: comma-separated keep values (default: the product's, then 0)")
     ap.add_argument("--serve-controller", default="", help=argparse.SUPPRESS)  # E6's controller process
     args = ap.parse_args(argv)
     if args.serve_controller:
@@ -1257,7 +1458,8 @@ def main(argv: list[str] | None = None) -> int:
                                e5_interleaved_hidden=rs[0].get("hidden"))
     if "e2" in only:
         # E2 starts real PS processes (~10-20 s each under load)
-        e2r = e2(1 if args.quick else 3, quick=args.quick)
+        e2r = e2(args.e2_runs or (1 if args.quick else 3), quick=args.quick, pairs=args.e2_pairs,
+                 keeps=[int(k) for k in args.e2_keep.split(",")] if args.e2_keep else None)
         for tag, r in e2r.items():
             figures[f"e2_{tag}_paired_ratio"] = r["paired_ratio"]
             figures[f"e2_{tag}_paired_all"] = r["paired_all"]
@@ -1266,6 +1468,7 @@ def main(argv: list[str] | None = None) -> int:
             figures[f"e2_{tag}_after_vs_original_layout"] = r["after_vs_original_layout"]
             figures[f"e2_{tag}_control_vs_original_layout"] = r["control_vs_original_layout"]
             figures[f"e2_{tag}_recover_s"] = r["recover_s"]
+            figures[f"e2_{tag}_accounting"] = r["accounting"]
     figures["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(figures), flush=True)
     return 0
