@@ -33,7 +33,7 @@ import numpy as np
 from protos import ps_pb2
 from ps import wire
 
-__all__ = ["IN_PLACE", "PullReplyBuffer"]
+__all__ = ["IN_PLACE", "PullReplyBuffer", "writable_bytes"]
 
 
 def _uninitialized_bytes_factory() -> Callable[[int], tuple[bytes, np.ndarray]] | None:
@@ -69,6 +69,22 @@ def _uninitialized_bytes_factory() -> Callable[[int], tuple[bytes, np.ndarray]] 
 _NEW_BYTES = _uninitialized_bytes_factory()
 IN_PLACE = _NEW_BYTES is not None
 """Whether replies are written in place (else a bytearray copied once at the end)."""
+
+
+def writable_bytes(n: int) -> tuple[bytes | None, np.ndarray]:
+    """A new ``bytes`` of ``n`` (uninitialized) and a writable uint8 view of its data.
+
+    The caller fills every byte through the view before the object is seen by anyone
+    else (``ps.frame`` builds request and reply frames this way: no join copy). Where
+    :data:`IN_PLACE` is False the first item is None and the view is a ``bytearray``'s:
+    ``view.tobytes()`` gives the bytes (one copy).
+
+    Args:
+        n: the size in bytes.
+    """
+    if _NEW_BYTES is not None:
+        return _NEW_BYTES(n)
+    return None, np.frombuffer(bytearray(n), dtype=np.uint8)
 
 
 class PullReplyBuffer:
