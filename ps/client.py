@@ -482,7 +482,7 @@ class PsClient:
         routing.finish_pull(jobs, self._dims)
         # torch.index_select: a row gather ~3x faster than numpy fancy indexing here.
         return {
-            j.table: np.array(j.out) if inv is None or routing.is_identity(inv)
+            j.table: _writable(j.out) if inv is None or routing.is_identity(inv)
             else routing.as_tensor(j.out).index_select(0, torch.from_numpy(inv)).numpy()
             for j, inv in zip(jobs, inverse) if j.out is not None
         }
@@ -836,6 +836,11 @@ class _Immediate:
 
     def cancel(self) -> bool:
         return False
+
+
+def _writable(rows: np.ndarray) -> np.ndarray:
+    """``rows`` when the caller may own it (a writable view of a framed reply), else a writable copy."""
+    return rows if rows.flags.writeable and rows.flags.c_contiguous else np.array(rows)
 
 
 def _positions(job: routing.Job, pos: np.ndarray) -> np.ndarray | None:

@@ -47,7 +47,7 @@ import torch
 
 from protos import ps_pb2
 from ps import wire
-from ps.reply_buffer import writable_bytes
+from ps.reply_buffer import writable_bytes, writable_view
 from ps.types import PUSH_COUNT_FIELDS
 from ps.wire import DType, WireError
 
@@ -432,14 +432,19 @@ def decode_push_request(data: bytes) -> Frame:
 
 
 def decode_pull_reply(data: bytes) -> wire.PullReply:
-    """A pull reply frame -> ``wire.PullReply`` (the shape ``routing.scatter_pull`` reads; rows are views).
+    """A pull reply frame -> ``wire.PullReply`` (the shape ``routing.scatter_pull`` reads).
+
+    The rows are views of ``data``, writable where ``reply_buffer.writable_view`` allows
+    (``data`` must then be held by nobody else: gRPC's freshly received reply).
 
     Args:
         data: the received bytes.
     """
     what = _KIND_NAMES[PULL_REPLY]
     frame, descs, pos = _parse(data, PULL_REPLY)
-    buf = memoryview(data)
+    # The reply is ours alone: its rows are handed out as writable views (no copy to own them).
+    owned = writable_view(data)
+    buf = memoryview(owned) if owned is not None else memoryview(data)
     out = []
     for t, (n, dim, code) in zip(frame.tables, descs):
         if t.dtype is None:

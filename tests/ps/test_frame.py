@@ -256,3 +256,24 @@ def test_frame_header_layout_is_fixed() -> None:
         bad = bytearray(data)
         struct.pack_into("<q", bad, 40, -1)
         frame.decode_pull_request(bytes(bad))
+
+
+def test_framed_pull_rows_are_writable_views_of_the_reply(ps_fleet) -> None:
+    """A whole reply's rows come back without the 4 MiB copy that made them writable: a
+    writable view of the received frame, kept alive by the array, independent of later pulls."""
+    import gc
+
+    fleet = ps_fleet(1)
+    ids = np.arange(300, dtype=np.int64)
+    framed, plain = fleet.client(), fleet.client(framed=False)
+    framed.push({"user": (ids, np.full((ids.size, 8), 0.5, np.float32))})
+    rows = framed.pull({"user": ids})["user"]
+    assert rows.flags.writeable and not rows.flags.owndata  # a view, not a copy
+    want = plain.pull({"user": ids})["user"]
+    assert want.flags.writeable
+    gc.collect()
+    np.testing.assert_array_equal(rows, want)
+    rows[:] = 7.0  # the caller owns it: writing changes neither the PS nor the next pull
+    again = framed.pull({"user": ids})["user"]
+    np.testing.assert_array_equal(again, want)
+    assert not np.shares_memory(again, rows)
