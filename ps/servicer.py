@@ -627,7 +627,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
     @_rpc(data=True, name="PushMany")
     def PushFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """PushMany as a frame (``ps/frame.py``): the gradients stay views of the request's bytes."""
-        req = frame.decode_push_request(request)
+        req = frame.decode_push_request(request, writable=True)  # the received bytes are ours alone
         parsed = self._parse_push_frame(req)
         return frame.encode_push_reply(self._push(parsed, req.map_version, req.worker_id, req.step))
 

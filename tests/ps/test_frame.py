@@ -277,3 +277,16 @@ def test_framed_pull_rows_are_writable_views_of_the_reply(ps_fleet) -> None:
     again = framed.pull({"user": ids})["user"]
     np.testing.assert_array_equal(again, want)
     assert not np.shares_memory(again, rows)
+
+
+def test_push_request_views_are_writable_only_when_asked() -> None:
+    """The shard decodes its (exclusively held) request with writable views, so the store
+    takes the gradients without copying them; by default the views are read-only."""
+    ids = np.arange(6, dtype=np.int64)
+    data = frame.encode_push_request([("u", ids, np.ones((6, 8), np.float32), None)], grad_dtype=DType.FP32,
+                                     map_version=0, worker_id="", step=None)
+    ro = frame.decode_push_request(data).tables[0]
+    assert not ro.values.flags.writeable and not ro.ids.flags.writeable
+    rw = frame.decode_push_request(data, writable=True).tables[0]
+    assert rw.values.flags.writeable and np.shares_memory(rw.values, ro.values)
+    np.testing.assert_array_equal(rw.values, 1.0)
