@@ -146,13 +146,13 @@ def _write_head(view: np.ndarray, kind: int, flags: int, map_version: int, step:
     """Header, worker id and table descriptors into ``view`` (zero padding included)."""
     start = offs[0] if offs else HEADER_BYTES + _pad8(len(worker))
     view[:start] = 0
-    _HEADER.pack_into(view, 0, MAGIC, VERSION, kind, flags, 0, map_version, 0 if step is None else step,
+    _HEADER.pack_into(view.data, 0, MAGIC, VERSION, kind, flags, 0, map_version, 0 if step is None else step,
                       len(worker), len(names), 0)
     view[HEADER_BYTES:HEADER_BYTES + len(worker)] = np.frombuffer(worker, dtype=np.uint8)
     for name, (n, dim, code), off in zip(names, descs, offs):
         end = off + _TABLE.size + _pad8(len(name))
         view[off:end] = 0
-        _TABLE.pack_into(view, off, n, dim, len(name), code, 0)
+        _TABLE.pack_into(view.data, off, n, dim, len(name), code, 0)
         view[off + _TABLE.size:off + _TABLE.size + len(name)] = np.frombuffer(name, dtype=np.uint8)
 
 
@@ -449,7 +449,7 @@ def decode_pull_reply(data: bytes) -> wire.PullReply:
     frame, descs, pos = _parse(data, PULL_REPLY)
     # The reply is ours alone: its rows are handed out as writable views (no copy to own them).
     owned = writable_view(data)
-    buf = memoryview(owned) if owned is not None else memoryview(data)
+    buf = owned.data if owned is not None else memoryview(data)
     out = []
     for t, (n, dim, code) in zip(frame.tables, descs):
         if t.dtype is None:
