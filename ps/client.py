@@ -257,7 +257,8 @@ class PsClient:
         start_step: the worker's clock when it registers (steps already completed).
         framed: pull and push through the framed data plane (``ps/frame.py``: PullFrame /
             PushFrame, raw bytes with a fixed header, no protobuf on the hot path); False:
-            the protobuf PullMany / PushMany (the same results bit for bit, for older shards).
+            the protobuf PullMany / PushMany (the same results bit for bit). A shard that
+            answers UNIMPLEMENTED (an older build) switches the client to protobuf for good.
 
     Attributes:
         registered_clock: the clock the shards answered at the last registration
@@ -756,6 +757,14 @@ class PsClient:
                     try:
                         resp = fut.result()
                     except grpc.RpcError as exc:
+                        if self.framed and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                            # a shard without the frame methods (an older build): nothing was done;
+                            # this client speaks protobuf PullMany/PushMany from now on
+                            self.framed = False
+                            log.warning("ps shard has no framed data plane; using protobuf PullMany/PushMany",
+                                        extra=kv(shard=s, address=self.addresses[s]))
+                            pending.extend(p.pieces)
+                            continue
                         what = _rpc_kind(exc)
                         if what == "fatal":
                             for _, other in calls:

@@ -290,3 +290,33 @@ def test_push_request_views_are_writable_only_when_asked() -> None:
     rw = frame.decode_push_request(data, writable=True).tables[0]
     assert rw.values.flags.writeable and np.shares_memory(rw.values, ro.values)
     np.testing.assert_array_equal(rw.values, 1.0)
+
+
+def test_a_client_falls_back_to_protobuf_on_a_shard_without_frames(ps_fleet) -> None:
+    """A shard of an older build (no PullFrame/PushFrame: UNIMPLEMENTED) is served through
+    PullMany/PushMany: the framed client switches once, nothing is applied twice."""
+    from metaps.core.rpc import add_port, make_server
+    from ps.servicer import _add_servicer, _Handlers
+
+    fleet = ps_fleet(1)
+    cap = _Handlers()
+    _add_servicer(fleet.servers[0], cap)  # the shard's handlers, as registered
+    old_handlers = {m: h for m, h in cap.handlers.items() if m not in (frame.PULL_METHOD, frame.PUSH_METHOD)}
+    old = make_server(fleet.rpc, max_workers=4)
+    old.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.service, old_handlers),))
+    port = add_port(old, "127.0.0.1:0", fleet.rpc)
+    old.start()
+    try:
+        from ps.client import PsClient
+
+        client = PsClient([f"127.0.0.1:{port}"], fleet.rpc, worker_id="w", register=True)
+        assert client.framed
+        ids = np.array([5, 1, 5, 9], np.int64)
+        counts = client.push({"user": (ids, np.ones((4, 8), np.float32))}, step=0)
+        assert not client.framed and counts["user"]["rows"] == 3
+        rows = client.pull({"user": ids})["user"]
+        np.testing.assert_array_equal(rows, fleet.client(framed=False).pull({"user": ids})["user"])
+        assert fleet.servers[0].metrics.rows_pushed.labels("0", "user")._value.get() == 3  # applied once
+        client.close()
+    finally:
+        old.stop(0)
