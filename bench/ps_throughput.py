@@ -12,8 +12,10 @@ on the bench population (no 2/4 shards, no 1M-row memory figure): the
 one echo process and one shard process stay up while this process alternates the echo,
 a protobuf client (``PsClient(framed=False)``: PullMany/PushMany) and a framed client
 (the default: PullFrame/PushFrame, ``ps/frame.py``) for ROUNDS rounds (order rotated each
-round); each round's ratios use that round's echo. Last line: per-round figures, medians
-and the load average.
+round); each round's ratios use that round's echo. Besides rows/s it records the CPU time
+per 16K-row call (this process + the server process, ``*_cpu_ms``) and its ratio to the
+echo's (``*_cpu_vs_echo``), which other jobs' load barely moves. Last line: per-round
+figures, medians and the load average.
 
 Every server (the PS shards and the echo baseline) runs in its own process,
 started fresh with ``spawn``, like production. The client is this process.
@@ -243,6 +245,24 @@ def _echo_calls(port: int) -> tuple[Any, Any, Any]:
             lambda: push(ids.tobytes() + grads.tobytes(), timeout=30), ch.close)
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rate_cpu(fn: Any, seconds: float, pid: int) -> tuple[float, float, float]:
+    """(rows/s, client CPU ms per call, server CPU ms per call): CPU time barely moves with
+    the load of other jobs, wall time does (a 2-core box at load 10-20)."""
+    fn()
+    n, t0, c0, s0 = 0, time.perf_counter(), time.process_time(), _proc_cpu_s(pid)
+    while n < 3 or time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    wall, client, server = time.perf_counter() - t0, time.process_time() - c0, _proc_cpu_s(pid) - s0
+    return ROWS_PER_REQ * n / wall, client / n * 1e3, server / n * 1e3
+
+
 def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[str, Any]:
     """Echo, protobuf client and framed client against the same processes, alternated (see the module doc)."""
     from metaps.core.rpc import RpcConfig
@@ -270,14 +290,21 @@ def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[
         for r in range(rounds):
             got: dict[str, float] = {}
             for name in order[r % 3:] + order[: r % 3]:
-                got[f"{name}_pull_rows_s"] = _rate(calls[name][0], ROWS_PER_REQ, seconds)
-                got[f"{name}_push_rows_s"] = _rate(calls[name][1], ROWS_PER_REQ, seconds)
+                pid = procs[0][0].pid if name == "echo" else procs[1][0].pid
+                for k, op in enumerate(("pull", "push")):
+                    rate, client_ms, server_ms = _rate_cpu(calls[name][k], seconds, pid)
+                    got[f"{name}_{op}_rows_s"] = rate
+                    got[f"{name}_{op}_cpu_ms"] = client_ms + server_ms  # client + server CPU per 16K-row call
+                    got[f"{name}_{op}_server_cpu_ms"] = server_ms
             for side in ("base", "new"):
                 for op in ("pull", "push"):
                     got[f"{side}_{op}_vs_echo"] = got[f"{side}_{op}_rows_s"] / got[f"echo_{op}_rows_s"]
+                    # the CPU form of the ratio: echo CPU / our CPU per call (what the wall ratio
+                    # tends to when the client and the shard have their cores to themselves)
+                    got[f"{side}_{op}_cpu_vs_echo"] = got[f"echo_{op}_cpu_ms"] / got[f"{side}_{op}_cpu_ms"]
             got["load_avg_1m"] = os.getloadavg()[0]
             per_round.append(got)
-            _progress("      round {}: ".format(r + 1) + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if "_vs_" in k)
+            _progress("      round {}: ".format(r + 1) + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if "_vs_" in k or "cpu_ms" in k)
                       + f" (load {got['load_avg_1m']:.1f})")
         for c in clients.values():
             c.close()
@@ -289,7 +316,8 @@ def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[
     out: dict[str, Any] = {"ab_rounds": rounds, "load_avg_1m_start": load0}
     for k in per_round[0]:
         out[f"median_{k}"] = float(np.median([g[k] for g in per_round]))
-    for k in ("base_pull_vs_echo", "new_pull_vs_echo", "base_push_vs_echo", "new_push_vs_echo"):
+    for k in ("base_pull_vs_echo", "new_pull_vs_echo", "base_push_vs_echo", "new_push_vs_echo",
+              "base_pull_cpu_vs_echo", "new_pull_cpu_vs_echo", "base_push_cpu_vs_echo", "new_push_cpu_vs_echo"):
         out[f"runs_{k}"] = [round(g[k], 3) for g in per_round]
     out["new_vs_base_pull"] = float(np.median([g["new_pull_rows_s"] / g["base_pull_rows_s"] for g in per_round]))
     out["new_vs_base_push"] = float(np.median([g["new_push_rows_s"] / g["base_push_rows_s"] for g in per_round]))
