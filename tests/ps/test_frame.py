@@ -200,9 +200,12 @@ def test_frame_and_protobuf_paths_agree_bit_for_bit(ps_fleet, dtype: str) -> Non
         for t in ("user", "item"):
             assert pulled[0][t].dtype == np.float32
             assert pulled[0][t].tobytes() == pulled[1][t].tobytes(), (step, t)
-    # the framed client really used the frame methods, the other PullMany/PushMany
-    reg = [f.servers[0].metrics.registry for f in fleets]
-    assert reg[0].get_sample_value("metaps_ps_rpc_seconds_count", {"shard": "0", "method": "PullMany"}) >= 4
+    # the framed client stayed on the frame methods (no fallback), the other on PullMany/PushMany;
+    # both count in metrics under PullMany/PushMany
+    assert clients[0].framed and not clients[1].framed
+    for f in fleets:
+        reg = f.servers[0].metrics.registry
+        assert reg.get_sample_value("metaps_ps_rpc_seconds_count", {"shard": "0", "method": "PullMany"}) >= 4
 
 
 def test_an_empty_pull_still_learns_the_dim(ps_fleet) -> None:
@@ -248,7 +251,7 @@ def test_frame_pull_waits_for_a_slow_worker_and_agrees_with_protobuf(ps_fleet) -
 def test_frame_header_layout_is_fixed() -> None:
     """The header is 32 bytes, little-endian, fields where the module doc says."""
     data = frame.encode_pull_request([("t", np.array([1], np.int64), None)], map_version=0x0102, fp16=True,
-                                     worker_id="ab", step=-5 + 10)
+                                     worker_id="ab", step=5)
     magic, version, kind, flags, _, mv, step, wlen, ntables, _ = struct.unpack_from("<4sBBBBqqHHI", data)
     assert (magic, version, kind, flags, mv, step, wlen, ntables) == (b"MPSF", 1, 1, 3, 0x0102, 5, 2, 1)
     assert frame.HEADER_BYTES == 32
