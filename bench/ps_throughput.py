@@ -8,6 +8,15 @@ Run::
 on the bench population (no 2/4 shards, no 1M-row memory figure): the
 ``pull_vs_echo`` / ``push_vs_echo`` figures in a minute or two, for repeated runs.
 
+``--ab ROUNDS``: the data plane's old path against the new one side by side in ONE run:
+one echo process and one shard process stay up while this process alternates the echo,
+a protobuf client (``PsClient(framed=False)``: PullMany/PushMany) and a framed client
+(the default: PullFrame/PushFrame, ``ps/frame.py``) for ROUNDS rounds (order rotated each
+round); each round's ratios use that round's echo. Besides rows/s it records the CPU time
+per 16K-row call (this process + the server process, ``*_cpu_ms``) and its ratio to the
+echo's (``*_cpu_vs_echo``), which other jobs' load barely moves. Last line: per-round
+figures, medians and the load average.
+
 Every server (the PS shards and the echo baseline) runs in its own process,
 started fresh with ``spawn``, like production. The client is this process.
 
@@ -223,6 +232,98 @@ def bench_ps(shards: int, seconds: float, population: int, device: str, fp16: bo
             proc.join()
 
 
+def _echo_calls(port: int) -> tuple[Any, Any, Any]:
+    """(pull, push, close) against the echo server on ``port`` (16K rows of dim 64 per call)."""
+    from metaps.core.rpc import RpcConfig, make_channel
+
+    ch = make_channel(f"127.0.0.1:{port}", RpcConfig(token=TOKEN))
+    pull = ch.unary_unary("/bench.Echo/Pull")
+    push = ch.unary_unary("/bench.Echo/Push")
+    ids = np.arange(ROWS_PER_REQ, dtype=np.int64)
+    grads = np.random.default_rng(0).standard_normal((ROWS_PER_REQ, DIM)).astype(np.float32)
+    return (lambda: np.frombuffer(pull(ids.tobytes(), timeout=30), dtype=np.float32),
+            lambda: push(ids.tobytes() + grads.tobytes(), timeout=30), ch.close)
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rate_cpu(fn: Any, seconds: float, pid: int) -> tuple[float, float, float]:
+    """(rows/s, client CPU ms per call, server CPU ms per call): CPU time barely moves with
+    the load of other jobs, wall time does (a 2-core box at load 10-20)."""
+    fn()
+    n, t0, c0, s0 = 0, time.perf_counter(), time.process_time(), _proc_cpu_s(pid)
+    while n < 3 or time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    wall, client, server = time.perf_counter() - t0, time.process_time() - c0, _proc_cpu_s(pid) - s0
+    return ROWS_PER_REQ * n / wall, client / n * 1e3, server / n * 1e3
+
+
+def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[str, Any]:
+    """Echo, protobuf client and framed client against the same processes, alternated (see the module doc)."""
+    from metaps.core.rpc import RpcConfig
+    from ps.client import PsClient
+
+    procs = _start_many([(_serve_echo, (DIM,)), (_serve_ps, (0, 1, population * 2 + 1024, device))])
+    load0 = os.getloadavg()[0]
+    try:
+        echo_pull, echo_push, echo_close = _echo_calls(procs[0][1])
+        addrs = [f"127.0.0.1:{procs[1][1]}"]
+        pop = np.random.default_rng(1).choice(1 << 40, population, replace=False).astype(np.int64)
+        grads = np.random.default_rng(2).standard_normal((ROWS_PER_REQ, DIM)).astype(np.float32) * 0.01
+        clients = {"base": PsClient(addrs, RpcConfig(token=TOKEN), framed=False), "new": PsClient(addrs, RpcConfig(token=TOKEN))}
+        for start in range(0, population, ROWS_PER_REQ * 4):  # admit every row first
+            chunk = pop[start : start + ROWS_PER_REQ * 4]
+            clients["new"].push({"t": (chunk, np.zeros((chunk.size, DIM), np.float32))})
+        batches = _id_batches(pop, 8, 3)
+        it = iter(range(1 << 30))
+        calls: dict[str, tuple[Any, Any]] = {"echo": (echo_pull, echo_push)}
+        for name, c in clients.items():
+            calls[name] = ((lambda c=c: c.pull({"t": batches[next(it) % len(batches)]})),
+                           (lambda c=c: c.push({"t": (batches[next(it) % len(batches)], grads)})))
+        order = ["echo", "base", "new"]
+        per_round = []
+        for r in range(rounds):
+            got: dict[str, float] = {}
+            for name in order[r % 3:] + order[: r % 3]:
+                pid = procs[0][0].pid if name == "echo" else procs[1][0].pid
+                for k, op in enumerate(("pull", "push")):
+                    rate, client_ms, server_ms = _rate_cpu(calls[name][k], seconds, pid)
+                    got[f"{name}_{op}_rows_s"] = rate
+                    got[f"{name}_{op}_cpu_ms"] = client_ms + server_ms  # client + server CPU per 16K-row call
+                    got[f"{name}_{op}_server_cpu_ms"] = server_ms
+            for side in ("base", "new"):
+                for op in ("pull", "push"):
+                    got[f"{side}_{op}_vs_echo"] = got[f"{side}_{op}_rows_s"] / got[f"echo_{op}_rows_s"]
+                    # the CPU form of the ratio: echo CPU / our CPU per call (what the wall ratio
+                    # tends to when the client and the shard have their cores to themselves)
+                    got[f"{side}_{op}_cpu_vs_echo"] = got[f"echo_{op}_cpu_ms"] / got[f"{side}_{op}_cpu_ms"]
+            got["load_avg_1m"] = os.getloadavg()[0]
+            per_round.append(got)
+            _progress("      round {}: ".format(r + 1) + ", ".join(f"{k} {v:.2f}" for k, v in got.items() if "_vs_" in k or "cpu_ms" in k)
+                      + f" (load {got['load_avg_1m']:.1f})")
+        for c in clients.values():
+            c.close()
+        echo_close()
+    finally:
+        for proc, _ in procs:
+            proc.kill()
+            proc.join()
+    out: dict[str, Any] = {"ab_rounds": rounds, "load_avg_1m_start": load0}
+    for k in per_round[0]:
+        out[f"median_{k}"] = float(np.median([g[k] for g in per_round]))
+    for k in ("base_pull_vs_echo", "new_pull_vs_echo", "base_push_vs_echo", "new_push_vs_echo",
+              "base_pull_cpu_vs_echo", "new_pull_cpu_vs_echo", "base_push_cpu_vs_echo", "new_push_cpu_vs_echo"):
+        out[f"runs_{k}"] = [round(g[k], 3) for g in per_round]
+    out["new_vs_base_pull"] = float(np.median([g["new_pull_rows_s"] / g["base_pull_rows_s"] for g in per_round]))
+    out["new_vs_base_push"] = float(np.median([g["new_push_rows_s"] / g["base_push_rows_s"] for g in per_round]))
+    return out
+
+
 def bench_memory(rows: int, device: str) -> dict[str, float]:
     """Bytes per row of a filled ShardStore vs raw rows + rowwise-Adagrad state."""
     import torch
@@ -257,12 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="about a minute")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--pull-push", action="store_true", help="only echo, one shard and the store alone (see the docstring)")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                    help="protobuf vs framed data plane, alternated in one run for ROUNDS rounds (see the docstring)")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     seconds = 2.0 if args.quick else 6.0
     population = 200_000 if args.quick else 1_000_000
+    if args.ab:
+        _progress(f"A/B: echo vs protobuf (base) vs framed (new) data plane, {args.ab} rounds, one shard")
+        ab = bench_ab(args.ab, seconds, population, args.device)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in ab.items()}), flush=True)
+        return 0
     out: dict[str, Any] = {"device": args.device, "dim": DIM, "rows_per_request": ROWS_PER_REQ, "cores": os.cpu_count()}
 
     _progress(f"[1/4] echo baseline (raw gRPC bytes, {ROWS_PER_REQ} rows x dim {DIM})")

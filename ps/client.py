@@ -70,7 +70,7 @@ import torch
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, make_channel
-from ps import routing, wire
+from ps import frame, routing, wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.types import (
     CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
@@ -255,6 +255,10 @@ class PsClient:
         register: register ``worker_id`` with every shard (its clock starts at ``start_step``,
             or where the shards say: :attr:`registered_clock`).
         start_step: the worker's clock when it registers (steps already completed).
+        framed: pull and push through the framed data plane (``ps/frame.py``: PullFrame /
+            PushFrame, raw bytes with a fixed header, no protobuf on the hot path); False:
+            the protobuf PullMany / PushMany (the same results bit for bit). A shard that
+            answers UNIMPLEMENTED (an older build) switches the client to protobuf for good.
 
     Attributes:
         registered_clock: the clock the shards answered at the last registration
@@ -284,6 +288,7 @@ class PsClient:
         max_wait_backoff_s: float = 0.05,
         register: bool = False,
         start_step: int = 0,
+        framed: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError("PsClient needs at least one shard address")
@@ -315,6 +320,12 @@ class PsClient:
                           response_deserializer=ps_pb2.PushManyResponse.FromString)
             for c in self._channels
         ]
+        # The framed data plane (ps/frame.py: generic byte handlers, no protobuf on the hot path)
+        self.framed = framed
+        self._pull_frame = [c.unary_unary(frame.PULL_PATH, request_serializer=None, response_deserializer=frame.decode_pull_reply)
+                            for c in self._channels]
+        self._push_frame = [c.unary_unary(frame.PUSH_PATH, request_serializer=None, response_deserializer=frame.decode_push_reply)
+                            for c in self._channels]
         self._dims: dict[str, int] = {}
         self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
         self._map_lock = threading.Lock()
@@ -461,7 +472,10 @@ class PsClient:
             inverse.append(inv)
         fp16 = self.value_dtype == wire.DType.FP16
 
-        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> ps_pb2.PullManyRequest:
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> ps_pb2.PullManyRequest | bytes:
+            if self.framed:
+                return frame.encode_pull_request([(jobs[j].table, jobs[j].ids, _positions(jobs[j], p)) for j, p in pieces],
+                                                 map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
             return routing.pull_request(jobs, pieces, map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
 
         self._fan_out("pull", jobs, request, lambda pieces, resp: routing.scatter_pull(jobs, pieces, resp, self._dims),
@@ -469,7 +483,7 @@ class PsClient:
         routing.finish_pull(jobs, self._dims)
         # torch.index_select: a row gather ~3x faster than numpy fancy indexing here.
         return {
-            j.table: np.array(j.out) if inv is None or routing.is_identity(inv)
+            j.table: _writable(j.out) if inv is None or routing.is_identity(inv)
             else routing.as_tensor(j.out).index_select(0, torch.from_numpy(inv)).numpy()
             for j, inv in zip(jobs, inverse) if j.out is not None
         }
@@ -508,6 +522,10 @@ class PsClient:
         counts = routing.new_counts(jobs)
 
         def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
+            if self.framed:
+                return frame.encode_push_request(
+                    [(jobs[j].table, jobs[j].ids, _grads(jobs[j]), _positions(jobs[j], p)) for j, p in pieces],
+                    grad_dtype=self.grad_dtype, map_version=pmap.version, worker_id=self.worker_id, step=step)
             return routing.push_request_bytes(jobs, pieces, map_version=pmap.version, grad_dtype=self.grad_dtype,
                                               worker_id=self.worker_id, step=step)
 
@@ -718,7 +736,10 @@ class PsClient:
             while pending or need_clock:
                 pmap = self._pmap
                 planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
-                methods = self._pull_many if kind == "pull" else self._push_many
+                if self.framed:
+                    methods = self._pull_frame if kind == "pull" else self._push_frame
+                else:
+                    methods = self._pull_many if kind == "pull" else self._push_many
                 reqs = [(p, methods[p.shard], request(p.pieces, pmap)) for p in planned]
                 if len(reqs) == 1:
                     # One call: block on it. A gRPC future costs a channel-spin thread per call
@@ -736,6 +757,14 @@ class PsClient:
                     try:
                         resp = fut.result()
                     except grpc.RpcError as exc:
+                        if self.framed and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                            # a shard without the frame methods (an older build): nothing was done;
+                            # this client speaks protobuf PullMany/PushMany from now on
+                            self.framed = False
+                            log.warning("ps shard has no framed data plane; using protobuf PullMany/PushMany",
+                                        extra=kv(shard=s, address=self.addresses[s]))
+                            pending.extend(p.pieces)
+                            continue
                         what = _rpc_kind(exc)
                         if what == "fatal":
                             for _, other in calls:
@@ -816,6 +845,22 @@ class _Immediate:
 
     def cancel(self) -> bool:
         return False
+
+
+def _writable(rows: np.ndarray) -> np.ndarray:
+    """``rows`` when the caller may own it (a writable view of a framed reply), else a writable copy."""
+    return rows if rows.flags.writeable and rows.flags.c_contiguous else np.array(rows)
+
+
+def _positions(job: routing.Job, pos: np.ndarray) -> np.ndarray | None:
+    """None when ``pos`` is every row of ``job`` in order (sent without a gather), else ``pos``."""
+    return None if pos.size == job.ids.size and routing.is_identity(pos) else pos
+
+
+def _grads(job: routing.Job) -> np.ndarray:
+    if job.grads is None:
+        raise ValueError(f"table '{job.table}': a push needs gradients")
+    return job.grads
 
 
 def _all_unique(ids: np.ndarray) -> bool:

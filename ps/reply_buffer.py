@@ -33,7 +33,7 @@ import numpy as np
 from protos import ps_pb2
 from ps import wire
 
-__all__ = ["IN_PLACE", "PullReplyBuffer"]
+__all__ = ["IN_PLACE", "PullReplyBuffer", "writable_bytes", "writable_view"]
 
 
 def _uninitialized_bytes_factory() -> Callable[[int], tuple[bytes, np.ndarray]] | None:
@@ -69,6 +69,49 @@ def _uninitialized_bytes_factory() -> Callable[[int], tuple[bytes, np.ndarray]] 
 _NEW_BYTES = _uninitialized_bytes_factory()
 IN_PLACE = _NEW_BYTES is not None
 """Whether replies are written in place (else a bytearray copied once at the end)."""
+
+
+def writable_bytes(n: int) -> tuple[bytes | None, np.ndarray]:
+    """A new ``bytes`` of ``n`` (uninitialized) and a writable uint8 view of its data.
+
+    The caller fills every byte through the view before the object is seen by anyone
+    else (``ps.frame`` builds request and reply frames this way: no join copy). Where
+    :data:`IN_PLACE` is False the first item is None and the view is a ``bytearray``'s:
+    ``view.tobytes()`` gives the bytes (one copy).
+
+    Args:
+        n: the size in bytes.
+    """
+    if _NEW_BYTES is not None:
+        return _NEW_BYTES(n)
+    return None, np.frombuffer(bytearray(n), dtype=np.uint8)
+
+
+class _Owner:
+    """Exposes a bytes object's data as a writable array and keeps the object alive (numpy's ``base``)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        addr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+        self.__array_interface__ = {"shape": (len(data),), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+def writable_view(data: bytes) -> np.ndarray | None:
+    """A writable uint8 array over ``data``'s own bytes (no copy), or None where unavailable.
+
+    Only for a ``bytes`` object nobody else holds, such as a reply gRPC just received and
+    handed to its deserializer (``ps.frame.decode_pull_reply``): the client then returns
+    pulled rows as writable arrays that are views of the reply, instead of copying 4 MiB
+    per 16K rows to make them writable. The array keeps ``data`` alive. None when
+    :data:`IN_PLACE` is False (not CPython, or the self-check failed) or ``data`` has
+    fewer than 2 bytes (CPython shares those objects).
+
+    Args:
+        data: a bytes object exclusively owned by the caller.
+    """
+    if not IN_PLACE or type(data) is not bytes or len(data) < 2:
+        return None
+    return np.asarray(_Owner(data))
 
 
 class PullReplyBuffer:

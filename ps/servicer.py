@@ -99,7 +99,7 @@ from metaps.core.hashing import vshard_of
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
-from ps import wire
+from ps import frame, wire
 from ps.codec import checked_lease, dense_tensors, rows_from_chunk, rows_to_chunks
 from ps.config import NonfiniteMode
 from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
@@ -126,15 +126,17 @@ Handler = Callable[[Any, Any, grpc.ServicerContext], Any]
 """A servicer method: (self, request, context) -> reply."""
 
 
-def _rpc(data: bool) -> Callable[[Handler], Handler]:
+def _rpc(data: bool, name: str | None = None) -> Callable[[Handler], Handler]:
     """Wrap a servicer method: fault delay, timing, error -> status mapping.
 
     Args:
         data: a data-plane request (load totals, gate wait accounting, recovery refusal).
+        name: the method in metrics and messages (default: the function's name); the
+            framed PullFrame/PushFrame count as the PullMany/PushMany they stand for.
     """
 
     def deco(fn: Handler) -> Handler:
-        method = fn.__name__
+        method = name or fn.__name__
 
         @functools.wraps(fn)
         def wrapper(self: "PsServer", request: Any, context: grpc.ServicerContext) -> Any:
@@ -230,7 +232,9 @@ class _Handlers:
 
 def _add_servicer(servicer: "PsServer", server: grpc.Server) -> None:
     """Register the service as generated, except PullMany: its handler returns the serialized
-    reply itself (``wire.encode_pull_reply``), so it is registered without a serializer.
+    reply itself (``wire.encode_pull_reply``), so it is registered without a serializer; plus
+    the framed data plane (``ps/frame.py``): PullFrame and PushFrame take and return raw
+    bytes (no protobuf on the hot path), under the same auth interceptor and ``_rpc`` wrapper.
 
     Args:
         servicer: the shard's servicer.
@@ -241,6 +245,8 @@ def _add_servicer(servicer: "PsServer", server: grpc.Server) -> None:
     cap.handlers["PullMany"] = grpc.unary_unary_rpc_method_handler(
         servicer.PullMany, request_deserializer=ps_pb2.PullManyRequest.FromString, response_serializer=None
     )
+    for method, handler in ((frame.PULL_METHOD, servicer.PullFrame), (frame.PUSH_METHOD, servicer.PushFrame)):
+        cap.handlers[method] = grpc.unary_unary_rpc_method_handler(handler, request_deserializer=None, response_serializer=None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.service, cap.handlers),))
     server.add_registered_method_handlers(cap.service, cap.handlers)
 
@@ -402,9 +408,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
     def _dim(self, name: str) -> int:
         return int(self._table(name).cfg.dim)
 
-    def _decode_ids(self, table: str, buf: bytes) -> np.ndarray:
+    def _decode_ids(self, table: str, buf: bytes | np.ndarray) -> np.ndarray:
         # A writable copy (8 B/id): torch warns on read-only buffers, and the store may sort in place.
-        ids = wire.decode_ids(buf, table=table).copy()
+        ids = (buf if isinstance(buf, np.ndarray) else wire.decode_ids(buf, table=table)).copy()
         if ids.size and ids.min() < 0:
             row = int(np.argmax(ids < 0))
             raise bad(f"table '{table}': ids must be >= 0, got {int(ids[row])} at position {row}")
@@ -443,7 +449,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
                     md,
                 )
 
-    def _parse_pull(self, items: list[tuple[str, bytes]]) -> list[_Parsed]:
+    def _parse_pull(self, items: list[tuple[str, bytes | np.ndarray]]) -> list[_Parsed]:
         parsed = []
         for table, ids in items:
             self._table(table)
@@ -460,6 +466,22 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             dt = wire.DType.from_proto(dtype, table=table, field="grad dtype")
             grads = wire.decode_rows(grads_buf, dt, ids.size, dim, table=table, field="grads")
             parsed.append(_Parsed(table, ids, grads))
+        return self._check_push(parsed)
+
+    def _parse_push_frame(self, req: frame.Frame) -> list[_Parsed]:
+        """A decoded push frame's tables, checked as :meth:`_parse_push` checks PushMany's."""
+        parsed = []
+        for t in req.tables:
+            dim = self._dim(t.name)
+            if t.dim != dim:
+                raise bad(f"table '{t.name}': push frame says grads dim {t.dim}, the table's dim is {dim}")
+            if t.ids is None or t.values is None:  # (decode_push_request sets both)
+                raise wire.WireError(f"push frame: table '{t.name}' decoded without ids or grads")
+            parsed.append(_Parsed(t.name, self._decode_ids(t.name, t.ids), t.values))
+        return self._check_push(parsed)
+
+    def _check_push(self, parsed: list[_Parsed]) -> list[_Parsed]:
+        """Row limit and the non-finite check, for every table before any is applied."""
         self._check_rows(sum(p.ids.size for p in parsed))
         if self.nonfinite_grads is NonfiniteMode.REJECT:
             # Checked for every table before any is applied: a refused push changes nothing.
@@ -539,13 +561,15 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
         return out
 
-    def _pull_reply(self, parsed: list[_Parsed], map_version: int, fp16: bool) -> bytes:
-        """The serialized PullManyResponse. fp32 rows are gathered straight into the reply's
-        bytes (``ps.reply_buffer``: no intermediate tensor, no join copy); fp16 rows are
-        converted into it."""
+    def _pull_reply(self, parsed: list[_Parsed], map_version: int, fp16: bool, framed: bool = False) -> bytes:
+        """The serialized PullManyResponse (``framed``: the pull reply frame, ``ps/frame.py``).
+        fp32 rows are gathered straight into the reply's bytes (``ps.reply_buffer``: no
+        intermediate tensor, no join copy); fp16 rows are converted into it."""
         if fp16:
-            return wire.encode_pull_reply(self._pull(parsed, map_version, fp16))
-        buf = PullReplyBuffer([(p.table, wire.DType.FP32, int(p.ids.size), self._dim(p.table)) for p in parsed])
+            rows = self._pull(parsed, map_version, fp16)
+            return frame.encode_pull_reply(rows) if framed else wire.encode_pull_reply(rows)
+        spans = [(p.table, wire.DType.FP32, int(p.ids.size), self._dim(p.table)) for p in parsed]
+        buf: PullReplyBuffer | frame.PullFrameBuffer = frame.PullFrameBuffer(spans) if framed else PullReplyBuffer(spans)
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
             for i, p in enumerate(parsed):
@@ -590,6 +614,22 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         self._check_reply_size(parsed, request.want_fp16, context)
         self._check_staleness(request.worker_id, request.step if request.HasField("step") else None)
         return self._pull_reply(parsed, request.map_version, request.want_fp16)
+
+    @_rpc(data=True, name="PullMany")
+    def PullFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """PullMany as a frame (``ps/frame.py``): raw bytes in and out, same checks in the same order."""
+        req = frame.decode_pull_request(request)
+        parsed = self._parse_pull([(t.name, t.ids if t.ids is not None else b"") for t in req.tables])
+        self._check_reply_size(parsed, req.fp16, context)
+        self._check_staleness(req.worker_id, req.step)
+        return self._pull_reply(parsed, req.map_version, req.fp16, framed=True)
+
+    @_rpc(data=True, name="PushMany")
+    def PushFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """PushMany as a frame (``ps/frame.py``): the gradients stay views of the request's bytes."""
+        req = frame.decode_push_request(request, writable=True)  # the received bytes are ours alone
+        parsed = self._parse_push_frame(req)
+        return frame.encode_push_reply(self._push(parsed, req.map_version, req.worker_id, req.step))
 
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:
