@@ -6,6 +6,7 @@ meta batch's gathered rows ``r``::
     (p_0, r_0) = (p, r)
     (p_k, r_k) = (p_{k-1}, r_{k-1}) - inner_lr * grad L(S_i; p_{k-1}, r_{k-1})   # adapted subset only
     task loss  = L(Q_i; p_K, r_K)                       # mean over the task's real query rows
+               [+ w * L(S_i; p, r)]                     # [meta] support_loss_weight w > 0: the base on the support
     outer loss = mean over real tasks of the task loss
     outputs    : d outer / d p  (dense grads),  d outer / d r  (row grads -> PS)
 
@@ -72,10 +73,12 @@ class MetaStepResult:
     """Outcome of one meta step.
 
     Args:
-        outer_loss: scalar, mean over real tasks of the query loss after adaptation (detached).
+        outer_loss: scalar, mean over real tasks of the query loss after adaptation, plus
+            ``support_loss_weight`` x the base model's unadapted support loss (detached).
         dense_grads: ``model.named_parameters()`` name -> outer gradient.
         row_grads: table -> ``[U_t, dim_t]`` outer gradient of the gathered rows (push to the PS).
-        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss``, ``tasks``, and
+        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss`` (the query loss
+            alone, whatever ``support_loss_weight``), ``tasks``, and
             ``query_loss/<head>`` per head (they sum to ``query_loss``).
     """
 
