@@ -32,6 +32,11 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    on every seed. ``--meta-emb both`` trains every step count with and without MetaEmb
    (generated initial rows for unseen user ids, ``[meta] meta_emb``) and reports every
    variant under first-k side by side (``first_k_per_variant``).
+   ``--first-k 4,8,16,32`` scores the held-out users under first-k for every K on the SAME
+   trained models (``first_k_by_k``, per seed and over seeds; the first K listed also fills
+   the ``first_k*`` keys); a larger K scores fewer, later rows, so compare within a K.
+   ``--support-loss-weight W`` trains with ``[meta] support_loss_weight = W`` (the base also
+   learns from the support rows).
 
 The same run measures everything; the last line printed is a JSON object.
 """
