@@ -32,6 +32,11 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    on every seed. ``--meta-emb both`` trains every step count with and without MetaEmb
    (generated initial rows for unseen user ids, ``[meta] meta_emb``) and reports every
    variant under first-k side by side (``first_k_per_variant``).
+   ``--first-k 4,8,16,32`` scores the held-out users under first-k for every K on the SAME
+   trained models (``first_k_by_k``, per seed and over seeds; the first K listed also fills
+   the ``first_k*`` keys); a larger K scores fewer, later rows, so compare within a K.
+   ``--support-loss-weight W`` trains with ``[meta] support_loss_weight = W`` (the base also
+   learns from the support rows).
 
 The same run measures everything; the last line printed is a JSON object.
 """
@@ -113,10 +118,19 @@ def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
 
 
 def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
-                     learn: str, inner_lr: float, first_k: int = 0, emb_list: tuple[bool, ...] = (False,),
-                     emb_cold_weight: float = 0.5, emb_labels: bool = False) -> dict[str, Any]:
+                     learn: str, inner_lr: float, first_k: int | list[int] = 0, emb_list: tuple[bool, ...] = (False,),
+                     emb_cold_weight: float = 0.5, emb_labels: bool = False,
+                     support_loss_weight: float = 0.0) -> dict[str, Any]:
     """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
-    validation users, held-out users reported (and, with ``first_k``, every variant under first-k)."""
+    validation users, held-out users reported (and, with ``first_k``, every variant under first-k).
+
+    Args:
+        first_k: support sizes K of the first-k protocol (an int or a list; 0 / []: off). Every K
+            scores the SAME trained models; the first K listed fills the ``first_k*`` keys, every K
+            is under ``first_k_by_k``. A larger K scores fewer, later rows: compare within a K.
+        support_loss_weight: ``[meta] support_loss_weight`` of the meta trainings.
+    """
+    ks = [k for k in ([first_k] if isinstance(first_k, int) else list(first_k)) if k]
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.holdout import split_by_task
     from meta_io.schema import load_schema
@@ -136,7 +150,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
         for emb in emb_list:
             key = f"{steps}+meta_emb" if emb else str(steps)
             meta: dict[str, Any] = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
-                                    "learn_inner_lr": learn}
+                                    "learn_inner_lr": learn, "support_loss_weight": support_loss_weight}
             if emb:
                 meta.update(meta_emb=True, meta_emb_tables=["user"], meta_emb_cold_weight=emb_cold_weight,
                             meta_emb_labels=emb_labels)
@@ -161,38 +175,48 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     held = runs[chosen_key]["held"]
     res: dict[str, Any] = {"chosen_inner_steps": chosen, "chosen_variant": chosen_key, "runs": runs, "plain": plain["base"],
                            "plain_finetuned": plain["adapted"], "base": held["base"], "adapted": held["adapted"]}
-    if first_k:
+    if ks:
         # strict cold start (eval16's first-k): per held-out user the first K rows by time adapt,
-        # every later row is scored once
+        # every later row is scored once; every K on the same trained models
         from workers.eval_protocols import evaluate_protocol, protocol_batches
 
         schema = load_schema(split.schema_path)
 
-        def fk(w: Any, loop: Any) -> dict[str, Any]:
+        def fk(w: Any, loop: Any, k: int) -> dict[str, Any]:
             w.trainer.refresh_dense()
-            batches = protocol_batches("first-k", split.holdout_dir, schema, k=first_k)
+            batches = protocol_batches("first-k", split.holdout_dir, schema, k=k)
             return evaluate_protocol(w.model, w.rows, batches, loop, task_key=schema.task_key)
 
-        p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
-        for key, w in workers.items():  # every variant side by side under first-k
-            fk_k = fk(w, w.trainer.inner_loop)
-            runs[key]["first_k"] = fk_k
-            runs[key]["first_k_effect_click"] = effect_sizes(
-                w, protocol_batches("first-k", split.holdout_dir, schema, k=first_k))
-            _progress(f"      first-k {key} click logit per task: {runs[key]['first_k_effect_click']}")
-            _progress(f"      first-k {key}: adapted - base click "
-                      f"{fk_k['adapted']['click']['auc'] - fk_k['base']['click']['auc']:+.4f} conversion "
-                      f"{fk_k['adapted']['conversion']['auc'] - fk_k['base']['conversion']['auc']:+.4f}; adapted click "
-                      f"{fk_k['adapted']['click']['auc']:.4f} conversion {fk_k['adapted']['conversion']['auc']:.4f}")
-        m_fk = runs[chosen_key]["first_k"]
-        res["first_k"] = {"k": first_k, "meta": m_fk, "plain": p_fk}
+        res["first_k_by_k"] = {}
+        for k in ks:
+            p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr), k)
+            for key, w in workers.items():  # every variant side by side under first-k
+                fk_k = fk(w, w.trainer.inner_loop, k)
+                effect = effect_sizes(w, protocol_batches("first-k", split.holdout_dir, schema, k=k))
+                runs[key].setdefault("first_k_by_k", {})[k] = {"first_k": fk_k, "first_k_effect_click": effect}
+                if k == ks[0]:
+                    runs[key]["first_k"], runs[key]["first_k_effect_click"] = fk_k, effect
+                _progress(f"      first-k (k={k}) {key} click logit per task: {effect}")
+                _progress(f"      first-k (k={k}) {key}: adapted - base click "
+                          f"{fk_k['adapted']['click']['auc'] - fk_k['base']['click']['auc']:+.4f} conversion "
+                          f"{fk_k['adapted']['conversion']['auc'] - fk_k['base']['conversion']['auc']:+.4f}; adapted "
+                          f"click {fk_k['adapted']['click']['auc']:.4f} conversion "
+                          f"{fk_k['adapted']['conversion']['auc']:.4f}")
+            m_fk = runs[chosen_key]["first_k_by_k"][k]["first_k"]
+            entry: dict[str, Any] = {"k": k, "meta": m_fk, "plain": p_fk}
+            for head in ("click", "conversion"):
+                entry[f"{head}_adapted_minus_base"] = m_fk["adapted"][head]["auc"] - m_fk["base"][head]["auc"]
+                entry[f"{head}_adapted_minus_plain_finetuned"] = (m_fk["adapted"][head]["auc"]
+                                                                  - p_fk["adapted"][head]["auc"])
+                _progress(f"      first-k (k={k}) {head}: base {m_fk['base'][head]['auc']:.4f} adapted "
+                          f"{m_fk['adapted'][head]['auc']:.4f} plain {p_fk['base'][head]['auc']:.4f} plain+ft "
+                          f"{p_fk['adapted'][head]['auc']:.4f}")
+            res["first_k_by_k"][k] = entry
+        first = res["first_k_by_k"][ks[0]]  # the keys of a single --first-k, as before
+        res["first_k"] = {"k": ks[0], "meta": first["meta"], "plain": first["plain"]}
         for head in ("click", "conversion"):
-            res[f"first_k_{head}_adapted_minus_base"] = m_fk["adapted"][head]["auc"] - m_fk["base"][head]["auc"]
-            res[f"first_k_{head}_adapted_minus_plain_finetuned"] = (m_fk["adapted"][head]["auc"]
-                                                                    - p_fk["adapted"][head]["auc"])
-            _progress(f"      first-k (k={first_k}) {head}: base {m_fk['base'][head]['auc']:.4f} adapted "
-                      f"{m_fk['adapted'][head]['auc']:.4f} plain {p_fk['base'][head]['auc']:.4f} plain+ft "
-                      f"{p_fk['adapted'][head]['auc']:.4f}")
+            for what in ("adapted_minus_base", "adapted_minus_plain_finetuned"):
+                res[f"first_k_{head}_{what}"] = first[f"{head}_{what}"]
     for head in ("click", "conversion"):
         res[f"{head}_adapted_minus_base"] = held["adapted"][head]["auc"] - held["base"][head]["auc"]
         res[f"{head}_adapted_minus_plain_finetuned"] = held["adapted"][head]["auc"] - plain["adapted"][head]["auc"]
@@ -253,6 +277,39 @@ def effect_sizes(w: Any, batches: Any, head: str = "click") -> dict[str, float]:
     return out
 
 
+def parse_first_k(text: str) -> list[int]:
+    """``--first-k``: comma-separated support sizes K (``"4,8,16,32"``; ``"0"`` or ``""``: off).
+
+    Raises:
+        SystemExit: not a list of integers >= 1 (argparse-style message naming the flag).
+    """
+    try:
+        ks = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--first-k: expected comma-separated integers (e.g. 4,8,16), got {text!r}") from None
+    if ks == [0]:
+        return []
+    if any(k < 1 for k in ks) or len(set(ks)) != len(ks):
+        raise SystemExit(f"--first-k: expected distinct integers >= 1, got {text!r}")
+    return ks
+
+
+def first_k_summary(per_seed: list[dict[str, Any]], ks: list[int]) -> dict[int, Any]:
+    """Per K: median (min, max) over seeds of the chosen variant's first-k gains, and the goals per K."""
+    out: dict[int, Any] = {}
+    for k in ks:
+        rs = [r["first_k_by_k"][k] for r in per_seed]
+        out[k] = {f"{head}_{what}": _spread([r[f"{head}_{what}"] for r in rs])
+                  for head in ("click", "conversion") for what in ("adapted_minus_base", "adapted_minus_plain_finetuned")}
+        out[k]["goals_met_every_seed"] = {
+            "click_adapted_minus_base>=0.02": all(r["click_adapted_minus_base"] >= 0.02 for r in rs),
+            "conversion_adapted_minus_base>=0.01": all(r["conversion_adapted_minus_base"] >= 0.01 for r in rs),
+            "adapted>plain_finetuned(both heads)": all(r["click_adapted_minus_plain_finetuned"] > 0
+                                                       and r["conversion_adapted_minus_plain_finetuned"] > 0 for r in rs),
+        }
+    return out
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
 
@@ -272,7 +329,8 @@ def main_inner(args: argparse.Namespace) -> int:
     steps_list = [int(x) for x in args.inner_steps.split(",") if x]
     seeds = [int(x) for x in args.seeds.split(",") if x]
     emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
-    out: dict[str, Any] = {"rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
+    ks = parse_first_k(args.first_k)
+    out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
                            "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
                            "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
                            "meta_emb_labels": args.meta_emb_labels,
@@ -286,10 +344,13 @@ def main_inner(args: argparse.Namespace) -> int:
                                                         n_files=max(1, rows // 250_000),
                                                         row_group_rows=min(rows, 65_536)), progress=False)
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
-                                                     args.learn_inner_lr, args.inner_lr, args.first_k,
-                                                     emb_list, args.meta_emb_cold_weight, args.meta_emb_labels)
+                                                     args.learn_inner_lr, args.inner_lr, ks,
+                                                     emb_list, args.meta_emb_cold_weight, args.meta_emb_labels,
+                                                     args.support_loss_weight)
     per = list(out["per_seed"].values())
-    if args.first_k:  # each variant's first-k gains over seeds (side by side, same data)
+    if ks:
+        out["first_k_by_k"] = first_k_summary(per, ks)
+    if ks:  # each variant's first-k gains over seeds (side by side, same data)
         out["first_k_per_variant"] = {
             key: {f"{head}_{what}": _spread([_fk_gain(r["runs"][key]["first_k"], head, what) for r in per])
                   for head in ("click", "conversion") for what in ("adapted_minus_base", "adapted")}
@@ -319,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner-steps", default="1,2,3,5", help="inner step counts to choose from (validation users)")
     ap.add_argument("--learn-inner-lr", default="element", choices=("off", "tensor", "element"))
     ap.add_argument("--inner-lr", type=float, default=0.1)
-    ap.add_argument("--first-k", type=int, default=8, help="also score held-out users under first-k (0: off)")
+    ap.add_argument("--first-k", default="8",
+                    help="also score held-out users under first-k, one or more K (e.g. 4,8,16,32; 0: off); "
+                         "every K on the same trained models")
+    ap.add_argument("--support-loss-weight", type=float, default=0.0,
+                    help="[meta] support_loss_weight of the meta trainings (0: the G-Meta objective)")
     ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
                     help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
     ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")
@@ -376,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         meta_cfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
         mtrain = build(split.train_dir, split.schema_path, tmp / "meta-train", meta_cfg).out_dir
         mheld = build(split.holdout_dir, split.schema_path, tmp / "meta-held", meta_cfg).out_dir
-        meta = {"inner_steps": 1, "inner_lr": 0.1, "adapt": "both", "first_order": True}
+        meta = {"inner_steps": 1, "inner_lr": 0.1, "adapt": "both", "first_order": True,
+                "support_loss_weight": args.support_loss_weight}
         _progress("[cold start 1/2] meta training (G-Meta, first order, adapt rows + dense)")
         rep, _ = train_local(job_for(mtrain, mheld, tmp / "run-meta", "meta", "dnn", epochs, meta), tmp / "run-meta",
                              checkpoint=False)

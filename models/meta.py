@@ -6,6 +6,7 @@ meta batch's gathered rows ``r``::
     (p_0, r_0) = (p, r)
     (p_k, r_k) = (p_{k-1}, r_{k-1}) - inner_lr * grad L(S_i; p_{k-1}, r_{k-1})   # adapted subset only
     task loss  = L(Q_i; p_K, r_K)                       # mean over the task's real query rows
+               [+ w * L(S_i; p, r)]                     # [meta] support_loss_weight w > 0: the base on the support
     outer loss = mean over real tasks of the task loss
     outputs    : d outer / d p  (dense grads),  d outer / d r  (row grads -> PS)
 
@@ -72,10 +73,12 @@ class MetaStepResult:
     """Outcome of one meta step.
 
     Args:
-        outer_loss: scalar, mean over real tasks of the query loss after adaptation (detached).
+        outer_loss: scalar, mean over real tasks of the query loss after adaptation, plus
+            ``support_loss_weight`` x the base model's unadapted support loss (detached).
         dense_grads: ``model.named_parameters()`` name -> outer gradient.
         row_grads: table -> ``[U_t, dim_t]`` outer gradient of the gathered rows (push to the PS).
-        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss``, ``tasks``, and
+        metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss`` (the query loss
+            alone, whatever ``support_loss_weight``), ``tasks``, and
             ``query_loss/<head>`` per head (they sum to ``query_loss``).
     """
 
@@ -127,12 +130,14 @@ def _learner(loop: InnerLoop, model: CtrModel) -> MetaLearner:
 
 def _adapt(
     model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, index: LookupIndex, cfg: MetaConfig,
-    rates: dict[str, dict[str, Any]] | None = None,
+    rates: dict[str, dict[str, Any]] | None = None, live_before: bool = False,
 ) -> tuple[Params, Rows, Tensor, Tensor]:
     """Inner loop on one task's support: ``(fast params, fast rows, loss before, loss after)``.
 
     A pure function of its inputs, so it runs the same under ``vmap`` and in a loop.
     ``rates`` (:meth:`MetaLearner.rates`) holds each adapted tensor's rate; None: ``cfg.inner_lr``.
+    ``live_before``: return the loss before adaptation still differentiable w.r.t. ``params``
+    and ``rows`` (the unadapted support loss of ``[meta] support_loss_weight``); else detached.
     """
     fast = {
         "dense": dict(params) if cfg.adapts_dense else {},
@@ -149,14 +154,14 @@ def _adapt(
     for _ in range(cfg.inner_steps):
         g, value = grad_and_value(support_loss)(fast)
         if before is None:
-            before = value.detach()
+            before = value if live_before else value.detach()
         if cfg.first_order:
             g = tree_map(torch.Tensor.detach, g)
         fast = tree_map(lambda p, gp, rate: p - rate * gp, fast, g, lr)
     with torch.no_grad():  # a metric only: no graph
         after = support_loss(fast)
     if before is None:
-        before = after
+        before = support_loss(fast) if live_before else after
     return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, after
 
 
@@ -255,30 +260,38 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
 
     cold = _task_cold(learner, rows, batch.unique_ids, l2g)
     alpha = float(cfg.meta_emb_cold_weight) if learner.meta_emb else 0.0
+    w_sup = float(cfg.support_loss_weight)
+    # the unadapted support loss is _adapt's first inner value when adaptation starts from the pulled rows
+    reuse_before = w_sup > 0 and not learner.meta_emb
 
     def task(params: Params, mparams: Params, rows: Rows, cold: Rows, sup: dict, sidx: LookupIndex, qry: dict,
              qidx: LookupIndex):
         rates = learner.rates(mparams) if learner.learned else None
         sfb, qfb = FeatureBatch(**sup), FeatureBatch(**qry)
         start = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=True) if learner.meta_emb else rows
-        fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates)
+        fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates, live_before=reuse_before)
         q, q_heads = loss(_forward(model, fp, fr, qfb, qidx), qfb, model.heads)
         if alpha > 0:  # MetaEmb's simulated cold start: every id of the meta_emb tables starts generated
             every = {t: torch.ones_like(c) for t, c in cold.items()}
             start = learner.cold_rows(mparams, rows, every, sfb, sidx, straight_through=False)
             fp, fr, _, _ = _adapt(model, params, start, sfb, sidx, cfg, rates)
             q = (1.0 - alpha) * q + alpha * _batch_loss(model, fp, fr, qfb, qidx)
+        objective = q
+        if w_sup > 0:  # the base (unadapted, pulled rows) also learns from the support rows
+            s = before if reuse_before else _batch_loss(model, params, rows, sfb, sidx)
+            objective = q + w_sup * s
+            before = before.detach()
         # per-head figures are the query loss's heads (before MetaEmb's cold-start blend, if any)
-        return q, torch.stack(list(q_heads.values())).detach(), before, after
+        return objective, q.detach(), torch.stack(list(q_heads.values())).detach(), before, after
 
     def outer(params: Params, rows: Rows, mparams: Params):
         per_task = (_task_rows(rows, l2g), cold, _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
-        q, q_heads, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
+        q, q_only, q_heads, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
         heads = (q_heads * weights[:, None]).sum(0) / n  # [H]: each head's share of the query loss
-        stats = torch.cat([torch.stack([total, (before * weights).sum() / n, (after * weights).sum() / n,
-                                        weights.sum()]), heads])
+        stats = torch.cat([torch.stack([(q_only * weights).sum() / n, (before * weights).sum() / n,
+                                        (after * weights).sum() / n, weights.sum()]), heads])
         return total, stats.detach()
 
     total, stats, dense_grads, row_grads = _grads(outer, model, rows, learner)

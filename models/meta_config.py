@@ -58,6 +58,12 @@ class MetaConfig:
             id's own labels reveal (a user's click propensity), amortizing part of the inner loop.
             Off: the published MetaEmb (features only). Adaptation needs labeled support rows
             anyway, so serving has them.
+        support_loss_weight: weight ``w`` (>= 0) of the base model's own loss on each task's
+            support rows in the outer objective: per task ``L(Q; adapted) + w * L(S; base,
+            unadapted, the pulled rows)``, weighted over tasks like the query loss. G-Meta's
+            outer loss sees only the query half of each task's rows; with ``w > 0`` the base
+            also learns from the support half, as a plain model learns from every row.
+            Default 0.0: the published G-Meta objective, unchanged. See docs/design/meta_learning.md.
 
     Example::
 
@@ -74,6 +80,7 @@ class MetaConfig:
     meta_emb_tables: list[str] = field(default_factory=list)
     meta_emb_cold_weight: float = 0.5
     meta_emb_labels: bool = False
+    support_loss_weight: float = 0.0
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
@@ -87,6 +94,10 @@ class MetaConfig:
             raise ValueError("meta_emb_tables must name at least one table when meta_emb = true, got []")
         if not 0.0 <= self.meta_emb_cold_weight <= 1.0:
             raise ValueError(f"meta_emb_cold_weight must be in [0, 1], got {self.meta_emb_cold_weight}")
+        w = self.support_loss_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w >= 0 and w < float("inf")):
+            raise ValueError(f"support_loss_weight must be a finite float >= 0, got {w!r}")
+        object.__setattr__(self, "support_loss_weight", float(w))
 
     def __post_init__(self) -> None:
         self.validate()
