@@ -33,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from collections import OrderedDict
@@ -141,13 +140,17 @@ class ExportCache:
         return model
 
     def example(self, key: Hashable, make: Callable[[], V]) -> V:
-        """The example batch for ``key`` (deterministic: ``make`` seeds its own generator)."""
+        """The example batch for ``key`` (deterministic: ``make`` seeds its own generator).
+
+        Shared, not copied: the dense check only reads it (and a batch changed in place
+        could only make the check fail, i.e. trace afresh, never pass a wrong network).
+        """
         got = self._examples.get(key)
         self._count("example", got is not None)
         if got is None:
             got = make()
             self._examples.put(key, got)
-        return copy.deepcopy(got)
+        return got
 
     # -- the traced dense network ------------------------------------------------------
     def take_dense(self, sha: str | None) -> torch.jit.ScriptModule | None:
