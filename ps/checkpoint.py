@@ -937,7 +937,9 @@ def _resolved_rows(chain: list[tuple[Path, dict[str, Any]]], table: str, verify:
             cur = rows
             continue
         drop = np.sort(np.concatenate([removed, rows.ids]))
-        cur = TableRows.concat([cur.take(np.flatnonzero(~in_sorted(cur.ids, drop))), rows], dim)
+        kept = cur.take(np.flatnonzero(~in_sorted(cur.ids, drop)))
+        # (a delta without changed rows of this table carries no optimizer-state arrays to concat)
+        cur = TableRows.concat([kept, rows], dim) if rows.ids.size else kept
     if cur is None:
         raise CheckpointError(f"{chain[-1][0]}: no table '{table}' in its chain")
     return cur
