@@ -92,7 +92,8 @@ class ExportCache:
     """In-memory state reused across the exports of one process (see the module docstring).
 
     Args:
-        size: entries kept per kind (the newest ones).
+        size: entries kept per kind (the newest ones), except live ids: one chain's
+            (16 bytes per live row: the newest bundle's, which the next delta needs).
 
     Attributes:
         hits, misses: per kind ('config', 'model', 'example', 'dense', 'live'), for logs and tests.
@@ -103,7 +104,7 @@ class ExportCache:
         self._models: _Lru[tuple["CtrModel", dict[str, torch.Tensor]]] = _Lru(size)
         self._examples: _Lru[Any] = _Lru(size)
         self._dense: _Lru[torch.jit.ScriptModule] = _Lru(size)
-        self._live: _Lru[Live] = _Lru(size)
+        self._live: _Lru[Live] = _Lru(1)
         self.hits: dict[str, int] = {}
         self.misses: dict[str, int] = {}
 
