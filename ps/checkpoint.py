@@ -989,15 +989,15 @@ def read_changes_tables(ckpt_dir: str | Path, tables: Sequence[str]) -> dict[str
                     prefix = f"t/{table}/".encode()
                     cur = txn.cursor()
                     if cur.set_range(prefix):
-                        for k, raw in cur:
+                        for k, chunk in cur:
                             if not bytes(k).startswith(prefix):
                                 break
                             where = f"{path} key '{bytes(k).decode()}'"
-                            parts[table].append(_arrays_to_rows(unpack_arrays(raw, where), where))
-                    raw = txn.get(f"r/{table}".encode())
-                    if raw is None:
+                            parts[table].append(_arrays_to_rows(unpack_arrays(chunk, where), where))
+                    raw_removed = txn.get(f"r/{table}".encode())
+                    if raw_removed is None:
                         raise CheckpointError(f"{path}: delta shard file lacks key 'r/{table}'")
-                    ids = unpack_arrays(raw, f"{path} key 'r/{table}'").get("ids")
+                    ids = unpack_arrays(raw_removed, f"{path} key 'r/{table}'").get("ids")
                     if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
                         raise CheckpointError(f"{path} key 'r/{table}': expected an int64 [n] array 'ids'")
                     removed[table].append(ids)
