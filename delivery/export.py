@@ -24,6 +24,10 @@ removed ids, combined newest-wins; only those rows are fingerprinted against
 the parent. Nothing else of the checkpoint is read, verified or decoded, so the
 cost follows the changed fraction. Any other case reads every row as above.
 
+A long-lived process (the periodic job) passes an :class:`~delivery.reuse.ExportCache`:
+parsed configs, the built model, the parent's traced dense network and live ids are
+then reused, each keyed by the content it stands for; every check runs as without it.
+
 Example::
 
     src = CheckpointSource.open(latest_checkpoint(run / "checkpoints"))
