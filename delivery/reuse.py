@@ -203,8 +203,9 @@ def advance_live(parent: Live, written: Live, removed: dict[str, np.ndarray]) ->
             fp = fp.copy()
             fp[pos[known]] = w_fp[known]
             fresh = ~known
-            ids = np.insert(ids, pos[fresh], w_ids[fresh])
-            fp = np.insert(fp, pos[fresh], w_fp[fresh])
+            if fresh.any():  # (np.insert copies the whole table even when nothing is inserted)
+                ids = np.insert(ids, pos[fresh], w_ids[fresh])
+                fp = np.insert(fp, pos[fresh], w_fp[fresh])
         out[t] = (ids, fp)
     return out
 
