@@ -23,7 +23,11 @@ publisher every time).
 
 A traced module is *taken* out of the cache (so a module whose parameters are
 being replaced is never also reachable under its old key) and put back under the
-sha256 of the ``dense.pt`` written from it.
+sha256 of the ``dense.pt`` written from it. A module traced by this process
+shares its parameter tensors with the cached model it was traced from, so its
+state may move with that model's while cached: what its key vouches for is the
+graph. Its every parameter and buffer is replaced (strict ``load_state_dict``)
+and the result checked against eager ``model.predict`` before each use.
 
 Example::
 
