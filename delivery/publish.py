@@ -121,7 +121,7 @@ def fsync_tree(path: Path) -> None:
     after another). Every file is still on disk before its directory entry is.
     """
     dirs = []
-    paths = []
+    paths: list[str] = []
     for root, _subdirs, files in os.walk(path):
         paths.extend(os.path.join(root, f) for f in files)
         dirs.append(Path(root))
