@@ -178,10 +178,17 @@ def read_manifest(bundle_dir: str | Path) -> BundleManifest:
         raise DeliveryError(str(exc)) from None
 
 
-def write_manifest(bundle_dir: str | Path, manifest: BundleManifest) -> Path:
-    """Write ``manifest.json`` (via a temp file + rename, so it is whole or absent)."""
+def write_manifest(bundle_dir: str | Path, manifest: BundleManifest, fsync: bool = True) -> Path:
+    """Write ``manifest.json`` (via a temp file + rename, so it is whole or absent).
+
+    Args:
+        bundle_dir: the bundle (or staging) directory.
+        manifest: the manifest.
+        fsync: flush it to disk now; False only in a staging directory, which
+            ``Publisher.publish`` fsyncs file by file before it becomes visible.
+    """
     path = Path(bundle_dir) / MANIFEST
-    write_json_atomic(path, manifest.to_dict(), indent=2, sort_keys=True, fsync=True)
+    write_json_atomic(path, manifest.to_dict(), indent=2, sort_keys=True, fsync=fsync)
     return path
 
 
@@ -337,9 +344,14 @@ class EmbeddingWriter:
         log.debug("table written", extra=kv(table=table, rows=n, path=self.path))
         return n
 
-    def close(self) -> None:
-        """Flush the LMDB file and write ``index.arrow`` next to it."""
-        self._env.sync(True)
+    def close(self, fsync: bool = True) -> None:
+        """Flush the LMDB file and write ``index.arrow`` next to it.
+
+        Args:
+            fsync: fsync the LMDB file now; False when it is written into a staging
+                directory that ``Publisher.publish`` fsyncs (one fsync per file).
+        """
+        self._env.sync(fsync)
         self._env.close()
         write_index(self.path.with_name(INDEX), self.index)
 

@@ -24,6 +24,10 @@ removed ids, combined newest-wins; only those rows are fingerprinted against
 the parent. Nothing else of the checkpoint is read, verified or decoded, so the
 cost follows the changed fraction. Any other case reads every row as above.
 
+A long-lived process (the periodic job) passes an :class:`~delivery.reuse.ExportCache`:
+parsed configs, the built model, the parent's traced dense network and live ids are
+then reused, each keyed by the content it stands for; every check runs as without it.
+
 Example::
 
     src = CheckpointSource.open(latest_checkpoint(run / "checkpoints"))
@@ -48,6 +52,7 @@ from delivery.bundle import (
 )
 from delivery.config import DeliveryConfig
 from delivery.dense import DenseSpec, save_scripted, trace_dense
+from delivery.reuse import ExportCache, Live, LiveKey, advance_live, canonical
 from meta_io.schema import Schema, schema_from_dict
 from metaps.core.config import from_mapping
 from metaps.core.errors import ConfigError, MetapsError
@@ -85,12 +90,14 @@ class CheckpointSource:
     Args:
         path: the checkpoint directory (``.../checkpoints/ckpt-<step>``).
         manifest: its parsed manifest (``ps.checkpoint.read_manifest``).
+        cache: a long-lived process's :class:`~delivery.reuse.ExportCache` (the schema and
+            model config are parsed once per distinct text); None = parse here.
 
     Raises (from :meth:`open`):
         DeliveryError: missing checkpoint, unreadable manifest, or no schema/model info.
     """
 
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], cache: ExportCache | None = None) -> None:
         self.path = path
         self.manifest = manifest
         info = manifest.get("info", manifest)
@@ -101,19 +108,27 @@ class CheckpointSource:
                 f"info={{'schema': ..., 'model': ..., 'step': ...}} to make it deliverable"
             )
         self.info = info
-        self.schema: Schema = schema_from_dict(info["schema"], where=f"{path}: manifest info.schema")
-        from models.config import ModelConfig
+        self.config_key = canonical([info["schema"], info["model"]])
+        """The schema + model config text: equal keys, equal parsed configs and models."""
 
-        try:
-            self.model_cfg = from_mapping(ModelConfig, info["model"], where=f"{path}: manifest info.model")
-        except ConfigError as exc:
-            raise DeliveryError(str(exc)) from None
+        def parse() -> tuple[Schema, Any]:
+            schema = schema_from_dict(info["schema"], where=f"{path}: manifest info.schema")
+            from models.config import ModelConfig
+
+            try:
+                return schema, from_mapping(ModelConfig, info["model"], where=f"{path}: manifest info.model")
+            except ConfigError as exc:
+                raise DeliveryError(str(exc)) from None
+
+        parsed = cache.configs(self.config_key, parse) if cache is not None else parse()
+        self.schema: Schema = parsed[0]
+        self.model_cfg = parsed[1]
         self.step = int(info.get("step", manifest.get("step", -1)))
         self.table_dims = _manifest_tables(path, manifest)
 
     @classmethod
-    def open(cls, path: str | Path, verify: bool = True) -> "CheckpointSource":
-        """Open (and by default sha256-verify) a committed checkpoint."""
+    def open(cls, path: str | Path, verify: bool = True, cache: ExportCache | None = None) -> "CheckpointSource":
+        """Open (and by default sha256-verify) a committed checkpoint (``cache``: see the class)."""
         p = Path(path)
         if not p.is_dir():
             raise DeliveryError(f"{p}: checkpoint directory not found")
@@ -125,7 +140,7 @@ class CheckpointSource:
             raise DeliveryError(f"{p}: not a committed checkpoint: {exc}") from None
         except (OSError, ValueError) as exc:
             raise DeliveryError(f"{p}: cannot read the checkpoint manifest: {exc}") from None
-        return cls(p, manifest)
+        return cls(p, manifest, cache)
 
     def table(self, table: str) -> TableData:
         """Every row of ``table`` across shards, sorted by id (one argsort, no per-row Python)."""
@@ -186,20 +201,33 @@ class CheckpointSource:
         Reads only the delta files (``ps.checkpoint.read_changes``); sorted-set numpy
         ops, no per-row Python. Returns (changed rows sorted by id, removed ids sorted).
         """
-        if table not in self.table_dims:
-            raise DeliveryError(f"{self.path}: checkpoint has no table '{table}'; it has {sorted(self.table_dims)}")
-        from ps.checkpoint import in_sorted, read_changes
+        return self.changes_many([table], deltas)[table]
+
+    def changes_many(self, tables: list[str], deltas: list[Path]) -> dict[str, tuple[TableData, np.ndarray]]:
+        """:meth:`changes` of several tables, each delta's shard files read in one pass."""
+        for table in tables:
+            if table not in self.table_dims:
+                raise DeliveryError(f"{self.path}: checkpoint has no table '{table}'; it has {sorted(self.table_dims)}")
+        from ps.checkpoint import read_changes_tables
+
+        read: list[dict[str, Any]] = []
+        for d in deltas:
+            try:
+                read.append(read_changes_tables(d, tables))
+            except MetapsError as exc:
+                raise DeliveryError(f"{d}: cannot read the changes of tables {tables}: {exc}") from None
+        return {t: self._combine(t, [r[t] for r in read]) for t in tables}
+
+    def _combine(self, table: str, per_delta: list[tuple[Any, np.ndarray]]) -> tuple[TableData, np.ndarray]:
+        """Changed rows and removed ids of consecutive deltas (oldest first), newest value winning."""
+        from ps.checkpoint import in_sorted
 
         dim = self.table_dims[table]
         ids = np.zeros(0, np.int64)
         w = np.zeros((0, dim), np.float32)
         ls = np.zeros(0, np.int64)
         gone = np.zeros(0, np.int64)
-        for d in deltas:
-            try:
-                rows, removed = read_changes(d, table)
-            except MetapsError as exc:
-                raise DeliveryError(f"{d}: cannot read the changes of table '{table}': {exc}") from None
+        for rows, removed in per_delta:
             r_ids = np.asarray(rows.ids, np.int64)
             r_sorted = np.sort(r_ids)
             if ids.size:  # (sort + searchsorted: numpy 2's hash-based isin/unique are far slower here)
@@ -345,15 +373,41 @@ class ParentState:
     schema: dict[str, Any] | None = None
     model: dict[str, Any] | None = None
     dense_spec: dict[str, Any] | None = None
+    dense_sha: str | None = None
+    """sha256 of the parent's ``dense.pt`` per its manifest (the key of a cached traced network)."""
+    live_key: LiveKey = ()
+    """(version, index sha, removed sha) per bundle of the chain: the key of ``live`` in an ExportCache."""
 
 
-def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
+def live_key(chain: list[tuple[Path, BundleManifest]]) -> LiveKey:
+    """The content key of a chain's live ids: each bundle's version and index/removed sha256 (newest first)."""
+    return tuple((m.version, m.files.get(INDEX, ""), m.files.get(REMOVED, "")) for _d, m in chain)
+
+
+def parent_state(chain: list[tuple[Path, BundleManifest]], cache: ExportCache | None = None) -> ParentState:
     """Live ids and fingerprints per table at the newest bundle of ``chain`` (newest first).
 
     Starts from the base's ``index.arrow``; each delta drops its removed ids and
     overrides/adds its written rows (sorted-set numpy ops, no per-row Python).
+    With ``cache``, the live ids of a chain whose every index/removed sha256 (per
+    the manifests) was seen before are reused instead of read.
     """
     newest = chain[0][1]
+    key = live_key(chain)
+    cached = cache.live(key) if cache is not None else None
+    live = cached if cached is not None else _read_live(chain)
+    if cache is not None and cached is None:
+        cache.put_live(key, live)
+    return ParentState(
+        version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
+        live=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
+        chain_length=len(chain) - 1, ckpt_id=newest.source.get("ckpt_id"), path=chain[0][0],
+        schema=newest.schema, model=newest.model, dense_spec=newest.dense, dense_sha=newest.files.get(DENSE),
+        live_key=key,
+    )
+
+
+def _read_live(chain: list[tuple[Path, BundleManifest]]) -> Live:
     live = read_index(chain[-1][0] / INDEX)
     for d, _m in reversed(chain[:-1]):
         rem = read_removed(d / REMOVED)
@@ -368,12 +422,7 @@ def parent_state(chain: list[tuple[Path, BundleManifest]]) -> ParentState:
             ids, fp = live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
             keep = ~np.isin(ids, gone, assume_unique=True)
             live[t] = (ids[keep], fp[keep])
-    return ParentState(
-        version=newest.version, base=newest.base or newest.version, watermark=newest.row_watermark,
-        live=live, dims={t: i.dim for t, i in newest.tables.items()}, dtype=newest.dtype.value,
-        chain_length=len(chain) - 1, ckpt_id=newest.source.get("ckpt_id"), path=chain[0][0],
-        schema=newest.schema, model=newest.model, dense_spec=newest.dense,
-    )
+    return live
 
 
 def changed_since(parent_ids: np.ndarray, parent_fp: np.ndarray, ids: np.ndarray, fp: np.ndarray) -> np.ndarray:
@@ -386,11 +435,20 @@ def changed_since(parent_ids: np.ndarray, parent_fp: np.ndarray, ids: np.ndarray
 
 
 # -- export ---------------------------------------------------------------------------
-def build_trained_model(src: CheckpointSource) -> tuple[CtrModel, dict[str, int]]:
-    """The checkpoint's model with its trained dense parameters loaded."""
+def build_trained_model(src: CheckpointSource, cache: ExportCache | None = None) -> tuple[CtrModel, dict[str, int]]:
+    """The checkpoint's model with its trained dense parameters loaded.
+
+    Args:
+        src: the checkpoint.
+        cache: reuse the model built for the same schema + model config text (every
+            parameter is loaded from ``src`` all the same; buffers reset to their built values).
+    """
     from models.factory import build_model
 
-    model = build_model(src.schema, src.model_cfg)
+    if cache is not None:
+        model = cache.model(src.config_key, lambda: build_model(src.schema, src.model_cfg))
+    else:
+        model = build_model(src.schema, src.model_cfg)
     dims = dict(model.dims)
     for t, dim in dims.items():
         if t not in src.table_dims:
@@ -411,7 +469,8 @@ def build_trained_model(src: CheckpointSource) -> tuple[CtrModel, dict[str, int]
 
 
 def _reuse_parent_dense(
-    model: torch.nn.Module, src: CheckpointSource, dims: dict[str, int], parent: ParentState | None
+    model: torch.nn.Module, src: CheckpointSource, dims: dict[str, int], parent: ParentState | None,
+    cache: ExportCache | None = None,
 ) -> tuple[torch.jit.ScriptModule, DenseSpec] | None:
     """The parent bundle's traced dense network with this checkpoint's parameters, or None.
 
@@ -427,6 +486,10 @@ def _reuse_parent_dense(
         src: the checkpoint.
         dims: table -> dim.
         parent: the parent state (None: nothing to reuse).
+        cache: a process's cache: the parent's traced module is taken from it when one
+            equal to the parent's ``dense.pt`` (same sha256 as the parent's manifest records)
+            is there, instead of loading the file; it gets this checkpoint's state and the
+            same check all the same.
     """
     if parent is None or parent.path is None or parent.dense_spec is None:
         return None
@@ -439,16 +502,25 @@ def _reuse_parent_dense(
     if spec.inputs != input_names(src.schema, list(getattr(model, "tables", src.schema.tables))):
         return None
     try:
-        scripted = load_scripted(str(parent.path / DENSE))
+        scripted = cache.take_dense(parent.dense_sha) if cache is not None else None
+        if scripted is None:
+            scripted = load_scripted(str(parent.path / DENSE))
         scripted.load_state_dict({f"model.{k}": v for k, v in model.state_dict().items()}, strict=True)
     except (DeliveryError, RuntimeError, KeyError) as exc:
         log.info("parent dense network not reusable; tracing", extra=kv(parent=parent.version, error=str(exc)[:200]))
         return None
-    fb, uniq, rows = example_inputs(src.schema, dims, rows=37, id_space=400, seed=2)
+    def make() -> Any:
+        return example_inputs(src.schema, dims, rows=37, id_space=400, seed=2)
+
+    example = cache.example((src.config_key, tuple(sorted(dims.items()))), make) if cache is not None else make()
+    fb, uniq, rows = example
     with torch.no_grad():
         predict: Callable[..., dict[str, torch.Tensor]] = getattr(model, "predict")
         want = predict(fb, rows, uniq)
-        got = scripted(*flat_inputs(spec.inputs, fb, uniq, rows))
+        # The graph as recorded, without the profiling executor's specializing pass (which a
+        # reused module would otherwise run on its second call, ~20 ms here): same graph, same check.
+        with torch.jit.optimized_execution(False):
+            got = scripted(*flat_inputs(spec.inputs, fb, uniq, rows))
     for h, g in zip(spec.heads, got):
         if h not in want or g.shape != want[h].shape or not torch.allclose(g, want[h], atol=1e-5, rtol=0):
             log.info("parent dense network disagrees with the model; tracing", extra=kv(parent=parent.version, head=h))
@@ -462,6 +534,7 @@ def export_bundle(
     version: str,
     cfg: DeliveryConfig,
     parent: ParentState | None = None,
+    cache: ExportCache | None = None,
 ) -> BundleManifest:
     """Write a bundle of checkpoint ``src`` into ``staging`` (full, or a delta on ``parent``).
 
@@ -471,6 +544,13 @@ def export_bundle(
         version: the version name this bundle will be published as.
         cfg: delivery config (dtype, map size).
         parent: the published parent for an incremental bundle; None = full.
+        cache: a long-lived process's :class:`~delivery.reuse.ExportCache` (parsed configs,
+            the built model, the traced dense network, live ids; see that module); every
+            check runs as without it. The written bundle's dense network and live ids are
+            put back into it, keyed by the sha256 of the files written.
+
+    Nothing is fsynced here: ``staging`` becomes a bundle only through
+    ``Publisher.publish``, which fsyncs each of its files once before the rename.
 
     Returns:
         the manifest written to ``staging/manifest.json``.
@@ -480,7 +560,7 @@ def export_bundle(
             missing dense parameters) or a parent incompatible with this checkpoint.
     """
     t0 = time.perf_counter()
-    model, dims = build_trained_model(src)
+    model, dims = build_trained_model(src, cache)
     if parent is not None:
         if parent.dtype != cfg.dtype.value:
             raise DeliveryError(f"parent {parent.version} stores {parent.dtype} rows, this delivery {cfg.dtype.value}")
@@ -490,18 +570,20 @@ def export_bundle(
                     f"table '{t}': dim {dim} in {src.path} but {parent.dims.get(t)} in parent {parent.version}"
                 )
     deltas = src.deltas_after(parent) if parent is not None else None
+    order = sorted(dims, key=table_prefix)  # global key order -> append-mode writes
+    changes = src.changes_many(order, deltas) if parent is not None and deltas is not None else None
     writer = EmbeddingWriter(staging / EMBEDDINGS, cfg.dtype, cfg.map_size_gb)
     tables: dict[str, TableInfo] = {}
     removed: dict[str, np.ndarray] = {}
     watermark = parent.watermark if parent is not None else -1
     written_total = 0
     try:
-        for t in sorted(dims, key=table_prefix):  # global key order -> append-mode writes
-            if parent is not None and deltas is not None:  # only the changed data is read
+        for t in order:
+            if parent is not None and changes is not None:  # only the changed data is read
                 from ps.checkpoint import in_sorted
 
                 p_ids, p_fp = parent.live.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
-                data, removed_since = src.changes(t, deltas)
+                data, removed_since = changes[t]
                 if data.last_step.size:
                     watermark = max(watermark, int(data.last_step.max()))
                 stored = np.ascontiguousarray(data.raw_weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
@@ -541,16 +623,18 @@ def export_bundle(
             tables[t] = TableInfo(dim=dims[t], rows=int(data.ids.shape[0]), written=int(sel_ids.shape[0]),
                                   removed=int(gone.shape[0]))
     finally:
-        writer.close()
+        writer.close(fsync=False)  # staging: Publisher.publish fsyncs every file once
     if parent is not None:
         write_removed(staging / REMOVED, removed)
-    reused = _reuse_parent_dense(model, src, dims, parent)
+    reused = _reuse_parent_dense(model, src, dims, parent, cache)
     scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
     save_scripted(scripted, str(staging / DENSE))
     info = src.info
     from delivery.adapt import adapt_recipe, learned_rates, write_adapt_params
 
-    write_adapt_params(model, staging, learned_rates(src, model, adapt_recipe(info, list(dims), str(src.path))))
+    recipe = adapt_recipe(info, list(dims), str(src.path))
+    write_adapt_params(model, staging, learned_rates(src, model, recipe))
+    files = checksum_files(staging)
     manifest = BundleManifest(
         version=version,
         kind=BundleKind.FULL if parent is None else BundleKind.DELTA,
@@ -568,10 +652,17 @@ def export_bundle(
         dtype=cfg.dtype,
         tables=tables,
         dense=spec.to_dict(),
-        files=checksum_files(staging),
-        adapt=adapt_recipe(info, list(dims), str(src.path)),
+        files=files,
+        adapt=recipe,
     )
-    write_manifest(staging, manifest)
+    write_manifest(staging, manifest, fsync=False)  # (fsynced by Publisher.publish)
+    if cache is not None:
+        cache.put_dense(files[DENSE], scripted)
+        key: LiveKey = ((version, files[INDEX], files.get(REMOVED, "")),)
+        if parent is None:
+            cache.put_live(key, dict(writer.index))
+        else:
+            cache.put_live(key + parent.live_key, advance_live(parent.live, writer.index, removed))
     log.info(
         "bundle exported",
         extra=kv(version=version, kind=manifest.kind.value, checkpoint=src.path, rows_written=written_total,

@@ -12,7 +12,11 @@ One delivery, under the publish root's lock::
 
 The periodic loop runs a delivery each ``every`` seconds; a tick only exports
 when the run's latest checkpoint is newer than what LATEST was built from, and
-does not retry a checkpoint the gate already refused.
+does not retry a checkpoint the gate already refused. It is one long-lived
+process, so it keeps an :class:`~delivery.reuse.ExportCache` across ticks: the
+parsed configs, the built model, the traced dense network and the parent's
+live ids of the last delivery are reused by the next incremental one (each
+keyed by the content it stands for; every check still runs).
 
 Example::
 
@@ -38,6 +42,7 @@ from delivery.export import CheckpointSource, ParentState, export_bundle, parent
 from delivery.gate import GateReport, run_gate
 from delivery.loader import bundle_chain
 from delivery.publish import Publisher
+from delivery.reuse import ExportCache
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
@@ -83,7 +88,9 @@ def _is_newer(src: CheckpointSource, published: Path | None) -> bool:
     return src.step > m.source_step
 
 
-def _parent_for(cfg: DeliveryConfig, pub: Publisher, latest: str | None) -> ParentState | None:
+def _parent_for(
+    cfg: DeliveryConfig, pub: Publisher, latest: str | None, cache: ExportCache | None = None
+) -> ParentState | None:
     """The parent for an incremental export, or None when a full bundle is due."""
     if not cfg.incremental or latest is None:
         return None
@@ -95,11 +102,15 @@ def _parent_for(cfg: DeliveryConfig, pub: Publisher, latest: str | None) -> Pare
     if m.dtype != cfg.dtype:
         log.info("dtype changed; exporting a full bundle", extra=kv(published=m.dtype.value, now=cfg.dtype.value))
         return None
-    return parent_state(chain)
+    return parent_state(chain, cache)
 
 
 def deliver_once(
-    cfg: DeliveryConfig, run: str | Path | None = None, checkpoint: str | Path | None = None, force: bool = False
+    cfg: DeliveryConfig,
+    run: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    force: bool = False,
+    cache: ExportCache | None = None,
 ) -> DeliveryOutcome:
     """Deliver the latest checkpoint of ``run`` (or ``checkpoint``) to ``cfg.out``.
 
@@ -108,6 +119,8 @@ def deliver_once(
         run: a run directory (its latest committed checkpoint is used).
         checkpoint: a checkpoint directory (instead of ``run``).
         force: deliver even if LATEST was built from the same or a newer checkpoint.
+        cache: state reused from this process's earlier deliveries (:mod:`delivery.reuse`);
+            None = nothing reused.
 
     Raises:
         DeliveryError: bad input (missing checkpoint, no schema/model info, bad rows, ...);
@@ -115,7 +128,7 @@ def deliver_once(
     """
     cfg.validate()
     ckpt = resolve_checkpoint(run, checkpoint)
-    src = CheckpointSource.open(ckpt)
+    src = CheckpointSource.open(ckpt, cache=cache)
     pub = Publisher(cfg.out)
     with pub.locked():
         latest = pub.latest()
@@ -123,11 +136,11 @@ def deliver_once(
         if not force and not _is_newer(src, published):
             log.info("no newer checkpoint", extra=kv(checkpoint=ckpt, latest=latest))
             return DeliveryOutcome(Status.UP_TO_DATE, ckpt, latest)
-        parent = _parent_for(cfg, pub, latest)
+        parent = _parent_for(cfg, pub, latest, cache)
         version = pub.next_version()
         staging = pub.staging_dir(version)
         try:
-            manifest = export_bundle(src, staging, version, cfg, parent)
+            manifest = export_bundle(src, staging, version, cfg, parent, cache)
             report = run_gate(staging, published, cfg.holdout, cfg.max_auc_drop, cfg.holdout_rows)
             if not report.ok:
                 log.warning("gate refused the bundle", extra=kv(version=version, reasons=report.reasons))
@@ -137,7 +150,7 @@ def deliver_once(
             record = report.record(cfg.holdout) if cfg.holdout else {"gated": False, "holdout": ""}
             manifest = dataclasses.replace(manifest, gate=record)
             manifest = dataclasses.replace(manifest, files=checksum_files(staging))
-            write_manifest(staging, manifest)
+            write_manifest(staging, manifest, fsync=False)  # publish fsyncs every file of the staging dir
             pub.publish(staging, version)
         except BaseException:
             if staging.exists():
@@ -165,6 +178,8 @@ class PeriodicDelivery:
         self.cfg = cfg
         self.run_dir = Path(run)
         self.refused: set[Path] = set()
+        self.cache = ExportCache()
+        """Reused by this loop's deliveries (content-keyed; see :mod:`delivery.reuse`)."""
         self._stop = threading.Event()
 
     def tick(self) -> DeliveryOutcome | None:
@@ -177,7 +192,7 @@ class PeriodicDelivery:
         if ckpt in self.refused:
             log.info("latest checkpoint was refused by the gate; waiting for a newer one", extra=kv(checkpoint=ckpt))
             return None
-        outcome = deliver_once(self.cfg, checkpoint=ckpt)
+        outcome = deliver_once(self.cfg, checkpoint=ckpt, cache=self.cache)
         if outcome.status is Status.REFUSED:
             self.refused.add(ckpt)
         return outcome

@@ -937,7 +937,9 @@ def _resolved_rows(chain: list[tuple[Path, dict[str, Any]]], table: str, verify:
             cur = rows
             continue
         drop = np.sort(np.concatenate([removed, rows.ids]))
-        cur = TableRows.concat([cur.take(np.flatnonzero(~in_sorted(cur.ids, drop))), rows], dim)
+        kept = cur.take(np.flatnonzero(~in_sorted(cur.ids, drop)))
+        # (a delta without changed rows of this table carries no optimizer-state arrays to concat)
+        cur = TableRows.concat([kept, rows], dim) if rows.ids.size else kept
     if cur is None:
         raise CheckpointError(f"{chain[-1][0]}: no table '{table}' in its chain")
     return cur
@@ -952,34 +954,63 @@ def read_changes(ckpt_dir: str | Path, table: str) -> tuple[TableRows, np.ndarra
     Raises:
         CheckpointError: not a delta checkpoint, or a corrupt file (named).
     """
+    return read_changes_tables(ckpt_dir, [table])[table]
+
+
+def read_changes_tables(ckpt_dir: str | Path, tables: Sequence[str]) -> dict[str, tuple[TableRows, np.ndarray]]:
+    """:func:`read_changes` of several tables in one pass: each shard file opened once.
+
+    Returns:
+        table -> (changed rows, removed ids sorted).
+
+    Raises:
+        CheckpointError: not a delta checkpoint, or a corrupt file (named).
+    """
     ckpt_dir = Path(ckpt_dir)
     man = read_manifest(ckpt_dir)
     if man.get("kind", "full") != "delta":
         raise CheckpointError(f"{ckpt_dir}: not a delta checkpoint")
-    parts: list[TableRows] = []
-    removed: list[np.ndarray] = []
-    dim = int(man["tables"].get(table, {}).get("dim", 0))
+    parts: dict[str, list[TableRows]] = {t: [] for t in tables}
+    removed: dict[str, list[np.ndarray]] = {t: [] for t in tables}
     for path in _shards_to_read(ckpt_dir, False):
-        meta = _read_meta(path)
-        if table not in meta["tables"]:
-            raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")
-        parts.extend(rows for _where, rows in _iter_table_chunks(path, table, None))
         env = _open_ro(path)
         try:
             with env.begin() as txn:
-                raw = txn.get(f"r/{table}".encode())
+                raw_meta = txn.get(b"meta")
+                if raw_meta is None:
+                    raise CheckpointError(f"{path}: key 'meta' missing (incomplete shard file)")
+                try:
+                    meta = json.loads(bytes(raw_meta))
+                except ValueError as exc:
+                    raise CheckpointError(f"{path}: key 'meta' is not valid json: {exc}") from None
+                for table in tables:
+                    if table not in meta["tables"]:
+                        raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")
+                    prefix = f"t/{table}/".encode()
+                    cur = txn.cursor()
+                    if cur.set_range(prefix):
+                        for k, chunk in cur:
+                            if not bytes(k).startswith(prefix):
+                                break
+                            where = f"{path} key '{bytes(k).decode()}'"
+                            parts[table].append(_arrays_to_rows(unpack_arrays(chunk, where), where))
+                    raw_removed = txn.get(f"r/{table}".encode())
+                    if raw_removed is None:
+                        raise CheckpointError(f"{path}: delta shard file lacks key 'r/{table}'")
+                    ids = unpack_arrays(raw_removed, f"{path} key 'r/{table}'").get("ids")
+                    if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
+                        raise CheckpointError(f"{path} key 'r/{table}': expected an int64 [n] array 'ids'")
+                    removed[table].append(ids)
         finally:
             env.close()
-        if raw is None:
-            raise CheckpointError(f"{path}: delta shard file lacks key 'r/{table}'")
-        ids = unpack_arrays(raw, f"{path} key 'r/{table}'").get("ids")
-        if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
-            raise CheckpointError(f"{path} key 'r/{table}': expected an int64 [n] array 'ids'")
-        removed.append(ids)
-    rows = TableRows.concat(parts, dim) if parts else TableRows(np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
-    gone = _sorted_unique(np.concatenate(removed)) if removed else np.zeros(0, np.int64)
-    gone = gone[~in_sorted(gone, np.sort(rows.ids))]
-    return rows, gone
+    out: dict[str, tuple[TableRows, np.ndarray]] = {}
+    for table in tables:
+        dim = int(man["tables"].get(table, {}).get("dim", 0))
+        p = parts[table]
+        rows = TableRows.concat(p, dim) if p else TableRows(np.zeros(0, np.int64), np.zeros((0, dim), np.float32))
+        gone = _sorted_unique(np.concatenate(removed[table])) if removed[table] else np.zeros(0, np.int64)
+        out[table] = (rows, gone[~in_sorted(gone, np.sort(rows.ids))])
+    return out
 
 
 def _sorted_unique(a: np.ndarray) -> np.ndarray:

@@ -79,3 +79,41 @@ def test_latest_naming_a_missing_version_is_a_clear_error(tmp_path, tiny):
     (tmp_path / LATEST).write_text("v000009\n")
     with pytest.raises(DeliveryError, match=r"LATEST: names 'v000009', which is not a published version"):
         load_bundle(tmp_path)
+
+
+def test_publish_fsyncs_every_file_then_the_directory_before_the_rename(tmp_path, tiny, monkeypatch):
+    """Durability of a published bundle: each staged file (fsynced concurrently), then the staging
+    dir, are on disk before the rename makes the version visible; LATEST after the rename."""
+    import os
+    import threading
+
+    pub = Publisher(tmp_path / "out")
+    v = pub.next_version()
+    st = pub.staging_dir(v)
+    write_bundle(st, tiny, v, random_rows(tiny, 10, 0))
+    (st / "extra.bin").write_bytes(b"x" * 4096)  # more files than one
+    staged = sorted(str(p) for p in st.iterdir())
+    assert len(staged) >= 4
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):  # os.fsync, not a project part: records which path was made durable
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+
+    def rename(a, b):
+        with lock:
+            events.append(("rename", str(a)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    pub.publish(st, v)
+    at = events.index(("rename", str(st)))
+    before = [p for kind, p in events[:at] if kind == "fsync"]
+    assert set(staged) <= set(before), sorted(set(staged) - set(before))
+    assert before.index(str(st)) > max(before.index(f) for f in staged)  # the dir after its files
+    after = [p for kind, p in events[at + 1 :] if kind == "fsync"]
+    assert str(pub.root) in after and str(pub.root / (LATEST + ".tmp")) in after
