@@ -129,6 +129,7 @@ class Worker:
             barrier=barrier, ps_cfg=job.ps,
         )
         self._born = time.time()
+        self._warmed = False  # this incarnation's first step is done (see _after_step)
         self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", self._born)))
         self.history: list[dict[str, Any]] = []
         self.samples = 0
@@ -281,7 +282,11 @@ class Worker:
         # a factor-x slower worker: x its forward/backward (basis "compute") or x its whole step
         # but its waits for slower workers (basis "step"); see faults.step_delay
         own_step_s = max(0.0, stats.total_s - self._step_waits())
-        delay = self.faults.step_delay(stats.compute_s, own_step_s)
+        # an incarnation's first step is its warm-up (torch's lazy set-up: seconds of "compute"
+        # against milliseconds later), not its speed: slowing it would make a 20x slower worker
+        # sleep 20x its warm-up, minutes on a loaded box. A slow fault starts at the second step.
+        delay = self.faults.step_delay(stats.compute_s, own_step_s) if self._warmed else 0.0
+        self._warmed = True
         if delay > 0:
             time.sleep(delay)
         self.samples += stats.samples

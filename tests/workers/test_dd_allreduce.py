@@ -65,7 +65,7 @@ def _wait(cond, what: str, timeout_s: float = 120.0, procs=()) -> None:
 
 def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data, ps_servers, tmp_path: Path) -> None:
     job = make_job(worker_data["plain"], tmp_path, mode="plain", workers=2,
-                   train={"dense_sync": "allreduce", "epochs": 3, "log_every": 1},
+                   train={"dense_sync": "allreduce", "epochs": 2, "log_every": 1},
                    ps={"table_defaults": {"dim": 8, "capacity": 4096, "optimizer": {"kind": "sgd", "lr": 0.05}},
                        # SGD on both sides: linear in the gradient, so the comparison tests the weighting
                        # and not Adam's normalisation of near-zero gradients (rounding -> lr-sized steps)
@@ -76,7 +76,8 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
     addrs = ps_servers(job)
     cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.NONE, heartbeat_timeout_s=120.0,
                            dds=DdsConfig(batches_per_shard=1, lease_s=120.0), agent=AgentConfig(heartbeat_s=0.1))
-    spec = DatasetSpec.from_meta_io("train", str(worker_data["plain"]), "train", epochs=3)
+    # 2 epochs of ~31 global steps: the two plans switch within a few steps of being sent
+    spec = DatasetSpec.from_meta_io("train", str(worker_data["plain"]), "train", epochs=2)
     srv = ControllerServer(cfg, tmp_path / "ctl", [spec], RpcConfig(token=TOKEN))
     srv.start("127.0.0.1:0")
     env = {"METAPS_ALLREDUCE": f"127.0.0.1:{pick_port()}", "METAPS_CONTROLLER": srv.address}

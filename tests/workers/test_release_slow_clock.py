@@ -35,9 +35,18 @@ SLOW = 20.0  # worker 0's slow fault factor
 
 @pytest.fixture(scope="module")
 def small_batches(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3k rows in batches of 8 rows (~375 batches): enough steps to watch the clocks."""
+    """24k rows in batches of 8 rows (~3000 batches, one epoch): the fast worker cannot run out.
+
+    The DDS hands out one epoch at a time (the next is created only when every shard of
+    this one is done, so the slow worker's last shard would hold the fast one at the epoch
+    end): the lead must be reached inside the one epoch. Before the slow fault starts
+    (``start_s``) both workers step at full speed for as long as the box needs to warm
+    them up; 3k rows (375 batches) left so little after that on a quiet box that the fast
+    worker ran out at a lead of 4 (a flake). 3000 batches is ~8x what both workers use up
+    to the release even then, and the data costs ~1 s to build.
+    """
     root = tmp_path_factory.mktemp("release-data")
-    gen = generate(root / "raw", GeneratorConfig(rows=3000, users=300, items=200, seed=5, n_files=1,
+    gen = generate(root / "raw", GeneratorConfig(rows=24000, users=300, items=200, seed=5, n_files=1,
                                                  row_group_rows=1000), progress=False)
     return build(gen.out_dir, gen.schema_path, root / "plain",
                  MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=8)).out_dir
@@ -54,13 +63,18 @@ def _todo(srv: ControllerServer) -> int:
 def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_batches: Path,
                                                                           tmp_path: Path) -> None:
     job = make_job(small_batches, tmp_path, mode="plain", workers=2,
-                   train={"epochs": 1, "log_every": 1},
+                   train={"epochs": 1, "log_every": 1,
+                          # worker 0's report snapshot is rewritten every 2 steps: the check below
+                          # waits for one holding slowed steps, seconds apart (10 left it waiting ~40 s)
+                          "tb_every_steps": 2},
                    ps={"sync": "async", "max_staleness": BOUND, "clock_lease_s": 0.0},  # no lease expiry
-                   # from 20 s on: the first step (process warm-up, seconds on a loaded box) is not slowed 5x
+                   # from its second step on: the worker never slows its first step (its warm-up, seconds
+                   # of torch set-up; a start_s of 20 s to skip it failed whenever the box was loaded
+                   # enough that the warm-up ended later: worker 0 slept 19x it, minutes)
                    # factor 20, basis step: its measured step is a small part of a worker's wall time on a
                    # loaded box, so 5x of it left worker 0 barely slower than worker 1 (the lead stalled at 4)
                    faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": SLOW,
-                                       "basis": "step", "start_s": 20.0}]})
+                                       "basis": "step"}]})
     config = write_job(job, tmp_path / "job.toml")
     # a generous wait cap: should the warm-up step still be slowed, the fast worker waits instead of failing
     ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
@@ -68,7 +82,10 @@ def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_
     cfg = ControllerConfig(
         tick_s=0.05, policy=PolicyKind.ND, heartbeat_timeout_s=120.0, worker_stall_timeout_s=0.0,
         dds=DdsConfig(batches_per_shard=2, lease_s=120.0),
-        monitor=MonitorConfig(window_s=0.5, consecutive=2, ratio=2.0, min_peers=1),
+        # a window is judged only when both workers reported in it; worker 0's slowed steps are
+        # seconds apart and worker 1 steps right after each (it waits at the bound): 2 s windows
+        # hold both, 0.5 s ones often missed the pair and flagging took a dozen slow steps
+        monitor=MonitorConfig(window_s=2.0, consecutive=2, ratio=2.0, min_peers=1),
         nd=NdConfig(restart_after=0, move_vshards=0, release_slow_clock=True),
         agent=AgentConfig(heartbeat_s=0.1))
     spec = DatasetSpec.from_meta_io("train", str(small_batches), "train", epochs=1)
@@ -113,6 +130,8 @@ def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_
                 break
             time.sleep(0.2)
         assert slowed, snap["history"][-3:]
+        first = snap["history"][0]
+        assert first["step"] == 1 and first["fault_sleep_s"] == 0.0, first  # the warm-up step is not slowed
         for r in slowed:
             assert r["fault_sleep_s"] == pytest.approx((SLOW - 1) * r["own_step_s"], rel=1e-9), r
             assert r["own_step_s"] >= r["compute_s"] + r["pull_s"] * 0.999, r
