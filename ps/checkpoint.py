@@ -767,16 +767,21 @@ def _iter_table_chunks(path: Path, table: str, vshards: Sequence[int] | None) ->
                         where = f"{path} key '{key}'"
                         yield where, _arrays_to_rows(unpack_arrays(raw, where), where)
             else:
-                prefix = f"t/{table}/".encode()
-                cur = txn.cursor()
-                if cur.set_range(prefix):
-                    for k, raw in cur:
-                        if not bytes(k).startswith(prefix):
-                            break
-                        where = f"{path} key '{bytes(k).decode()}'"
-                        yield where, _arrays_to_rows(unpack_arrays(raw, where), where)
+                yield from _all_table_chunks(txn, path, table)
     finally:
         env.close()
+
+
+def _all_table_chunks(txn: lmdb.Transaction, path: Path, table: str) -> Iterator[tuple[str, TableRows]]:
+    """Every ``t/<table>/<vshard>`` chunk of one open shard file, in key order: (where, rows)."""
+    prefix = f"t/{table}/".encode()
+    cur = txn.cursor()
+    if cur.set_range(prefix):
+        for k, raw in cur:
+            if not bytes(k).startswith(prefix):
+                break
+            where = f"{path} key '{bytes(k).decode()}'"
+            yield where, _arrays_to_rows(unpack_arrays(raw, where), where)
 
 
 def load_shard(
@@ -986,14 +991,7 @@ def read_changes_tables(ckpt_dir: str | Path, tables: Sequence[str]) -> dict[str
                 for table in tables:
                     if table not in meta["tables"]:
                         raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")
-                    prefix = f"t/{table}/".encode()
-                    cur = txn.cursor()
-                    if cur.set_range(prefix):
-                        for k, chunk in cur:
-                            if not bytes(k).startswith(prefix):
-                                break
-                            where = f"{path} key '{bytes(k).decode()}'"
-                            parts[table].append(_arrays_to_rows(unpack_arrays(chunk, where), where))
+                    parts[table].extend(rows for _, rows in _all_table_chunks(txn, path, table))
                     raw_removed = txn.get(f"r/{table}".encode())
                     if raw_removed is None:
                         raise CheckpointError(f"{path}: delta shard file lacks key 'r/{table}'")

@@ -47,7 +47,7 @@ import torch
 
 from protos import ps_pb2
 from ps import wire
-from ps.reply_buffer import writable_bytes, writable_view
+from ps.reply_buffer import RowsBuffer, writable_bytes, writable_view
 from ps.types import PUSH_COUNT_FIELDS
 from ps.wire import DType, WireError
 
@@ -243,7 +243,7 @@ def encode_push_request(tables: Sequence[tuple[str, np.ndarray, np.ndarray, np.n
     return _done(data, view)
 
 
-class PullFrameBuffer:
+class PullFrameBuffer(RowsBuffer):
     """A pull reply frame under construction, its row regions writable (gathered into in place).
 
     Args:
@@ -254,34 +254,17 @@ class PullFrameBuffer:
         names = _names([t for t, _, _, _ in tables])
         fp16 = any(dt == DType.FP16 for _, dt, _, _ in tables)
         payload, offs = _layout(b"", names)
-        self._spans: list[tuple[int, int, DType, int, int]] = []
+        self._spans = []
         at = payload
         for _, dt, n, dim in tables:
             nbytes = int(n) * int(dim) * dt.numpy.itemsize
             self._spans.append((at, nbytes, dt, int(n), int(dim)))
             at += _pad8(nbytes)
-        self._bytes: bytes | None
         self._bytes, self._view = writable_bytes(at)
         _write_head(self._view, PULL_REPLY, _flags(fp16, None), 0, None, b"", names,
                     [(int(n), int(dim), _CODE[dt]) for _, dt, n, dim in tables], offs)
         for off, nbytes, _, _, _ in self._spans:
             self._view[off + nbytes:off + _pad8(nbytes)] = 0
-
-    def rows(self, i: int) -> np.ndarray:
-        """Table ``i``'s rows: a writable C-contiguous [n, dim] array of its wire dtype (fill it all).
-
-        Args:
-            i: the table's index in the constructor's list.
-        """
-        off, nbytes, dtype, n, dim = self._spans[i]
-        return self._view[off:off + nbytes].view(dtype.numpy).reshape(n, dim)
-
-    def bytes(self) -> bytes:
-        """The finished frame; the builder must not be used afterwards."""
-        out = self._bytes if self._bytes is not None else self._view.tobytes()
-        self._view = np.empty(0, dtype=np.uint8)
-        self._bytes = None
-        return out
 
 
 def encode_pull_reply(tables: Sequence[tuple[str, DType, np.ndarray]]) -> bytes:

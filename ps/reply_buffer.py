@@ -33,7 +33,7 @@ import numpy as np
 from protos import ps_pb2
 from ps import wire
 
-__all__ = ["IN_PLACE", "PullReplyBuffer", "writable_bytes", "writable_view"]
+__all__ = ["IN_PLACE", "PullReplyBuffer", "RowsBuffer", "writable_bytes", "writable_view"]
 
 
 def _uninitialized_bytes_factory() -> Callable[[int], tuple[bytes, np.ndarray]] | None:
@@ -114,35 +114,15 @@ def writable_view(data: bytes) -> np.ndarray | None:
     return np.asarray(_Owner(data))
 
 
-class PullReplyBuffer:
-    """A serialized ``PullManyResponse`` under construction, its row regions writable.
-
-    Args:
-        tables: per table (name, wire dtype, rows, dim), in reply order.
+class RowsBuffer:
+    """A serialized reply under construction: one ``bytes`` (``writable_bytes``) whose row
+    regions are writable, so rows are gathered straight into it (no intermediate tensor,
+    no join copy). Subclasses lay out the header and set ``_spans``.
     """
 
-    def __init__(self, tables: list[tuple[str, wire.DType, int, int]]) -> None:
-        heads: list[bytes] = []
-        self._spans: list[tuple[int, int, wire.DType, int, int]] = []  # (offset, nbytes, dtype, n, dim)
-        total = 0
-        for name, dtype, n, dim in tables:
-            nbytes = int(n) * int(dim) * dtype.numpy.itemsize
-            head = ps_pb2.TableValues(table=name, dtype=dtype.proto, dim=int(dim), rows=int(n)).SerializeToString()
-            values_hdr = wire._VALUES_TAG + wire._varint(nbytes)
-            prefix = wire._TABLES_TAG + wire._varint(len(head) + len(values_hdr) + nbytes) + head + values_hdr
-            heads.append(prefix)
-            self._spans.append((total + len(prefix), nbytes, dtype, int(n), int(dim)))
-            total += len(prefix) + nbytes
-        if _NEW_BYTES is not None:
-            self._bytes: bytes | None = None
-            self._bytes, self._view = _NEW_BYTES(total)
-        else:
-            self._bytes = None
-            self._view = np.frombuffer(bytearray(total), dtype=np.uint8)
-        pos = 0
-        for prefix, (off, nbytes, _, _, _) in zip(heads, self._spans):
-            self._view[pos : pos + len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-            pos = off + nbytes
+    _spans: list[tuple[int, int, wire.DType, int, int]]  # (offset, nbytes, dtype, n, dim) per table
+    _bytes: bytes | None
+    _view: np.ndarray
 
     def rows(self, i: int) -> np.ndarray:
         """Table ``i``'s rows region: a writable C-contiguous [n, dim] array of its wire dtype.
@@ -161,3 +141,29 @@ class PullReplyBuffer:
         self._view = np.empty(0, dtype=np.uint8)  # drop the writable view
         self._bytes = None
         return out
+
+
+class PullReplyBuffer(RowsBuffer):
+    """A serialized ``PullManyResponse`` under construction, its row regions writable.
+
+    Args:
+        tables: per table (name, wire dtype, rows, dim), in reply order.
+    """
+
+    def __init__(self, tables: list[tuple[str, wire.DType, int, int]]) -> None:
+        heads: list[bytes] = []
+        self._spans = []
+        total = 0
+        for name, dtype, n, dim in tables:
+            nbytes = int(n) * int(dim) * dtype.numpy.itemsize
+            head = ps_pb2.TableValues(table=name, dtype=dtype.proto, dim=int(dim), rows=int(n)).SerializeToString()
+            values_hdr = wire._VALUES_TAG + wire._varint(nbytes)
+            prefix = wire._TABLES_TAG + wire._varint(len(head) + len(values_hdr) + nbytes) + head + values_hdr
+            heads.append(prefix)
+            self._spans.append((total + len(prefix), nbytes, dtype, int(n), int(dim)))
+            total += len(prefix) + nbytes
+        self._bytes, self._view = writable_bytes(total)
+        pos = 0
+        for prefix, (off, nbytes, _, _, _) in zip(heads, self._spans):
+            self._view[pos : pos + len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+            pos = off + nbytes
