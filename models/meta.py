@@ -5,6 +5,8 @@ meta batch's gathered rows ``r``::
 
     (p_0, r_0) = (p, r)
     (p_k, r_k) = (p_{k-1}, r_{k-1}) - inner_lr * grad L(S_i; p_{k-1}, r_{k-1})   # adapted subset only
+                 # L(S_i) = mean over real support rows; [meta] inner_loss_reduction = sum_per_support:
+                 # their sum / inner_support_size (the step grows with the task's support rows)
     task loss  = L(Q_i; p_K, r_K)                       # mean over the task's real query rows
                [+ w * L(S_i; p, r)]                     # [meta] support_loss_weight w > 0: the base on the support
     outer loss = mean over real tasks of the task loss
@@ -54,10 +56,11 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
+from metaps.core.errors import ConfigError
 from models.base import CtrModel
 from models.embedding import LookupIndex, TableIndex
 from models.losses import loss
-from models.meta_config import AdaptTarget, InnerLr, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
+from models.meta_config import AdaptTarget, InnerLr, InnerReduction, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
 from models.meta_learner import PREFIX as LEARNER_PREFIX
 from models.meta_learner import MetaLearner
 
@@ -150,9 +153,10 @@ def _adapt(
     def support_loss(fast: dict[str, dict[str, Tensor]]) -> Tensor:
         return _batch_loss(model, {**params, **fast["dense"]}, {**rows, **fast["rows"]}, support, index)
 
+    step = _inner_objective(support_loss, support, cfg)
     before = None
     for _ in range(cfg.inner_steps):
-        g, value = grad_and_value(support_loss)(fast)
+        g, value = step(fast)
         if before is None:
             before = value if live_before else value.detach()
         if cfg.first_order:
@@ -163,6 +167,47 @@ def _adapt(
     if before is None:
         before = support_loss(fast) if live_before else after
     return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, after
+
+
+def _inner_objective(
+    support_loss: Callable[[dict[str, dict[str, Tensor]]], Tensor], support: FeatureBatch, cfg: MetaConfig
+) -> Callable[[dict[str, dict[str, Tensor]]], tuple[dict[str, dict[str, Tensor]], Tensor]]:
+    """``fast -> (inner gradient, mean support loss)`` under ``[meta] inner_loss_reduction``.
+
+    ``mean``: the gradient of the mean support loss (the published recipe, unchanged code path).
+    ``sum_per_support``: the gradient of ``mean x n / S`` = the sum over the task's ``n`` real support
+    rows divided by ``inner_support_size`` S (``n`` is a tensor: it varies per task under vmap).
+    The returned loss value is the mean in both cases (metrics and ``support_loss_weight`` use it).
+
+    Args:
+        support_loss: fast weights -> the task's mean support loss.
+        support: the task's support rows (``mask`` marks the real ones).
+        cfg: the inner loop settings.
+    """
+    if cfg.inner_loss_reduction is InnerReduction.MEAN:
+        return grad_and_value(support_loss)
+    scale = support.mask.sum().to(torch.float32) / float(cfg.inner_support_size)
+
+    def scaled(fast: dict[str, dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
+        mean = support_loss(fast)
+        return mean * scale, mean
+
+    grad_fn = grad_and_value(scaled, has_aux=True)
+
+    def run(fast: dict[str, dict[str, Tensor]]) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
+        g, (_, mean) = grad_fn(fast)
+        return g, mean
+
+    return run
+
+
+def _check_support_size(cfg: MetaConfig, support: FeatureBatch) -> None:
+    """Training: a batch's support slots must not exceed ``inner_support_size`` under ``sum_per_support``."""
+    if cfg.inner_loss_reduction is InnerReduction.SUM_PER_SUPPORT and support.mask.shape[1] > cfg.inner_support_size:
+        raise ConfigError(
+            f"[meta] inner_support_size = {cfg.inner_support_size} but a training batch has "
+            f"{support.mask.shape[1]} support slots per task: set it to the Meta-IO layout's support size"
+        )
 
 
 def _task_weights(batch_task_mask: Tensor, query: FeatureBatch) -> Tensor:
@@ -252,6 +297,7 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
     """
     learner = _learner(cfg, model)
     cfg = learner.cfg
+    _check_support_size(cfg, batch.support)
     sup_idx = model.lookup_index(batch.support, batch.unique_ids, rows)
     qry_idx = model.lookup_index(batch.query, batch.unique_ids, rows)
     l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})

@@ -14,6 +14,16 @@ class AdaptTarget(str, enum.Enum):
     BOTH = "both"
 
 
+class InnerReduction(str, enum.Enum):
+    """How the inner loop reduces its loss over a task's support rows."""
+
+    MEAN = "mean"
+    """The mean over the task's real support rows: one step's size does not grow with their number."""
+    SUM_PER_SUPPORT = "sum_per_support"
+    """The sum over the task's real support rows divided by ``inner_support_size`` S: equal to
+    ``mean`` at S real rows, ``K/S`` times it at K rows (the step grows with the evidence)."""
+
+
 class InnerLr(str, enum.Enum):
     """Learned inner learning rates (Meta-SGD), meta-trained in the outer loop."""
 
@@ -64,6 +74,15 @@ class MetaConfig:
             outer loss sees only the query half of each task's rows; with ``w > 0`` the base
             also learns from the support half, as a plain model learns from every row.
             Default 0.0: the published G-Meta objective, unchanged. See docs/design/meta_learning.md.
+        inner_loss_reduction: the inner (support) loss of every inner step, wherever the inner loop
+            runs (training, MetaEmb, adapted evaluation, a bundle's adaptation): ``mean`` over the
+            task's real support rows (default, the published recipe), or ``sum_per_support``: their
+            SUM divided by ``inner_support_size`` S, so a task with K real support rows takes a step
+            K/S times the ``mean`` step (equal at K = S): the step follows the evidence, as a
+            Bayesian update's shift grows with n. Outer losses and reported support losses stay means.
+        inner_support_size: S of ``sum_per_support``: the training Meta-IO layout's support rows per
+            task (``metaps data build``'s support size); required (>= 1) with ``sum_per_support``,
+            ignored with ``mean``. A training batch with more support slots than S is an error.
 
     Example::
 
@@ -81,6 +100,8 @@ class MetaConfig:
     meta_emb_cold_weight: float = 0.5
     meta_emb_labels: bool = False
     support_loss_weight: float = 0.0
+    inner_loss_reduction: InnerReduction = InnerReduction.MEAN
+    inner_support_size: int = 0
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
@@ -98,6 +119,17 @@ class MetaConfig:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w >= 0 and w < float("inf")):
             raise ValueError(f"support_loss_weight must be a finite float >= 0, got {w!r}")
         object.__setattr__(self, "support_loss_weight", float(w))
+        try:
+            object.__setattr__(self, "inner_loss_reduction", InnerReduction(self.inner_loss_reduction))
+        except ValueError:
+            raise ValueError(f"inner_loss_reduction must be one of {[r.value for r in InnerReduction]}, "
+                             f"got {self.inner_loss_reduction!r}") from None
+        n = self.inner_support_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"inner_support_size must be an int >= 0, got {n!r}")
+        if self.inner_loss_reduction is InnerReduction.SUM_PER_SUPPORT and n < 1:
+            raise ValueError("inner_support_size must be >= 1 (the training layout's support rows per task) "
+                             f"when inner_loss_reduction = 'sum_per_support', got {n}")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,0 +1,172 @@
+"""``[meta] inner_loss_reduction``: ``mean`` (the published recipe) or ``sum_per_support`` (the sum over
+a task's real support rows / ``inner_support_size`` S), wherever the inner loop runs.
+
+Real parts only: the project's model, its functional meta step, learned rates, and a delivered bundle
+(LMDB, the test fleet of tests/delivery) adapting against the trainer's own adaptation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from delivery.config import DeliveryConfig
+from delivery.job import deliver_once
+from delivery.loader import load_bundle
+from meta_io.batch import FeatureBatch
+from metaps.core.config import from_mapping, to_dict
+from metaps.core.errors import ConfigError
+from models import ModelConfig, build_model
+from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
+from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of
+from tests.delivery.conftest import Fleet, tiny  # noqa: F401  (the session fixture)
+
+S = 4
+TINY = dict(hidden=[8], default_dim=4)
+
+
+def _model():
+    schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=2, vector_dim=4, max_len=3)
+    return schema, build_model(schema, ModelConfig(kind="dnn", **TINY))
+
+
+def _same(a, b) -> None:
+    assert torch.equal(a.outer_loss, b.outer_loss)
+    assert a.metrics == b.metrics
+    for name in a.dense_grads:
+        assert torch.equal(a.dense_grads[name], b.dense_grads[name]), name
+    for t in a.row_grads:
+        assert torch.equal(a.row_grads[t], b.row_grads[t]), t
+
+
+def test_config_is_validated_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="inner_loss_reduction"):
+        from_mapping(MetaConfig, {"inner_loss_reduction": "sum"}, where="job.toml [meta]")
+    with pytest.raises(ConfigError, match="inner_support_size"):
+        from_mapping(MetaConfig, {"inner_loss_reduction": "sum_per_support"}, where="job.toml [meta]")
+    with pytest.raises(ConfigError, match="inner_support_size"):
+        from_mapping(MetaConfig, {"inner_support_size": -1}, where="job.toml [meta]")
+    cfg = from_mapping(MetaConfig, {"inner_loss_reduction": "sum_per_support", "inner_support_size": 8})
+    assert from_mapping(MetaConfig, to_dict(cfg)) == cfg  # the bundle recipe round-trips it
+
+
+@pytest.mark.parametrize("learn", ["off", "element"])
+def test_mean_is_bit_identical_to_the_default(learn) -> None:
+    """``mean`` ignores ``inner_support_size``: the same bits as a config without the keys (padded rows
+    present, so a scaled loss would differ)."""
+    schema, model = _model()
+    g = torch.Generator().manual_seed(1)
+    mb = random_meta_batch(schema, tasks=4, support=6, query=3, vocab=8, generator=g, pad_rows=0.3, pad_tasks=1)
+    rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+    base = dict(inner_steps=2, inner_lr=0.1, learn_inner_lr=learn)
+    old = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base)))
+    new = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base, inner_loss_reduction="mean",
+                                                                   inner_support_size=3)))
+    _same(old, new)
+
+
+@pytest.mark.parametrize("learn", ["off", "element"])
+def test_sum_per_support_at_k_equal_s_equals_mean(learn) -> None:
+    """Every task with exactly S real support rows: the same step as ``mean`` (training and evaluation)."""
+    schema, model = _model()
+    g = torch.Generator().manual_seed(2)
+    mb = random_meta_batch(schema, tasks=3, support=S, query=3, vocab=8, generator=g, pad_rows=0.0)
+    rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+    base = dict(inner_steps=2, inner_lr=0.1, learn_inner_lr=learn)
+    mean = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base)))
+    summ = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base, inner_loss_reduction="sum_per_support",
+                                                                    inner_support_size=S + 2)))
+    assert summ.metrics["support_loss_after"] != mean.metrics["support_loss_after"]  # S/(S+2): a smaller step
+    exact = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base, inner_loss_reduction="sum_per_support",
+                                                                     inner_support_size=S)))
+    _same(mean, exact)
+    # the evaluation path too (learned rates included), with padding slots beyond the S real rows
+    mb = random_meta_batch(schema, tasks=3, support=S + 2, query=3, vocab=8, generator=g, pad_rows=0.0)
+    mb.support.mask[:, S:] = False
+    rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+    ln = MetaLearner(model, MetaConfig(**base))
+    ln_s = MetaLearner(model, MetaConfig(**base, inner_loss_reduction="sum_per_support", inner_support_size=S))
+    ln_s.load_state_dict(ln.state_dict())
+    p_mean = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, ln)
+    p_sum = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, ln_s)
+    for h in p_mean:
+        assert torch.equal(p_mean[h], p_sum[h]), h
+
+
+def test_k_equal_2s_takes_exactly_twice_the_first_step() -> None:
+    schema, model = _model()
+    g = torch.Generator().manual_seed(3)
+    sup = random_features(schema, (2 * S,), vocab=8, generator=g, pad_rows=0.0)
+    uniq = unique_ids_of(schema, sup)
+    rows = random_rows(uniq, model.dims, g, scale=0.5)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    index = model.lookup_index(sup, uniq, rows)
+    one = dict(inner_steps=1, inner_lr=0.1, adapt=AdaptTarget.BOTH)
+    pm, rm, before_m, _ = _adapt(model, params, rows, sup, index, MetaConfig(**one))
+    ps_, rs, before_s, _ = _adapt(model, params, rows, sup, index,
+                                  MetaConfig(**one, inner_loss_reduction="sum_per_support", inner_support_size=S))
+    assert torch.equal(before_m, before_s)  # the reported support loss stays the mean
+    moved = 0.0
+    for n in params:
+        dm, ds = pm[n] - params[n], ps_[n] - params[n]
+        torch.testing.assert_close(ds, 2.0 * dm, rtol=1e-5, atol=1e-6)  # float rounding of p - lr g only
+        moved = max(moved, float(dm.abs().max()))
+    for t in rows:
+        torch.testing.assert_close(rs[t] - rows[t], 2.0 * (rm[t] - rows[t]), rtol=1e-5, atol=1e-6)  # float rounding of p - lr g only
+    assert moved > 1e-4
+
+
+def test_a_training_batch_wider_than_the_support_size_is_an_error() -> None:
+    schema, model = _model()
+    g = torch.Generator().manual_seed(4)
+    mb = random_meta_batch(schema, tasks=2, support=S + 1, query=2, vocab=8, generator=g)
+    rows = random_rows(mb.unique_ids, model.dims, g)
+    cfg = MetaConfig(inner_loss_reduction="sum_per_support", inner_support_size=S)
+    with pytest.raises(ConfigError, match=r"inner_support_size = 4 .* 5 support slots"):
+        meta_step(model, mb, rows, cfg)
+
+
+META = MetaConfig(inner_steps=2, inner_lr=0.05, adapt=AdaptTarget.BOTH,
+                  inner_loss_reduction="sum_per_support", inner_support_size=3)
+
+
+def _flat(fb: FeatureBatch) -> FeatureBatch:
+    return fb.map(lambda t: t.reshape((-1,) + tuple(t.shape[2:])))
+
+
+def test_a_bundle_adapts_like_the_trainer_with_sum_per_support(tmp_path, tiny) -> None:  # noqa: F811
+    fleet = Fleet(tiny)
+    fleet.train(seed=3, fraction=0.7)
+    info = {"schema": tiny.schema.to_dict(), "model": to_dict(tiny.cfg), "step": 5,
+            "job": {"meta": to_dict(META), "ps": {"seed": 0}}}
+    ckpt = fleet.checkpoint(tmp_path / "checkpoints", step=5, info=info)
+    deliver_once(DeliveryConfig(out=tmp_path / "bundles"), checkpoint=ckpt)
+    served = load_bundle(tmp_path / "bundles" / "v000001")
+    try:
+        rec = served.manifest.adapt["meta"]
+        assert rec["inner_loss_reduction"] == "sum_per_support" and rec["inner_support_size"] == 3
+        T, K, Q = 5, 6, 4  # K = 2 S support slots, some padded: steps of different sizes per task
+        g = torch.Generator().manual_seed(11)
+        sup = random_features(tiny.schema, (T, K), vocab=600, generator=g, pad_rows=0.3)
+        qry = random_features(tiny.schema, (T, Q), vocab=600, generator=g, pad_rows=0.2)
+        uniq = {}
+        for c in tiny.schema.id_columns:
+            v = torch.cat([sup.ids[c.name].reshape(-1), qry.ids[c.name].reshape(-1)])
+            uniq[c.table_name] = torch.unique(torch.cat([uniq.get(c.table_name, torch.zeros(0, dtype=torch.long)),
+                                                         v[v >= 0]]))
+        rows = {t: torch.from_numpy(fleet.pull(t, u.numpy())) for t, u in uniq.items()}
+        want = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq, META)
+        mean = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq,
+                                 MetaConfig(inner_steps=2, inner_lr=0.05, adapt=AdaptTarget.BOTH))
+        keys = np.arange(T, dtype=np.int64) * 7919 + 3
+        pred = served.adapt(_flat(sup), np.repeat(keys, K), tasks_per_batch=2)
+        got = pred.predict(_flat(qry), np.repeat(keys, Q))
+        real = qry.mask.reshape(-1).bool()
+        differs = 0.0
+        for h in served.heads:
+            np.testing.assert_allclose(got[h][real].numpy(), want[h].reshape(-1)[real].numpy(), atol=1e-5, rtol=0)
+            differs = max(differs, float((want[h] - mean[h]).reshape(-1)[real].abs().max()))
+        assert differs > 1e-4, "sum_per_support changed nothing: the test would not see a bundle ignoring it"
+    finally:
+        served.close()
