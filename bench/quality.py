@@ -36,7 +36,9 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    trained models (``first_k_by_k``, per seed and over seeds; the first K listed also fills
    the ``first_k*`` keys); a larger K scores fewer, later rows, so compare within a K.
    ``--support-loss-weight W`` trains with ``[meta] support_loss_weight = W`` (the base also
-   learns from the support rows).
+   learns from the support rows). ``--inner-loss-reduction sum_per_support`` (``--cold-only``) sets
+   ``[meta] inner_loss_reduction`` (inner step size grows with the task's support rows) for the meta
+   trainings and the plain model's fine-tuning alike.
 
 The same run measures everything; the last line printed is a JSON object.
 """
@@ -120,7 +122,7 @@ def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
 def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
                      learn: str, inner_lr: float, first_k: int | list[int] = 0, emb_list: tuple[bool, ...] = (False,),
                      emb_cold_weight: float = 0.5, emb_labels: bool = False,
-                     support_loss_weight: float = 0.0) -> dict[str, Any]:
+                     support_loss_weight: float = 0.0, inner_loss_reduction: str = "mean") -> dict[str, Any]:
     """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
     validation users, held-out users reported (and, with ``first_k``, every variant under first-k).
 
@@ -129,6 +131,9 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
             scores the SAME trained models; the first K listed fills the ``first_k*`` keys, every K
             is under ``first_k_by_k``. A larger K scores fewer, later rows: compare within a K.
         support_loss_weight: ``[meta] support_loss_weight`` of the meta trainings.
+        inner_loss_reduction: ``[meta] inner_loss_reduction`` of the meta trainings and of the plain
+            model's fine-tuning ("the same fine-tuning"); ``sum_per_support`` divides by the layout's
+            support size (``inner_support_size`` = 8 here).
     """
     ks = [k for k in ([first_k] if isinstance(first_k, int) else list(first_k)) if k]
     from meta_io.build import MetaIOBuildConfig, build
@@ -140,6 +145,9 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction, seed=seed)
     vsplit = split_by_task(split.train_dir, load_schema(split.schema_path), tmp / "vsplit", fraction=0.1, seed=seed + 1000)
     mcfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
+    # [meta] inner_loss_reduction; the mean default adds no key (the job is the one of before)
+    red: dict[str, Any] = ({} if inner_loss_reduction == "mean" else
+                           {"inner_loss_reduction": inner_loss_reduction, "inner_support_size": mcfg.support})
     mtrain = build(vsplit.train_dir, vsplit.schema_path, tmp / "m-train", mcfg).out_dir
     mval = build(vsplit.holdout_dir, vsplit.schema_path, tmp / "m-val", mcfg).out_dir
     mheld = build(split.holdout_dir, split.schema_path, tmp / "m-held", mcfg).out_dir
@@ -150,7 +158,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
         for emb in emb_list:
             key = f"{steps}+meta_emb" if emb else str(steps)
             meta: dict[str, Any] = {"inner_steps": steps, "inner_lr": inner_lr, "adapt": "both", "first_order": True,
-                                    "learn_inner_lr": learn, "support_loss_weight": support_loss_weight}
+                                    "learn_inner_lr": learn, "support_loss_weight": support_loss_weight, **red}
             if emb:
                 meta.update(meta_emb=True, meta_emb_tables=["user"], meta_emb_cold_weight=emb_cold_weight,
                             meta_emb_labels=emb_labels)
@@ -171,7 +179,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     _progress(f"  [seed {seed}] plain training (baseline + the same fine-tuning, {chosen} step(s))")
     _, pw = train_local(job_for(mtrain, mval, tmp / "run-plain", "plain", "dnn", epochs), tmp / "run-plain",
                         checkpoint=False)
-    plain = _eval_adapted(pw, mheld, MetaConfig(inner_steps=chosen, inner_lr=inner_lr))
+    plain = _eval_adapted(pw, mheld, MetaConfig(inner_steps=chosen, inner_lr=inner_lr, **red))
     held = runs[chosen_key]["held"]
     res: dict[str, Any] = {"chosen_inner_steps": chosen, "chosen_variant": chosen_key, "runs": runs, "plain": plain["base"],
                            "plain_finetuned": plain["adapted"], "base": held["base"], "adapted": held["adapted"]}
@@ -189,7 +197,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
 
         res["first_k_by_k"] = {}
         for k in ks:
-            p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr), k)
+            p_fk = fk(pw, MetaConfig(inner_steps=chosen, inner_lr=inner_lr, **red), k)
             for key, w in workers.items():  # every variant side by side under first-k
                 fk_k = fk(w, w.trainer.inner_loop, k)
                 effect = effect_sizes(w, protocol_batches("first-k", split.holdout_dir, schema, k=k))
@@ -330,7 +338,8 @@ def main_inner(args: argparse.Namespace) -> int:
     seeds = [int(x) for x in args.seeds.split(",") if x]
     emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
     ks = parse_first_k(args.first_k)
-    out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
+    out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight,
+                           "inner_loss_reduction": args.inner_loss_reduction, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
                            "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
                            "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
                            "meta_emb_labels": args.meta_emb_labels,
@@ -346,7 +355,7 @@ def main_inner(args: argparse.Namespace) -> int:
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
                                                      args.learn_inner_lr, args.inner_lr, ks,
                                                      emb_list, args.meta_emb_cold_weight, args.meta_emb_labels,
-                                                     args.support_loss_weight)
+                                                     args.support_loss_weight, args.inner_loss_reduction)
     per = list(out["per_seed"].values())
     if ks:
         out["first_k_by_k"] = first_k_summary(per, ks)
@@ -385,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                          "every K on the same trained models")
     ap.add_argument("--support-loss-weight", type=float, default=0.0,
                     help="[meta] support_loss_weight of the meta trainings (0: the G-Meta objective)")
+    ap.add_argument("--inner-loss-reduction", choices=["mean", "sum_per_support"], default="mean",
+                    help="--cold-only: [meta] inner_loss_reduction of the meta trainings and the plain "
+                         "model's fine-tuning (sum_per_support: sum over support rows / the layout's support 8)")
     ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
                     help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
     ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")
