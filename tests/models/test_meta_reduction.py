@@ -94,6 +94,31 @@ def test_sum_per_support_at_k_equal_s_equals_mean(learn) -> None:
         assert torch.equal(p_mean[h], p_sum[h]), h
 
 
+def test_meta_emb_follows_the_reduction() -> None:
+    """MetaEmb (generated rows for unseen ids, simulated cold start) with learned rates: K = S equals
+    ``mean`` bit for bit; a larger S (a shorter step) changes the outcome."""
+    from tests.models.test_meta_support_loss import _cold_rows, _learner
+
+    schema, model = _model()
+    g = torch.Generator().manual_seed(6)
+    mb = random_meta_batch(schema, tasks=3, support=S, query=3, vocab=8, generator=g, pad_rows=0.0)
+    rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+    init = _cold_rows(model, mb, rows)
+    kw = dict(inner_steps=1, inner_lr=0.1, learn_inner_lr="element", meta_emb=True, meta_emb_tables=["user"],
+              meta_emb_cold_weight=0.3)
+    mean = meta_step(model, mb, rows, _learner(model, init, **kw))
+    _same(mean, meta_step(model, mb, rows, _learner(model, init, **kw, inner_loss_reduction="sum_per_support",
+                                                     inner_support_size=S)))
+    shorter = meta_step(model, mb, rows, _learner(model, init, **kw, inner_loss_reduction="sum_per_support",
+                                                   inner_support_size=2 * S))
+    assert shorter.metrics["support_loss_after"] != mean.metrics["support_loss_after"]
+    p_mean = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, _learner(model, init, **kw))
+    p_short = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids,
+                                _learner(model, init, **kw, inner_loss_reduction="sum_per_support",
+                                         inner_support_size=2 * S))
+    assert max(float((p_mean[h] - p_short[h]).abs().max()) for h in p_mean) > 1e-5
+
+
 def test_k_equal_2s_takes_exactly_twice_the_first_step() -> None:
     schema, model = _model()
     g = torch.Generator().manual_seed(3)
