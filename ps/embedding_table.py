@@ -338,11 +338,11 @@ class EmbeddingTable:
         self.counters["pull_ids"] += n
         if n == 0:
             return np.empty((0, self.dim), dtype=np.float32) if out is None else out
-        rows = self.id_map.lookup(ids)
+        rows = self.id_map.lookup(ids, checked=True)  # check_ids above refused -1
+        if int(rows.min()) >= 0:  # every id known (the common case): one reduction, no mask
+            return self._gather(rows, out)
         known = rows >= 0
         n_known = int(known.sum())
-        if n_known == n:
-            return self._gather(rows, out)
         if out is None:
             out = np.empty((n, self.dim), dtype=np.float32)
         kn = known.numpy()

@@ -73,9 +73,15 @@ class IdMap:
     def memory_bytes(self) -> int:
         return self._table.numel() * self._table.element_size()
 
-    def lookup(self, ids: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` (int64 [n]); -1 for unknown ids. Returns an int64 CPU tensor."""
-        t = _as_ids(ids)
+    def lookup(self, ids: np.ndarray | torch.Tensor, *, checked: bool = False) -> torch.Tensor:
+        """Rows of ``ids`` (int64 [n]); -1 for unknown ids. Returns an int64 CPU tensor.
+
+        Args:
+            ids: int64 [n].
+            checked: the caller has already refused id -1 (``check_ids``): the scan for
+                it is skipped (the pull path: one pass over the ids fewer).
+        """
+        t = _as_ids(ids, reserved_checked=checked)
         if t.numel() == 0:
             return torch.empty(0, dtype=torch.int64)
         offsets = torch.tensor([0, t.numel()], dtype=torch.int64)
@@ -166,7 +172,7 @@ class IdMap:
         self.rebuilds += 1
 
 
-def _as_ids(x: np.ndarray | torch.Tensor, what: str = "ids") -> torch.Tensor:
+def _as_ids(x: np.ndarray | torch.Tensor, what: str = "ids", reserved_checked: bool = False) -> torch.Tensor:
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         x = x.copy()  # e.g. np.frombuffer over a request: torch warns on read-only memory
     t = torch.as_tensor(x)
@@ -175,6 +181,6 @@ def _as_ids(x: np.ndarray | torch.Tensor, what: str = "ids") -> torch.Tensor:
     t = t.reshape(-1).contiguous()
     if t.device.type != "cpu":
         t = t.cpu()
-    if what == "ids" and t.numel() and bool((t == EMPTY_KEY).any()):
+    if what == "ids" and not reserved_checked and t.numel() and bool((t == EMPTY_KEY).any()):
         raise ValueError("IdMap: id -1 is reserved (empty-slot marker / padding id)")
     return t

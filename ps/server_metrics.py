@@ -139,6 +139,22 @@ class PsMetrics:
         )
         r.register(StoreCollector(store, shard_id))
         self._shard_id = shard_id
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: the same child prometheus hands back (no label
+        series is ever removed here), without its per-call validation and lock (the data
+        plane asks for 3-4 per request).
+
+        Args:
+            metric: one of this object's labelled metrics.
+            labels: its label values, in order.
+        """
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children.setdefault(key, metric.labels(*labels))
+        return got
 
     def watch_clock(self, clock: Callable[[], Any]) -> None:
         """Export the worker clocks of ``clock()`` (the shard's StepClock): :class:`ClockCollector`."""

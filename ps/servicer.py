@@ -201,12 +201,13 @@ def _rpc(data: bool, name: str | None = None) -> Callable[[Handler], Handler]:
                 context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on shard {self.shard_id}: {type(exc).__name__}: {exc}")
             finally:
                 elapsed = time.perf_counter() - t0
-                self.metrics.latency.labels(shard, method).observe(elapsed)
+                m = self.metrics
+                m.child(m.latency, shard, method).observe(elapsed)
                 if data:  # waits for a pause/migration/slower workers are not this shard being slow
                     self.load.leave(max(0.0, elapsed - self._gate.waited.s), count=not asked_again)
                     for table in self._touched.tables:  # per-table requests and latency (issue 14)
-                        self.metrics.table_requests.labels(shard, table, method).inc()
-                        self.metrics.table_latency.labels(shard, table, method).observe(elapsed)
+                        m.child(m.table_requests, shard, table, method).inc()
+                        m.child(m.table_latency, shard, table, method).observe(elapsed)
 
         return wrapper
 
@@ -396,6 +397,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         """
         self._pmap = pmap
         self._owned = pmap.owned_mask(self.shard_id)
+        self._owns_all = bool(self._owned.all())  # _check_owner's fast path (e.g. one shard)
         self.metrics.map_version.labels(str(self.shard_id)).set(pmap.version)
 
     # -- request checks -------------------------------------------------------------
@@ -434,6 +436,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
                 md,
             )
         frozen = self._frozen if time.monotonic() < self._frozen_until else None
+        if frozen is None and self._owns_all:
+            return  # every vshard is ours and none is frozen: every id passes (no hashing)
         for p in parsed:
             if not p.ids.size:
                 continue
@@ -556,9 +560,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
                 if rows.ndim != 2:
                     rows = rows.reshape(int(p.ids.size), self._dim(p.table))
                 out.append((p.table, dtype, wire.wire_rows(rows, dtype)))
-        shard = str(self.shard_id)
+        shard, m = str(self.shard_id), self.metrics
         for p in parsed:
-            self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
+            m.child(m.rows_pulled, shard, p.table).inc(int(p.ids.size))
         return out
 
     def _pull_reply(self, parsed: list[_Parsed], map_version: int, fp16: bool, framed: bool = False) -> bytes:
@@ -574,9 +578,9 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             self._check_owner(map_version, parsed)
             for i, p in enumerate(parsed):
                 self.store.pull(p.table, p.ids, out=buf.rows(i))
-        shard = str(self.shard_id)
+        shard, m = str(self.shard_id), self.metrics
         for p in parsed:
-            self.metrics.rows_pulled.labels(shard, p.table).inc(int(p.ids.size))
+            m.child(m.rows_pulled, shard, p.table).inc(int(p.ids.size))
         return buf.bytes()
 
     def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None) -> list[ps_pb2.PushCounts]:
@@ -593,7 +597,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
                 out.append(self._counts(p, res))
         shard = str(self.shard_id)
         for p, c in zip(parsed, out):
-            self.metrics.rows_pushed.labels(shard, p.table).inc(int(p.ids.size))
+            self.metrics.child(self.metrics.rows_pushed, shard, p.table).inc(int(p.ids.size))
             if c.nonfinite_dropped:
                 self.metrics.nonfinite.labels(shard, p.table, "drop").inc(c.nonfinite_dropped)
         if worker and step is not None:
@@ -732,6 +736,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             self._frozen[vs] = bool(request.frozen)
             if self._frozen.any():
                 self._frozen_until = time.monotonic() + lease
+            else:  # nothing frozen any more: end the lease (the owner check's fast path applies again)
+                self._frozen_until = 0.0
             frozen = np.nonzero(self._frozen)[0].tolist()
         log.info("vshards frozen" if request.frozen else "vshards thawed", extra=kv(shard=self.shard_id, vshards=vs.tolist()))
         return ps_pb2.FreezeResponse(frozen=frozen)
