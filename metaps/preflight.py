@@ -110,6 +110,21 @@ def _columns(ds: Any, what: str, want: list[str]) -> None:
                         f"{want} (built from another schema?)")
 
 
+def _support_size(ds: Any, job: "JobConfig") -> None:
+    """``[meta] inner_loss_reduction = "sum_per_support"`` divides the inner loss by
+    ``inner_support_size``: it must be the training layout's support rows per task."""
+    from metaps.core.errors import ConfigError
+    from models.meta_config import InnerReduction
+
+    meta = job.meta
+    if meta.inner_loss_reduction is not InnerReduction.SUM_PER_SUPPORT or ds.manifest.get("layout") != "meta":
+        return
+    support = int(ds.manifest.get("support", 0))
+    if support != meta.inner_support_size:
+        raise ConfigError(f"[meta] inner_support_size = {meta.inner_support_size} but data.train = {ds.path} has "
+                          f"{support} support rows per task (inner_loss_reduction = 'sum_per_support' needs them equal)")
+
+
 def _resume(ckpt: str, job: "JobConfig", problems: list[str]) -> None:
     from ps.checkpoint import verify_checkpoint
 
@@ -142,6 +157,8 @@ def preflight(job: "JobConfig", resume: str | Path = "", build_model: bool = Tru
     datasets = {"data.train": _check(problems, lambda: _dataset(job.data.train, "data.train", job.source))}
     if job.data.eval:
         datasets["data.eval"] = _check(problems, lambda: _dataset(job.data.eval, "data.eval", job.source))
+    if datasets["data.train"] is not None:
+        _check(problems, lambda: _support_size(datasets["data.train"], job), job.source or "<job>")
     schema = None
     if job.data.schema or (Path(job.data.train) / "manifest.json").is_file():  # else: reported above
         schema = _check(problems, job.schema)

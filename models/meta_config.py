@@ -82,7 +82,9 @@ class MetaConfig:
             Bayesian update's shift grows with n. Outer losses and reported support losses stay means.
         inner_support_size: S of ``sum_per_support``: the training Meta-IO layout's support rows per
             task (``metaps data build``'s support size); required (>= 1) with ``sum_per_support``,
-            ignored with ``mean``. A training batch with more support slots than S is an error.
+            ignored with ``mean``. A training batch with more support slots than S is an error, and
+            ``metaps launch`` / ``train-local`` refuse a job whose S differs from ``data.train``'s
+            manifest (preflight).
 
     Example::
 

@@ -150,3 +150,20 @@ def test_a_good_job_passes(data: dict[str, Path], tmp_path: Path) -> None:
     write(job, job_mapping(data, tmp_path))
     ckpt = make_checkpoint(job, tmp_path / "ckpts")
     preflight(load_job(job), resume=ckpt)
+
+
+@pytest.mark.parametrize("size", [8, 4])
+def test_sum_per_support_needs_the_layouts_support_size(size: int, data: dict[str, Path], tmp_path: Path) -> None:
+    # the fixture's layout has 4 support rows per task: [meta] inner_support_size must say 4
+    job = tmp_path / "job.toml"
+    mapping = job_mapping(data, tmp_path)
+    mapping["meta"].update(inner_loss_reduction="sum_per_support", inner_support_size=size)
+    write(job, mapping)
+    if size == 4:
+        preflight(load_job(job), build_model=False)
+        return
+    with pytest.raises(PreflightError) as err:
+        preflight(load_job(job), build_model=False)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(
+        f"preflight: [meta] inner_support_size = 8 but data.train = {data['train']} has 4 support rows per task")
