@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.procstat import stat_cpu_s
+
 DIM = 64
 ROWS_PER_REQ = 16 * 1024
 TOKEN = "bench-token"
@@ -245,21 +247,15 @@ def _echo_calls(port: int) -> tuple[Any, Any, Any]:
             lambda: push(ids.tobytes() + grads.tobytes(), timeout=30), ch.close)
 
 
-def _proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _rate_cpu(fn: Any, seconds: float, pid: int) -> tuple[float, float, float]:
     """(rows/s, client CPU ms per call, server CPU ms per call): CPU time barely moves with
     the load of other jobs, wall time does (a 2-core box at load 10-20)."""
     fn()
-    n, t0, c0, s0 = 0, time.perf_counter(), time.process_time(), _proc_cpu_s(pid)
+    n, t0, c0, s0 = 0, time.perf_counter(), time.process_time(), stat_cpu_s(f"/proc/{pid}/stat")
     while n < 3 or time.perf_counter() - t0 < seconds:
         fn()
         n += 1
-    wall, client, server = time.perf_counter() - t0, time.process_time() - c0, _proc_cpu_s(pid) - s0
+    wall, client, server = time.perf_counter() - t0, time.process_time() - c0, stat_cpu_s(f"/proc/{pid}/stat") - s0
     return ROWS_PER_REQ * n / wall, client / n * 1e3, server / n * 1e3
 
 

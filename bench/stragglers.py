@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bench.procstat import stat_cpu_s
 from controller.client import ControllerClient, DoneReport, Pending
 from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConfig, NdConfig, PolicyKind
 from controller.dds import DatasetKind, DatasetSpec
@@ -903,21 +904,9 @@ E2_CLIENTS = 2        # client threads, each: pull ids -> push grads -> next
 
 # What reaches each PS and what CPU each process used, per E2 window (issue 11 point 3):
 # read from /proc and the PS's own Prometheus counters at each window's edges.
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _DATA_METHODS = ("PullMany", "Pull", "PushMany", "Push", "PullDense", "PushDense")
 """The PS RPCs the latency fault delays (``ps.servicer._rpc(data=True)``): every one of them
 that arrives while a latency window is on sleeps ``latency_s`` first."""
-
-
-def _stat_cpu_s(stat_path: str) -> float:
-    """utime + stime in seconds from a ``/proc/.../stat`` file (process or thread).
-
-    Args:
-        stat_path: ``/proc/PID/stat`` or ``/proc/PID/task/TID/stat``.
-    """
-    text = Path(stat_path).read_text()
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) is fields[0]
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
 
 
 def _box_cpu_jiffies() -> tuple[int, int]:
@@ -958,9 +947,9 @@ def _e2_snapshot(ps_pids: Sequence[int], metrics_ports: Sequence[int], client_ti
     t = time.time()
     busy, total = _box_cpu_jiffies()
     return {"t": t, "box_busy": busy, "box_total": total,
-            "cpu": {f"ps{k}": _stat_cpu_s(f"/proc/{pid}/stat") for k, pid in enumerate(ps_pids)}
-            | {"bench": _stat_cpu_s(f"/proc/{os.getpid()}/stat"),
-               "clients": sum(_stat_cpu_s(f"/proc/{os.getpid()}/task/{tid}/stat") for tid in client_tids)},
+            "cpu": {f"ps{k}": stat_cpu_s(f"/proc/{pid}/stat") for k, pid in enumerate(ps_pids)}
+            | {"bench": stat_cpu_s(f"/proc/{os.getpid()}/stat"),
+               "clients": sum(stat_cpu_s(f"/proc/{os.getpid()}/task/{tid}/stat") for tid in client_tids)},
             "requests": [_ps_requests(p) for p in metrics_ports]}
 
 

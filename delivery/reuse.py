@@ -116,15 +116,19 @@ class ExportCache:
         book = self.hits if hit else self.misses
         book[kind] = book.get(kind, 0) + 1
 
+    def _cached(self, lru: "_Lru[V]", kind: str, key: Hashable, make: Callable[[], V]) -> V:
+        """``lru[key]``, counted as a hit or a miss of ``kind``; on a miss ``make()`` fills it."""
+        got = lru.get(key)
+        self._count(kind, got is not None)
+        if got is None:
+            got = make()
+            lru.put(key, got)
+        return got
+
     # -- configs and the model ---------------------------------------------------------
     def configs(self, key: str, parse: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """(schema, model config) parsed from the manifest text ``key`` (``parse`` on a miss)."""
-        got = self._configs.get(key)
-        self._count("config", got is not None)
-        if got is None:
-            got = parse()
-            self._configs.put(key, got)
-        return got
+        return self._cached(self._configs, "config", key, parse)
 
     def model(self, key: str, build: Callable[[], "CtrModel"]) -> "CtrModel":
         """The model built for ``key``, its buffers reset to their built values.
@@ -150,12 +154,7 @@ class ExportCache:
         Shared, not copied: the dense check only reads it (and a batch changed in place
         could only make the check fail, i.e. trace afresh, never pass a wrong network).
         """
-        got = self._examples.get(key)
-        self._count("example", got is not None)
-        if got is None:
-            got = make()
-            self._examples.put(key, got)
-        return got
+        return self._cached(self._examples, "example", key, make)
 
     # -- the traced dense network ------------------------------------------------------
     def take_dense(self, sha: str | None) -> torch.jit.ScriptModule | None:

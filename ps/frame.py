@@ -319,12 +319,7 @@ def _parse(data: bytes, kind: int) -> tuple[Frame, list[tuple[int, int, int]], i
     if flags & ~_FLAGS:
         raise WireError(f"{what} frame: unknown flag bits {flags & ~_FLAGS:#x} (known: fp16 {FLAG_FP16}, step {FLAG_STEP})")
     pos = HEADER_BYTES
-    if pos + wlen > size:
-        raise WireError(f"{what} frame: worker id of {wlen} bytes at offset {pos} runs past the end ({size} bytes)")
-    try:
-        worker = bytes(data[pos:pos + wlen]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise WireError(f"{what} frame: worker id is not UTF-8") from None
+    worker = _utf8(data, pos, wlen, f"{what} frame: worker id")
     pos += _pad8(wlen)
     tables: list[FrameTable] = []
     descs: list[tuple[int, int, int]] = []
@@ -334,12 +329,7 @@ def _parse(data: bytes, kind: int) -> tuple[Frame, list[tuple[int, int, int]], i
                             f"the frame has {max(0, size - pos)} left")
         n, dim, nlen, code, _ = _TABLE.unpack_from(data, pos)
         pos += _TABLE.size
-        if pos + nlen > size:
-            raise WireError(f"{what} frame: table {i} of {ntables}: name of {nlen} bytes runs past the end ({size} bytes)")
-        try:
-            name = bytes(data[pos:pos + nlen]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise WireError(f"{what} frame: table {i} of {ntables}: name is not UTF-8") from None
+        name = _utf8(data, pos, nlen, f"{what} frame: table {i} of {ntables}: name")
         pos += _pad8(nlen)
         if n < 0:
             raise WireError(f"{what} frame: table '{name}': n must be >= 0, got {n}")
@@ -348,6 +338,16 @@ def _parse(data: bytes, kind: int) -> tuple[Frame, list[tuple[int, int, int]], i
     frame = Frame(kind=kind, fp16=bool(flags & FLAG_FP16), map_version=map_version,
                   step=step if flags & FLAG_STEP else None, worker_id=worker, tables=tables)
     return frame, descs, pos
+
+
+def _utf8(data: bytes, pos: int, n: int, what: str) -> str:
+    """The ``n``-byte UTF-8 string at ``pos`` (``what``: e.g. "pull request frame: worker id"), bounds checked."""
+    if pos + n > len(data):
+        raise WireError(f"{what} of {n} bytes at offset {pos} runs past the end ({len(data)} bytes)")
+    try:
+        return bytes(data[pos:pos + n]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError(f"{what} is not UTF-8") from None
 
 
 def _take(data: bytes, pos: int, nbytes: int, what: str, table: str, field: str, detail: str) -> int:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from prometheus_client import start_http_server
 
-from bench.stragglers import (_e2_accounting, _e2_snapshot, _e2_window_figures, _ps_requests, _ratio_stats,
-                              _stat_cpu_s)
+from bench.procstat import stat_cpu_s
+from bench.stragglers import _e2_accounting, _e2_snapshot, _e2_window_figures, _ps_requests, _ratio_stats
 from tests.ps.conftest import start_fleet
 
 
@@ -50,7 +50,7 @@ def test_thread_cpu_from_proc_matches_the_thread_clock() -> None:
     for i in range(2_000_000):  # some CPU in this thread
         x += i
     own = time.thread_time()
-    got = _stat_cpu_s(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/stat")
+    got = stat_cpu_s(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/stat")
     # /proc counts whole clock ticks (10 ms); the thread clock is exact
     assert got == pytest.approx(own, abs=0.05)
     assert own > t0

@@ -261,6 +261,22 @@ def test_frame_header_layout_is_fixed() -> None:
         frame.decode_pull_request(bytes(bad))
 
 
+@pytest.mark.parametrize("offset, fmt, value, message", [
+    (24, "<H", 1000, "pull request frame: worker id of 1000 bytes at offset 32 runs past the end"),
+    (32, "<B", 0xFF, "pull request frame: worker id is not UTF-8"),
+    (52, "<H", 5000, "pull request frame: table 0 of 1: name of 5000 bytes at offset 56 runs past the end"),
+    (56, "<B", 0xFF, "pull request frame: table 0 of 1: name is not UTF-8"),
+])
+def test_worker_id_and_table_name_are_bounded_and_utf8(offset: int, fmt: str, value: int, message: str) -> None:
+    # header 32 B, worker "ab" padded to 8 (32..39), table descriptor 40..55 (name length at 52), name "t" at 56
+    data = bytearray(frame.encode_pull_request([("t", np.array([1], np.int64), None)], map_version=1, fp16=False,
+                                               worker_id="ab", step=None))
+    struct.pack_into(fmt, data, offset, value)
+    with pytest.raises(WireError) as err:
+        frame.decode_pull_request(bytes(data))
+    assert str(err.value).startswith(message), str(err.value)
+
+
 def test_framed_pull_rows_are_writable_views_of_the_reply(ps_fleet) -> None:
     """A whole reply's rows come back without the 4 MiB copy that made them writable: a
     writable view of the received frame, kept alive by the array, independent of later pulls."""
