@@ -397,7 +397,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         """
         self._pmap = pmap
         self._owned = pmap.owned_mask(self.shard_id)
-        self._owns_all = bool(self._owned.all())  # _check_owner's fast path (e.g. one shard)
+        self._owns_all = pmap.sole_owner == self.shard_id  # _check_owner's fast path (e.g. one shard)
         self.metrics.map_version.labels(str(self.shard_id)).set(pmap.version)
 
     # -- request checks -------------------------------------------------------------
