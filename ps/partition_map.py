@@ -50,6 +50,15 @@ class PartitionMap:
         owners.setflags(write=False)
         object.__setattr__(self, "owners", owners)
         self.validate()
+        first = int(owners[0])
+        # derived once (the map is immutable): the data plane's no-hashing fast paths read it
+        object.__setattr__(self, "_sole_owner", first if bool((owners == first).all()) else None)
+
+    @property
+    def sole_owner(self) -> int | None:
+        """The shard that owns every vshard (e.g. a 1-shard PS), or None when they are spread."""
+        owner: int | None = self.__dict__["_sole_owner"]
+        return owner
 
     def validate(self) -> None:
         if self.version < 0:

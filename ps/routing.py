@@ -91,9 +91,8 @@ def split_by_owner(ids: np.ndarray, pos: np.ndarray, pmap: PartitionMap) -> dict
     """
     if pos.size == 0:
         return {}
-    first = int(pmap.owners[0])
-    if (pmap.owners == first).all():  # one shard owns every vshard (e.g. a 1-shard PS): no hashing
-        return {first: pos.copy()}
+    if pmap.sole_owner is not None:  # one shard owns every vshard (e.g. a 1-shard PS): no hashing
+        return {pmap.sole_owner: pos.copy()}
     owners = pmap.shard_of(ids[pos])
     # stable sort of small keys: numpy radix-sorts 16-bit ints (0.1 ms per 16K vs 0.6 for int32), same order
     order = np.argsort(owners.astype(np.uint16) if pmap.num_shards <= 1 << 16 else owners, kind="stable")

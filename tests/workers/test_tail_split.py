@@ -1,7 +1,7 @@
 """The DDS tail fix with real processes: a slow worker's long last lease is split for an idle one.
 
 A real controller (gRPC, ND policy off so only the tail fix acts), one real PS shard and two
-``metaps worker`` processes; worker 0 is slowed 4x by the fault injector and shards are long
+``metaps worker`` processes; worker 0 is slowed 4x by the fault injector (basis step) and shards are long
 (3 shards of ~32 batches: worker 0 holds one while worker 1 trains the other two, so it
 always has most of its lease left when worker 1 runs out). Once TODO is empty, worker 1 waits; the controller tells worker 0 to stop its
 lease after the batch it is on, worker 0 reports the part it trained, and worker 1 trains the
@@ -45,7 +45,11 @@ def test_slow_workers_last_lease_is_split_for_the_idle_worker_exactly_once(data:
     job = make_job(data, tmp_path, mode="plain", workers=2, train={"epochs": 1, "log_every": 1},
                    # staleness effectively unbounded: the fast worker runs free (E1's second case)
                    ps={"sync": "async", "max_staleness": 1_000_000, "clock_lease_s": 0.0},
-                   faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 4.0}]})
+                   # basis "step": 4x its whole step; the default (compute) scales forward/backward
+                   # only, a small part of a plain step, so worker 0 could finish its lease as soon as
+                   # worker 1 ran out of shards (no tail to split: a flake under load)
+                   faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 4.0,
+                                       "basis": "step"}]})
     config = write_job(job, tmp_path / "job.toml")
     ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
     addrs = [f"127.0.0.1:{ps.start('127.0.0.1:0')}"]
