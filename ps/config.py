@@ -330,6 +330,11 @@ class PsConfig:
         server_threads: gRPC handler threads of one shard. No handler ever waits on
             another worker (staleness and barrier waits happen in the client), so a few
             suffice whatever the number of workers.
+        intra_op_threads: threads one large pull or push of a shard is split over (its
+            id-map lookup, gather and rowwise-Adagrad update, span by span; ``ps.intra_op``).
+            1 (the default) = each request on its gRPC handler thread, as before. Worth it
+            on a box with spare cores per shard and few data-plane calls at once; results
+            are the same bits whatever the value.
         wait_timeout_s: longest a worker waits for slower workers (bounded staleness,
             sync barriers); a client-supplied barrier timeout is capped to it.
         max_pause_lease_s: cap on a PauseWrites lease (a pause ends by itself after it).
@@ -368,6 +373,7 @@ class PsConfig:
     sync: SyncMode = SyncMode.ASYNC
     max_staleness: int = 4
     server_threads: int = 8
+    intra_op_threads: int = 1
     wait_timeout_s: float = 60.0
     max_pause_lease_s: float = 600.0
     max_freeze_lease_s: float = 600.0
@@ -381,6 +387,9 @@ class PsConfig:
                              f"got {self.checkpoint_full_every!r}")
         if self.server_threads < 2:
             raise ValueError(f"server_threads must be >= 2, got {self.server_threads}")
+        if isinstance(self.intra_op_threads, bool) or not isinstance(self.intra_op_threads, int) \
+                or not 1 <= self.intra_op_threads <= 64:
+            raise ValueError(f"intra_op_threads must be an integer in [1, 64] (1 = off), got {self.intra_op_threads!r}")
         for name in ("wait_timeout_s", "max_pause_lease_s", "max_freeze_lease_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):

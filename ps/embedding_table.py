@@ -54,7 +54,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from metaps.core.log import kv
-from ps import hugepages
+from ps import hugepages, intra_op
 from ps.admission import Admission
 from ps.config import NonfiniteMode, TableConfig
 from ps.errors import BadRequest
@@ -338,6 +338,13 @@ class EmbeddingTable:
         self.counters["pull_ids"] += n
         if n == 0:
             return np.empty((0, self.dim), dtype=np.float32) if out is None else out
+        if self.device.type == "cpu" and len(intra_op.spans(n)) > 1:
+            # [ps] intra_op_threads: lookup + gather span by span on several threads
+            buf = np.empty((n, self.dim), dtype=np.float32) if out is None else out
+            if all(intra_op.run(n, lambda lo, hi: self._pull_known(ids[lo:hi], buf[lo:hi]))):
+                return buf
+            out = buf
+            # some id unknown: the serial path below (it rewrites every row, same values)
         rows = self.id_map.lookup(ids, checked=True)  # check_ids above refused -1
         if int(rows.min()) >= 0:  # every id known (the common case): one reduction, no mask
             return self._gather(rows, out)
@@ -351,6 +358,20 @@ class EmbeddingTable:
         out[~kn] = self.init(ids[~kn])
         return out
 
+    def _pull_known(self, ids: np.ndarray, out: np.ndarray) -> bool:
+        """One span of a split pull: rows of ``ids`` (checked) gathered into ``out`` when every id
+        is known; False (``out`` untouched) when one is not.
+
+        Args:
+            ids: int64 [k], no -1.
+            out: float32 [k, dim] C-contiguous view of the reply.
+        """
+        rows = self.id_map.lookup(ids, checked=True)
+        if int(rows.min()) < 0:
+            return False
+        torch.index_select(self.weights, 0, rows, out=torch.from_numpy(out))
+        return True
+
     def _gather(self, rows: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
         """The rows' weights; with ``out`` (float32 [k, dim]) written there by one ``index_select(out=)``."""
         if out is not None and self.device.type == "cpu":
@@ -363,6 +384,15 @@ class EmbeddingTable:
         return got
 
     # -- push ----------------------------------------------------------------------
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """``id_map.lookup(ids)``, span by span on several threads under ``[ps] intra_op_threads``.
+
+        Args:
+            ids: int64 [n] CPU.
+        """
+        parts = intra_op.run(int(ids.numel()), lambda lo, hi: self.id_map.lookup(ids[lo:hi]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def check_push(self, ids: object, grads: object) -> tuple[np.ndarray, np.ndarray]:
         """Validate a push (raises BadRequest naming the problem); returns (ids, grads[n, dim])."""
         ids = check_ids(self.name, ids)
@@ -400,7 +430,7 @@ class EmbeddingTable:
         if all_ok:
             # ids unique in the request (the usual case: clients deduplicate) need no sort and
             # no duplicate sum; the lookup is the one the push needs anyway
-            rows = self.id_map.lookup(ids_t)
+            rows = self._lookup(ids_t)
             new_pos = self._unique_request(ids, rows.numpy())
         if new_pos is not None:
             assert rows is not None

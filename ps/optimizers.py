@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ps import rowwise_update
+from ps import intra_op, rowwise_update
 from ps.config import OptimizerConfig, OptimizerKind
 
 TBE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAGRAD, OptimizerKind.SGD)
@@ -322,7 +322,10 @@ class FusedTbeOptimizer(SparseOptimizer):
 
     def _run(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         if self._vectorized and self._momentum is not None:
-            rowwise_update.rowwise_adagrad_update(self.weights, self._momentum, rows, grads, self.cfg.lr, self.cfg.eps)
+            w, m, lr, eps = self.weights, self._momentum, self.cfg.lr, self.cfg.eps
+            # rows are unique: spans update disjoint rows, each row with the serial path's bits
+            intra_op.run(int(rows.numel()), lambda lo, hi: rowwise_update.rowwise_adagrad_update(
+                w, m, rows[lo:hi], grads[lo:hi], lr, eps))
             return
         offsets = torch.arange(rows.numel() + 1, dtype=torch.int64, device=rows.device)
         out = self.tbe(rows, offsets)

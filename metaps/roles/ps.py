@@ -113,6 +113,9 @@ def run_ps(args: argparse.Namespace) -> int:
     # fbgemm's CPU backward is ~100x slower with intra-op threads fighting over 2 cores.
     torch.set_num_threads(1)
     ps_cfg = job.ps
+    from ps import intra_op
+
+    intra_op.set_threads(ps_cfg.intra_op_threads)  # [ps] intra_op_threads: explicit spans, not OpenMP
     from metaps.deploy.identity import resolve_shard
 
     args.shard = resolve_shard(str(args.shard), ps_cfg.shards)

@@ -1,0 +1,127 @@
+"""``[ps] intra_op_threads``: a large pull or push split over threads gives the same bits.
+
+* ``intra_op.run`` runs every span (on distinct threads), returns the results in span
+  order, and raises a span's error only after every span finished;
+* a table's pull (every id known: the split lookup + gather; some unknown: the serial
+  fallback) and push (known and new ids: the split lookup and rowwise-Adagrad update)
+  equal the one-thread table bit for bit, weights, optimizer state and metadata;
+* the same through real shards on 127.0.0.1 (``ps_fleet``, framed gRPC);
+* the config key and ``set_threads`` refuse bad values naming the key.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from ps import intra_op
+from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig
+from ps.embedding_table import EmbeddingTable
+
+torch.set_num_threads(1)
+DIM = 16
+N = 3 * intra_op.MIN_ROWS_PER_THREAD + 123  # three uneven spans at 3 threads
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    yield
+    intra_op.set_threads(1)
+
+
+def _table() -> EmbeddingTable:
+    cfg = TableConfig(name="t", dim=DIM, capacity=4 * N,
+                      optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.05))
+    return EmbeddingTable(cfg, seed=3)
+
+
+def _state(t: EmbeddingTable) -> dict[str, np.ndarray]:
+    out = {"weights": t.weights.numpy().copy(), "row_ids": t.row_ids.copy(), "freq": t.freq.copy(),
+           "last_step": t.last_step.copy(), "version": t.row_version.copy()}
+    out.update({k: v.numpy().copy() for k, v in t.optimizer.state_tensors().items()})
+    return out
+
+
+def test_run_covers_every_span_in_order_on_several_threads(threads: None) -> None:
+    intra_op.set_threads(3)
+    assert intra_op.spans(N) == [(0, N // 3), (N // 3, 2 * N // 3), (2 * N // 3, N)]
+    assert intra_op.spans(2 * intra_op.MIN_ROWS_PER_THREAD - 1) == [(0, 2 * intra_op.MIN_ROWS_PER_THREAD - 1)]
+    seen: dict[int, int] = {}
+    got = intra_op.run(N, lambda lo, hi: (seen.__setitem__(lo, threading.get_ident()), (lo, hi))[1])
+    assert got == intra_op.spans(N)
+    me = threading.get_ident()  # the caller runs span 0, the pool the others
+    assert seen[0] == me and seen[N // 3] != me and seen[2 * N // 3] != me
+
+    finished: list[int] = []
+
+    def fail_first(lo: int, hi: int) -> int:
+        if lo == 0:
+            raise ValueError("span 0 failed")
+        threading.Event().wait(0.2)  # the other spans still run when span 0 fails
+        finished.append(lo)
+        return lo
+
+    with pytest.raises(ValueError, match="span 0 failed"):
+        intra_op.run(N, fail_first)
+    assert sorted(finished) == [N // 3, 2 * N // 3]  # every span had finished when run raised
+    intra_op.set_threads(1)
+    assert intra_op.spans(N) == [(0, N)]
+
+
+def test_split_pull_and_push_equal_one_thread_bit_for_bit(threads: None) -> None:
+    rng = np.random.default_rng(0)
+    one, split = _table(), _table()
+    for step in range(4):
+        # unique ids, unsorted: known ones and (after step 0) a third never seen
+        ids = rng.choice(3 * N, size=N, replace=False).astype(np.int64)
+        g = rng.standard_normal((N, DIM)).astype(np.float32)
+        intra_op.set_threads(1)
+        r1 = one.push(ids, g)
+        pull1 = one.pull(ids)
+        intra_op.set_threads(3)
+        r2 = split.push(ids, g)
+        out = np.full((N, DIM), np.nan, dtype=np.float32)
+        pull2 = split.pull(ids, out=out)
+        assert r1 == r2, step
+        np.testing.assert_array_equal(pull1, pull2)
+        for k, v in _state(one).items():
+            np.testing.assert_array_equal(v, _state(split)[k], err_msg=f"{k} after push {step}")
+    # a pull with unknown ids in the last span: the serial fallback, same values (initial rows)
+    ids = np.concatenate([rng.choice(3 * N, size=N - 5, replace=False), np.arange(10**9, 10**9 + 5)]).astype(np.int64)
+    intra_op.set_threads(1)
+    ref = one.pull(ids)
+    intra_op.set_threads(3)
+    np.testing.assert_array_equal(split.pull(ids), ref)
+
+
+def test_split_through_real_shards(ps_fleet, threads: None) -> None:
+    tables = [TableConfig(name="user", dim=DIM, capacity=4 * N,
+                          optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.05))]
+    rng = np.random.default_rng(1)
+    pushes = [(rng.choice(2 * N, size=N, replace=False).astype(np.int64),
+               rng.standard_normal((N, DIM)).astype(np.float32)) for _ in range(3)]
+    known = rng.choice(np.unique(np.concatenate([ids for ids, _ in pushes])), size=N, replace=False)
+    probes = {"known": known, "some unknown": rng.choice(3 * N, size=N, replace=False).astype(np.int64)}
+    pulled = []
+    for n_threads in (1, 2):
+        intra_op.set_threads(n_threads)
+        c = ps_fleet(1, tables=tables, max_request_rows=1 << 20).client()
+        for ids, g in pushes:
+            c.push({"user": (ids, g)})
+        pulled.append({k: c.pull({"user": p})["user"] for k, p in probes.items()})
+    for k in probes:
+        np.testing.assert_array_equal(pulled[0][k], pulled[1][k], err_msg=k)
+
+
+def test_bad_thread_counts_are_refused_naming_the_key() -> None:
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(ValueError, match=r"intra_op_threads must be an integer in \[1, 64\].*got"):
+            PsConfig(intra_op_threads=bad).validate()  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"intra_op_threads must be an integer in \[1, 64\]"):
+            intra_op.set_threads(bad)  # type: ignore[arg-type]
+    assert intra_op.threads() == 1
+    PsConfig(intra_op_threads=4).validate()
