@@ -12,7 +12,9 @@ on the bench population (no 2/4 shards, no 1M-row memory figure): the
 one echo process and one shard process stay up while this process alternates the echo,
 a protobuf client (``PsClient(framed=False)``: PullMany/PushMany) and a framed client
 (the default: PullFrame/PushFrame, ``ps/frame.py``) for ROUNDS rounds (order rotated each
-round); each round's ratios use that round's echo. Besides rows/s it records the CPU time
+round); each round's ratios use that round's echo. ``--ab-threads N`` (default 2; 0 = off)
+adds a second shard process with ``[ps] intra_op_threads = N`` and a framed client against
+it (``newtN_*`` figures); the other shard runs with the default, 1. Besides rows/s it records the CPU time
 per 16K-row call (this process + the server process, ``*_cpu_ms``) and its ratio to the
 echo's (``*_cpu_vs_echo``), which other jobs' load barely moves. Last line: per-round
 figures, medians and the load average.
@@ -103,10 +105,14 @@ def _serve_echo(port_file: str, dim: int) -> None:
     server.wait_for_termination()
 
 
-def _serve_ps(port_file: str, shard: int, shards: int, capacity: int, device: str) -> None:
+def _serve_ps(port_file: str, shard: int, shards: int, capacity: int, device: str, intra_op_threads: int = 1) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if intra_op_threads > 1:  # [ps] intra_op_threads, as metaps/roles/ps.py sets it
+        from ps import intra_op
+
+        intra_op.set_threads(intra_op_threads)
     from metaps.core.rpc import RpcConfig
     from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig
     from ps.factory import build_server
@@ -259,12 +265,19 @@ def _rate_cpu(fn: Any, seconds: float, pid: int) -> tuple[float, float, float]:
     return ROWS_PER_REQ * n / wall, client / n * 1e3, server / n * 1e3
 
 
-def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[str, Any]:
-    """Echo, protobuf client and framed client against the same processes, alternated (see the module doc)."""
+def bench_ab(rounds: int, seconds: float, population: int, device: str, threads: int = 0) -> dict[str, Any]:
+    """Echo, protobuf client and framed client against the same processes, alternated (see the module doc).
+
+    Args:
+        threads: > 1 adds a shard with ``[ps] intra_op_threads = threads`` and a framed client on it.
+    """
     from metaps.core.rpc import RpcConfig
     from ps.client import PsClient
 
-    procs = _start_many([(_serve_echo, (DIM,)), (_serve_ps, (0, 1, population * 2 + 1024, device))])
+    specs: list[tuple[Any, tuple]] = [(_serve_echo, (DIM,)), (_serve_ps, (0, 1, population * 2 + 1024, device, 1))]
+    if threads > 1:
+        specs.append((_serve_ps, (0, 1, population * 2 + 1024, device, threads)))
+    procs = _start_many(specs)
     load0 = os.getloadavg()[0]
     try:
         echo_pull, echo_push, echo_close = _echo_calls(procs[0][1])
@@ -272,27 +285,33 @@ def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[
         pop = np.random.default_rng(1).choice(1 << 40, population, replace=False).astype(np.int64)
         grads = np.random.default_rng(2).standard_normal((ROWS_PER_REQ, DIM)).astype(np.float32) * 0.01
         clients = {"base": PsClient(addrs, RpcConfig(token=TOKEN), framed=False), "new": PsClient(addrs, RpcConfig(token=TOKEN))}
-        for start in range(0, population, ROWS_PER_REQ * 4):  # admit every row first
-            chunk = pop[start : start + ROWS_PER_REQ * 4]
-            clients["new"].push({"t": (chunk, np.zeros((chunk.size, DIM), np.float32))})
+        pids = {"echo": procs[0][0].pid, "base": procs[1][0].pid, "new": procs[1][0].pid}
+        if threads > 1:
+            clients[f"newt{threads}"] = PsClient([f"127.0.0.1:{procs[2][1]}"], RpcConfig(token=TOKEN))
+            pids[f"newt{threads}"] = procs[2][0].pid
+        for name in [n for n in clients if n != "base"]:  # admit every row first (each shard its own)
+            for start in range(0, population, ROWS_PER_REQ * 4):
+                chunk = pop[start : start + ROWS_PER_REQ * 4]
+                clients[name].push({"t": (chunk, np.zeros((chunk.size, DIM), np.float32))})
         batches = _id_batches(pop, 8, 3)
         it = iter(range(1 << 30))
         calls: dict[str, tuple[Any, Any]] = {"echo": (echo_pull, echo_push)}
         for name, c in clients.items():
             calls[name] = ((lambda c=c: c.pull({"t": batches[next(it) % len(batches)]})),
                            (lambda c=c: c.push({"t": (batches[next(it) % len(batches)], grads)})))
-        order = ["echo", "base", "new"]
+        order = ["echo", *clients]
+        sides = list(clients)
         per_round = []
         for r in range(rounds):
             got: dict[str, float] = {}
-            for name in order[r % 3:] + order[: r % 3]:
-                pid = procs[0][0].pid if name == "echo" else procs[1][0].pid
+            for name in order[r % len(order):] + order[: r % len(order)]:
+                pid = pids[name]
                 for k, op in enumerate(("pull", "push")):
                     rate, client_ms, server_ms = _rate_cpu(calls[name][k], seconds, pid)
                     got[f"{name}_{op}_rows_s"] = rate
                     got[f"{name}_{op}_cpu_ms"] = client_ms + server_ms  # client + server CPU per 16K-row call
                     got[f"{name}_{op}_server_cpu_ms"] = server_ms
-            for side in ("base", "new"):
+            for side in sides:
                 for op in ("pull", "push"):
                     got[f"{side}_{op}_vs_echo"] = got[f"{side}_{op}_rows_s"] / got[f"echo_{op}_rows_s"]
                     # the CPU form of the ratio: echo CPU / our CPU per call (what the wall ratio
@@ -309,14 +328,17 @@ def bench_ab(rounds: int, seconds: float, population: int, device: str) -> dict[
         for proc, _ in procs:
             proc.kill()
             proc.join()
-    out: dict[str, Any] = {"ab_rounds": rounds, "load_avg_1m_start": load0}
+    out: dict[str, Any] = {"ab_rounds": rounds, "load_avg_1m_start": load0, "intra_op_threads": {s: 1 for s in sides}}
+    if threads > 1:
+        out["intra_op_threads"][f"newt{threads}"] = threads
     for k in per_round[0]:
         out[f"median_{k}"] = float(np.median([g[k] for g in per_round]))
-    for k in ("base_pull_vs_echo", "new_pull_vs_echo", "base_push_vs_echo", "new_push_vs_echo",
-              "base_pull_cpu_vs_echo", "new_pull_cpu_vs_echo", "base_push_cpu_vs_echo", "new_push_cpu_vs_echo"):
-        out[f"runs_{k}"] = [round(g[k], 3) for g in per_round]
-    out["new_vs_base_pull"] = float(np.median([g["new_pull_rows_s"] / g["base_pull_rows_s"] for g in per_round]))
-    out["new_vs_base_push"] = float(np.median([g["new_push_rows_s"] / g["base_push_rows_s"] for g in per_round]))
+    for side in sides:
+        for k in ("pull_vs_echo", "push_vs_echo", "pull_cpu_vs_echo", "push_cpu_vs_echo"):
+            out[f"runs_{side}_{k}"] = [round(g[f"{side}_{k}"], 3) for g in per_round]
+    for side in sides[1:]:
+        for op in ("pull", "push"):
+            out[f"{side}_vs_base_{op}"] = float(np.median([g[f"{side}_{op}_rows_s"] / g[f"base_{op}_rows_s"] for g in per_round]))
     return out
 
 
@@ -356,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pull-push", action="store_true", help="only echo, one shard and the store alone (see the docstring)")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
                     help="protobuf vs framed data plane, alternated in one run for ROUNDS rounds (see the docstring)")
+    ap.add_argument("--ab-threads", type=int, default=2, metavar="N",
+                    help="with --ab: also a shard with [ps] intra_op_threads = N (0 or 1 = no such shard)")
     args = ap.parse_args(argv)
     import torch
 
@@ -363,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = 2.0 if args.quick else 6.0
     population = 200_000 if args.quick else 1_000_000
     if args.ab:
-        _progress(f"A/B: echo vs protobuf (base) vs framed (new) data plane, {args.ab} rounds, one shard")
-        ab = bench_ab(args.ab, seconds, population, args.device)
+        extra = f", framed on a shard with intra_op_threads={args.ab_threads} (newt{args.ab_threads})" if args.ab_threads > 1 else ""
+        _progress(f"A/B: echo vs protobuf (base) vs framed (new) data plane{extra}, {args.ab} rounds, shards with intra_op_threads=1")
+        ab = bench_ab(args.ab, seconds, population, args.device, args.ab_threads)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in ab.items()}), flush=True)
         return 0
     out: dict[str, Any] = {"device": args.device, "dim": DIM, "rows_per_request": ROWS_PER_REQ, "cores": os.cpu_count()}
