@@ -422,9 +422,12 @@ class EmbeddingTable:
         # read-only inputs (np.frombuffer over a request) are copied: torch refuses to alias them silently
         ids_t = torch.from_numpy(ids if ids.flags.writeable else ids.copy())
         g_t = torch.from_numpy(g if g.flags.writeable else g.copy())
-        # fast path: a finite total means every element is finite (NaN/Inf propagate);
-        # only a non-finite total pays for the per-row checks
-        all_ok = bool(torch.isfinite(g_t.sum()))
+        # fast path: a finite min and max mean every element is finite (NaN propagates through
+        # both); only a non-finite one pays for the per-row checks. The optimizer's growth bound
+        # needs max |g| too: it is this one when the gradients reach it unchanged (one pass fewer)
+        lo, hi = torch.aminmax(g_t)
+        all_ok = bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+        gmax: float | None = float(torch.maximum(-lo, hi)) if all_ok else None
         rows: torch.Tensor | None = None
         new_pos: np.ndarray | None = None
         if all_ok:
@@ -479,7 +482,8 @@ class EmbeddingTable:
         if rows.numel():
             agg, clipped = clip_rows(agg, self.cfg.grad_clip_norm, self.cfg.grad_clip_value)
             self.counters["grad_clipped"] += clipped
-            ok = self.optimizer.apply(rows.to(self.device), agg.to(self.device))
+            known_max = gmax if agg is g_t else None  # summed, filtered or clipped: not g_t's max
+            ok = self.optimizer.apply(rows.to(self.device), agg.to(self.device), grad_absmax=known_max)
             if ok is not None and not bool(ok.all()):
                 ok = ok.cpu()
                 res.update_nonfinite_dropped = int((~ok).sum())
@@ -493,7 +497,9 @@ class EmbeddingTable:
         res.applied = int(rows.numel())
         if res.applied:
             r = rows.numpy()
-            self.freq[r] = np.minimum(self.freq[r].astype(np.int64) + 1, np.iinfo(np.int32).max)
+            f = self.freq[r]
+            f += f < np.iinfo(np.int32).max  # +1 saturating at int32's max, in int32 (no int64 copies)
+            self.freq[r] = f
             self.last_step[r] = self.step
             self.row_version[r] = self.current_version
         return res

@@ -190,8 +190,14 @@ class SparseOptimizer:
             return grads + self.cfg.weight_decay * self.weights.index_select(0, rows)
         return grads
 
-    def apply(self, rows: torch.Tensor, grads: torch.Tensor) -> torch.Tensor | None:
+    def apply(self, rows: torch.Tensor, grads: torch.Tensor, grad_absmax: float | None = None) -> torch.Tensor | None:
         """Update ``rows`` (unique, int64, on device) with ``grads`` [k, dim] (on device).
+
+        Args:
+            rows: the rows to update.
+            grads: their gradients.
+            grad_absmax: ``max |grads|`` when the caller already has it (the push's finite
+                check), so the fused kinds skip their own pass; None: computed when needed.
 
         Returns:
             None when every row was written, else bool [k] (on device): True for
@@ -283,12 +289,14 @@ class FusedTbeOptimizer(SparseOptimizer):
     def _safe(self, dw: float, dm: float) -> bool:
         return self.bound_w + dw < SAFE_MAGNITUDE and self.bound_m + dm < SAFE_MAGNITUDE
 
-    def apply(self, rows: torch.Tensor, grads: torch.Tensor) -> torch.Tensor | None:
+    def apply(self, rows: torch.Tensor, grads: torch.Tensor, grad_absmax: float | None = None) -> torch.Tensor | None:
         if rows.numel() == 0:
             return None
         g = self._decayed(rows, grads)  # may hold Inf (decay of a huge weight): gmax Inf -> exact path
-        lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates as before
-        dw, dm = self._growth(float(torch.maximum(-lo, hi)))
+        if grad_absmax is None or g is not grads:
+            lo, hi = torch.aminmax(g)  # one pass, no |g| temporary; NaN propagates as before
+            grad_absmax = float(torch.maximum(-lo, hi))
+        dw, dm = self._growth(grad_absmax)
         if not self._safe(dw, dm) and self._since_refresh >= _REFRESH_EVERY:
             self._refresh_bounds()
         if self._safe(dw, dm):
@@ -347,7 +355,7 @@ class AdamOptimizer(SparseOptimizer):
         return {"m": self.m, "v": self.v, "step": self.step}
 
     @torch.no_grad()
-    def apply(self, rows: torch.Tensor, grads: torch.Tensor) -> torch.Tensor | None:
+    def apply(self, rows: torch.Tensor, grads: torch.Tensor, grad_absmax: float | None = None) -> torch.Tensor | None:
         if rows.numel() == 0:
             return None
         c = self.cfg
@@ -404,7 +412,7 @@ class FtrlOptimizer(SparseOptimizer):
         return differ
 
     @torch.no_grad()
-    def apply(self, rows: torch.Tensor, grads: torch.Tensor) -> torch.Tensor | None:
+    def apply(self, rows: torch.Tensor, grads: torch.Tensor, grad_absmax: float | None = None) -> torch.Tensor | None:
         if rows.numel() == 0:
             return None
         c = self.cfg
