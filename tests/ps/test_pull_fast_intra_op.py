@@ -6,7 +6,8 @@
   fallback) and push (known and new ids: the split lookup and rowwise-Adagrad update)
   equal the one-thread table bit for bit, weights, optimizer state and metadata;
 * the same through real shards on 127.0.0.1 (``ps_fleet``, framed gRPC);
-* the config key and ``set_threads`` refuse bad values naming the key.
+* the config key and ``set_threads`` refuse bad values naming the key; ``metaps ps`` applies the
+  job's value (its log line) and serves split requests.
 """
 
 from __future__ import annotations
@@ -125,3 +126,28 @@ def test_bad_thread_counts_are_refused_naming_the_key() -> None:
             intra_op.set_threads(bad)  # type: ignore[arg-type]
     assert intra_op.threads() == 1
     PsConfig(intra_op_threads=4).validate()
+
+
+def test_metaps_ps_applies_the_configured_thread_count(tmp_path) -> None:
+    """``metaps ps`` sets ``[ps] intra_op_threads`` from the job (its log says so) and serves split requests."""
+    from ps.client import PsClient
+    from tests.ps.conftest import start_ps_process, write_job
+
+    job = write_job(tmp_path, shards=1, dim=DIM, capacity=4 * N)
+    job.write_text(job.read_text().replace("[ps]\n", "[ps]\nintra_op_threads = 2\n", 1))
+    proc = start_ps_process(job, 0, tmp_path)
+    try:
+        assert 'msg="intra-op threads per request" threads=2' in proc.log()
+        ids = np.arange(1, N + 1, dtype=np.int64)
+        g = np.random.default_rng(0).standard_normal((N, DIM)).astype(np.float32)
+        from metaps.core.rpc import RpcConfig
+        from tests.ps.conftest import TOKEN
+
+        with PsClient([proc.address], RpcConfig(token=TOKEN, timeout_s=20.0)) as c:
+            c.push({"user": (ids, g)})
+            before = c.pull({"user": ids})["user"]
+            c.push({"user": (ids, np.zeros_like(g))})  # zero gradient: rowwise Adagrad leaves the rows as they are
+            np.testing.assert_array_equal(c.pull({"user": ids})["user"], before)
+    finally:
+        proc.proc.kill()
+        proc.proc.wait(30)
