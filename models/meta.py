@@ -434,7 +434,8 @@ def adapt_and_predict(
             ``first_order`` is irrelevant here: no outer gradient.
 
     Returns:
-        head -> probabilities ``[T, Q]`` (detached).
+        head -> probabilities ``[T, Q]`` (detached); with ``[meta] offset_steps > 0``,
+        ``sigmoid(adapted logit + the task's Newton offset)`` per head (:mod:`models.meta_offset`).
 
     Example::
 
