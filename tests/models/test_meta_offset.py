@@ -27,6 +27,7 @@ from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_
 from models.meta_offset import fit_offsets
 from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema
 from tests.delivery.conftest import Fleet, tiny  # noqa: F401  (the session fixture)
+from tests.workers.conftest import worker_data  # noqa: F401  (fixture)
 
 TINY = dict(hidden=[8], default_dim=4)
 
@@ -314,3 +315,53 @@ def test_a_bundle_adapts_like_the_trainer_with_the_offset(tmp_path, tiny) -> Non
         assert differs > 1e-3, "the offset changed nothing: the test would not see a bundle ignoring it"
     finally:
         served.close()
+
+
+# -- the trainer end to end: train-local, checkpoint, metaps evaluate, a bundle from the checkpoint ----
+def test_trained_with_the_offset_evaluate_and_bundle_agree(worker_data, tmp_path) -> None:  # noqa: F811
+    """A real train-local job with the offset on: ``metaps evaluate`` on its checkpoint equals the
+    training-time evaluation (1e-6), a bundle exported from the checkpoint adapts like the trainer (1e-5),
+    ``--offset-steps 0`` changes the adapted score and ``--inner-steps 0`` scores the base only."""
+    import json
+
+    from delivery.adapt import AdaptingModel
+    from delivery.export import CheckpointSource, export_bundle
+    from meta_io.reader import MetaIODataset
+    from metaps.cli import main
+    from tests.models.conftest import assert_evaluate_matches_training
+    from tests.workers.conftest import make_job
+    from workers.local import train_local
+
+    job = make_job(worker_data["meta"], tmp_path, meta={"inner_lr": 0.1, "offset_steps": 2, "offset_prior": 1.0},
+                   train={"max_steps": 6})
+    _, local = train_local(job, tmp_path / "local", checkpoint=False)
+    learner = local.trainer.learner
+    assert learner.cfg.offset_steps == 2
+    ckpt = local.checkpoint()
+    assert_evaluate_matches_training(ckpt, worker_data["meta"], tmp_path / "eval.json", local.model, local.rows,
+                                     local.trainer.inner_loop)
+    on = json.loads((tmp_path / "eval.json").read_text())
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(worker_data["meta"]), "--protocol", "episodes",
+                 "--offset-steps", "0", "--out", str(tmp_path / "off.json")]) == 0
+    off = json.loads((tmp_path / "off.json").read_text())
+    assert off["meta"]["offset_steps"] == 0 and on["meta"]["offset_steps"] == 2
+    assert abs(off["adapted"]["click"]["logloss"] - on["adapted"]["click"]["logloss"]) > 1e-4
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(worker_data["meta"]), "--protocol", "episodes",
+                 "--inner-steps", "0", "--out", str(tmp_path / "base.json")]) == 0
+    assert not json.loads((tmp_path / "base.json").read_text()).get("adapted")
+
+    staging = tmp_path / "bundle" / "v000001"
+    staging.mkdir(parents=True)
+    export_bundle(CheckpointSource.open(ckpt), staging, "v000001", DeliveryConfig(out=str(tmp_path / "bundle")))
+    served = AdaptingModel(load_bundle(staging))
+    try:
+        assert served.cfg.offset_steps == 2 and served.cfg.offset_prior == 1.0
+        mb = next(iter(MetaIODataset(worker_data["meta"]).iter_all()))
+        rows = {t: torch.from_numpy(r) for t, r in local.rows.pull({t: u.numpy() for t, u in mb.unique_ids.items()}).items()}
+        want = adapt_and_predict(local.model, mb.support, mb.query, rows, mb.unique_ids, local.trainer.inner_loop)
+        got = served.adapted_probs(mb.support, mb.query)
+        real = mb.query.mask.bool()
+        for h in want:
+            np.testing.assert_allclose(got[h][real].numpy(), want[h][real].numpy(), atol=1e-5, rtol=0, err_msg=h)
+    finally:
+        served.serving.close()
