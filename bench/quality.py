@@ -126,7 +126,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                      learn: str, inner_lr: float, first_k: int | list[int] = 0, emb_list: tuple[bool, ...] = (False,),
                      emb_cold_weight: float = 0.5, emb_labels: bool = False,
                      support_loss_weight: float = 0.0, inner_loss_reduction: str = "mean",
-                     offset_steps: int = 0, offset_prior: float = 2.0) -> dict[str, Any]:
+                     offset_steps: int = 0, offset_prior: float = 16.0) -> dict[str, Any]:
     """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
     validation users, held-out users reported (and, with ``first_k``, every variant under first-k).
 
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offset-steps", type=int, default=0,
                     help="--cold-only: [meta] offset_steps (Newton iterations of a per-task logit offset) of the "
                          "meta trainings and the plain model's fine-tuning (0: off)")
-    ap.add_argument("--offset-prior", type=float, default=2.0, help="--cold-only: [meta] offset_prior (lambda > 0)")
+    ap.add_argument("--offset-prior", type=float, default=16.0, help="--cold-only: [meta] offset_prior (lambda > 0)")
     ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
                     help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
     ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")

@@ -95,7 +95,9 @@ class MetaConfig:
             CTCVR logit the loss uses (see the module). Default 0: off, the inner loop of before.
         offset_prior: ``lambda`` (> 0, finite), the prior precision of the offset: the Newton
             curvature is at least lambda and the offset shrinks towards 0 on little evidence
-            (``lambda -> inf``: no offset). Ignored when ``offset_steps = 0``.
+            (``lambda -> inf``: no offset). Ignored when ``offset_steps = 0``. Default 16.0: chosen in
+            bench.quality (first-k, K = 8) among 1, 4 and 16 (docs/BENCHMARKS.md, "Issue 16: a Newton
+            logit offset"); smaller values let the offset explain away what the base would learn.
 
     Example::
 
@@ -116,7 +118,7 @@ class MetaConfig:
     inner_loss_reduction: InnerReduction = InnerReduction.MEAN
     inner_support_size: int = 0
     offset_steps: int = 0
-    offset_prior: float = 2.0
+    offset_prior: float = 16.0
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
