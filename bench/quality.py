@@ -152,11 +152,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction, seed=seed)
     vsplit = split_by_task(split.train_dir, load_schema(split.schema_path), tmp / "vsplit", fraction=0.1, seed=seed + 1000)
     mcfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
-    # [meta] inner_loss_reduction; the mean default adds no key (the job is the one of before)
-    red: dict[str, Any] = ({} if inner_loss_reduction == "mean" else
-                           {"inner_loss_reduction": inner_loss_reduction, "inner_support_size": mcfg.support})
-    if offset_steps:  # [meta] offset_steps: the meta trainings and the plain model's fine-tuning alike
-        red.update(offset_steps=offset_steps, offset_prior=offset_prior)
+    red = shared_inner_keys(inner_loss_reduction, mcfg.support, offset_steps, offset_prior)
     mtrain = build(vsplit.train_dir, vsplit.schema_path, tmp / "m-train", mcfg).out_dir
     mval = build(vsplit.holdout_dir, vsplit.schema_path, tmp / "m-val", mcfg).out_dir
     mheld = build(split.holdout_dir, split.schema_path, tmp / "m-held", mcfg).out_dir
@@ -241,6 +237,24 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                   f"{held['adapted'][head]['auc']:.4f} plain {plain['base'][head]['auc']:.4f} plain+ft "
                   f"{plain['adapted'][head]['auc']:.4f}")
     return res
+
+
+def shared_inner_keys(inner_loss_reduction: str, support: int, offset_steps: int, offset_prior: float) -> dict[str, Any]:
+    """The ``[meta]`` keys the meta trainings and the plain model's fine-tuning ("plain + ft") share.
+
+    Defaults add no key (the job is the one of before): ``inner_loss_reduction = "mean"``, ``offset_steps = 0``.
+
+    Args:
+        inner_loss_reduction: ``[meta] inner_loss_reduction``.
+        support: the layout's support rows per task (``inner_support_size`` of ``sum_per_support``).
+        offset_steps: ``[meta] offset_steps`` (0: off).
+        offset_prior: ``[meta] offset_prior`` (with ``offset_steps``).
+    """
+    keys: dict[str, Any] = ({} if inner_loss_reduction == "mean" else
+                            {"inner_loss_reduction": inner_loss_reduction, "inner_support_size": support})
+    if offset_steps:
+        keys.update(offset_steps=offset_steps, offset_prior=offset_prior)
+    return keys
 
 
 def effect_sizes(w: Any, batches: Any, head: str = "click") -> dict[str, float]:
