@@ -38,7 +38,10 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    ``--support-loss-weight W`` trains with ``[meta] support_loss_weight = W`` (the base also
    learns from the support rows). ``--inner-loss-reduction sum_per_support`` (``--cold-only``) sets
    ``[meta] inner_loss_reduction`` (inner step size grows with the task's support rows) for the meta
-   trainings and the plain model's fine-tuning alike.
+   trainings and the plain model's fine-tuning alike. ``--offset-steps N --offset-prior L``
+   (``--cold-only``) sets ``[meta] offset_steps`` / ``offset_prior`` (a per-task logit offset per head,
+   fitted by Newton on the support after the inner steps) for the meta trainings and the plain
+   model's fine-tuning alike; both are recorded in the JSON.
 
 The same run measures everything; the last line printed is a JSON object.
 """
@@ -122,7 +125,8 @@ def _eval_adapted(worker: Any, data: Path, loop: Any) -> dict[str, Any]:
 def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: float, steps_list: list[int],
                      learn: str, inner_lr: float, first_k: int | list[int] = 0, emb_list: tuple[bool, ...] = (False,),
                      emb_cold_weight: float = 0.5, emb_labels: bool = False,
-                     support_loss_weight: float = 0.0, inner_loss_reduction: str = "mean") -> dict[str, Any]:
+                     support_loss_weight: float = 0.0, inner_loss_reduction: str = "mean",
+                     offset_steps: int = 0, offset_prior: float = 16.0) -> dict[str, Any]:
     """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
     validation users, held-out users reported (and, with ``first_k``, every variant under first-k).
 
@@ -134,6 +138,9 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
         inner_loss_reduction: ``[meta] inner_loss_reduction`` of the meta trainings and of the plain
             model's fine-tuning ("the same fine-tuning"); ``sum_per_support`` divides by the layout's
             support size (``inner_support_size`` = 8 here).
+        offset_steps: ``[meta] offset_steps`` (the per-task Newton logit offset) of the meta trainings
+            and of the plain model's fine-tuning alike (0: off, no key added).
+        offset_prior: ``[meta] offset_prior`` (with ``offset_steps``).
     """
     ks = [k for k in ([first_k] if isinstance(first_k, int) else list(first_k)) if k]
     from meta_io.build import MetaIOBuildConfig, build
@@ -145,9 +152,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction, seed=seed)
     vsplit = split_by_task(split.train_dir, load_schema(split.schema_path), tmp / "vsplit", fraction=0.1, seed=seed + 1000)
     mcfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
-    # [meta] inner_loss_reduction; the mean default adds no key (the job is the one of before)
-    red: dict[str, Any] = ({} if inner_loss_reduction == "mean" else
-                           {"inner_loss_reduction": inner_loss_reduction, "inner_support_size": mcfg.support})
+    red = shared_inner_keys(inner_loss_reduction, mcfg.support, offset_steps, offset_prior)
     mtrain = build(vsplit.train_dir, vsplit.schema_path, tmp / "m-train", mcfg).out_dir
     mval = build(vsplit.holdout_dir, vsplit.schema_path, tmp / "m-val", mcfg).out_dir
     mheld = build(split.holdout_dir, split.schema_path, tmp / "m-held", mcfg).out_dir
@@ -234,6 +239,24 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     return res
 
 
+def shared_inner_keys(inner_loss_reduction: str, support: int, offset_steps: int, offset_prior: float) -> dict[str, Any]:
+    """The ``[meta]`` keys the meta trainings and the plain model's fine-tuning ("plain + ft") share.
+
+    Defaults add no key (the job is the one of before): ``inner_loss_reduction = "mean"``, ``offset_steps = 0``.
+
+    Args:
+        inner_loss_reduction: ``[meta] inner_loss_reduction``.
+        support: the layout's support rows per task (``inner_support_size`` of ``sum_per_support``).
+        offset_steps: ``[meta] offset_steps`` (0: off).
+        offset_prior: ``[meta] offset_prior`` (with ``offset_steps``).
+    """
+    keys: dict[str, Any] = ({} if inner_loss_reduction == "mean" else
+                            {"inner_loss_reduction": inner_loss_reduction, "inner_support_size": support})
+    if offset_steps:
+        keys.update(offset_steps=offset_steps, offset_prior=offset_prior)
+    return keys
+
+
 def effect_sizes(w: Any, batches: Any, head: str = "click") -> dict[str, float]:
     """Per held-out task, how far adaptation moves the ``head`` logit vs how far it should move.
 
@@ -253,7 +276,7 @@ def effect_sizes(w: Any, batches: Any, head: str = "click") -> dict[str, float]:
     learner = w.trainer.learner
     gen0 = None
     if learner is not None and learner.meta_emb:
-        gen0 = MetaLearner(w.model, dataclasses.replace(learner.cfg, inner_steps=0))
+        gen0 = MetaLearner(w.model, dataclasses.replace(learner.cfg, inner_steps=0, offset_steps=0))
         gen0.load_state_dict(learner.state_dict())
         gen0.set_init_rows(learner.init_rows or {})
     w.trainer.refresh_dense()
@@ -339,6 +362,7 @@ def main_inner(args: argparse.Namespace) -> int:
     emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
     ks = parse_first_k(args.first_k)
     out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight,
+                           "offset_steps": args.offset_steps, "offset_prior": args.offset_prior,
                            "inner_loss_reduction": args.inner_loss_reduction, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
                            "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
                            "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
@@ -355,7 +379,8 @@ def main_inner(args: argparse.Namespace) -> int:
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
                                                      args.learn_inner_lr, args.inner_lr, ks,
                                                      emb_list, args.meta_emb_cold_weight, args.meta_emb_labels,
-                                                     args.support_loss_weight, args.inner_loss_reduction)
+                                                     args.support_loss_weight, args.inner_loss_reduction,
+                                                     args.offset_steps, args.offset_prior)
     per = list(out["per_seed"].values())
     if ks:
         out["first_k_by_k"] = first_k_summary(per, ks)
@@ -397,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner-loss-reduction", choices=["mean", "sum_per_support"], default="mean",
                     help="--cold-only: [meta] inner_loss_reduction of the meta trainings and the plain "
                          "model's fine-tuning (sum_per_support: sum over support rows / the layout's support 8)")
+    ap.add_argument("--offset-steps", type=int, default=0,
+                    help="--cold-only: [meta] offset_steps (Newton iterations of a per-task logit offset) of the "
+                         "meta trainings and the plain model's fine-tuning (0: off)")
+    ap.add_argument("--offset-prior", type=float, default=16.0, help="--cold-only: [meta] offset_prior (lambda > 0)")
     ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
                     help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
     ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")

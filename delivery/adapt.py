@@ -31,6 +31,10 @@ serve zero rows and cannot adapt.
 
 Rows of query tasks without any support row are scored by the base model.
 
+The per-task logit offset (``[meta] offset_steps`` / ``offset_prior``,
+:mod:`models.meta_offset`) ships in the recipe's ``meta`` like every other
+field and runs inside ``adapt_and_predict``, as in the trainer.
+
 MetaEmb (``[meta] meta_emb``): the generator ships with the learned rates in
 ``adapt_params.npz`` (``meta_learner.meta_emb_*``), and adaptation replaces the
 rows of unseen ids -- by the same rule as the trainer: a row equal to the

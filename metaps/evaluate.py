@@ -11,7 +11,8 @@ dense parameters from its ``d/`` chunks) or from the bundle (``adapt_params.npz`
 and its LMDB rows). Unseen ids read the PS's initial row (the bundle's
 ``adapt.init``; for a checkpoint, its ``[ps]`` config), as in training. The inner
 loop is the one the model was trained with (``[meta]`` of the checkpoint, the
-bundle's recipe), overridable with ``--inner-steps`` / ``--inner-lr``; it also
+bundle's recipe), overridable with ``--inner-steps`` / ``--inner-lr`` (and the logit
+offset's ``--offset-steps`` / ``--offset-prior``, ``[meta] offset_steps``); it also
 runs for plain-trained models ("plain model + the same fine-tuning").
 
 Output: one JSON object (``--out`` written atomically; stdout gets the JSON, or
@@ -47,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--inner-steps", type=int, default=None,
                    help="inner SGD steps of the adapted score (default: the model's [meta]; 0 = base only)")
     e.add_argument("--inner-lr", type=float, default=None, help="inner learning rate (default: the model's [meta])")
+    e.add_argument("--offset-steps", type=int, default=None,
+                   help="Newton iterations of the per-task logit offset (default: the model's [meta]; 0 = off)")
+    e.add_argument("--offset-prior", type=float, default=None,
+                   help="prior precision of the logit offset (default: the model's [meta])")
     e.add_argument("--out", type=Path, default=None, help="write the report (one JSON object) here, atomically")
     e.set_defaults(func=_evaluate)
 
@@ -133,6 +138,12 @@ def _evaluate(args: argparse.Namespace) -> int:
             over["inner_steps"] = args.inner_steps
         if args.inner_lr is not None:
             over["inner_lr"] = args.inner_lr
+        if args.offset_steps is not None:
+            over["offset_steps"] = args.offset_steps
+        elif args.inner_steps == 0:  # base only: the offset is part of the adaptation that is off
+            over["offset_steps"] = 0
+        if args.offset_prior is not None:
+            over["offset_prior"] = args.offset_prior
         try:
             meta = dataclasses.replace(meta, **over)
         except ValueError as exc:

@@ -9,6 +9,8 @@ meta batch's gathered rows ``r``::
                  # their sum / inner_support_size (the step grows with the task's support rows)
     task loss  = L(Q_i; p_K, r_K)                       # mean over the task's real query rows
                [+ w * L(S_i; p, r)]                     # [meta] support_loss_weight w > 0: the base on the support
+                 # [meta] offset_steps > 0: L(Q_i) on logits + b_h(S_i; p_K, r_K), a per-head Newton
+                 # offset fitted on the adapted support logits (models/meta_offset.py)
     outer loss = mean over real tasks of the task loss
     outputs    : d outer / d p  (dense grads),  d outer / d r  (row grads -> PS)
 
@@ -63,6 +65,7 @@ from models.losses import loss
 from models.meta_config import AdaptTarget, InnerLr, InnerReduction, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
 from models.meta_learner import PREFIX as LEARNER_PREFIX
 from models.meta_learner import MetaLearner
+from models.meta_offset import fit_offsets, shift
 
 InnerLoop = MetaConfig | MetaLearner
 """What the step functions take: the ``[meta]`` settings, or a learner carrying them and its rates."""
@@ -167,6 +170,22 @@ def _adapt(
     if before is None:
         before = support_loss(fast) if live_before else after
     return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, after
+
+
+def _offsets(
+    model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, index: LookupIndex, cfg: MetaConfig
+) -> dict[str, Tensor]:
+    """``[meta] offset_steps``: head -> the task's Newton logit offset on its support (empty when off).
+
+    ``params`` / ``rows`` are the adapted (fast) weights; under ``first_order`` the support logits
+    are detached, so the offset is a constant of the outer gradient (as the inner gradients are).
+    """
+    if cfg.offset_steps <= 0:
+        return {}
+    z = _forward(model, params, rows, support, index)
+    if cfg.first_order:
+        z = {h: v.detach() for h, v in z.items()}
+    return fit_offsets(z, support, model.heads, cfg.offset_steps, cfg.offset_prior)
 
 
 def _inner_objective(
@@ -316,12 +335,14 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
         sfb, qfb = FeatureBatch(**sup), FeatureBatch(**qry)
         start = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=True) if learner.meta_emb else rows
         fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates, live_before=reuse_before)
-        q, q_heads = loss(_forward(model, fp, fr, qfb, qidx), qfb, model.heads)
+        off = _offsets(model, fp, fr, sfb, sidx, cfg)
+        q, q_heads = loss(shift(_forward(model, fp, fr, qfb, qidx), off), qfb, model.heads)
         if alpha > 0:  # MetaEmb's simulated cold start: every id of the meta_emb tables starts generated
             every = {t: torch.ones_like(c) for t, c in cold.items()}
             start = learner.cold_rows(mparams, rows, every, sfb, sidx, straight_through=False)
             fp, fr, _, _ = _adapt(model, params, start, sfb, sidx, cfg, rates)
-            q = (1.0 - alpha) * q + alpha * _batch_loss(model, fp, fr, qfb, qidx)
+            off = _offsets(model, fp, fr, sfb, sidx, cfg)
+            q = (1.0 - alpha) * q + alpha * loss(shift(_forward(model, fp, fr, qfb, qidx), off), qfb, model.heads)[0]
         objective = q
         if w_sup > 0:  # the base (unadapted, pulled rows) also learns from the support rows
             s = before if reuse_before else _batch_loss(model, params, rows, sfb, sidx)
@@ -413,7 +434,8 @@ def adapt_and_predict(
             ``first_order`` is irrelevant here: no outer gradient.
 
     Returns:
-        head -> probabilities ``[T, Q]`` (detached).
+        head -> probabilities ``[T, Q]`` (detached); with ``[meta] offset_steps > 0``,
+        ``sigmoid(adapted logit + the task's Newton offset)`` per head (:mod:`models.meta_offset`).
 
     Example::
 
@@ -434,7 +456,11 @@ def adapt_and_predict(
         if learner.meta_emb:
             rows = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=False)
         fp, fr, _, _ = _adapt(model, params, rows, sfb, sidx, first, rates)
-        out = _forward(model, fp, fr, FeatureBatch(**qry), qidx, probabilities=True)
+        if first.offset_steps > 0:  # [meta] offset_steps: sigmoid(the loss's logit + the task's offset)
+            off = _offsets(model, fp, fr, sfb, sidx, first)
+            out = {h: torch.sigmoid(z) for h, z in shift(_forward(model, fp, fr, FeatureBatch(**qry), qidx), off).items()}
+        else:
+            out = _forward(model, fp, fr, FeatureBatch(**qry), qidx, probabilities=True)
         return tree_map(torch.Tensor.detach, out)
 
     return _over_tasks(

@@ -85,6 +85,19 @@ class MetaConfig:
             ignored with ``mean``. A training batch with more support slots than S is an error, and
             ``metaps launch`` / ``train-local`` refuse a job whose S differs from ``data.train``'s
             manifest (preflight).
+        offset_steps: after the gradient inner steps, fit one scalar logit offset per task and head on
+            the task's real support rows by this many damped Newton iterations of the support BCE plus
+            ``offset_prior / 2 * b^2``, and add it to that head's logit on the query rows
+            (:mod:`models.meta_offset`). Applies wherever the inner loop runs (training's query loss,
+            adapted evaluation, the plain model's fine-tuning in ``bench.quality``, a bundle's
+            adaptation); under ``first_order`` the offset is detached in training. Needs
+            ``inner_steps >= 1`` (``inner_steps = 0`` means no adaptation). ESMM: the offset is on the
+            CTCVR logit the loss uses (see the module). Default 0: off, the inner loop of before.
+        offset_prior: ``lambda`` (> 0, finite), the prior precision of the offset: the Newton
+            curvature is at least lambda and the offset shrinks towards 0 on little evidence
+            (``lambda -> inf``: no offset). Ignored when ``offset_steps = 0``. Default 16.0: chosen in
+            bench.quality (first-k, K = 8) among 1, 4 and 16 (docs/BENCHMARKS.md, "Issue 16: a Newton
+            logit offset"); smaller values let the offset explain away what the base would learn.
 
     Example::
 
@@ -104,6 +117,8 @@ class MetaConfig:
     support_loss_weight: float = 0.0
     inner_loss_reduction: InnerReduction = InnerReduction.MEAN
     inner_support_size: int = 0
+    offset_steps: int = 0
+    offset_prior: float = 16.0
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
@@ -132,6 +147,16 @@ class MetaConfig:
         if self.inner_loss_reduction is InnerReduction.SUM_PER_SUPPORT and n < 1:
             raise ValueError("inner_support_size must be >= 1 (the training layout's support rows per task) "
                              f"when inner_loss_reduction = 'sum_per_support', got {n}")
+        k = self.offset_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"offset_steps must be an int >= 0, got {k!r}")
+        if k > 0 and self.inner_steps == 0:
+            raise ValueError(f"offset_steps = {k} needs inner_steps >= 1 (inner_steps = 0 means no adaptation, "
+                             "the offset included); set offset_steps = 0")
+        lam = self.offset_prior
+        if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (lam > 0 and lam < float("inf")):
+            raise ValueError(f"offset_prior must be a finite float > 0, got {lam!r}")
+        object.__setattr__(self, "offset_prior", float(lam))
 
     def __post_init__(self) -> None:
         self.validate()
