@@ -791,10 +791,13 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, equal_size0: int,
             runs.append((mode, [r]))
 
     def rate(steps: list[dict[str, Any]]) -> float | None:
-        steps = steps[skip:]
-        if len(steps) < 3 or steps[-1]["t"] <= steps[0]["t"]:
+        # the counted steps are steps[skip:]; a step's period ends at its own end and starts
+        # at the previous step's end, so the window's clock starts at the last dropped step
+        # (as in _e5_profile: the same steps' periods and units in both figures)
+        first = max(skip, 1)
+        if len(steps) < first + 2 or steps[-1]["t"] <= steps[first - 1]["t"]:
             return None
-        return sum(s["units_sum"] for s in steps[1:]) / (steps[-1]["t"] - steps[0]["t"])
+        return sum(s["units_sum"] for s in steps[first:]) / (steps[-1]["t"] - steps[first - 1]["t"])
 
     ratios: list[float] = []
     for (m0, a), (m1, b) in zip(runs, runs[1:]):
@@ -815,7 +818,16 @@ def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, 
 
     A step's arm is read from worker 0's size at that step (see :func:`_arm`); steps before
     ``since`` and the first ``skip`` steps after each switch are dropped, like
-    ``_paired_windows``. Also the median step period (end to end, worker 0) per arm.
+    ``_paired_windows``. Per arm also (worker 0's step ends):
+
+    * ``period_s``: wall seconds per global batch of units, i.e. the counted steps' periods
+      summed over the units they trained (``units_sum``) x the global batch: the same
+      quantity as the pair figure's samples/s, so equal/dd of it is comparable with the pairs.
+    * ``step_median_s``: the median step period. Not a throughput: a step may train fewer
+      units than the global batch (a worker that found no lease at an epoch's end trains
+      0 units while its peer trains its share), and the median drops the long steps.
+    * ``partial_steps`` / ``units_per_step``: steps with fewer units than the global batch
+      and the mean units per step.
     """
     by_step = [{r["step"]: r for r in rep["dd_steps"]} for rep in reports]
     arm_of: dict[int, str] = {}
@@ -833,8 +845,14 @@ def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, 
     for arm in ("dd", "equal"):
         steps = [st for st in steps0 if arm_of.get(st) == arm]
         prof: dict[str, Any] = {"steps": len(steps)}
-        periods = [by_step[0][st]["t"] - by_step[0][st - 1]["t"] for st in steps if st - 1 in by_step[0]]
-        prof["period_s"] = round(statistics.median(periods), 4) if periods else None
+        timed = [st for st in steps if st - 1 in by_step[0]]
+        periods = [by_step[0][st]["t"] - by_step[0][st - 1]["t"] for st in timed]
+        units = [int(by_step[0][st]["units_sum"]) for st in timed]
+        g = max((int(by_step[0][st]["size_sum"]) for st in timed), default=0)
+        prof["period_s"] = round(sum(periods) / sum(units) * g, 4) if sum(units) > 0 else None
+        prof["step_median_s"] = round(statistics.median(periods), 4) if periods else None
+        prof["partial_steps"] = sum(1 for u in units if u < g)
+        prof["units_per_step"] = round(sum(units) / len(units), 1) if units else None
         for k, recs in enumerate(by_step):
             rows = [recs[st] for st in steps if st in recs]
             prof[f"w{k}"] = {f: round(statistics.median(float(r.get(f, 0.0)) for r in rows), 4)

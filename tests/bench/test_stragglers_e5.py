@@ -8,6 +8,8 @@ plan counted as "equal", so a learning plan was paired as if it were the equal s
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from bench.stragglers import _e5_profile, _paired_windows
@@ -17,7 +19,8 @@ def _recs(sizes: list[int], period: dict[int, float], units: int = 1024) -> list
     out, t = [], 0.0
     for i, s in enumerate(sizes):
         t += period[s]
-        out.append({"step": i + 1, "size": s, "units_sum": units, "t": t, "compute_s": period[s] / 2})
+        out.append({"step": i + 1, "size": s, "units_sum": units, "size_sum": units, "t": t,
+                    "compute_s": period[s] / 2})
     return out
 
 
@@ -41,3 +44,30 @@ def test_profile_splits_steps_by_arm() -> None:
     assert prof["dd"]["steps"] == 3 and prof["equal"]["steps"] == 3
     assert prof["dd"]["period_s"] == pytest.approx(0.8) and prof["equal"]["period_s"] == pytest.approx(1.0)
     assert prof["dd"]["w1"]["compute_s"] == pytest.approx(0.4)
+
+
+def test_profile_period_is_per_global_batch_and_agrees_with_the_pairs() -> None:
+    # What a run on the bench's small data looked like: at an epoch's end one worker finds no
+    # lease and trains 0 units while its peer trains its share (a partial step), more often
+    # under the DD plan. The DD arm: 3 full steps of 0.8 s then a 300-unit step of 0.5 s; the
+    # equal arm: full steps of 1.0 s. Windows of 9 steps, the first (the switch) dropped.
+    g = 1024
+    recs: list[dict[str, float]] = []
+    t = 0.0
+    for w in range(6):
+        dd = w % 2 == 1
+        for i in range(9):
+            part = dd and i % 4 == 0 and i > 0
+            t += 0.5 if part else (0.8 if dd else 1.0)
+            recs.append({"step": len(recs) + 1, "size": 680 if dd else 512, "units_sum": 300 if part else g,
+                         "size_sum": g, "t": t})
+    pairs = _paired_windows(recs, 680, 512)
+    per_window = ((3 * g + 300) * 2 / ((3 * 0.8 + 0.5) * 2)) / (g / 1.0)  # samples/s dd / equal
+    assert pairs == pytest.approx([per_window] * 5)
+    prof = _e5_profile([{"dd_steps": recs}], 680, 512)
+    # seconds per global batch: the same throughput the pairs measure (the median step period,
+    # 0.8 vs 1.0 s, says 1.25x: it ignores that 1 DD step in 4 trained 300 units, not 1024)
+    assert prof["equal"]["period_s"] / prof["dd"]["period_s"] == pytest.approx(statistics.median(pairs), rel=1e-3)
+    assert prof["dd"]["step_median_s"] == pytest.approx(0.8) and prof["equal"]["step_median_s"] == pytest.approx(1.0)
+    assert prof["dd"]["partial_steps"] == 6 and prof["equal"]["partial_steps"] == 0
+    assert prof["dd"]["units_per_step"] == pytest.approx((3 * g + 300) / 4, abs=0.1)
