@@ -12,7 +12,10 @@ import statistics
 
 import pytest
 
-from bench.stragglers import _e5_profile, _paired_windows
+from bench.stragglers import _e5_profile, _InterleavedDd, _paired_windows
+from controller.config import DdConfig, MonitorConfig
+from controller.monitor import MonitorSnapshot, WindowStats
+from controller.policy.dd import DdPolicy
 
 
 def _recs(sizes: list[int], period: dict[int, float], units: int = 1024) -> list[dict[str, float]]:
@@ -71,3 +74,23 @@ def test_profile_period_is_per_global_batch_and_agrees_with_the_pairs() -> None:
     assert prof["dd"]["step_median_s"] == pytest.approx(0.8) and prof["equal"]["step_median_s"] == pytest.approx(1.0)
     assert prof["dd"]["partial_steps"] == 6 and prof["equal"]["partial_steps"] == 0
     assert prof["dd"]["units_per_step"] == pytest.approx((3 * g + 300) / 4, abs=0.1)
+
+
+def test_interleaving_waits_for_the_policy_to_turn_after_noisy_first_windows() -> None:
+    # The real DD policy fed 2 s monitor windows: 6 windows in which the slowed worker 1 looks
+    # faster (warm-up noise), then worker 0 twice as fast. The EMA needs several windows to
+    # turn; the plan frozen for the interleaving must be the turned one (~2:1), not the first.
+    pol = _InterleavedDd(DdPolicy(MonitorConfig(window_s=2.0), DdConfig(global_batch=1024, min_change=0.05)),
+                         {0: 512, 1: 512}, window_s=10.0)
+    windows: list[WindowStats] = []
+    for i in range(200):
+        sps = (600.0, 800.0) if i < 6 else (1600.0, 800.0)
+        windows.append(WindowStats(i, 2.0 * i, 2.0 * i + 2, {0: 0.5, 1: 0.5}, {0: sps[0], 1: sps[1]}))
+        for tick in range(20):  # the controller ticks every 0.1 s
+            now = 2.0 * i + 2 + 0.1 * tick
+            pol.evaluate(MonitorSnapshot(now, tuple(windows)), now)
+        if pol.plan is not None:
+            break
+    assert pol.plan is not None and pol.settled
+    assert pol.learned[0]["sizes"] == [476, 548]  # the first plan went the wrong way
+    assert pol.plan[0] > 640 and pol.plan[0] + pol.plan[1] == 1024, pol.learned
