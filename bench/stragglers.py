@@ -12,7 +12,8 @@ Real processes (ratios measured side by side in the same run):
         CPU-second beside the wall ones, with a bootstrap interval and a sign test
     E5  2 all-reduce `metaps worker` processes (gloo) + 1 PS, worker 1 slowed 2x:
         DD plans from the controller vs the same DD loop with equal batches (two runs), and
-        E5i: both arms in ONE run, the DD plan and the equal split alternating every 8 s
+        E5i: both arms in ONE run, the DD plan and the equal split alternating every 10 s
+        (x global batch / 1024; ``--e5-global-batch``, on 65536-row epochs)
         (ABAB windows, median of adjacent-pair ratios; drift between runs cannot bias it)
 
 Simulations (threads that sleep ``base_s * slowdown`` per batch against a real controller;
@@ -475,13 +476,19 @@ REAL_WORKERS_E1 = 4
 REAL_WORKERS_E5 = 2
 
 
-def _real_data(tmp: Path, quick: bool) -> dict[str, Path]:
-    """Generated AntM2C-like rows built as a plain Meta-IO layout (64-row record batches)."""
+def _real_data(tmp: Path, quick: bool, rows: int | None = None) -> dict[str, Path]:
+    """Generated AntM2C-like rows built as a plain Meta-IO layout (64-row record batches).
+
+    Args:
+        rows: rows to generate (default 4000 quick, 8000 full: E1's data).
+    """
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.synth import GeneratorConfig, generate
     from meta_io.layout import Layout
 
-    gen = generate(tmp / "raw", GeneratorConfig(rows=4000 if quick else 8000, users=400, items=300, seed=5,
+    if rows is None:
+        rows = 4000 if quick else 8000
+    gen = generate(tmp / "raw", GeneratorConfig(rows=rows, users=400, items=300, seed=5,
                                                 n_files=2, row_group_rows=2000), progress=False)
     plain = build(gen.out_dir, gen.schema_path, tmp / "plain",
                   MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=64)).out_dir
@@ -625,6 +632,13 @@ def e1_real(seed: int, data: dict[str, Path], quick: bool, workers: int = REAL_W
     return out
 
 
+E5_ROWS = 65536
+"""E5i's data: 64 steps of 1024 units (16 of 4096) per epoch. On E1's 4000 rows an epoch was
+4 steps of 1024, and each epoch's end (the DDS opens the next epoch when every shard of this
+one is reported, after the step that trained it) left a worker with no lease for a step: at
+1024, 37-44% of the steps trained one worker's share only, and at 4096 an epoch would be one
+step. A real job's epoch is thousands of steps."""
+
 E5_HIDDEN = [1024, 1024, 512]
 """E5i's dense tower: per-unit compute must dominate the step for a batch split to matter
 (with the shared [32, 16] tower the step was ~85% fixed cost: PS push, controller RPCs)."""
@@ -714,12 +728,18 @@ class _InterleavedDd:
     same ``SetBatchSizes`` action the product uses (plan stamps, min-agreement in the
     workers). Both arms then run in the same fleet, same processes, same data, interleaved
     in time: load drift on a shared box hits both alike.
+
+    ``settle_s`` is 20 s, 10 of E5's 2 s monitor windows: the policy smooths samples/s (EMA,
+    ``[controller.dd] smoothing`` 0.3), so after a few noisy windows it needs several to turn,
+    and re-plans only past ``min_change``. With 8 s (4 windows) a run at load 8 froze the
+    policy's first plan, made from 2 warm-up windows in which the slowed worker looked faster:
+    494/530, the wrong way (2026-12-01 02:13, BENCHMARKS "E5i round 3").
     """
 
     name = "dd-interleaved"
 
-    def __init__(self, inner: Any, equal: dict[int, int], window_s: float, settle_s: float = 8.0,
-                 max_learn_s: float = 60.0) -> None:
+    def __init__(self, inner: Any, equal: dict[int, int], window_s: float, settle_s: float = 20.0,
+                 max_learn_s: float = 120.0) -> None:
         self.inner, self.equal, self.window_s = inner, equal, window_s
         self.settle_s, self.max_learn_s = settle_s, max_learn_s
         self.learned: list[dict[str, Any]] = []  # the policy's plans in phase 1 (sizes, mode)
@@ -791,10 +811,13 @@ def _paired_windows(recs: list[dict[str, Any]], dd_size0: int, equal_size0: int,
             runs.append((mode, [r]))
 
     def rate(steps: list[dict[str, Any]]) -> float | None:
-        steps = steps[skip:]
-        if len(steps) < 3 or steps[-1]["t"] <= steps[0]["t"]:
+        # the counted steps are steps[skip:]; a step's period ends at its own end and starts
+        # at the previous step's end, so the window's clock starts at the last dropped step
+        # (as in _e5_profile: the same steps' periods and units in both figures)
+        first = max(skip, 1)
+        if len(steps) < first + 2 or steps[-1]["t"] <= steps[first - 1]["t"]:
             return None
-        return sum(s["units_sum"] for s in steps[1:]) / (steps[-1]["t"] - steps[0]["t"])
+        return sum(s["units_sum"] for s in steps[first:]) / (steps[-1]["t"] - steps[first - 1]["t"])
 
     ratios: list[float] = []
     for (m0, a), (m1, b) in zip(runs, runs[1:]):
@@ -815,7 +838,16 @@ def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, 
 
     A step's arm is read from worker 0's size at that step (see :func:`_arm`); steps before
     ``since`` and the first ``skip`` steps after each switch are dropped, like
-    ``_paired_windows``. Also the median step period (end to end, worker 0) per arm.
+    ``_paired_windows``. Per arm also (worker 0's step ends):
+
+    * ``period_s``: wall seconds per global batch of units, i.e. the counted steps' periods
+      summed over the units they trained (``units_sum``) x the global batch: the same
+      quantity as the pair figure's samples/s, so equal/dd of it is comparable with the pairs.
+    * ``step_median_s``: the median step period. Not a throughput: a step may train fewer
+      units than the global batch (a worker that found no lease at an epoch's end trains
+      0 units while its peer trains its share), and the median drops the long steps.
+    * ``partial_steps`` / ``units_per_step``: steps with fewer units than the global batch
+      and the mean units per step.
     """
     by_step = [{r["step"]: r for r in rep["dd_steps"]} for rep in reports]
     arm_of: dict[int, str] = {}
@@ -833,8 +865,14 @@ def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, 
     for arm in ("dd", "equal"):
         steps = [st for st in steps0 if arm_of.get(st) == arm]
         prof: dict[str, Any] = {"steps": len(steps)}
-        periods = [by_step[0][st]["t"] - by_step[0][st - 1]["t"] for st in steps if st - 1 in by_step[0]]
-        prof["period_s"] = round(statistics.median(periods), 4) if periods else None
+        timed = [st for st in steps if st - 1 in by_step[0]]
+        periods = [by_step[0][st]["t"] - by_step[0][st - 1]["t"] for st in timed]
+        units = [int(by_step[0][st]["units_sum"]) for st in timed]
+        g = max((int(by_step[0][st]["size_sum"]) for st in timed), default=0)
+        prof["period_s"] = round(sum(periods) / sum(units) * g, 4) if sum(units) > 0 else None
+        prof["step_median_s"] = round(statistics.median(periods), 4) if periods else None
+        prof["partial_steps"] = sum(1 for u in units if u < g)
+        prof["units_per_step"] = round(sum(units) / len(units), 1) if units else None
         for k, recs in enumerate(by_step):
             rows = [recs[st] for st in steps if st in recs]
             prof[f"w{k}"] = {f: round(statistics.median(float(r.get(f, 0.0)) for r in rows), 4)
@@ -844,12 +882,17 @@ def _e5_profile(reports: list[dict[str, Any]], dd_size0: int, equal_size0: int, 
 
 
 def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_batch: int = 1024,
-                        window_s: float = 10.0, hidden: list[int] | None = None,
+                        window_s: float | None = None, hidden: list[int] | None = None,
                         epochs: int | None = None) -> dict[str, Any]:
     """E5 with both arms in one run: DD plan and equal split alternate (see ``_InterleavedDd``).
 
-    ``epochs`` (default 24 quick, 40 full) sets the run's length: on a quiet box 24 quick epochs
-    end about when the policy has settled, before the first equal window (no pair).
+    Args:
+        data: :data:`E5_ROWS` rows (:func:`_real_data`): epochs much longer than a step.
+        global_batch: units per step, all workers together (the bench's ``--e5-global-batch``).
+        window_s: seconds per arm window; default 10 s x ``global_batch`` / 1024 (at least
+            10 s), so that a window holds about the same number of steps at every global batch.
+        epochs: the run's length (default 8 quick, 16 full, of :data:`E5_ROWS` rows: ~0.5 M
+            units quick, several minutes on a quiet 2-core box at any global batch).
 
     Same fleet as :func:`e5_real` (2 gloo workers + 1 PS, worker 1 slowed 2x). The figure is
     the median over adjacent (equal, DD) window pairs of the samples/s ratio, counted from
@@ -864,7 +907,9 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
 
     hidden = E5_HIDDEN if hidden is None else hidden
     if epochs is None:
-        epochs = 24 if quick else 40  # the learning phase (a few 2 s windows per plan) comes first
+        epochs = 8 if quick else 16  # the learning phase (a few 2 s windows per plan) comes first
+    if window_s is None:
+        window_s = 10.0 * max(1.0, global_batch / 1024)
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
         job_path = _e5_job(tmp, data, seed, epochs, global_batch, hidden)
@@ -889,9 +934,13 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
         return {"speedup": float("nan"), "pairs": 0, "note": "the DD policy's plan is the equal split",
                 "learned": pol.learned}
     ratios = _paired_windows(recs, pol.plan[0], equal[0], since=since)
+    prof = _e5_profile(reps, pol.plan[0], equal[0], since=since)
+    p_dd, p_eq = prof["dd"]["period_s"], prof["equal"]["period_s"]
     return {"speedup": statistics.median(ratios) if ratios else float("nan"), "pairs": len(ratios),
+            "period_ratio": round(p_eq / p_dd, 4) if p_dd and p_eq else None,
+            "global_batch": global_batch, "window_s": window_s, "epochs": epochs,
             "settled": pol.settled, "learned": pol.learned, "hidden": hidden,
-            "profile": _e5_profile(reps, pol.plan[0], equal[0], since=since),
+            "profile": prof,
             "pair_ratios": [round(r, 3) for r in ratios], "dd_plan": [pol.plan[k] for k in sorted(pol.plan)],
             "switches": len(pol.switches), "steps": len(recs)}
 
@@ -1339,8 +1388,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one seed / one run of each, shorter runs")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--e5i-epochs", type=int, default=None,
-                    help="epochs of the e5i run (default: 24 with --quick, else 40; a quiet box needs more "
-                         "for the interleaved windows to start after the policy settles)")
+                    help=f"epochs of {E5_ROWS} rows in the e5i run (default: 8 with --quick, else 16)")
+    ap.add_argument("--e5-global-batch", type=int, default=1024,
+                    help="e5i: units per step, both workers together (default 1024; the arm windows "
+                         "last 10 s x this / 1024)")
     ap.add_argument("--only", default="", help="comma-separated subset: sim,e6,e1,e2,e5,e5i (default: all; "
                                                "sim includes e6)")
     ap.add_argument("--e2-pairs", type=int, default=4, help="E2: fault-on/off window pairs per run (default 4)")
@@ -1348,6 +1399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2-keep", default="", help="E2: comma-separated keep values (default: the product's, then 0)")
     ap.add_argument("--serve-controller", default="", help=argparse.SUPPRESS)  # E6's controller process
     args = ap.parse_args(argv)
+    if args.e5_global_batch < REAL_WORKERS_E5:
+        ap.error(f"--e5-global-batch must be >= {REAL_WORKERS_E5} (one unit per worker), got {args.e5_global_batch}")
     if args.serve_controller:
         return _serve_controller(args.serve_controller)
     logging.basicConfig(level=logging.WARNING)
@@ -1432,7 +1485,9 @@ def main(argv: list[str] | None = None) -> int:
                                e5_dd_speedup_max=round(max(v), 4), e5_runs=runs,
                                e5_dd_sizes=rs[0]["dd_sizes"])
             if "e5i" in only:
-                rs = [e5_real_interleaved(s, data, args.quick, epochs=args.e5i_epochs) for s in range(runs)]
+                data5 = _real_data(Path(tmpd) / "e5", args.quick, rows=E5_ROWS)
+                rs = [e5_real_interleaved(s, data5, args.quick, global_batch=args.e5_global_batch,
+                                          epochs=args.e5i_epochs) for s in range(runs)]
                 for i, r in enumerate(rs):
                     show(f"run {i} e5 interleaved (real processes)", r)
                 allr = [x for r in rs for x in r["pair_ratios"]] if all("pair_ratios" in r for r in rs) else []
@@ -1441,6 +1496,10 @@ def main(argv: list[str] | None = None) -> int:
                                e5_interleaved_pair_min=round(min(allr), 4) if allr else None,
                                e5_interleaved_pair_max=round(max(allr), 4) if allr else None,
                                e5_interleaved_runs=runs, e5_interleaved_plan=rs[0].get("dd_plan"),
+                               e5_interleaved_global_batch=args.e5_global_batch,
+                               e5_interleaved_rows=E5_ROWS,
+                               e5_interleaved_window_s=rs[0].get("window_s"),
+                               e5_interleaved_period_ratio=rs[0].get("period_ratio"),
                                e5_interleaved_profile=rs[0].get("profile"),
                                e5_interleaved_learned=rs[0].get("learned"),
                                e5_interleaved_settled=rs[0].get("settled"),
