@@ -160,6 +160,7 @@ class DdLoop:
         self._leases_done = False
         self._idle = False
         self._last_sleep_s = 0.0
+        self._warmed = False  # this incarnation's first step with a batch is done (its warm-up)
         self._last_grad_wait_s = 0.0
         self._last_apply_s = 0.0
         self._last_compute_cpu_s = 0.0
@@ -299,7 +300,10 @@ class DdLoop:
             # pull/push time is mostly the PS serving every worker (a shared, serialised cost that
             # grows with the *other* workers' shares), so scaling it made a smaller batch barely
             # cheaper for the slowed worker (docs/BENCHMARKS.md, E5i).
-            delay = self.w.faults.step_delay(compute_s)
+            # Not on the incarnation's first step with a batch: that is torch's warm-up (seconds
+            # of lazy set-up), not the worker's speed; the async worker skips it too (workers/worker.py).
+            delay = self.w.faults.step_delay(compute_s) if self._warmed else 0.0
+            self._warmed = True
             if delay > 0:  # an injected slowdown is this worker's own work: before the collective
                 time.sleep(delay)
                 self._last_sleep_s = delay

@@ -177,7 +177,7 @@ class FaultInjector:
         included) except its waits for slower workers: a worker that is factor x slower at
         everything it does, e.g. on a box where the forward/backward is a small part of a
         step (the E1 bench). Factors of the same basis multiply. A worker does not apply it
-        to its incarnation's first step (its warm-up, not its speed; workers/worker.py).
+        to its incarnation's first step (its warm-up, not its speed; workers/worker.py, workers/dd.py).
 
         Args:
             compute_s: this step's forward/backward seconds (negative counts as 0).
