@@ -229,3 +229,54 @@ def write_parquet(path: Path, tiny: TinyModel, fb, labels: dict[str, np.ndarray]
         cols[lab] = pa.array(labels[lab].astype(np.float32))
     pq.write_table(pa.table(cols), str(path))
     return path
+
+
+def assert_bundle_adapts_like_the_trainer(tiny: TinyModel, fleet: Fleet, tmp_path: Path, meta, other, min_diff: float,
+                                          what: str) -> dict:
+    """Deliver ``fleet``'s checkpoint trained under ``meta``; its bundle's adapted predictions must equal
+    :func:`models.meta.adapt_and_predict` under ``meta`` (1e-5) and differ from those under ``other`` by more
+    than ``min_diff`` somewhere (else the check could not see a bundle ignoring ``what``).
+
+    Returns:
+        the bundle's stored ``[meta]`` recipe (for the caller's own key checks).
+    """
+    from delivery.config import DeliveryConfig
+    from delivery.job import deliver_once
+    from delivery.loader import load_bundle
+    from models.meta import adapt_and_predict
+    from models.testing import random_features
+
+    info = {"schema": tiny.schema.to_dict(), "model": to_dict(tiny.cfg), "step": 5,
+            "job": {"meta": to_dict(meta), "ps": {"seed": 0}}}
+    ckpt = fleet.checkpoint(tmp_path / "checkpoints", step=5, info=info)
+    deliver_once(DeliveryConfig(out=tmp_path / "bundles"), checkpoint=ckpt)
+    served = load_bundle(tmp_path / "bundles" / "v000001")
+
+    def flat(fb):
+        return fb.map(lambda t: t.reshape((-1,) + tuple(t.shape[2:])))
+
+    try:
+        T, K, Q = 5, 6, 4  # some support slots padded: steps of different sizes per task
+        g = torch.Generator().manual_seed(11)
+        sup = random_features(tiny.schema, (T, K), vocab=600, generator=g, pad_rows=0.3)
+        qry = random_features(tiny.schema, (T, Q), vocab=600, generator=g, pad_rows=0.2)
+        uniq: dict[str, torch.Tensor] = {}
+        for c in tiny.schema.id_columns:
+            v = torch.cat([sup.ids[c.name].reshape(-1), qry.ids[c.name].reshape(-1)])
+            uniq[c.table_name] = torch.unique(torch.cat([uniq.get(c.table_name, torch.zeros(0, dtype=torch.long)),
+                                                         v[v >= 0]]))
+        rows = {t: torch.from_numpy(fleet.pull(t, u.numpy())) for t, u in uniq.items()}
+        want = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq, meta)
+        alt = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq, other)
+        keys = np.arange(T, dtype=np.int64) * 7919 + 3
+        pred = served.adapt(flat(sup), np.repeat(keys, K), tasks_per_batch=2)
+        got = pred.predict(flat(qry), np.repeat(keys, Q))
+        real = qry.mask.reshape(-1).bool()
+        differs = 0.0
+        for h in served.heads:
+            np.testing.assert_allclose(got[h][real].numpy(), want[h].reshape(-1)[real].numpy(), atol=1e-5, rtol=0)
+            differs = max(differs, float((want[h] - alt[h]).reshape(-1)[real].abs().max()))
+        assert differs > min_diff, f"{what} changed nothing: the test would not see a bundle ignoring it"
+        return dict(served.manifest.adapt["meta"])
+    finally:
+        served.close()

@@ -17,7 +17,6 @@ import torch
 from torch.func import functional_call
 
 from delivery.config import DeliveryConfig
-from delivery.job import deliver_once
 from delivery.loader import load_bundle
 from meta_io.batch import FeatureBatch, MetaBatch
 from metaps.core.config import from_mapping, to_dict
@@ -26,7 +25,7 @@ from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
 from models.meta_offset import fit_offsets
 from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema
-from tests.delivery.conftest import Fleet, tiny  # noqa: F401  (the session fixture)
+from tests.delivery.conftest import Fleet, assert_bundle_adapts_like_the_trainer, tiny  # noqa: F401  (tiny: the session fixture)
 from tests.workers.conftest import worker_data  # noqa: F401  (fixture)
 
 TINY = dict(hidden=[8], default_dim=4)
@@ -276,45 +275,12 @@ def test_meta_step_trains_on_the_offset_query_loss(first_order) -> None:
 META = MetaConfig(inner_steps=1, inner_lr=0.05, adapt=AdaptTarget.BOTH, offset_steps=2, offset_prior=1.0)
 
 
-def _flat(fb: FeatureBatch) -> FeatureBatch:
-    return fb.map(lambda t: t.reshape((-1,) + tuple(t.shape[2:])))
-
-
 def test_a_bundle_adapts_like_the_trainer_with_the_offset(tmp_path, tiny) -> None:  # noqa: F811
     fleet = Fleet(tiny)
     fleet.train(seed=3, fraction=0.7)
-    info = {"schema": tiny.schema.to_dict(), "model": to_dict(tiny.cfg), "step": 5,
-            "job": {"meta": to_dict(META), "ps": {"seed": 0}}}
-    ckpt = fleet.checkpoint(tmp_path / "checkpoints", step=5, info=info)
-    deliver_once(DeliveryConfig(out=tmp_path / "bundles"), checkpoint=ckpt)
-    served = load_bundle(tmp_path / "bundles" / "v000001")
-    try:
-        rec = served.manifest.adapt["meta"]
-        assert rec["offset_steps"] == 2 and rec["offset_prior"] == 1.0
-        T, K, Q = 5, 6, 4
-        g = torch.Generator().manual_seed(11)
-        sup = random_features(tiny.schema, (T, K), vocab=600, generator=g, pad_rows=0.3)
-        qry = random_features(tiny.schema, (T, Q), vocab=600, generator=g, pad_rows=0.2)
-        uniq: dict[str, torch.Tensor] = {}
-        for c in tiny.schema.id_columns:
-            v = torch.cat([sup.ids[c.name].reshape(-1), qry.ids[c.name].reshape(-1)])
-            uniq[c.table_name] = torch.unique(torch.cat([uniq.get(c.table_name, torch.zeros(0, dtype=torch.long)),
-                                                         v[v >= 0]]))
-        rows = {t: torch.from_numpy(fleet.pull(t, u.numpy())) for t, u in uniq.items()}
-        want = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq, META)
-        without = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq,
-                                    MetaConfig(inner_steps=1, inner_lr=0.05, adapt=AdaptTarget.BOTH))
-        keys = np.arange(T, dtype=np.int64) * 7919 + 3
-        pred = served.adapt(_flat(sup), np.repeat(keys, K), tasks_per_batch=2)
-        got = pred.predict(_flat(qry), np.repeat(keys, Q))
-        real = qry.mask.reshape(-1).bool()
-        differs = 0.0
-        for h in served.heads:
-            np.testing.assert_allclose(got[h][real].numpy(), want[h].reshape(-1)[real].numpy(), atol=1e-5, rtol=0)
-            differs = max(differs, float((want[h] - without[h]).reshape(-1)[real].abs().max()))
-        assert differs > 1e-3, "the offset changed nothing: the test would not see a bundle ignoring it"
-    finally:
-        served.close()
+    rec = assert_bundle_adapts_like_the_trainer(
+        tiny, fleet, tmp_path, META, MetaConfig(inner_steps=1, inner_lr=0.05, adapt=AdaptTarget.BOTH), 1e-3, "the offset")
+    assert rec["offset_steps"] == 2 and rec["offset_prior"] == 1.0
 
 
 # -- the trainer end to end: train-local, checkpoint, metaps evaluate, a bundle from the checkpoint ----

@@ -7,20 +7,15 @@ Real parts only: the project's model, its functional meta step, learned rates, a
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from delivery.config import DeliveryConfig
-from delivery.job import deliver_once
-from delivery.loader import load_bundle
-from meta_io.batch import FeatureBatch
 from metaps.core.config import from_mapping, to_dict
 from metaps.core.errors import ConfigError
 from models import ModelConfig, build_model
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
 from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of
-from tests.delivery.conftest import Fleet, tiny  # noqa: F401  (the session fixture)
+from tests.delivery.conftest import Fleet, assert_bundle_adapts_like_the_trainer, tiny  # noqa: F401  (tiny: the session fixture)
 
 S = 4
 TINY = dict(hidden=[8], default_dim=4)
@@ -156,42 +151,10 @@ META = MetaConfig(inner_steps=2, inner_lr=0.05, adapt=AdaptTarget.BOTH,
                   inner_loss_reduction="sum_per_support", inner_support_size=3)
 
 
-def _flat(fb: FeatureBatch) -> FeatureBatch:
-    return fb.map(lambda t: t.reshape((-1,) + tuple(t.shape[2:])))
-
-
 def test_a_bundle_adapts_like_the_trainer_with_sum_per_support(tmp_path, tiny) -> None:  # noqa: F811
     fleet = Fleet(tiny)
     fleet.train(seed=3, fraction=0.7)
-    info = {"schema": tiny.schema.to_dict(), "model": to_dict(tiny.cfg), "step": 5,
-            "job": {"meta": to_dict(META), "ps": {"seed": 0}}}
-    ckpt = fleet.checkpoint(tmp_path / "checkpoints", step=5, info=info)
-    deliver_once(DeliveryConfig(out=tmp_path / "bundles"), checkpoint=ckpt)
-    served = load_bundle(tmp_path / "bundles" / "v000001")
-    try:
-        rec = served.manifest.adapt["meta"]
-        assert rec["inner_loss_reduction"] == "sum_per_support" and rec["inner_support_size"] == 3
-        T, K, Q = 5, 6, 4  # K = 2 S support slots, some padded: steps of different sizes per task
-        g = torch.Generator().manual_seed(11)
-        sup = random_features(tiny.schema, (T, K), vocab=600, generator=g, pad_rows=0.3)
-        qry = random_features(tiny.schema, (T, Q), vocab=600, generator=g, pad_rows=0.2)
-        uniq = {}
-        for c in tiny.schema.id_columns:
-            v = torch.cat([sup.ids[c.name].reshape(-1), qry.ids[c.name].reshape(-1)])
-            uniq[c.table_name] = torch.unique(torch.cat([uniq.get(c.table_name, torch.zeros(0, dtype=torch.long)),
-                                                         v[v >= 0]]))
-        rows = {t: torch.from_numpy(fleet.pull(t, u.numpy())) for t, u in uniq.items()}
-        want = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq, META)
-        mean = adapt_and_predict(fleet.trained_model(), sup, qry, rows, uniq,
-                                 MetaConfig(inner_steps=2, inner_lr=0.05, adapt=AdaptTarget.BOTH))
-        keys = np.arange(T, dtype=np.int64) * 7919 + 3
-        pred = served.adapt(_flat(sup), np.repeat(keys, K), tasks_per_batch=2)
-        got = pred.predict(_flat(qry), np.repeat(keys, Q))
-        real = qry.mask.reshape(-1).bool()
-        differs = 0.0
-        for h in served.heads:
-            np.testing.assert_allclose(got[h][real].numpy(), want[h].reshape(-1)[real].numpy(), atol=1e-5, rtol=0)
-            differs = max(differs, float((want[h] - mean[h]).reshape(-1)[real].abs().max()))
-        assert differs > 1e-4, "sum_per_support changed nothing: the test would not see a bundle ignoring it"
-    finally:
-        served.close()
+    rec = assert_bundle_adapts_like_the_trainer(
+        tiny, fleet, tmp_path, META, MetaConfig(inner_steps=2, inner_lr=0.05, adapt=AdaptTarget.BOTH), 1e-4,
+        "sum_per_support")
+    assert rec["inner_loss_reduction"] == "sum_per_support" and rec["inner_support_size"] == 3
