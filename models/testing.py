@@ -15,8 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from typing import TYPE_CHECKING
+
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from meta_io.schema import PAD_ID, ColumnKind, ColumnSpec, Pooling, Schema
+
+if TYPE_CHECKING:
+    from models.meta import MetaStepResult
 
 
 def synthetic_schema(
@@ -133,3 +138,18 @@ def random_meta_batch(
         task_mask=task_mask,
         unique_ids=unique_ids_of(schema, sup, qry),
     )
+
+
+def assert_steps_identical(a: "MetaStepResult", b: "MetaStepResult") -> None:
+    """Two meta steps gave the same loss, metrics and gradients, bit for bit (same names too).
+
+    Args:
+        a: one :func:`models.meta.meta_step` result.
+        b: the other.
+    """
+    assert torch.equal(a.outer_loss, b.outer_loss)
+    assert a.metrics == b.metrics
+    for what, x, y in (("dense", a.dense_grads, b.dense_grads), ("rows", a.row_grads, b.row_grads)):
+        assert set(x) == set(y), (what, sorted(x), sorted(y))
+        for k in x:
+            assert torch.equal(x[k], y[k]), (what, k)

@@ -24,7 +24,7 @@ from metaps.core.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
 from models.meta_offset import fit_offsets
-from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema
+from models.testing import assert_steps_identical, random_features, random_meta_batch, random_rows, synthetic_schema
 from tests.delivery.conftest import Fleet, assert_bundle_adapts_like_the_trainer, tiny  # noqa: F401  (tiny: the session fixture)
 from tests.workers.conftest import worker_data  # noqa: F401  (fixture)
 
@@ -142,13 +142,6 @@ def test_a_huge_prior_gives_no_offset() -> None:
 
 
 # -- off: the inner loop of before ------------------------------------------------------------------
-def _identical(a, b) -> None:
-    assert torch.equal(a.outer_loss, b.outer_loss)
-    assert a.metrics == b.metrics
-    for name in a.dense_grads:
-        assert torch.equal(a.dense_grads[name], b.dense_grads[name]), name
-    for t in a.row_grads:
-        assert torch.equal(a.row_grads[t], b.row_grads[t]), t
 
 
 @pytest.mark.parametrize("learn", ["off", "element"])
@@ -166,7 +159,7 @@ def test_off_is_bit_identical_to_the_default(learn) -> None:
         a = MetaLearner(model, MetaConfig(**base))
         b = MetaLearner(model, MetaConfig(**base, offset_steps=0, offset_prior=0.01))
         b.load_state_dict(a.state_dict())
-        _identical(meta_step(model, mb, rows, a), meta_step(model, mb, rows, b))
+        assert_steps_identical(meta_step(model, mb, rows, a), meta_step(model, mb, rows, b))
         pa = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, a)
         pb = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, b)
         for h in pa:

@@ -14,7 +14,7 @@ from metaps.core.config import from_mapping, to_dict
 from metaps.core.errors import ConfigError
 from models import ModelConfig, build_model
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
-from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of
+from models.testing import assert_steps_identical, random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of
 from tests.delivery.conftest import Fleet, assert_bundle_adapts_like_the_trainer, tiny  # noqa: F401  (tiny: the session fixture)
 
 S = 4
@@ -24,15 +24,6 @@ TINY = dict(hidden=[8], default_dim=4)
 def _model():
     schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=2, vector_dim=4, max_len=3)
     return schema, build_model(schema, ModelConfig(kind="dnn", **TINY))
-
-
-def _same(a, b) -> None:
-    assert torch.equal(a.outer_loss, b.outer_loss)
-    assert a.metrics == b.metrics
-    for name in a.dense_grads:
-        assert torch.equal(a.dense_grads[name], b.dense_grads[name]), name
-    for t in a.row_grads:
-        assert torch.equal(a.row_grads[t], b.row_grads[t]), t
 
 
 def test_config_is_validated_naming_the_key() -> None:
@@ -58,7 +49,7 @@ def test_mean_is_bit_identical_to_the_default(learn) -> None:
     old = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base)))
     new = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base, inner_loss_reduction="mean",
                                                                    inner_support_size=3)))
-    _same(old, new)
+    assert_steps_identical(old, new)
 
 
 @pytest.mark.parametrize("learn", ["off", "element"])
@@ -75,7 +66,7 @@ def test_sum_per_support_at_k_equal_s_equals_mean(learn) -> None:
     assert summ.metrics["support_loss_after"] != mean.metrics["support_loss_after"]  # S/(S+2): a smaller step
     exact = meta_step(model, mb, rows, MetaLearner(model, MetaConfig(**base, inner_loss_reduction="sum_per_support",
                                                                      inner_support_size=S)))
-    _same(mean, exact)
+    assert_steps_identical(mean, exact)
     # the evaluation path too (learned rates included), with padding slots beyond the S real rows
     mb = random_meta_batch(schema, tasks=3, support=S + 2, query=3, vocab=8, generator=g, pad_rows=0.0)
     mb.support.mask[:, S:] = False
@@ -102,7 +93,7 @@ def test_meta_emb_follows_the_reduction() -> None:
     kw = dict(inner_steps=1, inner_lr=0.1, learn_inner_lr="element", meta_emb=True, meta_emb_tables=["user"],
               meta_emb_cold_weight=0.3)
     mean = meta_step(model, mb, rows, _learner(model, init, **kw))
-    _same(mean, meta_step(model, mb, rows, _learner(model, init, **kw, inner_loss_reduction="sum_per_support",
+    assert_steps_identical(mean, meta_step(model, mb, rows, _learner(model, init, **kw, inner_loss_reduction="sum_per_support",
                                                      inner_support_size=S)))
     shorter = meta_step(model, mb, rows, _learner(model, init, **kw, inner_loss_reduction="sum_per_support",
                                                    inner_support_size=2 * S))

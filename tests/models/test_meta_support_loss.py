@@ -19,7 +19,7 @@ from metaps.core.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, InnerLr, MetaConfig, MetaLearner, meta_step
 from models.meta_learner import PREFIX
-from models.testing import random_meta_batch, random_rows, synthetic_schema
+from models.testing import assert_steps_identical, random_meta_batch, random_rows, synthetic_schema
 from ps.config import InitKind
 from ps.initializer import RowInitializer
 
@@ -75,13 +75,6 @@ def _cold_rows(model, mb, rows):
     return init
 
 
-def _identical(a, b) -> None:
-    assert torch.equal(a.outer_loss, b.outer_loss)
-    assert a.metrics == b.metrics
-    for x, y in ((a.dense_grads, b.dense_grads), (a.row_grads, b.row_grads)):
-        assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
-
-
 def test_weight_zero_is_bit_identical_to_the_default() -> None:
     """An explicit 0.0 takes exactly the default path (no extra term, no extra forward).
 
@@ -94,12 +87,12 @@ def test_weight_zero_is_bit_identical_to_the_default() -> None:
         a = meta_step(model, mb, rows, MetaConfig(inner_steps=2, inner_lr=0.3, first_order=first_order))
         b = meta_step(model, mb, rows, MetaConfig(inner_steps=2, inner_lr=0.3, first_order=first_order,
                                                   support_loss_weight=0.0))
-        _identical(a, b)
+        assert_steps_identical(a, b)
     # every inner-loop option at once: learned rates, MetaEmb with its cold-start blend
     init = _cold_rows(model, mb, rows)
     kw = dict(inner_steps=1, inner_lr=0.1, learn_inner_lr=InnerLr.ELEMENT, meta_emb=True, meta_emb_tables=["user"],
               meta_emb_cold_weight=0.3)
-    _identical(meta_step(model, mb, rows, _learner(model, init, **kw)),
+    assert_steps_identical(meta_step(model, mb, rows, _learner(model, init, **kw)),
                meta_step(model, mb, rows, _learner(model, init, **kw, support_loss_weight=0.0)))
 
 
