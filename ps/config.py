@@ -25,11 +25,12 @@ and resolve the tables of a schema with ``cfg.table_configs(names)``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import enum
 import math
 from dataclasses import dataclass, field
 from typing import Optional
+
+from ps.intra_op import MAX_THREADS as MAX_INTRA_OP_THREADS
 
 __all__ = [
     "OptimizerKind",
@@ -388,8 +389,9 @@ class PsConfig:
         if self.server_threads < 2:
             raise ValueError(f"server_threads must be >= 2, got {self.server_threads}")
         if isinstance(self.intra_op_threads, bool) or not isinstance(self.intra_op_threads, int) \
-                or not 1 <= self.intra_op_threads <= 64:
-            raise ValueError(f"intra_op_threads must be an integer in [1, 64] (1 = off), got {self.intra_op_threads!r}")
+                or not 1 <= self.intra_op_threads <= MAX_INTRA_OP_THREADS:
+            raise ValueError(f"intra_op_threads must be an integer in [1, {MAX_INTRA_OP_THREADS}] (1 = off), "
+                             f"got {self.intra_op_threads!r}")
         for name in ("wait_timeout_s", "max_pause_lease_s", "max_freeze_lease_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
