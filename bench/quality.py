@@ -149,7 +149,7 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
     from models.meta import MetaConfig
     from workers.local import train_local
 
-    split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction, seed=seed)
+    split = cold_split(gen, tmp, seed, fraction)
     vsplit = split_by_task(split.train_dir, load_schema(split.schema_path), tmp / "vsplit", fraction=0.1, seed=seed + 1000)
     mcfg = MetaIOBuildConfig(support=8, query=8, rows_per_batch=256)
     red = shared_inner_keys(inner_loss_reduction, mcfg.support, offset_steps, offset_prior)
@@ -237,6 +237,45 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                   f"{held['adapted'][head]['auc']:.4f} plain {plain['base'][head]['auc']:.4f} plain+ft "
                   f"{plain['adapted'][head]['auc']:.4f}")
     return res
+
+
+def cold_sizes(quick: bool, rows: int = 0) -> tuple[int, int, int, float]:
+    """``--cold-only``'s data: (rows, users, items, held-out user fraction).
+
+    Args:
+        quick: ``--quick`` (16k rows, 250 users, 25% held out) instead of 1M rows (10% held out).
+        rows: ``--rows`` (0: the default of the mode).
+    """
+    rows = rows or (16_000 if quick else 1_000_000)
+    return rows, max(250, rows // 64), max(200, rows // 80), 0.25 if quick else 0.1
+
+
+def cold_generator_config(rows: int, users: int, items: int, seed: int) -> Any:
+    """The ``GeneratorConfig`` of one ``--cold-only`` seed (the generator is deterministic in it).
+
+    Args:
+        rows / users / items: from :func:`cold_sizes`.
+        seed: the study's seed (also the generator's).
+    """
+    from meta_io.synth import GeneratorConfig
+
+    return GeneratorConfig(rows=rows, users=users, items=items, seed=seed, n_files=max(1, rows // 250_000),
+                           row_group_rows=min(rows, 65_536))
+
+
+def cold_split(gen: Any, tmp: Path, seed: int, fraction: float) -> Any:
+    """The held-out users of one ``--cold-only`` seed: ``split_by_task`` of the generated data into ``tmp/usplit``.
+
+    Args:
+        gen: the ``GeneratedData`` of :func:`cold_generator_config`.
+        tmp: the seed's scratch folder.
+        seed: the study's seed (also the split's).
+        fraction: held-out share of users (:func:`cold_sizes`).
+    """
+    from meta_io.holdout import split_by_task
+    from meta_io.schema import load_schema
+
+    return split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction, seed=seed)
 
 
 def shared_inner_keys(inner_loss_reduction: str, support: int, offset_steps: int, offset_prior: float) -> dict[str, Any]:
@@ -351,12 +390,10 @@ def _fk_gain(m: dict[str, Any], head: str, what: str) -> float:
 
 def main_inner(args: argparse.Namespace) -> int:
     """``--cold-only``: the inner-loop study over seeds (no plain model table)."""
-    from meta_io.synth import GeneratorConfig, generate
+    from meta_io.synth import generate
 
-    rows = args.rows or (16_000 if args.quick else 1_000_000)
+    rows, users, items, fraction = cold_sizes(args.quick, args.rows)
     epochs = 2 if rows <= 50_000 else 1
-    users, items = max(250, rows // 64), max(200, rows // 80)
-    fraction = 0.25 if args.quick else 0.1
     steps_list = [int(x) for x in args.inner_steps.split(",") if x]
     seeds = [int(x) for x in args.seeds.split(",") if x]
     emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
@@ -373,9 +410,7 @@ def main_inner(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-quality-") as td:
             tmp = Path(td)
             _progress(f"[seed {seed}] generating {rows:,} rows ({users:,} users)")
-            gen = generate(tmp / "raw", GeneratorConfig(rows=rows, users=users, items=items, seed=seed,
-                                                        n_files=max(1, rows // 250_000),
-                                                        row_group_rows=min(rows, 65_536)), progress=False)
+            gen = generate(tmp / "raw", cold_generator_config(rows, users, items, seed), progress=False)
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
                                                      args.learn_inner_lr, args.inner_lr, ks,
                                                      emb_list, args.meta_emb_cold_weight, args.meta_emb_labels,
