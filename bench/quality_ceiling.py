@@ -42,7 +42,10 @@ realized scores at the bucket boundaries (the generator's equal-frequency
 ``_bucketize`` over all users of the world).
 
 Per head and K: AUC of each score on the scored rows, and the ceiling gain =
-posterior - prior-predictive. Per seed, then median (min, max) over seeds. The
+posterior - prior-predictive; also its mean and sd over redraws of the scored
+rows' labels from the true probabilities (``ceiling_gain_relabeled``: the
+gain without the label noise of the scored rows, which at ~5k rows and a few
+heavy users is as large as the gain itself). Per seed, then median (min, max) over seeds. The
 last line printed is one JSON object. Pure numpy (torch only for the normal
 CDF and its inverse); deterministic for a given ``--sampler-seed``.
 """
@@ -50,6 +53,7 @@ CDF and its inverse); deterministic for a given ``--sampler-seed``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -553,7 +557,8 @@ def world_rows(world: Any, table: Any, order: np.ndarray, rank: np.ndarray, user
 
 
 def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[int], m: int, sampler_seed: int,
-                      condition: str = "buckets", prior: Prior = Prior()) -> dict[str, Any]:
+                      condition: str = "buckets", prior: Prior = Prior(), relabel: int = 50,
+                      redraw: int = 0) -> dict[str, Any]:
     """AUC of the four scores per K and head on the first-k scored rows of the held-out users of one seed.
 
     Args:
@@ -565,6 +570,8 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
         sampler_seed: the sampler's seed (with the generator's seed).
         condition: what the base knows besides the global features (:data:`CONDITIONS`).
         prior: the personal terms' prior (the generator's by default).
+        relabel: label redraws of :func:`relabeled_gain` (the gain's label noise).
+        redraw: redraws of every label, support included (:func:`redrawn_gains`; 0: off).
     """
     from meta_io.firstk import first_k_layout, read_table
     from meta_io.schema import load_schema
@@ -602,8 +609,48 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
             sc = {"oracle_global": extra[f"oracle_global_{h}"], "prior_predictive": pred["prior"][h],
                   "posterior_predictive": pred["posterior"][k][h], "oracle": extra[f"oracle_{h}"]}
             entry[h] = head_aucs(label, sc, scored)
+            entry[h]["ceiling_gain_relabeled"] = relabeled_gain(sc["oracle"], sc["prior_predictive"],
+                                                                sc["posterior_predictive"], scored, relabel, rng)
         out["by_k"][k] = entry
+    if redraw:
+        for k, hs in redrawn_gains(rows, samples, extra["oracle_click"], extra["oracle_conversion"],
+                                   {k: pos_of_input[lays[k].query_rows] for k in ks}, redraw,
+                                   np.random.default_rng([cfg.seed, sampler_seed, 0x5EED])).items():
+            for h, g in hs.items():
+                out["by_k"][k][h]["ceiling_gain_redrawn"] = g
     return out
+
+
+def redrawn_gains(rows: Rows, samples: Samples, p_click: np.ndarray, p_conv: np.ndarray,
+                  scored: dict[int, np.ndarray], repeats: int, rng: np.random.Generator) -> dict[int, Any]:
+    """The ceiling gain's expectation over ALL label noise: every row's click and conversion redrawn from
+    the true probabilities (support labels too, so the posterior changes), ``repeats`` times.
+
+    Args:
+        rows: the rows (their labels are replaced).
+        samples: the draws of the personal terms (the same for every redraw).
+        p_click / p_conv: ``[N]`` true probabilities (conversion = click AND Bernoulli(p_conv / p_click)).
+        scored: K -> scored row indices.
+        repeats: redraws.
+        rng: their generator.
+
+    Returns:
+        ``{K: {head: {"mean", "sd", "draws"}}}``.
+    """
+    n = p_click.shape[0]
+    pv = np.divide(p_conv, p_click, out=np.zeros(n), where=p_click > 0)
+    ks = sorted(scored)
+    d: dict[int, dict[str, list[float]]] = {k: {h: [] for h in HEADS} for k in ks}
+    for _ in range(repeats):  # each redraw is one vectorized pass over all rows and draws
+        c = (rng.random(n) < p_click).astype(np.float64)
+        v = c * (rng.random(n) < pv)
+        pred = predictive(dataclasses.replace(rows, click=c, conversion=v), samples, ks)
+        for k in ks:
+            sc = scored[k]
+            for h, y in (("click", c), ("conversion", v)):
+                d[k][h].append(auc(y[sc], pred["posterior"][k][h][sc]) - auc(y[sc], pred["prior"][h][sc]))
+    return {k: {h: {"mean": float(np.mean(x)), "sd": float(np.std(x)), "draws": repeats} for h, x in hs.items()}
+            for k, hs in d.items()}
 
 
 def head_aucs(label: np.ndarray, scores: dict[str, np.ndarray], scored: np.ndarray) -> dict[str, float]:
@@ -627,6 +674,30 @@ def head_aucs(label: np.ndarray, scores: dict[str, np.ndarray], scored: np.ndarr
     return out
 
 
+def relabeled_gain(p_true: np.ndarray, prior: np.ndarray, post: np.ndarray, scored: np.ndarray,
+                   repeats: int, rng: np.random.Generator) -> dict[str, float]:
+    """The ceiling gain's expectation over the scored rows' label noise: AUC(post) - AUC(prior) with the
+    scored labels redrawn ``repeats`` times from the true probabilities (given the true personal terms a
+    scored row's label is independent of the support labels, so this is the same experiment again).
+
+    Args:
+        p_true: ``[N]`` true probability of the head per row.
+        prior / post: ``[N]`` the two scores.
+        scored: int row indices.
+        repeats: label draws.
+        rng: their generator.
+
+    Returns:
+        ``{"mean": ..., "sd": ...}`` over the draws.
+    """
+    pt, a, b = p_true[scored], prior[scored], post[scored]
+    d = []
+    for _ in range(repeats):  # a few dozen draws, each vectorized over the scored rows
+        y = (rng.random(pt.shape[0]) < pt).astype(np.float64)
+        d.append(auc(y, b) - auc(y, a))
+    return {"mean": float(np.mean(d)), "sd": float(np.std(d))}
+
+
 def _quantiles(x: np.ndarray) -> dict[str, float]:
     x = x[np.isfinite(x)]
     if x.size == 0:
@@ -646,6 +717,9 @@ def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
         for h in HEADS:
             e[h] = {name: _spread([r["by_k"][k][h][name] for r in per_seed.values()])
                     for name in (*SCORES, "ceiling_gain")}
+            for key in ("ceiling_gain_relabeled", "ceiling_gain_redrawn"):
+                if all(key in r["by_k"][k][h] for r in per_seed.values()):
+                    e[h][f"{key}_mean"] = _spread([r["by_k"][k][h][key]["mean"] for r in per_seed.values()])
         e["ceiling_gain_reaches_goal_every_seed"] = {
             "click>=0.02": all(r["by_k"][k]["click"]["ceiling_gain"] >= 0.02 for r in per_seed.values()),
             "conversion>=0.01": all(r["by_k"][k]["conversion"]["ceiling_gain"] >= 0.01 for r in per_seed.values()),
@@ -665,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-k", default="4,8,16,32", help="support sizes K")
     ap.add_argument("--samples", type=int, default=4000, help="importance draws per user (>= 2000)")
     ap.add_argument("--sampler-seed", type=int, default=0)
+    ap.add_argument("--redraw", type=int, default=0,
+                    help="also the gain's mean over this many redraws of every label from the true probabilities")
     ap.add_argument("--condition", choices=CONDITIONS, default="buckets",
                     help="what the base knows of a user besides the global features: the bucketed user features "
                          "(default), also the interest set (mh_user_interests), or nothing (labels only)")
@@ -688,12 +764,15 @@ def main(argv: list[str] | None = None) -> int:
             gen = generate(tmp / "raw", cfg, progress=False)
             split = cold_split(gen, tmp, seed, fraction)
             res = ceiling_for_split(cfg, split.holdout_dir, split.schema_path, ks, args.samples, args.sampler_seed,
-                                    condition=args.condition)
+                                    condition=args.condition, redraw=args.redraw)
         out["per_seed"][seed] = res
         for k in ks:
             e = res["by_k"][k]
             print(f"[seed {seed}] K={k} rows {e['scored_rows']}: " + "; ".join(
                 f"{h} " + " ".join(f"{n} {e[h][n]:.4f}" for n in SCORES) + f" gain {e[h]['ceiling_gain']:+.4f}"
+                + f" (relabeled {e[h]['ceiling_gain_relabeled']['mean']:+.4f} sd {e[h]['ceiling_gain_relabeled']['sd']:.4f}"
+                + (f", redrawn {e[h]['ceiling_gain_redrawn']['mean']:+.4f} sd {e[h]['ceiling_gain_redrawn']['sd']:.4f}"
+                   if "ceiling_gain_redrawn" in e[h] else "") + ")"
                 for h in HEADS) + f"; ess posterior min {e['ess_posterior'].get('min', float('nan')):.0f}", flush=True)
         log.info("ceiling seed done", extra=kv(seed=seed, users=res["held_out_users"]))
     out["by_k"] = summary(out["per_seed"], ks)

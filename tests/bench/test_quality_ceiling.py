@@ -187,6 +187,7 @@ def test_zero_prior_gives_exactly_zero_gain_on_generated_data(tmp_path: Path) ->
         for h in ("click", "conversion"):
             assert zero["by_k"][k][h]["ceiling_gain"] == 0.0, (k, h, zero["by_k"][k][h])
             assert zero["by_k"][k][h]["posterior_predictive"] == zero["by_k"][k][h]["prior_predictive"]
+            assert zero["by_k"][k][h]["ceiling_gain_relabeled"] == {"mean": 0.0, "sd": 0.0}
             assert real["by_k"][k][h]["ceiling_gain"] != 0.0  # not vacuous: with the real prior labels move it
             assert real["by_k"][k][h]["oracle"] == zero["by_k"][k][h]["oracle"]
 
