@@ -2,7 +2,8 @@
 
 Run::
 
-    python -m bench.quality_ceiling [--quick] --seeds 3,4,5 --first-k 4,8,16,32
+    python -m bench.quality_ceiling [--quick] --seeds 3,4,5 --first-k 4,8,16,32 [--redraw 10]
+        [--condition buckets|buckets+interests|none] [--samples 4000] [--sampler-seed 0]
 
 On EXACTLY the data, held-out users and first-k support / scored rows of
 ``python -m bench.quality --quick --cold-only`` for the same seed (its
@@ -44,8 +45,12 @@ realized scores at the bucket boundaries (the generator's equal-frequency
 Per head and K: AUC of each score on the scored rows, and the ceiling gain =
 posterior - prior-predictive; also its mean and sd over redraws of the scored
 rows' labels from the true probabilities (``ceiling_gain_relabeled``: the
-gain without the label noise of the scored rows, which at ~5k rows and a few
-heavy users is as large as the gain itself). Per seed, then median (min, max) over seeds. The
+gain without the label noise of the scored rows) and, with ``--redraw R``, over
+R redraws of every label, support included (``ceiling_gain_redrawn``: the gain
+without the luck of one label draw, which at ~5k rows and a few heavy users is
+as large as the gain itself). ``--condition buckets+interests`` stops with an
+error when a user has no draw consistent with its interest list (plain
+indicator weights; raise ``--samples``). Per seed, then median (min, max) over seeds. The
 last line printed is one JSON object. Pure numpy (torch only for the normal
 CDF and its inverse); deterministic for a given ``--sampler-seed``.
 """
