@@ -312,8 +312,16 @@ class EmbeddingWriter:
         self.written: dict[str, int] = {}
         self.index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
-    def write_table(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+    def write_table(self, table: str, ids: np.ndarray, rows: np.ndarray,
+                    fingerprints: np.ndarray | None = None) -> int:
         """Write one table's rows (``ids`` sorted unique int64, ``rows`` float [n, dim]).
+
+        Args:
+            table: the table name.
+            ids: sorted unique int64 ids.
+            rows: float [n, dim] rows.
+            fingerprints: ``row_fingerprints`` of ``rows`` as stored, when the caller
+                computed them already (FP32 only: they are of the bytes written); None = here.
 
         Returns:
             the number of rows written.
@@ -327,7 +335,9 @@ class EmbeddingWriter:
         stored = np.ascontiguousarray(rows, dtype=self.dtype.numpy.newbyteorder("<"))
         if self.dtype is not RowDtype.FP32:
             check_rows(table, ids, stored, stored.shape[1], f"{self.path} ({self.dtype.value})")
-        self.index[table] = (ids, row_fingerprints(stored))
+        if fingerprints is None or self.dtype is not RowDtype.FP32 or fingerprints.shape != ids.shape:
+            fingerprints = row_fingerprints(stored)
+        self.index[table] = (ids, fingerprints)
         # Append mode (no B-tree search per key) only while keys arrive in global order.
         append = prefix > self._last_prefix
         self._last_prefix = max(prefix, self._last_prefix)

@@ -113,3 +113,69 @@ def test_changed_dense_parameters_are_never_served_from_the_cache(tmp_path: Path
     for h in want:
         assert not torch.allclose(before[h], want[h], atol=1e-3), h  # the change is visible
         torch.testing.assert_close(got[h], want[h], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("inplace,hint", [(False, False), (True, False), (True, True)])
+def test_advance_live_equals_the_chain_rebuilt(inplace: bool, hint: bool) -> None:
+    """Replaced, new and removed ids, as ``_read_live`` rebuilds them; in place only when asked."""
+    from delivery.reuse import advance_live, locate
+
+    rng = np.random.default_rng(0)
+    ids = np.sort(rng.choice(10_000, 500, replace=False)).astype(np.int64)
+    fp = rng.integers(0, 1 << 62, 500).astype(np.uint64)
+    gone = np.sort(rng.choice(ids, 40, replace=False))
+    kept = np.setdiff1d(ids, gone)
+    fresh = np.setdiff1d(np.arange(10_000, 10_060), ids)
+    w_ids = np.sort(np.concatenate([rng.choice(kept, 70, replace=False), fresh, [-5]])).astype(np.int64)
+    w_fp = rng.integers(0, 1 << 62, w_ids.size).astype(np.uint64)
+    parent = {"item": (ids.copy(), fp.copy()), "user": (ids[:3].copy(), fp[:3].copy())}
+    at = {"item": locate(ids, w_ids)} if hint else None
+    got = advance_live(parent, {"item": (w_ids, w_fp)}, {"item": gone, "user": np.zeros(0, np.int64)},
+                       at=at, inplace=inplace)
+    want = dict(zip(ids.tolist(), fp.tolist()))
+    for i in gone.tolist():
+        del want[i]
+    want.update(zip(w_ids.tolist(), w_fp.tolist()))
+    g_ids, g_fp = got["item"]
+    assert g_ids.tolist() == sorted(want) and g_fp.tolist() == [want[i] for i in sorted(want)]
+    assert got["user"][0].tolist() == ids[:3].tolist() and got["user"][1].tolist() == fp[:3].tolist()
+    # the parent's arrays: untouched unless the caller owns them
+    assert (parent["item"][1].tolist() == fp.tolist()) is (not inplace)
+
+
+def test_a_parent_state_spent_by_an_export_is_refused(tmp_path: Path, tiny: TinyModel) -> None:
+    """The cached live ids are advanced in place: the ParentState they came from must not be used again."""
+    from delivery.bundle import DeliveryError
+    from delivery.export import CheckpointSource, export_bundle, parent_state, read_live
+    from delivery.loader import bundle_chain
+    from delivery.publish import Publisher
+    from delivery.reuse import ExportCache
+
+    fleet = Fleet(tiny, capacity=200)
+    run = tmp_path / "run" / "checkpoints"
+    fleet.train(seed=1, fraction=1.0)
+    base = delta_checkpoint(fleet, run, 10)
+    fleet.train(seed=2, fraction=0.3, new_ids=40)
+    tip = delta_checkpoint(fleet, run, 20)
+    root, cache = tmp_path / "out", ExportCache()
+    pub = Publisher(root)
+    cfg = DeliveryConfig(out=root, incremental=True)
+    staging = pub.staging_dir("v000001")
+    export_bundle(CheckpointSource.open(base, cache=cache), staging, "v000001", cfg, None, cache)
+    pub.publish(staging, "v000001")
+    parent = parent_state(bundle_chain(root / "v000001"), cache)
+    assert cache.hits.get("live") == 1
+    staging = pub.staging_dir("v000002")
+    export_bundle(CheckpointSource.open(tip, cache=cache), staging, "v000002", cfg, parent, cache)
+    assert parent.spent == "v000002"
+    with pytest.raises(DeliveryError, match="parent state of v000001 was spent by the export of v000002"):
+        export_bundle(CheckpointSource.open(tip), pub.staging_dir("v000003"), "v000003", cfg, parent)
+    pub.publish(staging, "v000002")
+    # what the cache now holds for v2 is what a fresh read of the chain gives
+    cached = parent_state(bundle_chain(root / "v000002"), cache)
+    fresh = read_live(bundle_chain(root / "v000002"))
+    assert cache.hits.get("live") == 2
+    assert set(cached.live) == set(fresh)
+    for t in fresh:
+        assert cached.live[t][0].tolist() == fresh[t][0].tolist()
+        assert cached.live[t][1].tolist() == fresh[t][1].tolist()
