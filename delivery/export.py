@@ -640,10 +640,20 @@ def export_bundle(
     scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
     save_scripted(scripted, str(staging / DENSE))
     info = src.info
-    from delivery.adapt import adapt_recipe, learned_rates, write_adapt_params
+    from delivery.adapt import adapt_recipe, learned_rate_names, learned_values, write_adapt_params
 
-    recipe = adapt_recipe(info, list(dims), str(src.path))
-    write_adapt_params(model, staging, learned_rates(src, model, recipe))
+    if cache is not None:  # parsed once per distinct config text (a job's checkpoints share it)
+        def make_recipe() -> tuple[str, list[str]]:
+            r = adapt_recipe(info, list(dims), str(src.path))
+            return canonical(r), learned_rate_names(src, model, r)
+
+        job = info.get("job") or {}
+        recipe_key = canonical([src.config_key, info.get("meta"), job.get("meta"), job.get("ps"), list(dims)])
+        recipe, rate_names = cache.recipe(recipe_key, make_recipe)
+    else:
+        recipe = adapt_recipe(info, list(dims), str(src.path))
+        rate_names = learned_rate_names(src, model, recipe)
+    write_adapt_params(model, staging, learned_values(src, rate_names))
     files = checksum_files(staging)
     manifest = BundleManifest(
         version=version,

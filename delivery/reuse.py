@@ -10,6 +10,8 @@ input is a cache miss, never a stale hit::
 
     entry                      key                                         proves
     parsed schema + config     canonical JSON of info.schema / info.model  same text -> same objects
+    adaptation recipe, names   same JSON + info.meta, info.job.meta/ps,    same text -> same recipe
+    of learned inner rates     tables                                      (rates read every export)
     built model (template)     same JSON                                   params reloaded every export
     example batch (checks)     schema JSON + table dims                    same seed -> same tensors
     traced dense network       sha256 of the dense.pt it equals            the parent manifest's sha
@@ -106,7 +108,7 @@ class ExportCache:
             (16 bytes per live row: the newest bundle's, which the next delta needs).
 
     Attributes:
-        hits, misses: per kind ('config', 'model', 'example', 'dense', 'live'), for logs and tests.
+        hits, misses: per kind ('config', 'model', 'example', 'recipe', 'dense', 'live'), for logs and tests.
     """
 
     def __init__(self, size: int = 2) -> None:
@@ -114,6 +116,7 @@ class ExportCache:
         self._models: _Lru[tuple["CtrModel", dict[str, torch.Tensor]]] = _Lru(size)
         self._examples: _Lru[Any] = _Lru(size)
         self._dense: _Lru[torch.jit.ScriptModule] = _Lru(size)
+        self._recipes: _Lru[tuple[str, list[str]]] = _Lru(size)
         self._live: _Lru[Live] = _Lru(1)
         self.hits: dict[str, int] = {}
         self.misses: dict[str, int] = {}
@@ -161,6 +164,13 @@ class ExportCache:
         could only make the check fail, i.e. trace afresh, never pass a wrong network).
         """
         return self._cached(self._examples, "example", key, make)
+
+    def recipe(self, key: str, make: Callable[[], tuple[str, list[str]]]) -> tuple[dict[str, Any], list[str]]:
+        """The adaptation recipe and learned-rate names for ``key`` (the canonical text of
+        everything they are derived from: schema/model config, info.meta, info.job.meta/ps,
+        tables); ``make`` returns (recipe as canonical JSON, names). A fresh copy each call."""
+        text, names = self._cached(self._recipes, "recipe", key, make)
+        return json.loads(text), list(names)
 
     # -- the traced dense network ------------------------------------------------------
     def take_dense(self, sha: str | None) -> torch.jit.ScriptModule | None:

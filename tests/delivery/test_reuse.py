@@ -39,6 +39,7 @@ def _same_bundle(a: Path, b: Path, dims: dict[str, int]) -> None:
     assert {t: (i.rows, i.written, i.removed) for t, i in ma.tables.items()} == \
         {t: (i.rows, i.written, i.removed) for t, i in mb.tables.items()}, a.name
     assert ma.dense == mb.dense
+    assert ma.adapt == mb.adapt and ma.adapt  # (the recipe comes from the cache after the first)
     assert bundle_rows(a, dims) == bundle_rows(b, dims), a.name
     if ma.kind.value == "delta":
         ra, rb = read_removed(a / REMOVED), read_removed(b / REMOVED)
@@ -84,6 +85,7 @@ def test_periodic_reuse_path_equals_fresh_exports(tmp_path: Path, tiny: TinyMode
     # the second and third deliveries took the parent's network, live ids and model from the cache
     assert loop.cache.hits.get("dense") == 2 and loop.cache.hits.get("live") == 2, loop.cache.hits
     assert loop.cache.hits.get("model") == 2 and loop.cache.misses.get("model") == 1
+    assert loop.cache.hits.get("recipe") == 2 and loop.cache.misses.get("recipe") == 1
 
 
 def test_changed_dense_parameters_are_never_served_from_the_cache(tmp_path: Path, tiny: TinyModel) -> None:
@@ -179,3 +181,26 @@ def test_a_parent_state_spent_by_an_export_is_refused(tmp_path: Path, tiny: Tiny
     for t in fresh:
         assert cached.live[t][0].tolist() == fresh[t][0].tolist()
         assert cached.live[t][1].tolist() == fresh[t][1].tolist()
+
+
+def test_a_changed_meta_or_ps_config_is_a_new_recipe_not_a_cache_hit(tmp_path: Path, tiny: TinyModel) -> None:
+    """The recipe is cached by the text it comes from: another [meta] or [ps] gives another recipe."""
+    from delivery.reuse import ExportCache
+    from metaps.core.config import to_dict
+
+    fleet = Fleet(tiny, capacity=200)
+    cache, out = ExportCache(), tmp_path / "out"
+    base = {"schema": tiny.schema.to_dict(), "model": to_dict(tiny.cfg)}
+    infos = [{"meta": {"inner_lr": 0.1}}, {"meta": {"inner_lr": 0.1}}, {"meta": {"inner_lr": 0.25}},
+             {"meta": {"inner_lr": 0.25}, "job": {"ps": {"seed": 11}}}]
+    got = []
+    for step, extra in enumerate(infos, start=1):
+        fleet.train(seed=step, fraction=0.3)
+        ck = fleet.checkpoint(tmp_path / "ckpts", step, info={**base, "step": step, **extra})
+        deliver_once(DeliveryConfig(out=out, incremental=True), checkpoint=ck, cache=cache)
+        m = read_manifest(out / f"v{step:06d}")
+        got.append((m.adapt["meta"]["inner_lr"], m.adapt["init_from"], {t: i["seed"] for t, i in m.adapt["init"].items()}))
+    assert [g[0] for g in got] == [0.1, 0.1, 0.25, 0.25]
+    assert [g[1] for g in got] == ["defaults", "defaults", "defaults", "checkpoint"]
+    assert set(got[3][2].values()) == {11} and got[2][2] != got[3][2]
+    assert cache.hits.get("recipe") == 1 and cache.misses.get("recipe") == 3
