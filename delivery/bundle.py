@@ -201,10 +201,18 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def checksum_files(bundle_dir: str | Path) -> dict[str, str]:
-    """sha256 of every file of a bundle except the manifest itself."""
+def checksum_files(bundle_dir: str | Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file of a bundle except the manifest itself.
+
+    Args:
+        bundle_dir: the bundle (or staging) directory.
+        known: name -> sha256 of files the caller hashed from the very bytes it wrote
+            (not read back); every other file is read and hashed.
+    """
     d = Path(bundle_dir)
-    return {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST}
+    known = known or {}
+    return {p.name: known.get(p.name) or sha256_file(p)
+            for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
 def verify_checksums(bundle_dir: str | Path, manifest: BundleManifest) -> list[str]:

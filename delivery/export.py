@@ -638,7 +638,7 @@ def export_bundle(
         write_removed(staging / REMOVED, removed)
     reused = _reuse_parent_dense(model, src, dims, parent, cache)
     scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
-    save_scripted(scripted, str(staging / DENSE))
+    dense_sha = save_scripted(scripted, str(staging / DENSE))
     info = src.info
     from delivery.adapt import adapt_recipe, learned_rate_names, learned_values, write_adapt_params
 
@@ -654,7 +654,7 @@ def export_bundle(
         recipe = adapt_recipe(info, list(dims), str(src.path))
         rate_names = learned_rate_names(src, model, recipe)
     write_adapt_params(model, staging, learned_values(src, rate_names))
-    files = checksum_files(staging)
+    files = checksum_files(staging, known={DENSE: dense_sha})
     manifest = BundleManifest(
         version=version,
         kind=BundleKind.FULL if parent is None else BundleKind.DELTA,
