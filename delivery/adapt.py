@@ -132,11 +132,30 @@ def learned_rates(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> d
     Returns:
         name -> float32 array; empty when the rates are not learned.
     """
+    return learned_values(src, learned_rate_names(src, model, recipe))
+
+
+def learned_rate_names(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> list[str]:
+    """Names of the learned inner-loop values (``meta_learner.*``) a recipe's model has ([] when none).
+
+    Args:
+        src: the :class:`~delivery.export.CheckpointSource` (named in errors).
+        model: the checkpoint's model.
+        recipe: :func:`adapt_recipe`'s record (its ``meta``).
+    """
     from models.meta_config import MetaConfig
     from models.meta_learner import MetaLearner
 
     learner = MetaLearner(model, from_mapping(MetaConfig, recipe["meta"], where=f"{src.path}: adapt.meta"))
-    names = [n for n, _ in learner.store_named_parameters()]
+    return [n for n, _ in learner.store_named_parameters()]
+
+
+def learned_values(src: Any, names: list[str]) -> dict[str, np.ndarray]:
+    """The checkpoint's values of the learned inner-loop parameters ``names`` (float32; {} for none).
+
+    Raises:
+        DeliveryError: the checkpoint lacks one of them.
+    """
     if not names:
         return {}
     values = src.dense(names)

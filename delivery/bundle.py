@@ -201,10 +201,18 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def checksum_files(bundle_dir: str | Path) -> dict[str, str]:
-    """sha256 of every file of a bundle except the manifest itself."""
+def checksum_files(bundle_dir: str | Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file of a bundle except the manifest itself.
+
+    Args:
+        bundle_dir: the bundle (or staging) directory.
+        known: name -> sha256 of files the caller hashed from the very bytes it wrote
+            (not read back); every other file is read and hashed.
+    """
     d = Path(bundle_dir)
-    return {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST}
+    known = known or {}
+    return {p.name: known.get(p.name) or sha256_file(p)
+            for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
 def verify_checksums(bundle_dir: str | Path, manifest: BundleManifest) -> list[str]:
@@ -312,8 +320,16 @@ class EmbeddingWriter:
         self.written: dict[str, int] = {}
         self.index: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
-    def write_table(self, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+    def write_table(self, table: str, ids: np.ndarray, rows: np.ndarray,
+                    fingerprints: np.ndarray | None = None) -> int:
         """Write one table's rows (``ids`` sorted unique int64, ``rows`` float [n, dim]).
+
+        Args:
+            table: the table name.
+            ids: sorted unique int64 ids.
+            rows: float [n, dim] rows.
+            fingerprints: ``row_fingerprints`` of ``rows`` as stored, when the caller
+                computed them already (FP32 only: they are of the bytes written); None = here.
 
         Returns:
             the number of rows written.
@@ -327,7 +343,9 @@ class EmbeddingWriter:
         stored = np.ascontiguousarray(rows, dtype=self.dtype.numpy.newbyteorder("<"))
         if self.dtype is not RowDtype.FP32:
             check_rows(table, ids, stored, stored.shape[1], f"{self.path} ({self.dtype.value})")
-        self.index[table] = (ids, row_fingerprints(stored))
+        if fingerprints is None or self.dtype is not RowDtype.FP32 or fingerprints.shape != ids.shape:
+            fingerprints = row_fingerprints(stored)
+        self.index[table] = (ids, fingerprints)
         # Append mode (no B-tree search per key) only while keys arrive in global order.
         append = prefix > self._last_prefix
         self._last_prefix = max(prefix, self._last_prefix)

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import io
 import warnings
 from dataclasses import dataclass
@@ -201,10 +202,20 @@ def trace_dense(model: CtrModel, schema: Schema, dims: dict[str, int]) -> tuple[
     return scripted, DenseSpec(inputs=names, heads=heads, tables=tables)
 
 
-def save_scripted(module: torch.jit.ScriptModule, path: str) -> None:
+def save_scripted(module: torch.jit.ScriptModule, path: str) -> str:
+    """Write ``module`` as TorchScript to ``path`` (what ``torch.jit.save`` writes); returns the
+    sha256 of the bytes written (so the exporter need not read the file back to checksum it).
+
+    Args:
+        module: the scripted dense network.
+        path: the ``dense.pt`` to write.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(module, path)
+        data = module.save_to_buffer()  # (torch.jit.save to a file object writes these bytes)
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def load_scripted(path: str) -> torch.jit.ScriptModule:

@@ -52,7 +52,7 @@ from delivery.bundle import (
 )
 from delivery.config import DeliveryConfig
 from delivery.dense import DenseSpec, save_scripted, trace_dense
-from delivery.reuse import ExportCache, Live, LiveKey, advance_live, canonical
+from delivery.reuse import ExportCache, Live, LiveKey, advance_live, canonical, locate
 from meta_io.schema import Schema, schema_from_dict
 from metaps.core.config import from_mapping
 from metaps.core.errors import ConfigError, MetapsError
@@ -377,6 +377,8 @@ class ParentState:
     """sha256 of the parent's ``dense.pt`` per its manifest (the key of a cached traced network)."""
     live_key: LiveKey = ()
     """(version, index sha, removed sha) per bundle of the chain: the key of ``live`` in an ExportCache."""
+    spent: str | None = None
+    """The version whose export advanced ``live`` in place (taken from the cache): no longer the parent's."""
 
 
 def live_key(chain: list[tuple[Path, BundleManifest]]) -> LiveKey:
@@ -395,7 +397,7 @@ def parent_state(chain: list[tuple[Path, BundleManifest]], cache: ExportCache | 
     newest = chain[0][1]
     key = live_key(chain)
     cached = cache.live(key) if cache is not None else None
-    live = cached if cached is not None else _read_live(chain)
+    live = cached if cached is not None else read_live(chain)
     if cache is not None and cached is None:
         cache.put_live(key, live)
     return ParentState(
@@ -407,7 +409,8 @@ def parent_state(chain: list[tuple[Path, BundleManifest]], cache: ExportCache | 
     )
 
 
-def _read_live(chain: list[tuple[Path, BundleManifest]]) -> Live:
+def read_live(chain: list[tuple[Path, BundleManifest]]) -> Live:
+    """Live ids and fingerprints at the newest bundle of ``chain`` (newest first), read from its files."""
     live = read_index(chain[-1][0] / INDEX)
     for d, _m in reversed(chain[:-1]):
         rem = read_removed(d / REMOVED)
@@ -560,6 +563,9 @@ def export_bundle(
             missing dense parameters) or a parent incompatible with this checkpoint.
     """
     t0 = time.perf_counter()
+    if parent is not None and parent.spent:
+        raise DeliveryError(f"parent state of {parent.version} was spent by the export of {parent.spent} (its live "
+                            f"ids were advanced in place); take a new one with parent_state()")
     model, dims = build_trained_model(src, cache)
     if parent is not None:
         if parent.dtype != cfg.dtype.value:
@@ -577,6 +583,7 @@ def export_bundle(
     removed: dict[str, np.ndarray] = {}
     watermark = parent.watermark if parent is not None else -1
     written_total = 0
+    at: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per table: written rows' places in the parent's ids
     try:
         for t in order:
             if parent is not None and changes is not None:  # only the changed data is read
@@ -588,13 +595,16 @@ def export_bundle(
                     watermark = max(watermark, int(data.last_step.max()))
                 stored = np.ascontiguousarray(data.raw_weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
                 fp = row_fingerprints(stored)[data.order]
-                changed = np.flatnonzero(changed_since(p_ids, p_fp, data.ids, fp))
+                pos, known = locate(p_ids, data.ids)  # the one search of the parent's ids
+                changed = np.flatnonzero(~known | (p_fp[pos.clip(max=max(p_ids.size - 1, 0))] != fp)
+                                         if p_ids.size else ~known)
                 sel_ids, sel_rows = data.ids[changed], data.weights(changed)
+                at[t] = (pos[changed], known[changed])
                 gone = removed_since[in_sorted(removed_since, p_ids)]  # ids the parent served
                 removed[t] = gone
-                new_ids = int(np.count_nonzero(~in_sorted(data.ids, p_ids)))
+                new_ids = int(np.count_nonzero(~known))
                 try:
-                    writer.write_table(t, sel_ids, sel_rows)
+                    writer.write_table(t, sel_ids, sel_rows, fingerprints=fp[changed])
                 except DeliveryError as exc:
                     raise DeliveryError(f"checkpoint {src.path}: {exc}") from None
                 written_total += sel_ids.shape[0]
@@ -628,13 +638,23 @@ def export_bundle(
         write_removed(staging / REMOVED, removed)
     reused = _reuse_parent_dense(model, src, dims, parent, cache)
     scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
-    save_scripted(scripted, str(staging / DENSE))
+    dense_sha = save_scripted(scripted, str(staging / DENSE))
     info = src.info
-    from delivery.adapt import adapt_recipe, learned_rates, write_adapt_params
+    from delivery.adapt import adapt_recipe, learned_rate_names, learned_values, write_adapt_params
 
-    recipe = adapt_recipe(info, list(dims), str(src.path))
-    write_adapt_params(model, staging, learned_rates(src, model, recipe))
-    files = checksum_files(staging)
+    if cache is not None:  # parsed once per distinct config text (a job's checkpoints share it)
+        def make_recipe() -> tuple[str, list[str]]:
+            r = adapt_recipe(info, list(dims), str(src.path))
+            return canonical(r), learned_rate_names(src, model, r)
+
+        job = info.get("job") or {}
+        recipe_key = canonical([src.config_key, info.get("meta"), job.get("meta"), job.get("ps"), list(dims)])
+        recipe, rate_names = cache.recipe(recipe_key, make_recipe)
+    else:
+        recipe = adapt_recipe(info, list(dims), str(src.path))
+        rate_names = learned_rate_names(src, model, recipe)
+    write_adapt_params(model, staging, learned_values(src, rate_names))
+    files = checksum_files(staging, known={DENSE: dense_sha})
     manifest = BundleManifest(
         version=version,
         kind=BundleKind.FULL if parent is None else BundleKind.DELTA,
@@ -662,7 +682,14 @@ def export_bundle(
         if parent is None:
             cache.put_live(key, dict(writer.index))
         else:
-            cache.put_live(key + parent.live_key, advance_live(parent.live, writer.index, removed))
+            # the parent's entry is taken out and its arrays updated into this version's (no
+            # 16 B/row copy); the ParentState is spent (export_bundle refuses it from now on)
+            owned = cache.take_live(parent.live_key) is parent.live
+            live = advance_live(parent.live, writer.index, removed, at=at if changes is not None else None,
+                                inplace=owned)
+            if owned:
+                parent.spent = version
+            cache.put_live(key + parent.live_key, live)
     log.info(
         "bundle exported",
         extra=kv(version=version, kind=manifest.kind.value, checkpoint=src.path, rows_written=written_total,

@@ -15,7 +15,8 @@ Publishing a staged bundle:
 
 1. fsync every file of ``.v000008.tmp/`` and the directory itself;
 2. ``rename(.v000008.tmp, v000008)`` and fsync ``out/`` (the version appears whole);
-3. write ``LATEST.tmp``, fsync, ``rename(LATEST.tmp, LATEST)``, fsync ``out/``.
+   meanwhile write ``LATEST.tmp`` and fsync it (a file nobody reads);
+3. once both fsyncs are done, ``rename(LATEST.tmp, LATEST)``, fsync ``out/``.
 
 A reader follows ``LATEST`` and only ever sees complete versions; a delivery
 killed at any point leaves the previous ``LATEST`` valid (at worst a stale
@@ -45,6 +46,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -293,8 +295,26 @@ class Publisher:
             raise DeliveryError(f"{final}: version already published; refusing to overwrite")
         fsync_tree(staging)
         os.rename(staging, final)
-        fsync_dir(self.root)
-        self.set_latest(version)
+        # The root's fsync (the new version's entry) and LATEST.tmp's (its text) are independent:
+        # both run at once, and both end before LATEST.tmp is renamed over LATEST.
+        staged: list[Path] = []
+        errors: list[BaseException] = []
+
+        def stage() -> None:
+            try:
+                staged.append(self._stage_latest(version))
+            except BaseException as exc:  # raised below, in this thread
+                errors.append(exc)
+
+        writer = threading.Thread(target=stage, name="stage-latest")
+        writer.start()
+        try:
+            fsync_dir(self.root)
+        finally:
+            writer.join()
+        if errors:
+            raise errors[0]
+        self._swap_latest(staged[0])
         log.info("published", extra=kv(root=self.root, version=version))
         return final
 
@@ -302,11 +322,19 @@ class Publisher:
         """Point ``LATEST`` at ``version`` atomically (temp file, fsync, rename, fsync dir)."""
         if not (self.root / version).is_dir():
             raise DeliveryError(f"{self.root}: cannot point LATEST at missing version {version}")
+        self._swap_latest(self._stage_latest(version))
+
+    def _stage_latest(self, version: str) -> Path:
+        """``LATEST.tmp`` naming ``version``, written and fsynced (not yet renamed)."""
         tmp = self.root / (LATEST + ".tmp")
         with tmp.open("w") as fh:
             fh.write(version + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+        return tmp
+
+    def _swap_latest(self, tmp: Path) -> None:
+        """Rename a staged ``LATEST.tmp`` over ``LATEST`` and fsync the root."""
         os.rename(tmp, self.root / LATEST)
         fsync_dir(self.root)
 

@@ -10,6 +10,8 @@ input is a cache miss, never a stale hit::
 
     entry                      key                                         proves
     parsed schema + config     canonical JSON of info.schema / info.model  same text -> same objects
+    adaptation recipe, names   same JSON + info.meta, info.job.meta/ps,    same text -> same recipe
+    of learned inner rates     tables                                      (rates read every export)
     built model (template)     same JSON                                   params reloaded every export
     example batch (checks)     schema JSON + table dims                    same seed -> same tensors
     traced dense network       sha256 of the dense.pt it equals            the parent manifest's sha
@@ -20,6 +22,12 @@ What is never cached: the checkpoint's rows and dense values (read and verified
 every export), the check of the dense network against eager ``model.predict``
 (run every export), and the durability of the published bundle (fsynced by the
 publisher every time).
+
+The parent's live ids are *taken* out of the cache too when the next delta is exported
+from them: their fingerprint array is updated in place into the new version's (no
+16 B/row copy per delta) and put back under the new chain's key; the
+:class:`~delivery.export.ParentState` they came from is marked spent and refused by a
+later export.
 
 A traced module is *taken* out of the cache (so a module whose parameters are
 being replaced is never also reachable under its old key) and put back under the
@@ -100,7 +108,7 @@ class ExportCache:
             (16 bytes per live row: the newest bundle's, which the next delta needs).
 
     Attributes:
-        hits, misses: per kind ('config', 'model', 'example', 'dense', 'live'), for logs and tests.
+        hits, misses: per kind ('config', 'model', 'example', 'recipe', 'dense', 'live'), for logs and tests.
     """
 
     def __init__(self, size: int = 2) -> None:
@@ -108,6 +116,7 @@ class ExportCache:
         self._models: _Lru[tuple["CtrModel", dict[str, torch.Tensor]]] = _Lru(size)
         self._examples: _Lru[Any] = _Lru(size)
         self._dense: _Lru[torch.jit.ScriptModule] = _Lru(size)
+        self._recipes: _Lru[tuple[str, list[str]]] = _Lru(size)
         self._live: _Lru[Live] = _Lru(1)
         self.hits: dict[str, int] = {}
         self.misses: dict[str, int] = {}
@@ -156,6 +165,13 @@ class ExportCache:
         """
         return self._cached(self._examples, "example", key, make)
 
+    def recipe(self, key: str, make: Callable[[], tuple[str, list[str]]]) -> tuple[dict[str, Any], list[str]]:
+        """The adaptation recipe and learned-rate names for ``key`` (the canonical text of
+        everything they are derived from: schema/model config, info.meta, info.job.meta/ps,
+        tables); ``make`` returns (recipe as canonical JSON, names). A fresh copy each call."""
+        text, names = self._cached(self._recipes, "recipe", key, make)
+        return json.loads(text), list(names)
+
     # -- the traced dense network ------------------------------------------------------
     def take_dense(self, sha: str | None) -> torch.jit.ScriptModule | None:
         """The traced module whose state equals the ``dense.pt`` with sha256 ``sha``; removed
@@ -175,45 +191,65 @@ class ExportCache:
         self._count("live", got is not None)
         return got
 
+    def take_live(self, key: LiveKey) -> Live | None:
+        """The live ids of chain ``key``, removed from the cache (the caller is about to update
+        them in place into the next version's; not counted as a hit or a miss)."""
+        return self._live.pop(key)
+
     def put_live(self, key: LiveKey, live: Live) -> None:
         self._live.put(key, live)
         log.debug("live ids cached", extra=kv(version=key[0][0], tables=len(live)))
 
 
-def advance_live(parent: Live, written: Live, removed: dict[str, np.ndarray]) -> Live:
+def advance_live(parent: Live, written: Live, removed: dict[str, np.ndarray],
+                 at: dict[str, tuple[np.ndarray, np.ndarray]] | None = None, inplace: bool = False) -> Live:
     """The live ids after a delta: ``parent`` minus ``removed``, rows in ``written`` added or replaced.
 
-    All id arrays sorted unique; vectorized (searchsorted + one ``np.insert`` per table,
-    no re-sort of the parent's ids).
+    All id arrays sorted unique; vectorized (searchsorted, ``np.delete`` / ``np.insert`` only
+    when ids go or come; no re-sort of the parent's ids, no search of every parent id).
 
     Args:
         parent: table -> (sorted ids, fingerprints) at the parent version.
         written: table -> (sorted ids, fingerprints) of the rows this delta writes.
-        removed: table -> sorted ids this delta removes.
+        removed: table -> sorted ids this delta removes (ids of ``parent``, none of them written).
+        at: table -> (position in the parent's ids, found there) of each written id, when the
+            caller has them (``np.searchsorted(parent ids, written ids)``); else searched here.
+        inplace: the caller owns ``parent`` (taken out of the cache): fingerprints of replaced
+            rows are updated in its arrays instead of a copy (16 B/row saved per delta); its
+            arrays must not be read as the parent's afterwards.
     """
     out: Live = {}
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.uint64))
     for t in set(parent) | set(written) | set(removed):
-        ids, fp = parent.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+        ids, fp = parent.get(t, empty)
+        w_ids, w_fp = written.get(t, empty)
+        if w_ids.size:
+            pos, known = at[t] if at is not None and t in at else locate(ids, w_ids)
+            if known.any():
+                if not inplace:
+                    fp = fp.copy()
+                fp[pos[known]] = w_fp[known]
         gone = removed.get(t)
         if gone is not None and gone.size and ids.size:
-            keep = ~_in_sorted(ids, gone)
-            ids, fp = ids[keep], fp[keep]
-        w_ids, w_fp = written.get(t, (np.zeros(0, np.int64), np.zeros(0, np.uint64)))
+            g_pos, g_found = locate(ids, gone)
+            ids, fp = np.delete(ids, g_pos[g_found]), np.delete(fp, g_pos[g_found])
         if w_ids.size:
-            pos = np.searchsorted(ids, w_ids)
-            known = pos < ids.size
-            known[known] = ids[pos[known]] == w_ids[known]
-            fp = fp.copy()
-            fp[pos[known]] = w_fp[known]
             fresh = ~known
             if fresh.any():  # (np.insert copies the whole table even when nothing is inserted)
-                ids = np.insert(ids, pos[fresh], w_ids[fresh])
-                fp = np.insert(fp, pos[fresh], w_fp[fresh])
+                f_ids = w_ids[fresh]
+                ins = np.searchsorted(ids, f_ids)
+                ids, fp = np.insert(ids, ins, f_ids), np.insert(fp, ins, w_fp[fresh])
         out[t] = (ids, fp)
     return out
 
 
-def _in_sorted(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    pos = np.searchsorted(ref, x).clip(max=ref.size - 1)
-    found: np.ndarray = ref[pos] == x
-    return found
+def locate(ref: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position, found) of each ``x`` in the sorted array ``ref``: one searchsorted.
+
+    ``position`` is where ``x`` is (found) or would be inserted (not found), as
+    ``np.searchsorted(ref, x)``; for not found values it may equal ``ref.size``.
+    """
+    pos = np.searchsorted(ref, x)
+    found = pos < ref.size
+    found[found] = ref[pos[found]] == x[found]
+    return pos, found

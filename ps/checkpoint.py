@@ -14,7 +14,8 @@ Keys in ``shard-<K>.lmdb``::
 
     meta                 json: format, shard_id, num_vshards, version, seed,
                          tables {name: {dim, optimizer, capacity, rows, step, state}}, dense [names]
-    t/<table>/<vshard>   one chunk: that vshard's TableRows
+    t/<table>/<vshard>   one chunk: that vshard's TableRows (full checkpoints; see
+                         ``row_chunks`` below for delta files)
     d/<name>             one chunk: dense value + optimizer state
 
 Chunk format (little-endian)::
@@ -34,6 +35,11 @@ Delta checkpoints (``[ps] checkpoint_full_every`` > 1)::
     <root>/ckpt-<step>.tmp/plan.json   written first (begin_checkpoint): ckpt_id, kind, parent, chain
     shard-<K>.lmdb of a delta          t/<table>/<vshard>: only rows with row_version > the store's
                                        cut of the parent; r/<table>: ids evicted since that cut
+                                       meta "row_chunks": "runs": a chunk holds the rows of vshards
+                                       <vshard> .. (the next chunk's key - 1), up to DELTA_CHUNK_BYTES
+                                       each (one chunk per table per file for a small delta: a
+                                       reader decodes a handful of chunks, not one per vshard);
+                                       absent (files written before): one chunk per vshard
     manifest.json                      + ckpt_id, kind (full|delta), parent, chain [[name, ckpt_id], ...]
 
 A restore (``load_shard``) verifies every chain member first, then imports the
@@ -91,6 +97,11 @@ _SHARD_RE = re.compile(r"^shard-(\d+)\.lmdb$")
 _HDR = struct.Struct("<4sII")
 _TXN_BYTES = 64 << 20
 """A streaming save commits its LMDB write transaction every this many bytes."""
+DELTA_CHUNK_BYTES = 16 << 20
+"""A delta file's rows go into chunks of consecutive vshards of about this many bytes (meta
+``row_chunks = "runs"``): few chunks to decode, bounded memory while saving."""
+ROW_CHUNKS_RUNS = "runs"
+"""``meta["row_chunks"]`` of a file whose chunk ``t/<table>/<v>`` holds vshards v .. next key - 1."""
 
 
 # -- chunk encoding ----------------------------------------------------------------
@@ -366,6 +377,8 @@ def save_shard(
         meta["since_version"] = since
         meta["cut_version"] = cut
         if since is not None:
+            meta["row_chunks"] = ROW_CHUNKS_RUNS
+        if since is not None:
             for name in store.tables:
                 meta["tables"][name]["delta_rows"] = store.dirty_count(name, since)
                 meta["tables"][name]["removed"] = int(removed[name].shape[0])
@@ -380,7 +393,10 @@ def save_shard(
             for name in store.tables:
                 if since is not None:
                     txn.put(f"r/{name}".encode(), pack_arrays({"ids": removed[name]}))
-                for v, part in store.vshard_chunks(name, since_version=since):
+                parts = store.vshard_chunks(name, since_version=since)
+                if since is not None:  # a delta: runs of vshards, a few chunks per table
+                    parts = _vshard_runs(parts, DELTA_CHUNK_BYTES)
+                for v, part in parts:
                     chunk = pack_arrays(_rows_to_arrays(part))
                     del part
                     txn.put(f"t/{name}/{v}".encode(), chunk)
@@ -414,6 +430,37 @@ def save_shard(
     log.info("saved shard checkpoint", extra=kv(shard=shard_id, path=str(path), kind=meta["kind"],
                                                 bytes=summary["bytes"]))
     return summary
+
+
+def _vshard_runs(parts: Iterator[tuple[int, TableRows]], limit: int) -> Iterator[tuple[int, TableRows]]:
+    """Consecutive vshard chunks joined into runs of about ``limit`` bytes: (first vshard, rows).
+
+    Args:
+        parts: (vshard, rows) in ascending vshard order (``ShardStore.vshard_chunks``).
+        limit: a run is emitted once its rows reach this many bytes.
+    """
+    run: list[TableRows] = []
+    first = -1
+    size = 0
+    for v, part in parts:
+        if not run:
+            first = v
+        run.append(part)
+        size += sum(a.nbytes for a in _rows_to_arrays(part).values())
+        if size >= limit:
+            yield first, run[0] if len(run) == 1 else TableRows.concat(run, int(part.weights.shape[1]))
+            run, size = [], 0
+    if run:
+        yield first, run[0] if len(run) == 1 else TableRows.concat(run, int(run[0].weights.shape[1]))
+
+
+def _row_chunks(path: Path, meta: dict[str, Any]) -> str:
+    """A shard file's row chunk layout: "vshard" (one chunk per vshard) or "runs"."""
+    layout = meta.get("row_chunks", "vshard")
+    if layout not in ("vshard", ROW_CHUNKS_RUNS):
+        raise CheckpointError(f"{path} key 'meta': row_chunks {layout!r}, this build reads 'vshard' or "
+                              f"{ROW_CHUNKS_RUNS!r}")
+    return str(layout)
 
 
 def _shard_meta(store: ShardStore, shard_id: int) -> dict[str, Any]:
@@ -853,7 +900,8 @@ def _import_files(store: ShardStore, shards: list[Path], owned: np.ndarray) -> N
     """Import the owned vshards' rows of ``shards`` (one checkpoint's files) into ``store``."""
     for path in shards:
         meta = _read_meta(path)
-        same_v = int(meta["num_vshards"]) == store.num_vshards
+        # by key only when each chunk is one vshard of the same partition; else read all and filter
+        by_key = _row_chunks(path, meta) == "vshard" and int(meta["num_vshards"]) == store.num_vshards
         for name, tmeta in meta["tables"].items():
             t = store.tables.get(name)
             if t is None:
@@ -866,9 +914,9 @@ def _import_files(store: ShardStore, shards: list[Path], owned: np.ndarray) -> N
                     f"configured dim {t.dim} / {t.cfg.optimizer.kind.value}"
                 )
             t.step = max(t.step, int(tmeta.get("step", 0)))
-            chunks = _iter_table_chunks(path, name, owned.tolist() if same_v else None)
+            chunks = _iter_table_chunks(path, name, owned.tolist() if by_key else None)
             for where, rows in chunks:
-                if not same_v:  # re-bucket by id under the new vshard count
+                if not by_key:  # re-bucket by id (new vshard count, or runs of vshards)
                     rows = rows.take(np.nonzero(np.isin(vshard_of(rows.ids, store.num_vshards), owned))[0])
                 try:
                     store.import_rows(name, rows)
@@ -988,6 +1036,7 @@ def read_changes_tables(ckpt_dir: str | Path, tables: Sequence[str]) -> dict[str
                     meta = json.loads(bytes(raw_meta))
                 except ValueError as exc:
                     raise CheckpointError(f"{path}: key 'meta' is not valid json: {exc}") from None
+                _row_chunks(path, meta)  # either layout reads by prefix; an unknown one is refused
                 for table in tables:
                     if table not in meta["tables"]:
                         raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")

@@ -117,3 +117,11 @@ def test_publish_fsyncs_every_file_then_the_directory_before_the_rename(tmp_path
     assert before.index(str(st)) > max(before.index(f) for f in staged)  # the dir after its files
     after = [p for kind, p in events[at + 1 :] if kind == "fsync"]
     assert str(pub.root) in after and str(pub.root / (LATEST + ".tmp")) in after
+    # LATEST.tmp (fsynced alongside the root's fsync) is renamed only after both are on disk,
+    # and the root is fsynced once more after that rename
+    latest_tmp = str(pub.root / (LATEST + ".tmp"))
+    swap = events.index(("rename", latest_tmp))
+    assert swap > at
+    done_before = [p for kind, p in events[at + 1 : swap] if kind == "fsync"]
+    assert str(pub.root) in done_before and latest_tmp in done_before
+    assert ("fsync", str(pub.root)) in events[swap + 1 :]

@@ -39,6 +39,7 @@ def _same_bundle(a: Path, b: Path, dims: dict[str, int]) -> None:
     assert {t: (i.rows, i.written, i.removed) for t, i in ma.tables.items()} == \
         {t: (i.rows, i.written, i.removed) for t, i in mb.tables.items()}, a.name
     assert ma.dense == mb.dense
+    assert ma.adapt == mb.adapt and ma.adapt  # (the recipe comes from the cache after the first)
     assert bundle_rows(a, dims) == bundle_rows(b, dims), a.name
     if ma.kind.value == "delta":
         ra, rb = read_removed(a / REMOVED), read_removed(b / REMOVED)
@@ -84,6 +85,7 @@ def test_periodic_reuse_path_equals_fresh_exports(tmp_path: Path, tiny: TinyMode
     # the second and third deliveries took the parent's network, live ids and model from the cache
     assert loop.cache.hits.get("dense") == 2 and loop.cache.hits.get("live") == 2, loop.cache.hits
     assert loop.cache.hits.get("model") == 2 and loop.cache.misses.get("model") == 1
+    assert loop.cache.hits.get("recipe") == 2 and loop.cache.misses.get("recipe") == 1
 
 
 def test_changed_dense_parameters_are_never_served_from_the_cache(tmp_path: Path, tiny: TinyModel) -> None:
@@ -113,3 +115,92 @@ def test_changed_dense_parameters_are_never_served_from_the_cache(tmp_path: Path
     for h in want:
         assert not torch.allclose(before[h], want[h], atol=1e-3), h  # the change is visible
         torch.testing.assert_close(got[h], want[h], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("inplace,hint", [(False, False), (True, False), (True, True)])
+def test_advance_live_equals_the_chain_rebuilt(inplace: bool, hint: bool) -> None:
+    """Replaced, new and removed ids, as ``_read_live`` rebuilds them; in place only when asked."""
+    from delivery.reuse import advance_live, locate
+
+    rng = np.random.default_rng(0)
+    ids = np.sort(rng.choice(10_000, 500, replace=False)).astype(np.int64)
+    fp = rng.integers(0, 1 << 62, 500).astype(np.uint64)
+    gone = np.sort(rng.choice(ids, 40, replace=False))
+    kept = np.setdiff1d(ids, gone)
+    fresh = np.setdiff1d(np.arange(10_000, 10_060), ids)
+    w_ids = np.sort(np.concatenate([rng.choice(kept, 70, replace=False), fresh, [-5]])).astype(np.int64)
+    w_fp = rng.integers(0, 1 << 62, w_ids.size).astype(np.uint64)
+    parent = {"item": (ids.copy(), fp.copy()), "user": (ids[:3].copy(), fp[:3].copy())}
+    at = {"item": locate(ids, w_ids)} if hint else None
+    got = advance_live(parent, {"item": (w_ids, w_fp)}, {"item": gone, "user": np.zeros(0, np.int64)},
+                       at=at, inplace=inplace)
+    want = dict(zip(ids.tolist(), fp.tolist()))
+    for i in gone.tolist():
+        del want[i]
+    want.update(zip(w_ids.tolist(), w_fp.tolist()))
+    g_ids, g_fp = got["item"]
+    assert g_ids.tolist() == sorted(want) and g_fp.tolist() == [want[i] for i in sorted(want)]
+    assert got["user"][0].tolist() == ids[:3].tolist() and got["user"][1].tolist() == fp[:3].tolist()
+    # the parent's arrays: untouched unless the caller owns them
+    assert (parent["item"][1].tolist() == fp.tolist()) is (not inplace)
+
+
+def test_a_parent_state_spent_by_an_export_is_refused(tmp_path: Path, tiny: TinyModel) -> None:
+    """The cached live ids are advanced in place: the ParentState they came from must not be used again."""
+    from delivery.bundle import DeliveryError
+    from delivery.export import CheckpointSource, export_bundle, parent_state, read_live
+    from delivery.loader import bundle_chain
+    from delivery.publish import Publisher
+    from delivery.reuse import ExportCache
+
+    fleet = Fleet(tiny, capacity=200)
+    run = tmp_path / "run" / "checkpoints"
+    fleet.train(seed=1, fraction=1.0)
+    base = delta_checkpoint(fleet, run, 10)
+    fleet.train(seed=2, fraction=0.3, new_ids=40)
+    tip = delta_checkpoint(fleet, run, 20)
+    root, cache = tmp_path / "out", ExportCache()
+    pub = Publisher(root)
+    cfg = DeliveryConfig(out=root, incremental=True)
+    staging = pub.staging_dir("v000001")
+    export_bundle(CheckpointSource.open(base, cache=cache), staging, "v000001", cfg, None, cache)
+    pub.publish(staging, "v000001")
+    parent = parent_state(bundle_chain(root / "v000001"), cache)
+    assert cache.hits.get("live") == 1
+    staging = pub.staging_dir("v000002")
+    export_bundle(CheckpointSource.open(tip, cache=cache), staging, "v000002", cfg, parent, cache)
+    assert parent.spent == "v000002"
+    with pytest.raises(DeliveryError, match="parent state of v000001 was spent by the export of v000002"):
+        export_bundle(CheckpointSource.open(tip), pub.staging_dir("v000003"), "v000003", cfg, parent)
+    pub.publish(staging, "v000002")
+    # what the cache now holds for v2 is what a fresh read of the chain gives
+    cached = parent_state(bundle_chain(root / "v000002"), cache)
+    fresh = read_live(bundle_chain(root / "v000002"))
+    assert cache.hits.get("live") == 2
+    assert set(cached.live) == set(fresh)
+    for t in fresh:
+        assert cached.live[t][0].tolist() == fresh[t][0].tolist()
+        assert cached.live[t][1].tolist() == fresh[t][1].tolist()
+
+
+def test_a_changed_meta_or_ps_config_is_a_new_recipe_not_a_cache_hit(tmp_path: Path, tiny: TinyModel) -> None:
+    """The recipe is cached by the text it comes from: another [meta] or [ps] gives another recipe."""
+    from delivery.reuse import ExportCache
+    from metaps.core.config import to_dict
+
+    fleet = Fleet(tiny, capacity=200)
+    cache, out = ExportCache(), tmp_path / "out"
+    base = {"schema": tiny.schema.to_dict(), "model": to_dict(tiny.cfg)}
+    infos = [{"meta": {"inner_lr": 0.1}}, {"meta": {"inner_lr": 0.1}}, {"meta": {"inner_lr": 0.25}},
+             {"meta": {"inner_lr": 0.25}, "job": {"ps": {"seed": 11}}}]
+    got = []
+    for step, extra in enumerate(infos, start=1):
+        fleet.train(seed=step, fraction=0.3)
+        ck = fleet.checkpoint(tmp_path / "ckpts", step, info={**base, "step": step, **extra})
+        deliver_once(DeliveryConfig(out=out, incremental=True), checkpoint=ck, cache=cache)
+        m = read_manifest(out / f"v{step:06d}")
+        got.append((m.adapt["meta"]["inner_lr"], m.adapt["init_from"], {t: i["seed"] for t, i in m.adapt["init"].items()}))
+    assert [g[0] for g in got] == [0.1, 0.1, 0.25, 0.25]
+    assert [g[1] for g in got] == ["defaults", "defaults", "defaults", "checkpoint"]
+    assert set(got[3][2].values()) == {11} and got[2][2] != got[3][2]
+    assert cache.hits.get("recipe") == 1 and cache.misses.get("recipe") == 3
