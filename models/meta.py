@@ -61,6 +61,7 @@ from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from metaps.core.errors import ConfigError
 from models.base import CtrModel
 from models.embedding import LookupIndex, TableIndex
+from models.fast_grad import install as _install_fast_grad
 from models.losses import loss
 from models.meta_config import AdaptTarget, InnerLr, InnerReduction, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
 from models.meta_learner import PREFIX as LEARNER_PREFIX
@@ -69,6 +70,8 @@ from models.meta_offset import fit_offsets, shift
 
 InnerLoop = MetaConfig | MetaLearner
 """What the step functions take: the ``[meta]`` settings, or a learner carrying them and its rates."""
+
+_install_fast_grad()  # torch.func.grad without importing torch._dynamo (see models/fast_grad.py)
 
 Params = dict[str, Tensor]
 Rows = dict[str, Tensor]

@@ -50,10 +50,11 @@ def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path
     from metaps.preflight import preflight
     from metaps.run_report import build_report, write_report
     from metaps.tb import write_tensorboard
-    from workers.local import train_local
 
     d, auto_named = _new_run_dir(LaunchConfig(config=job.source or "<job>", run_dir=run_dir), job)
     preflight(job)  # every deterministic problem, in one line, before the run dir exists
+    from workers.local import train_local  # torch: only once the job passed its checks (a refusal stays fast)
+
     for sub in ("", "workers", "checkpoints"):
         make_private_dir(d / sub)
     job = job.with_overrides(run=dataclasses.replace(job.run, dir=str(d)),

@@ -59,7 +59,6 @@ def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from metaps.core.security import check_bind, role_rpc, set_private_umask
-    from workers.worker import run_worker
 
     set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
     job = _load(args)
@@ -75,6 +74,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         from metaps.core.metrics import serve_metrics
 
         serve_metrics(args.metrics_port, args.metrics_host)
+    from workers.worker import run_worker  # torch: only once the command line passed its checks
+
     rep = run_worker(job, args.rank, addrs, ctl, run_dir)
     out = {k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}
     emit(args, out, f"worker {out['rank']}: {out['steps']} steps, {out['samples']:,} samples "

@@ -23,6 +23,7 @@ from metaps.cli import build_parser, error_line, main, walk_parsers
 from metaps.core.errors import ConfigError
 from metaps.core.toml_writer import write
 from metaps.job import load_job
+from tests.metaps.cli_process import run_metaps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +59,17 @@ def _metaps(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     env.pop("METAPS_CONTROLLER", None)
     return subprocess.run([sys.executable, "-m", "metaps", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
+
+
+def _refused(*args: str) -> subprocess.CompletedProcess[str]:
+    """``_metaps`` for a command line that must be refused: it fails fast, before importing torch."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("METAPS_PS", None)
+    env.pop("METAPS_CONTROLLER", None)
+    res, torch_imported = run_metaps(list(args), REPO, env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert not torch_imported, f"refused after importing torch: {res.stderr[-2000:]}"
+    return res
 
 
 def _job(tmp: Path, train: Path, **extra: dict) -> Path:
@@ -134,8 +146,7 @@ def test_error_line_is_not_prefixed_twice() -> None:
 
 def test_worker_without_ps_addresses_is_one_line(tmp_path: Path) -> None:
     job = _job(tmp_path, tmp_path / "no-data")
-    res = _metaps("worker", "--config", str(job), "--rank", "0")
-    assert res.returncode == 1, res.stderr
+    res = _refused("worker", "--config", str(job), "--rank", "0")
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("metaps worker: error: no PS addresses"), res.stderr
     assert lines[0].count("metaps worker") == 1 and "Traceback" not in res.stderr
@@ -190,8 +201,7 @@ def test_bad_set_key_checked_before_anything(command: str, tmp_path: Path) -> No
 def test_missing_dataset_is_refused_before_anything_starts(command: str, tmp_path: Path) -> None:
     missing = tmp_path / "metaio"
     job = _job(tmp_path, missing)
-    res = _metaps(command, "--config", str(job), "--set", "train.max_steps=2")
-    assert res.returncode == 1, res.stdout + res.stderr
+    res = _refused(command, "--config", str(job), "--set", "train.max_steps=2")
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"metaps {command}: error: "), res.stderr
     assert f"data.train = {missing}: no such directory" in lines[0]
@@ -206,7 +216,7 @@ def test_launch_refuses_an_unwritable_run_root(tmp_path: Path) -> None:
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro" / "runs").write_text("a file where the run root should be")
     job = _job(tmp_path, data["train"], run={"dir": str(tmp_path / "ro" / "runs" / "x")})
-    res = _metaps("launch", "--config", str(job), "--no-progress")
+    res = _metaps("launch", "--config", str(job), "--no-progress")  # after the full preflight: it builds the model
     assert res.returncode == 1, res.stdout + res.stderr
     assert "is not a directory" in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
 
