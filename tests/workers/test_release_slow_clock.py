@@ -130,8 +130,12 @@ def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_
                 break
             time.sleep(0.2)
         assert slowed, snap["history"][-3:]
+        # the warm-up step is not slowed. history[0] is this incarnation's first step (log_every 1
+        # records every step), but not always step 1: a worker that found no lease at first rejoins
+        # the PS clock at the slowest clock present (workers/worker.py), so under load worker 0's
+        # first step can be numbered 3 (seen: a CI-like run where worker 1 had stepped twice first)
         first = snap["history"][0]
-        assert first["step"] == 1 and first["fault_sleep_s"] == 0.0, first  # the warm-up step is not slowed
+        assert first["fault_sleep_s"] == 0.0 and first["step"] < slowed[0]["step"], first
         for r in slowed:
             assert r["fault_sleep_s"] == pytest.approx((SLOW - 1) * r["own_step_s"], rel=1e-9), r
             assert r["own_step_s"] >= r["compute_s"] + r["pull_s"] * 0.999, r
