@@ -25,15 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from metaps.fleet import Fleet
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie (dead, not yet reaped by whoever adopted it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+from tests.metaps.fleet_data import fleet_pids
 
 
 def test_members_start_cleanly_while_threads_call_grpc(tmp_path: Path) -> None:
@@ -79,7 +71,7 @@ import sys, time
 from pathlib import Path
 from metaps.fleet import Fleet
 fleet = Fleet(Path(sys.argv[1]))
-m = fleet.start("sleeper", [sys.executable, "-c", "import time; time.sleep(300)"], role="worker")
+m = fleet.start("sleeper", [sys.executable, "-c", "import time; time.sleep(300)", sys.argv[1]], role="worker")
 print(m.pid, flush=True)
 time.sleep(300)
 """
@@ -89,22 +81,24 @@ def test_members_are_told_to_stop_when_the_launcher_is_sigkilled(tmp_path: Path)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "logs")], stdout=subprocess.PIPE,
                                 text=True, env=env)
+    marker = str(tmp_path / "logs")  # on the member's command line: fleet_pids finds it while it lives
     member = 0
     try:
         assert launcher.stdout is not None
         member = int(launcher.stdout.readline())
         deadline = time.monotonic() + 60
-        while "sleep(300)" not in Path(f"/proc/{member}/cmdline").read_text(errors="replace"):
+        # exec'd: argv[0] is the member's python, no longer setpriv (whose argv also holds the marker)
+        while Path(f"/proc/{member}/cmdline").read_bytes().split(b"\0")[0].decode() != sys.executable:
             assert time.monotonic() < deadline, "the member never exec'd its command"
             time.sleep(0.05)
         launcher.kill()
         launcher.wait(timeout=60)
         deadline = time.monotonic() + 60
-        while not _gone(member):
+        while member in fleet_pids(marker):
             assert time.monotonic() < deadline, f"member {member} outlived its SIGKILLed launcher by 60 s"
             time.sleep(0.05)
     finally:
         launcher.kill()
         launcher.wait(timeout=60)
-        if member and not _gone(member):
+        if member in fleet_pids(marker):
             os.killpg(member, signal.SIGKILL)
