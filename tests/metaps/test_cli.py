@@ -53,20 +53,22 @@ workers = 1
 """
 
 
-def _metaps(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def _env() -> dict[str, str]:
+    """This checkout's code, and no fleet addresses inherited from the shell."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("METAPS_PS", None)
     env.pop("METAPS_CONTROLLER", None)
-    return subprocess.run([sys.executable, "-m", "metaps", *args], cwd=cwd, env=env, capture_output=True,
+    return env
+
+
+def _metaps(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "metaps", *args], cwd=cwd, env=_env(), capture_output=True,
                           text=True, timeout=300, check=False)
 
 
 def _refused(*args: str) -> subprocess.CompletedProcess[str]:
     """``_metaps`` for a command line that must be refused: it fails fast, before importing torch."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("METAPS_PS", None)
-    env.pop("METAPS_CONTROLLER", None)
-    res, torch_imported = run_metaps(list(args), REPO, env)
+    res, torch_imported = run_metaps(list(args), REPO, _env())
     assert res.returncode == 1, res.stdout + res.stderr
     assert not torch_imported, f"refused after importing torch: {res.stderr[-2000:]}"
     return res
