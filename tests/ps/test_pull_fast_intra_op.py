@@ -2,8 +2,8 @@
 
 * ``intra_op.run`` runs every span (on distinct threads), returns the results in span
   order, and raises a span's error only after every span finished;
-* a table's pull (every id known: the split lookup + gather; some unknown: the serial
-  fallback) and push (known and new ids: the split lookup and rowwise-Adagrad update)
+* a table's pull (the split lookup + gather; unknown ids' initial rows span by span)
+  and push (known and new ids: the split lookup and rowwise-Adagrad update)
   equal the one-thread table bit for bit, weights, optimizer state and metadata;
 * the same through real shards on 127.0.0.1 (``ps_fleet``, framed gRPC);
 * the config key and ``set_threads`` refuse bad values naming the key; ``metaps ps`` applies the
@@ -116,12 +116,14 @@ def test_split_pull_and_push_equal_one_thread_bit_for_bit(threads: None, monkeyp
         np.testing.assert_array_equal(pull1, pull2)
         for k, v in _state(one).items():
             np.testing.assert_array_equal(v, _state(split)[k], err_msg=f"{k} after push {step}")
-    # a pull with unknown ids in the last span: the serial fallback, same values (initial rows)
+    # a pull with unknown ids in the last span: that span writes their initial rows, the others gather
     ids = np.concatenate([rng.choice(3 * N, size=N - 5, replace=False), np.arange(10**9, 10**9 + 5)]).astype(np.int64)
     intra_op.set_threads(1)
     ref = one.pull(ids)
     intra_op.set_threads(3)
+    calls.clear()
     np.testing.assert_array_equal(split.pull(ids), ref)
+    assert [len(c) for c in calls] == [3]
 
 
 def test_split_through_real_shards(ps_fleet, threads: None) -> None:
