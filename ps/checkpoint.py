@@ -36,8 +36,8 @@ Delta checkpoints (``[ps] checkpoint_full_every`` > 1)::
     shard-<K>.lmdb of a delta          t/<table>/<vshard>: only rows with row_version > the store's
                                        cut of the parent; r/<table>: ids evicted since that cut
                                        meta "row_chunks": "runs": a chunk holds the rows of vshards
-                                       <vshard> .. (the next chunk's key - 1), up to DELTA_CHUNK_BYTES
-                                       each (one chunk per table per file for a small delta: a
+                                       <vshard> .. (the next chunk's key - 1), closed once it
+                                       reaches DELTA_CHUNK_BYTES (one chunk per table per file for a small delta: a
                                        reader decodes a handful of chunks, not one per vshard);
                                        absent (files written before): one chunk per vshard
     manifest.json                      + ckpt_id, kind (full|delta), parent, chain [[name, ckpt_id], ...]

@@ -339,38 +339,31 @@ class EmbeddingTable:
         if n == 0:
             return np.empty((0, self.dim), dtype=np.float32) if out is None else out
         if self.device.type == "cpu" and len(intra_op.spans(n)) > 1:
-            # [ps] intra_op_threads: lookup + gather span by span on several threads
+            # [ps] intra_op_threads: the same work span by span on several threads
             buf = np.empty((n, self.dim), dtype=np.float32) if out is None else out
-            if all(intra_op.run(n, lambda lo, hi: self._pull_known(ids[lo:hi], buf[lo:hi]))):
-                return buf
-            out = buf
-            # some id unknown: the serial path below (it rewrites every row, same values)
-        rows = self.id_map.lookup(ids, checked=True)  # check_ids above refused -1
+            intra_op.run(n, lambda lo, hi: self._pull_rows(ids[lo:hi], buf[lo:hi]))
+            return buf
+        return self._pull_rows(ids, out)
+
+    def _pull_rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows of ``ids`` (checked, no -1): known ones gathered, unknown ones initial.
+
+        Args:
+            ids: int64 [k].
+            out: float32 [k, dim] C-contiguous (a span of the reply), or None for a new array.
+        """
+        rows = self.id_map.lookup(ids, checked=True)
         if int(rows.min()) >= 0:  # every id known (the common case): one reduction, no mask
             return self._gather(rows, out)
         known = rows >= 0
         n_known = int(known.sum())
         if out is None:
-            out = np.empty((n, self.dim), dtype=np.float32)
+            out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         kn = known.numpy()
         if n_known:
             out[kn] = self._gather(rows[known])
         out[~kn] = self.init(ids[~kn])
         return out
-
-    def _pull_known(self, ids: np.ndarray, out: np.ndarray) -> bool:
-        """One span of a split pull: rows of ``ids`` (checked) gathered into ``out`` when every id
-        is known; False (``out`` untouched) when one is not.
-
-        Args:
-            ids: int64 [k], no -1.
-            out: float32 [k, dim] C-contiguous view of the reply.
-        """
-        rows = self.id_map.lookup(ids, checked=True)
-        if int(rows.min()) < 0:
-            return False
-        torch.index_select(self.weights, 0, rows, out=torch.from_numpy(out))
-        return True
 
     def _gather(self, rows: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
         """The rows' weights; with ``out`` (float32 [k, dim]) written there by one ``index_select(out=)``."""

@@ -7,8 +7,8 @@ for its pull, the shard's other cores have nothing to do. ``[ps]
 intra_op_threads = N`` (default 1 = off) lets the few heavy, row-independent
 stages of a large request run over N spans of its rows, one per thread:
 
-* pull: the id-map lookup and the gather into the reply, span by span
-  (``EmbeddingTable._pull``);
+* pull: the id-map lookup and the gather into the reply (unknown ids: their
+  initial rows), span by span (``EmbeddingTable._pull``);
 * push: the id-map lookup and the rowwise-Adagrad update (rows are unique there,
   so spans touch disjoint rows; ``FusedTbeOptimizer._run``).
 

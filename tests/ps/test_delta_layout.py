@@ -99,6 +99,16 @@ def test_runs_split_by_size_restore_like_a_full_checkpoint(tmp_path: Path, monke
     monkeypatch.setattr(ckpt, "DELTA_CHUNK_BYTES", chunk_bytes)
     stores, tip, full = _chain(tmp_path)
     assert max(len(chunk_keys(p, "user")) for p in shard_files(tip)) > 1
+    for path in shard_files(tip):  # chunk t/<table>/<v> holds vshards v .. next chunk's v - 1 (meta row_chunks)
+        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False)
+        with env.begin() as txn:
+            for table in DIMS:
+                firsts = sorted(int(k.rsplit("/", 1)[1]) for k in chunk_keys_txn(txn, table))
+                for lo, hi in zip(firsts, firsts[1:] + [V]):
+                    ids = unpack_arrays(txn.get(f"t/{table}/{lo}".encode()), "chunk")["ids"]
+                    vs = vshard_of(ids, V)
+                    assert lo <= vs.min() and vs.max() < hi, (path, table, lo, hi)
+        env.close()
     want = state(stores)
     for shards, nv in ((2, V), (3, V), (3, 8)):
         got = state(restore(tip, shards, nv))

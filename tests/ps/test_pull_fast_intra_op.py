@@ -2,8 +2,8 @@
 
 * ``intra_op.run`` runs every span (on distinct threads), returns the results in span
   order, and raises a span's error only after every span finished;
-* a table's pull (every id known: the split lookup + gather; some unknown: the serial
-  fallback) and push (known and new ids: the split lookup and rowwise-Adagrad update)
+* a table's pull (the split lookup + gather; unknown ids' initial rows span by span)
+  and push (known and new ids: the split lookup and rowwise-Adagrad update)
   equal the one-thread table bit for bit, weights, optimizer state and metadata;
 * the same through real shards on 127.0.0.1 (``ps_fleet``, framed gRPC);
 * the config key and ``set_threads`` refuse bad values naming the key; ``metaps ps`` applies the
@@ -73,9 +73,29 @@ def test_run_covers_every_span_in_order_on_several_threads(threads: None) -> Non
     assert intra_op.spans(N) == [(0, N)]
 
 
-def test_split_pull_and_push_equal_one_thread_bit_for_bit(threads: None) -> None:
+def _spy_run(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Wraps ``intra_op.run``: one entry per call, the thread each of its spans ran on."""
+    calls: list[list[int]] = []
+    real = intra_op.run
+
+    def run(n: int, fn):  # type: ignore[no-untyped-def]
+        seen: list[int] = []
+        calls.append(seen)
+
+        def span(lo: int, hi: int):  # type: ignore[no-untyped-def]
+            seen.append(threading.get_ident())
+            return fn(lo, hi)
+
+        return real(n, span)
+
+    monkeypatch.setattr(intra_op, "run", run)
+    return calls
+
+
+def test_split_pull_and_push_equal_one_thread_bit_for_bit(threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     one, split = _table(), _table()
+    calls = _spy_run(monkeypatch)
     for step in range(4):
         # unique ids, unsorted: known ones and (after step 0) a third never seen
         ids = rng.choice(3 * N, size=N, replace=False).astype(np.int64)
@@ -84,19 +104,26 @@ def test_split_pull_and_push_equal_one_thread_bit_for_bit(threads: None) -> None
         r1 = one.push(ids, g)
         pull1 = one.pull(ids)
         intra_op.set_threads(3)
+        calls.clear()
         r2 = split.push(ids, g)
         out = np.full((N, DIM), np.nan, dtype=np.float32)
         pull2 = split.pull(ids, out=out)
+        # the push's lookup and update and the pull's lookup + gather each ran as 3 spans, not
+        # all on the caller's thread (the pool may run both of its spans on one worker)
+        assert [len(c) for c in calls] == [3, 3, 3], step
+        assert all(set(c) != {threading.get_ident()} for c in calls), step
         assert r1 == r2, step
         np.testing.assert_array_equal(pull1, pull2)
         for k, v in _state(one).items():
             np.testing.assert_array_equal(v, _state(split)[k], err_msg=f"{k} after push {step}")
-    # a pull with unknown ids in the last span: the serial fallback, same values (initial rows)
+    # a pull with unknown ids in the last span: that span writes their initial rows, the others gather
     ids = np.concatenate([rng.choice(3 * N, size=N - 5, replace=False), np.arange(10**9, 10**9 + 5)]).astype(np.int64)
     intra_op.set_threads(1)
     ref = one.pull(ids)
     intra_op.set_threads(3)
+    calls.clear()
     np.testing.assert_array_equal(split.pull(ids), ref)
+    assert [len(c) for c in calls] == [3]
 
 
 def test_split_through_real_shards(ps_fleet, threads: None) -> None:
