@@ -204,3 +204,33 @@ def test_replayed_world_buckets_and_loud_mismatch() -> None:
     world.user_feats[:, 2] = world.user_feats[::-1, 2]
     with pytest.raises(CeilingError, match="user_f2 buckets differ"):
         replay_world(world)
+
+
+def test_interest_evidence_is_the_users_list_and_weights_only_consistent_draws() -> None:
+    """``--condition buckets+interests``: the evidence holds exactly each user's interest list, the user's
+    true personal latent is consistent with it, and a draw keeps weight exactly when its top clusters
+    are that list (any order)."""
+    from bench.quality_ceiling import user_evidence
+    from meta_io.synth import generator as G
+
+    world = G._World(G.GeneratorConfig(rows=2000, users=90, items=40, seed=11))
+    ex = replay_world(world)
+    users = np.flatnonzero(world.user_interests_len <= 2)[:12]
+    assert users.size >= 4
+    ev = user_evidence(world, ex, users, "buckets+interests")
+    assert ev.interests is not None and ev.cluster_center is not None
+    for i, u in enumerate(users):
+        want = set(world.user_interests[u, : world.user_interests_len[u]].tolist())
+        assert set(np.flatnonzero(ev.interests[i]).tolist()) == want, u
+
+    def consistent(personal: np.ndarray) -> np.ndarray:  # [T, M, k] -> [T, M]
+        aff = (ev.seg_vec @ ev.cluster_center.T)[:, None, :] + personal @ ev.cluster_center.T
+        inside = ev.interests[:, None, :]
+        return np.where(inside, aff, np.inf).min(axis=2) > np.where(inside, -np.inf, aff).max(axis=2)
+
+    truth = (world.user_vec[users] - world.user_seg_vec[users]).astype(np.float64)[:, None, :]
+    assert consistent(truth).all()
+    s = sample_personal(ev, Prior(), 5, 3000, np.random.default_rng(6))
+    ok = consistent(s.personal)
+    assert ok.any(axis=1).all() and not ok.all()  # some draws out, every user keeps some
+    assert np.array_equal(np.isfinite(s.log_w), ok)
