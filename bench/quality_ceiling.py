@@ -70,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.quality import _spread
 from metaps.core.errors import MetapsError
 from metaps.core.evaluation import auc
 from metaps.core.log import kv
@@ -708,10 +709,6 @@ def _quantiles(x: np.ndarray) -> dict[str, float]:
     if x.size == 0:
         return {}
     return {"min": float(x.min()), "p10": float(np.quantile(x, 0.1)), "median": float(np.median(x))}
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
 
 
 def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
