@@ -583,6 +583,8 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
     from meta_io.schema import load_schema
     from meta_io.synth import generator as G
 
+    if condition not in CONDITIONS:
+        raise CeilingError(f"condition: expected one of {', '.join(CONDITIONS)}, got {condition!r}")
     schema = load_schema(schema_path)
     table = read_table(holdout_dir, schema)
     keys = table.column(schema.task_key).to_numpy()
@@ -593,8 +595,6 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
     extras = replay_world(world)
     users = np.unique(keys)
     rows, extra = world_rows(world, table, lay0.order, lay0.rank, users)
-    if condition not in CONDITIONS:
-        raise CeilingError(f"condition: expected one of {', '.join(CONDITIONS)}, got {condition!r}")
     ev = user_evidence(world, extras, users, condition)
     rng = np.random.default_rng([cfg.seed, sampler_seed, 0xCE1])
     samples = sample_personal(ev, prior, len(G.SCENES), m, rng)

@@ -267,3 +267,9 @@ def test_redrawn_gains_redraw_the_support_labels_too() -> None:
     for h in ("click", "conversion"):
         assert got[k][h] == {"mean": float(np.mean(want[h])), "sd": float(np.std(want[h])), "draws": 3}, h
         assert np.std(want[h]) > 0  # the draws differ
+
+
+def test_an_unknown_condition_is_refused_before_any_work(tmp_path: Path) -> None:
+    """(No data, no world: the check comes first.)"""
+    with pytest.raises(CeilingError, match="condition: expected one of buckets, buckets\\+interests, none"):
+        ceiling_for_split(None, tmp_path / "missing", tmp_path / "missing.json", [8], 2000, 0, condition="bogus")
