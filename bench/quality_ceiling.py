@@ -70,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.quality import _spread
 from metaps.core.errors import MetapsError
 from metaps.core.evaluation import auc
 from metaps.core.log import kv
@@ -582,6 +583,8 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
     from meta_io.schema import load_schema
     from meta_io.synth import generator as G
 
+    if condition not in CONDITIONS:
+        raise CeilingError(f"condition: expected one of {', '.join(CONDITIONS)}, got {condition!r}")
     schema = load_schema(schema_path)
     table = read_table(holdout_dir, schema)
     keys = table.column(schema.task_key).to_numpy()
@@ -592,8 +595,6 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
     extras = replay_world(world)
     users = np.unique(keys)
     rows, extra = world_rows(world, table, lay0.order, lay0.rank, users)
-    if condition not in CONDITIONS:
-        raise CeilingError(f"condition: expected one of {', '.join(CONDITIONS)}, got {condition!r}")
     ev = user_evidence(world, extras, users, condition)
     rng = np.random.default_rng([cfg.seed, sampler_seed, 0xCE1])
     samples = sample_personal(ev, prior, len(G.SCENES), m, rng)
@@ -708,10 +709,6 @@ def _quantiles(x: np.ndarray) -> dict[str, float]:
     if x.size == 0:
         return {}
     return {"min": float(x.min()), "p10": float(np.quantile(x, 0.1)), "median": float(np.median(x))}
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)), "max": float(np.max(values))}
 
 
 def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:

@@ -120,21 +120,6 @@ def adapt_recipe(info: dict[str, Any], tables: list[str], where: str) -> dict[st
     }
 
 
-def learned_rates(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The checkpoint's learned inner-loop values (``meta_learner.*`` dense values: the Meta-SGD rates
-    of ``[meta] learn_inner_lr``, the MetaEmb generators of ``[meta] meta_emb``).
-
-    Args:
-        src: the :class:`~delivery.export.CheckpointSource`.
-        model: the checkpoint's model.
-        recipe: :func:`adapt_recipe`'s record (its ``meta``).
-
-    Returns:
-        name -> float32 array; empty when the rates are not learned.
-    """
-    return learned_values(src, learned_rate_names(src, model, recipe))
-
-
 def learned_rate_names(src: Any, model: torch.nn.Module, recipe: dict[str, Any]) -> list[str]:
     """Names of the learned inner-loop values (``meta_learner.*``) a recipe's model has ([] when none).
 
@@ -151,7 +136,9 @@ def learned_rate_names(src: Any, model: torch.nn.Module, recipe: dict[str, Any])
 
 
 def learned_values(src: Any, names: list[str]) -> dict[str, np.ndarray]:
-    """The checkpoint's values of the learned inner-loop parameters ``names`` (float32; {} for none).
+    """The checkpoint's values of the learned inner-loop parameters ``names`` (float32; {} for none): the
+    ``meta_learner.*`` dense values, i.e. the Meta-SGD rates of ``[meta] learn_inner_lr`` and the MetaEmb
+    generators of ``[meta] meta_emb`` (names from :func:`learned_rate_names`).
 
     Raises:
         DeliveryError: the checkpoint lacks one of them.

@@ -428,13 +428,17 @@ def read_live(chain: list[tuple[Path, BundleManifest]]) -> Live:
     return live
 
 
-def changed_since(parent_ids: np.ndarray, parent_fp: np.ndarray, ids: np.ndarray, fp: np.ndarray) -> np.ndarray:
-    """bool per current row: new id, or stored bytes differ from the parent's (all inputs sorted by id)."""
+def changed_since(parent_ids: np.ndarray, parent_fp: np.ndarray, ids: np.ndarray, fp: np.ndarray,
+                  located: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """bool per current row: new id, or stored bytes differ from the parent's (all inputs sorted by id).
+
+    Args:
+        located: ``reuse.locate(parent_ids, ids)`` when the caller has it already; else searched here.
+    """
+    pos, known = located if located is not None else locate(parent_ids, ids)
     if parent_ids.size == 0:
-        return np.ones(ids.shape[0], dtype=bool)
-    pos = np.searchsorted(parent_ids, ids).clip(max=parent_ids.size - 1)
-    known = parent_ids[pos] == ids
-    return ~known | (parent_fp[pos] != fp)
+        return ~known
+    return ~known | (parent_fp[pos.clip(max=parent_ids.size - 1)] != fp)
 
 
 # -- export ---------------------------------------------------------------------------
@@ -596,8 +600,7 @@ def export_bundle(
                 stored = np.ascontiguousarray(data.raw_weights, dtype=cfg.dtype.numpy.newbyteorder("<"))
                 fp = row_fingerprints(stored)[data.order]
                 pos, known = locate(p_ids, data.ids)  # the one search of the parent's ids
-                changed = np.flatnonzero(~known | (p_fp[pos.clip(max=max(p_ids.size - 1, 0))] != fp)
-                                         if p_ids.size else ~known)
+                changed = np.flatnonzero(changed_since(p_ids, p_fp, data.ids, fp, located=(pos, known)))
                 sel_ids, sel_rows = data.ids[changed], data.weights(changed)
                 at[t] = (pos[changed], known[changed])
                 gone = removed_since[in_sorted(removed_since, p_ids)]  # ids the parent served

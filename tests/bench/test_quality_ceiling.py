@@ -204,3 +204,72 @@ def test_replayed_world_buckets_and_loud_mismatch() -> None:
     world.user_feats[:, 2] = world.user_feats[::-1, 2]
     with pytest.raises(CeilingError, match="user_f2 buckets differ"):
         replay_world(world)
+
+
+def test_interest_evidence_is_the_users_list_and_weights_only_consistent_draws() -> None:
+    """``--condition buckets+interests``: the evidence holds exactly each user's interest list, the user's
+    true personal latent is consistent with it, and a draw keeps weight exactly when its top clusters
+    are that list (any order)."""
+    from bench.quality_ceiling import user_evidence
+    from meta_io.synth import generator as G
+
+    world = G._World(G.GeneratorConfig(rows=2000, users=90, items=40, seed=11))
+    ex = replay_world(world)
+    users = np.flatnonzero(world.user_interests_len <= 2)[:12]
+    assert users.size >= 4
+    ev = user_evidence(world, ex, users, "buckets+interests")
+    assert ev.interests is not None and ev.cluster_center is not None
+    for i, u in enumerate(users):
+        want = set(world.user_interests[u, : world.user_interests_len[u]].tolist())
+        assert set(np.flatnonzero(ev.interests[i]).tolist()) == want, u
+
+    def consistent(personal: np.ndarray) -> np.ndarray:  # [T, M, k] -> [T, M]
+        aff = (ev.seg_vec @ ev.cluster_center.T)[:, None, :] + personal @ ev.cluster_center.T
+        inside = ev.interests[:, None, :]
+        return np.where(inside, aff, np.inf).min(axis=2) > np.where(inside, -np.inf, aff).max(axis=2)
+
+    truth = (world.user_vec[users] - world.user_seg_vec[users]).astype(np.float64)[:, None, :]
+    assert consistent(truth).all()
+    s = sample_personal(ev, Prior(), 5, 3000, np.random.default_rng(6))
+    ok = consistent(s.personal)
+    assert ok.any(axis=1).all() and not ok.all()  # some draws out, every user keeps some
+    assert np.array_equal(np.isfinite(s.log_w), ok)
+
+
+def test_redrawn_gains_redraw_the_support_labels_too() -> None:
+    """Each redraw replaces every label (support included) and rescores: the same as drawing the labels
+    with the same generator and running :func:`predictive` on them; not the gain of the original labels."""
+    from bench.quality_ceiling import redrawn_gains
+    from metaps.core.evaluation import auc
+
+    rng = np.random.default_rng(7)
+    users, per, k = 30, 24, 8
+    rows = _rows(rng, users, per)
+    prior = Prior(bias_std=0.8, scene_std=0.0, personal_scale=0.0)
+    true_b = prior.bias_std * rng.normal(size=users)
+    pc = 1 / (1 + np.exp(-(rows.g_click + true_b[rows.user])))
+    pconv = pc / (1 + np.exp(-(rows.g_cvr + CVR_BIAS * true_b[rows.user])))
+    rows = _draw_labels(rows, pc, pconv / pc, rng)
+    ev = UserEvidence(bias_interval=None, proj=np.zeros((0, 8)), proj_offset=np.zeros((users, 0)),
+                      proj_interval=np.zeros((users, 0, 2)), cluster_center=None, seg_vec=np.zeros((users, 8)),
+                      interests=None)
+    s = sample_personal(ev, prior, 5, 500, np.random.default_rng(8))
+    scored = np.flatnonzero(rows.rank >= k)
+    got = redrawn_gains(rows, s, pc, pconv, {k: scored}, 3, np.random.default_rng(9))
+    r = np.random.default_rng(9)
+    want: dict[str, list[float]] = {"click": [], "conversion": []}
+    for _ in range(3):
+        c = (r.random(pc.size) < pc).astype(np.float64)
+        v = c * (r.random(pc.size) < pconv / pc)
+        pred = predictive(dataclasses.replace(rows, click=c, conversion=v), s, [k])
+        for h, y in (("click", c), ("conversion", v)):
+            want[h].append(auc(y[scored], pred["posterior"][k][h][scored]) - auc(y[scored], pred["prior"][h][scored]))
+    for h in ("click", "conversion"):
+        assert got[k][h] == {"mean": float(np.mean(want[h])), "sd": float(np.std(want[h])), "draws": 3}, h
+        assert np.std(want[h]) > 0  # the draws differ
+
+
+def test_an_unknown_condition_is_refused_before_any_work(tmp_path: Path) -> None:
+    """(No data, no world: the check comes first.)"""
+    with pytest.raises(CeilingError, match="condition: expected one of buckets, buckets\\+interests, none"):
+        ceiling_for_split(None, tmp_path / "missing", tmp_path / "missing.json", [8], 2000, 0, condition="bogus")

@@ -119,7 +119,7 @@ def test_changed_dense_parameters_are_never_served_from_the_cache(tmp_path: Path
 
 @pytest.mark.parametrize("inplace,hint", [(False, False), (True, False), (True, True)])
 def test_advance_live_equals_the_chain_rebuilt(inplace: bool, hint: bool) -> None:
-    """Replaced, new and removed ids, as ``_read_live`` rebuilds them; in place only when asked."""
+    """Replaced, new and removed ids, as ``read_live`` rebuilds them; in place only when asked."""
     from delivery.reuse import advance_live, locate
 
     rng = np.random.default_rng(0)
