@@ -191,6 +191,14 @@ def _offsets(
     return fit_offsets(z, support, model.heads, cfg.offset_steps, cfg.offset_prior)
 
 
+def _query_logits(
+    model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, sidx: LookupIndex, query: FeatureBatch,
+    qidx: LookupIndex, cfg: MetaConfig,
+) -> dict[str, Tensor]:
+    """Head -> the adapted query logits plus the task's ``[meta] offset_steps`` offset (none when off)."""
+    return shift(_forward(model, params, rows, query, qidx), _offsets(model, params, rows, support, sidx, cfg))
+
+
 def _inner_objective(
     support_loss: Callable[[dict[str, dict[str, Tensor]]], Tensor], support: FeatureBatch, cfg: MetaConfig
 ) -> Callable[[dict[str, dict[str, Tensor]]], tuple[dict[str, dict[str, Tensor]], Tensor]]:
@@ -338,14 +346,13 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
         sfb, qfb = FeatureBatch(**sup), FeatureBatch(**qry)
         start = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=True) if learner.meta_emb else rows
         fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates, live_before=reuse_before)
-        off = _offsets(model, fp, fr, sfb, sidx, cfg)
-        q, q_heads = loss(shift(_forward(model, fp, fr, qfb, qidx), off), qfb, model.heads)
+        q, q_heads = loss(_query_logits(model, fp, fr, sfb, sidx, qfb, qidx, cfg), qfb, model.heads)
         if alpha > 0:  # MetaEmb's simulated cold start: every id of the meta_emb tables starts generated
             every = {t: torch.ones_like(c) for t, c in cold.items()}
             start = learner.cold_rows(mparams, rows, every, sfb, sidx, straight_through=False)
             fp, fr, _, _ = _adapt(model, params, start, sfb, sidx, cfg, rates)
-            off = _offsets(model, fp, fr, sfb, sidx, cfg)
-            q = (1.0 - alpha) * q + alpha * loss(shift(_forward(model, fp, fr, qfb, qidx), off), qfb, model.heads)[0]
+            z = _query_logits(model, fp, fr, sfb, sidx, qfb, qidx, cfg)
+            q = (1.0 - alpha) * q + alpha * loss(z, qfb, model.heads)[0]
         objective = q
         if w_sup > 0:  # the base (unadapted, pulled rows) also learns from the support rows
             s = before if reuse_before else _batch_loss(model, params, rows, sfb, sidx)
@@ -459,11 +466,11 @@ def adapt_and_predict(
         if learner.meta_emb:
             rows = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=False)
         fp, fr, _, _ = _adapt(model, params, rows, sfb, sidx, first, rates)
+        qfb = FeatureBatch(**qry)
         if first.offset_steps > 0:  # [meta] offset_steps: sigmoid(the loss's logit + the task's offset)
-            off = _offsets(model, fp, fr, sfb, sidx, first)
-            out = {h: torch.sigmoid(z) for h, z in shift(_forward(model, fp, fr, FeatureBatch(**qry), qidx), off).items()}
+            out = {h: torch.sigmoid(z) for h, z in _query_logits(model, fp, fr, sfb, sidx, qfb, qidx, first).items()}
         else:
-            out = _forward(model, fp, fr, FeatureBatch(**qry), qidx, probabilities=True)
+            out = _forward(model, fp, fr, qfb, qidx, probabilities=True)
         return tree_map(torch.Tensor.detach, out)
 
     return _over_tasks(

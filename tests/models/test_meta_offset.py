@@ -25,6 +25,7 @@ from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
 from models.meta_offset import fit_offsets
 from models.testing import assert_steps_identical, random_features, random_meta_batch, random_rows, synthetic_schema
+from tests.models.test_meta_support_loss import _cold_rows, _learner
 from tests.delivery.conftest import Fleet, assert_bundle_adapts_like_the_trainer, tiny  # noqa: F401  (tiny: the session fixture)
 from tests.workers.conftest import worker_data  # noqa: F401  (fixture)
 
@@ -262,6 +263,20 @@ def test_meta_step_trains_on_the_offset_query_loss(first_order) -> None:
 
     loop = meta_step(model, mb, rows, dataclasses.replace(cfg, vectorize=False))
     torch.testing.assert_close(loop.outer_loss, res.outer_loss)
+
+
+def test_meta_emb_cold_start_loss_gets_the_offset_too() -> None:
+    """MetaEmb's simulated cold start adapts again from generated rows; its query loss carries that
+    adaptation's offset. Cold weight 1: the outer loss is that term alone."""
+    schema, model = _model()
+    mb, rows = _batch(schema, model, 6)
+    init = _cold_rows(model, mb, rows)
+    kw = dict(inner_steps=1, inner_lr=0.3, meta_emb=True, meta_emb_tables=["user"], meta_emb_cold_weight=1.0)
+    off = meta_step(model, mb, rows, _learner(model, init, **kw))
+    on = meta_step(model, mb, rows, _learner(model, init, **kw, offset_steps=2, offset_prior=1.0))
+    far = meta_step(model, mb, rows, _learner(model, init, **kw, offset_steps=2, offset_prior=1e9))
+    assert abs(float(on.outer_loss) - float(off.outer_loss)) > 1e-3, "the cold-start term ignored the offset"
+    torch.testing.assert_close(far.outer_loss, off.outer_loss, rtol=0, atol=1e-6)
 
 
 # -- a delivered bundle adapts like the trainer -----------------------------------------------------
