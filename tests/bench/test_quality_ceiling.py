@@ -36,6 +36,21 @@ def _draw_labels(rows: Rows, pc: np.ndarray, pv: np.ndarray, rng: np.random.Gene
     return dataclasses.replace(rows, click=click, conversion=conv)
 
 
+def _bias_only_case(rng: np.random.Generator, users: int, per: int
+                    ) -> tuple[Rows, Prior, UserEvidence, np.ndarray, np.ndarray]:
+    """Synthetic rows whose only personal term is a user bias (std 0.8), labels drawn from it, and
+    no user evidence: (rows, prior, evidence, p_click, p_cvr)."""
+    rows = _rows(rng, users, per)
+    prior = Prior(bias_std=0.8, scene_std=0.0, personal_scale=0.0)
+    true_b = prior.bias_std * rng.normal(size=users)
+    pc = 1 / (1 + np.exp(-(rows.g_click + true_b[rows.user])))
+    pv = 1 / (1 + np.exp(-(rows.g_cvr + CVR_BIAS * true_b[rows.user])))
+    ev = UserEvidence(bias_interval=None, proj=np.zeros((0, 8)), proj_offset=np.zeros((users, 0)),
+                      proj_interval=np.zeros((users, 0, 2)), cluster_center=None, seg_vec=np.zeros((users, 8)),
+                      interests=None)
+    return _draw_labels(rows, pc, pv, rng), prior, ev, pc, pv
+
+
 def _sig(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
@@ -150,17 +165,8 @@ def test_posterior_reaches_the_oracle_with_a_long_support() -> None:
     (and five with 24 users) it was at most 0.003 (click) and 0.0065 (conversion); the prior-predictive
     gaps were 0.03-0.09.
     """
-    rng = np.random.default_rng(4)
-    users, per, k = 20, 440, 400
-    rows = _rows(rng, users, per)
-    prior = Prior(bias_std=0.8, scene_std=0.0, personal_scale=0.0)
-    true_b = prior.bias_std * rng.normal(size=users)
-    pc = 1 / (1 + np.exp(-(rows.g_click + true_b[rows.user])))
-    pv = 1 / (1 + np.exp(-(rows.g_cvr + CVR_BIAS * true_b[rows.user])))
-    rows = _draw_labels(rows, pc, pv, rng)
-    ev = UserEvidence(bias_interval=None, proj=np.zeros((0, 8)), proj_offset=np.zeros((users, 0)),
-                      proj_interval=np.zeros((users, 0, 2)), cluster_center=None, seg_vec=np.zeros((users, 8)),
-                      interests=None)
+    k = 400
+    rows, prior, ev, pc, pv = _bias_only_case(np.random.default_rng(4), 20, 440)
     s = sample_personal(ev, prior, 5, 2000, np.random.default_rng(5))
     pred = predictive(rows, s, [k])
     scored = np.flatnonzero(rows.rank >= k)
@@ -242,17 +248,9 @@ def test_redrawn_gains_redraw_the_support_labels_too() -> None:
     from bench.quality_ceiling import redrawn_gains
     from metaps.core.evaluation import auc
 
-    rng = np.random.default_rng(7)
-    users, per, k = 30, 24, 8
-    rows = _rows(rng, users, per)
-    prior = Prior(bias_std=0.8, scene_std=0.0, personal_scale=0.0)
-    true_b = prior.bias_std * rng.normal(size=users)
-    pc = 1 / (1 + np.exp(-(rows.g_click + true_b[rows.user])))
-    pconv = pc / (1 + np.exp(-(rows.g_cvr + CVR_BIAS * true_b[rows.user])))
-    rows = _draw_labels(rows, pc, pconv / pc, rng)
-    ev = UserEvidence(bias_interval=None, proj=np.zeros((0, 8)), proj_offset=np.zeros((users, 0)),
-                      proj_interval=np.zeros((users, 0, 2)), cluster_center=None, seg_vec=np.zeros((users, 8)),
-                      interests=None)
+    k = 8
+    rows, prior, ev, pc, pv = _bias_only_case(np.random.default_rng(7), 30, 24)
+    pconv = pc * pv
     s = sample_personal(ev, prior, 5, 500, np.random.default_rng(8))
     scored = np.flatnonzero(rows.rank >= k)
     got = redrawn_gains(rows, s, pc, pconv, {k: scored}, 3, np.random.default_rng(9))
