@@ -863,16 +863,34 @@ def _grads(job: routing.Job) -> np.ndarray:
     return job.grads
 
 
+_UNIQUE_HASH_BITS = 18
+"""Buckets of :func:`_all_unique`'s hashed pre-check (2^18: 16K random ids leave ~6% in shared buckets)."""
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
 def _all_unique(ids: np.ndarray) -> bool:
-    """Whether ``ids`` holds no repeat (one sort of a copy: cheaper than ``np.unique``'s
-    argsort, inverse and the gathers back to request order that unique ids do not need).
+    """Whether ``ids`` holds no repeat, exactly, at O(n) cost in the common cases.
+
+    Strictly increasing ids (what workers send: ``meta_io``'s sorted unique ids) pass
+    one compare. Otherwise the ids are hashed (Fibonacci hashing of the 64-bit id)
+    into 2^18 buckets: an id alone in its bucket cannot repeat, and only the ids that
+    share a bucket are sorted and compared. A full ``np.sort`` of 16K int64 costs
+    ~0.45 ms here; this ~0.1 ms (random order) or ~5 us (sorted). Adversarial ids
+    that share buckets degrade to that one sort, never to a wrong answer.
 
     Args:
         ids: int64 [n].
     """
     if ids.size < 2:
         return True
-    s = np.sort(ids)
+    if bool((ids[1:] > ids[:-1]).all()):
+        return True
+    h = (ids.view(np.uint64) * _GOLDEN) >> np.uint64(64 - _UNIQUE_HASH_BITS)
+    counts = np.bincount(h.view(np.int64), minlength=1 << _UNIQUE_HASH_BITS)
+    shared = ids[counts[h.view(np.int64)] > 1]
+    if shared.size < 2:
+        return True
+    s = np.sort(shared)
     return not bool((s[1:] == s[:-1]).any())
 
 

@@ -31,3 +31,24 @@ def test_all_unique() -> None:
     assert ps_client._all_unique(np.array([], dtype=np.int64))
     assert ps_client._all_unique(np.array([5, -3, 9], dtype=np.int64))
     assert not ps_client._all_unique(np.array([5, -3, 9, -3], dtype=np.int64))
+
+
+def test_all_unique_matches_np_unique_on_every_path() -> None:
+    """Sorted ids (the compare), random order (the hashed pre-check) and ids that all share
+    one bucket (the sort fallback) each answer exactly as ``np.unique`` does."""
+    rng = np.random.default_rng(11)
+    inv = np.uint64(pow(int(ps_client._GOLDEN), -1, 1 << 64))  # id * GOLDEN = 2^40 + k: one bucket for all
+    same_bucket = (np.arange(3000, dtype=np.uint64) + np.uint64(1 << 40)) * inv
+    h = (same_bucket * ps_client._GOLDEN) >> np.uint64(64 - ps_client._UNIQUE_HASH_BITS)
+    cases = [rng.integers(-(1 << 62), 1 << 62, 16384), rng.integers(0, 40000, 16384), rng.integers(0, 6, 7),
+             np.sort(rng.choice(1 << 40, 5000, replace=False)), rng.permutation(same_bucket.view(np.int64))]
+    assert np.unique(h).size == 1  # the last case really shares one bucket
+    for ids in cases:
+        ids = ids.astype(np.int64)
+        for a in (ids, np.sort(ids)):
+            assert ps_client._all_unique(a) == (np.unique(a).size == a.size)
+            if np.unique(a).size == a.size:  # one repeat anywhere is found, sorted or not
+                for i, j in ((0, a.size - 1), (a.size // 2, 1), (3, 4)):
+                    b = a.copy()
+                    b[i] = b[j]
+                    assert not ps_client._all_unique(b)
