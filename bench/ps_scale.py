@@ -4,6 +4,7 @@ Run::
 
     python -m bench.ps_scale [--quick] [--rows N] [--ckpt-dir DIR]
     python -m bench.ps_scale --gather-order [--quick] [--rows N]   (only the gather-order comparison)
+    python -m bench.ps_scale --page-sizes [--quick] [--rows N]     (only the page-size comparison)
 
 Side by side in one run (the machine is shared and noisy: read the ratios):
 
@@ -31,6 +32,7 @@ a JSON object of the figures.
 from __future__ import annotations
 
 import argparse
+import mmap
 import gc
 import json
 import shutil
@@ -205,6 +207,80 @@ def _gather_order(big: int, reps: int, figures: dict) -> None:
         figures[f"gather_{k}_vs_plain_big"] = round(best["big", "plain"] / best["big", k], 3)
 
 
+GIGANTIC = 1 << 30
+_MAP_HUGETLB = 0x40000
+_MAP_HUGE_1GB = 30 << 26  # log2(1 GiB) << MAP_HUGE_SHIFT
+_NR_GIGANTIC = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages")
+
+
+def _gigantic_table(rows: int) -> tuple[torch.Tensor, mmap.mmap] | None:
+    """A float32 [rows, DIM] table on 1 GiB hugetlbfs pages, or None when the kernel has too few.
+
+    1 GiB pages come only from a reserved pool (``nr_hugepages`` under
+    /sys/kernel/mm/hugepages/hugepages-1048576kB, root; at run time a fragmented
+    machine may reserve fewer than asked), so this is a measurement, not a PS option.
+    """
+    size = -(-rows * DIM * 4 // GIGANTIC) * GIGANTIC
+    try:
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB | _MAP_HUGE_1GB)
+    except OSError:
+        return None
+    t = torch.from_numpy(np.frombuffer(m, dtype=np.float32, count=rows * DIM).reshape(rows, DIM))
+    return t, m
+
+
+def _page_sizes(big: int, reps: int, figures: dict) -> None:
+    """Is the pull's fall with table size a TLB effect? (issue 15 point 3)
+
+    The same plain 16K-row random gather (``index_select(out=)``, what
+    ``EmbeddingTable._gather`` does) from a 1M-row table and a ``big``-row table on
+    4 KiB pages, 2 MiB transparent huge pages (``ps.hugepages``) and, where the
+    kernel's reserved pool holds them, 1 GiB pages (``big`` is cut to what the pool
+    holds; ``page_big_rows`` says what was measured). With 1 GiB pages the big table
+    spans a handful of TLB entries (Zen 4's L1 DTLB holds 64 of them): if the big/1M
+    ratio stays where it is on 2 MiB pages, translation is not what limits it. Best
+    wall time of ``reps`` per way; each size and page kind lives alone (one table at
+    a time), 16K fresh random rows per rep.
+    """
+    figures["gigantic_pages_reserved"] = int(_NR_GIGANTIC.read_text()) if _NR_GIGANTIC.exists() else 0
+    if figures["gigantic_pages_reserved"]:  # one table at a time: the big one may take the whole pool
+        big = min(big, figures["gigantic_pages_reserved"] * GIGANTIC // (DIM * 4))
+    figures["page_big_rows"] = big
+    rng = np.random.default_rng(13)
+    out = torch.empty((N_REQ, DIM), dtype=torch.float32)
+    got: tuple[torch.Tensor, mmap.mmap] | None = None
+
+    def best_rate(w: torch.Tensor) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            r = torch.from_numpy(rng.integers(0, w.shape[0], N_REQ).astype(np.int64))
+            t0 = time.perf_counter()
+            torch.index_select(w, 0, r, out=out)
+            best = min(best, time.perf_counter() - t0)
+        return N_REQ / best
+
+    for tag, rows in (("base", BASE), ("big", big)):
+        for kind in ("4k", "2m", "1g"):
+            if kind == "1g":
+                got = _gigantic_table(rows)
+                if got is None:
+                    continue
+                w = got[0]
+            else:
+                hugepages.ENABLED = kind == "2m"
+                w = hugepages.empty((rows, DIM), torch.float32)
+            w.normal_(generator=torch.Generator().manual_seed(5))  # touch every page first
+            figures[f"page_{kind}_rows_per_s_{tag}"] = round(best_rate(w))
+            del w, got  # the last reference to a 1 GiB mapping unmaps it (back to the pool)
+            got = None
+            gc.collect()
+    hugepages.ENABLED = True
+    for kind in ("4k", "2m", "1g"):
+        if f"page_{kind}_rows_per_s_big" in figures and f"page_{kind}_rows_per_s_base" in figures:
+            figures[f"page_{kind}_big_vs_base"] = round(
+                figures[f"page_{kind}_rows_per_s_big"] / figures[f"page_{kind}_rows_per_s_base"], 3)
+
+
 def build(rows: int, figures: dict, tag: str, new_rows: int) -> ShardStore:
     """Fill a ``rows``-capacity table (all but ``new_rows`` by import, the rest by push); memory figures."""
     before = rss_anon()
@@ -252,6 +328,8 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="", help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--no-hugepages", action="store_true", help="tables on 4 KiB pages (A/B of ps.hugepages)")
     ap.add_argument("--no-ckpt", action="store_true", help="skip checkpoint and restore")
+    ap.add_argument("--page-sizes", action="store_true",
+                    help="only compare the plain gather on 4 KiB, 2 MiB and (if reserved) 1 GiB pages")
     ap.add_argument("--gather-order", action="store_true",
                     help="only compare gathers in request order vs ascending row order (1M vs --rows)")
     args = ap.parse_args()
@@ -266,6 +344,9 @@ def main() -> None:
     try:
         if args.gather_order:
             _gather_order(big, reps, figures)
+            raise _Done
+        if args.page_sizes:
+            _page_sizes(big, reps * 3, figures)
             raise _Done
         base = build(BASE, figures, "base", new_rows=0)
         figures["service_restore_extra_vs_store"] = round(service_restore_extra(base, work), 3)
