@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ps import checkpoint as ckpt
-from ps import hugepages
+from ps import hugepages, intra_op
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.embedding_table import TableRows
 from ps.shard_store import ShardStore
@@ -328,6 +328,8 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="", help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--no-hugepages", action="store_true", help="tables on 4 KiB pages (A/B of ps.hugepages)")
     ap.add_argument("--no-ckpt", action="store_true", help="skip checkpoint and restore")
+    ap.add_argument("--intra-op-threads", type=int, default=1,
+                    help="[ps] intra_op_threads for the pulls and pushes (default 1, the PS default)")
     ap.add_argument("--page-sizes", action="store_true",
                     help="only compare the plain gather on 4 KiB, 2 MiB and (if reserved) 1 GiB pages")
     ap.add_argument("--gather-order", action="store_true",
@@ -335,12 +337,13 @@ def main() -> None:
     args = ap.parse_args()
     hugepages.ENABLED = not args.no_hugepages
     torch.set_num_threads(1)
+    intra_op.set_threads(args.intra_op_threads)
     big = args.rows or (4_000_000 if args.quick else 50_000_000)
     reps = 15 if args.quick else 25
     work = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="ps_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     figures: dict = {"base_rows": BASE, "big_rows": big, "dim": DIM, "rows_per_request": N_REQ,
-                     "hugepages": hugepages.ENABLED}
+                     "hugepages": hugepages.ENABLED, "intra_op_threads": args.intra_op_threads}
     try:
         if args.gather_order:
             _gather_order(big, reps, figures)
