@@ -32,9 +32,9 @@ a JSON object of the figures.
 from __future__ import annotations
 
 import argparse
-import mmap
 import gc
 import json
+import mmap
 import shutil
 import tempfile
 import threading
@@ -249,13 +249,14 @@ def _page_sizes(big: int, reps: int, figures: dict) -> None:
     rng = np.random.default_rng(13)
     out = torch.empty((N_REQ, DIM), dtype=torch.float32)
     got: tuple[torch.Tensor, mmap.mmap] | None = None
+    w: torch.Tensor | None = None
 
-    def best_rate(w: torch.Tensor) -> float:
+    def best_rate(table: torch.Tensor) -> float:
         best = float("inf")
         for _ in range(reps):
-            r = torch.from_numpy(rng.integers(0, w.shape[0], N_REQ).astype(np.int64))
+            r = torch.from_numpy(rng.integers(0, table.shape[0], N_REQ).astype(np.int64))
             t0 = time.perf_counter()
-            torch.index_select(w, 0, r, out=out)
+            torch.index_select(table, 0, r, out=out)
             best = min(best, time.perf_counter() - t0)
         return N_REQ / best
 
@@ -271,8 +272,7 @@ def _page_sizes(big: int, reps: int, figures: dict) -> None:
                 w = hugepages.empty((rows, DIM), torch.float32)
             w.normal_(generator=torch.Generator().manual_seed(5))  # touch every page first
             figures[f"page_{kind}_rows_per_s_{tag}"] = round(best_rate(w))
-            del w, got  # the last reference to a 1 GiB mapping unmaps it (back to the pool)
-            got = None
+            w = got = None  # the last reference to a 1 GiB mapping unmaps it (back to the pool)
             gc.collect()
     hugepages.ENABLED = True
     for kind in ("4k", "2m", "1g"):

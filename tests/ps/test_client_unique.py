@@ -37,12 +37,15 @@ def test_all_unique_matches_np_unique_on_every_path() -> None:
     """Sorted ids (the compare), random order (the hashed pre-check) and ids that all share
     one bucket (the sort fallback) each answer exactly as ``np.unique`` does."""
     rng = np.random.default_rng(11)
+    n = 3000
+    bits = ps_client._unique_hash_bits(n)
     inv = np.uint64(pow(int(ps_client._GOLDEN), -1, 1 << 64))  # id * GOLDEN = 2^40 + k: one bucket for all
-    same_bucket = (np.arange(3000, dtype=np.uint64) + np.uint64(1 << 40)) * inv
-    h = (same_bucket * ps_client._GOLDEN) >> np.uint64(64 - ps_client._UNIQUE_HASH_BITS)
-    cases = [rng.integers(-(1 << 62), 1 << 62, 16384), rng.integers(0, 40000, 16384), rng.integers(0, 6, 7),
+    same_bucket = (np.arange(n, dtype=np.uint64) + np.uint64(1 << 40)) * inv
+    h = (same_bucket * ps_client._GOLDEN) >> np.uint64(64 - bits)
+    cases = [rng.integers(-(1 << 62), 1 << 62, 16384), rng.integers(0, 40000, 16384),  # hashed: unique / repeats
+             rng.integers(0, 6, 7), rng.permutation(1500), rng.integers(0, 3000, 1500),  # small: sorted whole
              np.sort(rng.choice(1 << 40, 5000, replace=False)), rng.permutation(same_bucket.view(np.int64))]
-    assert np.unique(h).size == 1  # the last case really shares one bucket
+    assert np.unique(h).size == 1 and n > ps_client._UNIQUE_SORT_MAX  # the last case really shares one bucket
     for ids in cases:
         ids = ids.astype(np.int64)
         for a in (ids, np.sort(ids)):
