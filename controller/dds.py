@@ -148,10 +148,11 @@ class _Live:
     doing: dict[str, _Shard] = field(default_factory=dict)
     sec_per_batch: float = 0.0  # EMA of completed shards, for the hang timeout
     waiting: dict[int, float] = field(default_factory=dict)  # worker -> when it was last told WAIT (memory)
+    rolled_back_from: int = -1  # the latest epoch a rollback discarded (-1: none): its leases report "stale"
 
     def meta(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "epoch": self.epoch, "order_head": self.order_head,
-                "finished": self.finished}
+                "finished": self.finished, "rolled_back_from": self.rolled_back_from}
 
 
 class DynamicDataSharding:
@@ -217,7 +218,8 @@ class DynamicDataSharding:
         live_map: dict[str, _Live] = {}
         for key, meta in self._store.items("meta", b"ds/"):
             live = _Live(DatasetSpec.from_json(meta["spec"]), int(meta["epoch"]),
-                         int(meta["order_head"]), bool(meta["finished"]))
+                         int(meta["order_head"]), bool(meta["finished"]),
+                         rolled_back_from=int(meta.get("rolled_back_from", -1)))  # (absent in older state)
             prefix = f"{live.spec.name}\x00{live.epoch:08d}\x00".encode()
             todo = []
             for _, body in self._store.items("shards", prefix):
@@ -392,6 +394,18 @@ class DynamicDataSharding:
         if rec is None and epoch < live.epoch:
             body = self._read_shard(ds, epoch, f, start, stop)
             rec = _Shard.from_json(body) if body else None
+        now = self._clock()
+        entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
+                     worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
+        bpf = live.spec.batches_per_file
+        if rec is None and live.epoch < epoch <= live.rolled_back_from and f < len(bpf) and 0 <= start < stop <= bpf[f]:
+            # a lease of an epoch a rollback discarded (the worker held it across the fleet's recovery):
+            # its samples trained a model state that was rolled back, so they count as replays
+            with self._txn() as txn:
+                self.ledger.append(txn, kind=EntryKind.STALE, **entry)
+            return ReportResult(False, False, "stale",
+                                f"shard {shard_id}: epoch {epoch} was discarded by a rollback to epoch {live.epoch}; "
+                                f"the report counts as a replay"), _Shard(ds, epoch, f, start, stop)
         if rec is None:
             raise UnknownShard(
                 f"worker {worker}: unknown shard {shard_id} (dataset {ds} is in epoch {live.epoch}"
@@ -399,7 +413,6 @@ class DynamicDataSharding:
                 f"{live.spec.batches_per_file[f] if f < len(live.spec.batches_per_file) else 'no such file'}"
                 f" batches)"
             )
-        now = self._clock()
         holder = rec.state is ShardState.DOING and rec.worker == worker and rec.attempt == attempt
         if stop_at and status is ReportStatus.DONE:
             if not start < stop_at <= stop:
@@ -409,8 +422,6 @@ class DynamicDataSharding:
                 partial = self._partial_done(live, rec, worker, attempt, stop_at, samples, elapsed_s, now, holder)
                 if partial is not None:
                     return partial, rec
-        entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
-                     worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
         if status is ReportStatus.FAILED:
             if not holder:
                 return ReportResult(False, rec.state is ShardState.DONE, "stale",
@@ -719,7 +730,9 @@ class DynamicDataSharding:
         """Roll back to ``cut``: shards done after it (and all DOING) return to TODO.
 
         Ledger entries after the cut are marked ``replayed``; epochs started after
-        the cut are discarded. Returns the ids of the shards returned to TODO.
+        the cut are discarded, and a later report of a lease from one of them (a worker
+        that held it across the recovery) is ``stale`` (ledger ``stale``: its samples are
+        replays), not an unknown shard. Returns the ids of the shards returned to TODO.
         """
         with self._lock:
             returned: list[str] = []
@@ -766,7 +779,9 @@ class DynamicDataSharding:
                             txn.put(k, dumps(body), db=shards_db)
                             returned.append(_Shard.from_json(body).id)
                         meta = {"spec": live.spec.to_json(), "epoch": cut_epoch, "order_head": head,
-                                "finished": live.finished and not back and cut_epoch == live.epoch}
+                                "finished": live.finished and not back and cut_epoch == live.epoch,
+                                "rolled_back_from": max(live.rolled_back_from,
+                                                        live.epoch if live.epoch > cut_epoch else -1)}
                         txn.put(f"ds/{name}".encode(), dumps(meta), db=self._store.db("meta"))
                     self._event(txn, "controller", "rollback",
                                 {"cut_ledger_seq": cut.ledger_seq, "epochs": cut.epochs,

@@ -147,7 +147,7 @@ def test_duplicate_reports_are_idempotent(tmp_path: Path) -> None:
 
 
 def test_rollback_to_cut_requeues_shards_done_after_it(tmp_path: Path) -> None:
-    _, events, dds = make(tmp_path, datasets=(TRAIN,))
+    store, events, dds = make(tmp_path, datasets=(TRAIN,))
     before = [dds.get_shard(0, "train").lease for _ in range(3)]
     for l in before:
         dds.report(0, l.shard_id, l.attempt, "done")
@@ -158,18 +158,28 @@ def test_rollback_to_cut_requeues_shards_done_after_it(tmp_path: Path) -> None:
         dds.report(0, l.shard_id, l.attempt, "done")
         after.append(l.shard_id)
     held = dds.get_shard(1, "train").lease  # DOING in epoch 1
-    assert held.epoch == 1
+    held2 = dds.get_shard(2, "train").lease
+    assert held.epoch == held2.epoch == 1
     returned = dds.rollback_to(cut)
     assert sorted(returned) == sorted(s for s in after if s.split(":")[1] == "0")
     prog = dds.progress()[0]
     assert prog["epoch"] == 0 and prog["shards_done"] == 3 and prog["shards_todo"] == 4
-    # the worker holding an epoch-1 shard from before the rollback gets a clear answer
+    # a worker that held an epoch-1 shard across the recovery reports it: "stale" (a replay), not an
+    # error that would kill the worker (seen in tests/controller/test_ps_recovery.py)
+    r = dds.report(1, held.shard_id, held.attempt, "done", samples=held.batches)
+    assert (r.accepted, r.duplicate, r.kind) == (False, False, "stale") and "discarded by a rollback" in r.message
+    # an epoch no rollback discarded, or a range that epoch never had, is still unknown
     with pytest.raises(UnknownShard):
-        dds.report(1, held.shard_id, held.attempt, "done")
+        dds.report(1, "train:2:0:0-4", 1, "done")
+    with pytest.raises(UnknownShard):
+        dds.report(1, "train:1:0:8-99", 1, "done")
+    store.close()  # the rollback's mark survives a controller restart
+    store, events, dds = make(tmp_path, datasets=(TRAIN,))
+    assert dds.report(2, held2.shard_id, held2.attempt, "done").kind == "stale"
     finish(dds, "train")
     cov = dds.coverage()
     assert cov.complete, cov.problems
-    assert cov.replayed_entries == 6
+    assert cov.replayed_entries == 6 and cov.stale_entries == 2
     assert events.list(kind="rollback")[0].evidence["replayed_entries"] == 6
 
 
