@@ -176,6 +176,11 @@ def restore_shard_checkpoint(server: ShardHost, ckpt_dir: str | Path) -> tuple[i
        checkpoint's when it was taken with the same shard and vshard counts and
        is not older, else the current one) and its dense params; every chunk's
        shapes/dtypes are checked against the table dims on import;
+       a *pristine* live store (nothing ever stored: a shard just started or
+       restarted, ``ShardStore.pristine``) is filled in place instead, and a
+       failure part-way clears it back to empty (``ShardStore.clear``): it had
+       nothing to lose, and a second store would double the memory (at 50M rows
+       of dim 64, 2 x 15 GB: more than a 24 GB box holds);
     3. swap: adopt the map and replace ``server.store`` only when all of that
        succeeded. Dense params the live store holds that the checkpoint lacks
        (registered after the cut) are carried over.
@@ -210,27 +215,34 @@ def restore_shard_checkpoint(server: ShardHost, ckpt_dir: str | Path) -> tuple[i
             target = pm
     owned = target.vshards_of(server.shard_id)
     old = _shard_store(server)
-    fresh = old.empty_like()
-    counts = load_shard(fresh, ckpt_dir, owned.tolist(), verify=False)
+    in_place = old.pristine()  # nothing to lose: fill it, no second store (2x memory) aside
+    version = old.version
+    fresh = old if in_place else old.empty_like()
     names = [n for n in info.get("dense_names", []) if dense_owner(n, target.num_shards) == server.shard_id]
-    if names:
-        loaded = set(load_dense(fresh, ckpt_dir, names, verify=False))
-        missing = sorted(set(names) - loaded)
-        if missing:
-            raise CheckpointError(f"{ckpt_dir}: dense param(s) {missing} listed in manifest key 'info.dense_names' "
-                                  f"have no 'd/<name>' chunk in any shard file")
+    try:
+        counts = load_shard(fresh, ckpt_dir, owned.tolist(), verify=False)
+        if names:
+            loaded = set(load_dense(fresh, ckpt_dir, names, verify=False))
+            missing = sorted(set(names) - loaded)
+            if missing:
+                raise CheckpointError(f"{ckpt_dir}: dense param(s) {missing} listed in manifest key "
+                                      f"'info.dense_names' have no 'd/<name>' chunk in any shard file")
+    except BaseException:
+        if in_place:
+            old.clear(version)  # empty again, as it was (each table dropped before it is rebuilt)
+        raise
     with old.write_lock():
-        keep = {k: v for k, v in old.dense.state().items() if k not in set(fresh.dense.names())}
+        keep = {} if in_place else {k: v for k, v in old.dense.state().items() if k not in set(fresh.dense.names())}
         if keep:
             fresh.dense.load_state(keep)
-        dropped = int(sum(len(t.used_rows()) for t in old.tables.values()))
-        # the swap: nothing above changed the live shard
+        dropped = 0 if in_place else int(sum(len(t.used_rows()) for t in old.tables.values()))
+        # the swap (in place: the store is already filled); built aside, nothing above changed the live shard
         if target is not cur:
             server.adopt_map(target)
         server.store = fresh
     rows = int(sum(counts.values()))
     step = int(manifest.get("step", info.get("step", 0)))
-    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, replaced=dropped,
+    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, replaced=dropped, in_place=in_place,
                                         dense=len(names), kept_dense=len(keep), step=step,
                                         map_version=server.pmap.version))
     return rows, step

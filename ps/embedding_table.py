@@ -693,6 +693,10 @@ class EmbeddingTable:
         ids = np.unique(np.concatenate(parts))
         return ids[self.lookup_rows(ids) < 0]
 
+    def pristine(self) -> bool:
+        """No row stored, no push applied, no removal logged since construction."""
+        return self._n_free == self.capacity and self.step == 0 and not self._removed and self._removed_floor == 0
+
     # -- export / import / drop ----------------------------------------------------
     def used_rows(self) -> np.ndarray:
         return np.nonzero(self.row_ids != FREE)[0]  # (negative ids are real ids; only -1 is refused)

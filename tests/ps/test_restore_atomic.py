@@ -183,3 +183,44 @@ def test_a_good_checkpoint_restores_rows_dense_and_map(setup: tuple[Fleet, Path]
         # a dense param registered after the cut survives the restore (workers still pull it)
         assert ("late.w" in got["dense"]) == ("late.w" in before["dense"])
     assert fleet.client().pull_dense(["mlp.w", "late.w"])["late.w"].tolist() == [7.0] * 4
+
+
+def test_a_pristine_shard_restores_in_place(setup: tuple[Fleet, Path], ps_fleet: Callable[..., Fleet]) -> None:
+    """A shard that never stored anything (just started, or restarted awaiting recovery) is filled
+    in place: no second store aside (at 50M rows that would be 2 x 15 GB), and the same rows,
+    dense params and map as the build-aside restore of a shard that held data."""
+    fleet, final = setup
+    fresh = ps_fleet(2, tables=TABLES, num_vshards=V)
+    for k in range(2):
+        store = fresh.servers[k].store
+        assert store.pristine() and not fleet.servers[k].store.pristine()
+        restore_shard_checkpoint(fresh.servers[k], final)
+        assert fresh.servers[k].store is store  # filled in place
+        assert not store.pristine()
+        restore_shard_checkpoint(fleet.servers[k], final)  # holds data: built aside, swapped
+        got, want = export(fresh.servers[k]), export(fleet.servers[k])
+        assert got["map"] == want["map"]  # (versions continue each store's own: not compared)
+        for t in ("user", "item"):
+            assert got[t] == want[t] and len(got[t][0]) > 0
+        assert got["dense"] == {n: e for n, e in want["dense"].items() if n != "late.w"}
+
+
+@pytest.mark.parametrize("corrupt", [_chunk_wrong_dim, _dense_missing], ids=["chunk-wrong-dim", "dense-missing"])
+def test_a_failed_in_place_restore_leaves_the_shard_empty(setup: tuple[Fleet, Path], ps_fleet: Callable[..., Fleet],
+                                                          tmp_path: Path, corrupt: Callable[[Path], str]) -> None:
+    """Both corruptions fail after rows were imported (a late chunk; the dense check after every
+    row): the pristine shard is cleared back to empty, as it was, still serves, and a good
+    checkpoint then restores into it."""
+    _, final = setup
+    fresh = ps_fleet(2, tables=TABLES, num_vshards=V)
+    server = fresh.servers[0]
+    before = export(server)
+    bad = _copy(final, tmp_path, corrupt.__name__)
+    pattern = corrupt(bad)
+    with pytest.raises(CheckpointError, match=pattern):
+        restore_shard_checkpoint(server, bad)
+    assert export(server) == before
+    assert server.store.pristine()
+    assert fresh.client().pull({"user": np.array([1, 2], np.int64)})["user"].shape == (2, 8)
+    rows, step = restore_shard_checkpoint(server, final)
+    assert rows > 0 and step == 5 and len(export(server)["user"][0]) > 0
