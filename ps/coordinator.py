@@ -177,7 +177,7 @@ def restore_shard_checkpoint(server: ShardHost, ckpt_dir: str | Path) -> tuple[i
        is not older, else the current one) and its dense params; every chunk's
        shapes/dtypes are checked against the table dims on import;
        a *pristine* live store (nothing ever stored: a shard just started or
-       restarted, ``ShardStore.pristine``) is filled in place instead, and a
+       restarted, before any restore: ``ShardStore.pristine``) is filled in place instead, and a
        failure part-way clears it back to empty (``ShardStore.clear``): it had
        nothing to lose, and a second store would double the memory (at 50M rows
        of dim 64, 2 x 15 GB: more than a 24 GB box holds);

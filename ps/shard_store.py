@@ -133,7 +133,7 @@ class ShardStore:
     def pristine(self) -> bool:
         """Whether nothing was ever stored here: no row, push, removal, dense param or checkpoint cut.
 
-        Such a store (a shard just started, or restarted and awaiting recovery) has
+        Such a store (a shard just started: before its start-up restore, or awaiting recovery with none) has
         nothing a failed restore could lose, so a restore may fill it in place
         instead of building a second store aside (which doubles the memory: at 50M
         rows of dim 64, 2 x 15 GB). See :meth:`clear`.
