@@ -242,7 +242,7 @@ def restore_shard_checkpoint(server: ShardHost, ckpt_dir: str | Path) -> tuple[i
         server.store = fresh
     rows = int(sum(counts.values()))
     step = int(manifest.get("step", info.get("step", 0)))
-    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, replaced=dropped, in_place=in_place,
-                                        dense=len(names), kept_dense=len(keep), step=step,
+    log.info("shard restored", extra=kv(shard=server.shard_id, dir=str(ckpt_dir), rows=rows, replaced=dropped,
+                                        in_place=in_place, dense=len(names), kept_dense=len(keep), step=step,
                                         map_version=server.pmap.version))
     return rows, step
