@@ -306,11 +306,16 @@ def build(rows: int, figures: dict, tag: str, new_rows: int) -> ShardStore:
     return s
 
 
+def _committed(store: ShardStore, work: Path, step: int) -> Path:
+    """``store`` saved as a committed one-shard checkpoint under ``work`` (untimed)."""
+    tmp = ckpt.checkpoint_tmp_dir(work, step=step)
+    ckpt.save_shard(store, tmp, shard_id=0)
+    return ckpt.commit_checkpoint(tmp, {"step": step})
+
+
 def service_restore_extra(store: ShardStore, work: Path) -> float:
     """Peak extra RssAnon of the service's restore (fresh store + load, old one alive) / store bytes."""
-    tmp = ckpt.checkpoint_tmp_dir(work, step=1)
-    ckpt.save_shard(store, tmp, shard_id=0)
-    final = ckpt.commit_checkpoint(tmp, {"step": 1})
+    final = _committed(store, work, step=1)
     gc.collect()
     with PeakRss() as p:
         fresh = store.empty_like()
@@ -383,9 +388,7 @@ def main() -> None:
         base = build(BASE, figures, "base", new_rows=0)
         figures["service_restore_extra_vs_store"] = round(service_restore_extra(base, work), 3)
         gc.collect()
-        tmp = ckpt.checkpoint_tmp_dir(work, step=3)
-        ckpt.save_shard(base, tmp, shard_id=0)
-        final = ckpt.commit_checkpoint(tmp, {"step": 3})
+        final = _committed(base, work, step=3)
         nbytes, cfg = base.memory_bytes(), base.tables["t"].cfg
         del base  # a restarted process: the old store is gone
         gc.collect()

@@ -398,7 +398,8 @@ class DynamicDataSharding:
         entry = dict(time=now, dataset=ds, epoch=epoch, file=f, start=start, stop=stop,
                      worker=worker, attempt=attempt, samples=int(samples), elapsed_s=float(elapsed_s))
         bpf = live.spec.batches_per_file
-        if rec is None and live.epoch < epoch <= live.rolled_back_from and f < len(bpf) and 0 <= start < stop <= bpf[f]:
+        discarded = live.epoch < epoch <= live.rolled_back_from and f < len(bpf) and 0 <= start < stop <= bpf[f]
+        if rec is None and discarded:
             # a lease of an epoch a rollback discarded (the worker held it across the fleet's recovery):
             # its samples trained a model state that was rolled back, so they count as replays
             with self._txn() as txn:

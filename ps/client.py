@@ -13,7 +13,7 @@ once; a push likewise with ``PushMany``::
     rows = rows_uniq[inv]  <------------+
 
 Pushes aggregate gradients per id (``index_add``) before sending, so each id
-travels once per step. Ids that are already unique (``_all_unique``: O(n), see there)
+travels once per step. Ids that are already unique (``_all_unique``: no full sort in the common cases)
 skip ``np.unique``: they travel in request order, and a pull's reply needs no
 gather back, a push's gradients no reordering. The routing itself (owner split, chunking, request
 building, scatter) is pure and lives in ``ps/routing.py``; :meth:`PsClient.pull`
