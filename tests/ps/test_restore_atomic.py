@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -215,12 +216,14 @@ def test_a_failed_in_place_restore_leaves_the_shard_empty(setup: tuple[Fleet, Pa
     fresh = ps_fleet(2, tables=TABLES, num_vshards=V)
     server = fresh.servers[0]
     before = export(server)
+    old_tables = [weakref.ref(t) for t in server.store.tables.values()]
     bad = _copy(final, tmp_path, corrupt.__name__)
     pattern = corrupt(bad)
     with pytest.raises(CheckpointError, match=pattern):
         restore_shard_checkpoint(server, bad)
     assert export(server) == before
     assert server.store.pristine()
+    assert all(r() is None for r in old_tables)  # the half-filled tables are gone, their memory freed
     assert fresh.client().pull({"user": np.array([1, 2], np.int64)})["user"].shape == (2, 8)
     rows, step = restore_shard_checkpoint(server, final)
     assert rows > 0 and step == 5 and len(export(server)["user"][0]) > 0
