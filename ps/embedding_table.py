@@ -46,22 +46,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import fbgemm_gpu  # noqa: F401
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
-
 from metaps.core.log import kv
-from ps import hugepages, intra_op
+from ps import intra_op
 from ps.admission import Admission
 from ps.config import NonfiniteMode, TableConfig
 from ps.errors import BadRequest
 from ps.eviction import pick_victims
 from ps.id_map import IdMap
 from ps.initializer import RowInitializer
-from ps.optimizers import clip_rows, make_optimizer, tbe_optim_type
+from ps.optimizers import clip_rows
+from ps.table_storage import GroupStorage
 
 log = logging.getLogger(__name__)
 
@@ -162,28 +156,6 @@ class PushResult:
         return PushResult(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
 
 
-def _weights_on_hugepages(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> None:
-    """Give a CPU TBE fresh, untouched, THP-advised weight storage (see ps.hugepages).
-
-    TBE fills its weights with random values at construction; a table never
-    reads them (rows get their deterministic initial value when allocated, or
-    imported values), so the storage is replaced (zeroed) rather than copied:
-    the old storage is freed right away, never two copies of a big table.
-    """
-    w = tbe.weights_host
-    if w.numel() * w.element_size() < hugepages.MIN_BYTES:
-        return
-    shape, dtype = tuple(w.shape), w.dtype
-    with torch.no_grad():
-        w.data = torch.empty(0, dtype=dtype)  # free TBE's storage first: never two copies at once
-        w.data = hugepages.full(shape, 0.0, dtype)
-    momentum = getattr(tbe, "momentum1_host", None)
-    if momentum is not None and momentum.numel() * momentum.element_size() >= hugepages.MIN_BYTES:
-        shape, dtype = tuple(momentum.shape), momentum.dtype
-        momentum.data = torch.empty(0, dtype=dtype)
-        momentum.data = hugepages.full(shape, 0.0, dtype)  # the optimizer fills it
-
-
 def check_ids(table: str, ids: object, what: str = "ids") -> np.ndarray:
     """Validate an id array: numpy int64, 1-D, no -1. Returns it (raises BadRequest)."""
     if not isinstance(ids, np.ndarray):
@@ -205,47 +177,44 @@ class EmbeddingTable:
         cfg: the table's config.
         seed: job seed (initial rows, admission).
         device: "cpu" or "cuda".
+        storage: the group storage holding this table's rows (``ps.table_group``); None: a
+            storage of its own (base row 0).
+        index: this table's position in ``storage``.
     """
 
-    def __init__(self, cfg: TableConfig, *, seed: int = 0, device: str = "cpu") -> None:
+    def __init__(self, cfg: TableConfig, *, seed: int = 0, device: str = "cpu", storage: GroupStorage | None = None,
+                 index: int = 0) -> None:
         cfg.validate()
+        if storage is None:
+            storage, index = GroupStorage([cfg], device), 0
+        elif storage.cfgs[index] != cfg:
+            raise ValueError(f"table '{cfg.name}' is not table {index} of its storage "
+                             f"({storage.cfgs[index].name!r} is)")
+        span = storage.span(index)
         self.cfg = cfg
         self.name = cfg.name
         self.dim = cfg.dim
         self.capacity = cfg.capacity
         self.seed = int(seed)
         self.device = torch.device(device)
-        self.lock = threading.RLock()
-        if self.device.type == "cuda":
-            spec = [(cfg.capacity, cfg.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)]
-            extra = {"device": self.device}
-        else:
-            spec = [(cfg.capacity, cfg.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)]
-            extra = {}
-        o = cfg.optimizer
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            spec,
-            optimizer=tbe_optim_type(o.kind),
-            learning_rate=o.lr,
-            eps=o.eps,
-            weight_decay=0.0,  # L2 is added to the gradient by ps.optimizers
-            pooling_mode=PoolingMode.SUM,
-            **extra,
-        )
-        if self.device.type == "cpu":
-            _weights_on_hugepages(self.tbe)
-        # detach: same storage, but in-place writes need no autograd bookkeeping
-        self.weights: torch.Tensor = self.tbe.split_embedding_weights()[0].detach()
-        self.optimizer = make_optimizer(o, self.weights, self.tbe)
-        self.id_map = IdMap(cfg.capacity)
+        self.storage = storage
+        """The storage this table's rows live in (shared with its group, ``ps.table_storage``)."""
+        self.index = index
+        self.base = span.base
+        """This table's first row in the storage: the optimizer, which owns every row of it, takes ``base + row``."""
+        self.lock = storage.lock  # one lock per storage: its tables share the optimizer
+        self.tbe = storage.tbe
+        self.weights: torch.Tensor = span.weights  # [capacity, dim] view of the storage's weights
+        self.optimizer = storage.optimizer
+        self.id_map = IdMap(cfg.capacity, slots=span.map_slots)
         self.init = RowInitializer(cfg.name, cfg.dim, cfg.init, cfg.init_scale, self.seed)
         self.admission = Admission(cfg.admission, cfg.capacity, self.seed)
         c = cfg.capacity
-        # per-row metadata is written at random rows by every push: 2 MiB pages too
-        self.row_ids = hugepages.numpy_full(c, -1, torch.int64)
-        self.freq = hugepages.numpy_full(c, 0, torch.int32)
-        self.last_step = hugepages.numpy_full(c, 0, torch.int32)
-        self.row_version = hugepages.numpy_full(c, 0, torch.int32)
+        # per-row metadata (written at random rows by every push): views of the storage's arrays
+        self.row_ids = span.row_ids
+        self.freq = span.freq
+        self.last_step = span.last_step
+        self.row_version = span.row_version
         self._free = np.arange(c - 1, -1, -1, dtype=np.int32)  # pop from the end: rows 0, 1, 2, ...
         self._n_free = c
         self.step = 0
@@ -274,6 +243,14 @@ class EmbeddingTable:
         self.counters[counter] = old + n
         return n > 0 and (old + n).bit_length() > old.bit_length()
 
+    def global_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Storage rows of this table's ``rows`` (what the shared optimizer takes): ``base + rows``.
+
+        Args:
+            rows: int64 table rows, >= 0.
+        """
+        return rows if self.base == 0 else rows + self.base
+
     # -- sizes ---------------------------------------------------------------------
     @property
     def size(self) -> int:
@@ -284,10 +261,8 @@ class EmbeddingTable:
         """Bytes allocated for this table (rows, optimizer state, map, metadata, sketch)."""
         w = self.weights.numel() * self.weights.element_size()
         meta = self.row_ids.nbytes + self.freq.nbytes + self.last_step.nbytes + self.row_version.nbytes
-        return int(
-            w + self.optimizer.memory_bytes() + self.id_map.memory_bytes() + meta + self._free.nbytes
-            + self.admission.memory_bytes()
-        )
+        state = sum(t[0:1].numel() * t.element_size() for t in self.optimizer.state_tensors().values()) * self.capacity
+        return int(w + state + self.id_map.memory_bytes() + meta + self._free.nbytes + self.admission.memory_bytes())
 
     def raw_bytes_per_row(self) -> int:
         """Bytes of one row's weights + optimizer state (the 'raw' payload)."""
@@ -313,27 +288,38 @@ class EmbeddingTable:
                 buffer, ``ps.reply_buffer``); returned. None: a new array.
         """
         out = self._pull(ids, out)
-        if fp16 and out.size:
-            t = torch.from_numpy(out)
-            lo, hi = torch.aminmax(t)
-            if float(hi) > FP16_MAX or float(lo) < -FP16_MAX:
-                over = int((t.abs() > FP16_MAX).sum())
-                t.clamp_(-FP16_MAX, FP16_MAX)
-                if self._count_rare("fp16_saturated", over):
-                    log.warning(
-                        "pulled values beyond the fp16 range saturated",
-                        extra=kv(table=self.name, values=over, total=self.counters["fp16_saturated"],
-                                 max_abs=max(float(hi), -float(lo)), limit=FP16_MAX),
-                    )
+        if fp16:
+            self.saturate_fp16(out)
         return out
+
+    def saturate_fp16(self, rows: np.ndarray) -> None:
+        """Clamp ``rows`` (float32, pulled for an fp16 wire) to +-65504 in place, counting the values changed."""
+        if not rows.size:
+            return
+        t = torch.from_numpy(rows)
+        lo, hi = torch.aminmax(t)
+        if float(hi) > FP16_MAX or float(lo) < -FP16_MAX:
+            over = int((t.abs() > FP16_MAX).sum())
+            t.clamp_(-FP16_MAX, FP16_MAX)
+            if self._count_rare("fp16_saturated", over):
+                log.warning(
+                    "pulled values beyond the fp16 range saturated",
+                    extra=kv(table=self.name, values=over, total=self.counters["fp16_saturated"],
+                             max_abs=max(float(hi), -float(lo)), limit=FP16_MAX),
+                )
+
+    def check_pull_out(self, out: np.ndarray, n: int) -> None:
+        """Refuse (BadRequest) a pull output that is not writable C-contiguous float32 [n, dim]."""
+        if (out.shape != (n, self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous
+                or not out.flags.writeable):
+            raise BadRequest(f"table '{self.name}': pull output must be writable C-contiguous float32 "
+                             f"({n}, {self.dim}), got {out.dtype} {out.shape}")
 
     def _pull(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         check_ids(self.name, ids)
         n = ids.shape[0]
-        if out is not None and (out.shape != (n, self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous
-                                or not out.flags.writeable):
-            raise BadRequest(f"table '{self.name}': pull output must be writable C-contiguous float32 "
-                             f"({n}, {self.dim}), got {out.dtype} {out.shape}")
+        if out is not None:
+            self.check_pull_out(out, n)
         self.counters["pulls"] += 1
         self.counters["pull_ids"] += n
         if n == 0:
@@ -476,7 +462,7 @@ class EmbeddingTable:
             agg, clipped = clip_rows(agg, self.cfg.grad_clip_norm, self.cfg.grad_clip_value)
             self.counters["grad_clipped"] += clipped
             known_max = gmax if agg is g_t else None  # summed, filtered or clipped: not g_t's max
-            ok = self.optimizer.apply(rows.to(self.device), agg.to(self.device), grad_absmax=known_max)
+            ok = self.optimizer.apply(self.global_rows(rows.to(self.device)), agg.to(self.device), grad_absmax=known_max)
             if ok is not None and not bool(ok.all()):
                 ok = ok.cpu()
                 res.update_nonfinite_dropped = int((~ok).sum())
@@ -623,8 +609,10 @@ class EmbeddingTable:
                 self.weights[r0 : r0 + k] = vals.to(self.device)
             else:
                 self.weights.index_copy_(0, dev_rows, vals.to(self.device))
-            self.optimizer.reset_rows(slice(r0, r0 + k) if run else dev_rows)  # a slice: one fill, no scatter
-            self.optimizer.rows_initialized(dev_rows, absmax)
+            g_rows = self.global_rows(dev_rows)
+            b = self.base
+            self.optimizer.reset_rows(slice(b + r0, b + r0 + k) if run else g_rows)  # a slice: one fill, no scatter
+            self.optimizer.rows_initialized(g_rows, absmax)
         self.row_ids[at] = ids
         self.freq[at] = 0
         self.last_step[at] = self.step
@@ -708,7 +696,7 @@ class EmbeddingTable:
         return TableRows(
             ids=self.row_ids[rows].copy(),
             weights=self.weights.index_select(0, rows_t).detach().cpu().numpy(),
-            state=self.optimizer.export_state(rows_t),
+            state=self.optimizer.export_state(self.global_rows(rows_t)),
             freq=self.freq[rows].astype(np.int64),
             last_step=self.last_step[rows].astype(np.int64),
         )
@@ -783,8 +771,8 @@ class EmbeddingTable:
         rows_t = torch.from_numpy(cur).to(self.device)
         w_src = torch.from_numpy(np.ascontiguousarray(rows.weights)).to(self.device)
         self.weights[rows_t] = w_src
-        self.optimizer.import_state(rows_t, rows.state)
-        rewritten = self.optimizer.rows_imported(rows_t, w_src)
+        self.optimizer.import_state(self.global_rows(rows_t), rows.state)
+        rewritten = self.optimizer.rows_imported(self.global_rows(rows_t), w_src)
         if rewritten:
             log.warning(
                 "imported weights differ from the optimizer state's; stored the state's",

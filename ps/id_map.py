@@ -36,6 +36,20 @@ EMPTY_KEY = -1
 TOMBSTONE = -2
 
 
+LOAD_FACTOR = 1.5
+"""Default hash slots per entry of capacity."""
+
+
+def slots_for(capacity: int, load_factor: float = LOAD_FACTOR) -> int:
+    """Hash slots of a map of ``capacity`` entries (what :class:`IdMap` allocates, or takes as ``slots``).
+
+    Args:
+        capacity: most live entries.
+        load_factor: slots per entry (>= 1.2).
+    """
+    return int(np.ceil(load_factor * capacity)) + 8
+
+
 class IdMap:
     """Fixed-capacity int64 id -> int64 row map (see the module docstring).
 
@@ -43,18 +57,26 @@ class IdMap:
         capacity: most live entries the map holds.
         load_factor: hash slots per entry of capacity (>= 1.2).
         rebuild_at: fraction of slots in use (live + tombstones) that triggers a rebuild.
+        slots: int64 [slots_for(capacity, load_factor), 2] filled with -1 to hold the map (a view
+            into a group's slot array, ``ps.table_storage``); None: allocated here.
     """
 
-    def __init__(self, capacity: int, load_factor: float = 1.5, rebuild_at: float = 0.85) -> None:
+    def __init__(self, capacity: int, load_factor: float = LOAD_FACTOR, rebuild_at: float = 0.85,
+                 slots: torch.Tensor | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"IdMap capacity must be >= 1, got {capacity}")
         if load_factor < 1.2:
             raise ValueError(f"IdMap load_factor must be >= 1.2, got {load_factor}")
         self._capacity = int(capacity)
-        self._slots_n = int(np.ceil(load_factor * capacity)) + 8
+        self._slots_n = slots_for(capacity, load_factor)
         # at full capacity live / slots <= 1 / load_factor; keep the trigger above it
         self._rebuild_slots = max(int(rebuild_at * self._slots_n), self._capacity + 1)
-        self._table = hugepages.full((self._slots_n, 2), EMPTY_KEY, torch.int64)  # random probes: 2 MiB pages
+        if slots is None:
+            slots = hugepages.full((self._slots_n, 2), EMPTY_KEY, torch.int64)  # random probes: 2 MiB pages
+        elif tuple(slots.shape) != (self._slots_n, 2) or slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError(f"IdMap slots must be contiguous int64 [{self._slots_n}, 2], got {slots.dtype} "
+                             f"{list(slots.shape)}")
+        self._table = slots
         self._table_offsets = torch.tensor([0, self._slots_n], dtype=torch.int64)
         self._size = 0
         self._used_slots = 0  # live + tombstones (slots whose key != -1)

@@ -113,8 +113,14 @@ def clip_rows(grads: torch.Tensor, norm: float = 0.0, value: float = 0.0) -> tup
             overflowing to Inf).
         value: if > 0, every element is clamped to [-value, value] first.
     """
+    out, changed = clip_rows_mask(grads, norm, value)
+    return out, 0 if changed is None else int(changed.sum())
+
+
+def clip_rows_mask(grads: torch.Tensor, norm: float = 0.0, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`clip_rows` with the clipped rows as a mask: (grads, bool [k] or None when clipping is off)."""
     if grads.numel() == 0 or (norm <= 0 and value <= 0):
-        return grads, 0
+        return grads, None
     changed = torch.zeros(grads.shape[0], dtype=torch.bool, device=grads.device)
     if value > 0:
         changed |= (grads.abs() > value).any(dim=1)
@@ -125,7 +131,7 @@ def clip_rows(grads: torch.Tensor, norm: float = 0.0, value: float = 0.0) -> tup
         changed |= over
         scale = torch.where(over, norm / n, torch.ones_like(n)).to(grads.dtype)
         grads = grads * scale.unsqueeze(1)
-    return grads, int(changed.sum())
+    return grads, changed
 
 
 class SparseOptimizer:

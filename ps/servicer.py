@@ -555,8 +555,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         out = []
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
-            for p in parsed:
-                rows = self.store.pull(p.table, p.ids, fp16=fp16)
+            pulled = self.store.pull_many([(p.table, p.ids) for p in parsed], fp16=fp16)  # one lookup per group
+            for p, rows in zip(parsed, pulled):
                 if rows.ndim != 2:
                     rows = rows.reshape(int(p.ids.size), self._dim(p.table))
                 out.append((p.table, dtype, wire.wire_rows(rows, dtype)))
@@ -576,8 +576,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         buf: PullReplyBuffer | frame.PullFrameBuffer = frame.PullFrameBuffer(spans) if framed else PullReplyBuffer(spans)
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
-            for i, p in enumerate(parsed):
-                self.store.pull(p.table, p.ids, out=buf.rows(i))
+            self.store.pull_many([(p.table, p.ids) for p in parsed], outs=[buf.rows(i) for i in range(len(parsed))])
         shard, m = str(self.shard_id), self.metrics
         for p in parsed:
             m.child(m.rows_pulled, shard, p.table).inc(int(p.ids.size))
@@ -588,13 +587,11 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             raise bad(f"step must be >= 0, got {step}")
         if worker and step is not None:
             self.clock.touch(worker)  # an expired worker rejoins before its push is applied
-        out = []
         with self._gate.data(self.wait_timeout_s):
             self._check_owner(map_version, parsed)
-            for p in parsed:
-                grads = wire.to_float32(p.grads)
-                res = self.store.push(p.table, p.ids, grads)
-                out.append(self._counts(p, res))
+            # one lookup and one fused update per storage group, every table checked first
+            results = self.store.push_many([(p.table, p.ids, wire.to_float32(p.grads)) for p in parsed])
+            out = [self._counts(p, res) for p, res in zip(parsed, results)]
         shard = str(self.shard_id)
         for p, c in zip(parsed, out):
             self.metrics.child(self.metrics.rows_pushed, shard, p.table).inc(int(p.ids.size))

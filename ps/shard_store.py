@@ -39,6 +39,8 @@ from ps.config import NonfiniteMode, OptimizerConfig, TableConfig
 from ps.dense_store import DenseStore
 from ps.embedding_table import EmbeddingTable, PushResult, TableRows, check_ids
 from ps.errors import BadRequest
+from ps.grouping import group_tables
+from ps.table_group import TableGroup
 
 __all__ = ["ShardStore", "TableRows", "PushResult", "resolve_device"]
 
@@ -94,9 +96,11 @@ class ShardStore:
         self.seed = int(seed)
         self.device = resolve_device(device)
         self.nonfinite_grads = NonfiniteMode(getattr(nonfinite_grads, "value", nonfinite_grads))
-        self.tables: dict[str, EmbeddingTable] = {
-            t.name: EmbeddingTable(t, seed=self.seed, device=self.device) for t in tables
-        }
+        self.groups: list[TableGroup] = []
+        self._where: dict[str, tuple[int, int]] = {}
+        """Table name -> (its group, its index in the group)."""
+        self.tables: dict[str, EmbeddingTable] = {}
+        self._build_tables(tables)
         self.dense = DenseStore(dense_optimizer)
         self._version = 1
         self._cuts: dict[str, int] = {}
@@ -123,6 +127,14 @@ class ShardStore:
         )
         fresh._open_version(self._version)
         return fresh
+
+    def _build_tables(self, cfgs: list[TableConfig]) -> None:
+        """One :class:`TableGroup` per storage group (``ps.grouping``); ``tables`` keeps ``cfgs``' order."""
+        by_name = {c.name: c for c in cfgs}
+        self.groups = [TableGroup([by_name[n] for n in spec.names], seed=self.seed, device=self.device)
+                       for spec in group_tables(cfgs)]
+        self._where = {t.name: (gi, ti) for gi, g in enumerate(self.groups) for ti, t in enumerate(g.tables)}
+        self.tables = {c.name: self.groups[self._where[c.name][0]].tables[self._where[c.name][1]] for c in cfgs}
 
     def _open_version(self, version: int) -> None:
         self._version = int(version)
@@ -152,9 +164,9 @@ class ShardStore:
             version: the open version to continue (the store's before the restore).
         """
         cfgs = [t.cfg for t in self.tables.values()]
-        self.tables = {}
+        self.tables, self.groups, self._where = {}, [], {}
         gc.collect()  # the tables' storage goes now, before the new tables allocate theirs
-        self.tables = {c.name: EmbeddingTable(c, seed=self.seed, device=self.device) for c in cfgs}
+        self._build_tables(cfgs)
         self.dense = DenseStore(self.dense.cfg)
         self._open_version(version)
         log.info("shard store cleared", extra=kv(shard=self.shard_id, version=self._version))
@@ -171,8 +183,8 @@ class ShardStore:
     def write_lock(self) -> Iterator[None]:
         """Hold every table lock and the dense lock: no pull/push/import runs meanwhile."""
         with contextlib.ExitStack() as stack:
-            for name in sorted(self.tables):
-                stack.enter_context(self.tables[name].lock)
+            for g in self.groups:  # one lock per storage group, in group order
+                stack.enter_context(g.lock)
             stack.enter_context(self.dense.lock)
             yield
 
@@ -205,6 +217,165 @@ class ShardStore:
         t = self.table(table)
         with t.lock:
             return t.push(ids, grads, self.nonfinite_grads)
+
+    # -- a step's tables at once ---------------------------------------------------
+    def _plan(self, names: Sequence[str]) -> list[tuple[int, list[int]]] | None:
+        """Request positions per group when every group's tables come in storage order
+        (the one-lookup path), else None (a table repeats, or comes out of order)."""
+        seen: dict[int, list[int]] = {}
+        last: dict[int, int] = {}
+        for k, name in enumerate(names):
+            where = self._where.get(name)
+            if where is None:
+                self.table(name)  # raises BadRequest naming the known tables
+                return None
+            gi, ti = where
+            if last.get(gi, -1) >= ti:
+                return None
+            last[gi] = ti
+            seen.setdefault(gi, []).append(k)
+        return list(seen.items())
+
+    def pull_many(self, items: Sequence[tuple[str, np.ndarray]], *, fp16: bool = False,
+                  outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Rows of several tables (``(table, ids)`` each, as :meth:`pull` takes them): one id-map
+        lookup and one gather per storage group instead of one per table.
+
+        Args:
+            items: (table, int64 [n] ids) per table; each table once.
+            fp16: the rows go on an fp16 wire (saturated and counted as :meth:`pull` does).
+            outs: per item, a writable C-contiguous float32 [n, dim] to write the rows into.
+
+        Returns:
+            per item, float32 [n, dim] (``outs[k]`` when given).
+
+        Raises:
+            BadRequest: an unknown table, or ids that :func:`check_ids` refuses (nothing read).
+        """
+        plan = self._plan([t for t, _ in items])
+        if plan is None:  # a table twice, or out of storage order: table by table
+            return [self.pull(t, ids, fp16=fp16, out=None if outs is None else outs[k])
+                    for k, (t, ids) in enumerate(items)]
+        result: list[np.ndarray] = [np.empty(0)] * len(items)
+        for gi, ks in plan:
+            g = self.groups[gi]
+            counts = np.zeros(len(g.tables), dtype=np.int64)
+            parts, present = [], []
+            for k in ks:
+                t, ids = items[k]
+                table = g.tables[self._where[t][1]]
+                check_ids(t, ids)
+                if outs is not None:
+                    table.check_pull_out(outs[k], ids.shape[0])
+                if ids.shape[0] == 0:  # counted as a pull, as pull() counts it; nothing to read
+                    with g.lock:
+                        table.counters["pulls"] += 1
+                    result[k] = outs[k] if outs is not None else np.empty((0, g.dim), dtype=np.float32)
+                    continue
+                counts[self._where[t][1]] = ids.shape[0]
+                present.append(k)
+                parts.append(torch.from_numpy(ids if ids.flags.writeable else ids.copy()))
+            if not parts:
+                continue
+            ks = present
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            with g.lock:
+                rows = g.pull(counts, flat).numpy()
+            lo = 0
+            for k in ks:
+                n = items[k][1].shape[0]
+                span = rows[lo : lo + n]
+                lo += n
+                if outs is not None:
+                    outs[k][...] = span
+                    span = outs[k]
+                if fp16:
+                    with g.lock:
+                        g.tables[self._where[items[k][0]][1]].saturate_fp16(span)
+                result[k] = span
+        return result
+
+    def push_many(self, items: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> list[PushResult]:
+        """Gradients of several tables (``(table, ids, grads)`` each, as :meth:`push` takes them):
+        one lookup, one fused update and one metadata write per storage group.
+
+        Every item is validated before any is applied; the group applies what each table's
+        :meth:`push` would (duplicates summed, ``nonfinite_grads`` honoured).
+
+        Returns:
+            per item, its PushResult.
+
+        Raises:
+            BadRequest: unknown table, wrong dtype/shape, NaN/Inf under "reject" (nothing applied).
+        """
+        checked = [(t, *self.table(t).check_push(ids, grads)) for t, ids, grads in items]
+        plan = self._plan([t for t, _, _ in items])
+        if plan is None:
+            return [self.push(t, ids, g) for t, ids, g in checked]
+        result: list[PushResult] = [PushResult() for _ in items]
+        for gi, ks in plan:
+            g = self.groups[gi]
+            counts = np.zeros(len(g.tables), dtype=np.int64)
+            id_parts, g_parts, present = [], [], []
+            for k in ks:
+                t, ids, grads = checked[k]
+                if ids.shape[0] == 0:  # as push(): nothing applied, nothing counted
+                    continue
+                present.append(k)
+                counts[self._where[t][1]] = ids.shape[0]
+                id_parts.append(torch.from_numpy(ids if ids.flags.writeable else ids.copy()))
+                g_parts.append(torch.from_numpy(grads if grads.flags.writeable else grads.copy()))
+            if not present:
+                continue
+            ks = present
+            flat_ids = id_parts[0] if len(id_parts) == 1 else torch.cat(id_parts)
+            flat_g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts)
+            with g.lock:
+                res = g.push(counts, flat_ids, flat_g, trusted=False, nonfinite=self.nonfinite_grads)
+            for k, r in zip(ks, res):
+                result[k] = r
+        return result
+
+    def group_of(self, names: Sequence[str]) -> int:
+        """The index of the storage group whose tables are exactly ``names`` (in storage order).
+
+        Raises:
+            ValueError: no group holds exactly these tables in this order.
+        """
+        gi = self._where.get(names[0], (-1, 0))[0] if names else -1
+        if gi < 0 or self.groups[gi].names != tuple(names):
+            raise ValueError(f"no storage group holds exactly the tables {list(names)}; groups: "
+                             f"{[list(g.names) for g in self.groups]}")
+        return gi
+
+    def pull_group(self, group: int, counts: np.ndarray, ids: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """In-process pull of one storage group: float32 [N, dim] rows of ``ids`` (trusted caller).
+
+        Args:
+            group: the group's index (:meth:`group_of`).
+            counts: int64 [tables of the group]: ids per table, storage order.
+            ids: int64 [N] CPU, table by table, no -1 (e.g. a Meta-IO batch's unique ids).
+            out: float32 [N, dim] to write into (returned).
+        """
+        g = self.groups[group]
+        with g.lock:
+            return g.pull(counts, ids, out)
+
+    def push_group(self, group: int, counts: np.ndarray, ids: torch.Tensor, grads: torch.Tensor) -> list[PushResult]:
+        """In-process push of one storage group (trusted: each table's ids unique, as the reader's are).
+
+        The gradients' finiteness is checked once (NaN/Inf: the store's ``nonfinite_grads`` rules).
+
+        Args:
+            group: the group's index (:meth:`group_of`).
+            counts: int64 [tables of the group]: ids per table, storage order.
+            ids: int64 [N] CPU, table by table, unique within each table.
+            grads: float32 [N, dim] CPU.
+        """
+        g = self.groups[group]
+        with g.lock:
+            return g.push(counts, ids, grads, trusted=True, nonfinite=self.nonfinite_grads)
 
     # -- migration -----------------------------------------------------------------
     def _vshard_rows(self, t: EmbeddingTable, vshards: Sequence[int]) -> np.ndarray:

@@ -83,6 +83,16 @@ class RowStore(Protocol):
         """Apply float32 gradients [n, dim] to the rows of unique ``ids`` [n]."""
         ...
 
+    def pull_many(self, items: Sequence[tuple[str, np.ndarray]], *, fp16: bool = False,
+                  outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """:meth:`pull` of several tables at once (one lookup and one gather per storage group);
+        with ``outs`` (one writable float32 [n, dim] per item) the rows are written there."""
+        ...
+
+    def push_many(self, items: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> list[PushResult]:
+        """:meth:`push` of several tables at once, every item checked before any is applied."""
+        ...
+
     def export_vshards(self, vshards: Sequence[int]) -> dict[str, TableRows]:
         """A consistent copy of every row of these vshards, per table."""
         ...
