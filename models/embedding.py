@@ -27,9 +27,11 @@ per-task loop pays for.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -190,3 +192,279 @@ def pool(rows: Tensor, index: TableIndex) -> Tensor:
         return rows.new_zeros(index.pos.shape[:-1] + (rows.shape[-1],))
     gathered = rows[index.pos]  # [*L, C, M, D]
     return (gathered * index.weight.unsqueeze(-1)).sum(-2)
+
+
+# -- one embedding_bag per storage group -----------------------------------------------------
+@dataclass(frozen=True)
+class GroupLayout:
+    """The id columns of one storage group, in the order its pooled features come out.
+
+    A group (``ps.grouping``: tables stored together on the PS, one dim) is pulled as one
+    ``[N, D]`` tensor, its tables' unique ids one after the other; its columns pool with one
+    ``F.embedding_bag`` into ``[*L, C, D]``, columns table by table in group order.
+
+    Args:
+        tables: the group's tables, in storage order (each a :class:`TableLayout`).
+        dim: their common dim.
+    """
+
+    tables: tuple[TableLayout, ...]
+    dim: int
+
+    @property
+    def n_columns(self) -> int:
+        return sum(len(t.columns) for t in self.tables)
+
+    @functools.cached_property
+    def plan(self) -> "_GroupPlan":
+        """Static index arithmetic of the group (built once)."""
+        return _GroupPlan(self)
+
+
+class _GroupPlan:
+    """What :func:`build_grouped_index` needs of a group that does not change per batch."""
+
+    def __init__(self, g: GroupLayout) -> None:
+        cols: list[tuple[int, str, int, bool]] = []  # (table index, name, width, mean) in output order
+        for ti, lay in enumerate(g.tables):
+            for name, length, pooling in zip(lay.columns, lay.lengths, lay.poolings):
+                cols.append((ti, name, length, pooling == Pooling.MEAN))
+        self.columns = cols
+        self.n_cols = len(cols)
+        widths = np.array([c[2] for c in cols], dtype=np.int64)
+        self.slot_start = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64)
+        """First slot (id position in a row) of each column."""
+        self.width = int(widths.sum())
+        self.single = bool((widths == 1).all())
+        """Every column holds one id per row: a bag's count is its id's validity."""
+        self.slot_col = np.repeat(np.arange(self.n_cols), widths)
+        self.mean = np.array([c[3] for c in cols], dtype=bool)
+
+
+class PooledIndex(NamedTuple):
+    """One group's pooling of a batch, both ways, as ``F.embedding_bag`` inputs.
+
+    Forward, a bag per (row, column) over the group's rows: ``out[b] = sum w[e] * rows[input[e]]``
+    for the elements ``e`` of bag ``b``. Backward is the same sum transposed, a bag per pulled
+    row over the output gradient: ``grad_rows[i] = sum w[e] * grad_out[bag[e]]`` for the elements
+    of row ``i``, i.e. the elements sorted by row (``t_*``). Both directions are then one
+    ``embedding_bag`` call (torch's own embedding_bag backward sorts the elements every step,
+    ~40x slower here).
+    """
+
+    input: Tensor  # int64 [nnz]: positions into the group's pulled rows
+    offsets: Tensor  # int64 [R * C]: where each bag starts (rows x columns, row-major)
+    weights: Tensor  # float32 [nnz]: 1 (sum pooling) or 1/count (mean)
+    t_input: Tensor  # int64 [nnz]: the bag of each element, elements in row order
+    t_offsets: Tensor  # int64 [N]: where each pulled row's elements start
+    t_weights: Tensor  # float32 [nnz]: ``weights`` in row order
+
+
+@dataclass
+class GroupedIndex:
+    """What a step needs of a batch's ids, grouped for one pull and one pooling per group.
+
+    Built once per batch (:func:`build_grouped_index`, on the prefetch thread), checked there.
+
+    Args:
+        ids: per group, int64 [N_g]: the unique ids of its tables, table by table (storage order).
+        counts: per group, int64 [T_g]: how many of ``ids`` each table has.
+        pooled: per group, its :class:`PooledIndex`.
+        lead: the batch's leading shape ``L``.
+        tables: per group, its tables (storage order).
+    """
+
+    ids: list[Tensor]
+    counts: list[np.ndarray]
+    pooled: list[PooledIndex]
+    lead: tuple[int, ...]
+    tables: list[tuple[str, ...]]
+
+    def split_rows(self, rows: Sequence[Tensor], layouts: Sequence[TableLayout]) -> dict[str, Tensor]:
+        """table -> its ``[U_t, D]`` rows: views of the groups' pulled tensors (the per-table form)."""
+        out: dict[str, Tensor] = {}
+        for g_rows, counts, names in zip(rows, self.counts, self.tables):
+            for name, part in zip(names, torch.split(g_rows, counts.tolist())):
+                out[name] = part
+        return {lay.table: out[lay.table] for lay in layouts}
+
+
+def group_layouts(layouts: Sequence[TableLayout], groups: Sequence[Sequence[str]]) -> list[GroupLayout]:
+    """The model's tables arranged as the PS stores them.
+
+    Args:
+        layouts: the model's table layouts (``CtrModel.layouts``).
+        groups: table names per storage group, storage order (``ps.grouping.group_tables``); every
+            model table in exactly one group. Tables of a group the model does not read are left out.
+
+    Raises:
+        DataError: a model table in no group, or in two, or a group of different dims.
+    """
+    by_name = {lay.table: lay for lay in layouts}
+    seen: set[str] = set()
+    out = []
+    for names in groups:
+        lays = tuple(by_name[n] for n in names if n in by_name)
+        if not lays:
+            continue
+        dims = {lay.dim for lay in lays}
+        if len(dims) != 1:
+            raise DataError(f"storage group {list(names)} mixes dims {sorted(dims)}")
+        dup = seen & {lay.table for lay in lays}
+        if dup:
+            raise DataError(f"tables {sorted(dup)} are in two storage groups")
+        seen |= {lay.table for lay in lays}
+        out.append(GroupLayout(lays, lays[0].dim))
+    missing = [t for t in by_name if t not in seen]
+    if missing:
+        raise DataError(f"model tables {missing} are in no storage group (groups: {[list(g) for g in groups]})")
+    return out
+
+
+def pooled_permutation(layouts: Sequence[TableLayout], groups: Sequence[GroupLayout]) -> Tensor | None:
+    """Index that puts the groups' pooled features (concatenated) in the model's layout order; None when
+    they already are (one group, or groups that follow the layouts)."""
+    width = {lay.table: len(lay.columns) * lay.dim for lay in layouts}
+    start, at = {}, 0
+    for g in groups:
+        for lay in g.tables:
+            start[lay.table] = at
+            at += width[lay.table]
+    perm = torch.cat([torch.arange(start[lay.table], start[lay.table] + width[lay.table]) for lay in layouts])
+    return None if bool((perm == torch.arange(perm.numel())).all()) else perm
+
+
+def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, unique_ids: dict[str, Tensor]) -> GroupedIndex:
+    """Check a batch's ids and build each group's pull ids and ``embedding_bag`` inputs (both ways).
+
+    The same checks (and errors) as :func:`build_index`. numpy throughout (a call costs ~1 us
+    there against ~10 us for a small torch op): per column one ``searchsorted`` and a few
+    vectorized ops, per group a dozen more; no per-row Python.
+
+    Args:
+        groups: :func:`group_layouts` of the model.
+        features: a batch with leading shape ``L``.
+        unique_ids: table -> sorted unique ids [U_t].
+
+    Raises:
+        DataError: a table missing from ``unique_ids``, unsorted ``unique_ids``, a missing id column
+            or one of the wrong shape, or an id not in ``unique_ids``.
+    """
+    lead = tuple(features.shape)
+    r = 1
+    for s in lead:
+        r *= int(s)
+    out = GroupedIndex(ids=[], counts=[], pooled=[], lead=lead, tables=[])
+    for g in groups:
+        plan = g.plan
+        uniq_t = []
+        for lay in g.tables:
+            u = unique_ids.get(lay.table)
+            if u is None:
+                raise DataError(f"unique_ids has no table '{lay.table}' (got tables {sorted(unique_ids)})")
+            if u.dim() != 1:
+                raise DataError(f"unique_ids['{lay.table}']: expected a 1-d tensor, got shape {list(u.shape)}")
+            uniq_t.append(u)
+        uniq = [u.numpy() for u in uniq_t]
+        counts = np.array([u.size for u in uniq], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        n = int(starts[-1])
+        u_all = uniq_t[0] if len(uniq_t) == 1 else torch.cat(uniq_t)
+        _check_sorted(g, u_all.numpy(), starts)
+        pos = np.empty((r, plan.width), dtype=np.int64)
+        valid = np.empty((r, plan.width), dtype=bool)
+        for (ti, name, k, _), s0 in zip(plan.columns, plan.slot_start.tolist()):
+            col = features.ids.get(name)
+            if col is None:
+                raise DataError(f"batch has no id column '{name}' (table '{g.tables[ti].table}'); got {sorted(features.ids)}")
+            if col.dim() == len(lead):
+                col = col.unsqueeze(-1)
+            if tuple(col.shape) != lead + (k,):
+                raise DataError(f"id column '{name}': expected shape {list(lead) + [k]}, got {list(col.shape)}")
+            ids = col.numpy().reshape(r, k)
+            u = uniq[ti]
+            ok = ids >= 0
+            if u.size == 0:
+                if ok.any():
+                    raise DataError(f"table '{g.tables[ti].table}': batch has ids but unique_ids['{g.tables[ti].table}'] is empty")
+                p = np.zeros((r, k), dtype=np.int64)
+            else:
+                p = np.searchsorted(u, ids)
+                np.minimum(p, u.size - 1, out=p)
+                miss = ok & (u[p] != ids)
+                if miss.any():
+                    t = g.tables[ti].table
+                    raise DataError(f"id {int(ids[miss][0])} of column '{name}' is not in unique_ids['{t}'] "
+                                    f"({int(miss.sum())} ids missing in column '{name}')")
+                if starts[ti]:
+                    p += starts[ti]
+            pos[:, s0 : s0 + k] = p
+            valid[:, s0 : s0 + k] = ok
+        # ids per bag (row x column), and each id's pooling weight: 1 (sum) or 1 / count (mean)
+        cnt = valid if plan.single else np.add.reduceat(valid, plan.slot_start, axis=1, dtype=np.int64)
+        if plan.mean.any():
+            per_bag = np.where(plan.mean, 1.0 / np.maximum(cnt, 1), 1.0).astype(np.float32)
+            w = per_bag if plan.single else per_bag[:, plan.slot_col]
+        else:
+            w = np.ones((r, plan.width), dtype=np.float32)
+        flat_valid = valid.ravel()
+        if flat_valid.all():
+            inp, wts = pos.ravel(), np.ascontiguousarray(w).ravel()
+        else:
+            inp, wts = pos.ravel()[flat_valid], w.ravel()[flat_valid]
+        sizes = cnt.ravel().astype(np.int64)
+        offsets = np.cumsum(sizes) - sizes
+        # the transpose, for the backward (see PooledIndex): elements in row order; a stable sort
+        # of small ints is numpy's radix sort
+        key = inp.astype(np.int16 if n <= np.iinfo(np.int16).max else np.int32)
+        order = np.argsort(key, kind="stable")
+        bags = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+        per_row = np.bincount(inp, minlength=n)
+        t_offsets = np.cumsum(per_row) - per_row
+        T = torch.from_numpy
+        out.ids.append(u_all)
+        out.counts.append(counts)
+        out.pooled.append(PooledIndex(T(inp), T(offsets), T(wts), T(bags[order]), T(t_offsets), T(wts[order])))
+        out.tables.append(tuple(lay.table for lay in g.tables))
+    return out
+
+
+def _check_sorted(g: GroupLayout, u_all: np.ndarray, starts: np.ndarray) -> None:
+    """DataError naming the first table whose unique ids are not strictly increasing."""
+    if u_all.size < 2:
+        return
+    up = u_all[1:] > u_all[:-1]
+    cut = starts[1:-1] - 1  # the pair across two tables' boundary does not count
+    up[cut[(cut >= 0) & (cut < up.size)]] = True
+    if up.all():
+        return
+    at = int(np.argmin(up))
+    t = int(np.searchsorted(starts, at, side="right")) - 1
+    raise DataError(f"unique_ids['{g.tables[t].table}'] must be sorted and unique")
+
+
+class _GroupPool(torch.autograd.Function):
+    """``embedding_bag`` forward, its transpose (another ``embedding_bag``) backward: see :class:`PooledIndex`."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, index: PooledIndex) -> Tensor:  # type: ignore[override]
+        ctx.index = index
+        ctx.n_rows = rows.shape[0]
+        # detached: torch picks its forward-only kernel (no buffers for its own backward, ~5x faster)
+        return torch.nn.functional.embedding_bag(index.input, rows.detach(), index.offsets, mode="sum",
+                                                 per_sample_weights=index.weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        index: PooledIndex = ctx.index
+        if ctx.n_rows == 0:
+            return grad_out.new_zeros((0, grad_out.shape[-1])), None
+        grad = torch.nn.functional.embedding_bag(index.t_input, grad_out.contiguous(), index.t_offsets, mode="sum",
+                                                 per_sample_weights=index.t_weights)
+        return grad, None
+
+
+def pool_grouped(rows: Tensor, index: PooledIndex, lead: tuple[int, ...]) -> Tensor:
+    """One group's pooled features ``[*L, C * D]`` from its pulled rows ``[N, D]`` (differentiable
+    w.r.t. ``rows``; not under ``torch.func`` transforms: the plain step's autograd path)."""
+    return _GroupPool.apply(rows, index).view(*lead, -1)

@@ -15,7 +15,7 @@ The dense transform is fixed (no BatchNorm): it must behave the same on a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -23,30 +23,51 @@ from torch import Tensor, nn
 from meta_io.batch import FeatureBatch
 from meta_io.schema import ID_KINDS, Schema
 from metaps.core.errors import DataError
-from models.embedding import LookupIndex, TableLayout, pool
+from models.embedding import (
+    GroupedIndex, GroupLayout, LookupIndex, TableLayout, build_grouped_index, group_layouts, pool, pool_grouped,
+    pooled_permutation,
+)
 from models.layers import signed_log1p
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class EncodedFeatures:
     """Encoded inputs of a batch with leading shape ``L``.
 
     Args:
-        pooled: per table (``layouts`` order) ``[*L, C_t, D_t]``.
+        pooled: per table (``layouts`` order) ``[*L, C_t, D_t]``; None when they come as
+            ``pooled_flat`` (the grouped lookup: one tensor, split here only when asked).
         vectors: per vector column ``[*L, default_dim]`` (projected).
         dense: ``[*L, n_dense]`` (transformed).
+        pooled_flat: ``[*L, sum C_t * D_t]``: every table's pooled columns, layout order.
+        shapes: per table ``(C_t, D_t)``; needed with ``pooled_flat``.
     """
 
-    pooled: list[Tensor]
-    vectors: list[Tensor]
-    dense: Tensor
+    def __init__(self, pooled: list[Tensor] | None, vectors: list[Tensor], dense: Tensor,
+                 pooled_flat: Tensor | None = None, shapes: Sequence[tuple[int, int]] = ()) -> None:
+        if pooled is None and pooled_flat is None:
+            raise ValueError("EncodedFeatures needs pooled or pooled_flat")
+        self._pooled = pooled
+        self.vectors = vectors
+        self.dense = dense
+        self.pooled_flat = pooled_flat
+        self._shapes = list(shapes)
+
+    @property
+    def pooled(self) -> list[Tensor]:
+        """Per table ``[*L, C_t, D_t]`` (views of ``pooled_flat`` when the lookup was grouped)."""
+        if self._pooled is None:
+            assert self.pooled_flat is not None
+            lead = self.pooled_flat.shape[:-1]
+            parts = torch.split(self.pooled_flat, [c * d for c, d in self._shapes], dim=-1)
+            self._pooled = [p.view(*lead, c, d) for p, (c, d) in zip(parts, self._shapes)]
+        return self._pooled
 
     def flat(self) -> Tensor:
         """All features concatenated: ``[*L, in_dim]``."""
-        parts = [p.flatten(-2) for p in self.pooled] + self.vectors + [self.dense]
-        return torch.cat(parts, dim=-1)
+        head = [self.pooled_flat] if self.pooled_flat is not None else [p.flatten(-2) for p in self.pooled]
+        return torch.cat(head + self.vectors + [self.dense], dim=-1)
 
 
 class FeatureEncoder(nn.Module):
@@ -109,5 +130,57 @@ class FeatureEncoder(nn.Module):
 
     def forward(self, features: FeatureBatch, rows: dict[str, Tensor], index: LookupIndex) -> EncodedFeatures:
         pooled = [pool(rows[lay.table], index[lay.table]) for lay in self.layouts]
-        vectors = [proj(features.vectors[name]) for name, proj in zip(self.vector_columns, self.vector_proj)]
-        return EncodedFeatures(pooled=pooled, vectors=vectors, dense=signed_log1p(features.dense))
+        return EncodedFeatures(pooled, self._vectors(features), signed_log1p(features.dense))
+
+    def _vectors(self, features: FeatureBatch) -> list[Tensor]:
+        return [proj(features.vectors[name]) for name, proj in zip(self.vector_columns, self.vector_proj)]
+
+    def encode_grouped(self, features: FeatureBatch, rows: Sequence[Tensor], index: GroupedIndex,
+                       lookup: "GroupedLookup") -> EncodedFeatures:
+        """:meth:`forward` with the rows pulled per storage group: one ``embedding_bag`` per group.
+
+        Args:
+            features: the batch (leading shape ``L``).
+            rows: per group, its pulled ``[N_g, D_g]`` rows (``index.ids[g]`` order).
+            index: the batch's :class:`~models.embedding.GroupedIndex` (``lookup.index``).
+            lookup: the model's :class:`GroupedLookup`.
+        """
+        lead = index.lead
+        parts = [pool_grouped(r, p, lead) for r, p in zip(rows, index.pooled)]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if lookup.perm is not None:
+            flat = flat.index_select(-1, lookup.perm)
+        return EncodedFeatures(None, self._vectors(features), signed_log1p(features.dense), pooled_flat=flat,
+                               shapes=[(len(lay.columns), lay.dim) for lay in self.layouts])
+
+
+class GroupedLookup:
+    """A model's tables arranged as the PS stores them (``ps.grouping``): per batch one pull, one
+    pooling and one gradient per storage group instead of per table.
+
+    Args:
+        encoder: the model's :class:`FeatureEncoder`.
+        groups: table names per storage group, storage order (``ps.grouping.group_tables``).
+
+    Example::
+
+        lookup = GroupedLookup(model.encoder, [g.names for g in group_tables(ps_cfg.table_configs(model.tables))])
+        idx = lookup.index(batch.features, batch.unique_ids)        # prefetch thread: checked there
+        rows = [pull(ids) for ids in idx.ids]                        # [N_g, D_g] each
+        out = model.outputs(model.encoder.encode_grouped(batch.features, rows, idx, lookup), False)
+    """
+
+    def __init__(self, encoder: FeatureEncoder, groups: Sequence[Sequence[str]]) -> None:
+        self.encoder = encoder
+        self.groups: list[GroupLayout] = group_layouts(encoder.layouts, groups)
+        self.perm = pooled_permutation(encoder.layouts, self.groups)
+
+    def index(self, features: FeatureBatch, unique_ids: dict[str, Tensor]) -> GroupedIndex:
+        """Check ``features`` and build its :class:`~models.embedding.GroupedIndex` (eager, no per-row Python).
+
+        Raises:
+            DataError: as :meth:`CtrModel.lookup_index` does.
+        """
+        self.encoder.check(features)
+        return build_grouped_index(self.groups, features, unique_ids)
+

@@ -60,7 +60,8 @@ from torch.utils._pytree import tree_map
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from metaps.core.errors import ConfigError
 from models.base import CtrModel
-from models.embedding import LookupIndex, TableIndex
+from models.embedding import GroupedIndex, LookupIndex, TableIndex
+from models.features import GroupedLookup
 from models.fast_grad import install as _install_fast_grad
 from models.losses import loss
 from models.meta_config import AdaptTarget, InnerLr, InnerReduction, MetaConfig  # noqa: F401  (re-exported; [meta] lives torch-free)
@@ -95,6 +96,9 @@ class MetaStepResult:
     dense_grads: dict[str, Tensor]
     row_grads: dict[str, Tensor]
     metrics: dict[str, float] = field(default_factory=dict)
+    group_grads: list[Tensor] | None = None
+    """A grouped plain step (:func:`plain_step_grouped`): per storage group, ``[N_g, D_g]`` gradients
+    of its pulled rows (``row_grads`` is then empty)."""
 
 
 # -- pytree plumbing: vmap maps over dicts of tensors, not over dataclasses ----
@@ -403,6 +407,38 @@ def plain_step(
     if metrics is not None:
         metrics.update({f"loss/{h.name}": v for h, v in zip(model.heads, heads.tolist())})
     return total, dense_grads, row_grads
+
+
+def plain_step_grouped(
+    model: CtrModel, features: FeatureBatch, rows: list[Tensor], index: GroupedIndex, lookup: GroupedLookup,
+    metrics: dict[str, float] | None = None,
+) -> tuple[Tensor, dict[str, Tensor], list[Tensor]]:
+    """:func:`plain_step` with rows pulled per storage group: one ``embedding_bag`` and one row
+    gradient per group, plain autograd (no functional transforms: nothing here is vmapped).
+
+    Args:
+        model: the model (not mutated; its ``.grad``s untouched).
+        features: the batch's rows (leading shape ``L``).
+        rows: per group, its pulled ``[N_g, D_g]`` rows (``index.ids[g]`` order).
+        index: the batch's grouped index (``lookup.index``, built and checked ahead).
+        lookup: the model's :class:`~models.features.GroupedLookup`.
+        metrics: when given, receives ``loss/<head>``.
+
+    Returns:
+        ``(loss, dense_grads, group_grads)``: ``group_grads[g]`` is ``[N_g, D_g]``, what the worker pushes.
+    """
+    leaves = [r.detach().requires_grad_() for r in rows]
+    named = list(model.named_parameters())
+    out = model.outputs(model.encoder.encode_grouped(features, leaves, index, lookup), False)
+    total, per_head = loss(out, features, model.heads)
+    wrt = [p for _, p in named] + leaves
+    got = torch.autograd.grad(total, wrt, allow_unused=True)
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]  # unused: 0, as _grads gives
+    n = len(named)
+    if metrics is not None:
+        heads = torch.stack([v.detach() for v in per_head.values()]).tolist()
+        metrics.update({f"loss/{h.name}": v for h, v in zip(model.heads, heads)})
+    return total.detach(), {name: g for (name, _), g in zip(named, grads[:n])}, list(grads[n:])
 
 
 def _grads(

@@ -534,6 +534,52 @@ class PsClient:
                       clock=step is not None and bool(self.worker_id))
         return counts
 
+    def pull_groups(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor], *,
+                    step: int | None = None) -> list[torch.Tensor]:
+        """Rows of a step's tables grouped as the shards store them (``ps.grouping``).
+
+        Args:
+            tables: per group, its tables (storage order).
+            counts: per group, int64 [tables]: ids per table.
+            ids: per group, int64 [N_g]: the tables' unique ids, table by table.
+            step: this worker's training step (bounded staleness).
+
+        Returns:
+            per group, float32 [N_g, dim] rows in ``ids`` order.
+        """
+        by_table: dict[str, Any] = {}
+        for names, c, g_ids in zip(tables, counts, ids):
+            by_table.update(zip(names, torch.split(g_ids, c.tolist())))
+        got = self.pull({t: v for t, v in by_table.items() if v.numel()}, step=step)
+        out = []
+        for names, c, g_ids in zip(tables, counts, ids):
+            parts = [torch.from_numpy(got[t]) for t, n in zip(names, c.tolist()) if n]
+            out.append(torch.cat(parts) if parts else torch.empty((0, 0), dtype=torch.float32))
+        return out
+
+    def pull_groups_async(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor], *,
+                          step: int | None = None) -> concurrent.futures.Future[list[torch.Tensor]]:
+        """:meth:`pull_groups` on a background thread."""
+        return self._pool.submit(self.pull_groups, tables, counts, ids, step=step)
+
+    def push_groups(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
+                    grads: list[torch.Tensor], *, step: int | None = None) -> dict[str, dict[str, int]]:
+        """Apply a step's gradients grouped as the shards store them (see :meth:`pull_groups`).
+
+        Args:
+            grads: per group, float32 [N_g, dim], rows in ``ids`` order.
+
+        Returns:
+            as :meth:`push`.
+        """
+        by_table: dict[str, tuple[Any, Any]] = {}
+        for names, c, g_ids, g in zip(tables, counts, ids, grads):
+            sizes = c.tolist()
+            for t, i_part, g_part in zip(names, torch.split(g_ids, sizes), torch.split(g, sizes)):
+                if i_part.numel():
+                    by_table[t] = (i_part, g_part)
+        return self.push(by_table, step=step)
+
     def barrier(self, step: int, timeout_s: float | None = None) -> None:
         """Sync mode: return once every registered worker finished ``step`` on every shard.
 

@@ -155,7 +155,7 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
     bad = 0
     for epoch in range(cfg.epochs):
         for name, a, b in plan:
-            for stats in worker.trainer.run(prefetch(worker.dataset.read_range(name, a, b), depth=2)):
+            for stats in worker.trainer.run(prefetch(worker.read(name, a, b), depth=2)):
                 worker._after_step(stats)
             worker.shards_done += 1
             if worker.trainer._at_limit():

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from models.embedding import GroupedIndex
 
 IdsByTable = dict[str, np.ndarray]
 RowsByTable = dict[str, np.ndarray]
@@ -28,6 +33,14 @@ GradsByTable = dict[str, tuple[np.ndarray, np.ndarray]]
 
 class RowSource(Protocol):
     def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable: ...
+
+    def pull_groups(self, index: GroupedIndex, step: int | None = None) -> list[torch.Tensor]: ...
+
+    def pull_groups_async(self, index: GroupedIndex, step: int | None = None) -> "Future[list[torch.Tensor]]": ...
+
+    def push_groups(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> None: ...
+
+    def push_groups_async(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> "Future[None]": ...
 
     def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]": ...
 
@@ -63,12 +76,59 @@ class LocalRowSource:
 
     in_process = True
     """Calls complete before returning: the trainer's overlap lane has nothing to hide."""
+    supports_groups = True
+    """Has :meth:`pull_groups` / :meth:`push_groups` (a step's tables per storage group)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        self._groups: dict[tuple[str, ...], int | None] = {}
 
     def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable:
         return {t: self.store.pull(t, v) for t, v in ids.items()}
+
+    def _group(self, names: tuple[str, ...]) -> int | None:
+        """The store's group holding exactly ``names`` (None: the store groups them otherwise)."""
+        if names not in self._groups:
+            try:
+                self._groups[names] = self.store.group_of(names)
+            except ValueError:
+                self._groups[names] = None
+        return self._groups[names]
+
+    def pull_groups(self, index: GroupedIndex, step: int | None = None) -> list[torch.Tensor]:
+        """One store call per group (trusted: the ids are the reader's unique ids)."""
+        import torch
+
+        out = []
+        for names, counts, ids in zip(index.tables, index.counts, index.ids):
+            gi = self._group(names)
+            if gi is not None:
+                out.append(self.store.pull_group(gi, counts, ids))
+            else:  # table by table
+                parts = torch.split(ids, counts.tolist())
+                out.append(torch.cat([torch.from_numpy(self.store.pull(t, p.numpy())) for t, p in zip(names, parts)]))
+        return out
+
+    def pull_groups_async(self, index: GroupedIndex, step: int | None = None) -> "Future[list[torch.Tensor]]":
+        return _Done(self.pull_groups(index))
+
+    def push_groups(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> None:
+        """One store call per group: one lookup, one fused update (trusted, finiteness checked once)."""
+        import torch
+
+        for names, counts, ids, g in zip(index.tables, index.counts, index.ids, grads):
+            gi = self._group(names)
+            if gi is not None:
+                self.store.push_group(gi, counts, ids, g)
+                continue
+            for t, i, gg in zip(names, torch.split(ids, counts.tolist()), torch.split(g, counts.tolist())):
+                if i.numel():
+                    self.store.push(t, i.numpy(), gg.contiguous().numpy())
+
+    def push_groups_async(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> "Future[None]":
+        """Applied before returning (in-process: nothing to overlap with)."""
+        self.push_groups(index, grads, step)
+        return _Done(None)
 
     def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]":
         return _Done(self.pull(ids))
@@ -117,6 +177,9 @@ class LocalRowSource:
 class RemoteRowSource:
     """Rows from the sharded PS fleet through :class:`ps.client.PsClient`."""
 
+    supports_groups = True
+    """Has :meth:`pull_groups` / :meth:`push_groups` (a step's tables per storage group)."""
+
     def __init__(self, client: Any) -> None:
         self.client = client
         self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-push")
@@ -126,6 +189,20 @@ class RemoteRowSource:
 
     def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]":
         return self.client.pull_async(ids, step=step)
+
+    def pull_groups(self, index: GroupedIndex, step: int | None = None) -> list[torch.Tensor]:
+        """Rows per group: one request per shard for every table of the step."""
+        return self.client.pull_groups(index.tables, index.counts, index.ids, step=step)
+
+    def pull_groups_async(self, index: GroupedIndex, step: int | None = None) -> "Future[list[torch.Tensor]]":
+        return self.client.pull_groups_async(index.tables, index.counts, index.ids, step=step)
+
+    def push_groups(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> None:
+        self.client.push_groups(index.tables, index.counts, index.ids, grads, step=step)
+
+    def push_groups_async(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> "Future[None]":
+        """:meth:`push_groups` on a background thread (the caller must not modify ``grads`` until done)."""
+        return self._pusher.submit(self.push_groups, index, grads, step)
 
     def push(self, grads: GradsByTable, step: int) -> None:
         self.client.push(grads, step=step)

@@ -335,6 +335,22 @@ class CountingRowSource:
         self.tel.rows(pushed=self._grad_rows(grads))
         self.inner.push(grads, step)
 
+    def pull_groups(self, index: Any, step: int | None = None) -> Any:
+        self.tel.rows(pulled=sum(int(i.numel()) for i in index.ids))
+        return self.inner.pull_groups(index, step)
+
+    def pull_groups_async(self, index: Any, step: int | None = None) -> "Future[Any]":
+        self.tel.rows(pulled=sum(int(i.numel()) for i in index.ids))
+        return self.inner.pull_groups_async(index, step)
+
+    def push_groups(self, index: Any, grads: Any, step: int) -> None:
+        self.tel.rows(pushed=sum(int(i.numel()) for i in index.ids))
+        self.inner.push_groups(index, grads, step)
+
+    def push_groups_async(self, index: Any, grads: Any, step: int) -> "Future[None]":
+        self.tel.rows(pushed=sum(int(i.numel()) for i in index.ids))
+        return self.inner.push_groups_async(index, grads, step)
+
     def push_async(self, grads: Any, step: int) -> "Future[None]":
         self.tel.rows(pushed=self._grad_rows(grads))
         return self.inner.push_async(grads, step)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from meta_io.batch import MetaBatch, PlainBatch
+from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from metaps.core.log import kv
+from models.embedding import GroupedIndex
 from workers.config import DenseSync, LrSchedule, TrainConfig, TrainMode
 from workers.row_source import RowSource
 
@@ -57,6 +58,25 @@ def _ids_of(batch: MetaBatch | PlainBatch) -> dict[str, np.ndarray]:
     return {t: u.numpy() for t, u in batch.unique_ids.items()}
 
 
+@dataclass
+class Prepared:
+    """A batch with what its step needs precomputed (:meth:`Trainer.prepare`, on the prefetch thread).
+
+    Args:
+        batch: the batch as read.
+        index: the grouped lookup index of its plain rows (None: the step takes the per-table path).
+        features: the rows the plain step trains on (a meta batch's support and query, flattened).
+    """
+
+    batch: MetaBatch | PlainBatch
+    index: GroupedIndex | None = None
+    features: FeatureBatch | None = None
+
+
+Item = MetaBatch | PlainBatch | Prepared
+"""What :meth:`Trainer.run` takes: batches as read, or prepared ahead."""
+
+
 def _samples_of(batch: MetaBatch | PlainBatch) -> tuple[int, int]:
     if isinstance(batch, MetaBatch):
         return batch.support.num_rows() + batch.query.num_rows(), batch.num_tasks
@@ -75,6 +95,9 @@ class Trainer:
         rank / world: this worker's rank and the worker count (all-reduce mode).
         ps_cfg: the ``[ps]`` section: ``[meta] meta_emb``'s unseen rule compares pulled rows
             with its initial rows (:mod:`models.meta_emb`); needed only then.
+        groups: table names per PS storage group (``ps.grouping.group_tables`` of the job's tables):
+            plain steps then pull, pool and push group by group (one call each) when ``rows``
+            offers ``pull_groups``; None: table by table.
     """
 
     def __init__(
@@ -88,6 +111,7 @@ class Trainer:
         world: int = 1,
         barrier: Any = None,
         ps_cfg: Any = None,
+        groups: Any = None,
     ) -> None:
         self.model = model
         self.rows = rows
@@ -127,6 +151,12 @@ class Trainer:
                 self._local_dense.register(name, value)
         self.total_steps = cfg.max_steps
         """Planned steps of this run (``warmup_cosine`` decays to 0 there); train-local sets it."""
+        self.lookup: Any = None
+        """The model's :class:`models.features.GroupedLookup` when plain steps go group by group."""
+        if groups is not None and cfg.mode != TrainMode.META and getattr(rows, "supports_groups", False):
+            from models.features import GroupedLookup
+
+            self.lookup = GroupedLookup(model.encoder, groups)
         self._scheduled: Any = self._scheduled_store(dense_optimizer)
 
     def _scheduled_store(self, dense_optimizer: Any) -> Any:
@@ -251,10 +281,45 @@ class Trainer:
             self.rows.set_dense(self._dense_numpy())
 
     # -- one step -----------------------------------------------------------------
-    def compute(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray]) -> Any:
-        """Loss and gradients of one batch, given its pulled rows."""
-        from models.meta import MetaStepResult, meta_step, plain_step
+    def prepare(self, batch: MetaBatch | PlainBatch) -> Prepared:
+        """What the step of ``batch`` needs, built ahead (thread-safe: run it on the prefetch thread).
 
+        Plain steps with a grouped lookup get their checked :class:`~models.embedding.GroupedIndex`
+        (a meta batch trained plainly is flattened here too); other steps pass through.
+
+        Raises:
+            DataError: the batch's ids or shapes are wrong (named as the step would name them).
+        """
+        if self.lookup is None:
+            return Prepared(batch)
+        feats = _flatten_meta(batch).features if isinstance(batch, MetaBatch) else batch.features
+        return Prepared(batch, self.lookup.index(feats, batch.unique_ids), feats)
+
+    def _pull(self, item: Prepared, step: int) -> Any:
+        if item.index is not None:
+            return self.rows.pull_groups(item.index, step=step)
+        return self.rows.pull(_ids_of(item.batch), step=step)
+
+    def _pull_async(self, item: Prepared, step: int) -> "Future[Any]":
+        if item.index is not None:
+            return self.rows.pull_groups_async(item.index, step=step)
+        return self.rows.pull_async(_ids_of(item.batch), step=step)
+
+    def compute(self, batch: Item, rows_np: Any) -> Any:
+        """Loss and gradients of one batch, given its pulled rows (per table, or per group for a
+        prepared batch with a grouped index)."""
+        from models.meta import MetaStepResult, meta_step, plain_step, plain_step_grouped
+
+        if isinstance(batch, Prepared):
+            if batch.index is not None:
+                self._set_dense_lr()
+                assert batch.features is not None
+                head_losses: dict[str, float] = {}
+                loss, dense_grads, group_grads = plain_step_grouped(
+                    self.model, batch.features, rows_np, batch.index, self.lookup, head_losses)
+                return MetaStepResult(outer_loss=loss, dense_grads=dense_grads, row_grads={}, metrics=head_losses,
+                                      group_grads=group_grads)
+            batch = batch.batch
         rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_np.items()}
         self._set_dense_lr()
         if self.cfg.mode == TrainMode.META:
@@ -268,34 +333,41 @@ class Trainer:
         if isinstance(batch, MetaBatch):
             # Plain training on a meta layout: support and query rows are all training rows.
             batch = _flatten_meta(batch)
-        head_losses: dict[str, float] = {}
+        head_losses = {}
         loss, dense_grads, row_grads = plain_step(self.model, batch, rows, head_losses)
         return MetaStepResult(outer_loss=loss, dense_grads=dense_grads, row_grads=row_grads, metrics=head_losses)
 
-    def step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float) -> StepStats:
+    def step(self, batch: Item, rows_np: Any, pull_s: float) -> StepStats:
         """One step; returns once its row push and dense sync are done."""
-        return self._step(batch, rows_np, pull_s)
+        return self._step(batch if isinstance(batch, Prepared) else Prepared(batch), rows_np, pull_s)
 
-    def _step(self, batch: MetaBatch | PlainBatch, rows_np: dict[str, np.ndarray], pull_s: float,
-              lane: ThreadPoolExecutor | None = None) -> StepStats:
+    def _row_push(self, item: Prepared, result: Any) -> tuple[Any, Any]:
+        """(push function, its payload) of a step's row gradients: per group or per table."""
+        if item.index is not None:
+            return self.rows.push_groups, (item.index, [g.detach() for g in result.group_grads])
+        ids = _ids_of(item.batch)
+        return self.rows.push, {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
+
+    def _step(self, item: Prepared, rows_np: Any, pull_s: float, lane: ThreadPoolExecutor | None = None) -> StepStats:
         """One step. With ``lane`` the row push is queued there and may still be in flight on
         return (``self._inflight``); without, it runs alongside the dense sync and is done."""
         t0 = time.perf_counter()
-        result = self.compute(batch, rows_np)
+        batch = item.batch
+        result = self.compute(item, rows_np)
         t1 = time.perf_counter()
         if self.barrier is not None:
             # Sync mode, first of two barriers per step (PS barrier ids count half-steps: 2t, 2t+1):
             # every worker has pulled step t's rows, so no step-t push can leak into a peer's pull.
             self.barrier(2 * self.step_no)
-        ids = _ids_of(batch)
-        grads = {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
+        push_fn, payload = self._row_push(item, result)
         if lane is not None:
-            pushed = lane.submit(self.rows.push, grads, self.step_no)
+            pushed = lane.submit(push_fn, *self._args(payload), self.step_no)
             self._inflight = pushed
         else:
             # The row push and the dense sync go out together (different PS state, both done before
             # the step ends): one round trip less per step than pushing rows first, no extra staleness.
-            pushed = self.rows.push_async(grads, self.step_no)
+            async_fn = self.rows.push_groups_async if item.index is not None else self.rows.push_async
+            pushed = async_fn(*self._args(payload), self.step_no)
         if self.barrier is not None and self.cfg.dense_sync == DenseSync.PS:
             # Second barrier: every worker's step-t rows and dense grads are applied; only then
             # load the dense params (pulled before it, they could lack a peer's step-t update).
@@ -324,16 +396,21 @@ class Trainer:
             metrics=dict(result.metrics),
         )
 
-    def run(self, batches: Iterable[MetaBatch | PlainBatch]) -> Iterator[StepStats]:
-        """Train on ``batches``; yields per-step stats. Honors ``overlap`` and ``max_steps``."""
-        it = iter(batches)
+    @staticmethod
+    def _args(payload: Any) -> tuple[Any, ...]:
+        return payload if isinstance(payload, tuple) else (payload,)
+
+    def run(self, batches: Iterable[Item]) -> Iterator[StepStats]:
+        """Train on ``batches`` (as read, or :meth:`prepare`d ahead on the prefetch thread); yields
+        per-step stats. Honors ``overlap`` and ``max_steps``."""
+        it = (b if isinstance(b, Prepared) else self.prepare(b) for b in batches)
         if not self.cfg.overlap:
-            for batch in it:
+            for item in it:
                 if self._at_limit():
                     return
                 t0 = time.perf_counter()
-                rows = self.rows.pull(_ids_of(batch), step=self.step_no)
-                yield self.step(batch, rows, time.perf_counter() - t0)
+                rows = self._pull(item, self.step_no)
+                yield self._step(item, rows, time.perf_counter() - t0)
             return
         # Overlapped: row traffic runs on one background lane, in this order:
         #     push t-1 | pull t+1 | push t | pull t+2 | ...     (FIFO, one thread)
@@ -343,11 +420,10 @@ class Trainer:
         # network to hide: the pull is done at once, before step t, which gives the same rows.
         lane = None if getattr(self.rows, "in_process", False) else self._lane
 
-        def pull_bg(b: MetaBatch | PlainBatch) -> Future:
-            ids = _ids_of(b)
+        def pull_bg(b: Prepared) -> Future:
             if lane is None:
-                return self.rows.pull_async(ids, step=self.step_no)
-            return lane.submit(self.rows.pull, ids, step=self.step_no)
+                return self._pull_async(b, self.step_no)
+            return lane.submit(self._pull, b, self.step_no)
 
         nxt = next(it, None)
         pending = pull_bg(nxt) if nxt is not None else None

@@ -124,9 +124,11 @@ class Worker:
         self.model = build_model(job)
         torch.set_num_threads(job.train.threads)
         self._init_allreduce()
+        from ps.grouping import group_tables
+
         self.trainer = Trainer(
             self.model, self.rows, job.train, job.meta, job.ps.dense_optimizer, rank=rank, world=self.world,
-            barrier=barrier, ps_cfg=job.ps,
+            barrier=barrier, ps_cfg=job.ps, groups=[g.names for g in group_tables(job.table_configs())],
         )
         self._born = time.time()
         self._warmed = False  # this incarnation's first step is done (see _after_step)
@@ -213,7 +215,7 @@ class Worker:
             for rng, lease in self._ranges():
                 t0 = time.perf_counter()
                 n0 = self.samples
-                batches = prefetch(self.dataset.read_range(rng.file, rng.start, rng.stop), depth=2)
+                batches = prefetch(self.read(rng.file, rng.start, rng.stop), depth=2)
                 if lease is not None:
                     batches = self._stoppable(batches, lease.shard_id, rng.start, rng.stop)
                 for stats in self.trainer.run(batches):
@@ -240,6 +242,19 @@ class Worker:
             extra=kv(rank=self.rank, steps=self.trainer.step_no, samples=self.samples, shards=self.shards_done,
                      wall_s=round(self.wall_s, 2)),
         )
+
+    def read(self, file: int, start: int, stop: int) -> Iterator[Any]:
+        """Batches ``[start, stop)`` of ``file``, each :meth:`Trainer.prepare`d for its step.
+
+        Meant to be iterated by the prefetch thread, so a batch's lookup index is built
+        (and checked) there, off the step thread.
+        """
+        src = self.dataset.read_range(file, start, stop)
+        try:
+            for batch in src:
+                yield self.trainer.prepare(batch)
+        finally:
+            src.close()
 
     def _dd_mode(self) -> bool:
         """All-reduce workers under a controller running the DD policy: per-worker batch sizes."""
