@@ -23,7 +23,7 @@ from meta_io.batch import FeatureBatch
 from meta_io.schema import Schema
 from metaps.core.errors import DataError
 from models.config import ModelConfig
-from models.embedding import LookupIndex, TableLayout, build_index
+from models.embedding import LocalLookup, LookupIndex, TableLayout, build_index
 from models.features import EncodedFeatures, FeatureEncoder
 from models.losses import HeadSpec
 
@@ -80,7 +80,7 @@ class CtrModel(nn.Module):
         rows: dict[str, Tensor],
         unique_ids: dict[str, Tensor] | None = None,
         *,
-        index: LookupIndex | None = None,
+        index: LookupIndex | LocalLookup | None = None,
         probabilities: bool = False,
     ) -> dict[str, Tensor]:
         """Head -> logits ``[*L]`` (or probabilities).
@@ -89,9 +89,13 @@ class CtrModel(nn.Module):
             features: batch with leading shape ``L``.
             rows: table -> ``[U_t, dim_t]`` rows of ``unique_ids[t]``.
             unique_ids: table -> sorted ids ``[U_t]``; needed unless ``index`` is given.
-            index: a precomputed :meth:`lookup_index` (skips the checks; used by meta).
+            index: a precomputed :meth:`lookup_index` (skips the checks; used by meta), or a
+                :class:`~models.embedding.LocalLookup` (a meta task's rows per storage group: ``rows``
+                is then group key -> the task's rows).
             probabilities: return probabilities instead of logits.
         """
+        if isinstance(index, LocalLookup):  # a meta task's rows per storage group (models.meta, grouped)
+            return self.outputs(self.encoder.encode_local(features, rows, index), probabilities)
         if index is None:
             if unique_ids is None:
                 raise DataError("forward needs unique_ids (or a precomputed index)")

@@ -239,6 +239,9 @@ class _GroupPlan:
         """Every column holds one id per row: a bag's count is its id's validity."""
         self.slot_col = np.repeat(np.arange(self.n_cols), widths)
         self.mean = np.array([c[3] for c in cols], dtype=bool)
+        self.agg = None if self.single else torch.nn.functional.one_hot(
+            torch.from_numpy(self.slot_col), self.n_cols).to(torch.float32)
+        """float32 [W, C]: slot -> its column (sums a column's weighted slots; None: one slot a column)."""
 
 
 class PooledIndex(NamedTuple):
@@ -272,6 +275,7 @@ class GroupedIndex:
         pooled: per group, its :class:`PooledIndex`.
         lead: the batch's leading shape ``L``.
         tables: per group, its tables (storage order).
+        dims: per group, its dim.
     """
 
     ids: list[Tensor]
@@ -279,6 +283,7 @@ class GroupedIndex:
     pooled: list[PooledIndex]
     lead: tuple[int, ...]
     tables: list[tuple[str, ...]]
+    dims: list[int]
 
     def split_rows(self, rows: Sequence[Tensor], layouts: Sequence[TableLayout]) -> dict[str, Tensor]:
         """table -> its ``[U_t, D]`` rows: views of the groups' pulled tensors (the per-table form)."""
@@ -334,6 +339,78 @@ def pooled_permutation(layouts: Sequence[TableLayout], groups: Sequence[GroupLay
     return None if bool((perm == torch.arange(perm.numel())).all()) else perm
 
 
+def _group_ids(g: GroupLayout, unique_ids: dict[str, Tensor]) -> tuple[Tensor, list[np.ndarray], np.ndarray]:
+    """A group's unique ids: (all of them table by table, each table's as numpy, table starts [T + 1]).
+
+    Raises:
+        DataError: a table missing from ``unique_ids``, not 1-d, or not sorted and unique.
+    """
+    uniq_t = []
+    for lay in g.tables:
+        u = unique_ids.get(lay.table)
+        if u is None:
+            raise DataError(f"unique_ids has no table '{lay.table}' (got tables {sorted(unique_ids)})")
+        if u.dim() != 1:
+            raise DataError(f"unique_ids['{lay.table}']: expected a 1-d tensor, got shape {list(u.shape)}")
+        uniq_t.append(u)
+    uniq = [u.numpy() for u in uniq_t]
+    starts = np.concatenate([[0], np.cumsum([u.size for u in uniq])]).astype(np.int64)
+    u_all = uniq_t[0] if len(uniq_t) == 1 else torch.cat(uniq_t)
+    _check_sorted(g, u_all.numpy(), starts)
+    return u_all, uniq, starts
+
+
+def _group_positions(g: GroupLayout, features: FeatureBatch, uniq: list[np.ndarray],
+                     starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every id slot of a group's columns: (position in the group's ids, valid, pooling weight), each
+    ``[R, W]`` (R rows of ``features``, W the columns' slots in output order; padding: 0, False, 0).
+
+    Raises:
+        DataError: a missing id column, one of the wrong shape, or an id not in its table's unique ids.
+    """
+    plan = g.plan
+    lead = tuple(features.shape)
+    r = int(np.prod(lead)) if lead else 1
+    pos = np.empty((r, plan.width), dtype=np.int64)
+    valid = np.empty((r, plan.width), dtype=bool)
+    for (ti, name, k, _), s0 in zip(plan.columns, plan.slot_start.tolist()):
+        col = features.ids.get(name)
+        if col is None:
+            raise DataError(f"batch has no id column '{name}' (table '{g.tables[ti].table}'); got {sorted(features.ids)}")
+        if col.dim() == len(lead):
+            col = col.unsqueeze(-1)
+        if tuple(col.shape) != lead + (k,):
+            raise DataError(f"id column '{name}': expected shape {list(lead) + [k]}, got {list(col.shape)}")
+        ids = col.numpy().reshape(r, k)
+        u = uniq[ti]
+        ok = ids >= 0
+        if u.size == 0:
+            if ok.any():
+                raise DataError(f"table '{g.tables[ti].table}': batch has ids but unique_ids['{g.tables[ti].table}'] is empty")
+            p = np.zeros((r, k), dtype=np.int64)
+        else:
+            p = np.searchsorted(u, ids)
+            np.minimum(p, u.size - 1, out=p)
+            miss = ok & (u[p] != ids)
+            if miss.any():
+                t = g.tables[ti].table
+                raise DataError(f"id {int(ids[miss][0])} of column '{name}' is not in unique_ids['{t}'] "
+                                f"({int(miss.sum())} ids missing in column '{name}')")
+            if starts[ti]:
+                p += starts[ti]
+        pos[:, s0 : s0 + k] = np.where(ok, p, 0)
+        valid[:, s0 : s0 + k] = ok
+    # ids per bag (row x column) and each id's pooling weight: 1 (sum) or 1 / count (mean); 0 on padding
+    cnt = valid if plan.single else np.add.reduceat(valid, plan.slot_start, axis=1, dtype=np.int64)
+    if plan.mean.any():
+        per_bag = np.where(plan.mean, 1.0 / np.maximum(cnt, 1), 1.0).astype(np.float32)
+        w = per_bag if plan.single else per_bag[:, plan.slot_col]
+        w = np.where(valid, w, np.float32(0.0))
+    else:
+        w = valid.astype(np.float32)
+    return pos, valid, w
+
+
 def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, unique_ids: dict[str, Tensor]) -> GroupedIndex:
     """Check a batch's ids and build each group's pull ids and ``embedding_bag`` inputs (both ways).
 
@@ -351,68 +428,19 @@ def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, u
             or one of the wrong shape, or an id not in ``unique_ids``.
     """
     lead = tuple(features.shape)
-    r = 1
-    for s in lead:
-        r *= int(s)
-    out = GroupedIndex(ids=[], counts=[], pooled=[], lead=lead, tables=[])
+    out = GroupedIndex(ids=[], counts=[], pooled=[], lead=lead, tables=[], dims=[g.dim for g in groups])
     for g in groups:
         plan = g.plan
-        uniq_t = []
-        for lay in g.tables:
-            u = unique_ids.get(lay.table)
-            if u is None:
-                raise DataError(f"unique_ids has no table '{lay.table}' (got tables {sorted(unique_ids)})")
-            if u.dim() != 1:
-                raise DataError(f"unique_ids['{lay.table}']: expected a 1-d tensor, got shape {list(u.shape)}")
-            uniq_t.append(u)
-        uniq = [u.numpy() for u in uniq_t]
-        counts = np.array([u.size for u in uniq], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        u_all, uniq, starts = _group_ids(g, unique_ids)
         n = int(starts[-1])
-        u_all = uniq_t[0] if len(uniq_t) == 1 else torch.cat(uniq_t)
-        _check_sorted(g, u_all.numpy(), starts)
-        pos = np.empty((r, plan.width), dtype=np.int64)
-        valid = np.empty((r, plan.width), dtype=bool)
-        for (ti, name, k, _), s0 in zip(plan.columns, plan.slot_start.tolist()):
-            col = features.ids.get(name)
-            if col is None:
-                raise DataError(f"batch has no id column '{name}' (table '{g.tables[ti].table}'); got {sorted(features.ids)}")
-            if col.dim() == len(lead):
-                col = col.unsqueeze(-1)
-            if tuple(col.shape) != lead + (k,):
-                raise DataError(f"id column '{name}': expected shape {list(lead) + [k]}, got {list(col.shape)}")
-            ids = col.numpy().reshape(r, k)
-            u = uniq[ti]
-            ok = ids >= 0
-            if u.size == 0:
-                if ok.any():
-                    raise DataError(f"table '{g.tables[ti].table}': batch has ids but unique_ids['{g.tables[ti].table}'] is empty")
-                p = np.zeros((r, k), dtype=np.int64)
-            else:
-                p = np.searchsorted(u, ids)
-                np.minimum(p, u.size - 1, out=p)
-                miss = ok & (u[p] != ids)
-                if miss.any():
-                    t = g.tables[ti].table
-                    raise DataError(f"id {int(ids[miss][0])} of column '{name}' is not in unique_ids['{t}'] "
-                                    f"({int(miss.sum())} ids missing in column '{name}')")
-                if starts[ti]:
-                    p += starts[ti]
-            pos[:, s0 : s0 + k] = p
-            valid[:, s0 : s0 + k] = ok
-        # ids per bag (row x column), and each id's pooling weight: 1 (sum) or 1 / count (mean)
-        cnt = valid if plan.single else np.add.reduceat(valid, plan.slot_start, axis=1, dtype=np.int64)
-        if plan.mean.any():
-            per_bag = np.where(plan.mean, 1.0 / np.maximum(cnt, 1), 1.0).astype(np.float32)
-            w = per_bag if plan.single else per_bag[:, plan.slot_col]
-        else:
-            w = np.ones((r, plan.width), dtype=np.float32)
+        pos, valid, w = _group_positions(g, features, uniq, starts)
         flat_valid = valid.ravel()
         if flat_valid.all():
             inp, wts = pos.ravel(), np.ascontiguousarray(w).ravel()
         else:
             inp, wts = pos.ravel()[flat_valid], w.ravel()[flat_valid]
-        sizes = cnt.ravel().astype(np.int64)
+        sizes = (valid if plan.single else np.add.reduceat(valid, plan.slot_start, axis=1, dtype=np.int64)).ravel()
+        sizes = sizes.astype(np.int64)
         offsets = np.cumsum(sizes) - sizes
         # the transpose, for the backward (see PooledIndex): elements in row order; a stable sort
         # of small ints is numpy's radix sort
@@ -423,9 +451,124 @@ def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, u
         t_offsets = np.cumsum(per_row) - per_row
         T = torch.from_numpy
         out.ids.append(u_all)
-        out.counts.append(counts)
+        out.counts.append(np.diff(starts))
         out.pooled.append(PooledIndex(T(inp), T(offsets), T(wts), T(bags[order]), T(t_offsets), T(wts[order])))
         out.tables.append(tuple(lay.table for lay in g.tables))
+    return out
+
+
+# -- meta batches: each task pools its own rows --------------------------------------------
+class LocalIndex(NamedTuple):
+    """One storage group's id slots of a task's rows, as positions into the task's own rows ``[K_g, D]``."""
+
+    pos: Tensor  # int64 [*L, W]: slot -> row of the task's rows (0 on padding)
+    weight: Tensor  # float32 [*L, W]: pooling weight of the slot (0 on padding)
+
+
+class LocalLookup:
+    """One half (support or query) of a meta batch's pooling, every storage group, on each task's own
+    rows: a pytree of :class:`LocalIndex` (vmapped over tasks) whose static part, the model's
+    :class:`~models.features.GroupedLookup` (slot -> column sums, layout order), rides along as the
+    pytree context, so ``CtrModel.forward`` takes it as its ``index``.
+
+    Args:
+        parts: per group, its :class:`LocalIndex`.
+        lookup: the model's grouped lookup (static).
+    """
+
+    def __init__(self, parts: Sequence[LocalIndex], lookup: Any) -> None:
+        self.parts = tuple(parts)
+        self.lookup = lookup
+
+
+torch.utils._pytree.register_pytree_node(
+    LocalLookup,
+    lambda x: (list(x.parts), x.lookup),
+    lambda children, ctx: LocalLookup(tuple(children), ctx),
+    serialized_type_name="models.embedding.LocalLookup",
+)
+
+
+@dataclass
+class MetaGroupedIndex:
+    """A meta batch's pull ids and per-task pooling, grouped as the PS stores its tables.
+
+    Built once per batch on the prefetch thread (:func:`build_meta_index`); the step then pulls one
+    tensor per group (``ids`` / ``counts`` / ``tables`` / ``dims`` as :class:`GroupedIndex`), gathers
+    each task's rows ``rows[l2g]`` and pools them with ``support`` / ``query``.
+
+    Args:
+        ids, counts, tables, dims: per group, as :class:`GroupedIndex`.
+        keys: per group, its name in the step's rows dict (``"g0"``, ...).
+        l2g: per group, int64 ``[T, K_g]``: a task's row slot -> row of the group's pulled rows.
+        support, query: the halves' :class:`LocalLookup`.
+    """
+
+    ids: list[Tensor]
+    counts: list[np.ndarray]
+    tables: list[tuple[str, ...]]
+    dims: list[int]
+    keys: list[str]
+    l2g: dict[str, Tensor]
+    support: LocalLookup
+    query: LocalLookup
+
+
+def build_meta_index(groups: Sequence[GroupLayout], lookup: Any, support: FeatureBatch, query: FeatureBatch,
+                     unique_ids: dict[str, Tensor]) -> MetaGroupedIndex:
+    """Check a meta batch's ids and build its grouped, per-task pooling (numpy; see :func:`build_grouped_index`).
+
+    Each task's slots (support and query) are re-indexed onto the task's own distinct rows, as
+    ``models.meta._localize`` does per table, here per group with one row-wise sort::
+
+        global pos [T, N] (support, query) --per-task unique--> local pos [T, N], l2g [T, K]
+
+    Args:
+        groups: :func:`group_layouts` of the model.
+        lookup: the model's :class:`~models.features.GroupedLookup` (the static pooling plan).
+        support, query: ``[T, S, ..]`` and ``[T, Q, ..]``.
+        unique_ids: table -> sorted unique ids of both halves.
+
+    Raises:
+        DataError: as :func:`build_grouped_index`.
+    """
+    t_count, s_n = int(support.shape[0]), int(support.shape[1])
+    q_n = int(query.shape[1])
+    out = MetaGroupedIndex(ids=[], counts=[], tables=[], dims=[g.dim for g in groups],
+                           keys=[f"g{i}" for i in range(len(groups))], l2g={}, support=LocalLookup((), lookup),
+                           query=LocalLookup((), lookup))
+    sup_parts, qry_parts = [], []
+    for key, g in zip(out.keys, groups):
+        u_all, uniq, starts = _group_ids(g, unique_ids)
+        n = int(starts[-1])
+        width = g.plan.width
+        ps, vs, ws = _group_positions(g, support, uniq, starts)
+        pq, vq, wq = _group_positions(g, query, uniq, starts)
+        glob = np.concatenate([np.where(vs, ps, n).reshape(t_count, -1), np.where(vq, pq, n).reshape(t_count, -1)], axis=1)
+        key_t = glob.astype(np.int16 if n < np.iinfo(np.int16).max else np.int32)
+        order = np.argsort(key_t, axis=1, kind="stable")
+        srt = np.take_along_axis(glob, order, axis=1)
+        slot = np.zeros_like(srt)
+        if srt.shape[1] > 1:
+            np.cumsum(srt[:, 1:] != srt[:, :-1], axis=1, out=slot[:, 1:])
+        local = np.empty_like(slot)
+        np.put_along_axis(local, order, slot, axis=1)
+        k = int(slot[:, -1].max()) + 1 if slot.size else 1
+        l2g = np.zeros((t_count, k), dtype=np.int64)
+        np.put_along_axis(l2g, slot, srt, axis=1)
+        np.minimum(l2g, max(n - 1, 0), out=l2g)  # the padding slot (position n) reads any row at weight 0
+        split = s_n * width
+        T = torch.from_numpy
+        sup_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, :split]).reshape(t_count, s_n, width)),
+                                    T(np.ascontiguousarray(ws).reshape(t_count, s_n, width))))
+        qry_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, split:]).reshape(t_count, q_n, width)),
+                                    T(np.ascontiguousarray(wq).reshape(t_count, q_n, width))))
+        out.ids.append(u_all)
+        out.counts.append(np.diff(starts))
+        out.tables.append(tuple(lay.table for lay in g.tables))
+        out.l2g[key] = T(l2g)
+    out.support = LocalLookup(sup_parts, lookup)
+    out.query = LocalLookup(qry_parts, lookup)
     return out
 
 

@@ -24,8 +24,8 @@ from meta_io.batch import FeatureBatch
 from meta_io.schema import ID_KINDS, Schema
 from metaps.core.errors import DataError
 from models.embedding import (
-    GroupedIndex, GroupLayout, LookupIndex, TableLayout, build_grouped_index, group_layouts, pool, pool_grouped,
-    pooled_permutation,
+    GroupedIndex, GroupLayout, LocalIndex, LocalLookup, LookupIndex, MetaGroupedIndex, TableLayout,
+    build_grouped_index, build_meta_index, group_layouts, pool, pool_grouped, pooled_permutation,
 )
 from models.layers import signed_log1p
 
@@ -135,6 +135,22 @@ class FeatureEncoder(nn.Module):
     def _vectors(self, features: FeatureBatch) -> list[Tensor]:
         return [proj(features.vectors[name]) for name, proj in zip(self.vector_columns, self.vector_proj)]
 
+    def encode_local(self, features: FeatureBatch, rows: dict[str, Tensor], index: LocalLookup) -> EncodedFeatures:
+        """:meth:`forward` of one task (or any leading shape) on its own rows per storage group.
+
+        Args:
+            features: the rows' features (``L`` leading).
+            rows: group key -> the task's rows ``[K_g, D_g]``.
+            index: the half's :class:`~models.embedding.LocalLookup`.
+        """
+        lookup = index.lookup
+        parts = [pool_local(rows[key], li, g) for key, li, g in zip(lookup.keys, index.parts, lookup.groups)]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if lookup.perm is not None:
+            flat = flat.index_select(-1, lookup.perm)
+        return EncodedFeatures(None, self._vectors(features), signed_log1p(features.dense), pooled_flat=flat,
+                               shapes=[(len(lay.columns), lay.dim) for lay in self.layouts])
+
     def encode_grouped(self, features: FeatureBatch, rows: Sequence[Tensor], index: GroupedIndex,
                        lookup: "GroupedLookup") -> EncodedFeatures:
         """:meth:`forward` with the rows pulled per storage group: one ``embedding_bag`` per group.
@@ -152,6 +168,19 @@ class FeatureEncoder(nn.Module):
             flat = flat.index_select(-1, lookup.perm)
         return EncodedFeatures(None, self._vectors(features), signed_log1p(features.dense), pooled_flat=flat,
                                shapes=[(len(lay.columns), lay.dim) for lay in self.layouts])
+
+
+def pool_local(rows: Tensor, index: LocalIndex, group: GroupLayout) -> Tensor:
+    """One group's pooled features ``[*L, C * D]`` from a task's own rows ``[K, D]`` (vmap-safe):
+    gather the slots, weight them, sum each column's slots."""
+    lead = index.pos.shape[:-1]
+    if rows.shape[0] == 0:  # no ids of this group in the batch: everything is padding
+        return rows.new_zeros((*lead, group.n_columns * rows.shape[-1]))
+    x = rows[index.pos] * index.weight.unsqueeze(-1)  # [*L, W, D]
+    agg = group.plan.agg
+    if agg is not None:
+        x = torch.einsum("...wd,wc->...cd", x, agg)
+    return x.flatten(-2)
 
 
 class GroupedLookup:
@@ -174,6 +203,18 @@ class GroupedLookup:
         self.encoder = encoder
         self.groups: list[GroupLayout] = group_layouts(encoder.layouts, groups)
         self.perm = pooled_permutation(encoder.layouts, self.groups)
+        self.keys = [f"g{i}" for i in range(len(self.groups))]
+        """Each group's name in a meta step's rows dict (:class:`~models.embedding.MetaGroupedIndex`)."""
+
+    def meta_index(self, support: FeatureBatch, query: FeatureBatch, unique_ids: dict[str, Tensor]) -> MetaGroupedIndex:
+        """Check a meta batch and build its grouped per-task pooling (eager; the prefetch thread's work).
+
+        Raises:
+            DataError: as :meth:`CtrModel.lookup_index` does.
+        """
+        self.encoder.check(support)
+        self.encoder.check(query)
+        return build_meta_index(self.groups, self, support, query, unique_ids)
 
     def index(self, features: FeatureBatch, unique_ids: dict[str, Tensor]) -> GroupedIndex:
         """Check ``features`` and build its :class:`~models.embedding.GroupedIndex` (eager, no per-row Python).

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_map
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from metaps.core.errors import ConfigError
 from models.base import CtrModel
-from models.embedding import GroupedIndex, LookupIndex, TableIndex
+from models.embedding import GroupedIndex, LookupIndex, MetaGroupedIndex, TableIndex
 from models.features import GroupedLookup
 from models.fast_grad import install as _install_fast_grad
 from models.losses import loss
@@ -102,9 +102,11 @@ class MetaStepResult:
 
 
 # -- pytree plumbing: vmap maps over dicts of tensors, not over dataclasses ----
-def _tree(fb: FeatureBatch) -> dict[str, Any]:
+def _tree(fb: FeatureBatch, ids: bool = True) -> dict[str, Any]:
+    """``fb`` as a pytree; ``ids=False`` leaves the id columns out (a grouped step pools from its
+    precomputed positions: vmap then wraps a few tensors per task, not every column)."""
     return {
-        "ids": fb.ids,
+        "ids": fb.ids if ids else {},
         "dense": fb.dense,
         "vectors": fb.vectors,
         "labels": fb.labels,
@@ -143,7 +145,7 @@ def _learner(loop: InnerLoop, model: CtrModel) -> MetaLearner:
 
 def _adapt(
     model: CtrModel, params: Params, rows: Rows, support: FeatureBatch, index: LookupIndex, cfg: MetaConfig,
-    rates: dict[str, dict[str, Any]] | None = None, live_before: bool = False,
+    rates: dict[str, dict[str, Any]] | None = None, live_before: bool = False, measure_after: bool = True,
 ) -> tuple[Params, Rows, Tensor, Tensor]:
     """Inner loop on one task's support: ``(fast params, fast rows, loss before, loss after)``.
 
@@ -151,6 +153,8 @@ def _adapt(
     ``rates`` (:meth:`MetaLearner.rates`) holds each adapted tensor's rate; None: ``cfg.inner_lr``.
     ``live_before``: return the loss before adaptation still differentiable w.r.t. ``params``
     and ``rows`` (the unadapted support loss of ``[meta] support_loss_weight``); else detached.
+    ``measure_after``: compute the loss after adaptation (a metric: one more support forward);
+    False returns the loss before in its place.
     """
     fast = {
         "dense": dict(params) if cfg.adapts_dense else {},
@@ -171,12 +175,22 @@ def _adapt(
             before = value if live_before else value.detach()
         if cfg.first_order:
             g = tree_map(torch.Tensor.detach, g)
-        fast = tree_map(lambda p, gp, rate: p - rate * gp, fast, g, lr)
+        fast = tree_map(_sgd, fast, g, lr)
+    if before is not None and not measure_after:
+        return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, before.detach()
     with torch.no_grad():  # a metric only: no graph
         after = support_loss(fast)
     if before is None:
         before = support_loss(fast) if live_before else after
     return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, after
+
+
+def _sgd(p: Tensor, g: Tensor, rate: Any) -> Tensor:
+    """One inner SGD step of one tensor: a fixed rate is one fused ``add`` (``p + (-rate) g``), a learned one
+    (a tensor) a multiply and a subtract."""
+    if isinstance(rate, Tensor):
+        return p - rate * g
+    return torch.add(p, g, alpha=-float(rate))
 
 
 def _offsets(
@@ -310,14 +324,28 @@ def _task_cold(learner: MetaLearner, rows: Rows, unique_ids: dict[str, Tensor], 
     return {t: m[l2g[t]] for t, m in learner.unseen(rows, unique_ids).items()}
 
 
-def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> MetaStepResult:
+def grouped_meta_ok(cfg: InnerLoop) -> bool:
+    """Whether a meta step with these settings can run on rows per storage group (:func:`meta_step`'s
+    ``grouped``): not with MetaEmb (it generates rows per table) nor learned inner rates (a rate per table)."""
+    c = cfg.cfg if isinstance(cfg, MetaLearner) else cfg
+    return not c.meta_emb and c.learn_inner_lr == InnerLr.OFF
+
+
+def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop, *,
+              grouped: MetaGroupedIndex | None = None, diagnostics: bool = True) -> MetaStepResult:
     """One meta step: inner adaptation per task, outer gradients of the mean query loss.
 
     Args:
         model: any :class:`~models.base.CtrModel` (not mutated; its ``.grad``s untouched).
         batch: T tasks, support ``[T, S, ..]`` and query ``[T, Q, ..]``.
-        rows: table -> ``[U_t, dim_t]`` rows of ``batch.unique_ids[t]``.
+        rows: table -> ``[U_t, dim_t]`` rows of ``batch.unique_ids[t]``; with ``grouped``, group key ->
+            the group's pulled rows ``[N_g, D_g]`` (``grouped.keys``).
         cfg: the inner loop: a :class:`MetaConfig`, or a :class:`MetaLearner` (learned rates).
+        grouped: the batch's :class:`~models.embedding.MetaGroupedIndex` (built ahead, checked): each
+            task then pools its own rows group by group (:func:`grouped_meta_ok` settings only), and
+            ``row_grads`` is keyed like ``rows``.
+        diagnostics: compute ``support_loss_after`` (one more support forward per task); False leaves
+            it out of the metrics (a worker asks for it on its logged steps only).
 
     Returns:
         :class:`MetaStepResult`; ``row_grads`` is what the worker pushes to the PS,
@@ -332,9 +360,16 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
     learner = _learner(cfg, model)
     cfg = learner.cfg
     _check_support_size(cfg, batch.support)
-    sup_idx = model.lookup_index(batch.support, batch.unique_ids, rows)
-    qry_idx = model.lookup_index(batch.query, batch.unique_ids, rows)
-    l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
+    sup_idx: Any
+    qry_idx: Any
+    if grouped is not None:
+        if not grouped_meta_ok(learner):
+            raise ConfigError("a grouped meta step needs [meta] meta_emb = false and learn_inner_lr = 'off'")
+        l2g, sup_idx, qry_idx = grouped.l2g, grouped.support, grouped.query
+    else:
+        sup_idx = model.lookup_index(batch.support, batch.unique_ids, rows)
+        qry_idx = model.lookup_index(batch.query, batch.unique_ids, rows)
+        l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
     weights = _task_weights(batch.task_mask, batch.query)
     n_tasks = int(batch.task_mask.shape[0])
 
@@ -349,7 +384,8 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
         rates = learner.rates(mparams) if learner.learned else None
         sfb, qfb = FeatureBatch(**sup), FeatureBatch(**qry)
         start = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=True) if learner.meta_emb else rows
-        fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates, live_before=reuse_before)
+        fp, fr, before, after = _adapt(model, params, start, sfb, sidx, cfg, rates, live_before=reuse_before,
+                                       measure_after=diagnostics)
         q, q_heads = loss(_query_logits(model, fp, fr, sfb, sidx, qfb, qidx, cfg), qfb, model.heads)
         if alpha > 0:  # MetaEmb's simulated cold start: every id of the meta_emb tables starts generated
             every = {t: torch.ones_like(c) for t, c in cold.items()}
@@ -366,7 +402,9 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
         return objective, q.detach(), torch.stack(list(q_heads.values())).detach(), before, after
 
     def outer(params: Params, rows: Rows, mparams: Params):
-        per_task = (_task_rows(rows, l2g), cold, _tree(batch.support), sup_idx, _tree(batch.query), qry_idx)
+        with_ids = grouped is None
+        per_task = (_task_rows(rows, l2g), cold, _tree(batch.support, with_ids), sup_idx, _tree(batch.query, with_ids),
+                    qry_idx)
         q, q_only, q_heads, before, after = _over_tasks(task, cfg, n_tasks, (params, mparams), per_task)
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
@@ -378,6 +416,8 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop) -> 
     total, stats, dense_grads, row_grads = _grads(outer, model, rows, learner)
     q, before, after, tasks, *per_head = stats.tolist()
     metrics = {"query_loss": q, "support_loss_before": before, "support_loss_after": after, "tasks": tasks}
+    if not diagnostics:
+        del metrics["support_loss_after"]
     metrics.update({f"query_loss/{h.name}": v for h, v in zip(model.heads, per_head)})
     return MetaStepResult(outer_loss=total, dense_grads=dense_grads, row_grads=row_grads, metrics=metrics)
 
@@ -501,7 +541,7 @@ def adapt_and_predict(
         sfb = FeatureBatch(**sup)
         if learner.meta_emb:
             rows = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=False)
-        fp, fr, _, _ = _adapt(model, params, rows, sfb, sidx, first, rates)
+        fp, fr, _, _ = _adapt(model, params, rows, sfb, sidx, first, rates, measure_after=False)
         qfb = FeatureBatch(**qry)
         if first.offset_steps > 0:  # [meta] offset_steps: sigmoid(the loss's logit + the task's offset)
             out = {h: torch.sigmoid(z) for h, z in _query_logits(model, fp, fr, sfb, sidx, qfb, qidx, first).items()}

@@ -73,7 +73,7 @@ from metaps.core.rpc import RpcConfig, make_channel
 from ps import frame, routing, wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.types import (
-    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
+    CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
     WRONG_OWNER,
 )
 from protos import ps_pb2, ps_pb2_grpc
@@ -534,33 +534,58 @@ class PsClient:
                       clock=step is not None and bool(self.worker_id))
         return counts
 
-    def pull_groups(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor], *,
-                    step: int | None = None) -> list[torch.Tensor]:
+    def pull_groups(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
+                    dims: list[int], *, step: int | None = None) -> list[torch.Tensor]:
         """Rows of a step's tables grouped as the shards store them (``ps.grouping``).
+
+        Each group travels as one job: routed at once (one vshard hash over its ids), sent
+        as its tables' sections of one frame per shard, and its reply rows (one run of
+        bytes per shard) land in one ``[N_g, dim]`` output. The ids are the caller's unique
+        ids per table (a worker's Meta-IO batch): no deduplication here.
 
         Args:
             tables: per group, its tables (storage order).
             counts: per group, int64 [tables]: ids per table.
             ids: per group, int64 [N_g]: the tables' unique ids, table by table.
+            dims: per group, its dim.
             step: this worker's training step (bounded staleness).
 
         Returns:
             per group, float32 [N_g, dim] rows in ``ids`` order.
         """
-        by_table: dict[str, Any] = {}
-        for names, c, g_ids in zip(tables, counts, ids):
-            by_table.update(zip(names, torch.split(g_ids, c.tolist())))
-        got = self.pull({t: v for t, v in by_table.items() if v.numel()}, step=step)
+        if not self.framed:  # protobuf PullMany (an older shard): table by table
+            return self._pull_groups_per_table(tables, counts, ids, dims, step)
+        jobs = [routing.Job(names[0], _as_ids(g, names[0]), sections=(names, c))
+                for names, c, g in zip(tables, counts, ids)]
+        fp16 = self.value_dtype == wire.DType.FP16
+
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
+            return frame.encode_pull_request([e for j, p in pieces for e in _pull_entries(jobs[j], p)],
+                                             map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
+
+        self._fan_out("pull", jobs, request, lambda pieces, resp: _scatter_groups(jobs, pieces, resp, self._dims))
         out = []
-        for names, c, g_ids in zip(tables, counts, ids):
-            parts = [torch.from_numpy(got[t]) for t, n in zip(names, c.tolist()) if n]
-            out.append(torch.cat(parts) if parts else torch.empty((0, 0), dtype=torch.float32))
+        for job, dim in zip(jobs, dims):
+            rows = job.out if job.out is not None else np.empty((job.ids.size, dim), dtype=np.float32)
+            out.append(torch.from_numpy(_writable(rows)))
         return out
 
-    def pull_groups_async(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor], *,
-                          step: int | None = None) -> concurrent.futures.Future[list[torch.Tensor]]:
+    def _pull_groups_per_table(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
+                               dims: list[int], step: int | None) -> list[torch.Tensor]:
+        by_table: dict[str, Any] = {}
+        for names, c, g_ids in zip(tables, counts, ids):
+            by_table.update((t, v) for t, v in zip(names, torch.split(g_ids, c.tolist())) if v.numel())
+        got = self.pull(by_table, step=step)
+        out = []
+        for names, c, dim in zip(tables, counts, dims):
+            parts = [torch.from_numpy(got[t]) for t, n in zip(names, c.tolist()) if n]
+            out.append(torch.cat(parts) if parts else torch.empty((0, dim), dtype=torch.float32))
+        return out
+
+    def pull_groups_async(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
+                          dims: list[int], *, step: int | None = None) -> concurrent.futures.Future[list[torch.Tensor]]:
         """:meth:`pull_groups` on a background thread."""
-        return self._pool.submit(self.pull_groups, tables, counts, ids, step=step)
+        return self._pool.submit(self.pull_groups, tables, counts, ids, dims, step=step)
 
     def push_groups(self, tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
                     grads: list[torch.Tensor], *, step: int | None = None) -> dict[str, dict[str, int]]:
@@ -570,15 +595,32 @@ class PsClient:
             grads: per group, float32 [N_g, dim], rows in ``ids`` order.
 
         Returns:
-            as :meth:`push`.
+            as :meth:`push` (table -> counts summed over shards).
         """
-        by_table: dict[str, tuple[Any, Any]] = {}
+        if not self.framed:
+            by_table: dict[str, tuple[Any, Any]] = {}
+            for names, c, g_ids, g in zip(tables, counts, ids, grads):
+                sizes = c.tolist()
+                by_table.update((t, (i, gg)) for t, i, gg in zip(names, torch.split(g_ids, sizes), torch.split(g, sizes))
+                                if i.numel())
+            return self.push(by_table, step=step)
+        jobs = []
         for names, c, g_ids, g in zip(tables, counts, ids, grads):
-            sizes = c.tolist()
-            for t, i_part, g_part in zip(names, torch.split(g_ids, sizes), torch.split(g, sizes)):
-                if i_part.numel():
-                    by_table[t] = (i_part, g_part)
-        return self.push(by_table, step=step)
+            flat = _as_ids(g_ids, names[0])
+            gg = g.detach().to("cpu", torch.float32).contiguous().numpy()
+            if gg.ndim != 2 or gg.shape[0] != flat.size:
+                raise ValueError(f"group {list(names)}: grads must be [n={flat.size}, dim], got shape {gg.shape}")
+            jobs.append(routing.Job(names[0], flat, grads=gg, sections=(names, c)))
+        counts_out = {t: dict.fromkeys(("rows",) + PUSH_COUNT_FIELDS, 0) for names in tables for t in names}
+
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
+            return frame.encode_push_request([e for j, p in pieces for e in _push_entries(jobs[j], p)],
+                                             grad_dtype=self.grad_dtype, map_version=pmap.version,
+                                             worker_id=self.worker_id, step=step)
+
+        self._fan_out("push", jobs, request, lambda pieces, resp: routing.add_push_counts(counts_out, resp),
+                      clock=step is not None and bool(self.worker_id))
+        return counts_out
 
     def barrier(self, step: int, timeout_s: float | None = None) -> None:
         """Sync mode: return once every registered worker finished ``step`` on every shard.
@@ -666,13 +708,30 @@ class PsClient:
             out.update({p.name: wire.dense_from_proto(p) for p in resp.params})
         return out
 
-    def push_dense(self, grads: Mapping[str, Any]) -> None:
+    def push_dense(self, grads: Mapping[str, Any], *, return_values: bool = False) -> dict[str, np.ndarray]:
+        """Apply dense gradients on the shards owning them.
+
+        Args:
+            grads: name -> gradient.
+            return_values: also get the parameters' new values back in the same round trip
+                (what a worker loads next: one RPC per step instead of a push and a pull).
+
+        Returns:
+            name -> new value with ``return_values`` (every pushed name), else {}.
+        """
         by_shard: dict[int, list[ps_pb2.DenseTensor]] = {}
         for name, g in grads.items():
             by_shard.setdefault(dense_owner(name, self.num_shards), []).append(wire.dense_to_proto(name, g))
-        self._per_shard(
-            "PushDense", {s: ps_pb2.PushDenseRequest(grads=g, worker_id=self.worker_id) for s, g in by_shard.items()}
+        replies = self._per_shard(
+            "PushDense", {s: ps_pb2.PushDenseRequest(grads=g, worker_id=self.worker_id, return_values=return_values)
+                          for s, g in by_shard.items()}
         )
+        out: dict[str, np.ndarray] = {}
+        for resp in replies:
+            out.update({p.name: wire.dense_from_proto(p) for p in resp.params})
+        if return_values and set(out) != set(grads):  # a shard of an older build answered without values
+            out.update(self.pull_dense([n for n in grads if n not in out]))
+        return out
 
     # -- admin -----------------------------------------------------------------------------------
     def stats(self) -> list[dict[str, Any]]:
@@ -891,6 +950,63 @@ class _Immediate:
 
     def cancel(self) -> bool:
         return False
+
+
+def _pull_entries(job: routing.Job, pos: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """A piece of a job as pull frame tables: (table, ids, positions or None = all of ``ids``)."""
+    if job.sections is None:
+        return [(job.table, job.ids, _positions(job, pos))]
+    if pos.size == job.ids.size:  # the whole group, in order: each table's own slice
+        return [(t, job.ids[a:b], None) for t, a, b in routing.sections(job, pos)]
+    return [(t, job.ids, pos[a:b]) for t, a, b in routing.sections(job, pos)]
+
+
+def _push_entries(job: routing.Job, pos: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """A piece of a job as push frame tables: (table, ids, grads, positions or None = all rows)."""
+    g = _grads(job)
+    if job.sections is None:
+        return [(job.table, job.ids, g, _positions(job, pos))]
+    if pos.size == job.ids.size:
+        return [(t, job.ids[a:b], g[a:b], None) for t, a, b in routing.sections(job, pos)]
+    return [(t, job.ids, g, pos[a:b]) for t, a, b in routing.sections(job, pos)]
+
+
+def _scatter_groups(jobs: list[routing.Job], pieces: list[routing.Piece], resp: wire.PullReply,
+                    dims: dict[str, int]) -> None:
+    """Put a framed pull reply of group jobs into their ``out`` (see :meth:`PsClient.pull_groups`).
+
+    A group's tables come back as one run of bytes: viewed whole (no copy when the piece
+    is the whole group), else scattered to the piece's positions with one ``index_copy_``.
+
+    Raises:
+        ps.wire.WireError: the reply does not match the request (tables, counts, dims).
+    """
+    k = 0
+    for j, pos in pieces:
+        job = jobs[j]
+        secs = routing.sections(job, pos)
+        if k + len(secs) > len(resp.tables):
+            raise wire.WireError(f"pull reply has {len(resp.tables)} tables, the request asked for more")
+        for (t, a, b), tv in zip(secs, resp.tables[k : k + len(secs)]):
+            if tv.table != t or tv.rows != b - a:
+                raise wire.WireError(f"pull reply has table '{tv.table}' ({tv.rows} rows) where the request asked for "
+                                     f"'{t}' ({b - a} rows)")
+        tv0 = resp.tables[k]
+        span = resp.span(k, k + len(secs))
+        k += len(secs)
+        dtype = wire.DType.from_proto(tv0.dtype, table=tv0.table)
+        dims[job.table] = int(tv0.dim)
+        if span is None:
+            raise wire.WireError(f"pull reply: the tables of group '{job.table}' are not one run of rows")
+        vals = wire.to_float32(wire.decode_rows(span, dtype, int(pos.size), tv0.dim, table=tv0.table))
+        if job.out is None and pos.size == job.ids.size:
+            job.out = vals  # the whole group in one reply, in order: no copy
+            continue
+        if job.out is None:
+            job.out = np.empty((job.ids.size, tv0.dim), dtype=np.float32)
+        routing.as_tensor(job.out).index_copy_(0, torch.from_numpy(pos), routing.as_tensor(vals))
+    if k != len(resp.tables):
+        raise wire.WireError(f"pull reply has {len(resp.tables)} tables, the request asked for {k}")
 
 
 def _writable(rows: np.ndarray) -> np.ndarray:

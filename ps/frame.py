@@ -281,20 +281,20 @@ def encode_pull_reply(tables: Sequence[tuple[str, DType, np.ndarray]]) -> bytes:
     return buf.bytes()
 
 
-def encode_push_reply(counts: Sequence[ps_pb2.PushCounts]) -> bytes:
+def encode_push_reply(counts: Sequence[tuple[str, int, object]]) -> bytes:
     """A push reply frame: per table its rows and ``PUSH_COUNT_FIELDS`` counts.
 
     Args:
-        counts: the shard's per-table counts, in request order.
+        counts: per table, in request order: (table, rows, an object with the
+            ``PUSH_COUNT_FIELDS`` attributes: a ``ps.embedding_table.PushResult``).
     """
-    names = _names([c.table for c in counts])
+    names = _names([t for t, _, _ in counts])
     payload, offs = _layout(b"", names)
     k = len(_COUNT_NAMES)
     data, view = writable_bytes(payload + 8 * k * len(names))
     _write_head(view, PUSH_REPLY, 0, 0, None, b"", names, [(1, k, _I64)] * len(names), offs)
     arr = view[payload:].view(_ID).reshape(len(names), k)
-    for row, c in zip(arr, counts):
-        row[:] = [int(getattr(c, f)) for f in _COUNT_NAMES]
+    arr[:] = [[rows] + [int(getattr(res, f) or 0) for f in PUSH_COUNT_FIELDS] for _, rows, res in counts]
     return _done(data, view)
 
 
@@ -440,9 +440,10 @@ def decode_pull_reply(data: bytes) -> wire.PullReply:
         nbytes = n * dim * t.dtype.numpy.itemsize
         start = pos
         pos = _take(data, pos, nbytes, what, t.name, "rows", f"{n} rows x dim {dim} {t.dtype.value}")
-        out.append(wire.TableValuesView(table=t.name, values=buf[start:start + nbytes], dtype=t.dtype.proto, dim=dim, rows=n))
+        out.append(wire.TableValuesView(table=t.name, values=buf[start:start + nbytes], dtype=t.dtype.proto, dim=dim,
+                                        rows=n, offset=start))
     _check_end(data, pos, what)
-    return wire.PullReply(out)
+    return wire.PullReply(out, buffer=buf)
 
 
 def decode_push_reply(data: bytes) -> ps_pb2.PushManyResponse:

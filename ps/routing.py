@@ -45,16 +45,37 @@ class Job:
     """One table's part of a call.
 
     Attributes:
-        table: the table's name.
+        table: the table's name (a storage group's job: its first table, whose dim is the group's).
         ids: unique int64 ids (the order the positions index).
         grads: float32 [ids.size, dim] aggregated gradients (pushes only).
         out: float32 [ids.size, dim] rows, filled by :func:`scatter_pull` (pulls only).
+        sections: a storage group's job (``PsClient.pull_groups``): its tables and how many of
+            ``ids`` each holds, in order (each table's ids unique); None: one table, ``table``.
     """
 
     table: str
     ids: np.ndarray
     grads: np.ndarray | None = None
     out: np.ndarray | None = None
+    sections: tuple[tuple[str, ...], np.ndarray] | None = None
+
+    def table_starts(self) -> np.ndarray:
+        """A group job's first position of each table (int64 [tables + 1])."""
+        assert self.sections is not None
+        return np.concatenate([[0], np.cumsum(self.sections[1])]).astype(np.int64)
+
+
+def sections(job: Job, pos: np.ndarray) -> list[tuple[str, int, int]]:
+    """A group job's piece split into its tables: (table, first, last) index ranges into ``pos``,
+    tables with no row in ``pos`` left out, in the job's table order (the frame's).
+
+    Args:
+        job: a job with ``sections``.
+        pos: increasing positions into ``job.ids`` (routing keeps a piece's order).
+    """
+    assert job.sections is not None
+    cut = np.searchsorted(pos, job.table_starts())  # pos is increasing: each table's positions are one run
+    return [(name, int(cut[k]), int(cut[k + 1])) for k, name in enumerate(job.sections[0]) if cut[k + 1] > cut[k]]
 
 
 @dataclasses.dataclass

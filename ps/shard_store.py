@@ -50,6 +50,30 @@ _MAX_CUTS = 64
 """Checkpoint cuts a store remembers (:meth:`ShardStore.record_cut`)."""
 
 
+def joined(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+    """One view over ``parts`` when they lie back to back in one buffer (C-contiguous, one dtype and
+    row shape: the tables of a frame), else None. No copy.
+
+    Args:
+        parts: arrays in order, each non-empty.
+    """
+    if not parts:
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first if first.flags.c_contiguous else None
+    tail = first.shape[1:]
+    at = first.__array_interface__["data"][0]
+    n = 0
+    for a in parts:
+        if a.dtype != first.dtype or a.shape[1:] != tail or not a.flags.c_contiguous or a.__array_interface__["data"][0] != at:
+            return None
+        at += a.nbytes
+        n += a.shape[0]
+    return np.lib.stride_tricks.as_strided(first, shape=(n, *tail), strides=first.strides,
+                                           writeable=bool(first.flags.writeable))
+
+
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when available else 'cpu'; 'cuda' without a GPU is an error."""
     d = getattr(device, "value", device)
@@ -260,11 +284,12 @@ class ShardStore:
         for gi, ks in plan:
             g = self.groups[gi]
             counts = np.zeros(len(g.tables), dtype=np.int64)
-            parts, present = [], []
+            present = []
             for k in ks:
                 t, ids = items[k]
                 table = g.tables[self._where[t][1]]
-                check_ids(t, ids)
+                if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1:
+                    check_ids(t, ids)  # raises, naming what is wrong
                 if outs is not None:
                     table.check_pull_out(outs[k], ids.shape[0])
                 if ids.shape[0] == 0:  # counted as a pull, as pull() counts it; nothing to read
@@ -274,20 +299,27 @@ class ShardStore:
                     continue
                 counts[self._where[t][1]] = ids.shape[0]
                 present.append(k)
-                parts.append(torch.from_numpy(ids if ids.flags.writeable else ids.copy()))
-            if not parts:
+            if not present:
                 continue
             ks = present
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts = [items[k][1] for k in ks]
+            run = joined(parts)  # a frame's tables: one view, no copy
+            flat = np.concatenate(parts) if run is None else run.copy()  # (a writable copy either way)
+            if bool((flat == -1).any()):
+                for k in ks:
+                    check_ids(items[k][0], items[k][1])  # raises for the first table holding -1
+            out_run = joined([outs[k] for k in ks]) if outs is not None else None
+            dst = torch.from_numpy(out_run) if out_run is not None and out_run.flags.writeable else None
             with g.lock:
-                rows = g.pull(counts, flat).numpy()
+                rows = g.pull(counts, torch.from_numpy(flat), dst).numpy()
             lo = 0
             for k in ks:
                 n = items[k][1].shape[0]
                 span = rows[lo : lo + n]
                 lo += n
                 if outs is not None:
-                    outs[k][...] = span
+                    if dst is None:
+                        outs[k][...] = span
                     span = outs[k]
                 if fp16:
                     with g.lock:

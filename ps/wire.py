@@ -175,6 +175,8 @@ class TableValuesView:
     dtype: int
     dim: int
     rows: int
+    offset: int = -1
+    """Where ``values`` starts in :attr:`PullReply.buffer` (-1: not known)."""
 
 
 @dataclasses.dataclass
@@ -182,6 +184,22 @@ class PullReply:
     """A parsed ``PullManyResponse`` (``tables`` in reply order)."""
 
     tables: list[TableValuesView]
+    buffer: memoryview | None = None
+    """The reply's bytes that the ``values`` view (framed replies), for spans of several tables."""
+
+    def span(self, first: int, last: int) -> memoryview | None:
+        """One view of tables ``first`` .. ``last - 1``'s values when they lie back to back with one
+        dtype and dim (a framed reply of one storage group's tables), else None."""
+        if self.buffer is None or last <= first:
+            return None
+        tvs = self.tables[first:last]
+        t0 = tvs[0]
+        at = t0.offset
+        for tv in tvs:
+            if tv.offset != at or tv.dtype != t0.dtype or tv.dim != t0.dim:
+                return None
+            at += len(tv.values)
+        return self.buffer[t0.offset:at]
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:

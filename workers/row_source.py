@@ -24,7 +24,22 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from models.embedding import GroupedIndex
+
+class GroupedIds(Protocol):
+    """A step's ids per PS storage group (``models.embedding.GroupedIndex`` / ``MetaGroupedIndex``)."""
+
+    @property
+    def tables(self) -> list[tuple[str, ...]]: ...
+
+    @property
+    def counts(self) -> list[np.ndarray]: ...
+
+    @property
+    def ids(self) -> list[torch.Tensor]: ...
+
+    @property
+    def dims(self) -> list[int]: ...
+
 
 IdsByTable = dict[str, np.ndarray]
 RowsByTable = dict[str, np.ndarray]
@@ -34,13 +49,13 @@ GradsByTable = dict[str, tuple[np.ndarray, np.ndarray]]
 class RowSource(Protocol):
     def pull(self, ids: IdsByTable, step: int | None = None) -> RowsByTable: ...
 
-    def pull_groups(self, index: GroupedIndex, step: int | None = None) -> list[torch.Tensor]: ...
+    def pull_groups(self, index: GroupedIds, step: int | None = None) -> list[torch.Tensor]: ...
 
-    def pull_groups_async(self, index: GroupedIndex, step: int | None = None) -> "Future[list[torch.Tensor]]": ...
+    def pull_groups_async(self, index: GroupedIds, step: int | None = None) -> "Future[list[torch.Tensor]]": ...
 
-    def push_groups(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> None: ...
+    def push_groups(self, index: GroupedIds, grads: list[torch.Tensor], step: int) -> None: ...
 
-    def push_groups_async(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> "Future[None]": ...
+    def push_groups_async(self, index: GroupedIds, grads: list[torch.Tensor], step: int) -> "Future[None]": ...
 
     def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]": ...
 
@@ -53,6 +68,8 @@ class RowSource(Protocol):
     def pull_dense(self, names: list[str]) -> dict[str, np.ndarray]: ...
 
     def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None: ...
+
+    def push_pull_dense(self, grads: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]: ...
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None: ...
 
@@ -95,7 +112,7 @@ class LocalRowSource:
                 self._groups[names] = None
         return self._groups[names]
 
-    def pull_groups(self, index: GroupedIndex, step: int | None = None) -> list[torch.Tensor]:
+    def pull_groups(self, index: GroupedIds, step: int | None = None) -> list[torch.Tensor]:
         """One store call per group (trusted: the ids are the reader's unique ids)."""
         import torch
 
@@ -109,10 +126,10 @@ class LocalRowSource:
                 out.append(torch.cat([torch.from_numpy(self.store.pull(t, p.numpy())) for t, p in zip(names, parts)]))
         return out
 
-    def pull_groups_async(self, index: GroupedIndex, step: int | None = None) -> "Future[list[torch.Tensor]]":
+    def pull_groups_async(self, index: GroupedIds, step: int | None = None) -> "Future[list[torch.Tensor]]":
         return _Done(self.pull_groups(index))
 
-    def push_groups(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> None:
+    def push_groups(self, index: GroupedIds, grads: list[torch.Tensor], step: int) -> None:
         """One store call per group: one lookup, one fused update (trusted, finiteness checked once)."""
         import torch
 
@@ -125,7 +142,7 @@ class LocalRowSource:
                 if i.numel():
                     self.store.push(t, i.numpy(), gg.contiguous().numpy())
 
-    def push_groups_async(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> "Future[None]":
+    def push_groups_async(self, index: GroupedIds, grads: list[torch.Tensor], step: int) -> "Future[None]":
         """Applied before returning (in-process: nothing to overlap with)."""
         self.push_groups(index, grads, step)
         return _Done(None)
@@ -152,6 +169,11 @@ class LocalRowSource:
 
     def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None:
         self.store.dense.push(grads)
+
+    def push_pull_dense(self, grads: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+        """Apply dense gradients, then the pushed parameters' new values."""
+        self.store.dense.push(grads)
+        return self.store.dense.pull(list(grads))
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None:
         self.register_dense(values)
@@ -190,17 +212,17 @@ class RemoteRowSource:
     def pull_async(self, ids: IdsByTable, step: int | None = None) -> "Future[RowsByTable]":
         return self.client.pull_async(ids, step=step)
 
-    def pull_groups(self, index: GroupedIndex, step: int | None = None) -> list[torch.Tensor]:
+    def pull_groups(self, index: GroupedIds, step: int | None = None) -> list[torch.Tensor]:
         """Rows per group: one request per shard for every table of the step."""
-        return self.client.pull_groups(index.tables, index.counts, index.ids, step=step)
+        return self.client.pull_groups(index.tables, index.counts, index.ids, index.dims, step=step)
 
-    def pull_groups_async(self, index: GroupedIndex, step: int | None = None) -> "Future[list[torch.Tensor]]":
-        return self.client.pull_groups_async(index.tables, index.counts, index.ids, step=step)
+    def pull_groups_async(self, index: GroupedIds, step: int | None = None) -> "Future[list[torch.Tensor]]":
+        return self.client.pull_groups_async(index.tables, index.counts, index.ids, index.dims, step=step)
 
-    def push_groups(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> None:
+    def push_groups(self, index: GroupedIds, grads: list[torch.Tensor], step: int) -> None:
         self.client.push_groups(index.tables, index.counts, index.ids, grads, step=step)
 
-    def push_groups_async(self, index: GroupedIndex, grads: list[torch.Tensor], step: int) -> "Future[None]":
+    def push_groups_async(self, index: GroupedIds, grads: list[torch.Tensor], step: int) -> "Future[None]":
         """:meth:`push_groups` on a background thread (the caller must not modify ``grads`` until done)."""
         return self._pusher.submit(self.push_groups, index, grads, step)
 
@@ -219,6 +241,10 @@ class RemoteRowSource:
 
     def push_dense(self, grads: dict[str, np.ndarray], step: int) -> None:
         self.client.push_dense(grads)
+
+    def push_pull_dense(self, grads: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+        """Apply dense gradients and get the new values back: one round trip per shard."""
+        return self.client.push_dense(grads, return_values=True)
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None:
         self.client.set_dense(values)

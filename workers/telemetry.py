@@ -375,3 +375,6 @@ class CountingRowSource:
 
     def push_dense(self, grads: Any, step: int) -> None:
         self._timed(self.inner.push_dense, grads, step)
+
+    def push_pull_dense(self, grads: Any, step: int) -> Any:
+        return self._timed(self.inner.push_pull_dense, grads, step)

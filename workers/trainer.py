@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +28,7 @@ import torch
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from metaps.core.log import kv
-from models.embedding import GroupedIndex
+from models.embedding import GroupedIndex, MetaGroupedIndex
 from workers.config import DenseSync, LrSchedule, TrainConfig, TrainMode
 from workers.row_source import RowSource
 
@@ -71,6 +71,13 @@ class Prepared:
     batch: MetaBatch | PlainBatch
     index: GroupedIndex | None = None
     features: FeatureBatch | None = None
+    meta: MetaGroupedIndex | None = None
+    """A meta step's grouped per-task pooling (pulled and pushed per storage group like ``index``)."""
+
+    @property
+    def grouped(self) -> GroupedIndex | MetaGroupedIndex | None:
+        """What the step pulls and pushes per storage group (None: table by table)."""
+        return self.index if self.index is not None else self.meta
 
 
 Item = MetaBatch | PlainBatch | Prepared
@@ -152,11 +159,13 @@ class Trainer:
         self.total_steps = cfg.max_steps
         """Planned steps of this run (``warmup_cosine`` decays to 0 there); train-local sets it."""
         self.lookup: Any = None
-        """The model's :class:`models.features.GroupedLookup` when plain steps go group by group."""
-        if groups is not None and cfg.mode != TrainMode.META and getattr(rows, "supports_groups", False):
+        """The model's :class:`models.features.GroupedLookup` when steps go group by group."""
+        if groups is not None and getattr(rows, "supports_groups", False):
             from models.features import GroupedLookup
+            from models.meta import grouped_meta_ok
 
-            self.lookup = GroupedLookup(model.encoder, groups)
+            if cfg.mode != TrainMode.META or grouped_meta_ok(self.inner_loop):
+                self.lookup = GroupedLookup(model.encoder, groups)
         self._scheduled: Any = self._scheduled_store(dense_optimizer)
 
     def _scheduled_store(self, dense_optimizer: Any) -> Any:
@@ -247,8 +256,12 @@ class Trainer:
 
     def _sync_dense(self, grads: dict[str, torch.Tensor]) -> None:
         if self.cfg.dense_sync == DenseSync.PS:
-            self.rows.push_dense({n: g.detach().numpy() for n, g in grads.items()}, self.step_no)
-            self._load_dense(self.rows.pull_dense(self._names))
+            # push the gradients, get the new values back: one round trip (every parameter is pushed)
+            pushed = {n: g.detach().numpy() for n, g in grads.items()}
+            values = self.rows.push_pull_dense(pushed, self.step_no)
+            if len(values) != len(self._names):  # some parameter had no gradient: read it too
+                values.update(self.rows.pull_dense([n for n in self._names if n not in values]))
+            self._load_dense(values)
             return
         self._apply_local(torch.cat([grads[n].reshape(-1) for n in self._names]))
 
@@ -292,18 +305,28 @@ class Trainer:
         """
         if self.lookup is None:
             return Prepared(batch)
+        if self.cfg.mode == TrainMode.META:
+            if not isinstance(batch, MetaBatch):
+                raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
+            return Prepared(batch, meta=self.lookup.meta_index(batch.support, batch.query, batch.unique_ids))
         feats = _flatten_meta(batch).features if isinstance(batch, MetaBatch) else batch.features
         return Prepared(batch, self.lookup.index(feats, batch.unique_ids), feats)
 
     def _pull(self, item: Prepared, step: int) -> Any:
-        if item.index is not None:
-            return self.rows.pull_groups(item.index, step=step)
+        if item.grouped is not None:
+            return self.rows.pull_groups(item.grouped, step=step)
         return self.rows.pull(_ids_of(item.batch), step=step)
 
     def _pull_async(self, item: Prepared, step: int) -> "Future[Any]":
-        if item.index is not None:
-            return self.rows.pull_groups_async(item.index, step=step)
+        if item.grouped is not None:
+            return self.rows.pull_groups_async(item.grouped, step=step)
         return self.rows.pull_async(_ids_of(item.batch), step=step)
+
+    def _diagnostics(self) -> bool:
+        """Whether this step computes its diagnostics (``support_loss_after``): on the steps the
+        worker logs (``[train] log_every``, and the first)."""
+        every = max(1, int(self.cfg.log_every))
+        return self.step_no == 0 or (self.step_no + 1) % every == 0
 
     def compute(self, batch: Item, rows_np: Any) -> Any:
         """Loss and gradients of one batch, given its pulled rows (per table, or per group for a
@@ -311,6 +334,17 @@ class Trainer:
         from models.meta import MetaStepResult, meta_step, plain_step, plain_step_grouped
 
         if isinstance(batch, Prepared):
+            if batch.meta is not None:
+                self._set_dense_lr()
+                meta = batch.meta
+                assert isinstance(batch.batch, MetaBatch)  # prepare() built meta only for meta batches
+                res = meta_step(self.model, batch.batch, dict(zip(meta.keys, rows_np)), self.inner_loop, grouped=meta,
+                                diagnostics=self._diagnostics())
+                res.metrics.update({"loss/" + k.split("/", 1)[1]: v for k, v in list(res.metrics.items())
+                                    if k.startswith("query_loss/")})
+                res.group_grads = [res.row_grads[k] for k in meta.keys]
+                res.row_grads = {}
+                return res
             if batch.index is not None:
                 self._set_dense_lr()
                 assert batch.features is not None
@@ -325,7 +359,7 @@ class Trainer:
         if self.cfg.mode == TrainMode.META:
             if not isinstance(batch, MetaBatch):
                 raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
-            res = meta_step(self.model, batch, rows, self.inner_loop)
+            res = meta_step(self.model, batch, rows, self.inner_loop, diagnostics=self._diagnostics())
             # the outer loss is the query loss: its per-head split is the step's loss per head
             res.metrics.update({"loss/" + k.split("/", 1)[1]: v for k, v in list(res.metrics.items())
                                 if k.startswith("query_loss/")})
@@ -341,12 +375,16 @@ class Trainer:
         """One step; returns once its row push and dense sync are done."""
         return self._step(batch if isinstance(batch, Prepared) else Prepared(batch), rows_np, pull_s)
 
-    def _row_push(self, item: Prepared, result: Any) -> tuple[Any, Any]:
-        """(push function, its payload) of a step's row gradients: per group or per table."""
-        if item.index is not None:
-            return self.rows.push_groups, (item.index, [g.detach() for g in result.group_grads])
+    def _row_push(self, item: Prepared, result: Any) -> tuple[Callable[[int], None], Callable[[int], "Future[None]"]]:
+        """A step's row push, blocking and async (each takes the step): per group or per table."""
+        grouped = item.grouped
+        if grouped is not None:
+            g_grads = [g.detach() for g in result.group_grads]
+            return (lambda step: self.rows.push_groups(grouped, g_grads, step),
+                    lambda step: self.rows.push_groups_async(grouped, g_grads, step))
         ids = _ids_of(item.batch)
-        return self.rows.push, {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
+        grads = {t: (ids[t], result.row_grads[t].detach().numpy()) for t in ids if t in result.row_grads}
+        return (lambda step: self.rows.push(grads, step)), (lambda step: self.rows.push_async(grads, step))
 
     def _step(self, item: Prepared, rows_np: Any, pull_s: float, lane: ThreadPoolExecutor | None = None) -> StepStats:
         """One step. With ``lane`` the row push is queued there and may still be in flight on
@@ -359,15 +397,14 @@ class Trainer:
             # Sync mode, first of two barriers per step (PS barrier ids count half-steps: 2t, 2t+1):
             # every worker has pulled step t's rows, so no step-t push can leak into a peer's pull.
             self.barrier(2 * self.step_no)
-        push_fn, payload = self._row_push(item, result)
+        push, push_async = self._row_push(item, result)
         if lane is not None:
-            pushed = lane.submit(push_fn, *self._args(payload), self.step_no)
+            pushed = lane.submit(push, self.step_no)
             self._inflight = pushed
         else:
             # The row push and the dense sync go out together (different PS state, both done before
             # the step ends): one round trip less per step than pushing rows first, no extra staleness.
-            async_fn = self.rows.push_groups_async if item.index is not None else self.rows.push_async
-            pushed = async_fn(*self._args(payload), self.step_no)
+            pushed = push_async(self.step_no)
         if self.barrier is not None and self.cfg.dense_sync == DenseSync.PS:
             # Second barrier: every worker's step-t rows and dense grads are applied; only then
             # load the dense params (pulled before it, they could lack a peer's step-t update).
@@ -395,10 +432,6 @@ class Trainer:
             total_s=pull_s + (t2 - t0),
             metrics=dict(result.metrics),
         )
-
-    @staticmethod
-    def _args(payload: Any) -> tuple[Any, ...]:
-        return payload if isinstance(payload, tuple) else (payload,)
 
     def run(self, batches: Iterable[Item]) -> Iterator[StepStats]:
         """Train on ``batches`` (as read, or :meth:`prepare`d ahead on the prefetch thread); yields

@@ -254,7 +254,9 @@ class Worker:
             for batch in src:
                 yield self.trainer.prepare(batch)
         finally:
-            src.close()
+            close = getattr(src, "close", None)
+            if close is not None:
+                close()
 
     def _dd_mode(self) -> bool:
         """All-reduce workers under a controller running the DD policy: per-worker batch sizes."""

@@ -15,12 +15,12 @@ import dataclasses
 import pytest
 import torch
 
-from metaps.core.errors import DataError
+from metaps.core.errors import ConfigError, DataError
 from models import ModelConfig, build_model
-from models.embedding import pool_grouped
+from models.embedding import GroupedIndex, pool_grouped
 from models.features import GroupedLookup
-from models.meta import plain_step, plain_step_grouped
-from models.testing import random_features, random_rows, synthetic_schema, unique_ids_of
+from models.meta import AdaptTarget, InnerLr, InnerReduction, MetaConfig, meta_step, plain_step, plain_step_grouped
+from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of
 from meta_io.batch import PlainBatch
 
 torch.set_num_threads(1)
@@ -130,3 +130,61 @@ def test_bad_batches_are_named() -> None:
     wrong = dataclasses.replace(fb, ids={**fb.ids, "f0": fb.ids["f0"][:3]})
     with pytest.raises(DataError, match="id column 'f0': expected shape"):
         lookup.index(wrong, uniq)
+
+
+# -- meta steps on rows per storage group -------------------------------------------------------
+META_CASES = {
+    "fo both 1 step": dict(),
+    "second order rows 2 steps": dict(first_order=False, adapt=AdaptTarget.ROWS, inner_steps=2),
+    "dense only": dict(adapt=AdaptTarget.DENSE),
+    "support weight + offsets": dict(support_loss_weight=0.5, offset_steps=2),
+    "sum per support": dict(inner_loss_reduction=InnerReduction.SUM_PER_SUPPORT, inner_support_size=4),
+    "loop, no vmap": dict(vectorize=False),
+    "no adaptation": dict(inner_steps=0),
+}
+
+
+def _meta_case(grouping: str, **cfg: object):
+    schema, model = _model("dnn", {})
+    g = torch.Generator().manual_seed(5)
+    batch = random_meta_batch(schema, tasks=5, support=4, query=3, vocab=12, generator=g, pad_tasks=1)
+    rows = random_rows(batch.unique_ids, model.dims, g)
+    lookup = GroupedLookup(model.encoder, GROUPINGS[grouping](list(model.tables)))
+    idx = lookup.meta_index(batch.support, batch.query, batch.unique_ids)
+    group_rows = {k: torch.cat([rows[t] for t in names]) for k, names in zip(idx.keys, idx.tables)}
+    return model, batch, rows, idx, group_rows, MetaConfig(**cfg)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", list(META_CASES))
+@pytest.mark.parametrize("grouping", ["one group", "split"])
+def test_grouped_meta_step_equals_per_table_meta_step(case: str, grouping: str) -> None:
+    model, batch, rows, idx, group_rows, cfg = _meta_case(grouping, **META_CASES[case])
+    ref = meta_step(model, batch, rows, cfg)
+    got = meta_step(model, batch, group_rows, cfg, grouped=idx)
+    torch.testing.assert_close(got.outer_loss, ref.outer_loss)
+    assert got.metrics.keys() == ref.metrics.keys()
+    for k in ref.metrics:
+        assert got.metrics[k] == pytest.approx(ref.metrics[k], rel=1e-5, abs=1e-6), k
+    for n in ref.dense_grads:
+        torch.testing.assert_close(got.dense_grads[n], ref.dense_grads[n], msg=n)
+    per_table = GroupedIndex(ids=idx.ids, counts=idx.counts, pooled=[], lead=(), tables=idx.tables, dims=idx.dims)
+    split = per_table.split_rows([got.row_grads[k] for k in idx.keys], model.layouts)
+    for t in ref.row_grads:
+        torch.testing.assert_close(split[t], ref.row_grads[t], msg=t)
+
+
+def test_diagnostics_off_leaves_out_only_the_after_metric() -> None:
+    model, batch, rows, idx, group_rows, cfg = _meta_case("one group")
+    full = meta_step(model, batch, group_rows, cfg, grouped=idx)
+    lean = meta_step(model, batch, group_rows, cfg, grouped=idx, diagnostics=False)
+    assert "support_loss_after" in full.metrics and "support_loss_after" not in lean.metrics
+    assert {k: v for k, v in full.metrics.items() if k != "support_loss_after"} == lean.metrics
+    torch.testing.assert_close(lean.outer_loss, full.outer_loss)
+    for k in full.row_grads:
+        torch.testing.assert_close(lean.row_grads[k], full.row_grads[k])
+
+
+def test_grouped_meta_refuses_per_table_settings() -> None:
+    model, batch, rows, idx, group_rows, _ = _meta_case("one group")
+    with pytest.raises(ConfigError, match="grouped meta step"):
+        meta_step(model, batch, group_rows, MetaConfig(learn_inner_lr=InnerLr.TENSOR), grouped=idx)

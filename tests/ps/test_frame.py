@@ -61,8 +61,11 @@ def test_reply_round_trips() -> None:
     assert bytes(reply.tables[0].values) == rows.tobytes()
     from protos import ps_pb2
 
+    from ps.embedding_table import PushResult
+
     counts = [ps_pb2.PushCounts(table="a", rows=3, applied=2, evicted=1), ps_pb2.PushCounts(table="b", rows=0)]
-    assert frame.decode_push_reply(frame.encode_push_reply(counts)) == ps_pb2.PushManyResponse(tables=counts)
+    sent = [("a", 3, PushResult(applied=2, evicted=1)), ("b", 0, PushResult())]
+    assert frame.decode_push_reply(frame.encode_push_reply(sent)) == ps_pb2.PushManyResponse(tables=counts)
 
 
 # -- malformed frames against a real shard --------------------------------------------------------
@@ -95,7 +98,7 @@ def _good_push(ids: np.ndarray = IDS, dim: int = 8, table: str = "user") -> byte
 
 def _unchanged(fleet, client, before: np.ndarray) -> None:
     np.testing.assert_array_equal(client.pull({"user": IDS})["user"], before)
-    assert fleet.servers[0].metrics.rows_pushed.labels("0", "user")._value.get() == IDS.size  # the fixture's push only
+    assert fleet.servers[0].metrics.registry.get_sample_value("metaps_ps_rows_pushed_total", {"shard": "0", "table": "user"}) == IDS.size  # the fixture's push only
 
 
 def test_good_frames_are_served(one) -> None:
@@ -335,7 +338,7 @@ def test_a_client_falls_back_to_protobuf_on_a_shard_without_frames(ps_fleet) -> 
         assert not client.framed and counts["user"]["rows"] == 3
         rows = client.pull({"user": ids})["user"]
         np.testing.assert_array_equal(rows, fleet.client(framed=False).pull({"user": ids})["user"])
-        assert fleet.servers[0].metrics.rows_pushed.labels("0", "user")._value.get() == 3  # applied once
+        assert fleet.servers[0].metrics.registry.get_sample_value("metaps_ps_rows_pushed_total", {"shard": "0", "table": "user"}) == 3  # applied once
         client.close()
     finally:
         old.stop(0)

@@ -54,7 +54,7 @@ class _Shard:
         return [self.client(worker_id=f"w{k}", register=True) for k in range(n)]
 
     def pushed_rows(self) -> float:
-        return self.server.metrics.rows_pushed.labels("0", "user")._value.get()
+        return (self.server.metrics.registry.get_sample_value("metaps_ps_rows_pushed_total", {"shard": "0", "table": "user"}) or 0)
 
     def deadline_errors(self) -> float:
         return sum(s.value for m in self.server.metrics.errors.collect() for s in m.samples

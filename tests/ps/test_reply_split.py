@@ -28,7 +28,7 @@ def test_100k_id_pull_at_dim_128_under_a_4_mib_limit(ps_fleet) -> None:
     np.testing.assert_array_equal(rows, local.pull("user", ids))
     server = fleet.servers[0]
     # every row read was delivered: no pull was served and then lost to the size limit
-    assert server.metrics.rows_pulled.labels("0", "user")._value.get() == ids.size
+    assert server.metrics.registry.get_sample_value("metaps_ps_rows_pulled_total", {"shard": "0", "table": "user"}) == ids.size
     # and the client now plans requests that fit: a second pull is not refused again
     refused = server.metrics.errors.labels("0", "PullMany", "RESOURCE_EXHAUSTED")._value.get()
     again = client.pull({"user": ids[:50_000]})["user"]
@@ -54,7 +54,7 @@ def test_a_client_with_a_smaller_receive_limit_gets_replies_sized_to_it(ps_fleet
     rows = fleet.client(rpc=small).pull({"user": ids})["user"]
     np.testing.assert_array_equal(rows, ShardStore(tables, shard_id=0, num_vshards=1, seed=0).pull("user", ids))
     server = fleet.servers[0]
-    assert server.metrics.rows_pulled.labels("0", "user")._value.get() == ids.size  # no reply was dropped
+    assert server.metrics.registry.get_sample_value("metaps_ps_rows_pulled_total", {"shard": "0", "table": "user"}) == ids.size  # no reply was dropped
 
     stub = ps_pb2_grpc.ParameterServerStub(make_channel(fleet.addresses[0], small))
     req = ps_pb2.PullManyRequest(tables=[ps_pb2.TableIds(table="user", ids=ids.astype("<i8").tobytes())])
