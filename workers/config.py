@@ -8,7 +8,7 @@ Example::
     epochs = 1
     dense_sync = "ps"        # dense params on the PS, or "allreduce" between workers
                              # (either way they use [ps].dense_optimizer)
-    overlap = true           # pull the next batch's rows during this step's compute
+    overlap = "auto"         # overlap row traffic with compute where measured faster (true / false: always / never)
     device = "cpu"           # "cpu", "cuda", "cuda:N" or "auto" (cuda when available)
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
 
@@ -54,8 +55,11 @@ class TrainConfig:
         workers: worker processes in the fleet.
         epochs: passes over the train dataset.
         dense_sync: where dense parameters are kept in step.
-        overlap: pull the next batch's rows while the current step computes.
-            Rows are then at most one step stale for this worker.
+        overlap: pull the next batch's rows (and push this step's) while the current step
+            computes; rows are then one step stale for this worker. ``"auto"`` (default): the
+            worker times its first steps both ways and keeps the faster (``workers.overlap``;
+            logged, and in the worker's report); ``true`` / ``false``: always / never, a fixed
+            schedule (reproducible runs).
         max_steps: stop after this many steps per worker (0: no limit).
         log_every: steps between progress log lines and metric reports.
         eval_batches: held-out meta-batches to evaluate on (0: all).
@@ -91,7 +95,7 @@ class TrainConfig:
     workers: int = 2
     epochs: int = 1
     dense_sync: DenseSync = DenseSync.PS
-    overlap: bool = True
+    overlap: bool | Literal["auto"] = "auto"
     max_steps: int = 0
     log_every: int = 20
     eval_batches: int = 0

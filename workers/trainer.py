@@ -52,6 +52,8 @@ class StepStats:
     push_s: float
     total_s: float
     metrics: dict[str, float] = field(default_factory=dict)
+    overlapped: bool = False
+    """The step's row traffic ran on the background lane (``[train] overlap``)."""
 
 
 def _ids_of(batch: MetaBatch | PlainBatch) -> dict[str, np.ndarray]:
@@ -158,6 +160,10 @@ class Trainer:
                 self._local_dense.register(name, value)
         self.total_steps = cfg.max_steps
         """Planned steps of this run (``warmup_cosine`` decays to 0 there); train-local sets it."""
+        from workers.overlap import OverlapProbe
+
+        self.overlap = OverlapProbe(cfg.overlap, in_process=bool(getattr(rows, "in_process", False)))
+        """Whether each step overlaps its row traffic (``[train] overlap``; "auto" measures)."""
         self.lookup: Any = None
         """The model's :class:`models.features.GroupedLookup` when steps go group by group."""
         if groups is not None and getattr(rows, "supports_groups", False):
@@ -435,22 +441,17 @@ class Trainer:
 
     def run(self, batches: Iterable[Item]) -> Iterator[StepStats]:
         """Train on ``batches`` (as read, or :meth:`prepare`d ahead on the prefetch thread); yields
-        per-step stats. Honors ``overlap`` and ``max_steps``."""
+        per-step stats. Honors ``overlap`` (true, false, or "auto": :mod:`workers.overlap`) and
+        ``max_steps``."""
         it = (b if isinstance(b, Prepared) else self.prepare(b) for b in batches)
-        if not self.cfg.overlap:
-            for item in it:
-                if self._at_limit():
-                    return
-                t0 = time.perf_counter()
-                rows = self._pull(item, self.step_no)
-                yield self._step(item, rows, time.perf_counter() - t0)
-            return
-        # Overlapped: row traffic runs on one background lane, in this order:
+        probe = self.overlap
+        # Overlapped steps run row traffic on one background lane, in this order:
         #     push t-1 | pull t+1 | push t | pull t+2 | ...     (FIFO, one thread)
         # while the main thread computes step t. Batch t+1's rows thus carry every update up to
         # step t-1 and never step t's (exactly one step stale, deterministic), and neither the
         # pull nor the PS-side push stalls the step. In-process (LocalRowSource) there is no
         # network to hide: the pull is done at once, before step t, which gives the same rows.
+        # A serial step lands any push in flight first, then pulls, steps and pushes in turn.
         lane = None if getattr(self.rows, "in_process", False) else self._lane
 
         def pull_bg(b: Prepared) -> Future:
@@ -459,17 +460,33 @@ class Trainer:
             return lane.submit(self._pull, b, self.step_no)
 
         nxt = next(it, None)
-        pending = pull_bg(nxt) if nxt is not None else None
+        pending: Future | None = None
+        if nxt is not None and probe.overlap(self.step_no):
+            pending = pull_bg(nxt)
+        last = time.perf_counter()
         try:
             while nxt is not None and not self._at_limit():
-                batch, fut = nxt, pending
-                assert fut is not None  # pending is set whenever nxt is
+                item = nxt
+                step = self.step_no
                 t0 = time.perf_counter()
-                rows = fut.result()
+                if pending is not None:
+                    rows = pending.result()
+                else:
+                    self.flush()  # a serial step after an overlapped one: its push lands first
+                    rows = self._pull(item, step)
                 wait_s = time.perf_counter() - t0
                 nxt = next(it, None)
-                pending = pull_bg(nxt) if nxt is not None else None
-                yield self._step(batch, rows, wait_s, lane)
+                if probe.overlap(step):
+                    pending = pull_bg(nxt) if nxt is not None else None  # before this step's push
+                    stats = self._step(item, rows, wait_s, lane)
+                    stats.overlapped = lane is not None
+                else:
+                    pending = None
+                    stats = self._step(item, rows, wait_s)
+                yield stats
+                now = time.perf_counter()
+                probe.record(step, now - last)  # the whole cycle: the caller's work after the step too
+                last = now
         finally:
             self.flush()  # every push applied (or its error raised) before run() ends
 

@@ -118,7 +118,7 @@ class Worker:
         self.job, self.rank, self.ctl = job, rank, controller
         self.world = job.train.workers if world is None else world
         self.run_dir = Path(run_dir or job.run.dir)
-        self.telemetry = Telemetry(self.run_dir, rank, job.train.tb_every_steps, overlap=job.train.overlap)
+        self.telemetry = Telemetry(self.run_dir, rank, job.train.tb_every_steps, overlap=job.train.overlap is not False)
         self.rows: Any = CountingRowSource(rows, self.telemetry)
         self.dataset = MetaIODataset(job.data.train)
         self.model = build_model(job)
@@ -325,7 +325,8 @@ class Worker:
         rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
                "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
                "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
-               "data_wait_s": data_wait, "dense_sync_s": dense_s, "own_step_s": own_step_s, "fault_sleep_s": delay, **stats.metrics}
+               "data_wait_s": data_wait, "dense_sync_s": dense_s, "own_step_s": own_step_s, "fault_sleep_s": delay,
+               "overlapped": stats.overlapped, **stats.metrics}
         self._last_rec = rec
         if step % self.job.train.log_every == 0 or step == 1:
             self.history.append(rec)
@@ -562,6 +563,7 @@ class Worker:
             "eval": eval_metrics or {},
             "checkpoint": str(checkpoint) if checkpoint else "",
             "dense_sha256": dense_digest(self.model) if state == "finished" else "",
+            "overlap": self.trainer.overlap.report(),
         }
 
     def report(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None) -> dict[str, Any]:
