@@ -27,6 +27,7 @@ PS Stats rows, the committed checkpoints' manifests, a no-fault run's rows):
                   or "succeeded" after a failed PS recovery
 
 Run: ``python -m bench.chaos [--quick] [--keep DIR]``; the last line is one JSON object.
+``--smoke``: bad inputs and many_workers (4 threads, 2 s) only, no fleet fault unless ``--only`` names some: seconds.
 """
 
 from __future__ import annotations
@@ -654,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a subset: bad inputs, many workers, 2 fleet faults")
     ap.add_argument("--keep", default="", help="keep run dirs under this directory (default: a temp dir, removed)")
     ap.add_argument("--only", default="", help="comma-separated fleet fault names to run (default: all of the mode)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds, figures meaningless: the bad-input batteries and many_workers (4 threads, 2 s); "
+                         "no fleet fault (each is a fleet of about a minute) unless --only names some")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     root = Path(args.keep or tempfile.mkdtemp(prefix="chaos-")).resolve()
@@ -666,16 +670,19 @@ def main(argv: list[str] | None = None) -> int:
         for r in bad:
             say(f"bad input {r['target']}: {r['name']}: {'clear' if r['clear'] else 'NOT CLEAR'} "
                 f"({r['code']}: {r['message'][:120]})")
-        mw = many_workers(data, root, seconds=12.0 if args.quick else 25.0)
+        mw = (many_workers(data, root, n=4, seconds=2.0) if args.smoke
+              else many_workers(data, root, seconds=12.0 if args.quick else 25.0))
         say("many_workers: " + json.dumps(mw))
-        faults = fleet_faults(args.quick)
+        faults = fleet_faults(args.quick and not args.smoke)
         if args.only:
             keep = set(args.only.split(","))
             faults = [f for f in faults if f.name in keep]
+        elif args.smoke:
+            faults = []
         baseline_rows = None
         rows: list[dict[str, Any]] = []
         resume_source = None
-        if not args.quick:
+        if not (args.quick or args.smoke):
             b = run_fleet(FleetFault("baseline"), data, root)
             rb = judge(FleetFault("baseline"), b, specs, None)
             say("baseline: " + json.dumps(rb))
@@ -701,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                "fast_errors")}}
         rows.append(mw_row)
         figures = {
-            "mode": "quick" if args.quick else "full",
+            "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
             "faults_tried": len(rows),
             "faults_survived": sum(1 for r in rows if r["survived"]),
             "runs_losing_rows": sum(1 for r in rows if r["lost_rows"]),

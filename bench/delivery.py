@@ -4,6 +4,7 @@ Run::
 
     python -m bench.delivery            # 1M-row item table
     python -m bench.delivery --quick    # 200K rows, about a minute
+    python -m bench.delivery --smoke    # 4K rows, 1-16 tasks: seconds, every path once, figures meaningless
 
 What it measures, each against a baseline in the same run:
 
@@ -141,13 +142,13 @@ def _timed_export(ckpt: Path, root: Path, cfg: DeliveryConfig, incremental: bool
 
 
 def adaptation_latency(bundle: Path, item_ids: np.ndarray, support: int = 8, query: int = 16,
-                       tasks: tuple[int, ...] = (1, 16, 256)) -> dict[str, object]:
+                       tasks: tuple[int, ...] = (1, 16, 256), reps: int = 3) -> dict[str, object]:
     """Per-task adaptation latency of ``load_bundle(b).adapt(support).predict(rows)`` (eval16).
 
     For ``T`` tasks of ``support`` labeled rows and ``query`` rows each: wall time of
     adapting every task (the bundle's recipe, vmapped over tasks) and scoring its
     rows, divided by ``T``. Baseline: the same tasks one at a time
-    (``tasks_per_batch=1``: a Python loop over tasks). Min of 3 runs each.
+    (``tasks_per_batch=1``: a Python loop over tasks). Min of ``reps`` runs each.
 
     Args:
         bundle: a published bundle directory.
@@ -155,6 +156,7 @@ def adaptation_latency(bundle: Path, item_ids: np.ndarray, support: int = 8, que
         support: support rows per task.
         query: rows scored per task.
         tasks: task counts to measure.
+        reps: timed runs per figure (the minimum is reported).
     """
     from meta_io.batch import FeatureBatch
 
@@ -179,11 +181,11 @@ def adaptation_latency(bundle: Path, item_ids: np.ndarray, support: int = 8, que
             sup, qry = rows(t * support, s_keys), rows(t * query, q_keys)
             served.adapt(sup, s_keys).predict(qry, q_keys)  # warm-up (model build, first vmap)
             best = min(_timed(lambda: served.adapt(sup, s_keys, tasks_per_batch=256).predict(qry, q_keys))
-                       for _ in range(3))
+                       for _ in range(reps))
             per_task[str(t)] = round(1000 * best / t, 3)
             if t <= 16:
                 base = min(_timed(lambda: served.adapt(sup, s_keys, tasks_per_batch=1).predict(qry, q_keys))
-                           for _ in range(3))
+                           for _ in range(reps))
                 loop[str(t)] = round(1000 * base / t, 3)
             _say(f"  adapt {t} tasks: {per_task[str(t)]:.2f} ms/task" +
                  (f" vs one task at a time {loop[str(t)]:.2f} ms/task" if str(t) in loop else ""))
@@ -217,10 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.delivery")
     ap.add_argument("--quick", action="store_true", help="200K rows instead of 1M (about a minute)")
     ap.add_argument("--rows", type=int, default=0, help="item table rows (overrides the default)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (4K rows, one timed "
+                         "run per figure, 1 and 16 adapted tasks; seconds, figures meaningless)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    rows = args.rows or (200_000 if args.quick else 1_000_000)
+    rows = args.rows or (4_000 if args.smoke else 200_000 if args.quick else 1_000_000)
+    reps = 1 if args.smoke else 2  # min of `reps` timed exports (the machine is shared and noisy)
     work = Path(tempfile.mkdtemp(prefix="bench-delivery-"))
     try:
         schema = _schema()
@@ -234,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = DeliveryConfig(out=work / "out", dtype=RowDtype.FP32)
 
         _say("full export ...")
-        full_s = min(_timed_export(base_ckpt, work / f"full{i}", cfg, False) for i in range(3))
+        full_s = min(_timed_export(base_ckpt, work / f"full{i}", cfg, False) for i in range(reps + 1))
         export_rps = (rows + 1000) / full_s
         _say(f"  full export {full_s:.2f}s = {export_rps:,.0f} rows/s")
         n_base = min(rows, 100_000)
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = fleet.checkpoint(work / "ckpts", step, full_every=8)  # delta over the previous one
             full_ckpt = fleet.checkpoint(work / "ckpts-full", step)  # same moment, full
             job_times = []
-            for rep in range(2):  # the job: its previous delivery (the full base) went through the same cache
+            for rep in range(reps):  # the job: its previous delivery (the full base) went through the same cache
                 root = work / f"inc{step}-job-{rep}"
                 cache = ExportCache()
                 job_full_s.append(_timed_export(base_ckpt, root, DeliveryConfig(out=root), False, cache))
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             delta_job[f"{frac:g}"] = {"seconds": min(job_times)}
             for kind, ck in (("delta", ckpt), ("full", full_ckpt)):
                 times = []
-                for rep in range(2):  # min of 2: the machine is shared and noisy
+                for rep in range(reps):
                     root = work / f"inc{step}-{kind}-{rep}"
                     shutil.copytree(work / "full0", root)
                     times.append(_timed_export(ck, root, DeliveryConfig(out=root, incremental=True), True))
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         _say("serving lookups ...")
         served = load_bundle(work / "full0", verify=False)
         rng = np.random.default_rng(5)
-        batches = [rng.choice(ids, LOOKUP_BATCH) for _ in range(40)]
+        batches = [rng.choice(ids, LOOKUP_BATCH) for _ in range(10 if args.smoke else 40)]
         served.lookup("item", batches[0])
         t0 = time.perf_counter()
         for b in batches:
@@ -320,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         env.close()
         _say(f"  lookup {lookup_rps:,.0f} rows/s vs per-id get loop {lookup_base:,.0f} rows/s")
         _say("per-task adaptation ...")
-        adapt_fig = adaptation_latency(work / "full0" / "v000001", ids)
+        adapt_fig = adaptation_latency(work / "full0" / "v000001", ids, tasks=(1, 16) if args.smoke else (1, 16, 256),
+                                       reps=1 if args.smoke else 3)
 
         figures = {
             "bench": "delivery",

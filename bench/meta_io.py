@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.meta_io [--quick]
+    python -m bench.meta_io --smoke   # 6K rows, 1 round of each figure: seconds, figures meaningless
 
 Figures, each against a baseline measured in the same run:
 
@@ -223,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, about a minute on 2 cores")
     ap.add_argument("--keep", default="", help="keep the generated data and dataset in this folder")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (6K rows generated once, "
+                         "1 round of each comparison; seconds, figures meaningless)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     pa.set_io_thread_count(1)
@@ -235,16 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     from meta_io.schema import load_schema
     from meta_io.source import iter_source
 
-    rows, users, items = (200_000, 20_000, 5_000) if args.quick else (1_000_000, 100_000, 20_000)
-    gen_rows = 200_000 if args.quick else 10_000_000
-    naive_batches = 8 if args.quick else 20
-    rounds = 3 if args.quick else 5
+    if args.smoke:
+        rows, users, items = 6_000, 600, 300
+    else:
+        rows, users, items = (200_000, 20_000, 5_000) if args.quick else (1_000_000, 100_000, 20_000)
+    gen_rows = rows if args.smoke else 200_000 if args.quick else 10_000_000
+    naive_batches = 2 if args.smoke else 8 if args.quick else 20
+    rounds = 1 if args.smoke else 3 if args.quick else 5
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-metaio-"))
-    out: dict[str, Any] = {"quick": args.quick, "rows": rows}
+    out: dict[str, Any] = {"quick": args.quick, "smoke": args.smoke, "rows": rows}
     try:
         # -- generator (subprocess, peak RSS) ------------------------------------------
         _progress(f"[1/5] generator: {gen_rows:,} rows in a subprocess")
-        g = bench_generator(work / "gen", gen_rows, max(users, gen_rows // 50), max(items, gen_rows // 200))
+        g = bench_generator(work / "gen", gen_rows, users if args.smoke else max(users, gen_rows // 50),
+                            items if args.smoke else max(items, gen_rows // 200))
         out.update(gen_rows=g["rows"], gen_rows_per_s=round(g["rows_per_s"]), gen_peak_rss_mb=round(g["peak_rss_mb"]))
         _progress(f"      {g['rows_per_s']:,.0f} rows/s, peak RSS {g['peak_rss_mb']:.0f} MiB")
         data = work / "gen"
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         out.update(metaio_tasks_per_s=round(tasks / best), metaio_rows_per_s=round(n_rows / best))
         _progress(f"      {tasks / best:,.0f} tasks/s, {n_rows / best:,.0f} rows/s ({ds.total_batches} batches)")
         ds_v1 = MetaIODataset(v1_dir)
-        out.update(raw_reader_figures(ds, ds_v1, rounds=5 if args.quick else 7))
+        out.update(raw_reader_figures(ds, ds_v1, rounds=1 if args.smoke else 5 if args.quick else 7))
 
         # -- naive read ---------------------------------------------------------------------
         _progress(f"[4/5] naive reader: {naive_batches} meta-batches of 64 tasks, grouped at read time")
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         _progress("[5/6] reader overhead: fixed ~5 ms consumer, prefetched reader vs in-memory batches")
         w = torch.randn(384, 384) / 20  # a few ~0.5 ms ops, like a dense tower's layers
         reps = calibrate_reps(w, 0.005)
-        n_b = min(ds.total_batches, 120 if args.quick else 400)
+        n_b = min(ds.total_batches, 4 if args.smoke else 120 if args.quick else 400)
         shards = []
         left = n_b
         for f in range(ds.num_files):
@@ -371,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(ds.schema, ModelConfig(hidden=[128, 64]))
         dims = model.dims
         meta_cfg = MetaConfig()
-        n_t = min(n_b, 12 if args.quick else 40)
+        n_t = min(n_b, 2 if args.smoke else 12 if args.quick else 40)
         tables = {}  # fixed random rows per table (the PS's role): same work in both arms
 
         def train_consume(mb: Any) -> None:
@@ -384,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         tt_reader: list[float] = []
         tt_memory: list[float] = []
         tt_v1: list[float] = []
-        train_rounds = 5 if args.quick else 7
+        train_rounds = 1 if args.smoke else 5 if args.quick else 7
         for r in range(train_rounds):
             # alternate which arm goes first, so drift in machine load hits both alike
             arms = ("memory", "reader") if r % 2 == 0 else ("reader", "memory")

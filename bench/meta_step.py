@@ -6,6 +6,7 @@ extrapolation), interleaved, ``--reps`` times (default 3); the figures are media
 Reports tasks/s of both and their ratio, for DNN and ESMM, first- and second-order.
 
     python -m bench.meta_step [--quick] [--threads 2] [--tasks 64] [--reps 3] [--device cuda]
+    python -m bench.meta_step --smoke   # 4 tasks of S4/Q4, 1 rep, every configuration once: seconds, meaningless
 
 The last output line is a JSON object: ``vmap_speedup`` (geometric mean over
 the configurations), ``vmap_speedup_min`` and per-configuration figures.
@@ -67,8 +68,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 tasks instead of 64 (a few minutes on a loaded box)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (2 on purpose)")
-    ap.add_argument("--tasks", type=int, default=0, help="tasks per meta-batch, timed on both paths (default 64, 16 with --quick)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per path (median; >= 3)")
+    ap.add_argument("--tasks", type=int, default=0,
+                    help="tasks per meta-batch, timed on both paths (default 64, 16 with --quick, 4 with --smoke)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every configuration and prints the JSON line (4 tasks, support "
+                         "and query 4, vocab 50, 1 rep; seconds, figures meaningless)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed repetitions per path (median; >= 3; default 3, 1 with --smoke)")
     ap.add_argument("--support", type=int, default=16)
     ap.add_argument("--query", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=500, help="id range per column (sets unique rows per table)")
@@ -76,13 +82,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--inner-steps", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (model, batch and rows live there)")
     args = ap.parse_args(argv)
-    if args.reps < 3:
+    if args.reps is None:
+        args.reps = 1 if args.smoke else 3
+    if args.reps < 3 and not args.smoke:
         ap.error(f"--reps must be >= 3 (the figures are medians), got {args.reps}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch.cuda.is_available() is False on this machine")
     torch.set_num_threads(args.threads)
-    tasks = args.tasks or (16 if args.quick else 64)
+    tasks = args.tasks or (4 if args.smoke else 16 if args.quick else 64)
+    if args.smoke:
+        args.support, args.query, args.vocab = min(args.support, 4), min(args.query, 4), min(args.vocab, 50)
 
     # ~30 id columns over 12 tables, as an AntM2C-like log: user, scene, 24 sparse
     # columns on 8 tables, 3 multi-hot tag lists, 1 text field; 4 dense, 1 image vector.
@@ -144,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         "reps": args.reps,
         "device": str(device),
         "quick": args.quick,
+        "smoke": args.smoke,
         "configs": figures,
     }
     print(json.dumps(result, sort_keys=True))

@@ -5,6 +5,7 @@ Run::
     python -m bench.ps_scale [--quick] [--rows N] [--ckpt-dir DIR]
     python -m bench.ps_scale --gather-order [--quick] [--rows N]   (only the gather-order comparison)
     python -m bench.ps_scale --page-sizes [--quick] [--rows N]     (only the page-size comparison)
+    python -m bench.ps_scale --smoke   (64K and 256K rows, 3 reps: seconds, every path once, figures meaningless)
 
 Side by side in one run (the machine is shared and noisy: read the ratios):
 
@@ -121,7 +122,8 @@ def _ids(lo: int, hi: int) -> np.ndarray:
 def _fill(store: ShardStore, rows: int) -> float:
     """Import ``rows`` rows in chunks; returns rows/s."""
     small = (np.random.default_rng(3).normal(size=(1 << 14, DIM)) * 0.01).astype(np.float32)
-    block = np.tile(small, (FILL_CHUNK // small.shape[0], 1))
+    chunk = min(FILL_CHUNK, -(-rows // small.shape[0]) * small.shape[0])  # no bigger than the table needs
+    block = np.tile(small, (max(1, chunk // small.shape[0]), 1))
     mom = np.full(FILL_CHUNK, 1e-3, np.float32)
     t0 = time.perf_counter()
     for lo in range(0, rows, FILL_CHUNK):
@@ -368,12 +370,18 @@ def main() -> None:
                     help="only compare the plain gather on 4 KiB, 2 MiB and (if reserved) 1 GiB pages")
     ap.add_argument("--gather-order", action="store_true",
                     help="only compare gathers in request order vs ascending row order (1M vs --rows)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (base table 64K rows, "
+                         "big 256K, 3 reps; seconds, figures meaningless; the keys keep their names)")
     args = ap.parse_args()
+    if args.smoke:
+        global BASE
+        BASE = 1 << 16
     hugepages.ENABLED = not args.no_hugepages
     torch.set_num_threads(1)
     intra_op.set_threads(args.intra_op_threads)
-    big = args.rows or (4_000_000 if args.quick else 50_000_000)
-    reps = 15 if args.quick else 25
+    big = args.rows or (1 << 18 if args.smoke else 4_000_000 if args.quick else 50_000_000)
+    reps = 3 if args.smoke else 15 if args.quick else 25
     work = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="ps_scale_"))
     work.mkdir(parents=True, exist_ok=True)
     figures: dict = {"base_rows": BASE, "big_rows": big, "dim": DIM, "rows_per_request": N_REQ,

@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.ps_storage [--quick] [--device cpu|cuda] [--only new-ids]
+    python -m bench.ps_storage --smoke   # 40K-row tables, 1 rep, 2 stream pushes: seconds, figures meaningless
 
 Side by side in one run (this machine is noisy, so read the ratios):
 
@@ -330,10 +331,14 @@ def main() -> None:
         "--only", default="all", choices=("all", "new-ids"),
         help="new-ids: only the insert, stream and steady-state figures (issue 15 point 2)",
     )
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (40K-row tables, 1 rep, "
+                         "2 measured stream pushes; seconds, figures meaningless)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cap = 200_000 if args.quick else 1_000_000
-    reps = 3 if args.quick else 7
+    cap = 40_000 if args.smoke else 200_000 if args.quick else 1_000_000
+    reps = 1 if args.smoke else 3 if args.quick else 7
+    small = args.quick or args.smoke  # the stream and steady-state tables: a quarter of cap
     dim = 64
     rng = np.random.default_rng(0)
     figures: dict = {"device": args.device, "capacity": cap, "rows_per_request": N_REQ, "dim": dim}
@@ -375,9 +380,10 @@ def main() -> None:
         del s, t
 
     _insert_figures(cap, dim, reps, figures)
-    _stream_figures(cap // 4 if args.quick else cap, dim, 8 if args.quick else 20, figures)
+    pushes = 2 if args.smoke else 8 if args.quick else 20
+    _stream_figures(cap // 4 if small else cap, dim, pushes, figures)
     for frac in (0.1, 0.3):
-        _steady_figures(cap // 4 if args.quick else cap, dim, 8 if args.quick else 20, frac, figures)
+        _steady_figures(cap // 4 if small else cap, dim, pushes, frac, figures)
 
     for k, v in figures.items():
         print(f"{k:34s} {v}")

@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.ps_throughput [--quick] [--device cpu|cuda] [--pull-push]
+    python -m bench.ps_throughput --smoke   # 32K rows, 0.2 s per rate, 1 and 2 shards (no 4); figures meaningless
 
 ``--pull-push``: only the echo baseline, one shard (fp32 and fp16) and the store alone
 on the bench population (no 2/4 shards, no 1M-row memory figure): the
@@ -342,8 +343,9 @@ def bench_ab(rounds: int, seconds: float, population: int, device: str, threads:
     return out
 
 
-def bench_memory(rows: int, device: str) -> dict[str, float]:
-    """Bytes per row of a filled ShardStore vs raw rows + rowwise-Adagrad state."""
+def bench_memory(rows: int, device: str, seconds: float = 1.0) -> dict[str, float]:
+    """Bytes per row of a filled ShardStore vs raw rows + rowwise-Adagrad state; the store's own
+    push / pull rows/s, each measured for ``seconds``."""
     import torch
 
     from ps.config import OptimizerConfig, OptimizerKind, TableConfig
@@ -362,8 +364,8 @@ def bench_memory(rows: int, device: str) -> dict[str, float]:
     # The store alone, in this process: the ceiling the service's push/pull can reach.
     batch = ids[np.random.default_rng(6).choice(rows, ROWS_PER_REQ, replace=False)]
     grads = np.random.default_rng(7).standard_normal((ROWS_PER_REQ, DIM)).astype(np.float32) * 0.01
-    store_push = _rate(lambda: store.push("t", batch, grads), ROWS_PER_REQ, 1.0)
-    store_pull = _rate(lambda: store.pull("t", batch), ROWS_PER_REQ, 1.0)
+    store_push = _rate(lambda: store.push("t", batch, grads), ROWS_PER_REQ, seconds)
+    store_pull = _rate(lambda: store.pull("t", batch), ROWS_PER_REQ, seconds)
     del store
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"memory_rows": rows, "memory_bytes_per_row": held / rows, "raw_bytes_per_row": raw / rows,
@@ -378,14 +380,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pull-push", action="store_true", help="only echo, one shard and the store alone (see the docstring)")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
                     help="protobuf vs framed data plane, alternated in one run for ROUNDS rounds (see the docstring)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (32K rows, 0.2 s per "
+                         "rate, 2 shards but not 4; seconds, figures meaningless); combines with --pull-push and --ab")
     ap.add_argument("--ab-threads", type=int, default=2, metavar="N",
                     help="with --ab: also a shard with [ps] intra_op_threads = N (0 or 1 = no such shard)")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    seconds = 2.0 if args.quick else 6.0
-    population = 200_000 if args.quick else 1_000_000
+    seconds = 0.2 if args.smoke else 2.0 if args.quick else 6.0
+    population = 2 * ROWS_PER_REQ if args.smoke else 200_000 if args.quick else 1_000_000
     if args.ab:
         extra = f", framed on a shard with intra_op_threads={args.ab_threads} (newt{args.ab_threads})" if args.ab_threads > 1 else ""
         _progress(f"A/B: echo vs protobuf (base) vs framed (new) data plane{extra}, {args.ab} rounds, shards with intra_op_threads=1")
@@ -410,16 +415,16 @@ def main(argv: list[str] | None = None) -> int:
         f"fp16 pull {one['pull_fp16_rows_s']:,.0f}, fp16 push {one['push_fp16_rows_s']:,.0f}"
     )
 
-    _progress("[3/4] 2 and 4 shards (one process each; 2 cores shared)")
-    for n in () if args.pull_push else (2, 4):
-        r = bench_ps(n, seconds / 2 if args.quick else seconds, population, args.device, fp16=False)
+    _progress("[3/4] 2 and 4 shards (one process each; 2 cores shared)" + (": --smoke, 2 only" if args.smoke else ""))
+    for n in () if args.pull_push else (2,) if args.smoke else (2, 4):
+        r = bench_ps(n, seconds / 2 if args.quick or args.smoke else seconds, population, args.device, fp16=False)
         out[f"ps{n}_pull_rows_s"] = r["pull_rows_s"]
         out[f"ps{n}_push_rows_s"] = r["push_rows_s"]
         _progress(f"      {n} shards: pull {r['pull_rows_s']:,.0f} rows/s, push {r['push_rows_s']:,.0f} rows/s")
 
-    mem_rows = population if args.pull_push else 1_000_000
+    mem_rows = population if args.pull_push or args.smoke else 1_000_000
     _progress(f"[4/4] memory per row with {mem_rows:,} rows; the store alone")
-    mem = bench_memory(mem_rows, args.device)
+    mem = bench_memory(mem_rows, args.device, seconds=seconds if args.smoke else 1.0)
     out.update({k: v for k, v in mem.items() if k != "memory_store_stats"})
     _progress(
         f"      {mem['memory_bytes_per_row']:.1f} B/row held vs {mem['raw_bytes_per_row']:.1f} raw "

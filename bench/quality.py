@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.quality [--quick] [--rows N] [--kinds dnn,deepfm,dcnv2,esmm]
+    python -m bench.quality --smoke [--cold-only]   # 4k rows, 1 epoch (1 seed, inner steps 1,2); figures meaningless
 
 Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
 60-64 rows a user on average), whose true probabilities give every figure a ceiling:
@@ -60,6 +61,8 @@ from typing import Any
 import numpy as np
 
 KINDS = ("dnn", "deepfm", "dcnv2", "esmm")
+SMOKE_ROWS = 4_000
+"""``--smoke``'s generated rows (250 users: the generator's floor here): every step runs, no figure means anything."""
 
 
 def _progress(msg: str) -> None:
@@ -392,10 +395,10 @@ def main_inner(args: argparse.Namespace) -> int:
     """``--cold-only``: the inner-loop study over seeds (no plain model table)."""
     from meta_io.synth import generate
 
-    rows, users, items, fraction = cold_sizes(args.quick, args.rows)
-    epochs = 2 if rows <= 50_000 else 1
-    steps_list = [int(x) for x in args.inner_steps.split(",") if x]
-    seeds = [int(x) for x in args.seeds.split(",") if x]
+    rows, users, items, fraction = cold_sizes(args.quick or args.smoke, args.rows or (SMOKE_ROWS if args.smoke else 0))
+    epochs = 1 if args.smoke else 2 if rows <= 50_000 else 1
+    steps_list = [int(x) for x in (args.inner_steps or ("1,2" if args.smoke else "1,2,3,5")).split(",") if x]
+    seeds = [int(x) for x in (args.seeds or ("3" if args.smoke else "3,4,5")).split(",") if x]
     emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
     ks = parse_first_k(args.first_k)
     out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight,
@@ -445,8 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="model kinds of the plain table")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--cold-only", action="store_true", help="only the inner-loop study (section 3)")
-    ap.add_argument("--seeds", default="3,4,5", help="seeds of the inner-loop study")
-    ap.add_argument("--inner-steps", default="1,2,3,5", help="inner step counts to choose from (validation users)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"smallest size that runs every code path and prints the JSON line ({SMOKE_ROWS} rows, 1 "
+                         "epoch; --cold-only: seed 3, inner steps 1,2 unless given; seconds, figures meaningless)")
+    ap.add_argument("--seeds", default="", help="seeds of the inner-loop study (default 3,4,5; --smoke: 3)")
+    ap.add_argument("--inner-steps", default="",
+                    help="inner step counts to choose from (validation users; default 1,2,3,5; --smoke: 1,2)")
     ap.add_argument("--learn-inner-lr", default="element", choices=("off", "tensor", "element"))
     ap.add_argument("--inner-lr", type=float, default=0.1)
     ap.add_argument("--first-k", default="8",
@@ -476,8 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     from meta_io.schema import load_schema
     from workers.local import train_local
 
-    rows = args.rows or (16_000 if args.quick else 1_000_000)
-    epochs = 2 if rows <= 50_000 else 1
+    rows = args.rows or (SMOKE_ROWS if args.smoke else 16_000 if args.quick else 1_000_000)
+    epochs = 1 if args.smoke else 2 if rows <= 50_000 else 1
     users, items = max(250, rows // 64), max(200, rows // 80)
     out: dict[str, Any] = {"rows": rows, "users": users, "items": items, "epochs": epochs, "seed": args.seed}
     t_all = time.perf_counter()
@@ -510,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['train_s']:.0f} s")
         out["plain_time_split"] = table
 
-        fraction = 0.25 if args.quick else 0.1
+        fraction = 0.25 if args.quick or args.smoke else 0.1
         _progress(f"[cold start] hold out {fraction:.0%} of users, build meta episodes (support 8, query 8)")
         split = split_by_task(gen.out_dir, load_schema(gen.schema_path), tmp / "usplit", fraction=fraction,
                               seed=args.seed)

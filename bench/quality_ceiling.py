@@ -4,6 +4,7 @@ Run::
 
     python -m bench.quality_ceiling [--quick] --seeds 3,4,5 --first-k 4,8,16,32 [--redraw 10]
         [--condition buckets|buckets+interests|none] [--samples 4000] [--sampler-seed 0]
+    python -m bench.quality_ceiling --smoke   # bench.quality --smoke's data, seed 3, K=4, 2000 draws, 2 redraws
 
 On EXACTLY the data, held-out users and first-k support / scored rows of
 ``python -m bench.quality --quick --cold-only`` for the same seed (its
@@ -731,30 +732,41 @@ def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.quality import cold_generator_config, cold_sizes, cold_split, parse_first_k
+    from bench.quality import SMOKE_ROWS, cold_generator_config, cold_sizes, cold_split, parse_first_k
     from meta_io.synth import generate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="bench.quality --quick's data (16k rows, 250 users)")
     ap.add_argument("--rows", type=int, default=0, help="generated rows (as bench.quality --rows)")
-    ap.add_argument("--seeds", default="3,4,5")
-    ap.add_argument("--first-k", default="4,8,16,32", help="support sizes K")
-    ap.add_argument("--samples", type=int, default=4000, help="importance draws per user (>= 2000)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (bench.quality --smoke's "
+                         "data, seed 3, K=4, 2000 draws, 2 redraws unless given; seconds, figures meaningless)")
+    ap.add_argument("--seeds", default="", help="seeds (default 3,4,5; --smoke: 3)")
+    ap.add_argument("--first-k", default="", help="support sizes K (default 4,8,16,32; --smoke: 4)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="importance draws per user (>= 2000; default 4000, --smoke 2000)")
     ap.add_argument("--sampler-seed", type=int, default=0)
-    ap.add_argument("--redraw", type=int, default=0,
-                    help="also the gain's mean over this many redraws of every label from the true probabilities")
+    ap.add_argument("--redraw", type=int, default=None,
+                    help="also the gain's mean over this many redraws of every label from the true probabilities "
+                         "(default 0: none; --smoke: 2)")
     ap.add_argument("--condition", choices=CONDITIONS, default="buckets",
                     help="what the base knows of a user besides the global features: the bucketed user features "
                          "(default), also the interest set (mh_user_interests), or nothing (labels only)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    args.seeds = args.seeds or ("3" if args.smoke else "3,4,5")
+    args.first_k = args.first_k or ("4" if args.smoke else "4,8,16,32")
+    if args.samples is None:
+        args.samples = 2000 if args.smoke else 4000
+    if args.redraw is None:
+        args.redraw = 2 if args.smoke else 0
     ks = parse_first_k(args.first_k)
     if not ks:
         raise SystemExit("--first-k: at least one K >= 1")
     if args.samples < 2000:
         raise SystemExit(f"--samples: expected >= 2000 draws per user, got {args.samples}")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    rows, users, items, fraction = cold_sizes(args.quick, args.rows)
+    rows, users, items, fraction = cold_sizes(args.quick or args.smoke, args.rows or (SMOKE_ROWS if args.smoke else 0))
     out: dict[str, Any] = {"rows": rows, "users": users, "items": items, "held_out_fraction": fraction, "seeds": seeds,
                            "first_k": ks, "samples": args.samples, "sampler_seed": args.sampler_seed,
                            "condition": args.condition, "per_seed": {}}

@@ -29,6 +29,7 @@ they test the controller's logic, not the system; reported as e1_sim_* / e5_sim_
         protocol); plus the DDS engine alone per shard, one LMDB transaction vs two
 
 Run: ``python -m bench.stragglers [--quick]``; the last line is a JSON object.
+``--smoke``: the simulations only (no real processes but E6's controller), 16 batches per file, one pair: seconds.
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ RPC = RpcConfig(token="bench")
 BASE_S = 0.010      # one batch at normal speed
 BPS = 16            # batches per shard
 WORKERS = 4
+BATCHES = 160       # batches per file of the simulations (--smoke: SMOKE_BATCHES)
+SMOKE_BATCHES = 16
 
 
 def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def controller(tmp: str, policy: PolicyKind = PolicyKind.ND, files: int = 8, batches: int = 160,
+def controller(tmp: str, policy: PolicyKind = PolicyKind.ND, files: int = 8, batches: int = BATCHES,
                consecutive: int = 2, dd: DdConfig | None = None, window_s: float = 0.25) -> ControllerServer:
     cfg = ControllerConfig(
         tick_s=0.05, policy=policy, heartbeat_timeout_s=30.0,
@@ -81,10 +84,10 @@ def controller(tmp: str, policy: PolicyKind = PolicyKind.ND, files: int = 8, bat
 
 
 def run_dynamic(slow: Callable[[int, float], float], seed: int, kill: tuple[int, float] | None = None,
-                consecutive: int = 2, files: int = 8) -> dict[str, Any]:
+                consecutive: int = 2, files: int = 8, batches: int = BATCHES) -> dict[str, Any]:
     """All workers pull shards until DONE. ``slow(worker, t)`` is the slowdown factor."""
     with tempfile.TemporaryDirectory() as tmp:
-        srv = controller(tmp, consecutive=consecutive, files=files)
+        srv = controller(tmp, consecutive=consecutive, files=files, batches=batches)
         rng = random.Random(seed)
         jitter = [[1 + rng.uniform(-0.05, 0.05) for _ in range(4096)] for _ in range(WORKERS)]
         processed = [0] * WORKERS
@@ -141,18 +144,18 @@ def run_dynamic(slow: Callable[[int, float], float], seed: int, kill: tuple[int,
         st = srv.status()
         srv.stop(grace=0)
     actions = [e for e in st["events"] if e["kind"] in ("shrink_shards", "restart", "move_vshards")]
-    total = files * 160
+    total = files * batches
     speeds = [p / b for p, b in zip(processed, busy) if b > 0]  # measured batches/s while busy
     return {"time": elapsed, "coverage": st["coverage"], "processed": sum(processed), "total": total,
             "ideal": total / sum(speeds),
             "actions": len(actions), "events": st["events"]}
 
 
-def run_static(slow: Callable[[int, float], float], seed: int, files: int = 8) -> float:
+def run_static(slow: Callable[[int, float], float], seed: int, files: int = 8, batches: int = BATCHES) -> float:
     """Each worker trains a fixed equal quarter (no controller): time = the slowest."""
     rng = random.Random(seed)
     jitter = [[1 + rng.uniform(-0.05, 0.05) for _ in range(4096)] for _ in range(WORKERS)]
-    share = files * 160 // WORKERS
+    share = files * batches // WORKERS
     t0 = time.monotonic()
 
     def work(i: int) -> None:
@@ -167,11 +170,11 @@ def run_static(slow: Callable[[int, float], float], seed: int, files: int = 8) -
     return time.monotonic() - t0
 
 
-def e1(seed: int) -> dict[str, float]:
+def e1(seed: int, batches: int = BATCHES) -> dict[str, float]:
     slow = lambda i, t: 4.0 if i == WORKERS - 1 else 1.0  # noqa: E731
-    dyn = run_dynamic(slow, seed)
+    dyn = run_dynamic(slow, seed, batches=batches)
     assert dyn["coverage"]["complete"], dyn["coverage"]
-    static = run_static(slow, seed)
+    static = run_static(slow, seed, batches=batches)
     # ideal = work / sum of the speeds the workers really ran at (sleep overshoot included,
     # so the ratio charges dynamic sharding only for its own costs: RPCs, detection lag, tail)
     ideal = dyn["ideal"]
@@ -179,7 +182,7 @@ def e1(seed: int) -> dict[str, float]:
             "vs_static": static / dyn["time"], "vs_ideal": dyn["time"] / ideal}
 
 
-def e3(seed: int) -> dict[str, float]:
+def e3(seed: int, batches: int = BATCHES) -> dict[str, float]:
     rng = random.Random(seed)
     faults = []
     for i in range(WORKERS):  # 0.2 s blips at 3x, well apart: never 3 slow windows in a row
@@ -189,14 +192,14 @@ def e3(seed: int) -> dict[str, float]:
     injectors = [FaultInjector(cfg, "worker", i, t0=0.0, clock=time.monotonic) for i in range(WORKERS)]
     t_start = time.monotonic()
     slow = lambda i, t: injectors[i].slowdown(t_start + t)  # noqa: E731
-    dyn = run_dynamic(slow, seed, consecutive=3, files=4)
+    dyn = run_dynamic(slow, seed, consecutive=3, files=4, batches=batches)
     return {"actions": dyn["actions"], "time": dyn["time"]}
 
 
-def e4(seed: int) -> dict[str, float]:
+def e4(seed: int, batches: int = BATCHES) -> dict[str, float]:
     slow = lambda i, t: 1.0  # noqa: E731
-    base = run_dynamic(slow, seed, files=4)
-    dyn = run_dynamic(slow, seed, kill=(1, 0.8 + 0.1 * seed), files=4)
+    base = run_dynamic(slow, seed, files=4, batches=batches)
+    dyn = run_dynamic(slow, seed, kill=(1, 0.8 + 0.1 * seed), files=4, batches=batches)
     cov = dyn["coverage"]
     replayed_batches = dyn["processed"] - dyn["total"] + cov["duplicate_batches"]
     return {"complete": float(cov["complete"]), "dup_shards_per_kill": replayed_batches / BPS,
@@ -204,7 +207,8 @@ def e4(seed: int) -> dict[str, float]:
             "time_ratio_vs_no_kill": dyn["time"] / base["time"]}
 
 
-def e6(seed: int, own_process: bool = False, combined: bool = True, pairs: int = 2) -> dict[str, Any]:
+def e6(seed: int, own_process: bool = False, combined: bool = True, pairs: int = 2,
+       batches: int = BATCHES) -> dict[str, Any]:
     """E6: no stragglers, dynamic sharding vs a static split, paired ABBA within the seed.
 
     Order per pair: dynamic, static, static, dynamic; overhead = sum(dynamic) / sum(static) - 1
@@ -215,19 +219,20 @@ def e6(seed: int, own_process: bool = False, combined: bool = True, pairs: int =
     instead of its own ReportShard. ``rpc_critical_fraction`` is the profile's share: the
     workers' time blocked on or issuing RPCs plus between shards, over the static time (it
     leaves out the sleep overshoot that load adds to every batch, the noise in ``overhead``).
+    ``batches``: per file (8 files).
     """
     dyn: list[dict[str, Any]] = []
     static: list[float] = []
     for _ in range(pairs):
-        dyn.append(run_e6_dynamic(seed, own_process, combined))
-        static += [run_static(lambda i, t: 1.0, seed, files=8) for _ in range(2)]
-        dyn.append(run_e6_dynamic(seed, own_process, combined))
+        dyn.append(run_e6_dynamic(seed, own_process, combined, batches))
+        static += [run_static(lambda i, t: 1.0, seed, files=8, batches=batches) for _ in range(2)]
+        dyn.append(run_e6_dynamic(seed, own_process, combined, batches))
 
     def mean(key: str) -> float:
         return statistics.fmean(d[key] for d in dyn)
 
     d_s, s_s = mean("time"), statistics.fmean(static)
-    per_worker_shards = 8 * 160 / BPS / WORKERS
+    per_worker_shards = 8 * batches / BPS / WORKERS
     critical_ms = (mean("rpc_wait_ms_per_shard") + mean("issue_ms_per_shard") + mean("other_ms_per_shard"))
     return {"dynamic_s": d_s, "static_s": s_s, "overhead": d_s / s_s - 1.0,
             "rpc_critical_fraction": critical_ms * per_worker_shards / 1000 / s_s,
@@ -235,7 +240,7 @@ def e6(seed: int, own_process: bool = False, combined: bool = True, pairs: int =
             "other_ms_per_shard": mean("other_ms_per_shard"), "tail_ms": mean("tail_ms"),
             "rpcs_per_shard": mean("rpcs_per_shard"),
             # mean time of one 10 ms batch while a shard runs, vs the static split's (no RPCs at all)
-            "batch_ms": mean("batch_ms"), "static_batch_ms": 1000 * s_s / (8 * 160 / WORKERS)}
+            "batch_ms": mean("batch_ms"), "static_batch_ms": 1000 * s_s / (8 * batches / WORKERS)}
 
 
 def e6_dds_cpu(shards: int = 2000, reps: int = 3, fsync_shards: int = 300) -> dict[str, float]:
@@ -270,9 +275,10 @@ def e6_dds_cpu(shards: int = 2000, reps: int = 3, fsync_shards: int = 300) -> di
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def _controller_process(tmp: str) -> tuple[subprocess.Popen[str], str]:
+def _controller_process(tmp: str, batches: int = BATCHES) -> tuple[subprocess.Popen[str], str]:
     """The E6 controller as its own process (same config as :func:`controller`)."""
-    p = subprocess.Popen([sys.executable, "-m", "bench.stragglers", "--serve-controller", tmp],
+    p = subprocess.Popen([sys.executable, "-m", "bench.stragglers", "--serve-controller", tmp,
+                          "--serve-batches", str(batches)],
                          stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert p.stdout is not None
     line = p.stdout.readline().split()
@@ -282,16 +288,16 @@ def _controller_process(tmp: str) -> tuple[subprocess.Popen[str], str]:
     return p, line[1]
 
 
-def _serve_controller(tmp: str) -> int:
-    srv = controller(tmp, files=8)
+def _serve_controller(tmp: str, batches: int = BATCHES) -> int:
+    srv = controller(tmp, files=8, batches=batches)
     print("ready", srv.address, flush=True)
     srv.wait()
     srv.stop(grace=0)
     return 0
 
 
-def run_e6_dynamic(seed: int, own_process: bool, combined: bool) -> dict[str, Any]:
-    """Four simulated workers (10 ms batches, +-5 % jitter) drain 8 x 160 batches from a real controller.
+def run_e6_dynamic(seed: int, own_process: bool, combined: bool, batches: int = BATCHES) -> dict[str, Any]:
+    """Four simulated workers (10 ms batches, +-5 % jitter) drain 8 x ``batches`` (160) batches from a real controller.
 
     Both paths prefetch the next lease during a shard's last batch. ``combined=False`` is
     the old protocol: GetShard prefetch + an async ReportShard after the shard (2 RPCs).
@@ -303,9 +309,9 @@ def run_e6_dynamic(seed: int, own_process: bool, combined: bool) -> dict[str, An
     with tempfile.TemporaryDirectory() as tmp:
         proc, srv = None, None
         if own_process:
-            proc, address = _controller_process(tmp)
+            proc, address = _controller_process(tmp, batches)
         else:
-            srv = controller(tmp, files=8)
+            srv = controller(tmp, files=8, batches=batches)
             address = srv.address
         rng = random.Random(seed)
         jitter = [[1 + rng.uniform(-0.05, 0.05) for _ in range(4096)] for _ in range(WORKERS)]
@@ -1397,16 +1403,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2-pairs", type=int, default=4, help="E2: fault-on/off window pairs per run (default 4)")
     ap.add_argument("--e2-runs", type=int, default=0, help="E2: runs per keep (default: 1 with --quick, else 3)")
     ap.add_argument("--e2-keep", default="", help="E2: comma-separated keep values (default: the product's, then 0)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs the simulations' code paths and prints the JSON line: only the "
+                         "simulations (sim, e6) unless --only says otherwise, one seed, 16 batches per file, one E6 "
+                         "pair, 10+10 E5 sim steps; real-process arms named in --only run at --quick size; "
+                         "seconds, figures meaningless")
     ap.add_argument("--serve-controller", default="", help=argparse.SUPPRESS)  # E6's controller process
+    # E6's controller process: batches per file of its dataset (the parent's --smoke passes its own)
+    ap.add_argument("--serve-batches", type=int, default=BATCHES, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.e5_global_batch < REAL_WORKERS_E5:
         ap.error(f"--e5-global-batch must be >= {REAL_WORKERS_E5} (one unit per worker), got {args.e5_global_batch}")
     if args.serve_controller:
-        return _serve_controller(args.serve_controller)
+        return _serve_controller(args.serve_controller, args.serve_batches)
     logging.basicConfig(level=logging.WARNING)
-    only = set(args.only.split(",")) if args.only else {"sim", "e1", "e2", "e5", "e5i"}
+    only = set(args.only.split(",")) if args.only else {"sim"} if args.smoke else {"sim", "e1", "e2", "e5", "e5i"}
+    args.quick = args.quick or args.smoke  # real-process arms named in --only: their --quick size
     seeds = [0] if args.quick else list(range(args.seeds))
-    figures: dict[str, Any] = {"seeds": len(seeds), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+    batches = SMOKE_BATCHES if args.smoke else BATCHES
+    figures: dict[str, Any] = {"seeds": len(seeds), "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+                               **({"smoke": True, "sim_batches_per_file": batches} if args.smoke else {})}
 
     def show(tag: str, r: dict[str, Any]) -> None:
         say(f"{tag}: " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))
@@ -1414,7 +1430,10 @@ def main(argv: list[str] | None = None) -> int:
     if "sim" in only:
         res: dict[str, list[dict[str, Any]]] = {k: [] for k in ("e1", "e3", "e4", "e5")}
         for s in seeds:
-            for name, fn in (("e1", e1), ("e3", e3), ("e4", e4), ("e5", e5)):
+            sims: tuple[tuple[str, Callable[[int], dict[str, float]]], ...] = (
+                ("e1", lambda seed: e1(seed, batches)), ("e3", lambda seed: e3(seed, batches)),
+                ("e4", lambda seed: e4(seed, batches)), ("e5", lambda seed: e5(seed, 10 if args.smoke else 60)))
+            for name, fn in sims:
                 r = fn(s)
                 res[name].append(r)
                 show(f"seed {s} {name}{'_sim' if name in ('e1', 'e5') else ''}", r)
@@ -1441,7 +1460,7 @@ def main(argv: list[str] | None = None) -> int:
         r6: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
         for s in seeds:
             for name, (own, comb) in variants.items():
-                r = e6(s, own_process=own, combined=comb, pairs=1 if args.quick else 2)
+                r = e6(s, own_process=own, combined=comb, pairs=1 if args.quick else 2, batches=batches)
                 r6[name].append(r)
                 show(f"seed {s} {name}", r)
         for name in variants:
@@ -1450,7 +1469,8 @@ def main(argv: list[str] | None = None) -> int:
             for key in ("rpc_critical_fraction", "rpc_wait_ms_per_shard", "rpcs_per_shard"):
                 figures[f"{name}_{key}"] = round(statistics.median(r[key] for r in r6[name]), 4)
         figures["e6_load_avg_1m"] = round(os.getloadavg()[0], 2)
-        cpu = e6_dds_cpu(reps=1 if args.quick else 3)
+        cpu = e6_dds_cpu(shards=50 if args.smoke else 2000, reps=1 if args.quick else 3,
+                         fsync_shards=10 if args.smoke else 300)
         show("e6 dds engine alone", cpu)
         figures.update({k: round(v, 4) for k, v in cpu.items()})
     if only & {"e1", "e5", "e5i"}:

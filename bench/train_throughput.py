@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.train_throughput [--quick] [--mode plain|meta]
+    python -m bench.train_throughput --smoke   # 2K rows (meta: 8K), every configuration once; figures meaningless
 
 Every configuration runs as real processes (``metaps ps``, ``metaps worker``,
 ``metaps train-local``) talking gRPC on loopback, in the same run, on the same
@@ -142,47 +143,45 @@ def steady_rate(report: dict[str, Any]) -> float:
     return (last["samples"] - first["samples"]) / max(last["time"] - first["time"], 1e-9)
 
 
-def run_fleet(tmp: Path, data: Path, name: str, *, mode: str, shards: int, workers: int, overlaps: list[bool],
-              epochs: int) -> list[dict[str, Any]]:
-    """``shards`` PS processes; then, per entry of ``overlaps``, ``workers`` worker processes (static split).
+def run_fleet(tmp: Path, data: Path, name: str, *, mode: str, shards: int, workers: int, overlap: bool,
+              epochs: int) -> dict[str, Any]:
+    """A fresh fleet: ``shards`` PS processes and ``workers`` worker processes (static split), one job file.
 
-    Runs after the first share a warm PS (its tables already hold their ids), which
-    favours them a lot here (1x1 serial 0.4x -> 0.9x of local): the benchmark gives
-    every configuration a fresh fleet, one entry each.
+    The PS and the workers read the same job, so they share one run dir (the PS writes the
+    workers' coordinated checkpoints under it and refuses any other root). Each configuration
+    gets its own fleet: a warm PS (its tables already holding their ids) favours a second run
+    on it a lot here (1x1 serial 0.4x -> 0.9x of local).
     """
     d = tmp / name
     d.mkdir()
-    config = write_job(d / "job.toml", data, d / "run", mode=mode, shards=shards, workers=workers, overlap=True,
+    run_dir = d / "run"
+    config = write_job(d / "job.toml", data, run_dir, mode=mode, shards=shards, workers=workers, overlap=overlap,
                        epochs=epochs)
     procs: list[subprocess.Popen] = []
-    results = []
     try:
         started = [_start_ps(config, k, d) for k in range(shards)]
         procs += [p for p, _ in started]
         addrs = [_await_ready(p, r) for p, r in started]
-        for overlap in overlaps:
-            run_dir = d / f"run-overlap-{int(overlap)}"
-            wconfig = write_job(d / f"job-{int(overlap)}.toml", data, run_dir, mode=mode, shards=shards,
-                                workers=workers, overlap=overlap, epochs=epochs)
-            wprocs = [subprocess.Popen([sys.executable, "-m", "metaps", "worker", "--config", str(wconfig), "--rank",
-                                        str(r), "--ps", ",".join(addrs), "--run-dir", str(run_dir)],
-                                       cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                                       stderr=(d / f"worker-{r}-{int(overlap)}.log").open("w"))
-                      for r in range(workers)]
-            procs += wprocs
-            for r, p in enumerate(wprocs):
-                if p.wait(timeout=1800) != 0:
-                    raise RuntimeError(f"worker {r} failed; see {d / f'worker-{r}-{int(overlap)}.log'}")
-            reps = [json.loads((run_dir / "workers" / f"worker-{r}.json").read_text()) for r in range(workers)]
-            results.append({
-                "samples": sum(r["samples"] for r in reps), "wall_s": max(r["wall_s"] for r in reps),
-                "samples_per_s": sum(steady_rate(r) for r in reps),
-                "pull_s_share": _share(reps, "pull_s"), "push_s_share": _share(reps, "push_s"),
-                "step_ms": _step_ms(reps),
-            })
+        wprocs = [subprocess.Popen([sys.executable, "-m", "metaps", "worker", "--config", str(config), "--rank",
+                                    str(r), "--ps", ",".join(addrs), "--run-dir", str(run_dir)],
+                                   cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                                   stderr=(d / f"worker-{r}.log").open("w"))
+                  for r in range(workers)]
+        procs += wprocs
+        for r, p in enumerate(wprocs):
+            if p.wait(timeout=1800) != 0:
+                log = d / f"worker-{r}.log"
+                raise RuntimeError(f"worker {r} of {name} failed (rc {p.returncode}); its log ends:\n"
+                                   + log.read_text(errors="replace")[-3000:])
+        reps = [json.loads((run_dir / "workers" / f"worker-{r}.json").read_text()) for r in range(workers)]
     finally:
         _stop(procs)
-    return results
+    return {
+        "samples": sum(r["samples"] for r in reps), "wall_s": max(r["wall_s"] for r in reps),
+        "samples_per_s": sum(steady_rate(r) for r in reps),
+        "pull_s_share": _share(reps, "pull_s"), "push_s_share": _share(reps, "push_s"),
+        "step_ms": _step_ms(reps),
+    }
 
 
 def _fmt(r: dict[str, Any], local: dict[str, Any] | None) -> str:
@@ -210,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small data, within a minute")
     ap.add_argument("--mode", default="plain", choices=["plain", "meta"], help="plain CTR steps or G-Meta steps")
-    ap.add_argument("--rows", type=int, default=0, help="generated rows (default 8k quick, 60k full)")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="generated rows (default 8k quick, 100k full; smoke 2k plain, 8k meta)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every configuration and prints the JSON line (2k rows, 8k with "
+                         "--mode meta, 1 epoch, one baseline run; figures meaningless)")
     args = ap.parse_args(argv)
-    rows = args.rows or (8_000 if args.quick else 100_000)
-    epochs = 1 if args.quick else 2
+    smoke_rows = 2_048 if args.mode == "plain" else 8_000  # >= 2 history records per worker in 2x2
+    rows = args.rows or (smoke_rows if args.smoke else 8_000 if args.quick else 100_000)
+    epochs = 1 if args.quick or args.smoke else 2
     out: dict[str, Any] = {"mode": args.mode, "rows": rows, "epochs": epochs, "cores": os.cpu_count()}
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-train-") as td:
@@ -225,16 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         local = run_local(tmp, data, **kw)
         _progress(f"      {_fmt(local, None)}")
         _progress("[2/5] 1 PS + 1 worker, overlap on")
-        (on,) = run_fleet(tmp, data, "1x1-overlap", shards=1, workers=1, overlaps=[True], **kw)
+        on = run_fleet(tmp, data, "1x1-overlap", shards=1, workers=1, overlap=True, **kw)
         _progress(f"      {_fmt(on, local)}")
         _progress("[3/5] 1 PS + 1 worker, overlap off (a fresh PS: a warm one would favour this run)")
-        (off,) = run_fleet(tmp, data, "1x1-serial", shards=1, workers=1, overlaps=[False], **kw)
+        off = run_fleet(tmp, data, "1x1-serial", shards=1, workers=1, overlap=False, **kw)
         _progress(f"      {_fmt(off, local)}")
         _progress("[4/5] 2 PS + 2 workers, overlap on")
-        (two,) = run_fleet(tmp, data, "2x2", shards=2, workers=2, overlaps=[True], **kw)
+        two = run_fleet(tmp, data, "2x2", shards=2, workers=2, overlap=True, **kw)
         _progress(f"      {_fmt(two, local)}")
         local_runs = [local["samples_per_s"]]
-        if not args.quick:  # --quick keeps to about a minute: one baseline run
+        if not (args.quick or args.smoke):  # --quick keeps to about a minute: one baseline run
             _progress("[5/5] train-local again (the baseline before and after: a noise check)")
             local2 = run_local(tmp, data, **kw)
             _progress(f"      {_fmt(local2, None)}")

@@ -3,6 +3,7 @@
 Run::
 
     python -m bench.update_screening [--reps 25]
+    python -m bench.update_screening --smoke   # 20K-row tables, 2 reps: seconds, figures meaningless
 
 Per optimizer, on a 200K-row dim-64 table and 16K-id pushes (like
 ``bench.ps_storage --quick``), best of ``reps``:
@@ -48,19 +49,26 @@ def _best(fn: Callable[[], object], reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--reps", type=int, default=None,
+                    help="best of this many pushes per figure (default 25; --smoke 2)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest size that runs every code path and prints the JSON line (seconds; figures "
+                         "meaningless): 20K-row tables, 2 reps")
     args = ap.parse_args()
+    if args.reps is None:
+        args.reps = 2 if args.smoke else 25
+    capacity = 20_000 if args.smoke else CAPACITY
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    figures: dict = {"rows_per_request": N_REQ, "dim": DIM, "capacity": CAPACITY}
+    figures: dict = {"rows_per_request": N_REQ, "dim": DIM, "capacity": capacity}
     for kind in OptimizerKind:
         init = InitKind.ZEROS if kind == OptimizerKind.FTRL else InitKind.NORMAL
-        t = EmbeddingTable(TableConfig(name="t", dim=DIM, capacity=CAPACITY, optimizer=OptimizerConfig(kind=kind),
+        t = EmbeddingTable(TableConfig(name="t", dim=DIM, capacity=capacity, optimizer=OptimizerConfig(kind=kind),
                                        init=init))
-        for lo in range(0, CAPACITY, 1 << 16):
-            ids = np.arange(lo, min(lo + (1 << 16), CAPACITY), dtype=np.int64)
+        for lo in range(0, capacity, 1 << 16):
+            ids = np.arange(lo, min(lo + (1 << 16), capacity), dtype=np.int64)
             t.push(ids, np.zeros((ids.size, DIM), np.float32))
-        ids = rng.integers(0, CAPACITY, size=N_REQ).astype(np.int64)
+        ids = rng.integers(0, capacity, size=N_REQ).astype(np.int64)
         g = (rng.normal(size=(N_REQ, DIM)) * 1e-3).astype(np.float32)
         k = int(np.unique(ids).size)
         push_s = _best(lambda: t.push(ids, g), args.reps)
