@@ -70,7 +70,7 @@ def make_data(root: Path, rows: int, mode: str) -> Path:
     return build(gen.out_dir, gen.schema_path, root / "data", cfg).out_dir
 
 
-def write_job(path: Path, data: Path, run_dir: Path, *, mode: str, shards: int, workers: int, overlap: bool,
+def write_job(path: Path, data: Path, run_dir: Path, *, mode: str, shards: int, workers: int, overlap: bool | str,
               epochs: int) -> Path:
     from metaps.core.toml_writer import dumps
 
@@ -143,7 +143,7 @@ def steady_rate(report: dict[str, Any]) -> float:
     return (last["samples"] - first["samples"]) / max(last["time"] - first["time"], 1e-9)
 
 
-def run_fleet(tmp: Path, data: Path, name: str, *, mode: str, shards: int, workers: int, overlap: bool,
+def run_fleet(tmp: Path, data: Path, name: str, *, mode: str, shards: int, workers: int, overlap: bool | str,
               epochs: int) -> dict[str, Any]:
     """A fresh fleet: ``shards`` PS processes and ``workers`` worker processes (static split), one job file.
 
@@ -181,6 +181,7 @@ def run_fleet(tmp: Path, data: Path, name: str, *, mode: str, shards: int, worke
         "samples_per_s": sum(steady_rate(r) for r in reps),
         "pull_s_share": _share(reps, "pull_s"), "push_s_share": _share(reps, "push_s"),
         "step_ms": _step_ms(reps),
+        "overlap": [r.get("overlap") for r in reps],
     }
 
 

@@ -239,9 +239,25 @@ class _GroupPlan:
         """Every column holds one id per row: a bag's count is its id's validity."""
         self.slot_col = np.repeat(np.arange(self.n_cols), widths)
         self.mean = np.array([c[3] for c in cols], dtype=bool)
-        self.agg = None if self.single else torch.nn.functional.one_hot(
-            torch.from_numpy(self.slot_col), self.n_cols).to(torch.float32)
-        """float32 [W, C]: slot -> its column (sums a column's weighted slots; None: one slot a column)."""
+        # A task's pooling (pool_local) sums a column's slots as a view: slots stored column by column
+        # with the columns grouped by width (classes in order of first appearance), so a class is one
+        # [.., n_cols, width, D] block; the classes' columns are then put back in output order.
+        classes: dict[int, list[int]] = {}
+        for ci, c in enumerate(cols):
+            classes.setdefault(c[2], []).append(ci)
+        class_cols = [ci for idx in classes.values() for ci in idx]
+        self.slot_order = np.concatenate([np.arange(self.slot_start[ci], self.slot_start[ci] + cols[ci][2])
+                                          for ci in class_cols]).astype(np.int64)
+        """Slots in class order (a task index stores its slots so)."""
+        self.blocks: list[tuple[int, int, int]] = []
+        """Per width class: (first slot, columns, width), in class order."""
+        at = 0
+        for k, idx in classes.items():
+            self.blocks.append((at, len(idx), k))
+            at += len(idx) * k
+        back = np.argsort(np.asarray(class_cols))
+        self.class_perm = None if class_cols == list(range(self.n_cols)) else torch.from_numpy(back.astype(np.int64))
+        """Class order -> output order of the columns (None: the same)."""
 
 
 class PooledIndex(NamedTuple):
@@ -459,7 +475,8 @@ def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, u
 
 # -- meta batches: each task pools its own rows --------------------------------------------
 class LocalIndex(NamedTuple):
-    """One storage group's id slots of a task's rows, as positions into the task's own rows ``[K_g, D]``."""
+    """One storage group's id slots of a task's rows, as positions into the task's own rows ``[K_g, D]``
+    (slots in the group's class order, ``_GroupPlan.slot_order``)."""
 
     pos: Tensor  # int64 [*L, W]: slot -> row of the task's rows (0 on padding)
     weight: Tensor  # float32 [*L, W]: pooling weight of the slot (0 on padding)
@@ -558,11 +575,12 @@ def build_meta_index(groups: Sequence[GroupLayout], lookup: Any, support: Featur
         np.put_along_axis(l2g, slot, srt, axis=1)
         np.minimum(l2g, max(n - 1, 0), out=l2g)  # the padding slot (position n) reads any row at weight 0
         split = s_n * width
+        order_ = g.plan.slot_order  # slots in class order: pool_local sums a column as a view
         T = torch.from_numpy
-        sup_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, :split]).reshape(t_count, s_n, width)),
-                                    T(np.ascontiguousarray(ws).reshape(t_count, s_n, width))))
-        qry_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, split:]).reshape(t_count, q_n, width)),
-                                    T(np.ascontiguousarray(wq).reshape(t_count, q_n, width))))
+        sup_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, :split].reshape(t_count, s_n, width)[..., order_])),
+                                    T(np.ascontiguousarray(ws.reshape(t_count, s_n, width)[..., order_]))))
+        qry_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, split:].reshape(t_count, q_n, width)[..., order_])),
+                                    T(np.ascontiguousarray(wq.reshape(t_count, q_n, width)[..., order_]))))
         out.ids.append(u_all)
         out.counts.append(np.diff(starts))
         out.tables.append(tuple(lay.table for lay in g.tables))

@@ -172,15 +172,21 @@ class FeatureEncoder(nn.Module):
 
 def pool_local(rows: Tensor, index: LocalIndex, group: GroupLayout) -> Tensor:
     """One group's pooled features ``[*L, C * D]`` from a task's own rows ``[K, D]`` (vmap-safe):
-    gather the slots, weight them, sum each column's slots."""
+    gather the slots, weight them, sum each column's slots (a view per width class)."""
     lead = index.pos.shape[:-1]
+    d = rows.shape[-1]
     if rows.shape[0] == 0:  # no ids of this group in the batch: everything is padding
-        return rows.new_zeros((*lead, group.n_columns * rows.shape[-1]))
-    x = rows[index.pos] * index.weight.unsqueeze(-1)  # [*L, W, D]
-    agg = group.plan.agg
-    if agg is not None:
-        x = torch.einsum("...wd,wc->...cd", x, agg)
-    return x.flatten(-2)
+        return rows.new_zeros((*lead, group.n_columns * d))
+    x = torch.nn.functional.embedding(index.pos, rows) * index.weight.unsqueeze(-1)  # [*L, W, D]
+    plan = group.plan
+    parts = []
+    for first, n_cols, width in plan.blocks:
+        block = x[..., first : first + n_cols * width, :]
+        parts.append(block if width == 1 else block.reshape(*lead, n_cols, width, d).sum(-2))
+    cols = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # [*L, C, D], class order
+    if plan.class_perm is not None:
+        cols = cols.index_select(-2, plan.class_perm)
+    return cols.flatten(-2)
 
 
 class GroupedLookup:

@@ -162,6 +162,26 @@ class IdMap:
         # overestimates, which makes the next rebuild come early (and exact again)
         self._used_slots += n_new
 
+    def reserve(self, n_new: int) -> None:
+        """Account ``n_new`` ids about to be inserted by the caller straight into :attr:`slots`
+        (a group's one multi-table insert, ``ps.table_group``): the capacity check and the
+        rebuild-before-full of :meth:`insert`, done first.
+
+        Raises:
+            ValueError: ``n_new`` more ids would exceed the capacity (nothing changed).
+        """
+        if self._size + n_new > self._capacity:
+            raise ValueError(f"IdMap.insert: {n_new} new ids would exceed capacity {self._capacity} (size {self._size})")
+        if self._used_slots + n_new > self._rebuild_slots:
+            self._rebuild()
+        self._size += n_new
+        self._used_slots += n_new
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The hash slots (int64 [S, 2]; a view into a group's slot array when given one)."""
+        return self._table
+
     def remove(self, ids: np.ndarray | torch.Tensor) -> int:
         """Remove ``ids`` (unknown ids are ignored). Returns how many were removed."""
         t = _as_ids(ids)

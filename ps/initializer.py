@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -226,6 +227,54 @@ _S9 = np.uint32(9)
 _TWO_M22 = np.float32(2.0**-22)
 
 
+class TablesInitializer:
+    """Initial rows of ids of several tables at once (a storage group's new ids).
+
+    ``ids[i]`` belongs to table ``owner[i]``; the rows are the same bits as each table's own
+    :class:`RowInitializer` call (``mix64(id, salt)`` is ``mix64(id ^ salt)``): tables of one
+    family (:attr:`RowInitializer.family`, a storage group's usual case) in one pass whatever
+    their number, otherwise family by family.
+
+    Args:
+        inits: the tables' initializers, one dim.
+
+    Example::
+
+        rows = TablesInitializer([init_user, init_item])(np.array([0, 1, 1]), np.array([7, 7, 9]))
+    """
+
+    def __init__(self, inits: Sequence["RowInitializer"]) -> None:
+        self.inits = list(inits)
+        self.dim = self.inits[0].dim
+        fams: dict[tuple[int, InitKind, float, float], list[int]] = {}
+        for i, init in enumerate(self.inits):
+            fams.setdefault(init.family, []).append(i)
+        self.families = [(self.inits[m[0]], np.asarray(m, dtype=np.int64)) for m in fams.values()]
+        self.salts = np.array([init._salt for init in self.inits], dtype=np.uint64)
+
+    def __call__(self, owner: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """float32 [n, dim]: the initial row of each ``ids[i]`` in table ``owner[i]``.
+
+        Args:
+            owner: int [n] table index of each id.
+            ids: int64 [n].
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.empty((ids.shape[0], self.dim), dtype=np.float32) if len(self.families) > 1 else None
+        for first, members in self.families:
+            mine = np.isin(owner, members) if out is not None else None
+            sel, own = (ids, owner) if mine is None else (ids[mine], owner[mine])
+            if first.kind == InitKind.ZEROS or first.scale == 0.0 or sel.size == 0:
+                rows = np.zeros((sel.size, self.dim), dtype=np.float32)
+            else:
+                rows = first._rows_of_keys(mix64(sel.astype(np.uint64) ^ self.salts[own]))
+            if out is None:
+                return rows
+            out[mine] = rows
+        assert out is not None
+        return out
+
+
 class RowInitializer:
     """Deterministic initial rows of one table (see the module docstring).
 
@@ -259,7 +308,17 @@ class RowInitializer:
         n = ids.shape[0]
         if self.kind == InitKind.ZEROS or n == 0 or self.scale == 0.0:
             return np.zeros((n, self.dim), dtype=np.float32)
-        key = mix64(ids, salt=self._salt)
+        return self._rows_of_keys(mix64(ids, salt=self._salt))
+
+    @property
+    def family(self) -> tuple[int, InitKind, float, float]:
+        """What initializers must share to compute rows of several tables in one call
+        (:func:`initial_rows`): dim, kind, scale and the float32 multiplier. (The salt differs.)"""
+        return (self.dim, self.kind, self.scale, float(self._mul))
+
+    def _rows_of_keys(self, key: np.ndarray) -> np.ndarray:
+        """Rows of salted row keys (``mix64(id, salt)``), float32 [n, dim] (kind normal or uniform)."""
+        n = key.shape[0]
         chunk = self._normal_chunk if self.kind == InitKind.NORMAL else self._uniform_chunk
         if self._chunks == 1:  # dim <= 64: the chunk is the result (no extra copy)
             return chunk(key, 0, self.dim)

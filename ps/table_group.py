@@ -53,6 +53,7 @@ from metaps.core.log import kv
 from ps import intra_op
 from ps.config import NonfiniteMode, TableConfig
 from ps.embedding_table import EmbeddingTable, PushResult
+from ps.initializer import TablesInitializer
 from ps.optimizers import clip_rows_mask
 from ps.table_storage import GroupStorage
 
@@ -87,6 +88,7 @@ class TableGroup:
         self.device = self.storage.device
         self._bases = torch.from_numpy(self.storage.bases[:-1].copy())
         self._table_ids = torch.arange(len(self.tables), dtype=torch.int64)
+        self._init = TablesInitializer([t.init for t in self.tables])
 
     # -- lookup ---------------------------------------------------------------------
     def _offsets(self, counts: np.ndarray) -> torch.Tensor:
@@ -155,11 +157,9 @@ class TableGroup:
         if bool(known.any()):
             kn = known.nonzero().squeeze(1)
             out.index_copy_(0, kn, self._gather(rows.index_select(0, kn)))
-        unknown = (~known).numpy()
-        for i, lo, hi in spans:
-            miss = np.flatnonzero(unknown[lo:hi])
-            if miss.size:
-                out[torch.from_numpy(lo + miss)] = torch.from_numpy(self.tables[i].init(ids[lo:hi].numpy()[miss]))
+        unknown = np.flatnonzero((~known).numpy())  # their initial rows, every table in one call
+        owner = np.repeat(np.arange(len(self.tables), dtype=np.int64), counts)[unknown]
+        out[torch.from_numpy(unknown)] = torch.from_numpy(self._init(owner, ids.numpy()[unknown]))
         return out
 
     def _gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,15 +295,72 @@ class TableGroup:
 
     def _insert(self, spans: list[tuple[int, int, int]], ids: torch.Tensor, rows: torch.Tensor,
                 results: list[PushResult], new_pos: dict[int, np.ndarray | None]) -> None:
-        """Rows for the unknown ids, table by table (only tables that have any); ``rows`` updated in place."""
-        for k, (i, lo, hi) in enumerate(spans):
-            part = rows[lo:hi]
-            if int(part.min()) >= 0:
-                continue
+        """Rows for the unknown ids (``rows`` updated in place, storage rows).
+
+        Tables admitting at once with room to spare (the usual case) are served together:
+        each takes its rows off its free list, then one initial-rows call, one weights
+        write, one optimizer reset, one metadata write and one multi-table id-map insert
+        for all of them. A table with an admission rule or too few free rows (eviction)
+        goes through its own ``insert_new``. Either way every table ends as its own push
+        would leave it (rows from its free list in id order, the same values).
+        """
+        r = rows.numpy()
+        batch: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (table, first position, positions, local rows)
+        starts = np.fromiter((lo for _, lo, _ in spans), dtype=np.int64, count=len(spans))
+        has_new = np.add.reduceat(r < 0, starts) > 0  # one pass: which tables have unknown ids
+        for k in np.flatnonzero(has_new).tolist():
+            i, lo, hi = spans[k]
+            part = r[lo:hi]
             t = self.tables[i]
-            local = torch.where(part >= 0, part - t.base, part)
-            t.insert_new(ids[lo:hi], local, results[k], new_pos.get(i))
-            part.copy_(torch.where(local >= 0, local + t.base, local))
+            pos = new_pos.get(i)
+            if pos is None:
+                pos = np.flatnonzero(part < 0)  # increasing, and the ids are sorted: id order
+            if not t.cfg.admission.immediate or pos.size > t._n_free:
+                local = torch.where(rows[lo:hi] >= 0, rows[lo:hi] - t.base, rows[lo:hi])
+                t.insert_new(ids[lo:hi], local, results[k], new_pos.get(i))
+                rows[lo:hi] = torch.where(local >= 0, local + t.base, local)
+                continue
+            m = int(pos.size)
+            local_rows = t._free[t._n_free - m : t._n_free][::-1].astype(np.int64)
+            t._n_free -= m
+            t.id_map.reserve(m)
+            results[k].admitted = m
+            t.counters["admissions"] += m
+            batch.append((i, lo, pos, local_rows))
+        if batch:
+            self._alloc_many(batch, ids.numpy(), r)
+
+    def _alloc_many(self, batch: list[tuple[int, int, np.ndarray, np.ndarray]], ids: np.ndarray, r: np.ndarray) -> None:
+        """Initial rows, optimizer state, metadata and id-map entries of new ids of several tables at once.
+
+        Args:
+            batch: per table (in group order): its index, its first position in the request, the
+                positions (in its span, id order) of its new ids, and the rows taken for them.
+            ids: the request's ids.
+            r: the request's storage rows, written at the new ids' positions.
+        """
+        st = self.storage
+        at = np.concatenate([lo + pos for _, lo, pos, _ in batch])
+        new_ids = ids[at]
+        owner = np.concatenate([np.full(pos.size, i, dtype=np.int64) for i, _, pos, _ in batch])
+        local = np.concatenate([lr for _, _, _, lr in batch])
+        g = local + st.bases[:-1][owner]
+        vals = torch.from_numpy(self._init(owner, new_ids))
+        lo_v, hi_v = torch.aminmax(vals)
+        g_t = torch.from_numpy(g).to(self.device)
+        st.weights.index_copy_(0, g_t, vals.to(self.device))
+        st.optimizer.reset_rows(g_t)
+        st.optimizer.rows_initialized(g_t, max(-float(lo_v), float(hi_v)))
+        st.row_ids[g] = new_ids
+        st.freq[g] = 0
+        st.last_step[g] = np.array([t.step for t in self.tables], dtype=np.int32)[owner]
+        st.row_version[g] = np.array([t.current_version for t in self.tables], dtype=np.int32)[owner]
+        counts = np.zeros(len(self.tables), dtype=np.int64)
+        for i, _, pos, _ in batch:
+            counts[i] = pos.size
+        torch.ops.fbgemm.pruned_hashmap_insert(torch.from_numpy(new_ids), torch.from_numpy(local), self._offsets(counts),
+                                               st.map_slots, st.map_offsets)
+        r[at] = g
 
     def _unique_request(self, spans: list[tuple[int, int, int]], ids: torch.Tensor,
                         rows: torch.Tensor) -> dict[int, np.ndarray | None] | None:
