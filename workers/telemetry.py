@@ -62,7 +62,7 @@ import numpy as np
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from metaps.core.atomic_write import write_json_atomic
+from metaps.core.atomic_write import json_default, write_text_atomic
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,7 @@ class Telemetry:
         self.incarnation = incarnation or claim_incarnation(self.run_dir / "workers", rank)
         self.tb_dir = self.run_dir / "tb" / f"worker-{rank}.inc-{self.incarnation}"
         self.report_path = self.run_dir / "workers" / _REPORT_NAME.format(rank=rank, inc=self.incarnation)
+        self._history_json: list[str] = []  # each history record's JSON text, encoded once (snapshot)
         r = str(rank)
         self._steps, self._samples, self._step = STEPS.labels(r), SAMPLES.labels(r), STEP.labels(r)
         self._phase = {p: STEP_SECONDS.labels(r, p) for p in PHASES}
@@ -290,9 +291,22 @@ class Telemetry:
     # -- report snapshots ------------------------------------------------------------------
     def snapshot(self, report: Mapping[str, Any]) -> None:
         """Rewrite this incarnation's report file (atomic); ``last`` is the newest step's figures
-        (what the launcher's live view shows, :class:`metaps.progress.LiveWorkers`)."""
-        write_json_atomic(self.report_path, {**report, "incarnation": self.incarnation,
-                                             "eval_history": list(self.eval_points), "last": dict(self.last)})
+        (what the launcher's live view shows, :class:`metaps.progress.LiveWorkers`).
+
+        The report's ``history`` only grows (records are never changed once in it), so each
+        record is encoded once and kept: a snapshot joins the cached texts instead of encoding
+        the whole history again (which made every snapshot cost O(steps) of JSON encoding).
+        """
+        body = {**report, "incarnation": self.incarnation, "eval_history": list(self.eval_points),
+                "last": dict(self.last)}
+        hist = body.pop("history", None) or []
+        cache = self._history_json
+        if len(cache) > len(hist):  # a new history list (another report): encode afresh
+            cache.clear()
+        cache.extend(json.dumps(rec, default=json_default) for rec in hist[len(cache):])
+        head = json.dumps(body, indent=1, default=json_default)  # "{ ... \n}"
+        text = head[:-1].rstrip() + (",\n" if body else "") + ' "history": [' + ",\n  ".join(cache) + "]\n}\n"
+        write_text_atomic(self.report_path, text)
 
     def close(self) -> None:
         if self._writer is not None:
