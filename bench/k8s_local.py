@@ -197,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows, epochs = (1000, 1) if args.smoke else (4000, 4) if args.quick else (20000, 4)
     load0 = os.getloadavg()[0]
-    # ignore_cleanup_errors: PodSim.close() returns before its pod threads end, and a pod thread that
-    # ends rewrites <sim>/hosts, which can race the removal of this directory right after the last run
-    with tempfile.TemporaryDirectory(prefix="bench-k8s-", ignore_cleanup_errors=True) as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-k8s-") as tmp:
         root = Path(tmp)
         n_rows, n_batches = _data(root / "data", rows)
         per_batch = n_rows / n_batches

@@ -17,6 +17,7 @@ import pytest
 
 HEAVY_FIRST = (
     "tests/test_readme.py",
+    "tests/bench/test_bench_smoke_fleets.py",
     "tests/bench/test_bench_smoke.py",
     "tests/metaps/test_launch.py",
     "tests/metaps/test_security.py",

@@ -137,6 +137,7 @@ class PodSim:
         self._lock = threading.RLock()
         self._next_ip = 2
         self._stop = threading.Event()
+        self._pod_threads: list[threading.Thread] = []  # every pod's runner (joined by close())
         self._prober: subprocess.Popen[str] | None = None
         self._write_hosts()
         _ip("netns", "add", self.hub)
@@ -248,7 +249,10 @@ class PodSim:
             pod.dir.mkdir(parents=True, exist_ok=True)
             self.pods[name] = pod
         self._write_hosts()
-        threading.Thread(target=self._run_pod, args=(pod,), name=f"pod-{name}", daemon=True).start()
+        thread = threading.Thread(target=self._run_pod, args=(pod,), name=f"pod-{name}", daemon=True)
+        with self._lock:
+            self._pod_threads.append(thread)
+        thread.start()
         return pod
 
     def _make_netns(self, ns: str, ip: str) -> None:
@@ -517,6 +521,11 @@ class PodSim:
         if self._prober is not None and self._prober.poll() is None:
             self._prober.kill()
             self._prober.wait()
+        with self._lock:
+            threads = list(self._pod_threads)
+        for t in threads + [self._thread]:  # no pod thread still rewrites <root>/hosts once close() returns
+            if t is not threading.current_thread() and t.ident is not None:
+                t.join(timeout=30)
         for ns in reversed(self.namespaces):  # deleting a namespace deletes its veth ends (and their peers)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, timeout=30)
         for d in reversed(self.created_dirs):

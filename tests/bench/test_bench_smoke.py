@@ -76,6 +76,11 @@ SMOKES: dict[str, Smoke] = {
 }
 """Every bench module and how its smoke run is judged."""
 
+FLEETS = frozenset({"peers", "train_throughput", "chaos", "k8s_local"})
+"""The smoke runs that start fleets of processes (a minute or less each): they run from
+tests/bench/test_bench_smoke_fleets.py, a module of their own, so the suite's two xdist
+workers (``--dist loadscope``: a module to a worker) can run them beside the others."""
+
 
 def bench_modules() -> list[str]:
     """Names of the modules under ``bench/`` that are benches: a top-level ``main`` and a ``__main__`` block."""
@@ -125,9 +130,18 @@ def run_bench(name: str, smoke: Smoke, tmp: Path) -> tuple[int | None, str, str]
         return None, out, err
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(s.timeout_s + 60))
-                                  for n, s in sorted(SMOKES.items())])
+def smoke_params(names: set[str] | frozenset[str]) -> list[Any]:
+    """pytest params of these benches' smoke runs, each with its timeout."""
+    return [pytest.param(n, marks=pytest.mark.timeout(SMOKES[n].timeout_s + 60)) for n in sorted(names)]
+
+
+@pytest.mark.parametrize("name", smoke_params(set(SMOKES) - FLEETS))
 def test_bench_smoke_run_prints_its_figures(name: str, tmp_path: Path) -> None:
+    check_smoke(name, tmp_path)
+
+
+def check_smoke(name: str, tmp_path: Path) -> None:
+    """Run bench ``name``'s smoke invocation and judge its JSON line (see the module docstring)."""
     smoke = SMOKES[name]
     rc, out, err = run_bench(name, smoke, tmp_path)
     shown = (f"python -m bench.{name} {' '.join(smoke.args)}\n--- stdout (tail) ---\n{_tail(out)}"
@@ -163,6 +177,7 @@ def test_every_bench_module_has_a_smoke_run() -> None:
                            "(and give the bench a --smoke size)")
     helpers = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__" and p.stem not in benches)
     assert not set(helpers) & set(SMOKES), f"SMOKES names helper modules that are not benches: {helpers}"
+    assert FLEETS <= set(SMOKES), sorted(FLEETS - set(SMOKES))
 
 
 @pytest.mark.parametrize("name", sorted(SMOKES))
