@@ -193,7 +193,8 @@ class Telemetry:
         self._phase = {p: STEP_SECONDS.labels(r, p) for p in PHASES}
         self._pulled, self._pushed = ROWS_PULLED.labels(r), ROWS_PUSHED.labels(r)
         self._leases = LEASES.labels(r)
-        STALENESS.labels(r).set(1 if overlap else 0)
+        self._staleness = STALENESS.labels(r)
+        self._staleness.set(1 if overlap else 0)
         INCARNATION.labels(r).set(self.incarnation)
         self._writer: Any = None
         self._pending: list[dict[str, Any]] = []
@@ -217,6 +218,11 @@ class Telemetry:
 
     def leases(self, held: int) -> None:
         self._leases.set(held)
+
+    def staleness(self, steps: int) -> None:
+        """The rows of the latest step were ``steps`` steps old (1 overlapped, 0 serial: ``overlap = "auto"``
+        may switch)."""
+        self._staleness.set(steps)
 
     def on_step(self, step: int, samples: int, loss: float, phases: Mapping[str, float],
                 parts: Mapping[str, float] | None = None) -> None:

@@ -53,7 +53,8 @@ class StepStats:
     total_s: float
     metrics: dict[str, float] = field(default_factory=dict)
     overlapped: bool = False
-    """The step's row traffic ran on the background lane (``[train] overlap``)."""
+    """An overlapped step (``[train] overlap``): the next batch's rows were pulled before this step's
+    push (one step stale), on the background lane where the rows are remote."""
 
 
 def _ids_of(batch: MetaBatch | PlainBatch) -> dict[str, np.ndarray]:
@@ -479,7 +480,7 @@ class Trainer:
                 if probe.overlap(step):
                     pending = pull_bg(nxt) if nxt is not None else None  # before this step's push
                     stats = self._step(item, rows, wait_s, lane)
-                    stats.overlapped = lane is not None
+                    stats.overlapped = True
                 else:
                     pending = None
                     stats = self._step(item, rows, wait_s)

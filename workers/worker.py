@@ -145,6 +145,7 @@ class Worker:
         self._clock_released = False  # the controller took this worker out of the PS step clocks (flagged slow)
         self._dd: Any = None
         self._last_step_end = 0.0
+        self._last_overlapped: bool | None = None
         self.start_step = 0
         self._last_rec: dict[str, Any] | None = None
         self._last_dense_s = 0.0
@@ -315,6 +316,9 @@ class Worker:
         data_wait = max(0.0, now - self._last_step_end - stats.total_s - delay)
         self._last_step_end = now
         dense_s, self._last_dense_s = self.telemetry.dense_sync_s - self._last_dense_s, self.telemetry.dense_sync_s
+        if stats.overlapped != self._last_overlapped:  # overlap = "auto" may switch modes once
+            self.telemetry.staleness(1 if stats.overlapped else 0)
+            self._last_overlapped = stats.overlapped
         self.telemetry.on_step(step, stats.samples, stats.loss,
                                {"data_wait": data_wait, "pull": stats.pull_s, "compute": stats.compute_s,
                                 "push": stats.push_s, "dense_sync": dense_s, "total": stats.total_s + delay},
