@@ -294,7 +294,8 @@ def encode_push_reply(counts: Sequence[tuple[str, int, object]]) -> bytes:
     data, view = writable_bytes(payload + 8 * k * len(names))
     _write_head(view, PUSH_REPLY, 0, 0, None, b"", names, [(1, k, _I64)] * len(names), offs)
     arr = view[payload:].view(_ID).reshape(len(names), k)
-    arr[:] = [[rows] + [int(getattr(res, f) or 0) for f in PUSH_COUNT_FIELDS] for _, rows, res in counts]
+    if counts:  # (a push of no rows, sent for the step clock alone, has no table)
+        arr[:] = [[rows] + [int(getattr(res, f) or 0) for f in PUSH_COUNT_FIELDS] for _, rows, res in counts]
     return _done(data, view)
 
 

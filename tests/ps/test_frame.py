@@ -66,6 +66,7 @@ def test_reply_round_trips() -> None:
     counts = [ps_pb2.PushCounts(table="a", rows=3, applied=2, evicted=1), ps_pb2.PushCounts(table="b", rows=0)]
     sent = [("a", 3, PushResult(applied=2, evicted=1)), ("b", 0, PushResult())]
     assert frame.decode_push_reply(frame.encode_push_reply(sent)) == ps_pb2.PushManyResponse(tables=counts)
+    assert frame.decode_push_reply(frame.encode_push_reply([])) == ps_pb2.PushManyResponse()  # a clock-only push
 
 
 # -- malformed frames against a real shard --------------------------------------------------------
