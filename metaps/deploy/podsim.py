@@ -11,6 +11,9 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods)
   and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
   from one file holding every Service name (rewritten in place as pods appear, like DNS);
+  what stands for the image (the checkout on ``PYTHONPATH``, the venv) stays visible when a
+  volume covers its path (an emptyDir at ``/tmp`` over a checkout under ``/tmp``): parked
+  in ``/run/metaps-podsim-*`` and bound back after the volumes, so any checkout path works;
 * with the container's ``command`` (or the image's entrypoint ``metaps``, which is this
   machine's venv: ``python -m metaps``; the image itself is not used), its ``args`` with
   ``$(VAR)`` expanded, its env (literal values and the downward-API ``metadata.name`` /
@@ -222,6 +225,28 @@ class PodSim:
             return p
         raise ValueError(f"pod {pod.name}: volume {name!r}: unsupported source {sorted(vol)}")
 
+    def _covered_host_paths(self, mount_paths: list[str]) -> list[str]:
+        """The image's paths (PYTHONPATH entries, the interpreter's prefix) that one of ``mount_paths``
+        would hide; the outermost of each nest only."""
+        image = [p for p in self.base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        image.append(str(Path(self.python).resolve().parent.parent))  # <venv>/bin/python -> <venv>
+        image.append(sys.prefix)
+        out: list[str] = []
+        for p in sorted({str(Path(q).resolve()) for q in image}):
+            if any(p == m.rstrip("/") or p.startswith(m.rstrip("/") + "/") for m in mount_paths):
+                if not any(p.startswith(o + "/") or p == o for o in out):
+                    out.append(p)
+        return out
+
+    def _stash_dir(self, i: int) -> Path:
+        """An empty host directory outside /tmp where a pod's mount namespace parks a covered path."""
+        d = Path(f"/run/metaps-podsim-{self.tag}/{i}")
+        with self._lock:
+            if not d.exists():
+                d.mkdir(parents=True)
+                self.created_dirs.extend([d.parent, d] if d.parent not in self.created_dirs else [d])
+        return d
+
     def _mountpoint(self, path: str) -> None:
         p = Path(path)
         missing = []
@@ -296,6 +321,15 @@ class PodSim:
         mounts.sort(key=lambda m: str(self.root).startswith(m["mountPath"].rstrip("/") + "/"))
         script = ["set -e", f"hostname {shlex.quote(pod.name)}",
                   f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts"]
+        # What stands for the image (the checkout on PYTHONPATH, the interpreter's environment) must stay
+        # visible when a volume covers its path (an emptyDir at /tmp over a checkout under /tmp): bound
+        # to a stash first, bound back into place after the volumes.
+        covered = self._covered_host_paths([m["mountPath"] for m in mounts])
+        stashes = []
+        for i, path in enumerate(covered):
+            stash = self._stash_dir(i)
+            script.append(f"mount --bind {shlex.quote(path)} {shlex.quote(str(stash))}")
+            stashes.append((stash, path))
         for m in mounts:
             src = self._volume_source(pod, vols[m["name"]])
             with self._lock:
@@ -303,6 +337,8 @@ class PodSim:
             script.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(m['mountPath'])}")
             if m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
+        for stash, path in stashes:
+            script.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(stash))} {shlex.quote(path)}")
         if c.get("workingDir"):  # the runtime creates a missing working directory
             with self._lock:
                 self._mountpoint(c["workingDir"])
