@@ -59,7 +59,9 @@ SMOKES: dict[str, Smoke] = {
                                       "scale_events_lost_shards"), 420.0),
     "meta_io": Smoke(("--smoke",), ("read_speedup_vs_naive", "reader_overhead", "raw_reader_unpacked_vs_packed")),
     "meta_step": Smoke(("--smoke",), ("vmap_speedup", "vmap_speedup_min")),
-    "peers": Smoke(("--smoke",), ("local_vs_torch", "meta_vs_torchfunc"), 420.0),
+    # --no-fleet: its fleet part is bench.train_throughput's run_local / run_fleet, which that bench's
+    # smoke runs (three more processes to start here: ~15 s of CPU in a CPU-bound suite)
+    "peers": Smoke(("--smoke", "--no-fleet"), ("local_vs_torch", "meta_vs_torchfunc"), 420.0),
     "ps_scale": Smoke(("--smoke",), ("pull_50m_vs_1m", "push_50m_vs_1m", "bytes_per_row_ratio", "restore_rows_per_s")),
     "ps_storage": Smoke(("--smoke",), ("pull_vs_floor", "push_vs_floor_rowwise_adagrad", "insert_vs_hashmap",
                                        "stream_vs_known", "steady_new10_vs_known")),
@@ -76,7 +78,7 @@ SMOKES: dict[str, Smoke] = {
 }
 """Every bench module and how its smoke run is judged."""
 
-FLEETS = frozenset({"peers", "train_throughput", "chaos", "k8s_local"})
+FLEETS = frozenset({"train_throughput", "chaos", "k8s_local"})
 """The smoke runs that start fleets of processes (a minute or less each): they run from
 tests/bench/test_bench_smoke_fleets.py, a module of their own, so the suite's two xdist
 workers (``--dist loadscope``: a module to a worker) can run them beside the others."""
