@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -211,10 +211,6 @@ class GroupLayout:
     tables: tuple[TableLayout, ...]
     dim: int
 
-    @property
-    def n_columns(self) -> int:
-        return sum(len(t.columns) for t in self.tables)
-
     @functools.cached_property
     def plan(self) -> "_GroupPlan":
         """Static index arithmetic of the group (built once)."""
@@ -301,14 +297,6 @@ class GroupedIndex:
     tables: list[tuple[str, ...]]
     dims: list[int]
 
-    def split_rows(self, rows: Sequence[Tensor], layouts: Sequence[TableLayout]) -> dict[str, Tensor]:
-        """table -> its ``[U_t, D]`` rows: views of the groups' pulled tensors (the per-table form)."""
-        out: dict[str, Tensor] = {}
-        for g_rows, counts, names in zip(rows, self.counts, self.tables):
-            for name, part in zip(names, torch.split(g_rows, counts.tolist())):
-                out[name] = part
-        return {lay.table: out[lay.table] for lay in layouts}
-
 
 def group_layouts(layouts: Sequence[TableLayout], groups: Sequence[Sequence[str]]) -> list[GroupLayout]:
     """The model's tables arranged as the PS stores them.
@@ -377,9 +365,10 @@ def _group_ids(g: GroupLayout, unique_ids: dict[str, Tensor]) -> tuple[Tensor, l
 
 
 def _group_positions(g: GroupLayout, features: FeatureBatch, uniq: list[np.ndarray],
-                     starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every id slot of a group's columns: (position in the group's ids, valid, pooling weight), each
-    ``[R, W]`` (R rows of ``features``, W the columns' slots in output order; padding: 0, False, 0).
+    ``[R, W]`` (R rows of ``features``, W the columns' slots in output order; padding: 0, False, 0),
+    and the ids per bag ``[R, C]`` (one bag per row and column).
 
     Raises:
         DataError: a missing id column, one of the wrong shape, or an id not in its table's unique ids.
@@ -424,7 +413,7 @@ def _group_positions(g: GroupLayout, features: FeatureBatch, uniq: list[np.ndarr
         w = np.where(valid, w, np.float32(0.0))
     else:
         w = valid.astype(np.float32)
-    return pos, valid, w
+    return pos, valid, w, cnt
 
 
 def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, unique_ids: dict[str, Tensor]) -> GroupedIndex:
@@ -446,17 +435,15 @@ def build_grouped_index(groups: Sequence[GroupLayout], features: FeatureBatch, u
     lead = tuple(features.shape)
     out = GroupedIndex(ids=[], counts=[], pooled=[], lead=lead, tables=[], dims=[g.dim for g in groups])
     for g in groups:
-        plan = g.plan
         u_all, uniq, starts = _group_ids(g, unique_ids)
         n = int(starts[-1])
-        pos, valid, w = _group_positions(g, features, uniq, starts)
+        pos, valid, w, cnt = _group_positions(g, features, uniq, starts)
         flat_valid = valid.ravel()
         if flat_valid.all():
             inp, wts = pos.ravel(), np.ascontiguousarray(w).ravel()
         else:
             inp, wts = pos.ravel()[flat_valid], w.ravel()[flat_valid]
-        sizes = (valid if plan.single else np.add.reduceat(valid, plan.slot_start, axis=1, dtype=np.int64)).ravel()
-        sizes = sizes.astype(np.int64)
+        sizes = cnt.ravel().astype(np.int64)
         offsets = np.cumsum(sizes) - sizes
         # the transpose, for the backward (see PooledIndex): elements in row order; a stable sort
         # of small ints is numpy's radix sort
@@ -482,6 +469,17 @@ class LocalIndex(NamedTuple):
     weight: Tensor  # float32 [*L, W]: pooling weight of the slot (0 on padding)
 
 
+class GroupedPlan(Protocol):
+    """The static part of a grouped lookup (:class:`~models.features.GroupedLookup`)."""
+
+    groups: list[GroupLayout]
+    """The model's tables per storage group (:func:`group_layouts`)."""
+    keys: list[str]
+    """Each group's name in a meta step's rows dict."""
+    perm: Tensor | None
+    """The groups' pooled features -> layout order (:func:`pooled_permutation`)."""
+
+
 class LocalLookup:
     """One half (support or query) of a meta batch's pooling, every storage group, on each task's own
     rows: a pytree of :class:`LocalIndex` (vmapped over tasks) whose static part, the model's
@@ -493,7 +491,7 @@ class LocalLookup:
         lookup: the model's grouped lookup (static).
     """
 
-    def __init__(self, parts: Sequence[LocalIndex], lookup: Any) -> None:
+    def __init__(self, parts: Sequence[LocalIndex], lookup: GroupedPlan) -> None:
         self.parts = tuple(parts)
         self.lookup = lookup
 
@@ -531,7 +529,7 @@ class MetaGroupedIndex:
     query: LocalLookup
 
 
-def build_meta_index(groups: Sequence[GroupLayout], lookup: Any, support: FeatureBatch, query: FeatureBatch,
+def build_meta_index(lookup: GroupedPlan, support: FeatureBatch, query: FeatureBatch,
                      unique_ids: dict[str, Tensor]) -> MetaGroupedIndex:
     """Check a meta batch's ids and build its grouped, per-task pooling (numpy; see :func:`build_grouped_index`).
 
@@ -541,7 +539,6 @@ def build_meta_index(groups: Sequence[GroupLayout], lookup: Any, support: Featur
         global pos [T, N] (support, query) --per-task unique--> local pos [T, N], l2g [T, K]
 
     Args:
-        groups: :func:`group_layouts` of the model.
         lookup: the model's :class:`~models.features.GroupedLookup` (the static pooling plan).
         support, query: ``[T, S, ..]`` and ``[T, Q, ..]``.
         unique_ids: table -> sorted unique ids of both halves.
@@ -551,16 +548,16 @@ def build_meta_index(groups: Sequence[GroupLayout], lookup: Any, support: Featur
     """
     t_count, s_n = int(support.shape[0]), int(support.shape[1])
     q_n = int(query.shape[1])
-    out = MetaGroupedIndex(ids=[], counts=[], tables=[], dims=[g.dim for g in groups],
-                           keys=[f"g{i}" for i in range(len(groups))], l2g={}, support=LocalLookup((), lookup),
-                           query=LocalLookup((), lookup))
+    ids: list[Tensor] = []
+    counts: list[np.ndarray] = []
+    l2gs: dict[str, Tensor] = {}
     sup_parts, qry_parts = [], []
-    for key, g in zip(out.keys, groups):
+    for key, g in zip(lookup.keys, lookup.groups):
         u_all, uniq, starts = _group_ids(g, unique_ids)
         n = int(starts[-1])
         width = g.plan.width
-        ps, vs, ws = _group_positions(g, support, uniq, starts)
-        pq, vq, wq = _group_positions(g, query, uniq, starts)
+        ps, vs, ws, _ = _group_positions(g, support, uniq, starts)
+        pq, vq, wq, _ = _group_positions(g, query, uniq, starts)
         glob = np.concatenate([np.where(vs, ps, n).reshape(t_count, -1), np.where(vq, pq, n).reshape(t_count, -1)], axis=1)
         key_t = glob.astype(np.int16 if n < np.iinfo(np.int16).max else np.int32)
         order = np.argsort(key_t, axis=1, kind="stable")
@@ -576,18 +573,21 @@ def build_meta_index(groups: Sequence[GroupLayout], lookup: Any, support: Featur
         np.minimum(l2g, max(n - 1, 0), out=l2g)  # the padding slot (position n) reads any row at weight 0
         split = s_n * width
         order_ = g.plan.slot_order  # slots in class order: pool_local sums a column as a view
-        T = torch.from_numpy
-        sup_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, :split].reshape(t_count, s_n, width)[..., order_])),
-                                    T(np.ascontiguousarray(ws.reshape(t_count, s_n, width)[..., order_]))))
-        qry_parts.append(LocalIndex(T(np.ascontiguousarray(local[:, split:].reshape(t_count, q_n, width)[..., order_])),
-                                    T(np.ascontiguousarray(wq.reshape(t_count, q_n, width)[..., order_]))))
-        out.ids.append(u_all)
-        out.counts.append(np.diff(starts))
-        out.tables.append(tuple(lay.table for lay in g.tables))
-        out.l2g[key] = T(l2g)
-    out.support = LocalLookup(sup_parts, lookup)
-    out.query = LocalLookup(qry_parts, lookup)
-    return out
+        sup_parts.append(_local_index(local[:, :split], ws, (t_count, s_n, width), order_))
+        qry_parts.append(_local_index(local[:, split:], wq, (t_count, q_n, width), order_))
+        ids.append(u_all)
+        counts.append(np.diff(starts))
+        l2gs[key] = torch.from_numpy(l2g)
+    return MetaGroupedIndex(ids=ids, counts=counts, tables=[tuple(lay.table for lay in g.tables) for g in lookup.groups],
+                            dims=[g.dim for g in lookup.groups], keys=list(lookup.keys), l2g=l2gs,
+                            support=LocalLookup(sup_parts, lookup), query=LocalLookup(qry_parts, lookup))
+
+
+def _local_index(pos: np.ndarray, weight: np.ndarray, shape: tuple[int, int, int], slot_order: np.ndarray) -> LocalIndex:
+    """A half's :class:`LocalIndex`: its slots' local positions and weights ``[T, rows, W]``, slots in class order."""
+    def arrange(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(shape)[..., slot_order]))
+    return LocalIndex(arrange(pos), arrange(weight))
 
 
 def _check_sorted(g: GroupLayout, u_all: np.ndarray, starts: np.ndarray) -> None:

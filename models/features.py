@@ -52,7 +52,7 @@ class EncodedFeatures:
         self.vectors = vectors
         self.dense = dense
         self.pooled_flat = pooled_flat
-        self._shapes = list(shapes)
+        self._shapes = shapes
 
     @property
     def pooled(self) -> list[Tensor]:
@@ -93,6 +93,7 @@ class FeatureEncoder(nn.Module):
             TableLayout.from_columns(t, dims[t], [c for c in schema.id_columns if c.table_name == t])
             for t in schema.tables
         ]
+        self._shapes = [(len(lay.columns), lay.dim) for lay in self.layouts]
         self.vector_columns = [c.name for c in schema.vector_columns]
         self.vector_dims = [c.dim for c in schema.vector_columns]
         self.vector_proj = nn.ModuleList(nn.Linear(d, vector_dim) for d in self.vector_dims)
@@ -112,7 +113,7 @@ class FeatureEncoder(nn.Module):
 
     @property
     def flat_dim(self) -> int:
-        emb = sum(len(lay.columns) * lay.dim for lay in self.layouts)
+        emb = sum(c * d for c, d in self._shapes)
         return emb + self.vector_dim * len(self.vector_columns) + len(self.dense_columns)
 
     def check(self, features: FeatureBatch) -> None:
@@ -145,11 +146,7 @@ class FeatureEncoder(nn.Module):
         """
         lookup = index.lookup
         parts = [pool_local(rows[key], li, g) for key, li, g in zip(lookup.keys, index.parts, lookup.groups)]
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        if lookup.perm is not None:
-            flat = flat.index_select(-1, lookup.perm)
-        return EncodedFeatures(None, self._vectors(features), signed_log1p(features.dense), pooled_flat=flat,
-                               shapes=[(len(lay.columns), lay.dim) for lay in self.layouts])
+        return self._from_groups(features, parts, lookup.perm)
 
     def encode_grouped(self, features: FeatureBatch, rows: Sequence[Tensor], index: GroupedIndex,
                        lookup: "GroupedLookup") -> EncodedFeatures:
@@ -161,13 +158,17 @@ class FeatureEncoder(nn.Module):
             index: the batch's :class:`~models.embedding.GroupedIndex` (``lookup.index``).
             lookup: the model's :class:`GroupedLookup`.
         """
-        lead = index.lead
-        parts = [pool_grouped(r, p, lead) for r, p in zip(rows, index.pooled)]
+        parts = [pool_grouped(r, p, index.lead) for r, p in zip(rows, index.pooled)]
+        return self._from_groups(features, parts, lookup.perm)
+
+    def _from_groups(self, features: FeatureBatch, parts: list[Tensor], perm: Tensor | None) -> EncodedFeatures:
+        """Encoded features from each storage group's pooled ``[*L, C_g * D_g]`` (group order):
+        one concatenation, ``perm`` back to layout order."""
         flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        if lookup.perm is not None:
-            flat = flat.index_select(-1, lookup.perm)
+        if perm is not None:
+            flat = flat.index_select(-1, perm)
         return EncodedFeatures(None, self._vectors(features), signed_log1p(features.dense), pooled_flat=flat,
-                               shapes=[(len(lay.columns), lay.dim) for lay in self.layouts])
+                               shapes=self._shapes)
 
 
 def pool_local(rows: Tensor, index: LocalIndex, group: GroupLayout) -> Tensor:
@@ -176,7 +177,7 @@ def pool_local(rows: Tensor, index: LocalIndex, group: GroupLayout) -> Tensor:
     lead = index.pos.shape[:-1]
     d = rows.shape[-1]
     if rows.shape[0] == 0:  # no ids of this group in the batch: everything is padding
-        return rows.new_zeros((*lead, group.n_columns * d))
+        return rows.new_zeros((*lead, group.plan.n_cols * d))
     x = torch.nn.functional.embedding(index.pos, rows) * index.weight.unsqueeze(-1)  # [*L, W, D]
     plan = group.plan
     parts = []
@@ -220,7 +221,7 @@ class GroupedLookup:
         """
         self.encoder.check(support)
         self.encoder.check(query)
-        return build_meta_index(self.groups, self, support, query, unique_ids)
+        return build_meta_index(self, support, query, unique_ids)
 
     def index(self, features: FeatureBatch, unique_ids: dict[str, Tensor]) -> GroupedIndex:
         """Check ``features`` and build its :class:`~models.embedding.GroupedIndex` (eager, no per-row Python).

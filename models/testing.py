@@ -12,10 +12,11 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 import torch
 from torch import Tensor
-
-from typing import TYPE_CHECKING
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from meta_io.schema import PAD_ID, ColumnKind, ColumnSpec, Pooling, Schema
@@ -153,3 +154,13 @@ def assert_steps_identical(a: "MetaStepResult", b: "MetaStepResult") -> None:
         assert set(x) == set(y), (what, sorted(x), sorted(y))
         for k in x:
             assert torch.equal(x[k], y[k]), (what, k)
+
+
+def split_group_rows(rows: Sequence[Tensor], counts: Sequence[np.ndarray],
+                     tables: Sequence[tuple[str, ...]]) -> dict[str, Tensor]:
+    """table -> its ``[U_t, D]`` rows: views of the per-group tensors of a grouped index
+    (``GroupedIndex`` / ``MetaGroupedIndex`` ``counts`` and ``tables``), the per-table form."""
+    out: dict[str, Tensor] = {}
+    for g_rows, cnt, names in zip(rows, counts, tables):
+        out.update(zip(names, torch.split(g_rows, cnt.tolist())))
+    return out

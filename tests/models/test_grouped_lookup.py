@@ -17,10 +17,12 @@ import torch
 
 from metaps.core.errors import ConfigError, DataError
 from models import ModelConfig, build_model
-from models.embedding import GroupedIndex, pool_grouped
+from models.embedding import pool_grouped
 from models.features import GroupedLookup
 from models.meta import AdaptTarget, InnerLr, InnerReduction, MetaConfig, meta_step, plain_step, plain_step_grouped
-from models.testing import random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of
+from models.testing import (
+    random_features, random_meta_batch, random_rows, split_group_rows, synthetic_schema, unique_ids_of,
+)
 from meta_io.batch import PlainBatch
 
 torch.set_num_threads(1)
@@ -30,6 +32,14 @@ def _model(kind: str, dims: dict[str, int]):
     schema = synthetic_schema(n_sparse=4, n_multi_hot=2, n_text=1, n_tables=3)
     cfg = ModelConfig(kind=kind, hidden=[16], table_dims=dims) if dims else ModelConfig(kind=kind, hidden=[16])
     return schema, build_model(schema, cfg)
+
+
+def _batch(seed: int, shape: tuple[int, ...], vocab: int, dims: dict[str, int] | None = None):
+    """A dnn model and one batch of its features with their unique ids."""
+    schema, model = _model("dnn", dims or {})
+    g = torch.Generator().manual_seed(seed)
+    fb = random_features(schema, shape, vocab=vocab, generator=g)
+    return model, fb, unique_ids_of(schema, fb), g
 
 
 GROUPINGS = {
@@ -63,17 +73,15 @@ def test_grouped_step_equals_per_table_step(kind: str, grouping: str, shape: tup
     assert dense.keys() == ref_dense.keys()
     for n in dense:
         torch.testing.assert_close(dense[n], ref_dense[n], msg=n)
-    per_table = idx.split_rows(group_grads, model.layouts)
+    per_table = split_group_rows(group_grads, idx.counts, idx.tables)
+    assert per_table.keys() == ref_rows.keys()
     for t in ref_rows:
         torch.testing.assert_close(per_table[t], ref_rows[t], msg=t)
     assert all(p.grad is None for p in model.parameters())  # the model's .grad untouched
 
 
 def test_mixed_dims_make_groups_per_dim() -> None:
-    schema, model = _model("dnn", {"scene": 4, "tag": 4, "token": 12})
-    g = torch.Generator().manual_seed(2)
-    fb = random_features(schema, (11,), vocab=9, generator=g)
-    uniq = unique_ids_of(schema, fb)
+    model, fb, uniq, g = _batch(2, (11,), vocab=9, dims={"scene": 4, "tag": 4, "token": 12})
     rows = random_rows(uniq, model.dims, g)
     by_dim: dict[int, list[str]] = {}
     for t in model.tables:
@@ -85,7 +93,9 @@ def test_mixed_dims_make_groups_per_dim() -> None:
     ref_loss, ref_dense, ref_rows = plain_step(model, PlainBatch(fb, uniq), rows)
     loss, dense, grads = plain_step_grouped(model, fb, group_rows, idx, lookup)
     torch.testing.assert_close(loss, ref_loss)
-    for t, gr in idx.split_rows(grads, model.layouts).items():
+    per_table = split_group_rows(grads, idx.counts, idx.tables)
+    assert per_table.keys() == ref_rows.keys()
+    for t, gr in per_table.items():
         torch.testing.assert_close(gr, ref_rows[t], msg=t)
     with pytest.raises(DataError, match="mixes dims"):
         GroupedLookup(model.encoder, [list(model.tables)])
@@ -93,10 +103,7 @@ def test_mixed_dims_make_groups_per_dim() -> None:
 
 def test_pool_backward_is_the_transpose() -> None:
     """The custom backward (an embedding_bag over the output gradient) equals autograd's."""
-    schema, model = _model("dnn", {})
-    g = torch.Generator().manual_seed(3)
-    fb = random_features(schema, (13,), vocab=7, generator=g)
-    uniq = unique_ids_of(schema, fb)
+    model, fb, uniq, g = _batch(3, (13,), vocab=7)
     lookup = GroupedLookup(model.encoder, [list(model.tables)])
     idx = lookup.index(fb, uniq)
     n = int(idx.ids[0].numel())
@@ -112,10 +119,7 @@ def test_pool_backward_is_the_transpose() -> None:
 
 
 def test_bad_batches_are_named() -> None:
-    schema, model = _model("dnn", {})
-    g = torch.Generator().manual_seed(4)
-    fb = random_features(schema, (6,), vocab=9, generator=g)
-    uniq = unique_ids_of(schema, fb)
+    model, fb, uniq, _ = _batch(4, (6,), vocab=9)
     lookup = GroupedLookup(model.encoder, [list(model.tables)])
     short = dict(uniq)
     short["tag"] = uniq["tag"][1:]
@@ -167,8 +171,8 @@ def test_grouped_meta_step_equals_per_table_meta_step(case: str, grouping: str) 
         assert got.metrics[k] == pytest.approx(ref.metrics[k], rel=1e-5, abs=1e-6), k
     for n in ref.dense_grads:
         torch.testing.assert_close(got.dense_grads[n], ref.dense_grads[n], msg=n)
-    per_table = GroupedIndex(ids=idx.ids, counts=idx.counts, pooled=[], lead=(), tables=idx.tables, dims=idx.dims)
-    split = per_table.split_rows([got.row_grads[k] for k in idx.keys], model.layouts)
+    split = split_group_rows([got.row_grads[k] for k in idx.keys], idx.counts, idx.tables)
+    assert split.keys() == ref.row_grads.keys()
     for t in ref.row_grads:
         torch.testing.assert_close(split[t], ref.row_grads[t], msg=t)
 
