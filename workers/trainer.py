@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,8 @@ from workers.row_source import RowSource
 
 if TYPE_CHECKING:
     from models.base import CtrModel
+    from models.features import GroupedLookup
+    from models.meta import MetaStepResult
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +69,16 @@ class Prepared:
 
     Args:
         batch: the batch as read.
-        index: the grouped lookup index of its plain rows (None: the step takes the per-table path).
+        index: the grouped lookup index of its plain rows (None: not a grouped plain step).
         features: the rows the plain step trains on (a meta batch's support and query, flattened).
+        meta: a meta step's grouped per-task pooling (None: not a grouped meta step). With neither
+            ``index`` nor ``meta`` the step takes the per-table path.
     """
 
     batch: MetaBatch | PlainBatch
     index: GroupedIndex | None = None
     features: FeatureBatch | None = None
     meta: MetaGroupedIndex | None = None
-    """A meta step's grouped per-task pooling (pulled and pushed per storage group like ``index``)."""
 
     @property
     def grouped(self) -> GroupedIndex | MetaGroupedIndex | None:
@@ -85,6 +88,13 @@ class Prepared:
 
 Item = MetaBatch | PlainBatch | Prepared
 """What :meth:`Trainer.run` takes: batches as read, or prepared ahead."""
+
+
+def _add_head_losses(res: "MetaStepResult") -> None:
+    """A meta step's ``loss/<head>``: the outer loss is the query loss, so its per-head split
+    (``query_loss/<head>``) is the step's loss per head."""
+    res.metrics.update({"loss/" + k.split("/", 1)[1]: v for k, v in list(res.metrics.items())
+                        if k.startswith("query_loss/")})
 
 
 def _samples_of(batch: MetaBatch | PlainBatch) -> tuple[int, int]:
@@ -106,8 +116,9 @@ class Trainer:
         ps_cfg: the ``[ps]`` section: ``[meta] meta_emb``'s unseen rule compares pulled rows
             with its initial rows (:mod:`models.meta_emb`); needed only then.
         groups: table names per PS storage group (``ps.grouping.group_tables`` of the job's tables):
-            plain steps then pull, pool and push group by group (one call each) when ``rows``
-            offers ``pull_groups``; None: table by table.
+            steps then pull, pool and push group by group (one call each) when ``rows`` offers
+            ``pull_groups`` (meta steps when their inner loop allows it: ``models.meta.grouped_meta_ok``);
+            None: table by table.
     """
 
     def __init__(
@@ -121,7 +132,7 @@ class Trainer:
         world: int = 1,
         barrier: Any = None,
         ps_cfg: Any = None,
-        groups: Any = None,
+        groups: Sequence[Sequence[str]] | None = None,
     ) -> None:
         self.model = model
         self.rows = rows
@@ -165,7 +176,7 @@ class Trainer:
 
         self.overlap = OverlapProbe(cfg.overlap, in_process=bool(getattr(rows, "in_process", False)))
         """Whether each step overlaps its row traffic (``[train] overlap``; "auto" measures)."""
-        self.lookup: Any = None
+        self.lookup: GroupedLookup | None = None
         """The model's :class:`models.features.GroupedLookup` when steps go group by group."""
         if groups is not None and getattr(rows, "supports_groups", False):
             from models.features import GroupedLookup
@@ -304,8 +315,9 @@ class Trainer:
     def prepare(self, batch: MetaBatch | PlainBatch) -> Prepared:
         """What the step of ``batch`` needs, built ahead (thread-safe: run it on the prefetch thread).
 
-        Plain steps with a grouped lookup get their checked :class:`~models.embedding.GroupedIndex`
-        (a meta batch trained plainly is flattened here too); other steps pass through.
+        With a grouped lookup, plain steps get their checked :class:`~models.embedding.GroupedIndex`
+        (a meta batch trained plainly is flattened here too) and meta steps their
+        :class:`~models.embedding.MetaGroupedIndex`; without, batches pass through.
 
         Raises:
             DataError: the batch's ids or shapes are wrong (named as the step would name them).
@@ -347,14 +359,13 @@ class Trainer:
                 assert isinstance(batch.batch, MetaBatch)  # prepare() built meta only for meta batches
                 res = meta_step(self.model, batch.batch, dict(zip(meta.keys, rows_np)), self.inner_loop, grouped=meta,
                                 diagnostics=self._diagnostics())
-                res.metrics.update({"loss/" + k.split("/", 1)[1]: v for k, v in list(res.metrics.items())
-                                    if k.startswith("query_loss/")})
+                _add_head_losses(res)
                 res.group_grads = [res.row_grads[k] for k in meta.keys]
                 res.row_grads = {}
                 return res
             if batch.index is not None:
                 self._set_dense_lr()
-                assert batch.features is not None
+                assert batch.features is not None and self.lookup is not None  # prepare() built the index
                 head_losses: dict[str, float] = {}
                 loss, dense_grads, group_grads = plain_step_grouped(
                     self.model, batch.features, rows_np, batch.index, self.lookup, head_losses)
@@ -367,9 +378,7 @@ class Trainer:
             if not isinstance(batch, MetaBatch):
                 raise TypeError("train.mode = 'meta' needs a Meta-IO dataset built with --layout meta")
             res = meta_step(self.model, batch, rows, self.inner_loop, diagnostics=self._diagnostics())
-            # the outer loss is the query loss: its per-head split is the step's loss per head
-            res.metrics.update({"loss/" + k.split("/", 1)[1]: v for k, v in list(res.metrics.items())
-                                if k.startswith("query_loss/")})
+            _add_head_losses(res)
             return res
         if isinstance(batch, MetaBatch):
             # Plain training on a meta layout: support and query rows are all training rows.
