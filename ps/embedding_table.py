@@ -594,8 +594,7 @@ class EmbeddingTable:
                 caller imports values).
         """
         k = ids.shape[0]
-        rows = self._free[self._n_free - k : self._n_free][::-1].astype(np.int64)
-        self._n_free -= k
+        rows = self.take_free_rows(k)
         rows_t = torch.from_numpy(rows)
         dev_rows = rows_t.to(self.device)
         r0 = int(rows[0]) if k else 0
@@ -618,6 +617,19 @@ class EmbeddingTable:
         self.last_step[at] = self.step
         self.row_version[at] = self.current_version
         self.id_map.insert(ids, rows_t, known_new=True)
+        return rows
+
+    @property
+    def n_free(self) -> int:
+        """Rows on the free list."""
+        return self._n_free
+
+    def take_free_rows(self, k: int) -> np.ndarray:
+        """Pop ``k`` rows off the free list (the caller checked :attr:`n_free`): int64 [k] local rows,
+        ascending while the table fills. The caller maps and initializes them (:meth:`_alloc`, or a
+        :class:`ps.table_group.TableGroup` for several tables at once)."""
+        rows = self._free[self._n_free - k : self._n_free][::-1].astype(np.int64)
+        self._n_free -= k
         return rows
 
     def _release(self, rows: np.ndarray) -> np.ndarray:

@@ -81,8 +81,6 @@ class TableGroup:
             EmbeddingTable(c, seed=seed, device=device, storage=self.storage, index=i) for i, c in enumerate(cfgs)
         ]
         self.names: tuple[str, ...] = tuple(c.name for c in cfgs)
-        self.position = {n: i for i, n in enumerate(self.names)}
-        """Table name -> its index in the group (storage order)."""
         self.lock = self.storage.lock
         self.dim = self.storage.dim
         self.device = self.storage.device
@@ -121,6 +119,10 @@ class TableGroup:
             return local.add_(base)
         return torch.where(local >= 0, local + base, local)
 
+    def _owners(self, counts: np.ndarray, n: int) -> torch.Tensor:
+        """int64 [n]: the table (index in the group) of each id of a request."""
+        return torch.repeat_interleave(self._table_ids, torch.from_numpy(counts), output_size=n)
+
     def _spans(self, counts: np.ndarray) -> list[tuple[int, int, int]]:
         """(table index, start, stop) of every table present in a request."""
         out, lo = [], 0
@@ -158,7 +160,7 @@ class TableGroup:
             kn = known.nonzero().squeeze(1)
             out.index_copy_(0, kn, self._gather(rows.index_select(0, kn)))
         unknown = np.flatnonzero((~known).numpy())  # their initial rows, every table in one call
-        owner = np.repeat(np.arange(len(self.tables), dtype=np.int64), counts)[unknown]
+        owner = self._owners(counts, n).numpy()[unknown]
         out[torch.from_numpy(unknown)] = torch.from_numpy(self._init(owner, ids.numpy()[unknown]))
         return out
 
@@ -224,7 +226,7 @@ class TableGroup:
         g = grads
         tid: torch.Tensor | None = None
         if not all_live:
-            tid = torch.repeat_interleave(self._table_ids, torch.from_numpy(counts), output_size=n)[live]
+            tid = self._owners(counts, n)[live]
             rows, g = rows[live], g[live]
         cfg = self.tables[0].cfg
         clipped_rows: torch.Tensor | None = None
@@ -235,7 +237,7 @@ class TableGroup:
             known_max = gmax if g is grads else None  # filtered or clipped: not grads' max
             ok = self.storage.optimizer.apply(rows.to(self.device), g.to(self.device), grad_absmax=known_max)
         if tid is None and (ok is not None or clipped_rows is not None):
-            tid = torch.repeat_interleave(self._table_ids, torch.from_numpy(counts), output_size=n)
+            tid = self._owners(counts, n)
         if clipped_rows is not None and bool(clipped_rows.any()):
             assert tid is not None
             per = torch.bincount(tid[clipped_rows], minlength=len(self.tables)).tolist()
@@ -247,7 +249,7 @@ class TableGroup:
             bad = torch.bincount(tid[~ok], minlength=len(self.tables)).tolist()
             for k, (i, _, _) in enumerate(spans):
                 if bad[i]:
-                    self._count_update_dropped(self.tables[i], results[k], bad[i], ids, rows, ok, tid, i)
+                    self._count_update_dropped(self.tables[i], results[k], bad[i], rows, ok, tid, i)
             rows, tid = rows[ok], tid[ok]
         if tid is None:
             for k, (i, lo, hi) in enumerate(spans):
@@ -260,8 +262,8 @@ class TableGroup:
             self._stamp(rows.numpy(), spans, tid, counts)
         return results
 
-    def _count_update_dropped(self, t: EmbeddingTable, res: PushResult, n_bad: int, ids: torch.Tensor,
-                              rows: torch.Tensor, ok: torch.Tensor, tid: torch.Tensor, i: int) -> None:
+    def _count_update_dropped(self, t: EmbeddingTable, res: PushResult, n_bad: int, rows: torch.Tensor,
+                              ok: torch.Tensor, tid: torch.Tensor, i: int) -> None:
         """Count (and log, at powers of two) the rows of table ``t`` whose update would be NaN/Inf."""
         res.update_nonfinite_dropped = n_bad
         if t._count_rare("update_nonfinite_dropped", n_bad):
@@ -315,14 +317,13 @@ class TableGroup:
             pos = new_pos.get(i)
             if pos is None:
                 pos = np.flatnonzero(part < 0)  # increasing, and the ids are sorted: id order
-            if not t.cfg.admission.immediate or pos.size > t._n_free:
+            if not t.cfg.admission.immediate or pos.size > t.n_free:
                 local = torch.where(rows[lo:hi] >= 0, rows[lo:hi] - t.base, rows[lo:hi])
                 t.insert_new(ids[lo:hi], local, results[k], new_pos.get(i))
                 rows[lo:hi] = torch.where(local >= 0, local + t.base, local)
                 continue
             m = int(pos.size)
-            local_rows = t._free[t._n_free - m : t._n_free][::-1].astype(np.int64)
-            t._n_free -= m
+            local_rows = t.take_free_rows(m)
             t.id_map.reserve(m)
             results[k].admitted = m
             t.counters["admissions"] += m
