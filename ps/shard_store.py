@@ -50,7 +50,7 @@ _MAX_CUTS = 64
 """Checkpoint cuts a store remembers (:meth:`ShardStore.record_cut`)."""
 
 
-def joined(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+def _joined(parts: Sequence[np.ndarray]) -> np.ndarray | None:
     """One view over ``parts`` when they lie back to back in one buffer (C-contiguous, one dtype and
     row shape: the tables of a frame), else None. No copy.
 
@@ -72,6 +72,15 @@ def joined(parts: Sequence[np.ndarray]) -> np.ndarray | None:
         n += a.shape[0]
     return np.lib.stride_tricks.as_strided(first, shape=(n, *tail), strides=first.strides,
                                            writeable=bool(first.flags.writeable))
+
+
+def _one_array(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``parts`` concatenated into one writable C-contiguous array: one writable part as it is,
+    parts back to back in one buffer (a frame's tables, read-only) with one copy, else one concatenation."""
+    if len(parts) == 1 and parts[0].flags.writeable and parts[0].flags.c_contiguous:
+        return parts[0]
+    run = _joined(parts)
+    return np.concatenate(parts) if run is None else run.copy()
 
 
 def resolve_device(device: str) -> str:
@@ -302,13 +311,11 @@ class ShardStore:
             if not present:
                 continue
             ks = present
-            parts = [items[k][1] for k in ks]
-            run = joined(parts)  # a frame's tables: one view, no copy
-            flat = np.concatenate(parts) if run is None else run.copy()  # (a writable copy either way)
+            flat = _one_array([items[k][1] for k in ks])
             if bool((flat == -1).any()):
                 for k in ks:
                     check_ids(items[k][0], items[k][1])  # raises for the first table holding -1
-            out_run = joined([outs[k] for k in ks]) if outs is not None else None
+            out_run = _joined([outs[k] for k in ks]) if outs is not None else None
             dst = torch.from_numpy(out_run) if out_run is not None and out_run.flags.writeable else None
             with g.lock:
                 rows = g.pull(counts, torch.from_numpy(flat), dst).numpy()
@@ -348,20 +355,18 @@ class ShardStore:
         for gi, ks in plan:
             g = self.groups[gi]
             counts = np.zeros(len(g.tables), dtype=np.int64)
-            id_parts, g_parts, present = [], [], []
+            present = []
             for k in ks:
-                t, ids, grads = checked[k]
+                t, ids, _ = checked[k]
                 if ids.shape[0] == 0:  # as push(): nothing applied, nothing counted
                     continue
                 present.append(k)
                 counts[self._where[t][1]] = ids.shape[0]
-                id_parts.append(torch.from_numpy(ids if ids.flags.writeable else ids.copy()))
-                g_parts.append(torch.from_numpy(grads if grads.flags.writeable else grads.copy()))
             if not present:
                 continue
             ks = present
-            flat_ids = id_parts[0] if len(id_parts) == 1 else torch.cat(id_parts)
-            flat_g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts)
+            flat_ids = torch.from_numpy(_one_array([checked[k][1] for k in ks]))
+            flat_g = torch.from_numpy(_one_array([checked[k][2] for k in ks]))
             with g.lock:
                 res = g.push(counts, flat_ids, flat_g, trusted=False, nonfinite=self.nonfinite_grads)
             for k, r in zip(ks, res):
