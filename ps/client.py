@@ -560,7 +560,8 @@ class PsClient:
         fp16 = self.value_dtype == wire.DType.FP16
 
         def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
-            return frame.encode_pull_request([e for j, p in pieces for e in _pull_entries(jobs[j], p)],
+            return frame.encode_pull_request([(t, jobs[j].ids[rows], at) for j, p in pieces
+                                              for t, rows, at in _group_entries(jobs[j], p)],
                                              map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
 
         self._fan_out("pull", jobs, request, lambda pieces, resp: _scatter_groups(jobs, pieces, resp, self._dims))
@@ -614,7 +615,8 @@ class PsClient:
         counts_out = {t: dict.fromkeys(("rows",) + PUSH_COUNT_FIELDS, 0) for names in tables for t in names}
 
         def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
-            return frame.encode_push_request([e for j, p in pieces for e in _push_entries(jobs[j], p)],
+            return frame.encode_push_request([(t, jobs[j].ids[rows], _grads(jobs[j])[rows], at) for j, p in pieces
+                                              for t, rows, at in _group_entries(jobs[j], p)],
                                              grad_dtype=self.grad_dtype, map_version=pmap.version,
                                              worker_id=self.worker_id, step=step)
 
@@ -952,23 +954,14 @@ class _Immediate:
         return False
 
 
-def _pull_entries(job: routing.Job, pos: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray | None]]:
-    """A piece of a job as pull frame tables: (table, ids, positions or None = all of ``ids``)."""
-    if job.sections is None:
-        return [(job.table, job.ids, _positions(job, pos))]
-    if pos.size == job.ids.size:  # the whole group, in order: each table's own slice
-        return [(t, job.ids[a:b], None) for t, a, b in routing.sections(job, pos)]
-    return [(t, job.ids, pos[a:b]) for t, a, b in routing.sections(job, pos)]
-
-
-def _push_entries(job: routing.Job, pos: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
-    """A piece of a job as push frame tables: (table, ids, grads, positions or None = all rows)."""
-    g = _grads(job)
-    if job.sections is None:
-        return [(job.table, job.ids, g, _positions(job, pos))]
+def _group_entries(job: routing.Job, pos: np.ndarray) -> list[tuple[str, slice, np.ndarray | None]]:
+    """A piece of a group job as frame tables: (table, the rows of the job's ids and grads it
+    sends, positions into those rows or None = all of them). The whole group, in order, sends
+    each table's own slice; a part of it sends the table's positions into the whole."""
+    secs = routing.sections(job, pos)
     if pos.size == job.ids.size:
-        return [(t, job.ids[a:b], g[a:b], None) for t, a, b in routing.sections(job, pos)]
-    return [(t, job.ids, g, pos[a:b]) for t, a, b in routing.sections(job, pos)]
+        return [(t, slice(a, b), None) for t, a, b in secs]
+    return [(t, slice(None), pos[a:b]) for t, a, b in secs]
 
 
 def _scatter_groups(jobs: list[routing.Job], pieces: list[routing.Piece], resp: wire.PullReply,
