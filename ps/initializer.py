@@ -313,7 +313,7 @@ class RowInitializer:
     @property
     def family(self) -> tuple[int, InitKind, float, float]:
         """What initializers must share to compute rows of several tables in one call
-        (:func:`initial_rows`): dim, kind, scale and the float32 multiplier. (The salt differs.)"""
+        (:class:`TablesInitializer`): dim, kind, scale and the float32 multiplier. (The salt differs.)"""
         return (self.dim, self.kind, self.scale, float(self._mul))
 
     def _rows_of_keys(self, key: np.ndarray) -> np.ndarray:

@@ -155,12 +155,9 @@ class TableCounters:
         b = int(np.searchsorted(self._bounds, seconds, side="left"))  # le semantics: first bound >= seconds
         with self._lock:
             h = self._hist.get(method)
-            if h is None or h.shape[0] < len(self._names):
-                n = len(self._names)
-                old = h if h is not None else np.zeros((0, self._bounds.size + 1), np.int64)
-                h = self._hist[method] = np.concatenate([old, np.zeros((n - old.shape[0], old.shape[1]), np.int64)])
-                s = self._sums.get(method, np.zeros(0))
-                self._sums[method] = np.concatenate([s, np.zeros(n - s.size)])
+            if h is None:  # a method's first request (index() grows the arrays of known methods)
+                h = self._hist[method] = np.zeros((len(self._names), self._bounds.size + 1), np.int64)
+                self._sums[method] = np.zeros(len(self._names))
             np.add.at(h[:, b], tables, 1)
             np.add.at(self._sums[method], tables, seconds)
 
