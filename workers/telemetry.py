@@ -64,6 +64,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from metaps.core.atomic_write import json_default, write_text_atomic
 from metaps.core.log import kv
+from workers.row_source import GroupedIds
 
 log = logging.getLogger(__name__)
 
@@ -355,25 +356,30 @@ class CountingRowSource:
         self.tel.rows(pushed=self._grad_rows(grads))
         self.inner.push(grads, step)
 
-    def pull_groups(self, index: Any, step: int | None = None) -> Any:
-        self.tel.rows(pulled=sum(int(i.numel()) for i in index.ids))
+    def pull_groups(self, index: GroupedIds, step: int | None = None) -> Any:
+        self.tel.rows(pulled=self._group_rows(index))
         return self.inner.pull_groups(index, step)
 
-    def pull_groups_async(self, index: Any, step: int | None = None) -> "Future[Any]":
-        self.tel.rows(pulled=sum(int(i.numel()) for i in index.ids))
+    def pull_groups_async(self, index: GroupedIds, step: int | None = None) -> "Future[Any]":
+        self.tel.rows(pulled=self._group_rows(index))
         return self.inner.pull_groups_async(index, step)
 
-    def push_groups(self, index: Any, grads: Any, step: int) -> None:
-        self.tel.rows(pushed=sum(int(i.numel()) for i in index.ids))
+    def push_groups(self, index: GroupedIds, grads: Any, step: int) -> None:
+        self.tel.rows(pushed=self._group_rows(index))
         self.inner.push_groups(index, grads, step)
 
-    def push_groups_async(self, index: Any, grads: Any, step: int) -> "Future[None]":
-        self.tel.rows(pushed=sum(int(i.numel()) for i in index.ids))
+    def push_groups_async(self, index: GroupedIds, grads: Any, step: int) -> "Future[None]":
+        self.tel.rows(pushed=self._group_rows(index))
         return self.inner.push_groups_async(index, grads, step)
 
     def push_async(self, grads: Any, step: int) -> "Future[None]":
         self.tel.rows(pushed=self._grad_rows(grads))
         return self.inner.push_async(grads, step)
+
+    @staticmethod
+    def _group_rows(index: GroupedIds) -> int:
+        """Rows of a step's grouped ids (per group one id tensor)."""
+        return sum(int(i.numel()) for i in index.ids)
 
     @staticmethod
     def _grad_rows(grads: Mapping[str, Any]) -> int:
