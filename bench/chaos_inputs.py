@@ -192,7 +192,8 @@ def controller_battery(address: str, token: str) -> list[dict[str, Any]]:
     md = _md(token)
     ghost = controller_pb2.NodeRef(role="worker", index=77)
     # a registered worker 0, so the shard / metrics cases reach their own checks
-    stub.RegisterNode(controller_pb2.RegisterNodeRequest(node=controller_pb2.NodeRef(role="worker", index=0), pid=1),
+    stub.RegisterNode(controller_pb2.RegisterNodeRequest(node=controller_pb2.NodeRef(role="worker", index=0), pid=1,
+                                                         incarnation_id="chaos-0"),
                       timeout=t, metadata=md)
     cases: list[tuple[str, Callable[[], Any]]] = [
         ("missing token", lambda: bare_stub.GetStatus(controller_pb2.GetStatusRequest(), timeout=t)),
@@ -204,6 +205,9 @@ def controller_battery(address: str, token: str) -> list[dict[str, Any]]:
             node=controller_pb2.NodeRef(role="chaos", index=0)), timeout=t, metadata=md)),
         ("negative node index", lambda: stub.RegisterNode(controller_pb2.RegisterNodeRequest(
             node=controller_pb2.NodeRef(role="worker", index=-3)), timeout=t, metadata=md)),
+        ("process registration without an incarnation id", lambda: stub.RegisterNode(
+            controller_pb2.RegisterNodeRequest(node=controller_pb2.NodeRef(role="worker", index=1), pid=1),
+            timeout=t, metadata=md)),
         ("unknown dataset", lambda: stub.GetShard(controller_pb2.GetShardRequest(worker=0, dataset="chaos_nope"),
                                                   timeout=t, metadata=md)),
         ("negative worker shard request", lambda: stub.GetShard(controller_pb2.GetShardRequest(

@@ -44,6 +44,7 @@ from typing import Mapping, Sequence
 
 from controller.client import ControllerClient, ControllerError
 from controller.config import AgentConfig
+from metaps.core import exit_codes
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig
 
@@ -170,7 +171,9 @@ class Agent:
         return [c.kind for c in reply.commands]
 
     def run(self) -> int:
-        """Supervise until the child finishes (0), a drain/stop/SIGTERM (0) or the restart limit (1)."""
+        """Supervise until the child finishes (0), a drain/stop/SIGTERM (0), the restart limit (1)
+        or the child exits with :data:`~metaps.core.exit_codes.RUN_FAILED` / ``SUPERSEDED``
+        (that code: restarting it cannot help)."""
         try:
             self.client.register()
         except ControllerError as exc:
@@ -185,6 +188,11 @@ class Agent:
                     if rc == 0:
                         log.info("child finished", extra=kv(node=self.node))
                         return 0
+                    if rc in (exit_codes.RUN_FAILED, exit_codes.SUPERSEDED):
+                        # the controller failed the run or fenced the child off: a restart cannot help
+                        log.error("child stopped by the controller; not restarting",
+                                  extra=kv(node=self.node, code=rc))
+                        return rc
                     self.crashes += 1
                     self._report_down(f"child exited with code {rc}", rc)
                     if self.crashes > self.cfg.restart_limit:

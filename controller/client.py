@@ -29,6 +29,7 @@ import logging
 import os
 import time
 import queue
+import secrets
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -87,12 +88,38 @@ class LeaseReply:
     report: ReportResult | None = None
 
 
+_INCARNATION: tuple[int, str] = (0, "")
+
+
+def incarnation_id() -> str:
+    """This process start's random identity (a new one in a forked child).
+
+    A pod recreated by a drain or a rolling update starts in a fresh PID namespace and
+    gets the same small pid as the one it replaces, so the controller tells process
+    starts apart by this id, never by the pid.
+    """
+    global _INCARNATION
+    pid = os.getpid()
+    if _INCARNATION[0] != pid:
+        _INCARNATION = (pid, secrets.token_hex(8))
+    return _INCARNATION[1]
+
+
 @dataclass(frozen=True)
 class Registration:
+    """What RegisterNode answered.
+
+    Attributes:
+        incarnation: how many process registrations this node has had (1: the first).
+        restarted: the controller knew an earlier process of this node under another
+            incarnation id: this is a restart (a PS shard then awaits the fleet's recovery).
+    """
+
     incarnation: int
     heartbeat_s: float
     lease_s: float
     batch_size: int
+    restarted: bool = False
 
 
 class ControllerClient:
@@ -140,10 +167,22 @@ class ControllerClient:
 
     # ---------------------------------------------------------------- nodes
 
-    def register(self, address: str = "", metrics_port: int = 0, pid: int | None = None) -> Registration:
-        self._reg_args = {"address": address, "metrics_port": metrics_port, "pid": os.getpid() if pid is None else pid}
-        r = self._call("RegisterNode", pb.RegisterNodeRequest(node=self._ref(), **self._reg_args))
-        return Registration(r.incarnation, r.heartbeat_s, r.lease_s, r.batch_size)
+    def register(self, address: str = "", metrics_port: int = 0, pid: int | None = None,
+                 incarnation: str | None = None) -> Registration:
+        """Register this node (a process: with :func:`incarnation_id`, and its pod UID in a pod).
+
+        Args:
+            pid: evidence for the event log (default: this process's).
+            incarnation: the process start's id (default: :func:`incarnation_id`).
+        """
+        self._reg_args = {"address": address, "metrics_port": metrics_port, "pid": os.getpid() if pid is None else pid,
+                          "incarnation": incarnation_id() if incarnation is None else incarnation}
+        args = dict(self._reg_args)
+        req = pb.RegisterNodeRequest(node=self._ref(), address=address, metrics_port=metrics_port, pid=args["pid"],
+                                     incarnation_id=args["incarnation"],
+                                     pod_uid=os.environ.get("METAPS_POD_UID", ""))
+        r = self._call("RegisterNode", req)
+        return Registration(r.incarnation, r.heartbeat_s, r.lease_s, r.batch_size, r.restarted)
 
     def heartbeat(self, step: int = 0, rss_bytes: float = 0.0, cpu_percent: float = 0.0,
                   metrics: Mapping[str, float] | None = None, child_alive: bool = False,
@@ -157,7 +196,8 @@ class ControllerClient:
         """
         req = pb.HeartbeatRequest(node=self._ref(), step=step, rss_bytes=rss_bytes, cpu_percent=cpu_percent,
                                   metrics=dict(metrics or {}), child_alive=child_alive, child_restarts=child_restarts,
-                                  shard_id=shard_id, next_batch=next_batch)
+                                  shard_id=shard_id, next_batch=next_batch,
+                                  incarnation_id=(self._reg_args or {}).get("incarnation", ""))
         r = self._call("Heartbeat", req)
         if not r.known:
             self.register(**(self._reg_args or {}))

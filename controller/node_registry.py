@@ -10,13 +10,20 @@ are queued for one of them and handed out in its next heartbeat reply::
                     +--(drain command)--> DRAINING --(process exits)--> DEAD
 
 Registrations are stored in LMDB; a restarted controller reloads them and
-gives every node a fresh heartbeat grace period. Pending commands are memory
+gives every node a fresh heartbeat grace period.
+
+A process registers with a random ``incarnation_id`` (one per process start) and,
+in a pod, its pod UID. A registration under a new id is a new incarnation of the
+node (a restart or a replaced pod: the pid says nothing, a fresh PID namespace
+reuses it). A heartbeat still carrying an older id comes from a superseded process
+(a replaced pod that has not died yet): it is fenced off with a ``stop`` command
+and changes nothing. Pending commands are memory
 only: a command lost in a controller restart is re-decided by the policy.
 
 Example::
 
     reg = NodeRegistry(store)
-    reg.register("worker", 0, address="127.0.0.1:7000")
+    reg.register("worker", 0, address="127.0.0.1:7000", incarnation_id="5f0c...")
     reg.enqueue("worker", 0, "restart", target="agent", reason="slow")
 """
 
@@ -30,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from controller.state import StateStore
+from metaps.core import exit_codes
 from controller.types import ROLES, SOURCES, BadNode, Command, UnknownNode, check_node
 
 AGENT_COMMANDS = ("restart", "drain", "stop")
@@ -50,6 +58,8 @@ class NodeInfo:
     metrics_port: int = 0
     pid: int = 0
     incarnation: int = 0
+    incarnation_id: str = ""
+    pod_uid: str = ""
     state: NodeState = NodeState.ALIVE
     registered_at: float = 0.0
     last_heartbeat: float = 0.0
@@ -99,13 +109,22 @@ class NodeRegistry:
         self._store.put_json("nodes", info.name, info.persistent())
 
     def register(self, role: str, index: int, address: str = "", metrics_port: int = 0, pid: int = 0,
-                 source: str = "process") -> NodeInfo:
+                 source: str = "process", incarnation_id: str = "", pod_uid: str = "") -> NodeInfo:
+        """Record a registration; a process's replaces the node's address, pid and identity.
+
+        Raises:
+            BadNode: a process registration without an incarnation id.
+        """
         check_node(role, index, source)
+        if source == "process" and not incarnation_id:
+            raise BadNode(f"{role}:{index}: a process registers with an incarnation_id (a random id per process "
+                          "start); got none")
         with self._lock:
             now = self._clock()
             info = self._nodes.get((role, index)) or NodeInfo(role, index, registered_at=now)
             if source == "process":
                 info.address, info.metrics_port, info.pid = address, metrics_port, pid
+                info.incarnation_id, info.pod_uid = incarnation_id, pod_uid
                 info.incarnation += 1
                 info.last_process_heartbeat = now
             info.state = NodeState.ALIVE
@@ -127,13 +146,22 @@ class NodeRegistry:
 
     def heartbeat(self, role: str, index: int, source: str = "process", step: int = 0, rss_bytes: float = 0.0,
                   cpu_percent: float = 0.0, metrics: dict[str, float] | None = None,
-                  child_restarts: int = -1) -> tuple[NodeInfo, list[Command]] | None:
-        """Record a heartbeat; return the node and its pending commands (None: not registered)."""
+                  child_restarts: int = -1, incarnation_id: str = "") -> tuple[NodeInfo, list[Command]] | None:
+        """Record a heartbeat; return the node and its pending commands (None: not registered).
+
+        A process heartbeat under an incarnation id other than the registered one comes
+        from a superseded process: it gets only a ``stop`` command and records nothing.
+        """
         check_node(role, index, source)
         with self._lock:
             info = self._nodes.get((role, index))
             if info is None:
                 return None
+            if source == "process" and incarnation_id and info.incarnation_id \
+                    and incarnation_id != info.incarnation_id:
+                why = (f"{exit_codes.STOP_SUPERSEDED}: {info.name} is now incarnation {info.incarnation_id} "
+                       f"(pod {info.pod_uid or '-'}); this process ({incarnation_id}) must stop")
+                return info, [Command(next(self._ids), "stop", "process", reason=why)]
             now = self._clock()
             info.last_heartbeat = now
             if source == "process":

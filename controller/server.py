@@ -242,18 +242,29 @@ class ControllerServer:
         return requeued
 
     def register_node(self, role: str, index: int, address: str = "", metrics_port: int = 0, pid: int = 0,
-                      source: str = "process") -> NodeInfo:
-        """Register a node; a PS *process* back with a new pid starts a fleet recovery (ps_recovery.py)."""
-        prev_pid = self.registry.get(role, index).pid if self.registry.known(role, index) else 0
-        info = self.registry.register(role, index, address, metrics_port, pid, source)
+                      source: str = "process", incarnation_id: str = "", pod_uid: str = "") -> tuple[NodeInfo, bool]:
+        """Register a node; returns it and whether this is a restart.
+
+        A *process* registering under a new ``incarnation_id`` when the controller knew an
+        earlier one is a restart (a crashed process, or a pod replaced by a drain or a rolling
+        update: same pid in a fresh PID namespace, so pids decide nothing). A restarted PS
+        starts a fleet recovery (ps_recovery.py). The same id registering again (its link
+        re-registers after a controller restart) is no restart.
+        """
+        prev = self.registry.get(role, index) if self.registry.known(role, index) else None
+        prev_id, prev_pid, prev_uid = (prev.incarnation_id, prev.pid, prev.pod_uid) if prev else ("", 0, "")
+        info = self.registry.register(role, index, address, metrics_port, pid, source, incarnation_id, pod_uid)
+        restarted = source == "process" and bool(prev_id) and incarnation_id != prev_id
         if role == "worker" and source == "process" and self.liveness is not None:
             self.liveness.reset(index)  # a fresh incarnation holds nothing yet
-        if role == "ps" and source == "process" and prev_pid and pid != prev_pid:
+        if role == "ps" and restarted:
             self.events.record(Event.now(info.name, "ps_restarted",
-                                         {"incarnation": info.incarnation, "pid": pid, "previous_pid": prev_pid,
+                                         {"incarnation": info.incarnation, "incarnation_id": incarnation_id,
+                                          "previous_incarnation_id": prev_id, "pod_uid": pod_uid,
+                                          "previous_pod_uid": prev_uid, "pid": pid, "previous_pid": prev_pid,
                                           "address": address}, "recover"))
             self.recovery.request(info.name, info.incarnation)
-        return info
+        return info, restarted
 
     def ps_addresses(self) -> list[str]:
         """Every PS shard's registered address, in shard order (the PsMover's and recovery's view).

@@ -71,7 +71,7 @@ class ServedController(Protocol):
     def shutdown_requested(self) -> threading.Event: ...
 
     def register_node(self, role: str, index: int, address: str = "", metrics_port: int = 0, pid: int = 0,
-                      source: str = "process") -> NodeInfo: ...
+                      source: str = "process", incarnation_id: str = "", pod_uid: str = "") -> tuple[NodeInfo, bool]: ...
 
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]: ...
 
@@ -126,19 +126,26 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
         role, index, source = _node(request.node)
-        info = self.s.register_node(role, index, request.address, request.metrics_port, request.pid, source)
+        info, restarted = self.s.register_node(role, index, request.address, request.metrics_port, request.pid,
+                                               source, request.incarnation_id, request.pod_uid)
         self.s.monitor.heartbeat(info.name)
         return pb.RegisterNodeResponse(incarnation=info.incarnation, heartbeat_s=self.s.cfg.agent.heartbeat_s,
-                                       lease_s=self.s.cfg.dds.lease_s, batch_size=info.batch_size)
+                                       lease_s=self.s.cfg.dds.lease_s, batch_size=info.batch_size,
+                                       restarted=restarted)
 
     @_guard
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         role, index, source = _node(request.node)
         got = self.s.registry.heartbeat(role, index, source, request.step, request.rss_bytes, request.cpu_percent,
-                                        dict(request.metrics), request.child_restarts if source == "agent" else -1)
+                                        dict(request.metrics), request.child_restarts if source == "agent" else -1,
+                                        request.incarnation_id)
         if got is None:
             return pb.HeartbeatResponse(known=False)
         info, cmds = got
+        if source == "process" and request.incarnation_id and info.incarnation_id \
+                and request.incarnation_id != info.incarnation_id:
+            return pb.HeartbeatResponse(known=True, commands=[pb.Command(id=c.id, kind=c.kind, reason=c.reason)
+                                                              for c in cmds])  # fenced: nothing renewed
         self.s.monitor.heartbeat(info.name)
         if role == "worker" and source == "process":
             self.s.dds.renew(index)

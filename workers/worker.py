@@ -29,6 +29,7 @@ import torch
 from meta_io.prefetch import prefetch
 from meta_io.reader import MetaIODataset
 from metaps.core.atomic_write import write_json_atomic
+from metaps.core import exit_codes
 from metaps.core.config import to_dict
 from metaps.core.log import kv
 from workers.config import DenseSync, TrainMode
@@ -82,6 +83,9 @@ class _Heartbeat(threading.Thread):
             except Exception as exc:  # the controller may restart; keep training
                 log.warning("heartbeat failed", extra=kv(error=str(exc)[:200]))
                 continue
+            for cmd in reply.commands:
+                if cmd.kind == "stop" and exit_codes.for_stop(cmd.reason) != exit_codes.OK:
+                    _exit_now(cmd.reason)
             if reply.commands:
                 with self.lock:
                     self.commands.extend(reply.commands)
@@ -90,6 +94,16 @@ class _Heartbeat(threading.Thread):
         with self.lock:
             cmds, self.commands = self.commands, []
         return cmds
+
+
+def _exit_now(reason: str) -> None:
+    """The controller failed the run or fenced this process off: exit at once with the code
+    :mod:`metaps.core.exit_codes` gives ``reason``, writing nothing more (no report, no
+    checkpoint, no push: a superseded process must not touch the fleet's state)."""
+    code = exit_codes.for_stop(reason)
+    log.error("controller says stop; exiting", extra=kv(reason=reason, exit_code=code))
+    logging.shutdown()
+    os._exit(code)
 
 
 def _rss_bytes() -> float:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metaps.core import exit_codes
 from metaps.core.errors import ConfigError
 from metaps.roles.overrides import parse_sets
 
@@ -17,7 +18,7 @@ from metaps.roles.overrides import parse_sets
 log = logging.getLogger(__name__)
 
 
-EXIT_OK, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 130, 143
+EXIT_OK, EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = exit_codes.OK, exit_codes.FAILED, exit_codes.SIGINT, exit_codes.SIGTERM
 _WILDCARD = ("", "0.0.0.0", "::", "[::]")
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
+from metaps.core import exit_codes
 
-EXIT_REFUSED = 3
+EXIT_REFUSED = exit_codes.REFUSED
 
 
 def register(sub: argparse._SubParsersAction) -> None:

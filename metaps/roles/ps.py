@@ -11,7 +11,9 @@ The process serves gRPC on ``[ps] host`` and ``--port`` (default
 ``/metrics`` on ``--metrics-port`` and, with ``--ready-file``, writes
 ``{"port", "metrics_port", "pid"}`` there once serving (launchers and tests
 wait for it). SIGTERM/SIGINT: stop accepting calls, finish in-flight ones
-(up to ``--grace`` seconds), exit 0.
+(up to ``--grace`` seconds), exit 0. A ``stop`` from the controller ends it the same
+way, with the code :mod:`metaps.core.exit_codes` gives its reason (0 the run ended,
+4 the run failed, 5 superseded by a newer process of this shard).
 
 With ``--controller`` (or ``$METAPS_CONTROLLER``, set by ``metaps agent``) the
 shard registers as ``ps:<shard>`` with its address, heartbeats and reports its
@@ -25,8 +27,9 @@ the fleet's rows. With ``--awaiting-recovery`` (default: on when
 it serves no data and refuses Checkpoint until the controller's fleet recovery
 restores it (``ps/servicer.py``), so no checkpoint cut captures its empty shard.
 The controller link also sets it when the controller has seen an earlier process
-of this shard (a restart not made by an agent; no Restore arrived yet), and
-clears it when the controller has seen none (the crashed process never served).
+of this shard under another incarnation id (a restart not made by an agent, or a
+replaced pod; no Restore arrived yet), and clears it when the controller has seen
+none (the crashed process never served).
 It needs ``--controller``: only the controller's recovery clears it.
 
 Security: without a token (``[rpc] token``/``token_file``, ``--token-file``,
@@ -46,6 +49,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from metaps.core import exit_codes
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core.log import kv
 from metaps.core.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
@@ -167,13 +171,14 @@ def run_ps(args: argparse.Namespace) -> int:
         host = args.advertise or (ps_cfg.host if ps_cfg.host not in ("", "0.0.0.0", "::", "[::]") else "127.0.0.1")
         link = ControllerLink(server, args.controller, job.rpc, f"{host}:{port}", metrics_port,
                               report_s=max(0.05, job.controller.monitor.window_s / 2))
-        incarnation = link.register()
-        if incarnation > 1 and server.restores == 0:
-            # the controller saw an earlier process of this shard: it recovers the fleet
-            server.mark_awaiting_recovery(f"controller incarnation {incarnation}")
-        elif incarnation == 1 and server.awaiting_recovery:
+        reg = link.register()
+        if reg.restarted and server.restores == 0:
+            # the controller knew an earlier process of this shard: it recovers the fleet
+            server.mark_awaiting_recovery(f"controller incarnation {reg.incarnation} (a restart)")
+        elif not reg.restarted and server.awaiting_recovery:
             # no earlier process of this shard ever registered, so none served: nothing to recover
             server.mark_recovered("first registration with the controller")
+        link.on_stop = lambda why: stop.set()
         link.start()
     if args.ready_file:
         # atomic: the launcher polls for it and must never read half a file
@@ -189,5 +194,10 @@ def run_ps(args: argparse.Namespace) -> int:
     if link is not None:
         link.stop()
     server.stop(grace=args.grace)
-    log.info("ps exited cleanly", extra=kv(shard=args.shard))
-    return 0
+    code = exit_codes.for_stop(link.stop_reason) if link is not None and link.stop_reason else exit_codes.OK
+    why = (link.stop_reason if link is not None else "") or "signal"
+    if code == exit_codes.OK:
+        log.info("ps exited cleanly", extra=kv(shard=args.shard, reason=why))
+    else:
+        log.error("ps exited: stopped by the controller", extra=kv(shard=args.shard, exit_code=code, reason=why))
+    return code

@@ -6,8 +6,10 @@ starts one :class:`ControllerLink` once the shard serves::
     register(role=ps, index=shard, address=host:port, metrics_port, pid)
     every report_s:    ReportMetrics(request_latency_s = mean data-RPC time since last report,
                                      queue_depth = mean requests in flight seen on arrival)
-    every heartbeat_s: Heartbeat (commands for the PS process are logged and ignored:
-                       checkpoints are written by the coordinator through the PS RPCs)
+    every heartbeat_s: Heartbeat: a ``stop`` command (the run ended or failed, or a newer
+                       incarnation of this shard fenced this one off) calls ``on_stop(reason)``;
+                       other commands are logged and ignored (checkpoints are written by
+                       the coordinator through the PS RPCs)
 
 The request latency is the server's own measurement (``PsServer.load``), fault
 delays included, so the Monitor sees a slow PS the way its clients do. A window
@@ -30,10 +32,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig
+
+if TYPE_CHECKING:
+    from controller.client import Registration
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +70,22 @@ class ControllerLink(threading.Thread):
         self.client = ControllerClient(controller, rpc_cfg, role="ps", index=server.shard_id, retry_s=retry_s)
         self.heartbeat_s = 2.0
         self.incarnation = 0
+        self.on_stop: Callable[[str], None] | None = None
+        """Called with the reason of a ``stop`` command (the process then exits)."""
+        self.stop_reason = ""
         self._stopping = threading.Event()  # not `_stop`: that would shadow threading.Thread._stop
         self._last = server.load.read()
         self.reports = 0
 
-    def register(self) -> int:
-        """Register this process; returns its incarnation (> 1: the controller saw an earlier one)."""
+    def register(self) -> Registration:
+        """Register this process; ``restarted``: the controller knew an earlier process of this shard."""
         reg = self.client.register(address=self.address, metrics_port=self.metrics_port, pid=os.getpid())
         self.heartbeat_s = max(0.05, reg.heartbeat_s)
         self.incarnation = reg.incarnation
         log.info("ps registered with the controller",
                  extra=kv(shard=self.server.shard_id, controller=self.client.address, address=self.address,
-                          incarnation=reg.incarnation))
-        return reg.incarnation
+                          incarnation=reg.incarnation, restarted=reg.restarted))
+        return reg
 
     def report_once(self) -> bool:
         """Send the load since the previous report; False when no request finished in between."""
@@ -99,6 +107,13 @@ class ControllerLink(threading.Thread):
                     next_hb = time.monotonic() + self.heartbeat_s
                     reply = self.client.heartbeat()
                     for cmd in reply.commands:
+                        if cmd.kind == "stop":
+                            log.warning("controller says stop", extra=kv(shard=self.server.shard_id,
+                                                                        reason=cmd.reason))
+                            self.stop_reason = cmd.reason
+                            if self.on_stop is not None:
+                                self.on_stop(cmd.reason)
+                            continue
                         log.debug("controller command ignored by the PS process",
                                   extra=kv(shard=self.server.shard_id, command=cmd.kind, cut_id=cmd.cut_id))
             except Exception as exc:  # the controller may be restarting: keep serving, try again

@@ -19,8 +19,8 @@ def test_a_ps_restart_without_a_wired_fleet_fails_the_run_saying_so(
         controller: Callable[..., ControllerServer]) -> None:
     srv = controller(ps_fleet=None)
     srv.recovery.settle_s = 0.0
-    srv.register_node("ps", 0, "127.0.0.1:1", pid=100)
-    srv.register_node("ps", 0, "127.0.0.1:1", pid=101)  # the same shard back with a new pid
+    srv.register_node("ps", 0, "127.0.0.1:1", pid=100, incarnation_id="inc-100")
+    srv.register_node("ps", 0, "127.0.0.1:1", pid=101, incarnation_id="inc-101")  # the same shard back: a new process
     deadline = time.monotonic() + 60
     while not any(e.kind == RUN_FAILED for e in srv.events.list()):
         assert time.monotonic() < deadline, [(e.kind, e.evidence) for e in srv.events.list()]

@@ -64,7 +64,7 @@ def test_restarted_ps_refuses_checkpoints_until_recovered(controller: Any, tmp_p
     pmap = PartitionMap.initial(2, job.ps.num_vshards)
     ps0 = build_server(job.ps, rpc, job.table_configs(), 0, pmap=pmap, wait_timeout_s=10.0)
     addr0 = f"127.0.0.1:{ps0.start('127.0.0.1:0')}"
-    srv.register_node("ps", 0, addr0, pid=10_000)
+    srv.register_node("ps", 0, addr0, pid=10_000, incarnation_id="inc-10000")
     port1 = pick_port()
     ready = tmp_path / "ready-1.json"
     root = tmp_path / "ckpt"
@@ -119,9 +119,9 @@ def test_ps_restart_before_any_committed_cut_fails_the_run(controller: Any, tmp_
     fleet = start_fleet(2, token="test-token")
     try:
         for k, a in enumerate(fleet.addresses):
-            srv.register_node("ps", k, a, pid=1000 + k)
+            srv.register_node("ps", k, a, pid=1000 + k, incarnation_id=f"inc-{1000 + k}")
         srv.checkpoints.open_cut()  # a cut in progress, never committed
-        srv.register_node("ps", 1, fleet.addresses[1], pid=2001)  # PS 1's process came back
+        srv.register_node("ps", 1, fleet.addresses[1], pid=2001, incarnation_id="inc-2001")  # PS 1's process came back
         wait_for(lambda: any(e.kind == RUN_FAILED for e in srv.events.list()), 60, "run_failed", 0.1)
         srv.recovery.join(30)
         events = {e.kind: e for e in srv.events.list()}

@@ -54,7 +54,7 @@ def _scenario(controller: Callable[..., ControllerServer], tmp_path: Path, corru
     fleet = start_fleet(2, token="test-token")
     try:
         for k, a in enumerate(fleet.addresses):
-            srv.register_node("ps", k, a, pid=1000 + k)
+            srv.register_node("ps", k, a, pid=1000 + k, incarnation_id=f"inc-{1000 + k}")
         w = client(srv, 0)
         leases = w.shards("train", poll_s=0.01)
         ps = fleet.client()
@@ -90,7 +90,7 @@ def _scenario(controller: Callable[..., ControllerServer], tmp_path: Path, corru
         fleet.servers[1].stop(0)
         fleet.servers[1] = build_server(fleet.ps_cfg, fleet.rpc, fleet.tables, 1, wait_timeout_s=10.0)
         fleet.servers[1].start(f"127.0.0.1:{port}")
-        srv.register_node("ps", 1, fleet.addresses[1], pid=2001)
+        srv.register_node("ps", 1, fleet.addresses[1], pid=2001, incarnation_id="inc-2001")
         wait_for(lambda: any(e.kind in ("ps_recovery", "ps_recovery_failed") for e in srv.events.list()),
                  60, "the controller's fleet recovery", 0.1)
         srv.recovery.join(30)

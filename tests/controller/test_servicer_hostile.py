@@ -38,7 +38,7 @@ def test_report_metrics_with_non_finite_or_negative_timings_is_refused(controlle
     srv = controller()
     stub = controller_pb2_grpc.ControllerStub(make_channel(srv.address, RPC))
     node = pb.NodeRef(role="worker", index=0)
-    stub.RegisterNode(pb.RegisterNodeRequest(node=node), timeout=10)
+    stub.RegisterNode(pb.RegisterNodeRequest(node=node, incarnation_id="t-1"), timeout=10)
     with pytest.raises(grpc.RpcError) as err:
         stub.ReportMetrics(pb.ReportMetricsRequest(node=node, **fields), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
