@@ -354,6 +354,7 @@ class ControllerClient:
             "events": [{"seq": e.seq, "time": e.time, "node": e.node, "kind": e.kind,
                         "evidence": json.loads(e.evidence_json or "{}"), "action": e.action} for e in r.events],
             "finished": r.finished,
+            "run": {"state": r.run_state or "running", "reason": r.run_reason},
             "coverage": json.loads(r.coverage_json or "{}"),
             "checkpoints": json.loads(r.checkpoints_json or "[]"),
         }

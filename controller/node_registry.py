@@ -8,6 +8,7 @@ are queued for one of them and handed out in its next heartbeat reply::
                     |  ^                                                                    |
                     |  +----------------------- register / heartbeat again -----------------+
                     +--(drain command)--> DRAINING --(process exits)--> DEAD
+                    +--(the process reports itself finished)--> DONE --(register again)--> ALIVE
 
 Registrations are stored in LMDB; a restarted controller reloads them and
 gives every node a fresh heartbeat grace period.
@@ -48,6 +49,7 @@ class NodeState(str, enum.Enum):
     ALIVE = "alive"
     DEAD = "dead"
     DRAINING = "draining"
+    DONE = "done"  # the process finished its part of the run and left (controller/run_outcome.py)
 
 
 @dataclass
@@ -210,6 +212,21 @@ class NodeRegistry:
                 info.slow = slow
                 self._save(info)
 
+    def mark_done(self, role: str, index: int) -> bool:
+        """The node's process finished and left; True when it was not already done."""
+        with self._lock:
+            info = self._nodes.get((role, index))
+            if info is None or info.state is NodeState.DONE:
+                return False
+            info.state = NodeState.DONE
+            self._save(info)
+            return True
+
+    def pending(self, role: str, index: int, target: str = "process") -> bool:
+        """Commands queued for the node's process (or agent) not yet handed out."""
+        with self._lock:
+            return bool(self._queues.get((role, index, target)))
+
     def mark_dead(self, role: str, index: int) -> bool:
         """True when the node was not already dead."""
         with self._lock:
@@ -225,11 +242,13 @@ class NodeRegistry:
         now = self._clock()
         with self._lock:
             return [i for i in self._nodes.values()
-                    if i.state is not NodeState.DEAD and now - i.last_heartbeat > timeout_s]
+                    if i.state not in (NodeState.DEAD, NodeState.DONE) and now - i.last_heartbeat > timeout_s]
 
     def nodes(self) -> list[NodeInfo]:
         with self._lock:
             return sorted(self._nodes.values(), key=lambda i: (i.role, i.index))
 
     def alive(self, role: str | None = None) -> list[NodeInfo]:
-        return [i for i in self.nodes() if i.state is not NodeState.DEAD and (role is None or i.role == role)]
+        """Nodes neither dead nor done (draining ones included)."""
+        return [i for i in self.nodes() if i.state not in (NodeState.DEAD, NodeState.DONE)
+                and (role is None or i.role == role)]

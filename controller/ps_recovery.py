@@ -70,13 +70,14 @@ from typing import Any, Protocol
 
 from controller.checkpoint import CheckpointCoordinator
 from controller.ports import PsFleet, RestoreReport
+from controller.run_outcome import RUN_FAILED as _RUN_FAILED
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
 
-RUN_FAILED = "run_failed"
+RUN_FAILED = _RUN_FAILED
 """Event kind: the run cannot go on (evidence ``reason``); the launcher fails the run on it."""
 
 

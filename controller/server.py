@@ -53,9 +53,10 @@ from controller.policy import (
 from controller.ports import PsFleet, PsMover
 from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
+from controller.run_outcome import RUN_FAILED, RunOutcome
 from controller.servicer import ControllerServicer
 from controller.state import Event, EventLog, StateStore
-from controller.types import DatasetSpec
+from controller.types import NODE_FINISHED, DatasetSpec
 from metaps.core.atomic_write import write_text_atomic
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
@@ -77,6 +78,7 @@ class ControllerServer:
         ps_fleet: the PS fleet operations a PS restart's recovery runs (``controller/ports.py``;
             ``ps.fleet_admin.GrpcPsFleet``, wired by the app floor); None: a PS restart fails the run.
         clock: ``time.time``-like.
+        end_fleet: when the run ends, stop the PS processes and shut down (controller/run_outcome.py).
     """
 
     checkpoint_root: str | None = None
@@ -84,7 +86,8 @@ class ControllerServer:
 
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
-                 clock: Callable[[], float] = time.time, ps_fleet: PsFleet | None = None) -> None:
+                 clock: Callable[[], float] = time.time, ps_fleet: PsFleet | None = None,
+                 end_fleet: bool = False) -> None:
         cfg.validate()
         self.cfg = cfg
         self.rpc_cfg = rpc_cfg or RpcConfig()
@@ -108,6 +111,7 @@ class ControllerServer:
         self._movers: list[threading.Thread] = []
         self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
         self.recovery = PsRecovery(self, ps_fleet)
+        self.outcome = RunOutcome(self, end_fleet=end_fleet)
         self.address = ""
         self._truncates: set[tuple[str, int]] = set()  # truncate commands sent by this process
 
@@ -169,6 +173,7 @@ class ControllerServer:
         if self.cfg.checkpoint_interval_s > 0 and now - self._last_ckpt >= self.cfg.checkpoint_interval_s:
             self._last_ckpt = now
             self.trigger_checkpoint()
+        self.outcome.tick()
 
     def check_stalls(self) -> list[int]:
         """Workers holding shards without progress: requeue, record, restart (controller/liveness.py).
@@ -232,7 +237,16 @@ class ControllerServer:
         return cut_id
 
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]:
-        """A node's process died: mark it, requeue its shards in every dataset, record it."""
+        """A node's process died: mark it, requeue its shards in every dataset, record it.
+
+        A worker reporting reason :data:`~controller.types.NODE_FINISHED` with exit code 0
+        finished its part of the run: it is marked done (``node_finished``), not dead.
+        """
+        if reason == NODE_FINISHED and exit_code == 0:
+            self.registry.mark_done(role, index)
+            requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []  # holds none: a guard
+            self.events.record(Event.now(f"{role}:{index}", "node_finished", {"requeued": requeued}, ""))
+            return requeued
         self.registry.mark_dead(role, index)
         requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []
         if role == "worker" and self.liveness is not None:
@@ -282,8 +296,10 @@ class ControllerServer:
         return [ps[k] for k in range(max(ps) + 1)]
 
     def record_event(self, node: str, kind: str, evidence: dict[str, Any], action: str = "") -> None:
-        """Append one event to the LMDB event log."""
+        """Append one event to the LMDB event log (a ``run_failed`` one also fails the run's outcome)."""
         self.events.record(Event.now(node, kind, evidence, action))
+        if kind == RUN_FAILED:
+            self.outcome.note_failed(str(evidence.get("reason") or "the controller failed the run"))
 
     def apply(self, actions: Sequence[Action]) -> None:
         """Carry out policy actions; each one becomes an event."""
@@ -367,6 +383,7 @@ class ControllerServer:
     def status(self, events_since: int = 0) -> dict[str, Any]:
         """Progress, nodes, events, coverage and checkpoint cuts as plain data (the run report's input)."""
         cov = self.dds.coverage()
+        run_state, run_reason = self.outcome.state()
         nodes = []
         for i in self.registry.nodes():
             nodes.append({"role": i.role, "index": i.index, "state": i.state.value, "slow": i.slow,
@@ -379,6 +396,7 @@ class ControllerServer:
             "nodes": nodes,
             "events": [e.__dict__ for e in self.events.list(since=events_since)],
             "finished": self.dds.finished(),
+            "run": dict(zip(("state", "reason"), (run_state.value, run_reason))),
             "coverage": cov.to_status(),
             "checkpoints": self.checkpoints.cuts(),
         }

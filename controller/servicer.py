@@ -229,7 +229,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             events=[pb.Event(seq=e["seq"], time=e["time"], node=e["node"], kind=e["kind"],
                              evidence_json=json.dumps(e["evidence"], sort_keys=True, default=str),
                              action=e["action"]) for e in st["events"]],
-            finished=st["finished"],
+            finished=st["finished"], run_state=st["run"]["state"], run_reason=st["run"]["reason"],
             coverage_json=json.dumps(st["coverage"], sort_keys=True),
             checkpoints_json=json.dumps(st["checkpoints"], sort_keys=True),
         )

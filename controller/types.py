@@ -32,6 +32,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _ID_RE = re.compile(r"^(?P<ds>[A-Za-z0-9_.\-]+):(?P<epoch>\d+):(?P<file>\d+):(?P<start>\d+)-(?P<stop>\d+)$")
 
 ROLES = ("worker", "ps")
+NODE_FINISHED = "finished"
+"""``NodeDown`` reason (exit code 0) of a worker process that finished its part of the run."""
 SOURCES = ("process", "agent")
 
 

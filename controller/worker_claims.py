@@ -60,7 +60,8 @@ class WorkerClaims:
         if not self.registry.known("worker", index):
             return True  # claimed, not registered yet: its pod is starting
         info = self.registry.get("worker", index)
-        return info.state is not NodeState.DEAD or claimed_at > max(info.last_heartbeat, info.last_process_heartbeat)
+        gone = info.state in (NodeState.DEAD, NodeState.DONE)
+        return not gone or claimed_at > max(info.last_heartbeat, info.last_process_heartbeat)
 
     def claim(self, name: str) -> int:
         """The worker index of pod ``name`` (see the module docstring).

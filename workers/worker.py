@@ -645,6 +645,7 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
     worker = Worker(job, rank, RemoteRowSource(client), ctl, run_dir, barrier=barrier)
     # a restarted worker resumes its step numbering from its clock on the PS (ps/staleness.py)
     worker.trainer.resume(client.registered_clock)
+    finished = False
     try:
         worker.train()
         worker.evaluate()
@@ -653,9 +654,23 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
             worker.wait_finished()
             metrics = merge_eval_files(worker.run_dir / "eval") if job.data.eval else None
             ckpt = worker.checkpoint(metrics=metrics)
-        return worker.report(metrics, ckpt)
+        rep = worker.report(metrics, ckpt)
+        finished = True
+        return rep
     finally:
         worker.close()
         client.close(leave=True)
         if ctl is not None:
+            if finished:  # the controller's run outcome: complete once every worker finished
+                _report_finished(ctl, rank)
             ctl.close()
+
+
+def _report_finished(ctl: Any, rank: int) -> None:
+    from controller.client import ControllerError
+    from controller.types import NODE_FINISHED
+
+    try:
+        ctl.node_down("worker", rank, NODE_FINISHED, 0)
+    except ControllerError as exc:  # the controller is gone (the launcher stopped it): nothing waits on this
+        log.warning("could not report this worker finished", extra=kv(rank=rank, error=str(exc)[:200]))

@@ -5,7 +5,9 @@
     metaps controller --config job.toml [--address HOST:PORT] [--state-dir DIR]
     metaps agent --config job.toml --role worker --index 3 [--controller HOST:PORT] [-- CMD ...]
 
-The controller serves until a Shutdown RPC or SIGTERM/SIGINT. Its datasets are
+The controller serves until a Shutdown RPC or SIGTERM/SIGINT, or, with
+``--exit-when-done``, until the run ends: then the PS processes are told to stop and
+it exits 0 (complete) or 4 (failed; :mod:`metaps.core.exit_codes`). Its datasets are
 the job's ``[data] train`` (``[train] epochs`` passes) and ``[data] eval``
 (``[controller] eval_epochs`` passes); it writes its address to
 ``<state_dir>/address``. The agent finds the controller from ``--controller``,
@@ -45,6 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--state-dir", default="", help="LMDB state dir (default [controller] state_dir or <run.dir>/controller)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0 in a pod)")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="when the run ends, stop the PS processes and exit: 0 complete, 4 failed "
+                        "(the Kubernetes manifests use it; `metaps launch` stops the fleet itself)")
     add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_controller)
 
@@ -90,7 +95,8 @@ def run_controller(args: argparse.Namespace) -> int:
 
     state_dir = _state_dir(job, args.state_dir)
     fleet = GrpcPsFleet(job.rpc)
-    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet)
+    server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet,
+                              end_fleet=args.exit_when_done)
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
     server.ps_mover = MigrationPsMover(server.ps_addresses, fleet,  # PS register their addresses
                                        keep=job.controller.nd.keep)
@@ -109,7 +115,9 @@ def run_controller(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())
     server.wait()
     server.stop()
-    return 0
+    state, reason = server.outcome.state()
+    log.info("controller exiting", extra=kv(run=state.value, reason=reason or "-", exit_code=server.outcome.exit_code))
+    return server.outcome.exit_code
 
 
 def run_agent(args: argparse.Namespace) -> int:

@@ -1,0 +1,149 @@
+"""The run's outcome as the controller knows it, and the stops it sends when the run ends.
+
+::
+
+    running --(every dataset done, every worker process finished)--> complete
+    running --(a run_failed event: e.g. a PS recovery with nothing to restore)--> failed
+
+A worker process reports itself finished (``NodeDown`` with reason
+:data:`~controller.types.NODE_FINISHED`, exit code 0) after its last duty (rank 0:
+the final checkpoint); the registry keeps it ``done``.
+
+**Failed.** Every live process (worker and PS) is sent ``stop`` with the reason
+``run_failed: <why>``, once per incarnation (a crash-looping worker that registers
+again is told again), and exits with :data:`metaps.core.exit_codes.RUN_FAILED`: the
+worker Job's ``podFailurePolicy`` fails the Job on that code instead of retrying
+until ``backoffLimit``. The failure is durable: it is read back from the event log
+when the controller restarts.
+
+**End the fleet** (``metaps controller --exit-when-done``, as the Kubernetes manifests
+run it, where nothing else stops the controller and PS pods). When the run is
+complete, each PS process is sent ``stop`` ``run_ended`` (it exits 0: its Job
+completes and frees its node); when it failed, every live process is told as above.
+Once every stop was handed out (or ``linger_s`` passed) the controller asks itself to
+shut down, and exits 0 (complete) or 4 (failed). Without it (``metaps launch``, the
+scripts) the launcher ends the fleet and no ``run_ended`` stop is sent.
+
+Example::
+
+    outcome = RunOutcome(server, end_fleet=True)
+    outcome.tick()              # from the controller's loop
+    outcome.state()             # (RunState.COMPLETE, "")
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import Callable, Protocol
+
+from controller.dds import DynamicDataSharding
+from controller.node_registry import NodeRegistry, NodeState
+from controller.state import Event, EventLog
+from metaps.core import exit_codes
+from metaps.core.log import kv
+
+log = logging.getLogger(__name__)
+
+RUN_FAILED = "run_failed"
+"""Event kind: the run cannot go on (evidence ``reason``)."""
+
+
+class RunState(str, enum.Enum):
+    RUNNING = "running"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class OutcomeHost(Protocol):
+    """What the outcome needs of the controller (``controller.server.ControllerServer`` has it)."""
+
+    @property
+    def dds(self) -> DynamicDataSharding: ...
+    @property
+    def registry(self) -> NodeRegistry: ...
+    @property
+    def events(self) -> EventLog: ...
+    @property
+    def shutdown_requested(self) -> threading.Event: ...
+
+
+class RunOutcome:
+    """See the module docstring.
+
+    Args:
+        host: the controller.
+        end_fleet: stop the PS processes and this controller when the run ends.
+        linger_s: the longest wait for the stops to be handed out before shutting down.
+        clock: ``time.monotonic``-like.
+    """
+
+    def __init__(self, host: OutcomeHost, end_fleet: bool = False, linger_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.h = host
+        self.end_fleet = end_fleet
+        self.linger_s = linger_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._failed = ""
+        for e in host.events.list():
+            if e.kind == RUN_FAILED:
+                self._failed = str(e.evidence.get("reason") or "the controller failed the run")
+                break
+        self._told: set[tuple[str, int, str]] = set()  # (role, index, incarnation id) sent a stop
+        self._ended_at: float | None = None
+        self.exit_code = exit_codes.OK
+
+    # ------------------------------------------------------------------ state
+    def note_failed(self, reason: str) -> None:
+        """A ``run_failed`` event was recorded (the first reason wins)."""
+        with self._lock:
+            if not self._failed:
+                self._failed = reason
+
+    def state(self) -> tuple[RunState, str]:
+        """(state, reason): failed wins over complete; complete needs every worker finished."""
+        with self._lock:
+            if self._failed:
+                return RunState.FAILED, self._failed
+        workers = [i for i in self.h.registry.nodes() if i.role == "worker"]
+        if self.h.dds.finished() and workers and all(i.state is NodeState.DONE for i in workers):
+            return RunState.COMPLETE, ""
+        return RunState.RUNNING, ""
+
+    # ------------------------------------------------------------------ stops
+    def tick(self) -> None:
+        """Send the stops the outcome calls for; with ``end_fleet``, shut down once delivered."""
+        st, reason = self.state()
+        if st is RunState.RUNNING:
+            return
+        if st is RunState.FAILED:
+            self._stop_all(("worker", "ps"), f"{exit_codes.STOP_RUN_FAILED}: {reason}")
+        elif self.end_fleet:
+            self._stop_all(("ps",), f"{exit_codes.STOP_RUN_ENDED}: every dataset done, every worker finished")
+        if not self.end_fleet:
+            return
+        now = self.clock()
+        if self._ended_at is None:
+            self._ended_at = now
+            self.h.events.record(Event.now("controller", "run_ended", {"state": st.value, "reason": reason},
+                                           "stop the fleet and exit"))
+            log.info("run ended; stopping the fleet", extra=kv(state=st.value, reason=reason or "-"))
+        pending = [n for n in self.h.registry.nodes() if self.h.registry.pending(n.role, n.index)]
+        if not pending or now - self._ended_at >= self.linger_s:
+            self.exit_code = exit_codes.RUN_FAILED if st is RunState.FAILED else exit_codes.OK
+            if pending:
+                log.warning("stops not handed out before shutdown",
+                            extra=kv(nodes=",".join(n.name for n in pending), linger_s=self.linger_s))
+            self.h.shutdown_requested.set()
+
+    def _stop_all(self, roles: tuple[str, ...], reason: str) -> None:
+        for info in self.h.registry.alive():
+            key = (info.role, info.index, info.incarnation_id)
+            if info.role not in roles or key in self._told or info.state is NodeState.DONE:
+                continue
+            self._told.add(key)
+            self.h.registry.enqueue(info.role, info.index, "stop", target="process", reason=reason)
+            log.warning("stop sent", extra=kv(node=info.name, reason=reason))

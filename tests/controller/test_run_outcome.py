@@ -1,0 +1,134 @@
+"""The run's outcome (controller/run_outcome.py) through real gRPC clients and a real controller.
+
+A failed run tells every live process to stop with ``run_failed`` (so a Kubernetes Job
+can fail on the exit code instead of crash-looping to ``backoffLimit``), durably across a
+controller restart; a complete run, with ``end_fleet``, stops the PS processes and shuts
+the controller down once the stops were handed out.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from controller.client import ControllerClient
+from controller.run_outcome import RUN_FAILED
+from controller.server import ControllerServer
+from controller.types import NODE_FINISHED
+from metaps.core import exit_codes
+from tests.controller.conftest import RPC, TRAIN, client, drain, small_cfg
+
+
+def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _fail_the_run(srv: ControllerServer) -> str:
+    """A PS restart with no fleet wired in: the recovery cannot restore anything, the run fails."""
+    srv.recovery.settle_s = 0.0
+    ControllerClient(srv.address, RPC, role="ps", index=0).register(pid=5, incarnation="a")
+    ControllerClient(srv.address, RPC, role="ps", index=0).register(pid=5, incarnation="b")
+    _wait(lambda: srv.outcome.state()[0].value == "failed", 30, "the run to fail")
+    return srv.outcome.state()[1]
+
+
+def test_a_failed_run_tells_every_live_process_to_stop_with_run_failed(controller) -> None:  # type: ignore[no-untyped-def]
+    srv = controller(ps_fleet=None)
+    w0, w1 = client(srv, 0), client(srv, 1)
+    reason = _fail_the_run(srv)
+    assert "ps:0" in reason
+    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
+    ps.register(pid=5, incarnation="b")  # the current PS incarnation (the one that is told)
+    srv.tick()
+    for c in (w0, w1, ps):
+        cmds = c.heartbeat().commands
+        assert [x.kind for x in cmds] == ["stop"], cmds
+        assert cmds[0].reason.startswith("run_failed:") and reason in cmds[0].reason
+        assert exit_codes.for_stop(cmds[0].reason) == exit_codes.RUN_FAILED
+    srv.tick()
+    assert all(not c.heartbeat().commands for c in (w0, w1, ps))  # once per incarnation
+    # a crash-looping worker comes back as a new incarnation: it is told again
+    again = ControllerClient(srv.address, RPC, role="worker", index=1)
+    again.register(incarnation="w1-second")
+    srv.tick()
+    assert [x.kind for x in again.heartbeat().commands] == ["stop"]
+    st = again.status()
+    assert st["run"] == {"state": "failed", "reason": reason}
+    assert not srv.shutdown_requested.is_set()  # without end_fleet the launcher ends the fleet
+
+
+def test_the_failure_survives_a_controller_restart(controller, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    srv = controller(ps_fleet=None, state_dir=tmp_path / "s")
+    reason = _fail_the_run(srv)
+    srv.recovery.join(timeout=30)
+    srv.stop(grace=0)
+    back = controller(ps_fleet=None, state_dir=tmp_path / "s")
+    assert back.outcome.state() == (back.outcome.state()[0].FAILED, reason)
+    w = client(back, 0)
+    back.tick()
+    assert [c.kind for c in w.heartbeat().commands] == ["stop"]
+
+
+def test_a_complete_run_with_end_fleet_stops_the_ps_and_shuts_down(controller) -> None:  # type: ignore[no-untyped-def]
+    srv = controller(datasets=(TRAIN,), end_fleet=True)
+    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
+    ps.register(incarnation="ps-a")
+    w0, w1 = client(srv, 0), client(srv, 1)
+    assert drain(w0, "train") + drain(w1, "train") > 0
+    srv.tick()
+    assert srv.outcome.state()[0].value == "running"  # data done, workers not finished yet
+    assert not ps.heartbeat().commands
+    w0.node_down("worker", 0, NODE_FINISHED, 0)
+    srv.tick()
+    assert srv.outcome.state()[0].value == "running" and not srv.shutdown_requested.is_set()
+    w1.node_down("worker", 1, NODE_FINISHED, 0)
+    srv.tick()
+    assert srv.outcome.state()[0].value == "complete"
+    assert not srv.shutdown_requested.is_set()  # the PS has not been handed its stop yet
+    cmds = ps.heartbeat().commands
+    assert [c.kind for c in cmds] == ["stop"] and exit_codes.for_stop(cmds[0].reason) == exit_codes.OK
+    srv.tick()
+    assert srv.shutdown_requested.is_set() and srv.outcome.exit_code == exit_codes.OK
+    kinds = [e.kind for e in srv.events.list()]
+    assert kinds.count("node_finished") == 2 and "run_ended" in kinds and RUN_FAILED not in kinds
+    assert {n["state"] for n in w0.status()["nodes"] if n["role"] == "worker"} == {"done"}
+
+
+def test_without_end_fleet_a_complete_run_sends_no_stop(controller) -> None:  # type: ignore[no-untyped-def]
+    srv = controller(datasets=(TRAIN,))
+    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
+    ps.register(incarnation="ps-a")
+    w0 = client(srv, 0)
+    drain(w0, "train")
+    w0.node_down("worker", 0, NODE_FINISHED, 0)
+    srv.tick()
+    assert srv.outcome.state()[0].value == "complete"
+    assert not ps.heartbeat().commands and not srv.shutdown_requested.is_set()
+
+
+def test_a_failed_run_with_end_fleet_exits_run_failed(controller) -> None:  # type: ignore[no-untyped-def]
+    srv = controller(ps_fleet=None, end_fleet=True)
+    w0 = client(srv, 0)
+    _fail_the_run(srv)
+    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
+    ps.register(pid=5, incarnation="b")
+    srv.tick()
+    assert not srv.shutdown_requested.is_set()
+    w0.heartbeat()
+    ps.heartbeat()
+    srv.tick()
+    assert srv.shutdown_requested.is_set() and srv.outcome.exit_code == exit_codes.RUN_FAILED
+
+
+def test_a_finished_worker_is_done_not_dead_and_frees_nothing_twice(controller) -> None:  # type: ignore[no-untyped-def]
+    cfg = small_cfg()
+    srv = controller(cfg=cfg, datasets=(TRAIN,))
+    w0 = client(srv, 0)
+    w0.node_down("worker", 0, NODE_FINISHED, 0)
+    info = srv.registry.get("worker", 0)
+    assert info.state.value == "done"
+    assert not srv.registry.timed_out(0.0)  # a done node is never timed out as dead
+    assert [e.kind for e in srv.events.list()] == ["node_finished"]
