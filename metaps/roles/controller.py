@@ -4,6 +4,7 @@
 
     metaps controller --config job.toml [--address HOST:PORT] [--state-dir DIR]
     metaps agent --config job.toml --role worker --index 3 [--controller HOST:PORT] [-- CMD ...]
+    metaps status --config job.toml [--controller HOST:PORT]
 
 The controller serves until a Shutdown RPC or SIGTERM/SIGINT, or, with
 ``--exit-when-done``, until the run ends: then the PS processes are told to stop and
@@ -50,8 +51,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--exit-when-done", action="store_true",
                    help="when the run ends, stop the PS processes and exit: 0 complete, 4 failed "
                         "(the Kubernetes manifests use it; `metaps launch` stops the fleet itself)")
+    p.add_argument("--termination-log", default="",
+                   help="file the run's outcome is written to on exit, one JSON line (a pod's "
+                        "terminationMessagePath, /dev/termination-log)")
     add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_controller)
+
+    s = subparsers.add_parser("status", help="the run's state, coverage, nodes and checkpoints from the controller")
+    s.add_argument("--config", required=True, help="job TOML (its [rpc] token; [controller] state_dir's address file)")
+    s.add_argument("--controller", default="",
+                   help="controller host:port (default $METAPS_CONTROLLER, else the state dir's address file)")
+    s.add_argument("--token-file", default="", help="file (mode 0600) holding the auth token")
+    s.set_defaults(func=run_status)
 
     a = subparsers.add_parser("agent", help="run and supervise one worker or PS process")
     a.add_argument("--config", required=True, help="job TOML")
@@ -114,10 +125,87 @@ def run_controller(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown_requested.set())
     signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())
     server.wait()
+    summary = status_summary(server.status())[0]
     server.stop()
-    state, reason = server.outcome.state()
-    log.info("controller exiting", extra=kv(run=state.value, reason=reason or "-", exit_code=server.outcome.exit_code))
+    log.info("controller exiting", extra=kv(run=summary["run"], reason=summary["reason"] or "-",
+                                            coverage=summary["coverage"], exit_code=server.outcome.exit_code))
+    if args.termination_log:
+        _write_termination_log(Path(args.termination_log), summary)
     return server.outcome.exit_code
+
+
+def _write_termination_log(path: Path, summary: dict[str, Any]) -> None:
+    """The pod's termination message (``kubectl describe pod``): the outcome, one JSON line, < 4 KiB."""
+    import json
+
+    line = json.dumps({k: summary[k] for k in ("run", "reason", "coverage", "checkpoint")}, default=str)[:4000]
+    try:
+        path.write_text(line + "\n")
+    except OSError as exc:
+        log.warning("cannot write the termination log", extra=kv(path=str(path), error=exc.strerror))
+
+
+def status_summary(st: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The controller status (``ControllerServer.status`` / ``ControllerClient.status``) as a
+    short result: (one JSON-able dict, the human lines).
+
+    Args:
+        st: the status mapping.
+    """
+    from metaps.run_report import coverage_text
+
+    run = st.get("run") or {"state": "running", "reason": ""}
+    state = str(run.get("state") or "running")
+    cov = st.get("coverage") or {}
+    cov_status = {"running": "running", "complete": "succeeded"}.get(state, "failed")
+    cov_line = coverage_text(cov, cov_status, str(run.get("reason") or ""))
+    counts: dict[str, dict[str, int]] = {}
+    for n in st.get("nodes") or []:
+        by = counts.setdefault(str(n["role"]), {})
+        by[str(n["state"])] = by.get(str(n["state"]), 0) + 1
+    committed = [c for c in st.get("checkpoints") or [] if c.get("state") == "committed"]
+    last = committed[-1] if committed else None
+    ckpt = f"{last.get('dir', '')} (cut {last.get('cut_id')}, step {last.get('step')})" if last else "none committed"
+    datasets = [{k: d.get(k) for k in ("dataset", "epoch", "epochs", "shards_done", "shards_total",
+                                       "batches_done", "batches_total")} for d in st.get("datasets") or []]
+    reason = str(run.get("reason") or "")
+    data: dict[str, Any] = {"run": state, "reason": reason, "coverage": cov_line,
+                            "coverage_fraction": cov.get("fraction"), "nodes": counts,
+                            "checkpoint": last.get("dir", "") if last else "", "datasets": datasets}
+    lines = [f"run         {state}" + (f": {reason}" if reason else ""), f"coverage    {cov_line}"]
+    for d in datasets:
+        lines.append(f"  {d['dataset']:<9} epoch {d['epoch']}/{d['epochs']}: {d['shards_done']}/{d['shards_total']} "
+                     f"shards, {d['batches_done']}/{d['batches_total']} batches")
+    lines.append("nodes       " + "; ".join(f"{role} " + ", ".join(f"{v} {k}" for k, v in sorted(by.items()))
+                                          for role, by in sorted(counts.items())) if counts else "nodes       none")
+    lines.append(f"checkpoint  {ckpt}")
+    return data, lines
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """``metaps status``: exit 0 while running or complete, 4 when the run failed."""
+    from controller.client import ControllerClient, ControllerError
+    from metaps.core import exit_codes
+    from metaps.job import load_job
+    from metaps.roles.output import emit
+
+    job = load_job(args.config)
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    addr = args.controller or os.environ.get("METAPS_CONTROLLER", "")
+    if not addr:
+        f = _state_dir(job, "") / "address"
+        if not f.exists():
+            raise ConfigError(f"{args.config}: no controller address: pass --controller, set METAPS_CONTROLLER "
+                              f"or run where the controller's state dir is ({f} is missing)")
+        addr = f.read_text().strip()
+    try:
+        with ControllerClient(addr, job.rpc, retry_s=5.0) as c:
+            st = c.status()
+    except ControllerError as exc:
+        raise ConfigError(f"controller {addr}: {exc.details or exc.code.name}") from None
+    data, lines = status_summary(st)
+    emit(args, {"controller": addr, **data}, lines)
+    return exit_codes.RUN_FAILED if data["run"] == "failed" else exit_codes.OK
 
 
 def run_agent(args: argparse.Namespace) -> int:
