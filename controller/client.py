@@ -66,6 +66,7 @@ class HeartbeatReply:
     commands: list[Command] = field(default_factory=list)
     batch_size: int = 0
     known: bool = True
+    leader: bool = False  # a worker: it is the checkpoint leader now
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class ControllerClient:
             r = self._call("Heartbeat", req)
         cmds = [Command(c.id, c.kind, self.source, c.batch_size, c.cut_id, c.reason, c.shard_id, c.stop_batch)
                 for c in r.commands]
-        return HeartbeatReply(cmds, r.batch_size, r.known)
+        return HeartbeatReply(cmds, r.batch_size, r.known, r.leader)
 
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]:
         """Report that ``role:index``'s process died; returns the shards requeued."""
@@ -354,7 +355,8 @@ class ControllerClient:
             "events": [{"seq": e.seq, "time": e.time, "node": e.node, "kind": e.kind,
                         "evidence": json.loads(e.evidence_json or "{}"), "action": e.action} for e in r.events],
             "finished": r.finished,
-            "run": {"state": r.run_state or "running", "reason": r.run_reason},
+            "run": {"state": r.run_state or "running", "reason": r.run_reason, "leader": r.leader,
+                    "final_checkpoint": r.final_checkpoint},
             "coverage": json.loads(r.coverage_json or "{}"),
             "checkpoints": json.loads(r.checkpoints_json or "[]"),
         }

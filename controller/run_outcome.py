@@ -6,8 +6,15 @@
     running --(a run_failed event: e.g. a PS recovery with nothing to restore)--> failed
 
 A worker process reports itself finished (``NodeDown`` with reason
-:data:`~controller.types.NODE_FINISHED`, exit code 0) after its last duty (rank 0:
-the final checkpoint); the registry keeps it ``done``.
+:data:`~controller.types.NODE_FINISHED`, exit code 0) after its last duty; the
+registry keeps it ``done``.
+
+**The checkpoint leader** is the live worker with the lowest index (:meth:`RunOutcome.leader`),
+not a fixed rank: it takes the periodic checkpoint cuts and, once every dataset is
+done, writes the final checkpoint and finishes (``final_checkpoint``, durable as an
+event). The other workers wait for that before they finish. When the leader leaves
+(deleted on a scale-down, crashed) the next live worker is the leader at once, so no
+worker index has duties another cannot take over.
 
 **Failed.** Every live process (worker and PS) is sent ``stop`` with the reason
 ``run_failed: <why>``, once per incarnation (a crash-looping worker that registers
@@ -49,6 +56,8 @@ log = logging.getLogger(__name__)
 
 RUN_FAILED = "run_failed"
 """Event kind: the run cannot go on (evidence ``reason``)."""
+FINAL_CHECKPOINT = "final_checkpoint"
+"""Event kind: the leader wrote the run's final checkpoint and finished (evidence ``worker``)."""
 
 
 class RunState(str, enum.Enum):
@@ -88,13 +97,17 @@ class RunOutcome:
         self.clock = clock
         self._lock = threading.Lock()
         self._failed = ""
+        self.final_done = False
         for e in host.events.list():
-            if e.kind == RUN_FAILED:
+            if e.kind == RUN_FAILED and not self._failed:
                 self._failed = str(e.evidence.get("reason") or "the controller failed the run")
-                break
+            elif e.kind == FINAL_CHECKPOINT:
+                self.final_done = True
         self._told: set[tuple[str, int, str]] = set()  # (role, index, incarnation id) sent a stop
         self._ended_at: float | None = None
         self.exit_code = exit_codes.OK
+        self.ended = False
+        """``end_fleet``: the run ended and the shutdown was asked for (``exit_code`` says how)."""
 
     # ------------------------------------------------------------------ state
     def note_failed(self, reason: str) -> None:
@@ -102,6 +115,17 @@ class RunOutcome:
         with self._lock:
             if not self._failed:
                 self._failed = reason
+
+    def leader(self) -> int:
+        """The checkpoint leader: the live worker with the lowest index (-1: none)."""
+        live = [i.index for i in self.h.registry.alive("worker")]
+        return min(live) if live else -1
+
+    def worker_finished(self, index: int) -> None:
+        """Worker ``index`` reported itself finished; if it led a finished run, the final checkpoint is written."""
+        if not self.final_done and self.h.dds.finished() and index == self.leader():
+            self.final_done = True
+            self.h.events.record(Event.now(f"worker:{index}", FINAL_CHECKPOINT, {"worker": index}, ""))
 
     def state(self) -> tuple[RunState, str]:
         """(state, reason): failed wins over complete; complete needs every worker finished."""
@@ -134,6 +158,7 @@ class RunOutcome:
         pending = [n for n in self.h.registry.nodes() if self.h.registry.pending(n.role, n.index)]
         if not pending or now - self._ended_at >= self.linger_s:
             self.exit_code = exit_codes.RUN_FAILED if st is RunState.FAILED else exit_codes.OK
+            self.ended = True
             if pending:
                 log.warning("stops not handed out before shutdown",
                             extra=kv(nodes=",".join(n.name for n in pending), linger_s=self.linger_s))

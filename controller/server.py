@@ -243,6 +243,8 @@ class ControllerServer:
         finished its part of the run: it is marked done (``node_finished``), not dead.
         """
         if reason == NODE_FINISHED and exit_code == 0:
+            if role == "worker":
+                self.outcome.worker_finished(index)  # before it leaves the live set: was it the leader?
             self.registry.mark_done(role, index)
             requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []  # holds none: a guard
             self.events.record(Event.now(f"{role}:{index}", "node_finished", {"requeued": requeued}, ""))
@@ -396,7 +398,8 @@ class ControllerServer:
             "nodes": nodes,
             "events": [e.__dict__ for e in self.events.list(since=events_since)],
             "finished": self.dds.finished(),
-            "run": dict(zip(("state", "reason"), (run_state.value, run_reason))),
+            "run": {"state": run_state.value, "reason": run_reason, "leader": self.outcome.leader(),
+                    "final_checkpoint": self.outcome.final_done},
             "coverage": cov.to_status(),
             "checkpoints": self.checkpoints.cuts(),
         }

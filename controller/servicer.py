@@ -28,6 +28,7 @@ from controller.dds import DynamicDataSharding
 from controller.liveness import WorkerLiveness
 from controller.monitor import Monitor
 from controller.node_registry import NodeInfo, NodeRegistry
+from controller.run_outcome import RunOutcome
 from controller.types import GetStatus, UnknownNode, check_node
 from controller.worker_claims import WorkerClaims
 from metaps.core.errors import MetapsError
@@ -76,6 +77,8 @@ class ServedController(Protocol):
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]: ...
 
     def status(self, events_since: int = 0) -> dict[str, Any]: ...
+    @property
+    def outcome(self) -> RunOutcome: ...
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,8 +156,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 self.s.dds.note_progress(index, request.shard_id, int(request.next_batch))
             if self.s.liveness is not None:
                 self.s.liveness.step(index, request.step)
+        leader = role == "worker" and source == "process" and self.s.outcome.leader() == index
         return pb.HeartbeatResponse(
-            known=True, batch_size=info.batch_size,
+            known=True, batch_size=info.batch_size, leader=leader,
             commands=[pb.Command(id=c.id, kind=c.kind, batch_size=c.batch_size, cut_id=c.cut_id, reason=c.reason,
                                 shard_id=c.shard_id, stop_batch=c.stop_batch)
                       for c in cmds])
@@ -230,6 +234,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                              evidence_json=json.dumps(e["evidence"], sort_keys=True, default=str),
                              action=e["action"]) for e in st["events"]],
             finished=st["finished"], run_state=st["run"]["state"], run_reason=st["run"]["reason"],
+            leader=st["run"]["leader"], final_checkpoint=st["run"]["final_checkpoint"],
             coverage_json=json.dumps(st["coverage"], sort_keys=True),
             checkpoints_json=json.dumps(st["checkpoints"], sort_keys=True),
         )

@@ -294,8 +294,10 @@ def build_report(
     reports = read_worker_reports(run_dir)
     ranks = sorted(set(range(job.train.workers)) | set(reports))
     workers = [_worker_entry(r, reports.get(r), (log_histories or {}).get(r, ())) for r in ranks]
-    final_metrics = reports.get(0, {}).get("eval", {}) or {}
-    ckpt = checkpoint or reports.get(0, {}).get("checkpoint", "")
+    # the worker that wrote the final checkpoint (the controller's leader then; rank 0 by default)
+    lead = next((r for _, r in sorted(reports.items()) if r.get("final")), reports.get(0, {}))
+    final_metrics = lead.get("eval", {}) or {}
+    ckpt = checkpoint or lead.get("checkpoint", "")
     st = dict(controller_status or {})
     now = time.time()
     cov = dict(st.get("coverage", {}) or {})
@@ -322,7 +324,7 @@ def build_report(
             "incarnations": sum(len(w.get("incarnations") or [1]) for w in workers),
             "checkpoint_step": checkpoint_step(ckpt),
         },
-        "auc_history": list(reports.get(0, {}).get("eval_history") or []),
+        "auc_history": list(lead.get("eval_history") or []),
         "shards_note": shards_note(st.get("datasets", []) or [], events),
         "ps": list(ps_stats) if ps_stats is not None else [],
         "controller": {

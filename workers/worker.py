@@ -7,7 +7,9 @@ Life of a worker::
         read batches (prefetch) -> pull rows -> step -> push grads -> report metrics
         report the shard done
     pull final dense params; score the eval shards it is leased -> run/eval/*.npz
-    rank 0: wait for the job to finish, merge eval scores, final checkpoint, report
+    the checkpoint leader (the controller's choice: the live worker with the lowest index;
+    rank 0 without a controller), once every dataset is done: merge eval scores, final
+    checkpoint; the others wait for that (and take over if the leader leaves); report
 
 With ``dense_sync = "allreduce"`` every step is a collective, so a worker with no
 batch at hand still joins it with zero gradients (and the step's sample count
@@ -73,6 +75,7 @@ class _Heartbeat(threading.Thread):
         self.stop_event = threading.Event()
         self.commands: list[Any] = []
         self.lock = threading.Lock()
+        self.leader = False  # the controller's last word: this worker is the checkpoint leader
 
     def run(self) -> None:
         while not self.stop_event.wait(self.period_s):
@@ -83,6 +86,7 @@ class _Heartbeat(threading.Thread):
             except Exception as exc:  # the controller may restart; keep training
                 log.warning("heartbeat failed", extra=kv(error=str(exc)[:200]))
                 continue
+            self.leader = reply.leader
             for cmd in reply.commands:
                 if cmd.kind == "stop" and exit_codes.for_stop(cmd.reason) != exit_codes.OK:
                     _exit_now(cmd.reason)
@@ -152,6 +156,7 @@ class Worker:
         self.busy_s = 0.0
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
+        self.final = False  # this worker wrote the run's final checkpoint (finish_run)
         self._draining = False
         self._stale_wait_seen = 0.0  # PsClient.stale_wait_s when _step_waits last read it
         self.lease_progress: tuple[str, int] = ("", 0)  # (lease, next batch of it): heartbeats, tail split
@@ -405,7 +410,7 @@ class Worker:
             return
         cmds = self._hb.take()
         cuts = [c.cut_id for c in cmds if c.kind == "checkpoint"]
-        if cuts and self.rank == 0:
+        if cuts and self.is_leader:
             self._checkpoint_cuts(cuts)
         for cmd in cmds:
             if cmd.kind == "set_batch_size" and self._dd is not None:
@@ -511,9 +516,9 @@ class Worker:
         return path
 
     def _periodic_eval(self, step: int) -> None:
-        """Rank 0, every ``[train] eval_every_steps``: AUC on the first ``eval_max_rows`` eval rows."""
+        """The leader, every ``[train] eval_every_steps``: AUC on the first ``eval_max_rows`` eval rows."""
         every = self.job.train.eval_every_steps
-        if not every or self.rank != 0 or not self.job.data.eval or step % every:
+        if not every or not self.job.data.eval or step % every or not self.is_leader:
             return
         from workers.evaluation import bounded_batches, evaluate
 
@@ -548,17 +553,49 @@ class Worker:
                                        self.trainer.inner_loop, adapt=adapt)
                 write_eval_file(out_dir / f"static-{r.file}-{r.start}-{r.stop}.npz", scores)
 
-    def wait_finished(self, timeout_s: float = 3600.0) -> dict[str, Any]:
-        """Rank 0: block until the controller says every dataset is done."""
+    @property
+    def is_leader(self) -> bool:
+        """This worker takes the checkpoint cuts and the final checkpoint (the controller's
+        pick, told in heartbeat replies; rank 0 without a controller)."""
         if self.ctl is None:
-            return {}
+            return self.rank == 0
+        return self._hb is not None and self._hb.leader
+
+    def finish_run(self, timeout_s: float = 3600.0, poll_s: float = 0.5) -> tuple[dict[str, Any] | None, Path | None]:
+        """After training and eval: the leader, once every dataset is done, merges the eval scores
+        and writes the final checkpoint; every other worker waits until it has, and takes over
+        if it becomes the leader meanwhile (the leader left). Returns (eval metrics, checkpoint)
+        of this worker's final checkpoint, or (None, None).
+
+        Raises:
+            TimeoutError: nothing ended the wait in ``timeout_s``; the message says what it waited for.
+        """
+        if self.ctl is None:
+            return self._final_checkpoint() if self.rank == 0 else (None, None)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            st = self.ctl.status()
-            if st.get("finished"):
-                return st
-            time.sleep(0.2)
-        raise TimeoutError(f"worker {self.rank}: job not finished after {timeout_s}s")
+        next_log = time.monotonic() + 30.0
+        while True:
+            st = self.ctl.status(events_since=2**62)  # no events: this polls
+            run = st.get("run") or {}
+            if run.get("final_checkpoint"):
+                return None, None
+            if st.get("finished") and run.get("leader") == self.rank:
+                return self._final_checkpoint()
+            waiting = (f"worker {run.get('leader')}'s final checkpoint" if st.get("finished") else
+                       "every dataset done (" + ", ".join(f"{d['dataset']} {d['shards_done']}/{d['shards_total']} "
+                                                          "shards" for d in st.get("datasets") or []) + ")")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.rank}: waited {timeout_s:.0f}s for {waiting}")
+            if time.monotonic() > next_log:
+                next_log = time.monotonic() + 30.0
+                log.info("training done; waiting for the run to end", extra=kv(rank=self.rank, waiting_for=waiting))
+            time.sleep(poll_s)
+
+    def _final_checkpoint(self) -> tuple[dict[str, Any] | None, Path]:
+        metrics = merge_eval_files(self.run_dir / "eval") if self.job.data.eval else None
+        ckpt = self.checkpoint(metrics=metrics)
+        self.final = True
+        return metrics, ckpt
 
     def _report_dict(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None,
                      state: str) -> dict[str, Any]:
@@ -580,6 +617,7 @@ class Worker:
             "history": self.history,
             "eval": eval_metrics or {},
             "checkpoint": str(checkpoint) if checkpoint else "",
+            "final": self.final,  # this worker wrote the run's final checkpoint
             "dense_sha256": dense_digest(self.model) if state == "finished" else "",
             "overlap": self.trainer.overlap.report(),
         }
@@ -649,11 +687,7 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
     try:
         worker.train()
         worker.evaluate()
-        metrics, ckpt = None, None
-        if rank == 0:
-            worker.wait_finished()
-            metrics = merge_eval_files(worker.run_dir / "eval") if job.data.eval else None
-            ckpt = worker.checkpoint(metrics=metrics)
+        metrics, ckpt = worker.finish_run()
         rep = worker.report(metrics, ckpt)
         finished = True
         return rep

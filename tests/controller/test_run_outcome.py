@@ -56,7 +56,7 @@ def test_a_failed_run_tells_every_live_process_to_stop_with_run_failed(controlle
     srv.tick()
     assert [x.kind for x in again.heartbeat().commands] == ["stop"]
     st = again.status()
-    assert st["run"] == {"state": "failed", "reason": reason}
+    assert (st["run"]["state"], st["run"]["reason"]) == ("failed", reason)
     assert not srv.shutdown_requested.is_set()  # without end_fleet the launcher ends the fleet
 
 
@@ -132,3 +132,30 @@ def test_a_finished_worker_is_done_not_dead_and_frees_nothing_twice(controller) 
     assert info.state.value == "done"
     assert not srv.registry.timed_out(0.0)  # a done node is never timed out as dead
     assert [e.kind for e in srv.events.list()] == ["node_finished"]
+
+
+def test_the_checkpoint_leader_is_the_lowest_live_worker_and_hands_over(controller) -> None:  # type: ignore[no-untyped-def]
+    """No worker index has duties another cannot take: the leader is whoever lives lowest."""
+    srv = controller(datasets=(TRAIN,))
+    w = {k: client(srv, k) for k in (0, 1, 2)}
+    assert srv.outcome.leader() == 0
+    assert [w[k].heartbeat().leader for k in (0, 1, 2)] == [True, False, False]
+    w[0].node_down("worker", 0, "SIGTERM (pod deleted or scaled down)", 143)  # a scale-down took worker 0
+    assert srv.outcome.leader() == 1 and w[1].heartbeat().leader and w[0].status()["run"]["leader"] == 1
+    assert drain(w[1], "train") + drain(w[2], "train") > 0
+    w[2].node_down("worker", 2, NODE_FINISHED, 0)  # a non-leader finishing writes no final checkpoint
+    assert not srv.outcome.final_done and not w[1].status()["run"]["final_checkpoint"]
+    w[1].node_down("worker", 1, NODE_FINISHED, 0)  # the leader finishing after the data: the final one
+    st = w[1].status()["run"]
+    assert st["final_checkpoint"] and st["state"] == "running"  # worker 0 is dead, not done
+    assert [e.evidence for e in srv.events.list() if e.kind == "final_checkpoint"] == [{"worker": 1}]
+
+
+def test_a_leader_finishing_before_the_data_is_done_is_no_final_checkpoint(controller) -> None:  # type: ignore[no-untyped-def]
+    srv = controller(datasets=(TRAIN,))
+    w0, w1 = client(srv, 0), client(srv, 1)
+    w0.node_down("worker", 0, NODE_FINISHED, 0)  # e.g. its step limit, shards left
+    assert not srv.outcome.final_done and srv.outcome.leader() == 1
+    drain(w1, "train")
+    w1.node_down("worker", 1, NODE_FINISHED, 0)
+    assert srv.outcome.final_done and srv.outcome.state()[0].value == "complete"
