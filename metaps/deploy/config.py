@@ -54,8 +54,8 @@ class RoleResources:
     1 CPU 1Gi; ps and worker 2 CPU 4Gi and 1 GPU with ``--gpu``; data 1 CPU 4Gi; deliver 1 CPU 2Gi.
 
     Args:
-        controller: the controller Deployment.
-        ps: each PS StatefulSet pod.
+        controller: the controller Job.
+        ps: each PS pod (an Indexed Job).
         worker: each worker Job pod (``gpu`` used with ``--gpu``).
         data: the Meta-IO build Job.
         deliver: the delivery CronJob.
@@ -88,6 +88,15 @@ class DeployConfig:
         deliver_args: extra ``metaps deliver`` arguments, e.g. ``["--incremental", "--keep", "5"]``.
         restore_from: warm start: a checkpoints directory (shared volume) the PS restore their
             newest committed checkpoint from ('' = cold start).
+        ps_max_unavailable: the PS PodDisruptionBudget's ``maxUnavailable``: 0 blocks voluntary
+            evictions of PS pods (a node drain waits for the run); 1 lets a drain take one PS
+            at a time (the controller restores the fleet to its last cut each time).
+        priority_class: ``priorityClassName`` of the controller and PS pods ('' = none; the
+            class must exist in the cluster): they are the last to be preempted.
+        startup_timeout_s: how long a PS may take to serve (a warm start's restore) before the
+            startup probe gives up; liveness probing starts after it.
+        deliver_deadline_s: ``activeDeadlineSeconds`` of a delivery run (a hung one cannot block
+            the later ones).
         resources: per-role requests and limits.
     """
 
@@ -104,6 +113,10 @@ class DeployConfig:
     deliver_schedule: str = "0 * * * *"
     deliver_args: list[str] = field(default_factory=list)
     restore_from: str = ""
+    ps_max_unavailable: int = 1
+    priority_class: str = ""
+    startup_timeout_s: int = 1800
+    deliver_deadline_s: int = 3600
     resources: RoleResources = field(default_factory=RoleResources)
 
     def validate(self) -> None:
@@ -124,6 +137,13 @@ class DeployConfig:
             raise ValueError("data_schema is required with data_input (the schema of the raw logs)")
         if self.data_eval_input and not self.data_input:
             raise ValueError("data_eval_input needs data_input")
+        if self.ps_max_unavailable not in (0, 1):
+            raise ValueError(f"ps_max_unavailable must be 0 or 1, got {self.ps_max_unavailable}")
+        if self.priority_class and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", self.priority_class):
+            raise ValueError(f"priority_class {self.priority_class!r} is not a Kubernetes object name")
+        for key in ("startup_timeout_s", "deliver_deadline_s"):
+            if getattr(self, key) < 60:
+                raise ValueError(f"{key} must be >= 60 seconds, got {getattr(self, key)}")
         if self.deliver_schedule and not _CRON.match(self.deliver_schedule.strip()):
             raise ValueError(f"deliver_schedule {self.deliver_schedule!r} is not a cron schedule "
                              "(five fields, e.g. '0 * * * *', or @hourly/@daily)")

@@ -2,7 +2,8 @@
 
 Kubernetes hands a pod no hand-written addresses, only names::
 
-    PS StatefulSet pod        hostname metaps-ps-3          -> shard 3   (``metaps ps --shard auto``)
+    PS Indexed Job pod        $JOB_COMPLETION_INDEX = 3     -> shard 3   (``metaps ps --shard auto``;
+                              hostname metaps-ps-3, a StatefulSet-style name, where the index is unset)
     all-reduce Indexed Job    $JOB_COMPLETION_INDEX = 5     -> rank 5    (``metaps worker --rank auto``)
     work-queue Job (PS mode)  pod name, ClaimWorker RPC     -> an index from the controller
     PS addresses              ``{k}`` pattern, e.g. metaps-ps-{k}.metaps-ps:5000 (stable DNS names
@@ -49,18 +50,25 @@ def pod_ordinal(name: str) -> int:
     return int(m.group(1))
 
 
-def resolve_shard(value: str, shards: int, hostname: str | None = None) -> int:
+def resolve_shard(value: str, shards: int, hostname: str | None = None,
+                  env: Mapping[str, str] | None = None) -> int:
     """``--shard`` as given (an integer or ``auto``) -> the shard index, checked against ``[ps] shards``.
 
     Args:
-        value: ``"3"`` or ``"auto"`` (the StatefulSet ordinal of this pod).
+        value: ``"3"`` or ``"auto"`` (``$JOB_COMPLETION_INDEX`` of an Indexed Job pod, else the
+            trailing ordinal of the pod name, ``metaps-ps-3``).
         shards: ``[ps] shards`` of the job.
         hostname: the pod name (default :func:`pod_name`).
+        env: the environment (default ``os.environ``).
 
     Raises:
         ConfigError: not an integer or ``auto``, or out of range.
     """
-    if value == "auto":
+    env = os.environ if env is None else env
+    if value == "auto" and env.get("JOB_COMPLETION_INDEX", "") != "":
+        shard = completion_index(env)
+        where = f"--shard auto ($JOB_COMPLETION_INDEX {shard})"
+    elif value == "auto":
         shard = pod_ordinal(hostname or pod_name())
         where = f"--shard auto (pod {hostname or pod_name()})"
     else:
@@ -83,8 +91,8 @@ def completion_index(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     raw = env.get("JOB_COMPLETION_INDEX", "")
     if not raw.isdigit():
-        raise ConfigError(f"--rank auto in all-reduce mode needs $JOB_COMPLETION_INDEX (an Indexed Job), "
-                          f"got {raw!r}")
+        raise ConfigError(f"--rank/--shard auto in an Indexed Job needs $JOB_COMPLETION_INDEX (a non-negative "
+                          f"integer), got {raw!r}")
     return int(raw)
 
 

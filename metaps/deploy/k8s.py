@@ -7,9 +7,9 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
                       [rpc] token_file -> /run/metaps/token, [ps] host -> 0.0.0.0, no token
     storage.yaml      PVC NAME-data (ReadWriteMany: data, run dir, checkpoints, bundles at /data)
                       PVC NAME-controller-state (ReadWriteOnce: the controller's LMDB)
-    controller.yaml   Deployment (1 replica, Recreate) + Service NAME-controller; gRPC probes
-    ps.yaml           StatefulSet NAME-ps (replicas = [ps] shards, Parallel) + headless Service;
-                      --shard auto (the ordinal), registered as NAME-ps-K.NAME-ps:PORT
+    controller.yaml   Job NAME-controller (1 pod, ``--exit-when-done``) + Service NAME-controller
+    ps.yaml           Indexed Job NAME-ps (one pod per [ps] shard, hostname NAME-ps-K, shard K) +
+                      headless Service (NAME-ps-K.NAME-ps:PORT) + PodDisruptionBudget
     worker.yaml       PS mode: Job, parallelism = [train] workers, no completions (work queue:
                       patch parallelism to scale; --rank auto gets an index from the controller)
                       all-reduce: Indexed Job (completions = parallelism = workers) + headless Service
@@ -18,17 +18,35 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
     kustomization.yaml  the above + a Secret NAME-token generated from DIR/token (0600, created
                       here with a fresh token unless it exists; never in the ConfigMap or an env value)
 
-Every pod: non-root (uid 10001), read-only root filesystem (/tmp is an emptyDir),
-capabilities dropped, Prometheus scrape annotations (long-running roles) or
-``prometheus.io/scrape: "false"`` (batch pods that serve no metrics). Training pods
-wait for ``[data] train``'s manifest in an init container, and copy the mounted
-Secret (mode 0400 + the pod's fsGroup) to a 0600 file of their own in memory
-(``/run/metaps/token``) the token check accepts.
+**The run's outcome is the Jobs' outcome.** Controller, PS and workers are Jobs with
+``restartPolicy: Never`` and a ``podFailurePolicy``: exit code 4 (the controller failed
+the run, :mod:`metaps.core.exit_codes`) fails the Job at once; disruptions (a drain, a
+preemption: ``DisruptionTarget``), SIGTERM exits (143: a deleted or scaled-down pod)
+and fenced-off processes (5) do not count toward ``backoffLimit``; other failures (a
+crash) get a new pod. When the run ends the controller stops the PS and exits
+(``--exit-when-done``), so every Job completes and nothing holds a node or a GPU. A
+replaced pod is a new incarnation (a random id per process start, and its pod UID), so
+the controller recovers a replaced PS as it does a crashed one. A Job's pod template
+is immutable: ``kubectl apply`` never rolls a running PS fleet.
 
-Restarts are Kubernetes': no ``metaps agent`` runs in a pod (restartPolicy Always for
-the controller and PS, OnFailure for workers and batch Jobs). The controller's
-``drain`` and checkpoint commands reach the worker process itself; a worker pod
-that is deleted reports itself down (its shards are requeued at once).
+**The PS is protected:** a PodDisruptionBudget (``[deploy] ps_max_unavailable``), an
+optional priority class (``[deploy] priority_class``, also on the controller), spread
+across nodes (preferred anti-affinity and a topology spread constraint), a startup probe
+that covers a warm start's restore (``[deploy] startup_timeout_s``) before liveness
+probing starts.
+
+Every pod: non-root (uid 10001, ``fsGroup`` with ``fsGroupChangePolicy: OnRootMismatch``:
+the volumes' roots must be group-writable for gid 10001), read-only root filesystem (/tmp is
+an emptyDir), capabilities dropped, ``terminationMessagePolicy: FallbackToLogsOnError`` (the
+controller writes its outcome line to the termination message), Prometheus scrape
+annotations (long-running roles) or ``prometheus.io/scrape: "false"`` (batch pods that serve
+no metrics). Training pods wait for ``[data] train``'s manifest in an init container, and
+copy the mounted Secret (mode 0400 + the pod's fsGroup) to a 0600 file of their own in
+memory (``/run/metaps/token``) the token check accepts.
+
+No ``metaps agent`` runs in a pod: restarts are Kubernetes'. The controller's ``drain``
+and checkpoint commands reach the worker process itself; a worker pod that is deleted
+reports itself down (its shards are requeued at once).
 
 Example::
 
@@ -44,8 +62,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metaps.deploy.yaml_out import dumps_all
+from metaps.core import exit_codes
 from metaps.core.errors import ConfigError
+from metaps.deploy.yaml_out import dumps_all
 from metaps.core.security import REDACTED, generate_token
 from metaps.core.toml_writer import dumps as toml_dumps
 
@@ -57,6 +76,7 @@ TOKEN_PATH = f"{TOKEN_DIR}/token"
 DATA_DIR = "/data"
 STATE_DIR = "/var/lib/metaps"
 UID = 10001
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml")
 
 
@@ -153,16 +173,22 @@ class _Gen:
         c["resources"] = self.resources(role)
         c["volumeMounts"] = (mounts or []) + [{"name": "tmp", "mountPath": "/tmp"}]
         if probe_port:
+            # startup covers a warm start's restore; liveness only begins once it passed
+            c["startupProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 10, "timeoutSeconds": 5,
+                                 "failureThreshold": max(6, self.d.startup_timeout_s // 10)}
             c["readinessProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 5, "timeoutSeconds": 5,
                                    "failureThreshold": 3}
-            c["livenessProbe"] = {"grpc": {"port": probe_port}, "initialDelaySeconds": 30, "periodSeconds": 10,
+            c["livenessProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 10,
                                   "timeoutSeconds": 10, "failureThreshold": 6}
+        c["terminationMessagePolicy"] = "FallbackToLogsOnError"
         c["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                 "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
         return c
 
     def pod_env(self) -> list[dict[str, Any]]:
-        return [{"name": "METAPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+        """The pod's name and UID (a replaced pod has a new UID: the controller's incarnation evidence)."""
+        return [{"name": "METAPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "METAPS_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
 
     def train_mounts(self) -> list[dict[str, Any]]:
         return [{"name": "job", "mountPath": JOB_DIR, "readOnly": True},
@@ -194,6 +220,7 @@ class _Gen:
                                 "enableServiceLinks": False}
         spec.update(extra)
         spec["securityContext"] = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                                   "fsGroupChangePolicy": "OnRootMismatch",
                                    "seccompProfile": {"type": "RuntimeDefault"}}
         if init:
             spec["initContainers"] = init
@@ -219,25 +246,41 @@ class _Gen:
         return [pvc(f"{self.n}-data", "ReadWriteMany", self.d.storage_size, "storage"),
                 pvc(f"{self.n}-controller-state", "ReadWriteOnce", self.d.state_size, "controller")]
 
+    def failure_policy(self, container: str, ignore_codes: tuple[int, ...] = ()) -> dict[str, Any]:
+        """A Job's ``podFailurePolicy``: the run failed (exit 4) fails the Job; disruptions and
+        ``ignore_codes`` do not count toward ``backoffLimit``; anything else is retried."""
+        rules: list[dict[str, Any]] = [
+            {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In",
+                                                   "values": [exit_codes.RUN_FAILED]}},
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+        if ignore_codes:
+            rules.append({"action": "Ignore", "onExitCodes": {"containerName": container, "operator": "In",
+                                                               "values": sorted(ignore_codes)}})
+        return {"rules": rules}
+
     def controller(self) -> list[dict[str, Any]]:
         port, mport = self.d.controller_port, self.d.metrics_port
         args = ["controller", "--config", JOB_PATH, "--address", f"0.0.0.0:{port}", "--state-dir",
                 f"{STATE_DIR}/state", "--metrics-port", str(mport), "--metrics-host", "0.0.0.0",
-                "--checkpoint-root", self.ckpt_root]
+                "--checkpoint-root", self.ckpt_root, "--exit-when-done",
+                "--termination-log", "/dev/termination-log", "--signal-exit-code", str(exit_codes.SIGTERM)]
         c = self.container("controller", args, "controller", {"grpc": port, "metrics": mport},
                            self.train_mounts() + [{"name": "state", "mountPath": STATE_DIR}], self.pod_env(),
                            probe_port=port)
-        spec = self.pod_spec([c], "Always", self.volumes(
+        spec = self.pod_spec([c], "Never", self.volumes(
             {"name": "state", "persistentVolumeClaim": {"claimName": f"{self.n}-controller-state"}}),
-            self.init_containers("controller"))
-        dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": self.meta(f"{self.n}-controller", "controller"),
-               "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
-                        "selector": {"matchLabels": self.labels("controller")},
+            self.init_containers("controller"), **self.priority())
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-controller", "controller"),
+               "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 6,
+                        "podFailurePolicy": self.failure_policy("controller", (exit_codes.SIGTERM,)),
                         "template": self.template("controller", spec, True)}}
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(f"{self.n}-controller", "controller"),
                "spec": {"selector": self.labels("controller"),
                         "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}}
-        return [svc, dep]
+        return [svc, job]
+
+    def priority(self) -> dict[str, Any]:
+        return {"priorityClassName": self.d.priority_class} if self.d.priority_class else {}
 
     @property
     def controller_addr(self) -> str:
@@ -245,25 +288,37 @@ class _Gen:
 
     def ps(self) -> list[dict[str, Any]]:
         port, mport, svc_name = self.d.ps_port, self.d.metrics_port, f"{self.n}-ps"
+        # an Indexed Job pod's hostname is NAME-ps-K (shard K: --shard auto), its DNS name
+        # NAME-ps-K.NAME-ps through the headless Service (spec.subdomain)
         args = ["ps", "--config", JOB_PATH, "--shard", "auto", "--port", str(port), "--metrics-port", str(mport),
-                "--controller", self.controller_addr, "--advertise", f"$(METAPS_POD_NAME).{svc_name}",
-                "--checkpoint-root", self.ckpt_root]
+                "--controller", self.controller_addr, "--advertise", f"{svc_name}-$(METAPS_INDEX).{svc_name}",
+                "--checkpoint-root", self.ckpt_root, "--signal-exit-code", str(exit_codes.SIGTERM)]
         if self.d.restore_from:
             args += ["--restore-latest", self.d.restore_from]
-        c = self.container("ps", args, "ps", {"grpc": port, "metrics": mport}, self.train_mounts(), self.pod_env(),
+        env = self.pod_env() + [{"name": "METAPS_INDEX", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}]
+        c = self.container("ps", args, "ps", {"grpc": port, "metrics": mport}, self.train_mounts(), env,
                            probe_port=port)
-        # shareProcessNamespace: the pause container is PID 1, so a restarted PS gets a new pid,
-        # which is how the controller tells a restarted shard (and starts the fleet's recovery)
-        spec = self.pod_spec([c], "Always", self.volumes(), self.init_containers("ps"),
-                             shareProcessNamespace=True, terminationGracePeriodSeconds=30)
-        sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": self.meta(svc_name, "ps"),
-               "spec": {"serviceName": svc_name, "replicas": self.job.ps.shards, "podManagementPolicy": "Parallel",
-                        "selector": {"matchLabels": self.labels("ps")},
+        sel = {"matchLabels": self.labels("ps")}
+        spread = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                      {"weight": 100, "podAffinityTerm": {"labelSelector": sel,
+                                                          "topologyKey": "kubernetes.io/hostname"}}]}},
+                  "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                                 "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": sel}]}
+        spec = self.pod_spec([c], "Never", self.volumes(), self.init_containers("ps"),
+                             subdomain=svc_name, terminationGracePeriodSeconds=30, **self.priority(), **spread)
+        shards = self.job.ps.shards
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(svc_name, "ps"),
+               "spec": {"completions": shards, "parallelism": shards, "completionMode": "Indexed",
+                        "backoffLimit": max(6, shards * self.job.controller.agent.restart_limit),
+                        "podFailurePolicy": self.failure_policy("ps", (exit_codes.SUPERSEDED, exit_codes.SIGTERM)),
                         "template": self.template("ps", spec, True)}}
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(svc_name, "ps"),
-               "spec": {"clusterIP": "None", "selector": self.labels("ps"),
+               "spec": {"clusterIP": "None", "selector": self.labels("ps"), "publishNotReadyAddresses": True,
                         "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}}
-        return [svc, sts]
+        pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": self.meta(svc_name, "ps"),
+               "spec": {"maxUnavailable": self.d.ps_max_unavailable, "selector": sel}}
+        return [svc, job, pdb]
 
     def worker(self) -> list[dict[str, Any]]:
         mport, name = self.d.metrics_port, f"{self.n}-worker"
@@ -288,8 +343,10 @@ class _Gen:
                          "spec": {"clusterIP": "None", "selector": self.labels("worker"),
                                   "ports": [{"name": "allreduce", "port": ar_port, "protocol": "TCP"}]}})
         c = self.container("worker", args, "worker", ports, self.train_mounts(), env)
-        spec = self.pod_spec([c], "OnFailure", self.volumes(), self.init_containers("worker"),
+        spec = self.pod_spec([c], "Never", self.volumes(), self.init_containers("worker"),
                              terminationGracePeriodSeconds=30, **extra)
+        # scale-down deletions (143), drains and fenced-off processes never count as failures
+        job_spec["podFailurePolicy"] = self.failure_policy("worker", (exit_codes.SUPERSEDED, exit_codes.SIGTERM))
         job_spec["template"] = self.template("worker", spec, True)
         objs.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(name, "worker"), "spec": job_spec})
         return objs
@@ -315,12 +372,15 @@ class _Gen:
             return []
         out = str(self.job.delivery.out)
         args = ["deliver", "--run", self.run_dir, "--out", out, *self.deliver_gate(), *self.d.deliver_args]
+        args.append("--if-checkpoint")  # before the run's first checkpoint: exit 0 saying so, not a failure
         c = self.container("deliver", args, "deliver", mounts=[{"name": "data", "mountPath": DATA_DIR}])
         spec = self.pod_spec([c], "OnFailure", self.volumes(training=False))
         return [{"apiVersion": "batch/v1", "kind": "CronJob", "metadata": self.meta(f"{self.n}-deliver", "deliver"),
                  "spec": {"schedule": self.d.deliver_schedule, "concurrencyPolicy": "Forbid",
+                          "startingDeadlineSeconds": 300,
                           "successfulJobsHistoryLimit": 3, "failedJobsHistoryLimit": 3,
                           "jobTemplate": {"spec": {"backoffLimit": 2,
+                                                   "activeDeadlineSeconds": self.d.deliver_deadline_s,
                                                    "template": self.template("deliver", spec, False)}}}}]
 
     def deliver_gate(self) -> list[str]:

@@ -7,7 +7,9 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
 * in its own network namespace (``ip netns``), joined by a veth to a bridge in a hub
   namespace, with its own address (a Service name resolves to the pod behind it: no
   kube-proxy; a headless Service's ``POD.SERVICE`` names resolve to each pod);
-* in a private mount and UTS namespace (``unshare --mount --uts``): hostname = pod name;
+* in a private mount, UTS and PID namespace (``unshare --mount --uts --pid``), a fresh one
+  per container start as a container runtime gives (the main process is pid 1, so pids say
+  nothing about identity); hostname = the pod's hostname (an Indexed Job pod: ``JOB-K``);
   ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods)
   and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
   from one file holding every Service name (rewritten in place as pods appear, like DNS);
@@ -16,20 +18,31 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   in ``/run/metaps-podsim-*`` and bound back after the volumes, so any checkout path works;
 * with the container's ``command`` (or the image's entrypoint ``metaps``, which is this
   machine's venv: ``python -m metaps``; the image itself is not used), its ``args`` with
-  ``$(VAR)`` expanded, its env (literal values and the downward-API ``metadata.name`` /
-  ``metadata.namespace``), ``workingDir``, init containers first, in order;
+  ``$(VAR)`` expanded, its env (literal values and the downward-API ``metadata.name``,
+  ``metadata.namespace``, ``metadata.uid`` -- a new one per pod -- and the Job completion
+  index annotation), ``workingDir``, init containers first, in order;
 * readiness through the gRPC health service on the probe's port (from the hub namespace);
 * restarts as the pod's ``restartPolicy`` says (Always / OnFailure) in the same pod:
   same name, same address, same emptyDirs -- what a container restart is.
 
-Jobs: a work-queue Job keeps ``parallelism`` pods running until one succeeds;
-:meth:`PodSim.scale_job` changes parallelism (the newest pods are deleted first, with
-SIGTERM and the pod's grace period); an Indexed Job gets ``JOB_COMPLETION_INDEX``.
+Jobs (the Job controller, :meth:`PodSim._supervise`): a work-queue Job keeps ``parallelism``
+pods running until one succeeds; a Job with ``completions`` runs until that many succeed;
+an Indexed Job keeps one pod per index (``JOB_COMPLETION_INDEX``, hostname ``JOB-K``, a
+new pod name per attempt) until each index succeeded. With ``restartPolicy: Never`` a
+failed pod is replaced by a new pod (new name, uid, address) after the
+``podFailurePolicy`` rules decide (``FailJob`` on an exit code: the Job fails and its
+pods are deleted; ``Ignore`` on an exit code or the ``DisruptionTarget`` condition: not
+counted) and counted failures beyond ``backoffLimit`` fail the Job.
+:meth:`PodSim.scale_job` changes parallelism (a random pod is deleted, with SIGTERM and the
+pod's grace period: which one is Kubernetes' choice, so nothing may depend on it);
+:meth:`PodSim.evict_pod` is an eviction (a node drain) that a PodDisruptionBudget may
+refuse; :meth:`PodSim.delete_pod` is ``kubectl delete pod`` (a Job replaces the pod).
 A CronJob's template runs once with :meth:`PodSim.trigger_cronjob`.
 
 Not simulated: the image (the venv replaces it), runAsUser/readOnlyRootFilesystem
-(processes run as the caller, root), resource limits, Service ClusterIPs and load
-balancing, node scheduling, PVC provisioning. Needs root and iproute2 (``ip netns``).
+(processes run as the caller, root), resource limits, liveness probes (readiness is),
+Service ClusterIPs and load balancing, node scheduling, PVC provisioning. Needs root,
+iproute2 (``ip netns``) and util-linux ``unshare``.
 
 Example::
 
@@ -47,6 +60,7 @@ import base64
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import shlex
@@ -55,6 +69,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,10 +121,39 @@ class Pod:
     exit_codes: list[int] = field(default_factory=list)
     deleting: bool = False
     created: float = field(default_factory=time.monotonic)
+    uid: str = field(default_factory=lambda: str(uuid.uuid4()))
+    hostname: str = ""               # '' = the pod name
+    index: int | None = None         # an Indexed Job pod's completion index
+    conditions: set[str] = field(default_factory=set)  # e.g. DisruptionTarget (evicted)
+    scaled_down: bool = False        # deleted by the Job controller for a lower parallelism
+    accounted: bool = False          # its end was counted by the Job controller
+
+    @property
+    def host(self) -> str:
+        return self.hostname or self.name
 
     @property
     def log_path(self) -> Path:
         return self.dir / "container.log"
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ("Succeeded", "Failed", "Deleted")
+
+
+@dataclass
+class JobState:
+    """What the simulated Job controller keeps of one Job."""
+
+    name: str
+    parallelism: int
+    completions: int | None          # None: a work-queue Job
+    indexed: bool
+    backoff_limit: int
+    failure_policy: list[dict[str, Any]]
+    failures: int = 0
+    status: str = "Running"          # Running | Complete | Failed
+    reason: str = ""
 
 
 class PodSim:
@@ -135,7 +179,7 @@ class PodSim:
         self.pods: dict[str, Pod] = {}
         self.namespaces: list[str] = []
         self.created_dirs: list[Path] = []
-        self.job_parallelism: dict[str, int] = {}
+        self.jobs: dict[str, JobState] = {}
         self.hosts_file = self.root / "hosts"
         self._lock = threading.RLock()
         self._next_ip = 2
@@ -183,9 +227,10 @@ class PodSim:
                 sel = svc["spec"].get("selector", {})
                 chosen = [p for p in pods if sel.items() <= p.spec["metadata"]["labels"].items()]
                 if svc["spec"].get("clusterIP") == "None":
-                    for p in chosen:
-                        lines.append(f"{p.ip}\t{p.name}.{name} {p.name}.{name}.{ns}.svc "
-                                     f"{p.name}.{name}.{ns}.svc.cluster.local")
+                    for p in chosen:  # POD.SERVICE, or HOSTNAME.SUBDOMAIN for a pod whose subdomain it is
+                        host = p.host if p.spec["spec"].get("subdomain") == name else p.name
+                        lines.append(f"{p.ip}\t{host}.{name} {host}.{name}.{ns}.svc "
+                                     f"{host}.{name}.{ns}.svc.cluster.local")
                 if chosen:  # a ClusterIP Service: the (one) pod behind it, no kube-proxy here
                     lines.append(f"{chosen[0].ip}\t{name} {name}.{ns}.svc {name}.{ns}.svc.cluster.local")
         text = "\n".join(lines) + "\n"
@@ -259,7 +304,8 @@ class PodSim:
             self.created_dirs.append(m)
 
     # ----------------------------------------------------------------- pods
-    def _new_pod(self, owner: str, name: str, template: dict[str, Any], env: dict[str, str] | None = None) -> Pod:
+    def _new_pod(self, owner: str, name: str, template: dict[str, Any], env: dict[str, str] | None = None,
+                 index: int | None = None) -> Pod:
         with self._lock:
             if name in self.pods and self.pods[name].phase != "Deleted":
                 raise ValueError(f"pod {name} exists")
@@ -270,7 +316,12 @@ class PodSim:
                 ip, ns = f"{self.subnet}.{self._next_ip}", f"k8p{self.tag}{self._next_ip}"
                 self._next_ip += 1
                 self._make_netns(ns, ip)
-            pod = Pod(name, owner, template, ip, ns, self.root / "pods" / name, dict(env or {}))
+            pod = Pod(name, owner, template, ip, ns, self.root / "pods" / name, dict(env or {}), index=index)
+            if index is not None:
+                pod.hostname = f"{owner}-{index}"  # an Indexed Job pod's hostname
+                pod.env_extra["JOB_COMPLETION_INDEX"] = str(index)
+            if pod.dir.exists():  # the same name again (a StatefulSet-style pod): fresh emptyDirs
+                pod.dir = self.root / "pods" / f"{name}.{secrets.token_hex(3)}"
             pod.dir.mkdir(parents=True, exist_ok=True)
             self.pods[name] = pod
         self._write_hosts()
@@ -297,15 +348,17 @@ class PodSim:
 
     def _argv(self, pod: Pod, c: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         env = dict(self.base_env)
-        env["HOSTNAME"] = pod.name
+        env["HOSTNAME"] = pod.host
         env.update(pod.env_extra)
         for e in c.get("env", []):
             if "value" in e:
                 env[e["name"]] = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), str(e["value"]))
             elif "valueFrom" in e:
                 path = e["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
-                values = {"metadata.name": pod.name, "status.podIP": pod.ip,
+                values = {"metadata.name": pod.name, "status.podIP": pod.ip, "metadata.uid": pod.uid,
                           "metadata.namespace": pod.spec["metadata"].get("namespace", "default")}
+                if pod.index is not None:
+                    values["metadata.annotations['batch.kubernetes.io/job-completion-index']"] = str(pod.index)
                 if path not in values:
                     raise ValueError(f"pod {pod.name}: env {e['name']}: unsupported valueFrom {e['valueFrom']}")
                 env[e["name"]] = values[path]
@@ -319,7 +372,7 @@ class PodSim:
         mounts = list(c.get("volumeMounts", []))
         # a mount over /tmp hides the volume sources under /tmp: mount such paths last
         mounts.sort(key=lambda m: str(self.root).startswith(m["mountPath"].rstrip("/") + "/"))
-        script = ["set -e", f"hostname {shlex.quote(pod.name)}",
+        script = ["set -e", f"hostname {shlex.quote(pod.host)}",
                   f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts"]
         # What stands for the image (the checkout on PYTHONPATH, the interpreter's environment) must stay
         # visible when a volume covers its path (an emptyDir at /tmp over a checkout under /tmp): bound
@@ -344,8 +397,9 @@ class PodSim:
                 self._mountpoint(c["workingDir"])
             script.append(f"cd {shlex.quote(c['workingDir'])}")
         script.append('exec "$@"')
-        cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--uts", "--propagation", "private",
-               "sh", "-c", "\n".join(script), "sh", *argv]
+        # a fresh PID namespace per container start, as a container runtime gives: the command is pid 1
+        cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
+               "--kill-child", "--propagation", "private", "sh", "-c", "\n".join(script), "sh", *argv]
         return cmd, env
 
     def _exec(self, pod: Pod, c: dict[str, Any]) -> subprocess.Popen[bytes]:
@@ -409,17 +463,20 @@ class PodSim:
             return [self._new_pod(name, f"{name}-{k}", tpl) for k in range(obj["spec"].get("replicas", 1))]
         if kind == "Job":
             spec = obj["spec"]
-            if spec.get("completionMode") == "Indexed":
-                return [self._new_pod(name, f"{name}-{k}-{secrets.token_hex(3)}", tpl,
-                                      {"JOB_COMPLETION_INDEX": str(k)}) for k in range(spec["completions"])]
-            with self._lock:  # the Job controller thread must not see the count before the pods
-                pods = [self._new_job_pod(name, tpl) for _ in range(spec.get("parallelism", 1))]
-                self.job_parallelism[name] = len(pods)
-            return pods
+            indexed = spec.get("completionMode") == "Indexed"
+            st = JobState(name, int(spec.get("parallelism", 1)), spec.get("completions"), indexed,
+                          int(spec.get("backoffLimit", 6)), list(spec.get("podFailurePolicy", {}).get("rules", [])))
+            with self._lock:  # the Job controller thread must not see the Job before its pods
+                self.jobs[name] = st
+                if indexed:
+                    return [self._new_job_pod(st, tpl, k) for k in range(min(st.parallelism, st.completions or 0))]
+                n = st.parallelism if st.completions is None else min(st.parallelism, st.completions)
+                return [self._new_job_pod(st, tpl) for _ in range(n)]
         raise ValueError(f"{name}: cannot start a {kind}")
 
-    def _new_job_pod(self, job: str, tpl: dict[str, Any]) -> Pod:
-        return self._new_pod(job, f"{job}-{secrets.token_hex(3)[:5]}", tpl)
+    def _new_job_pod(self, st: JobState, tpl: dict[str, Any], index: int | None = None) -> Pod:
+        prefix = st.name if index is None else f"{st.name}-{index}"
+        return self._new_pod(st.name, f"{prefix}-{secrets.token_hex(3)[:5]}", tpl, index=index)
 
     def trigger_cronjob(self, name: str) -> Pod:
         """Run a CronJob's job template once (``kubectl create job --from=cronjob/NAME``)."""
@@ -432,30 +489,49 @@ class PodSim:
         with self._lock:
             return [p for p in self.pods.values() if p.owner == job]
 
+    def index_pod(self, job: str, index: int) -> Pod | None:
+        """The newest pod of an Indexed Job's ``index`` (None before the first one)."""
+        pods = [p for p in self.job_pods(job) if p.index == index]
+        return max(pods, key=lambda p: p.created) if pods else None
+
+    def job_status(self, job: str) -> str:
+        """Running | Complete | Failed (the Job's conditions)."""
+        with self._lock:
+            return self.jobs[job].status
+
     def job_complete(self, job: str) -> bool:
-        pods = self.job_pods(job)
-        return any(p.phase == "Succeeded" for p in pods) and all(
-            p.phase in ("Succeeded", "Failed", "Deleted") for p in pods)
+        """The Job completed and none of its pods still runs."""
+        return self.job_status(job) == "Complete" and all(p.ended for p in self.job_pods(job))
 
     def scale_job(self, job: str, parallelism: int) -> None:
-        """``kubectl patch job JOB -p '{"spec":{"parallelism":N}}'``: start pods, or delete the newest."""
+        """``kubectl patch job JOB -p '{"spec":{"parallelism":N}}'``: start pods, or delete excess ones.
+
+        Which pods go is the Job controller's choice: a random one here, so nothing may
+        depend on a particular index staying (worker 0 included).
+        """
         with self._lock:
-            self.job_parallelism[job] = parallelism
-            active = [p for p in self.job_pods(job) if p.phase in ("Pending", "Running") and not p.deleting]
-            active.sort(key=lambda p: p.created)  # the newest go first (the Job controller's preference)
-            for p in active[parallelism:]:
+            self.jobs[job].parallelism = parallelism
+            active = [p for p in self.job_pods(job) if not p.ended and not p.deleting]
+            for p in random.sample(active, max(0, len(active) - parallelism)):
+                p.scaled_down = True
                 self.delete_pod(p.name)
 
-    def delete_pod(self, name: str, grace_s: float | None = None) -> None:
-        """``kubectl delete pod``: SIGTERM, then SIGKILL after the grace period (in the background)."""
+    def delete_pod(self, name: str, grace_s: float | None = None, condition: str = "") -> None:
+        """``kubectl delete pod``: SIGTERM, then SIGKILL after the grace period (in the background).
+
+        Args:
+            condition: a pod condition set first (``DisruptionTarget``: an eviction).
+        """
         pod = self.pods[name]
+        if condition:
+            pod.conditions.add(condition)
         pod.deleting = True
         grace = float(pod.spec["spec"].get("terminationGracePeriodSeconds", 30)) if grace_s is None else grace_s
 
         def stop() -> None:
             p = pod.proc
             if p is not None and p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
+                _signal_main(p, signal.SIGTERM)  # the kubelet signals the container's pid 1 only
                 try:
                     p.wait(grace)
                 except subprocess.TimeoutExpired:
@@ -464,6 +540,36 @@ class PodSim:
             pod.phase = "Deleted"
             self._write_hosts()
         threading.Thread(target=stop, daemon=True).start()
+
+    def evict_pod(self, name: str) -> bool:
+        """The Eviction API (``kubectl drain``): refused (False, HTTP 429) when a PodDisruptionBudget
+        selecting the pod allows no more unavailable pods; else the pod gets the
+        ``DisruptionTarget`` condition and is deleted (True)."""
+        with self._lock:
+            pod = self.pods[name]
+            labels = pod.spec["metadata"]["labels"]
+            for pdb in (d for d in self.docs if d["kind"] == "PodDisruptionBudget"):
+                sel = pdb["spec"].get("selector", {}).get("matchLabels", {})
+                if not sel.items() <= labels.items():
+                    continue
+                owned = [p for p in self.pods.values() if sel.items() <= p.spec["metadata"]["labels"].items()]
+                unavailable = sum(1 for p in owned if not p.ended and (p.deleting or p.phase != "Running"))
+                unavailable += sum(1 for k in self._missing_indexes(pod.owner))
+                if unavailable + 1 > int(pdb["spec"].get("maxUnavailable", 1)):
+                    log.info("eviction refused by a PodDisruptionBudget",
+                             extra=kv(pod=name, pdb=pdb["metadata"]["name"], unavailable=unavailable))
+                    return False
+            self.delete_pod(name, condition="DisruptionTarget")
+            return True
+
+    def _missing_indexes(self, job: str) -> list[int]:
+        """Indexes of an Indexed Job with no pod at all right now (a replacement not yet created)."""
+        st = self.jobs.get(job)
+        if st is None or not st.indexed:
+            return []
+        live = {p.index for p in self.job_pods(job) if not p.ended}
+        done = {p.index for p in self.job_pods(job) if p.phase == "Succeeded"}
+        return [k for k in range(st.completions or 0) if k not in live and k not in done]
 
     def kill_container(self, name: str) -> int:
         """SIGKILL a pod's running container (its restartPolicy brings it back). Returns the killed pid."""
@@ -481,24 +587,92 @@ class PodSim:
         _signal_group(p, sig)
 
     def container_pid(self, name: str) -> int:
-        """Pid of the container's main process (the ``exec``'d command under ``ip netns exec``)."""
+        """Host pid of the container's main process (pid 1 in its PID namespace)."""
         p = self.pods[name].proc
         assert p is not None
-        return p.pid
+        return _main_pid(p)
 
     def _supervise(self) -> None:
-        """The Job controller: keep ``parallelism`` pods of a work-queue Job until one succeeds."""
+        """The Job controller (see the module docstring), every half second."""
         while not self._stop.wait(0.5):
             with self._lock:
-                for job, n in self.job_parallelism.items():
-                    pods = self.job_pods(job)
-                    if any(p.phase == "Succeeded" for p in pods):
-                        continue  # a pod succeeded: no new pods, the rest finish
-                    active = [p for p in pods if p.phase in ("Pending", "Running") and not p.deleting]
-                    if len(active) < n:
-                        _, tpl = self._template(job)
-                        for _ in range(n - len(active)):
-                            self._new_job_pod(job, tpl)
+                for st in self.jobs.values():
+                    if st.status == "Running":
+                        self._sync_job(st)
+
+    def _sync_job(self, st: JobState) -> None:
+        pods = self.job_pods(st.name)
+        for p in pods:
+            if p.ended and not p.accounted and p.phase != "Succeeded":
+                p.accounted = True
+                self._account_failure(st, p)
+                if st.status == "Failed":
+                    return
+        succeeded = [p for p in pods if p.phase == "Succeeded"]
+        active = [p for p in pods if not p.ended and not p.deleting]
+        if st.indexed:
+            done = {p.index for p in succeeded}
+            if len(done) >= (st.completions or 0):
+                st.status = "Complete"
+                return
+            busy = {p.index for p in pods if not p.ended}
+            _, tpl = self._template(st.name)
+            for k in range(st.completions or 0):
+                if k not in done and k not in busy and len(active) < st.parallelism:
+                    active.append(self._new_job_pod(st, tpl, k))
+            return
+        if st.completions is None:  # work queue: done once a pod succeeded and the rest finished
+            if succeeded:
+                if not active:
+                    st.status = "Complete"
+                return
+            want = st.parallelism
+        else:
+            if len(succeeded) >= st.completions:
+                st.status = "Complete"
+                return
+            want = min(st.parallelism, st.completions - len(succeeded))
+        if len(active) < want:
+            _, tpl = self._template(st.name)
+            for _ in range(want - len(active)):
+                self._new_job_pod(st, tpl)
+
+    def _account_failure(self, st: JobState, pod: Pod) -> None:
+        """A pod of ``st`` ended without success: the podFailurePolicy decides, else it counts."""
+        if pod.scaled_down:
+            return  # the Job controller's own deletion for a lower parallelism is no failure
+        code = pod.exit_codes[-1] if pod.exit_codes else None
+        name = pod.spec["spec"]["containers"][0]["name"]
+        action = "Count"
+        for rule in st.failure_policy:
+            on_codes = rule.get("onExitCodes")
+            if on_codes is not None:
+                if on_codes.get("containerName", name) != name or code is None:
+                    continue
+                values = set(on_codes.get("values", []))
+                hit = (code in values) if on_codes.get("operator", "In") == "In" else (code not in values)
+            else:
+                hit = any(c.get("type") in pod.conditions and c.get("status", "True") == "True"
+                          for c in rule.get("onPodConditions", []))
+            if hit:
+                action = rule["action"]
+                break
+        log.info("job pod ended", extra=kv(job=st.name, pod=pod.name, phase=pod.phase, exit_code=code,
+                                           conditions=",".join(sorted(pod.conditions)) or "-", action=action))
+        if action == "FailJob":
+            self._fail_job(st, f"PodFailurePolicy: pod {pod.name} exited with {code}")
+        elif action == "Count":
+            st.failures += 1
+            if st.failures > st.backoff_limit:
+                self._fail_job(st, f"BackoffLimitExceeded: {st.failures} failed pods > backoffLimit {st.backoff_limit}")
+
+    def _fail_job(self, st: JobState, reason: str) -> None:
+        st.status, st.reason = "Failed", reason
+        log.warning("job failed", extra=kv(job=st.name, reason=reason))
+        for p in self.job_pods(st.name):
+            if not p.ended and not p.deleting:
+                p.scaled_down = True  # the Job's own deletion: no further accounting
+                self.delete_pod(p.name)
 
     # ----------------------------------------------------------------- probes
     def _probe(self, line: str) -> dict[str, Any]:
@@ -569,6 +743,28 @@ class PodSim:
                 d.rmdir()
             except OSError:
                 pass
+
+
+def _main_pid(p: subprocess.Popen[bytes]) -> int:
+    """The container's main process: the child ``unshare --fork`` started (``p`` itself until then)."""
+    try:
+        kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    except OSError:
+        return p.pid
+    return int(kids[0]) if kids else p.pid
+
+
+def _signal_main(p: subprocess.Popen[bytes], sig: int) -> None:
+    """``sig`` to the container's main process only (``unshare`` would die of a SIGTERM and,
+    with ``--kill-child``, SIGKILL the process before it could shut down)."""
+    pid = _main_pid(p)
+    try:
+        if pid == p.pid:
+            os.killpg(p.pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:

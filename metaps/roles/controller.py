@@ -51,6 +51,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--exit-when-done", action="store_true",
                    help="when the run ends, stop the PS processes and exit: 0 complete, 4 failed "
                         "(the Kubernetes manifests use it; `metaps launch` stops the fleet itself)")
+    p.add_argument("--signal-exit-code", type=int, default=0,
+                   help="exit code after a stop by SIGTERM/SIGINT before the run ended (143 in a Kubernetes "
+                        "Job: a drained controller pod is then replaced, not counted complete)")
     p.add_argument("--termination-log", default="",
                    help="file the run's outcome is written to on exit, one JSON line (a pod's "
                         "terminationMessagePath, /dev/termination-log)")
@@ -122,16 +125,23 @@ def run_controller(args: argparse.Namespace) -> int:
         REGISTRY.register(ControllerCollector(server))
         mport = serve_metrics(args.metrics_port, args.metrics_host)
         log.info("controller metrics", extra=kv(metrics_port=mport))
-    signal.signal(signal.SIGTERM, lambda *_: server.shutdown_requested.set())
-    signal.signal(signal.SIGINT, lambda *_: server.shutdown_requested.set())
+    signalled = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signalled.append(signum)
+        server.shutdown_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server.wait()
     summary = status_summary(server.status())[0]
     server.stop()
     log.info("controller exiting", extra=kv(run=summary["run"], reason=summary["reason"] or "-",
-                                            coverage=summary["coverage"], exit_code=server.outcome.exit_code))
+                                            coverage=summary["coverage"]))
     if args.termination_log:
         _write_termination_log(Path(args.termination_log), summary)
-    return server.outcome.exit_code
+    ended = server.outcome.end_fleet and server.outcome.ended
+    return server.outcome.exit_code if ended or not signalled else args.signal_exit_code
 
 
 def _write_termination_log(path: Path, summary: dict[str, Any]) -> None:

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", type=Path, required=True, help="publish root (versions + LATEST)")
     d.add_argument("--incremental", action="store_true", help="publish a delta on LATEST when possible")
     d.add_argument("--keep", type=int, default=5, help="versions to keep (chains are never broken; default 5)")
+    d.add_argument("--if-checkpoint", action="store_true",
+                   help="with --run: exit 0 saying so when the run has no committed checkpoint yet "
+                        "(a schedule that starts before the run's first checkpoint)")
     d.add_argument("--every", default="", help="run as a loop with this interval, e.g. 10m (needs --run)")
     d.add_argument("--holdout", default="", help="holdout data for the AUC gate (Parquet/CSV or Meta-IO dir)")
     d.add_argument("--holdout-rows", type=int, default=0, help="evaluate at most this many holdout rows (0 = all)")
@@ -98,6 +101,11 @@ def _deliver(args: argparse.Namespace) -> int:
                 print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind,
                                   "checkpoint": str(o.checkpoint), "reason": o.reason}))
         return 0
+    if args.if_checkpoint and args.run is not None and not _has_checkpoint(args.run):
+        print(json.dumps({"status": "no_checkpoint", "version": "", "kind": "", "checkpoint": "",
+                          "run": str(args.run)}))
+        print(f"metaps deliver: {args.run} has no committed checkpoint yet; nothing to deliver", file=sys.stderr)
+        return 0
     o = deliver_once(cfg, run=args.run, checkpoint=args.checkpoint, force=args.force)
     print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind, "checkpoint": str(o.checkpoint),
                       "auc": o.gate.auc if o.gate else {}}))
@@ -105,6 +113,13 @@ def _deliver(args: argparse.Namespace) -> int:
         print(f"metaps deliver: refused by the validation gate: {o.reason}", file=sys.stderr)
         return EXIT_REFUSED
     return 0
+
+
+def _has_checkpoint(run: Path) -> bool:
+    from ps.checkpoint import latest_checkpoint
+
+    root = Path(run) / "checkpoints"
+    return root.is_dir() and latest_checkpoint(root) is not None
 
 
 def _predict(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ The process serves gRPC on ``[ps] host`` and ``--port`` (default
 ``/metrics`` on ``--metrics-port`` and, with ``--ready-file``, writes
 ``{"port", "metrics_port", "pid"}`` there once serving (launchers and tests
 wait for it). SIGTERM/SIGINT: stop accepting calls, finish in-flight ones
-(up to ``--grace`` seconds), exit 0. A ``stop`` from the controller ends it the same
+(up to ``--grace`` seconds), exit 0 (``--signal-exit-code``: 143 in a Kubernetes Job,
+where 0 would mark the shard's index complete). A ``stop`` from the controller ends it the same
 way, with the code :mod:`metaps.core.exit_codes` gives its reason (0 the run ended,
 4 the run failed, 5 superseded by a newer process of this shard).
 
@@ -74,6 +75,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = free port)")
     p.add_argument("--ready-file", default="", help="write {port, metrics_port, pid} as JSON here once serving")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on SIGTERM")
+    p.add_argument("--signal-exit-code", type=int, default=0,
+                   help="exit code after a clean stop on SIGTERM/SIGINT (143 in a Kubernetes Job: an evicted "
+                        "or deleted pod is then not counted as a completed index)")
     p.add_argument("--awaiting-recovery", action="store_true", default=_restarted_by_agent(),
                    help="this process replaces a crashed one: refuse data RPCs and checkpoints until the "
                         "controller restores the fleet (default: on when $METAPS_RESTARTS > 0)")
@@ -194,10 +198,10 @@ def run_ps(args: argparse.Namespace) -> int:
     if link is not None:
         link.stop()
     server.stop(grace=args.grace)
-    code = exit_codes.for_stop(link.stop_reason) if link is not None and link.stop_reason else exit_codes.OK
+    code = exit_codes.for_stop(link.stop_reason) if link is not None and link.stop_reason else args.signal_exit_code
     why = (link.stop_reason if link is not None else "") or "signal"
-    if code == exit_codes.OK:
-        log.info("ps exited cleanly", extra=kv(shard=args.shard, reason=why))
+    if code in (exit_codes.OK, args.signal_exit_code):
+        log.info("ps exited cleanly", extra=kv(shard=args.shard, reason=why, exit_code=code))
     else:
         log.error("ps exited: stopped by the controller", extra=kv(shard=args.shard, exit_code=code, reason=why))
     return code

@@ -41,6 +41,22 @@ def test_deliver_every_runs_the_loop(tmp_path, history, capsys):
     assert [x["status"] for x in lines] == ["published", "up_to_date"]
 
 
+def test_deliver_if_checkpoint_exits_0_before_the_runs_first_checkpoint(tmp_path, history, capsys):
+    """The CronJob's schedule may start before the run's first checkpoint: not a failed Job."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    out = tmp_path / "out"
+    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out)]) == 1  # without the flag: an error
+    assert "run has no committed checkpoint" in capsys.readouterr().err
+    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["status"] == "no_checkpoint" and "no committed checkpoint yet" in cap.err
+    assert not (out / "LATEST").exists()
+    shutil.copytree(history.ckpts[20], run / "checkpoints" / "ckpt-20")  # once there is one, it delivers
+    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "published"
+
+
 def test_bad_input_exits_nonzero_with_the_reason(tmp_path, capsys):
     assert main(["deliver", "--no-gate", "--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
     assert "none: checkpoint directory not found" in capsys.readouterr().err

@@ -12,9 +12,16 @@ from metaps.core.errors import ConfigError
 
 
 def test_shard_auto_is_the_statefulset_ordinal() -> None:
-    assert resolve_shard("auto", 4, hostname="metaps-ps-3") == 3
-    assert resolve_shard("auto", 12, hostname="job-a-ps-11") == 11
+    assert resolve_shard("auto", 4, hostname="metaps-ps-3", env={}) == 3
+    assert resolve_shard("auto", 12, hostname="job-a-ps-11", env={}) == 11
     assert resolve_shard("2", 4) == 2
+
+
+def test_shard_auto_in_an_indexed_job_is_the_completion_index() -> None:
+    # an Indexed Job pod is named NAME-ps-K-<random>: the index, not the name, is the shard
+    assert resolve_shard("auto", 4, hostname="metaps-ps-1-x7k2p", env={"JOB_COMPLETION_INDEX": "2"}) == 2
+    with pytest.raises(ConfigError, match=r"\$JOB_COMPLETION_INDEX 4\) out of range: \[ps\] shards = 4"):
+        resolve_shard("auto", 4, env={"JOB_COMPLETION_INDEX": "4"})
 
 
 @pytest.mark.parametrize("value,host,msg", [
@@ -26,7 +33,7 @@ def test_shard_auto_is_the_statefulset_ordinal() -> None:
 def test_bad_shard_is_one_clear_error(value: str, host: str | None, msg: str) -> None:
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
-        resolve_shard(value, 4, hostname=host)
+        resolve_shard(value, 4, hostname=host, env={})
 
 
 def test_pod_name_prefers_the_downward_api_value() -> None:

@@ -43,7 +43,7 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def pod_templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for d in docs:
-        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+        if d["kind"] == "Job":
             out[d["metadata"]["name"]] = d["spec"]["template"]
         elif d["kind"] == "CronJob":
             out[d["metadata"]["name"]] = d["spec"]["jobTemplate"]["spec"]["template"]
@@ -91,29 +91,37 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: Any, va
     kinds = sorted(d["kind"] for d in docs)
     for d in docs:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
-    assert {"ConfigMap", "Secret", "Service", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Job",
-            "CronJob"} <= set(kinds)
+    assert {"ConfigMap", "Secret", "Service", "PersistentVolumeClaim", "Job", "CronJob",
+            "PodDisruptionBudget"} <= set(kinds)
+    # every long-running role is a Job: it completes when the run ends (no Deployment or
+    # StatefulSet restarts a finished controller or PS, or rolls the PS on an apply)
+    assert not {"Deployment", "StatefulSet"} & set(kinds)
+
+
+def _job(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return [j for j in by_kind(docs, "Job") if j["metadata"]["name"] == name][0]
 
 
 def test_strict_validation_catches_a_misspelt_field(rendered: Any) -> None:
     _, docs = rendered["cpu"]
-    sts = dict(by_kind(docs, "StatefulSet")[0])
-    sts["spec"] = {**sts["spec"], "podManagementPolcy": "Parallel"}
+    ps = dict(_job(docs, "metaps-ps"))
+    ps["spec"] = {**ps["spec"], "completionMod": "Indexed"}
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(ps, K8S_VERSION, strict=True)
 
 
 def test_counts_ports_and_selectors_match_the_job_file(rendered: Any) -> None:
     _, docs = rendered["cpu"]
     raw = tomllib.loads((REPO / "configs" / "main_job.toml").read_text())
     assert all(d["metadata"].get("namespace") == "ctr" for d in docs)
-    sts = by_kind(docs, "StatefulSet")[0]
-    assert sts["spec"]["replicas"] == raw["ps"]["shards"] and sts["spec"]["podManagementPolicy"] == "Parallel"
-    job = [j for j in by_kind(docs, "Job") if j["metadata"]["name"] == "metaps-worker"][0]
+    ps = _job(docs, "metaps-ps")
+    assert ps["spec"]["completions"] == ps["spec"]["parallelism"] == raw["ps"]["shards"]
+    assert ps["spec"]["completionMode"] == "Indexed" and ps["spec"]["template"]["spec"]["subdomain"] == "metaps-ps"
+    job = _job(docs, "metaps-worker")
     assert job["spec"]["parallelism"] == raw["train"]["workers"]
     assert "completions" not in job["spec"] and "completionMode" not in job["spec"]  # the work-queue pattern
-    dep = by_kind(docs, "Deployment")[0]
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    ctl = _job(docs, "metaps-controller")
+    assert ctl["spec"]["completions"] == ctl["spec"]["parallelism"] == 1
     templates = pod_templates(docs)
     for svc in by_kind(docs, "Service"):
         sel = svc["spec"]["selector"]
@@ -123,12 +131,11 @@ def test_counts_ports_and_selectors_match_the_job_file(rendered: Any) -> None:
                  for p in c.get("ports", [])}
         for p in svc["spec"]["ports"]:
             assert ports[p.get("targetPort", p["name"])] == p["port"]
-    assert sts["spec"]["serviceName"] == "metaps-ps"
     assert [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "metaps-ps"][0]["spec"]["clusterIP"] == "None"
     for name, t in templates.items():
         for c in t["spec"]["containers"]:
             ports = {p["containerPort"] for p in c.get("ports", [])}
-            for probe in ("readinessProbe", "livenessProbe"):
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in c:
                     assert c[probe]["grpc"]["port"] in ports, (name, probe)
             if name in ("metaps-controller", "metaps-ps"):
@@ -192,7 +199,7 @@ def test_gpu_variant_cuda_image_gpu_limits_data_and_delivery(rendered: Any) -> N
     args = templates["metaps-deliver"]["spec"]["containers"][0]["args"]
     # gated on the job's eval data (held-out users): deliver refuses to publish ungated unless told
     assert args == ["deliver", "--run", "runs/main/runs/main", "--out", "runs/main/bundles",
-                    "--holdout", "runs/main/metaio-holdout", "--incremental", "--keep", "5"]
+                    "--holdout", "runs/main/metaio-holdout", "--incremental", "--keep", "5", "--if-checkpoint"]
 
 
 def test_allreduce_is_an_indexed_job_with_fixed_ranks(rendered: Any) -> None:
@@ -241,3 +248,72 @@ def test_a_delivery_cronjob_without_a_gate_is_refused_naming_the_fix(tmp_path: P
     cron = [d for d in kustomize(tmp_path / "out2") if d["kind"] == "CronJob"][0]
     args = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--no-gate" in args and "--holdout" not in args
+
+
+def test_the_run_outcome_is_the_jobs_outcome(rendered: Any) -> None:
+    """podFailurePolicy: exit 4 (the run failed) fails the Job; disruptions, SIGTERM exits and
+    fenced-off processes do not count toward backoffLimit; the controller ends the fleet."""
+    _, docs = rendered["cpu"]
+    for name, container in (("metaps-controller", "controller"), ("metaps-ps", "ps"), ("metaps-worker", "worker")):
+        job = _job(docs, name)
+        assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never", name  # podFailurePolicy needs it
+        rules = job["spec"]["podFailurePolicy"]["rules"]
+        fail = [r for r in rules if r["action"] == "FailJob"]
+        assert fail == [{"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In",
+                                                              "values": [4]}}], name
+        ignored = {c for r in rules if r["action"] == "Ignore" for c in r.get("onExitCodes", {}).get("values", [])}
+        assert 143 in ignored and 4 not in ignored and 1 not in ignored, name
+        assert any(r["action"] == "Ignore" and r.get("onPodConditions") == [{"type": "DisruptionTarget",
+                                                                             "status": "True"}] for r in rules)
+        c = job["spec"]["template"]["spec"]["containers"][0]
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+        assert env["METAPS_POD_UID"] == "metadata.uid", name  # a replaced pod's new identity
+    args = _job(docs, "metaps-controller")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--exit-when-done" in args and args[args.index("--termination-log") + 1] == "/dev/termination-log"
+    assert 5 in {c for r in _job(docs, "metaps-worker")["spec"]["podFailurePolicy"]["rules"]
+                 for c in r.get("onExitCodes", {}).get("values", []) if r["action"] == "Ignore"}
+
+
+def test_the_ps_is_protected(rendered: Any) -> None:
+    _, docs = rendered["cpu"]
+    pdb = [p for p in by_kind(docs, "PodDisruptionBudget") if p["metadata"]["name"] == "metaps-ps"][0]
+    ps = _job(docs, "metaps-ps")
+    spec = ps["spec"]["template"]["spec"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= ps["spec"]["template"]["metadata"]["labels"].items()
+    term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    c = spec["containers"][0]
+    start = c["startupProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= 1800  # a warm start's restore fits
+    assert "initialDelaySeconds" not in c["livenessProbe"]
+    assert "shareProcessNamespace" not in spec  # identity no longer rides on pids
+    assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    args = c["args"]
+    assert args[args.index("--shard") + 1] == "auto" and args[args.index("--advertise") + 1] == \
+        "metaps-ps-$(METAPS_INDEX).metaps-ps"
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["METAPS_INDEX"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    cron = by_kind(docs, "CronJob")[0]["spec"]
+    assert cron["concurrencyPolicy"] == "Forbid" and cron["startingDeadlineSeconds"] > 0
+    assert cron["jobTemplate"]["spec"]["activeDeadlineSeconds"] == 3600
+    assert "--if-checkpoint" in cron["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_priority_class_and_a_strict_disruption_budget_are_configurable(tmp_path: Path) -> None:
+    cfg = _variant(tmp_path, "prio", lambda raw: raw.setdefault("deploy", {}).update(
+        priority_class="metaps-critical", ps_max_unavailable=0))
+    r = generate(tmp_path / "out", cfg)
+    assert r.returncode == 0, r.stderr
+    docs = kustomize(tmp_path / "out")
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    assert by_kind(docs, "PodDisruptionBudget")[0]["spec"]["maxUnavailable"] == 0
+    for name in ("metaps-ps", "metaps-controller"):
+        assert _job(docs, name)["spec"]["template"]["spec"]["priorityClassName"] == "metaps-critical"
+    assert "priorityClassName" not in _job(docs, "metaps-worker")["spec"]["template"]["spec"]
+    bad = _variant(tmp_path, "bad", lambda raw: raw.setdefault("deploy", {}).update(ps_max_unavailable=3))
+    r = generate(tmp_path / "bad-out", bad)
+    assert r.returncode == 1 and "ps_max_unavailable" in r.stderr and not (tmp_path / "bad-out").exists()
