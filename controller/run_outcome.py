@@ -2,7 +2,7 @@
 
 ::
 
-    running --(every dataset done, every worker process finished)--> complete
+    running --(every dataset done, the final checkpoint written, no worker left running)--> complete
     running --(a run_failed event: e.g. a PS recovery with nothing to restore)--> failed
 
 A worker process reports itself finished (``NodeDown`` with reason
@@ -128,13 +128,13 @@ class RunOutcome:
             self.h.events.record(Event.now(f"worker:{index}", FINAL_CHECKPOINT, {"worker": index}, ""))
 
     def state(self) -> tuple[RunState, str]:
-        """(state, reason): failed wins over complete; complete needs every worker finished."""
+        """(state, reason): failed wins over complete; complete needs the final checkpoint and
+        every worker process gone (finished, or dead: a scaled-down pod)."""
         with self._lock:
             if self._failed:
                 return RunState.FAILED, self._failed
-        workers = [i for i in self.h.registry.nodes() if i.role == "worker"]
-        if self.h.dds.finished() and workers and all(i.state is NodeState.DONE for i in workers):
-            return RunState.COMPLETE, ""
+        if self.final_done and self.h.dds.finished() and not self.h.registry.alive("worker"):
+            return RunState.COMPLETE, ""  # the leader's final checkpoint written, no worker left running
         return RunState.RUNNING, ""
 
     # ------------------------------------------------------------------ stops

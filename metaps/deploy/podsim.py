@@ -39,7 +39,9 @@ pod's grace period: which one is Kubernetes' choice, so nothing may depend on it
 refuse; :meth:`PodSim.delete_pod` is ``kubectl delete pod`` (a Job replaces the pod).
 A CronJob's template runs once with :meth:`PodSim.trigger_cronjob`.
 
-Not simulated: the image (the venv replaces it), runAsUser/readOnlyRootFilesystem
+The termination message (``terminationMessagePath``, default ``/dev/termination-log``) is
+the pod's own file bound over that path; the mount point is an empty host file, created
+once if missing and left in place. Not simulated: the image (the venv replaces it), runAsUser/readOnlyRootFilesystem
 (processes run as the caller, root), resource limits, liveness probes (readiness is),
 Service ClusterIPs and load balancing, node scheduling, PVC provisioning. Needs root,
 iproute2 (``ip netns``) and util-linux ``unshare``.
@@ -374,6 +376,14 @@ class PodSim:
         mounts.sort(key=lambda m: str(self.root).startswith(m["mountPath"].rstrip("/") + "/"))
         script = ["set -e", f"hostname {shlex.quote(pod.host)}",
                   f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts"]
+        # the termination message file (terminationMessagePath): the pod's own file, read by
+        # termination_message(); its mount point is an empty host file, created once and kept
+        # (another simulation may be using it as its mount point right now)
+        term_path = c.get("terminationMessagePath", "/dev/termination-log")
+        term = pod.dir / f"termination-{c['name']}"
+        term.touch()
+        Path(term_path).touch(exist_ok=True)
+        script.append(f"mount --bind {shlex.quote(str(term))} {shlex.quote(term_path)}")  # before /tmp is covered
         # What stands for the image (the checkout on PYTHONPATH, the interpreter's environment) must stay
         # visible when a volume covers its path (an emptyDir at /tmp over a checkout under /tmp): bound
         # to a stash first, bound back into place after the volumes.
@@ -570,6 +580,12 @@ class PodSim:
         live = {p.index for p in self.job_pods(job) if not p.ended}
         done = {p.index for p in self.job_pods(job) if p.phase == "Succeeded"}
         return [k for k in range(st.completions or 0) if k not in live and k not in done]
+
+    def termination_message(self, name: str) -> str:
+        """What the pod's main container wrote to its termination message file ('' if nothing)."""
+        pod = self.pods[name]
+        f = pod.dir / f"termination-{pod.spec['spec']['containers'][0]['name']}"
+        return f.read_text() if f.exists() else ""
 
     def kill_container(self, name: str) -> int:
         """SIGKILL a pod's running container (its restartPolicy brings it back). Returns the killed pid."""

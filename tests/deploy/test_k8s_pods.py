@@ -1,12 +1,16 @@
 """The generated manifests run, pod by pod, in network namespaces (metaps.deploy.podsim).
 
 One fleet run from ``kubectl kustomize`` output, with nothing taken from the job file
-directly: the data Job builds Meta-IO on the shared volume, the controller Deployment,
-PS StatefulSet (2 shards) and worker work-queue Job (2 workers) train to completion with
-coverage 100%; mid-run a PS container is SIGKILLed and comes back with the same identity
-(pod name, DNS name, shard) through the controller's recovery; the worker Job is scaled
-up by one (the newcomer claims index 2 and trains) and down by one (the leaver's shards
-are requeued, none lost); the delivery CronJob's command, run once, publishes a bundle.
+directly: the data Job builds Meta-IO on the shared volume, the controller Job, the PS
+Indexed Job (2 shards) and worker work-queue Job (2 workers) train to completion with
+coverage 100%. Mid-run a node drain evicts PS 1: its PodDisruptionBudget refuses a second
+eviction meanwhile, the Job replaces the pod (a new pod, uid and address, the same shard
+and DNS name, and -- in a fresh PID namespace -- the same pid 1), and the controller
+recovers it as a new incarnation; the worker Job is scaled up by one (the newcomer trains)
+and down by one (a random pod goes, whichever index it holds: its shards are requeued,
+none lost, and if it was the checkpoint leader another takes over). When the run ends
+the controller stops the PS and exits: all three Jobs complete, nothing holds a node.
+The delivery CronJob's command, run once, publishes a bundle.
 
 Where namespaces cannot be created (not root, no iproute2), this test cannot run the
 pods and fails with a message saying so: the render/validate tests
@@ -17,6 +21,7 @@ loopback equivalent.)
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -29,6 +34,7 @@ import yaml
 
 from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.deploy.podsim import PodSim, netns_available, tail
+from metaps.run_report import read_worker_reports
 from metaps.core.toml_writer import write
 from tests.metaps.fleet_data import wait_for
 
@@ -57,6 +63,17 @@ def job_file(path: Path) -> Path:
         "deploy": {"name": "mps", "data_input": "raw/train", "data_schema": "raw/train/schema.json",
                    "deliver_schedule": "*/30 * * * *", "deliver_args": ["--keep", "3"]},
     })
+
+
+def _events(state_dir: Path) -> list[dict[str, Any]]:
+    """The controller's event log, read from its LMDB state after it exited."""
+    from controller.state import EventLog, StateStore
+
+    store = StateStore(state_dir)
+    try:
+        return [e.__dict__ for e in EventLog(store).list()]
+    finally:
+        store.close()
 
 
 def render(tmp: Path) -> tuple[list[dict[str, Any]], str]:
@@ -89,7 +106,13 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         for w in ("mps-data", "mps-controller", "mps-ps", "mps-worker"):
             sim.start_workload(w)
         ctl = sim.job_pods("mps-controller")[0]
-        for pod in [ctl.name, "mps-ps-0", "mps-ps-1"]:
+
+        def ps_pod(k: int) -> str:
+            pod = sim.index_pod("mps-ps", k)
+            assert pod is not None, f"no pod of PS index {k}"
+            return pod.name
+
+        for pod in [ctl.name, ps_pod(0), ps_pod(1)]:
             sim.wait_ready(pod, 400)
         assert sim.job_complete("mps-data")
         phase("controller and PS ready")
@@ -103,13 +126,13 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         def nodes() -> dict[tuple[str, int], dict[str, Any]]:
             return {(n["role"], n["index"]): n for n in status()["nodes"]}
 
-        # identity: shards from the StatefulSet ordinals, registered under their stable DNS names
+        # identity: shards from the Job's completion index, registered under their stable DNS names
         wait_for(lambda: {("ps", 0), ("ps", 1)} <= set(nodes()), 120, "both PS shards registered")
         assert nodes()[("ps", 1)]["address"] == "mps-ps-1.mps-ps:5000"
 
         # After the first committed checkpoint the two workers are held (SIGSTOP: the test's way to
-        # be sure shards are left for a newcomer whatever this machine's speed), then a PS container
-        # is SIGKILLed and the worker Job scaled up by one.
+        # be sure shards are left for a newcomer whatever this machine's speed), then a node drain
+        # evicts PS 1 and the worker Job is scaled up by one.
         wait_for(lambda: any(c.get("state") == "committed" for c in status()["checkpoints"]), 300,
                  "a committed checkpoint")
         held = [p.name for p in sim.job_pods("mps-worker")]
@@ -117,42 +140,63 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         for name in held:
             sim.signal_container(name, signal.SIGSTOP)
         assert not status()["finished"]
-        old_pid = sim.kill_container("mps-ps-1")
+        old_ps1 = sim.pods[ps_pod(1)]
+        assert sim.evict_pod(old_ps1.name)
+        assert not sim.evict_pod(ps_pod(0)), "the PDB (maxUnavailable 1) lets a drain take one PS at a time"
         sim.scale_job("mps-worker", 3)
-        # the PS comes back in the same pod: same name, DNS name and shard, a new process
-        wait_for(lambda: sim.pods["mps-ps-1"].restarts >= 1, 60, "the PS container restarted")
-        sim.wait_ready("mps-ps-1", 300)
+        # a new pod for index 1: new name, uid and address; same shard and DNS name
+        wait_for(lambda: ps_pod(1) != old_ps1.name, 120, "the Job to replace PS 1's pod")
+        new_ps1 = sim.pods[ps_pod(1)]
+        sim.wait_ready(new_ps1.name, 300)
         wait_for(lambda: any(e["kind"] == "ps_recovery" and e["node"] == "ps:1" for e in status()["events"]),
                  300, "the controller's PS recovery")
         ps1 = nodes()[("ps", 1)]
         phase("PS recovered")
         assert ps1["address"] == "mps-ps-1.mps-ps:5000" and ps1["state"] == "alive"
+        assert old_ps1.exit_codes == [143] and old_ps1.phase == "Deleted"  # not counted as the index complete
         restarted = [e for e in status()["events"] if e["kind"] == "ps_restarted" and e["node"] == "ps:1"]
-        assert restarted and restarted[-1]["evidence"]["previous_pid"] == old_pid
+        assert restarted, "a replaced pod is a new incarnation"
+        ev = restarted[-1]["evidence"]
+        # the pid says nothing (pid 1 in both PID namespaces); the incarnation id and pod uid do
+        assert ev["pid"] == ev["previous_pid"] == 1, ev
+        assert (ev["pod_uid"], ev["previous_pod_uid"]) == (new_ps1.uid, old_ps1.uid)
+        assert ev["incarnation_id"] != ev["previous_incarnation_id"]
         # the newcomer claims index 2 and trains on the shards the held workers' leases gave back
         wait_for(lambda: ("worker", 2) in nodes() and nodes()[("worker", 2)]["step"] > 0, 300,
                  "worker 2 (the newcomer) training")
-        # scale down by one: the newest pod is deleted; it reports itself down, its shards are requeued
+        # scale down by one: a random pod is deleted; it reports itself down, its shards are requeued
+        before = {p.name for p in sim.job_pods("mps-worker") if p.phase == "Running"}
         sim.scale_job("mps-worker", 2)
-        phase("newcomer trained")
-        wait_for(lambda: any(e["kind"] == "node_down" and e["node"] == "worker:2" for e in status()["events"]),
-                 120, "worker 2's NodeDown")
-        down = [e for e in status()["events"] if e["kind"] == "node_down" and e["node"] == "worker:2"][-1]
-        assert down["evidence"]["exit_code"] == 143
+        gone = [p for p in sim.job_pods("mps-worker") if p.name in before and p.scaled_down]
+        assert len(gone) == 1
+        phase(f"scaled down: {gone[0].name} deleted")
+        if gone[0].name in held:
+            sim.signal_container(gone[0].name, signal.SIGCONT)  # a stopped process acts on SIGTERM once resumed
+        wait_for(lambda: any(e["kind"] == "node_down" and e["evidence"].get("exit_code") == 143
+                             for e in status()["events"]), 120, "the deleted worker's NodeDown")
         for name in held:
-            sim.signal_container(name, signal.SIGCONT)
+            if name != gone[0].name:
+                sim.signal_container(name, signal.SIGCONT)
         phase("scaled down")
 
         wait_for(lambda: sim.job_complete("mps-worker"), 600, "the worker Job to complete")
-        final = status()
         phase("worker Job complete")
-        assert final["finished"]
-        cov = final["coverage"]
-        assert cov["complete"] and cov["fraction"] == 1.0, cov
-        worker_pods = sim.job_pods("mps-worker")
-        assert len(worker_pods) == 3 and sum(p.phase == "Succeeded" for p in worker_pods) == 2
+        # the run ended: the controller stopped the PS and exited; every Job completed
+        wait_for(lambda: sim.job_complete("mps-ps") and sim.job_complete("mps-controller"), 180,
+                 "the PS and controller Jobs to complete")
+        assert [p.exit_codes[-1] for p in sim.job_pods("mps-controller")] == [0]
+        final_ps = [sim.index_pod("mps-ps", k) for k in (0, 1)]
+        assert all(p is not None and p.phase == "Succeeded" for p in final_ps)
+        outcome = json.loads(sim.termination_message(sim.job_pods("mps-controller")[0].name))
+        assert (outcome["run"], outcome["coverage"]) == ("complete", "complete"), outcome
+        assert sim.job_status("mps-worker") == "Complete"
         run = data / "runs" / "k8s"
-        assert (run / "workers" / "worker-0.json").is_file() and list((run / "checkpoints").glob("ckpt-*"))
+        reports = list(read_worker_reports(run).values())
+        final = [r for r in reports if r.get("final")]
+        assert len(final) == 1 and final[0]["checkpoint"], [(r["rank"], r.get("final")) for r in reports]
+        assert list((run / "checkpoints").glob("ckpt-*"))
+        led = [e for e in _events(sim.root / "pvc" / "mps-controller-state" / "state") if e["kind"] == "final_checkpoint"]
+        assert led and led[-1]["evidence"]["worker"] == final[0]["rank"]
 
         # the delivery CronJob's command, once
         pod = sim.trigger_cronjob("mps-deliver")
