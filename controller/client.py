@@ -79,6 +79,7 @@ class DoneReport:
     elapsed_s: float = 0.0
     error: str = ""
     stop: int = 0  # where a lease told to truncate was stopped (0: the whole shard)
+    step_limit: bool = False  # the worker reached its step limit at ``stop``
 
 
 @dataclass(frozen=True)
@@ -187,18 +188,20 @@ class ControllerClient:
 
     def heartbeat(self, step: int = 0, rss_bytes: float = 0.0, cpu_percent: float = 0.0,
                   metrics: Mapping[str, float] | None = None, child_alive: bool = False,
-                  child_restarts: int = 0, shard_id: str = "", next_batch: int = 0) -> HeartbeatReply:
+                  child_restarts: int = 0, shard_id: str = "", next_batch: int = 0,
+                  stopped: str = "") -> HeartbeatReply:
         """Renew this node (and a worker's shard leases); get pending commands.
 
         If the controller does not know this node (a fresh state dir), it registers again.
 
         Args:
             shard_id, next_batch: a worker's progress in its lease (the DDS tail split).
+            stopped: a worker that stopped training early says why (``max_steps``).
         """
         req = pb.HeartbeatRequest(node=self._ref(), step=step, rss_bytes=rss_bytes, cpu_percent=cpu_percent,
                                   metrics=dict(metrics or {}), child_alive=child_alive, child_restarts=child_restarts,
                                   shard_id=shard_id, next_batch=next_batch,
-                                  incarnation_id=(self._reg_args or {}).get("incarnation", ""))
+                                  incarnation_id=(self._reg_args or {}).get("incarnation", ""), stopped=stopped)
         r = self._call("Heartbeat", req)
         if not r.known:
             self.register(**(self._reg_args or {}))
@@ -226,7 +229,7 @@ class ControllerClient:
         return self._get_result(self._call("GetShard", pb.GetShardRequest(worker=self.index, dataset=dataset)))
 
     def defer_report(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
-                     error: str = "", stop: int = 0) -> None:
+                     error: str = "", stop: int = 0, step_limit: bool = False) -> None:
         """Report ``lease`` with the next :meth:`get_shard` instead of its own RPC.
 
         Call :meth:`flush_reports` when no further ``get_shard`` follows (the loop stops
@@ -234,14 +237,15 @@ class ControllerClient:
         """
         if self._deferred is not None:
             self.flush_reports()
-        self._deferred = DoneReport(lease, status, samples, elapsed_s, error, stop)
+        self._deferred = DoneReport(lease, status, samples, elapsed_s, error, stop, step_limit)
 
     def flush_reports(self) -> ReportResult | None:
         """Send a report still waiting for a ``get_shard`` on its own (ReportShard)."""
         done, self._deferred = self._deferred, None
         if done is None:
             return None
-        r = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error, done.stop)
+        r = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error, done.stop,
+                              done.step_limit)
         _check_report_result(done, r)
         return r
 
@@ -268,7 +272,7 @@ class ControllerClient:
             req.done.CopyFrom(pb.ReportShardRequest(worker=self.index, shard_id=l.shard_id, attempt=l.attempt,
                                                     status=done.status, samples=done.samples,
                                                     elapsed_s=done.elapsed_s, error=done.error,
-                                                    stop_batch=done.stop))
+                                                    stop_batch=done.stop, step_limit=done.step_limit))
         return req
 
     def _lease_reply(self, r: Any, done: DoneReport | None) -> LeaseReply:
@@ -280,16 +284,18 @@ class ControllerClient:
         else:  # an older controller ignored the piggy-backed report: send it on its own
             log.info("controller ignored a combined report; sending ReportShard",
                      extra={"kv": {"shard": done.lease.shard_id}})
-            rep = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error, done.stop)
+            rep = self.report_shard(done.lease, done.status, done.samples, done.elapsed_s, done.error, done.stop,
+                                    done.step_limit)
         _check_report_result(done, rep)
         return LeaseReply(got, rep)
 
     def report_shard(self, lease: ShardLease, status: str = "done", samples: int = 0, elapsed_s: float = 0.0,
-                     error: str = "", stop: int = 0) -> ReportResult:
-        """Report ``lease``; ``stop``: where a lease told to ``truncate`` was stopped (0: the whole shard)."""
+                     error: str = "", stop: int = 0, step_limit: bool = False) -> ReportResult:
+        """Report ``lease``; ``stop``: where a lease told to ``truncate`` was stopped, or where the
+        worker reached its step limit (``step_limit``); 0: the whole shard."""
         r = self._call("ReportShard", pb.ReportShardRequest(
             worker=self.index, shard_id=lease.shard_id, attempt=lease.attempt, status=status,
-            samples=samples, elapsed_s=elapsed_s, error=error, stop_batch=stop))
+            samples=samples, elapsed_s=elapsed_s, error=error, stop_batch=stop, step_limit=step_limit))
         return ReportResult(r.accepted, r.duplicate, r.kind, r.message)
 
     def get_shard_async(self, dataset: str) -> "Pending[GetResult]":

@@ -149,10 +149,11 @@ class _Live:
     sec_per_batch: float = 0.0  # EMA of completed shards, for the hang timeout
     waiting: dict[int, float] = field(default_factory=dict)  # worker -> when it was last told WAIT (memory)
     rolled_back_from: int = -1  # the latest epoch a rollback discarded (-1: none): its leases report "stale"
+    closed: str = ""  # why it was closed before it was done ('' = not closed)
 
     def meta(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "epoch": self.epoch, "order_head": self.order_head,
-                "finished": self.finished, "rolled_back_from": self.rolled_back_from}
+                "finished": self.finished, "rolled_back_from": self.rolled_back_from, "closed": self.closed}
 
 
 class DynamicDataSharding:
@@ -219,7 +220,8 @@ class DynamicDataSharding:
         for key, meta in self._store.items("meta", b"ds/"):
             live = _Live(DatasetSpec.from_json(meta["spec"]), int(meta["epoch"]),
                          int(meta["order_head"]), bool(meta["finished"]),
-                         rolled_back_from=int(meta.get("rolled_back_from", -1)))  # (absent in older state)
+                         rolled_back_from=int(meta.get("rolled_back_from", -1)),  # (absent in older state)
+                         closed=str(meta.get("closed", "")))
             prefix = f"{live.spec.name}\x00{live.epoch:08d}\x00".encode()
             todo = []
             for _, body in self._store.items("shards", prefix):
@@ -320,10 +322,33 @@ class DynamicDataSharding:
         shard of every epoch of every dataset is done, ``state`` ``in_progress``
         while the DDS still hands out shards, ``fraction`` of the batches covered."""
         with self._lock:
-            epochs = {n: (l.spec.epochs if l.finished else l.epoch) for n, l in self._live.items()}
+            # gaps are problems in the epochs finished so far; a dataset closed on request left
+            # its current epoch's rest undone on purpose (coverage says partial_by_request)
+            epochs = {n: (l.spec.epochs if l.finished and not l.closed else l.epoch) for n, l in self._live.items()}
             cov = self.ledger.coverage(self.specs, epochs)
             cov.finished = all(l.finished for l in self._live.values())
+            cov.closed = {n: l.closed for n, l in self._live.items() if l.closed}
             return cov
+
+    def close(self, dataset: str, reason: str) -> bool:
+        """Stop handing out ``dataset`` before it is done (a request: e.g. every worker reached its
+        step limit). Its remaining shards stay undone (coverage says so, ``partial_by_request``);
+        leases still out may report. Durable. Returns False when it was already finished.
+
+        Raises:
+            UnknownDataset: no such dataset.
+        """
+        with self._lock:
+            live = self._get_live(dataset)
+            if live.finished:
+                return False
+            live.finished, live.closed = True, reason
+            with self._txn() as txn:
+                self._put_meta(txn, live)
+                self._event(txn, "controller", "dataset_closed", {"dataset": dataset, "reason": reason,
+                                                                  "epoch": live.epoch}, "")
+        log.warning("dataset closed before it was done", extra=kv(dataset=dataset, reason=reason))
+        return True
 
     # ---------------------------------------------------------------- transitions
 
@@ -369,7 +394,8 @@ class DynamicDataSharding:
         return head
 
     def report(self, worker: int, shard_id: str, attempt: int, status: ReportStatus | str,
-               samples: int = 0, elapsed_s: float = 0.0, error: str = "", stop: int = 0) -> ReportResult:
+               samples: int = 0, elapsed_s: float = 0.0, error: str = "", stop: int = 0,
+               step_limit: bool = False) -> ReportResult:
         """Record a worker's result for a shard it leased.
 
         ``done`` by the lease holder -> DONE + ledger ``done``; the same report again
@@ -381,13 +407,17 @@ class DynamicDataSharding:
             stop: ``done`` only: the batch the worker stopped at when it was asked to stop
                 the lease early (:meth:`tail_split`); ``start < stop < shard stop`` makes it a
                 *partial* done (see the module doc). 0 or the shard's stop: the whole shard.
+            step_limit: the worker reached its step limit at ``stop`` (a partial done it was
+                not asked for: the rest of the lease goes back to TODO as for a tail split).
         """
         status = _check_report(worker, shard_id, attempt, status, samples, elapsed_s, stop)
         with self._lock:
-            return self._report_locked(worker, shard_id, attempt, status, samples, elapsed_s, error, stop)[0]
+            return self._report_locked(worker, shard_id, attempt, status, samples, elapsed_s, error, stop,
+                                       step_limit)[0]
 
     def _report_locked(self, worker: int, shard_id: str, attempt: int, status: ReportStatus, samples: int,
-                       elapsed_s: float, error: str, stop_at: int = 0) -> tuple[ReportResult, _Shard]:
+                       elapsed_s: float, error: str, stop_at: int = 0,
+                       step_limit: bool = False) -> tuple[ReportResult, _Shard]:
         ds, epoch, f, start, stop = parse_shard_id(shard_id)
         live = self._get_live(ds)
         rec = live.records.get(shard_id) if epoch == live.epoch else None
@@ -420,7 +450,8 @@ class DynamicDataSharding:
                 raise DdsError(f"worker {worker}: shard {shard_id}: stopped at batch {stop_at}, expected a batch in "
                                f"({start}, {stop}]")
             if stop_at < stop:
-                partial = self._partial_done(live, rec, worker, attempt, stop_at, samples, elapsed_s, now, holder)
+                partial = self._partial_done(live, rec, worker, attempt, stop_at, samples, elapsed_s, now, holder,
+                                             step_limit)
                 if partial is not None:
                     return partial, rec
         if status is ReportStatus.FAILED:
@@ -458,12 +489,12 @@ class DynamicDataSharding:
             self._note_speed(worker, rec.batches, took)
             per = took / max(rec.batches, 1)
             live.sec_per_batch = per if live.sec_per_batch == 0 else 0.8 * live.sec_per_batch + 0.2 * per
-            if not live.todo and not live.doing:
+            if not live.todo and not live.doing and not live.closed:
                 self._advance(txn, live)
         return ReportResult(True, False, "done"), rec
 
     def _partial_done(self, live: _Live, rec: _Shard, worker: int, attempt: int, stop_at: int, samples: int,
-                      elapsed_s: float, now: float, holder: bool) -> ReportResult | None:
+                      elapsed_s: float, now: float, holder: bool, step_limit: bool = False) -> ReportResult | None:
         """A lease stopped early at ``stop_at`` (tail split), in ONE transaction: the record
         [s, e) becomes SPLIT, its head [s, stop_at) DONE (one ledger ``done`` entry), its rest
         [stop_at, e) TODO at the head of the queue. None: not a partial done after all (the
@@ -476,7 +507,7 @@ class DynamicDataSharding:
             return None
         if not holder:
             return None
-        if rec.stop_at <= 0:
+        if rec.stop_at <= 0 and not step_limit:
             raise DdsError(f"worker {worker}: shard {rec.id} reported done up to batch {stop_at}, but it was never "
                            f"asked to stop early (report the whole shard)")
         with self._txn() as txn:
@@ -576,7 +607,7 @@ class DynamicDataSharding:
 
     def report_and_get(self, worker: int, dataset: str, shard_id: str, attempt: int,
                        status: ReportStatus | str = ReportStatus.DONE, samples: int = 0, elapsed_s: float = 0.0,
-                       error: str = "", stop: int = 0) -> tuple[ReportResult, GetResult]:
+                       error: str = "", stop: int = 0, step_limit: bool = False) -> tuple[ReportResult, GetResult]:
         """Report a shard and lease the next one of ``dataset`` in ONE LMDB transaction.
 
         The same outcome as :meth:`report` followed by :meth:`get_shard` (same ledger,
@@ -601,7 +632,8 @@ class DynamicDataSharding:
             with _Transition(self) as txn:
                 self._batch = txn
                 try:
-                    rep, _ = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error, stop)
+                    rep, _ = self._report_locked(worker, shard_id, attempt, parsed, samples, elapsed_s, error, stop,
+                                                 step_limit)
                     tag = f"{shard_id}#{attempt}" if rep.kind in ("done", "retry") else ""
                     got = self._regrant(worker, dataset, tag) if rep.kind == "retry" else None
                     if got is None:

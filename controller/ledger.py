@@ -76,6 +76,8 @@ class Coverage:
             the ledger alone sets it to ``complete``).
         done_entries / duplicate_entries / stale_entries / replayed_entries: counts.
         duplicate_samples: samples trained more than once (duplicate + stale + replayed).
+        closed: dataset -> why the DDS stopped handing it out before it was done (a request,
+            e.g. every worker reached ``[train] max_steps``); set by the DDS.
     """
 
     complete: bool = True
@@ -91,6 +93,7 @@ class Coverage:
     total_batches: int = 0
     by_dataset: dict[str, list[int]] = field(default_factory=dict)
     finished: bool = True
+    closed: dict[str, str] = field(default_factory=dict)
 
     @property
     def fraction(self) -> float:
@@ -100,9 +103,12 @@ class Coverage:
     @property
     def state(self) -> str:
         """``complete``; ``in_progress`` (the DDS still hands out shards, no problem so far);
-        else ``incomplete``."""
+        ``partial_by_request`` (a dataset was closed on request, e.g. the step limit); else
+        ``incomplete``."""
         if self.complete:
             return "complete"
+        if self.closed and self.finished:
+            return "partial_by_request"
         return "in_progress" if not self.finished and not self.problems else "incomplete"
 
     def to_status(self, max_problems: int = 50) -> dict[str, Any]:
@@ -110,6 +116,7 @@ class Coverage:
         return {"complete": self.complete, "state": self.state, "fraction": round(self.fraction, 6),
                 "done_batches": self.done_batches, "total_batches": self.total_batches,
                 "by_dataset": {k: list(v) for k, v in self.by_dataset.items()}, "finished": self.finished,
+                "closed": dict(self.closed),
                 "problems": self.problems[:max_problems], "done_entries": self.done_entries,
                 "duplicate_entries": self.duplicate_entries, "stale_entries": self.stale_entries,
                 "replayed_entries": self.replayed_entries, "samples": self.samples,

@@ -72,6 +72,7 @@ class NodeInfo:
     slow: bool = False
     batch_size: int = 0
     restarts: int = 0
+    stopped: str = ""  # a worker that stopped training early says why ("max_steps"); '' = it did not
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -127,6 +128,7 @@ class NodeRegistry:
             if source == "process":
                 info.address, info.metrics_port, info.pid = address, metrics_port, pid
                 info.incarnation_id, info.pod_uid = incarnation_id, pod_uid
+                info.stopped = ""
                 info.incarnation += 1
                 info.last_process_heartbeat = now
             info.state = NodeState.ALIVE
@@ -148,7 +150,8 @@ class NodeRegistry:
 
     def heartbeat(self, role: str, index: int, source: str = "process", step: int = 0, rss_bytes: float = 0.0,
                   cpu_percent: float = 0.0, metrics: dict[str, float] | None = None,
-                  child_restarts: int = -1, incarnation_id: str = "") -> tuple[NodeInfo, list[Command]] | None:
+                  child_restarts: int = -1, incarnation_id: str = "",
+                  stopped: str = "") -> tuple[NodeInfo, list[Command]] | None:
         """Record a heartbeat; return the node and its pending commands (None: not registered).
 
         A process heartbeat under an incarnation id other than the registered one comes
@@ -169,6 +172,9 @@ class NodeRegistry:
             if source == "process":
                 info.last_process_heartbeat = now
                 info.step = max(info.step, step)
+                if stopped and stopped != info.stopped:
+                    info.stopped = stopped
+                    self._save(info)
                 if metrics:
                     info.metrics.update(metrics)
             else:

@@ -3,6 +3,11 @@
 ::
 
     running --(every dataset done, the final checkpoint written, no worker left running)--> complete
+
+A worker that stops training early on request (its ``[train] max_steps``) says so in
+its heartbeats; once every live worker has, the train datasets are closed (the DDS hands
+out no more; coverage ``partial_by_request``), so the run ends instead of waiting for
+shards no worker will take.
     running --(a run_failed event: e.g. a PS recovery with nothing to restore)--> failed
 
 A worker process reports itself finished (``NodeDown`` with reason
@@ -87,12 +92,15 @@ class RunOutcome:
         end_fleet: stop the PS processes and this controller when the run ends.
         linger_s: the longest wait for the stops to be handed out before shutting down.
         clock: ``time.monotonic``-like.
+        expected_workers: ``[train] workers``: the train datasets are closed on request only
+            once at least this many workers have registered (a slow starter still trains).
     """
 
     def __init__(self, host: OutcomeHost, end_fleet: bool = False, linger_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, expected_workers: int = 0) -> None:
         self.h = host
         self.end_fleet = end_fleet
+        self.expected_workers = expected_workers
         self.linger_s = linger_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -138,8 +146,23 @@ class RunOutcome:
         return RunState.RUNNING, ""
 
     # ------------------------------------------------------------------ stops
+    def close_by_request(self) -> None:
+        """Once every live worker stopped training early on request (its ``[train] max_steps``),
+        close the train datasets: the run ends with partial coverage, by request, instead of
+        waiting for shards no worker will take."""
+        live = self.h.registry.alive("worker")
+        seen = [i for i in self.h.registry.nodes() if i.role == "worker"]
+        if not live or any(not i.stopped for i in live) or len(seen) < self.expected_workers:
+            return
+        why = ", ".join(sorted({i.stopped for i in live}))
+        for name, spec in self.h.dds.specs.items():
+            if spec.kind.value == "train":
+                self.h.dds.close(name, f"every worker stopped training early: {why}")
+
     def tick(self) -> None:
-        """Send the stops the outcome calls for; with ``end_fleet``, shut down once delivered."""
+        """Close datasets on request; send the stops the outcome calls for; with ``end_fleet``,
+        shut down once they were handed out."""
+        self.close_by_request()
         st, reason = self.state()
         if st is RunState.RUNNING:
             return

@@ -79,6 +79,7 @@ class ControllerServer:
             ``ps.fleet_admin.GrpcPsFleet``, wired by the app floor); None: a PS restart fails the run.
         clock: ``time.time``-like.
         end_fleet: when the run ends, stop the PS processes and shut down (controller/run_outcome.py).
+        expected_workers: ``[train] workers`` (closing the data on request waits for that many).
     """
 
     checkpoint_root: str | None = None
@@ -87,7 +88,7 @@ class ControllerServer:
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
                  clock: Callable[[], float] = time.time, ps_fleet: PsFleet | None = None,
-                 end_fleet: bool = False) -> None:
+                 end_fleet: bool = False, expected_workers: int = 0) -> None:
         cfg.validate()
         self.cfg = cfg
         self.rpc_cfg = rpc_cfg or RpcConfig()
@@ -111,7 +112,7 @@ class ControllerServer:
         self._movers: list[threading.Thread] = []
         self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
         self.recovery = PsRecovery(self, ps_fleet)
-        self.outcome = RunOutcome(self, end_fleet=end_fleet)
+        self.outcome = RunOutcome(self, end_fleet=end_fleet, expected_workers=expected_workers)
         self.address = ""
         self._truncates: set[tuple[str, int]] = set()  # truncate commands sent by this process
 

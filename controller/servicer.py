@@ -141,7 +141,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         role, index, source = _node(request.node)
         got = self.s.registry.heartbeat(role, index, source, request.step, request.rss_bytes, request.cpu_percent,
                                         dict(request.metrics), request.child_restarts if source == "agent" else -1,
-                                        request.incarnation_id)
+                                        request.incarnation_id, request.stopped)
         if got is None:
             return pb.HeartbeatResponse(known=False)
         info, cmds = got
@@ -175,7 +175,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if self.s.liveness is not None:
                 self.s.liveness.reported(request.worker, d.shard_id)
             r, got = self.s.dds.report_and_get(request.worker, request.dataset, d.shard_id, d.attempt, d.status,
-                                               d.samples, d.elapsed_s, d.error, int(d.stop_batch))
+                                               d.samples, d.elapsed_s, d.error, int(d.stop_batch),
+                                               step_limit=d.step_limit)
             SHARD_REPORTS.labels(r.kind).inc()
             report = pb.ReportShardResponse(accepted=r.accepted, duplicate=r.duplicate, kind=r.kind,
                                             message=r.message)
@@ -198,7 +199,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if self.s.liveness is not None:  # done with it, whatever the DDS makes of the report
             self.s.liveness.reported(request.worker, request.shard_id)
         r = self.s.dds.report(request.worker, request.shard_id, request.attempt, request.status,
-                              request.samples, request.elapsed_s, request.error, int(request.stop_batch))
+                              request.samples, request.elapsed_s, request.error, int(request.stop_batch),
+                              step_limit=request.step_limit)
         SHARD_REPORTS.labels(r.kind).inc()
         return pb.ReportShardResponse(accepted=r.accepted, duplicate=r.duplicate, kind=r.kind, message=r.message)
 

@@ -249,6 +249,9 @@ def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str =
         return f"in progress: {pct}{tail}"
     if reason.startswith("stopped by "):  # the launcher's own signal: "stopped by SIGTERM"
         reason = "launcher " + reason[len("stopped by "):]
+    closed = dict(coverage.get("closed") or {})
+    if not reason and closed:  # closed on request (the step limit): partial by request, not a failure
+        reason = "; ".join(f"{ds} closed: {why}" for ds, why in sorted(closed.items()))
     why = reason or ("every worker exited before every shard was done" if status == "succeeded" else status)
     return f"{pct} (stopped: {why}){tail}"
 

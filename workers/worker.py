@@ -82,7 +82,8 @@ class _Heartbeat(threading.Thread):
             try:
                 shard_id, next_batch = self.worker.lease_progress
                 reply = self.ctl.heartbeat(step=self.worker.trainer.step_no, rss_bytes=_rss_bytes(),
-                                           shard_id=shard_id, next_batch=next_batch)
+                                           shard_id=shard_id, next_batch=next_batch,
+                                           stopped=self.worker.stopped_reason)
             except Exception as exc:  # the controller may restart; keep training
                 log.warning("heartbeat failed", extra=kv(error=str(exc)[:200]))
                 continue
@@ -157,6 +158,7 @@ class Worker:
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
         self.final = False  # this worker wrote the run's final checkpoint (finish_run)
+        self.stopped_reason = ""  # why it stopped training early ("max_steps"), for the controller
         self._draining = False
         self._stale_wait_seen = 0.0  # PsClient.stale_wait_s when _step_waits last read it
         self.lease_progress: tuple[str, int] = ("", 0)  # (lease, next batch of it): heartbeats, tail split
@@ -238,19 +240,26 @@ class Worker:
                 batches = prefetch(self.read(rng.file, rng.start, rng.stop), depth=2)
                 if lease is not None:
                     batches = self._stoppable(batches, lease.shard_id, rng.start, rng.stop)
+                trained = 0
                 for stats in self.trainer.run(batches):
                     self._after_step(stats)
+                    trained += 1
                 if self.ctl is not None and lease is not None:  # rides on the next GetShard (one RPC)
                     # a lease told to truncate reports where it stopped; the DDS requeues the rest
                     stop = self.lease_progress[1] if self._lease_stop < rng.stop else 0
+                    cut = self.trainer._at_limit() and rng.start + trained < (stop or rng.stop)
+                    if cut:
+                        stop = rng.start + trained  # the step limit cut the lease: report what was trained
                     self.lease_progress = ("", 0)
                     self.ctl.defer_report(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0,
-                                          stop=stop)
+                                          stop=stop, step_limit=cut)
                 self.shards_done += 1
                 if self._draining or self.trainer._at_limit():
                     break
             if self.ctl is not None:
                 self.ctl.flush_reports()  # stopped early (drain, step limit): the last report on its own
+        if self.trainer._at_limit():
+            self.stopped_reason = "max_steps"  # told in heartbeats: once every worker has, the run ends
         # Done training (data exhausted, step limit, drain): leave the step clocks now, not at
         # exit, so peers still training are not held at a barrier / the staleness bound while
         # this worker evaluates, waits for the job or checkpoints.

@@ -110,7 +110,7 @@ def run_controller(args: argparse.Namespace) -> int:
     state_dir = _state_dir(job, args.state_dir)
     fleet = GrpcPsFleet(job.rpc)
     server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet,
-                              end_fleet=args.exit_when_done)
+                              end_fleet=args.exit_when_done, expected_workers=job.train.workers)
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
     server.ps_mover = MigrationPsMover(server.ps_addresses, fleet,  # PS register their addresses
                                        keep=job.controller.nd.keep)

@@ -1,0 +1,54 @@
+"""``metaps launch --set train.max_steps=N``: the fleet ends when every worker reached its
+step limit, with coverage partial by request -- not a wait of up to an hour for shards no
+worker will take -- and the ledger claims exactly the batches that were trained.
+
+A real launch (controller, agents, PS, workers on 127.0.0.1), judged on the controller's
+ledger and the workers' own step counts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, write_job_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(600)
+def test_max_steps_ends_the_fleet_with_partial_coverage_by_request(tmp_path: Path) -> None:
+    data = make_data(tmp_path / "data")
+    cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=1, train={"epochs": 3, "max_steps": 5},
+                         controller={"dds": {"batches_per_shard": 2}})
+    run = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
+                               "--no-progress", "--timeout", "400"], cwd=REPO, capture_output=True, text=True,
+                              timeout=500)
+        left = fleet_pids(str(run))
+    finally:
+        kill_leftovers(str(run))
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, out
+    assert left == []
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "succeeded", rep["reason"]
+    # every worker stopped at its limit (step numbers follow the fleet's clock, so a worker that
+    # rejoined the clock may have run fewer steps of its own)
+    assert all(w["steps"] >= 5 for w in rep["workers"]), [w["steps"] for w in rep["workers"]]
+    cov = rep["controller"]["coverage"]
+    assert cov["state"] == "partial_by_request", cov
+    assert cov["closed"]["train"] == "every worker stopped training early: max_steps"
+    done, total = cov["by_dataset"]["train"]
+    assert 0 < done < total == 3 * 17
+    # the ledger claims what was trained: a lease cut by the step limit reports where it stopped
+    assert cov["samples"] == sum(w["samples"] for w in rep["workers"]), (cov["samples"], rep["workers"])
+    assert not cov["problems"] and cov["duplicate_batches"] == 0
+    assert cov["by_dataset"]["eval"][0] == cov["by_dataset"]["eval"][1]  # evaluation still covered everything
+    assert "train closed: every worker stopped training early: max_steps" in rep["coverage_summary"]
+    assert rep["checkpoint"]  # the leader's final checkpoint
