@@ -52,6 +52,10 @@ def register(subparsers: Any) -> None:
     r.add_argument("--config", default="", help="job TOML (default RUN_DIR/job.toml)")
     r.add_argument("--controller", default="", help="controller host:port to read status from (optional)")
     r.add_argument("--ps", default="", help="PS addresses host:port,... to read stats from (optional)")
+    r.add_argument("--out", default="",
+                   help="write the assembled report here (JSON) instead of RUN_DIR/report.json, with no "
+                        "TensorBoard logs or plots; needed when the run already has a report, which "
+                        "run-report never overwrites")
     r.set_defaults(func=_cmd_run_report)
 
 
@@ -122,6 +126,18 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
     from metaps.tb import write_tensorboard
 
     run_dir = Path(args.run_dir).resolve()
+    existing = run_dir / "report.json"
+    if existing.exists() and not args.out:
+        try:
+            old = json.loads(existing.read_text())
+            what = f"status {old.get('status', '?')}, coverage {old.get('coverage_summary', '?')}"
+        except (OSError, ValueError):
+            what = "unreadable"
+        raise ConfigError(f"{existing} exists ({what}): run-report never overwrites a run's report; "
+                          f"pass --out FILE to write the assembled report elsewhere")
+    out_path = Path(args.out).resolve() if args.out else existing
+    if out_path == existing and args.out and existing.exists():
+        raise ConfigError(f"--out {args.out} is the run's own report.json; run-report never overwrites it")
     cfg = Path(args.config) if args.config else run_dir / "job.toml"
     job = load_job(cfg)
     status = None
@@ -154,9 +170,15 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
                        ps_stats=stats, controller_status=status,
                        ledger=read_ledger(Path(job.controller.state_dir or run_dir / "controller")),
                        metrics_ports=ports, notes=["assembled by metaps run-report"])
-    write_report(run_dir, rep)
-    write_tensorboard(rep, run_dir / "tb")
-    make_plots(rep, run_dir / "plots")
+    if args.out:
+        from metaps.core.atomic_write import write_json_atomic
+
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out_path, rep)
+    else:
+        write_report(run_dir, rep)
+        write_tensorboard(rep, run_dir / "tb")
+        make_plots(rep, run_dir / "plots")
     from metaps.roles.output import emit, wants_json
 
     print_summary(Console(stderr=wants_json(args)), rep)
