@@ -233,6 +233,16 @@ class NodeRegistry:
         with self._lock:
             return bool(self._queues.get((role, index, target)))
 
+    def retire_all(self) -> list[str]:
+        """A new attempt of the run (``metaps launch --resume``): every node is marked dead and
+        forgets its incarnation, so the new attempt's processes register as fresh ones, not as
+        restarts (the attempt restores the fleet itself). Returns the nodes' names."""
+        with self._lock:
+            for info in self._nodes.values():
+                info.state, info.incarnation_id, info.pod_uid, info.stopped = NodeState.DEAD, "", "", ""
+                self._save(info)
+            return sorted(i.name for i in self._nodes.values())
+
     def mark_dead(self, role: str, index: int) -> bool:
         """True when the node was not already dead."""
         with self._lock:

@@ -149,6 +149,25 @@ class ControllerServer:
         self.store.close()
         log.info("controller stopped", extra=kv(address=self.address))
 
+    def continue_from_latest_cut(self) -> dict[str, Any]:
+        """Continue an interrupted run (before serving): the DDS goes back to the latest committed
+        cut (what was done after it is redone, as the PS restore that cut's rows), and the
+        previous attempt's processes are retired (the new ones register as fresh processes,
+        not restarts: they restore the cut themselves, no fleet recovery runs).
+
+        Raises:
+            UnknownCut: no committed cut.
+        """
+        cut = self.checkpoints.latest_committed()
+        requeued = self.checkpoints.rollback_to_latest()
+        self.registry.retire_all()  # the new attempt's PS restore the cut themselves: no restart recovery
+        assert cut is not None  # rollback_to_latest raised otherwise
+        evidence = {"cut_id": cut["cut_id"], "step": cut.get("step"), "dir": cut.get("dir"), "requeued": requeued}
+        self.events.record(Event.now("controller", "run_continued", evidence, "rollback to the cut"))
+        log.info("continuing the run from its latest committed cut", extra=kv(cut_id=cut["cut_id"],
+                                                                               requeued=len(requeued)))
+        return evidence
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a Shutdown RPC arrives (True) or ``timeout`` passes (False)."""
         return self.shutdown_requested.wait(timeout)

@@ -672,8 +672,12 @@ def dense_digest(model: torch.nn.Module) -> str:
 
 
 def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: str = "",
-               run_dir: Path | None = None) -> dict[str, Any]:
-    """The whole life of one worker process; returns its report."""
+               run_dir: Path | None = None, start_step: int = 0) -> dict[str, Any]:
+    """The whole life of one worker process; returns its report.
+
+    Args:
+        start_step: number steps from at least this one (a continued run: its cut's step).
+    """
     from ps.client import PsClient
     from workers.config import resolve_device
 
@@ -691,7 +695,10 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
     barrier = client.barrier if job.ps.sync == "sync" else None
     worker = Worker(job, rank, RemoteRowSource(client), ctl, run_dir, barrier=barrier)
     # a restarted worker resumes its step numbering from its clock on the PS (ps/staleness.py)
-    worker.trainer.resume(client.registered_clock)
+    clock = client.registered_clock
+    if start_step * worker.trainer.clock_scale > clock:  # a continued run: the restored PS knows no clocks
+        clock = client.join_clock(start_step * worker.trainer.clock_scale)
+    worker.trainer.resume(clock)
     finished = False
     try:
         worker.train()

@@ -26,11 +26,14 @@ def register(subparsers: Any) -> None:
         subparsers: the ``metaps`` parser's subparsers (see :mod:`metaps.cli`).
     """
     p = subparsers.add_parser("launch", help="run a controller, PS shards and workers on this machine")
-    p.add_argument("--config", required=True, help="job TOML")
+    p.add_argument("--config", default="", help="job TOML (required unless --resume: the run's own job.toml)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default [train] workers)")
     p.add_argument("--ps", type=int, default=None, help="PS shards (default [ps] shards)")
     p.add_argument("--run-dir", default="", help="run directory, new or empty (default [run] dir/<name>-<time>)")
     p.add_argument("--resume-from", default="", help="warm start: a run dir, checkpoints dir or checkpoint")
+    p.add_argument("--resume", default="", metavar="RUN",
+                   help="continue the interrupted run RUN from its last committed cut (its data accounting, "
+                        "model and step counters; nothing trained twice beyond the cut)")
     p.add_argument("--timeout", type=float, default=0.0, help="fail the run after this many seconds (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no live view; a progress log line every 10 s")
     p.add_argument("--token-file", default="",
@@ -67,7 +70,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
-                      resume_from=args.resume_from, progress=not args.no_progress, timeout_s=args.timeout,
+                      resume_from=args.resume_from, resume=args.resume, progress=not args.no_progress,
+                      timeout_s=args.timeout,
                       token_file=args.token_file, sets=tuple(args.sets))
     try:
         lc.validate()

@@ -31,6 +31,8 @@ class LaunchConfig:
         ps: PS shard count (None: ``[ps] shards``).
         run_dir: run directory ('' = ``[run] dir/<name>-<YYYYmmdd-HHMMSS>``); must be new or empty.
         resume_from: warm start from this run dir / checkpoints dir / checkpoint ('' = cold).
+        resume: continue this interrupted run from its last committed cut (:mod:`metaps.launch.resume`);
+            ``config`` then defaults to the run's own job.toml.
         progress: live rich view on a terminal.
         timeout_s: the run fails after this long (0 = no limit).
         ready_timeout_s: how long the controller and each PS get to come up.
@@ -49,6 +51,7 @@ class LaunchConfig:
     ps: int | None = None
     run_dir: str = ""
     resume_from: str = ""
+    resume: str = ""
     progress: bool = True
     timeout_s: float = 0.0
     ready_timeout_s: float = 180.0
@@ -58,8 +61,10 @@ class LaunchConfig:
     sets: tuple[str, ...] = ()
 
     def validate(self) -> None:
-        if not self.config:
-            raise ValueError("--config is required")
+        if self.resume and (self.resume_from or self.run_dir):
+            raise ValueError("--resume continues a run in its own directory: it takes no --resume-from or --run-dir")
+        if not self.config and not self.resume:
+            raise ValueError("--config is required (or --resume RUN)")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.ps is not None and self.ps < 1:

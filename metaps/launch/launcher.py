@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from metaps.core.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
 from metaps.core.log import kv
 from metaps.roles.overrides import apply_overrides, describe, parse_sets
 from metaps.launch.config import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, LaunchConfig, _connect_host, _metaps, _new_run_dir, find_resume_checkpoint, write_job, _absolute_data_paths
 from metaps.launch.latest import mark_latest, settle_latest
+from metaps.launch.resume import ContinuePoint, find_continue_point, set_aside_previous_attempt
 
 
 log = logging.getLogger(__name__)
@@ -70,12 +72,21 @@ class Launcher:
         from metaps.core.security import launch_token, make_private_dir
 
         lc.validate()
+        self.continued: ContinuePoint | None = None
+        if lc.resume:
+            self.continued = find_continue_point(lc.resume)  # before anything is touched: one line if refused
+            if not lc.config:
+                lc = dataclasses.replace(lc, config=str(self.continued.run_dir / "job.toml"))
         self.lc = lc
         self.console = console or Console()
         raw = apply_overrides(read_toml(lc.config), parse_sets(list(lc.sets)))
         base = job_from_mapping(copy.deepcopy(raw), where=describe(lc.config, list(lc.sets)))  # before anything starts
-        self.run_dir, self.auto_named = _new_run_dir(lc, base)
-        self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
+        if self.continued is not None:
+            self.run_dir, self.auto_named = self.continued.run_dir, False
+            self.resume = str(self.continued.checkpoint)
+        else:
+            self.run_dir, self.auto_named = _new_run_dir(lc, base)
+            self.resume = str(find_resume_checkpoint(lc.resume_from)) if lc.resume_from else ""
         dataclasses.replace(base.rpc, token_file="").check_files()  # TLS files: one line, before preflight's torch import
         from metaps.roles.launch_checks import check_launch
 
@@ -83,6 +94,8 @@ class Launcher:
         token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
+        if self.continued is not None:
+            set_aside_previous_attempt(self.continued)
         for sub in ("", "logs", "ps", "workers", "checkpoints"):
             make_private_dir(self.run_dir / sub)  # 0700
         _absolute_data_paths(raw)
@@ -137,7 +150,8 @@ class Launcher:
         m = self.fleet.start("controller", _metaps(
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
             "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport),
-            "--checkpoint-root", str(self.run_dir / "checkpoints")), role="controller")
+            "--checkpoint-root", str(self.run_dir / "checkpoints"),
+            *(["--continue-from-cut"] if self.continued is not None else [])), role="controller")
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
         self.ctl_addr = f"{_connect_host(host)}:{port}"
         self.metrics_ports["controller"] = mport
@@ -178,6 +192,8 @@ class Launcher:
             mport = free_port()
             child = ["worker", "--config", str(self.job_path), "--rank", str(r), "--ps", ",".join(self.ps_addrs),
                      "--controller", self.ctl_addr, "--run-dir", str(self.run_dir), "--metrics-port", str(mport)]
+            if self.continued is not None:
+                child += ["--start-step", str(self.continued.step)]
             aport = free_port()
             self.fleet.start(f"worker-{r}", _metaps("agent", "--config", str(self.job_path), "--role", "worker",
                                                     "--index", str(r), "--controller", self.ctl_addr,
@@ -391,7 +407,24 @@ class Launcher:
         if self.auto_named:
             settle_latest(self.run_dir, outcome.status == "succeeded", self.previous_latest)
         print_summary(self.console, rep)
+        hint = self._continue_hint(outcome)
+        if hint:
+            self.console.print(hint, soft_wrap=True)  # one line: a command to copy
         return rep
+
+    def _continue_hint(self, outcome: Outcome) -> str:
+        """How to continue a run that did not finish ('' when it cannot be continued)."""
+        if outcome.status == "succeeded":
+            return ""
+        from metaps.launch.resume import find_continue_point
+
+        try:
+            point = find_continue_point(self.run_dir)
+        except ConfigError as exc:
+            log.info("this run cannot be continued", extra=kv(why=str(exc)[:300]))
+            return ""
+        return (f"continue it from its last committed cut (step {point.step}): "
+                f"metaps launch --resume {self.run_dir}")
 
     def run(self) -> int:
         """Start, watch, stop, report. Returns the exit code."""

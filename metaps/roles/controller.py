@@ -51,6 +51,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--exit-when-done", action="store_true",
                    help="when the run ends, stop the PS processes and exit: 0 complete, 4 failed "
                         "(the Kubernetes manifests use it; `metaps launch` stops the fleet itself)")
+    p.add_argument("--continue-from-cut", action="store_true",
+                   help="continue an interrupted run: roll the data accounting back to the latest committed "
+                        "checkpoint cut before serving (`metaps launch --resume`)")
     p.add_argument("--signal-exit-code", type=int, default=0,
                    help="exit code after a stop by SIGTERM/SIGINT before the run ended (143 in a Kubernetes "
                         "Job: a drained controller pod is then replaced, not counted complete)")
@@ -112,6 +115,8 @@ def run_controller(args: argparse.Namespace) -> int:
     server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet,
                               end_fleet=args.exit_when_done, expected_workers=job.train.workers)
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
+    if args.continue_from_cut:
+        server.continue_from_latest_cut()
     server.ps_mover = MigrationPsMover(server.ps_addresses, fleet,  # PS register their addresses
                                        keep=job.controller.nd.keep)
     server.start(address)

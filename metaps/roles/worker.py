@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds")
+    p.add_argument("--start-step", type=int, default=0,
+                   help="number steps from at least this one (a continued run: its checkpoint cut's step)")
     add_cli_args(p)
     p.set_defaults(func=_run_worker)
 
@@ -76,7 +78,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         serve_metrics(args.metrics_port, args.metrics_host)
     from workers.worker import run_worker  # torch: only once the command line passed its checks
 
-    rep = run_worker(job, args.rank, addrs, ctl, run_dir)
+    rep = run_worker(job, args.rank, addrs, ctl, run_dir, start_step=args.start_step)
     out = {k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}
     emit(args, out, f"worker {out['rank']}: {out['steps']} steps, {out['samples']:,} samples "
                     f"({out['samples_per_s']:,.1f} samples/s)")

@@ -1,0 +1,131 @@
+"""``metaps launch --resume RUN``: an interrupted run continues from its last committed cut.
+
+A real launch is interrupted (SIGINT, as Ctrl-C) after a committed checkpoint cut; the
+summary says how to continue; ``--resume RUN`` continues it in its own directory. Judged
+on the controller's ledger (every batch of every epoch trained exactly once into the
+model: the work after the cut is marked replayed, nothing else is done twice), the event
+log (the rollback to the cut), the PS restore and the workers' step numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controller.state import EventLog, StateStore
+from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _state(state: Path, db: str) -> list[dict]:  # type: ignore[type-arg]
+    if not (state / "data.mdb").exists():
+        return []
+    store = StateStore(state)
+    try:
+        return [b for _, b in store.items(db)]
+    finally:
+        store.close()
+
+
+def _committed_cuts(state: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [b for b in _state(state, "cuts") if b.get("state") == "committed"]
+
+
+def _done_after_latest_cut(state: Path) -> list[dict]:  # type: ignore[type-arg]
+    """Ledger ``done`` entries recorded after the latest committed cut (work a continuation redoes)."""
+    cuts = _committed_cuts(state)
+    if not cuts:
+        return []
+    seq = max(cuts, key=lambda c: c["cut_id"])["dds"]["ledger_seq"]
+    return [e for e in _state(state, "ledger") if e["seq"] > seq and e["kind"] == "done"]
+
+
+@pytest.mark.timeout(900)
+def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
+    data = make_data(tmp_path / "data")
+    cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=1, train={"epochs": 6},
+                         # slowed 3x: the run is still going when it is interrupted after its first cut
+                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0},
+                                            {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]},
+                         controller={"checkpoint_interval_s": 3.0, "dds": {"batches_per_shard": 2}})
+    run = tmp_path / "run"
+    launch = [sys.executable, "-m", "metaps", "launch", "--no-progress"]
+    proc = subprocess.Popen(launch + ["--config", str(cfg), "--run-dir", str(run)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # interrupted with work done after its latest cut: that work must be redone, not kept
+        wait_for(lambda: _done_after_latest_cut(run / "controller") or proc.poll() is not None, 400,
+                 "shards done after a committed cut")
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(str(run))
+    assert proc.returncode == 130, out[-3000:]
+    assert f"metaps launch --resume {run}" in out, out[-2000:]
+    first = json.loads((run / "report.json").read_text())
+    assert first["status"] == "interrupted" and not first["controller"]["coverage"]["complete"]
+    cut = max(_committed_cuts(run / "controller"), key=lambda c: c["cut_id"])
+    after = _done_after_latest_cut(run / "controller")
+    assert after, "no work after the cut to roll back"
+
+    try:
+        r = subprocess.run(launch + ["--resume", str(run)], cwd=REPO, capture_output=True, text=True, timeout=600)
+        left = fleet_pids(str(run))
+    finally:
+        kill_leftovers(str(run))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert left == []
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "succeeded" and rep["resumed_from"] == cut["dir"]
+    # the previous attempt is kept beside the new one
+    assert json.loads((run / "report.attempt-1.json").read_text())["status"] == "interrupted"
+    assert list((run / "logs" / "attempt-1").glob("worker-*.log"))
+    cov = rep["controller"]["coverage"]
+    # every batch of every epoch exactly once into the model: what the first attempt did after
+    # the cut was rolled back (replayed), nothing done before the cut was done again
+    assert cov["complete"] and cov["fraction"] == 1.0, cov["problems"]
+    assert cov["duplicate_entries"] == 0 and cov["stale_entries"] == 0, cov
+    # exactly the first attempt's work after the cut was rolled back with the PS rows, and redone
+    replayed = {e["seq"] for e in _state(run / "controller", "ledger") if e.get("replayed")}
+    assert replayed == {e["seq"] for e in after}, (sorted(replayed), sorted(e["seq"] for e in after))
+    store = StateStore(run / "controller")
+    try:
+        events = EventLog(store).list()
+    finally:
+        store.close()
+    cont = [e for e in events if e.kind == "run_continued"]
+    assert len(cont) == 1 and cont[0].evidence["cut_id"] == cut["cut_id"]
+    # the new attempt's PS restored the cut themselves: no restart recovery ran on top of it
+    assert not [e for e in events if e.seq > cont[0].seq and e.kind in ("ps_restarted", "ps_recovery")]
+    # the PS restored the cut; the workers numbered their steps on from it
+    ps_log = (run / "logs" / "ps-0.log").read_text()
+    assert f"dir={cut['dir']}" in ps_log or cut["dir"] in ps_log
+    assert all(w["start_step"] >= cut["step"] for w in rep["workers"]), ([w["start_step"] for w in rep["workers"]],
+                                                                        cut["step"])
+
+
+def test_resume_refuses_a_finished_or_foreign_directory(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "controller").mkdir(parents=True)
+    (run / "job.toml").write_text("")
+    (run / "report.json").write_text(json.dumps({"status": "succeeded"}))
+    r = subprocess.run([sys.executable, "-m", "metaps", "launch", "--resume", str(run)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "the run succeeded; nothing to continue" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and (run / "report.json").exists()
+    r = subprocess.run([sys.executable, "-m", "metaps", "launch", "--resume", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "not a run directory" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "metaps", "launch", "--resume", str(run), "--run-dir", str(tmp_path / "x")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "takes no --resume-from or --run-dir" in r.stderr, r.stderr
