@@ -3,6 +3,7 @@
 ::
 
     metaps deploy k8s --config job.toml --image REG/metaps:0.1.0 [--namespace NS] [--gpu] --out DIR
+                      [--run-name NAME] [--warm-start-from CHECKPOINTS]    (day 2: a new run, warm)
     kubectl apply -k DIR
 
     metaps deploy wait --path runs/main/metaio/manifest.json [--timeout S]   (pods' init container)
@@ -13,6 +14,7 @@ See docs/kubernetes.md and :mod:`metaps.deploy.k8s`.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import time
 from pathlib import Path
@@ -39,6 +41,12 @@ def register(subparsers: Any) -> None:
     k.add_argument("--gpu", action="store_true", help="CUDA image and nvidia.com/gpu limits")
     k.add_argument("--gpu-image", default="", help="the CUDA image (default: IMAGE-cuda)")
     k.add_argument("--out", required=True, help="directory to write (DIR/token is created once, 0600)")
+    k.add_argument("--run-name", default="",
+                   help="the run's name (default [run] name): a new name is a new run (its own run directory "
+                        "and controller state), e.g. the date of a daily run")
+    k.add_argument("--warm-start-from", default="",
+                   help="checkpoints directory on the shared volume the PS restore the newest committed "
+                        "checkpoint of before the run starts (default [deploy] restore_from)")
     k.set_defaults(func=_cmd_k8s)
     w = sub.add_parser("wait", help="wait until a file exists (a pod's init container)")
     w.add_argument("--path", required=True, help="file to wait for")
@@ -49,10 +57,15 @@ def register(subparsers: Any) -> None:
 def _cmd_k8s(args: argparse.Namespace) -> int:
     from metaps.core.config import read_toml
     from metaps.deploy.k8s import Options, render, write
-    from metaps.job import load_job
+    raw = read_toml(args.config)
+    if args.run_name:
+        raw.setdefault("run", {})["name"] = args.run_name
+    if args.warm_start_from:
+        raw.setdefault("deploy", {})["restore_from"] = args.warm_start_from
+    from metaps.job import job_from_mapping
 
-    job = load_job(args.config)
-    files = render(job, read_toml(args.config), Options(args.image, args.namespace, args.gpu, args.gpu_image))
+    job = job_from_mapping(copy.deepcopy(raw), where=args.config)
+    files = render(job, raw, Options(args.image, args.namespace, args.gpu, args.gpu_image))
     written = write(files, Path(args.out))
     for p in written:
         print(p)

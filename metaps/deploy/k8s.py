@@ -13,7 +13,9 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
     worker.yaml       PS mode: Job, parallelism = [train] workers, no completions (work queue:
                       patch parallelism to scale; --rank auto gets an index from the controller)
                       all-reduce: Indexed Job (completions = parallelism = workers) + headless Service
-    data.yaml         Job: metaps meta-io build of [data] eval / train ([deploy] data_input)
+    data.yaml         Job: metaps meta-io build of [data] eval / train ([deploy] data_input); it ends
+                      by writing RUN_DIR/data-ready.json, which training pods wait for (a gate of
+                      this run: a rebuild at yesterday's path never passes on yesterday's manifest)
     deliver.yaml      CronJob ([deploy] deliver_schedule): metaps deliver of the run's checkpoints
     kustomization.yaml  the above + a Secret NAME-token generated from DIR/token (0600, created
                       here with a fresh token unless it exists; never in the ConfigMap or an env value)
@@ -28,6 +30,12 @@ crash) get a new pod. When the run ends the controller stops the PS and exits
 replaced pod is a new incarnation (a random id per process start, and its pod UID), so
 the controller recovers a replaced PS as it does a crashed one. A Job's pod template
 is immutable: ``kubectl apply`` never rolls a running PS fleet.
+
+**Day 2.** The controller's state lives in ``STATE/runs/<[run] name>``: a new run name
+(``metaps deploy k8s --run-name``) starts its own data accounting, and ``--warm-start-from``
+(``[deploy] restore_from``) has each PS restore the newest committed checkpoint there
+before serving -- only while the new run has no checkpoint of its own, so a PS replaced
+mid-run is recovered to this run's latest cut, not restarted from yesterday's model.
 
 **The PS is protected:** a PodDisruptionBudget (``[deploy] ps_max_unavailable``), an
 optional priority class (``[deploy] priority_class``, also on the controller), spread
@@ -128,6 +136,9 @@ class _Gen:
         self.n = self.d.name
         self.run_dir = f"{job.run.dir.rstrip('/')}/{job.run.name}"
         self.ckpt_root = f"{DATA_DIR}/{self.run_dir}/checkpoints"
+        # the data Job's completion marker: in this run's directory, so a gate never passes on
+        # the dataset (or manifest) of an earlier run at the same path
+        self.data_ready = f"{self.run_dir}/data-ready.json"
         self.allreduce = str(getattr(job.train.dense_sync, "value", job.train.dense_sync)) == "allreduce"
 
     # ------------------------------------------------------------------ pieces
@@ -200,8 +211,8 @@ class _Gen:
             "token", [f"{SECRET_DIR}/token", TOKEN_PATH], role, command=["install", "-m", "0600"],
             mounts=[{"name": "token-secret", "mountPath": SECRET_DIR, "readOnly": True},
                     {"name": "token", "mountPath": TOKEN_DIR}])
-        wait = self.container("wait-data", ["deploy", "wait", "--path", f"{self.job.data.train}/manifest.json",
-                                            "--timeout", "86400"], role,
+        gate = self.data_ready if self.d.data_input else f"{self.job.data.train}/manifest.json"
+        wait = self.container("wait-data", ["deploy", "wait", "--path", gate, "--timeout", "86400"], role,
                               mounts=[{"name": "data", "mountPath": DATA_DIR}])
         return [copy_token, wait]
 
@@ -260,8 +271,9 @@ class _Gen:
 
     def controller(self) -> list[dict[str, Any]]:
         port, mport = self.d.controller_port, self.d.metrics_port
+        # one state dir per run name: a new run (day 2) starts its own data accounting
         args = ["controller", "--config", JOB_PATH, "--address", f"0.0.0.0:{port}", "--state-dir",
-                f"{STATE_DIR}/state", "--metrics-port", str(mport), "--metrics-host", "0.0.0.0",
+                f"{STATE_DIR}/runs/{self.job.run.name}", "--metrics-port", str(mport), "--metrics-host", "0.0.0.0",
                 "--checkpoint-root", self.ckpt_root, "--exit-when-done",
                 "--termination-log", "/dev/termination-log", "--signal-exit-code", str(exit_codes.SIGTERM)]
         c = self.container("controller", args, "controller", {"grpc": port, "metrics": mport},
@@ -356,13 +368,14 @@ class _Gen:
             return []
         mounts = [{"name": "data", "mountPath": DATA_DIR}]
 
-        def build(name: str, src: str, out: str) -> dict[str, Any]:
+        def build(name: str, src: str, out: str, *extra: str) -> dict[str, Any]:
             return self.container(name, ["meta-io", "build", "--input", src, "--schema", self.d.data_schema,
-                                         "--out", out, "--overwrite"], "data", mounts=mounts)
+                                         "--out", out, "--overwrite", *extra], "data", mounts=mounts)
         init = [build("build-eval", self.d.data_eval_input, self.job.data.eval)] if self.d.data_eval_input else []
         if self.d.data_eval_input and not self.job.data.eval:
             raise ConfigError(f"{self.job.source}: [deploy] data_eval_input is set but [data] eval is empty")
-        spec = self.pod_spec([build("build-train", self.d.data_input, self.job.data.train)], "OnFailure",
+        train = build("build-train", self.d.data_input, self.job.data.train, "--done-file", self.data_ready)
+        spec = self.pod_spec([train], "OnFailure",
                              self.volumes(training=False), init or None)
         return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-data", "data"),
                  "spec": {"backoffLimit": 3, "template": self.template("data", spec, False)}}]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 from typing import Any
 
 from metaps.core.config import from_mapping
@@ -49,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--partitions", type=int, default=0, help="spill partitions (0: from the budget)")
     b.add_argument("--max-file-mb", type=float, default=64.0, help="roll to a new part file after this size")
     b.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    b.add_argument("--done-file", default="",
+                   help="write this file (the build's totals, JSON) once the dataset is complete: a gate "
+                        "tied to this build, unlike a manifest that may be yesterday's")
     b.set_defaults(func=_build)
     i = msub.add_parser("inspect", help="summarize a built dataset")
     i.add_argument("path", help="dataset folder")
@@ -135,6 +140,11 @@ def _build(args: argparse.Namespace) -> int:
         lines.append(f"  support {t['support_rows']:,}  query {t['query_rows']:,}  leftover {t['leftover_rows']:,}  "
                      f"tasks {t['tasks']:,}  episodes {t['episodes']:,}  fill {t['fill_ratio']:.3f} "
                      f"(without buckets {t['fill_ratio_without_buckets']:.3f})")
+    if args.done_file:
+        from metaps.core.atomic_write import write_json_atomic
+
+        Path(args.done_file).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.done_file, {"out": str(result.out_dir), "totals": t, "time": time.time()})
     emit(args, t, lines)  # --json: the manifest totals, one object
     return 0
 

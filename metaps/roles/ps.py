@@ -48,6 +48,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from metaps.core import exit_codes
@@ -56,6 +57,16 @@ from metaps.core.log import kv
 from metaps.core.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
+
+
+def _own_checkpoint(root: str | None, warm_start: str) -> Path | None:
+    """The run's own newest committed checkpoint under ``root`` (None: none yet, or ``root`` is the
+    warm-start directory itself)."""
+    from ps.checkpoint import latest_checkpoint
+
+    if not root or not Path(root).is_dir() or Path(root).resolve() == Path(warm_start).resolve():
+        return None
+    return latest_checkpoint(root)
 
 
 def register(subparsers: Any) -> None:
@@ -147,9 +158,15 @@ def run_ps(args: argparse.Namespace) -> int:
     if args.restore_latest:
         from ps.checkpoint import latest_checkpoint
 
-        found = latest_checkpoint(args.restore_latest)
+        own = _own_checkpoint(server.checkpoint_root, args.restore_latest)
+        found = None if own is not None else latest_checkpoint(args.restore_latest)
         restore = str(found) if found is not None else ""
-        if not restore:
+        if own is not None:
+            # the run already has checkpoints of its own: the warm start was applied when it began;
+            # a restarted shard gets this run's latest cut from the controller's recovery instead
+            log.info("warm start not re-applied: the run has checkpoints of its own",
+                     extra=kv(shard=args.shard, warm_start=args.restore_latest, own=str(own)))
+        elif not restore:
             log.info("no committed checkpoint to restore; starting empty", extra=kv(shard=args.shard, root=args.restore_latest))
     if restore:
         rows, step = restore_shard_checkpoint(server, restore)

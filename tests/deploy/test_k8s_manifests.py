@@ -317,3 +317,30 @@ def test_priority_class_and_a_strict_disruption_budget_are_configurable(tmp_path
     bad = _variant(tmp_path, "bad", lambda raw: raw.setdefault("deploy", {}).update(ps_max_unavailable=3))
     r = generate(tmp_path / "bad-out", bad)
     assert r.returncode == 1 and "ps_max_unavailable" in r.stderr and not (tmp_path / "bad-out").exists()
+
+
+def test_day_two_is_a_new_run_with_its_own_state_gate_and_warm_start(tmp_path: Path) -> None:
+    """``--run-name`` starts a new run (its own controller state, run dir and data gate);
+    ``--warm-start-from`` restores yesterday's model once, before the run has its own."""
+    cfg = _variant(tmp_path, "day2", lambda raw: raw.update(deploy={"data_input": "raw/day2", "data_schema": "raw/s.json"}))
+    out = tmp_path / "out"
+    r = generate(out, cfg, "--run-name", "day2", "--warm-start-from", "runs/main/runs/main/checkpoints")
+    assert r.returncode == 0, r.stderr
+    docs = kustomize(out)
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    job = tomllib.loads(by_kind(docs, "ConfigMap")[0]["data"]["job.toml"])
+    assert job["run"]["name"] == "day2"
+    run_dir = f"{job['run']['dir'].rstrip('/')}/day2"
+    ctl = _job(docs, "metaps-controller")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ctl[ctl.index("--state-dir") + 1] == "/var/lib/metaps/runs/day2"  # not yesterday's DDS state
+    ps = _job(docs, "metaps-ps")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert ps[ps.index("--restore-latest") + 1] == "runs/main/runs/main/checkpoints"
+    assert ps[ps.index("--checkpoint-root") + 1] == f"/data/{run_dir}/checkpoints"
+    build = _job(docs, "metaps-data")["spec"]["template"]["spec"]["containers"][0]["args"]
+    gate = f"{run_dir}/data-ready.json"
+    assert build[build.index("--done-file") + 1] == gate
+    for name in ("metaps-controller", "metaps-ps", "metaps-worker"):
+        init = _job(docs, name)["spec"]["template"]["spec"]["initContainers"]
+        wait = [c for c in init if c["name"] == "wait-data"][0]["args"]
+        assert wait[wait.index("--path") + 1] == gate, name  # this run's build, never a manifest that exists

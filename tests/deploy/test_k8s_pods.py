@@ -195,7 +195,8 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         final = [r for r in reports if r.get("final")]
         assert len(final) == 1 and final[0]["checkpoint"], [(r["rank"], r.get("final")) for r in reports]
         assert list((run / "checkpoints").glob("ckpt-*"))
-        led = [e for e in _events(sim.root / "pvc" / "mps-controller-state" / "state") if e["kind"] == "final_checkpoint"]
+        state = sim.root / "pvc" / "mps-controller-state" / "runs" / "k8s"  # one state dir per run name
+        led = [e for e in _events(state) if e["kind"] == "final_checkpoint"]
         assert led and led[-1]["evidence"]["worker"] == final[0]["rank"]
 
         # the delivery CronJob's command, once
