@@ -374,6 +374,10 @@ class ControllerClient:
         """The worker index the controller gives pod ``name`` (controller/worker_claims.py)."""
         return int(self._call("ClaimWorker", pb.ClaimWorkerRequest(name=name)).index)
 
+    def request_cut(self, reason: str = "") -> int:
+        """Ask for a coordinated checkpoint cut now; returns its id (committed once the leader wrote it)."""
+        return int(self._call("RequestCut", pb.RequestCutRequest(reason=reason)).cut_id)
+
     def shutdown(self, reason: str = "") -> None:
         self._call("Shutdown", pb.ShutdownRequest(reason=reason))
 

@@ -246,14 +246,18 @@ class ControllerServer:
             sent.append((worker, shard_id, stop))
         return sent
 
-    def trigger_checkpoint(self) -> int:
-        """Open a cut and send a ``checkpoint`` command to every live process."""
+    def trigger_checkpoint(self, reason: str = "interval") -> int:
+        """Open a cut and send a ``checkpoint`` command to every live process (the leader acts).
+
+        Args:
+            reason: why, for the event log (``interval``, or a ``RequestCut``'s: a drain's preStop).
+        """
         cut_id = self.checkpoints.open_cut()
         targets = [i.name for i in self.registry.alive()]
         for info in self.registry.alive():
             self.registry.enqueue(info.role, info.index, "checkpoint", target="process", cut_id=cut_id)
-        self.events.record(Event.now("controller", "checkpoint", {"cut_id": cut_id, "targets": targets},
-                                     "checkpoint"))
+        self.events.record(Event.now("controller", "checkpoint", {"cut_id": cut_id, "targets": targets,
+                                                                  "reason": reason}, "checkpoint"))
         return cut_id
 
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]:

@@ -77,6 +77,7 @@ class ServedController(Protocol):
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]: ...
 
     def status(self, events_since: int = 0) -> dict[str, Any]: ...
+    def trigger_checkpoint(self, reason: str = "interval") -> int: ...
     @property
     def outcome(self) -> RunOutcome: ...
 
@@ -264,6 +265,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def ClaimWorker(self, request: pb.ClaimWorkerRequest, context: grpc.ServicerContext) -> pb.ClaimWorkerResponse:
         return pb.ClaimWorkerResponse(index=self.s.worker_claims.claim(request.name))
+
+    @_guard
+    def RequestCut(self, request: pb.RequestCutRequest, context: grpc.ServicerContext) -> pb.RequestCutResponse:
+        cut_id = self.s.trigger_checkpoint(reason=request.reason or "requested")
+        return pb.RequestCutResponse(cut_id=cut_id)
 
     @_guard
     def Shutdown(self, request: pb.ShutdownRequest, context: grpc.ServicerContext) -> pb.ShutdownResponse:

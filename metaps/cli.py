@@ -22,7 +22,7 @@ COMMAND_MODULES = (
     "metaps.roles.data",        # gen-data, meta-io build|inspect
     "metaps.roles.ps",          # ps
     "metaps.roles.worker",      # worker, train-local
-    "metaps.roles.controller",  # controller, agent, status
+    "metaps.roles.controller",  # controller, agent, status, cut
     "metaps.launch",            # launch
     "metaps.roles.deliver",     # deliver, predict
     "metaps.evaluate",          # evaluate

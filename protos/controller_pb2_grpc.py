@@ -79,6 +79,11 @@ class ControllerStub:
                 request_serializer=protos_dot_controller__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=protos_dot_controller__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.RequestCut = channel.unary_unary(
+                '/metaps.controller.Controller/RequestCut',
+                request_serializer=protos_dot_controller__pb2.RequestCutRequest.SerializeToString,
+                response_deserializer=protos_dot_controller__pb2.RequestCutResponse.FromString,
+                _registered_method=True)
         self.ClaimWorker = channel.unary_unary(
                 '/metaps.controller.Controller/ClaimWorker',
                 request_serializer=protos_dot_controller__pb2.ClaimWorkerRequest.SerializeToString,
@@ -143,6 +148,12 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestCut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ClaimWorker(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -196,6 +207,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=protos_dot_controller__pb2.ShutdownRequest.FromString,
                     response_serializer=protos_dot_controller__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'RequestCut': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestCut,
+                    request_deserializer=protos_dot_controller__pb2.RequestCutRequest.FromString,
+                    response_serializer=protos_dot_controller__pb2.RequestCutResponse.SerializeToString,
             ),
             'ClaimWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.ClaimWorker,
@@ -446,6 +462,33 @@ class Controller:
             '/metaps.controller.Controller/Shutdown',
             protos_dot_controller__pb2.ShutdownRequest.SerializeToString,
             protos_dot_controller__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestCut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metaps.controller.Controller/RequestCut',
+            protos_dot_controller__pb2.RequestCutRequest.SerializeToString,
+            protos_dot_controller__pb2.RequestCutResponse.FromString,
             options,
             channel_credentials,
             insecure,

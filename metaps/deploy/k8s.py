@@ -41,7 +41,8 @@ mid-run is recovered to this run's latest cut, not restarted from yesterday's mo
 optional priority class (``[deploy] priority_class``, also on the controller), spread
 across nodes (preferred anti-affinity and a topology spread constraint), a startup probe
 that covers a warm start's restore (``[deploy] startup_timeout_s``) before liveness
-probing starts.
+probing starts, and a preStop hook (``metaps cut --wait``) that has the controller take a
+checkpoint cut while a terminating PS still serves.
 
 Every pod: non-root (uid 10001, ``fsGroup`` with ``fsGroupChangePolicy: OnRootMismatch``:
 the volumes' roots must be group-writable for gid 10001), read-only root filesystem (/tmp is
@@ -85,6 +86,7 @@ DATA_DIR = "/data"
 STATE_DIR = "/var/lib/metaps"
 UID = 10001
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+PS_GRACE_S = 30  # a PS pod's termination grace: its preStop cut gets all but 10 s of it
 FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml")
 
 
@@ -311,6 +313,11 @@ class _Gen:
             "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}]
         c = self.container("ps", args, "ps", {"grpc": port, "metrics": mport}, self.train_mounts(), env,
                            probe_port=port)
+        # a drain or eviction: ask the controller for a checkpoint cut while this shard still serves,
+        # so its replacement is recovered to a cut taken just now (within the grace period)
+        c["lifecycle"] = {"preStop": {"exec": {"command": [
+            "metaps", "cut", "--config", JOB_PATH, "--controller", self.controller_addr,
+            "--wait", str(PS_GRACE_S - 10), "--reason", "preStop: the PS pod is terminating"]}}}
         sel = {"matchLabels": self.labels("ps")}
         spread = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
                       {"weight": 100, "podAffinityTerm": {"labelSelector": sel,
@@ -318,7 +325,7 @@ class _Gen:
                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                                  "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": sel}]}
         spec = self.pod_spec([c], "Never", self.volumes(), self.init_containers("ps"),
-                             subdomain=svc_name, terminationGracePeriodSeconds=30, **self.priority(), **spread)
+                             subdomain=svc_name, terminationGracePeriodSeconds=PS_GRACE_S, **self.priority(), **spread)
         shards = self.job.ps.shards
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(svc_name, "ps"),
                "spec": {"completions": shards, "parallelism": shards, "completionMode": "Indexed",

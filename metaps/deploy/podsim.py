@@ -22,6 +22,7 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   ``metadata.namespace``, ``metadata.uid`` -- a new one per pod -- and the Job completion
   index annotation), ``workingDir``, init containers first, in order;
 * readiness through the gRPC health service on the probe's port (from the hub namespace);
+* a deleted pod's ``preStop`` exec hook run in its namespaces (``nsenter``) before SIGTERM;
 * restarts as the pod's ``restartPolicy`` says (Always / OnFailure) in the same pod:
   same name, same address, same emptyDirs -- what a container restart is.
 
@@ -129,6 +130,7 @@ class Pod:
     conditions: set[str] = field(default_factory=set)  # e.g. DisruptionTarget (evicted)
     scaled_down: bool = False        # deleted by the Job controller for a lower parallelism
     accounted: bool = False          # its end was counted by the Job controller
+    pre_stop_exits: list[int] = field(default_factory=list)  # the preStop hook's exit codes
 
     @property
     def host(self) -> str:
@@ -541,15 +543,39 @@ class PodSim:
         def stop() -> None:
             p = pod.proc
             if p is not None and p.poll() is None:
+                t0 = time.monotonic()
+                self._pre_stop(pod, grace)  # the kubelet runs the hook first, within the grace period
+                grace_left = max(1.0, grace - (time.monotonic() - t0))
                 _signal_main(p, signal.SIGTERM)  # the kubelet signals the container's pid 1 only
                 try:
-                    p.wait(grace)
+                    p.wait(grace_left)
                 except subprocess.TimeoutExpired:
                     _signal_group(p, signal.SIGKILL)
                     p.wait()
             pod.phase = "Deleted"
             self._write_hosts()
         threading.Thread(target=stop, daemon=True).start()
+
+    def _pre_stop(self, pod: Pod, grace: float) -> None:
+        """Run the main container's ``lifecycle.preStop.exec`` hook in its namespaces (``nsenter``),
+        as the kubelet does before SIGTERM; its output goes to the pod's log."""
+        c = pod.spec["spec"]["containers"][0]
+        command = list(c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", []))
+        if not command or pod.proc is None:
+            return
+        if command[0] == "metaps":  # the image's metaps: this machine's venv
+            command = [self.python, "-m", "metaps", *command[1:]]
+        _, env = self._argv(pod, c)
+        pid = _main_pid(pod.proc)
+        with pod.log_path.open("ab") as out:
+            out.write(f"==> preStop: {json.dumps(command[-8:])}\n".encode())
+            out.flush()
+            try:
+                rc = subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "-u", "--wd=/", *command], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, timeout=grace, check=False).returncode
+            except subprocess.TimeoutExpired:
+                rc = -1
+        pod.pre_stop_exits.append(rc)
 
     def evict_pod(self, name: str) -> bool:
         """The Eviction API (``kubectl drain``): refused (False, HTTP 429) when a PodDisruptionBudget

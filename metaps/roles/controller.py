@@ -5,6 +5,7 @@
     metaps controller --config job.toml [--address HOST:PORT] [--state-dir DIR]
     metaps agent --config job.toml --role worker --index 3 [--controller HOST:PORT] [-- CMD ...]
     metaps status --config job.toml [--controller HOST:PORT]
+    metaps cut --config job.toml [--controller HOST:PORT] [--wait S]     (a PS pod's preStop hook)
 
 The controller serves until a Shutdown RPC or SIGTERM/SIGINT, or, with
 ``--exit-when-done``, until the run ends: then the PS processes are told to stop and
@@ -69,6 +70,15 @@ def register(subparsers: Any) -> None:
                    help="controller host:port (default $METAPS_CONTROLLER, else the state dir's address file)")
     s.add_argument("--token-file", default="", help="file (mode 0600) holding the auth token")
     s.set_defaults(func=run_status)
+
+    c = subparsers.add_parser("cut", help="ask the controller for a coordinated checkpoint cut now (a preStop hook)")
+    c.add_argument("--config", required=True, help="job TOML (its [rpc] token)")
+    c.add_argument("--controller", default="",
+                   help="controller host:port (default $METAPS_CONTROLLER, else the state dir's address file)")
+    c.add_argument("--token-file", default="", help="file (mode 0600) holding the auth token")
+    c.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the cut to commit")
+    c.add_argument("--reason", default="requested", help="why, for the event log")
+    c.set_defaults(func=run_cut)
 
     a = subparsers.add_parser("agent", help="run and supervise one worker or PS process")
     a.add_argument("--config", required=True, help="job TOML")
@@ -197,12 +207,11 @@ def status_summary(st: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return data, lines
 
 
-def run_status(args: argparse.Namespace) -> int:
-    """``metaps status``: exit 0 while running or complete, 4 when the run failed."""
-    from controller.client import ControllerClient, ControllerError
-    from metaps.core import exit_codes
+def _controller_client(args: argparse.Namespace) -> Any:
+    """A ControllerClient for ``status`` / ``cut``: ``--controller``, ``$METAPS_CONTROLLER`` or the
+    job's state dir's address file; the job's token (or ``--token-file``)."""
+    from controller.client import ControllerClient
     from metaps.job import load_job
-    from metaps.roles.output import emit
 
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
@@ -213,14 +222,46 @@ def run_status(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.config}: no controller address: pass --controller, set METAPS_CONTROLLER "
                               f"or run where the controller's state dir is ({f} is missing)")
         addr = f.read_text().strip()
-    try:
-        with ControllerClient(addr, job.rpc, retry_s=5.0) as c:
+    return ControllerClient(addr, job.rpc, retry_s=5.0)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """``metaps status``: exit 0 while running or complete, 4 when the run failed."""
+    from controller.client import ControllerError
+    from metaps.core import exit_codes
+    from metaps.roles.output import emit
+
+    with _controller_client(args) as c:
+        try:
             st = c.status()
-    except ControllerError as exc:
-        raise ConfigError(f"controller {addr}: {exc.details or exc.code.name}") from None
+        except ControllerError as exc:
+            raise ConfigError(f"controller {c.address}: {exc.details or exc.code.name}") from None
+        addr = c.address
     data, lines = status_summary(st)
     emit(args, {"controller": addr, **data}, lines)
     return exit_codes.RUN_FAILED if data["run"] == "failed" else exit_codes.OK
+
+
+def run_cut(args: argparse.Namespace) -> int:
+    """``metaps cut``: request a cut; with ``--wait``, exit 0 once it committed, 1 if it did not in time."""
+    import time
+
+    from controller.client import ControllerError
+    from metaps.roles.output import emit
+
+    with _controller_client(args) as c:
+        try:
+            cut_id = c.request_cut(args.reason)
+            state = "requested"
+            deadline = time.monotonic() + args.wait
+            while args.wait > 0 and state not in ("committed", "aborted") and time.monotonic() < deadline:
+                time.sleep(0.5)
+                cuts = {int(x["cut_id"]): x for x in c.status(events_since=2**62)["checkpoints"]}
+                state = str(cuts.get(cut_id, {}).get("state", "pending"))
+        except ControllerError as exc:
+            raise ConfigError(f"controller {c.address}: {exc.details or exc.code.name}") from None
+    emit(args, {"cut_id": cut_id, "state": state}, f"checkpoint cut {cut_id}: {state}")
+    return 0 if state == "committed" or args.wait <= 0 else 1
 
 
 def run_agent(args: argparse.Namespace) -> int:

@@ -64,3 +64,39 @@ def test_status_with_a_wrong_token_says_so_in_one_line(controller, tmp_path: Pat
     r = subprocess.run([sys.executable, "-m", "metaps", "status", "--config", str(job), "--controller", srv.address,
                         "--token-file", str(token)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 1 and "wrong auth token" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_cut_requests_a_checkpoint_cut_and_waits_for_its_commit(controller, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import threading
+    import time
+
+    srv = controller(datasets=(TRAIN,))
+    client(srv, 0)
+    r = _status(tmp_path, srv.address, "--json")  # writes the token and job files
+    job, token = tmp_path / "job.toml", tmp_path / "token"
+
+    def cut(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "metaps", "--json", "cut", "--config", str(job), "--controller",
+                               srv.address, "--token-file", str(token), "--reason", "preStop: test", *extra],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+
+    r = cut("--wait", "1")  # no leader writes it: still pending when the wait is over
+    assert r.returncode == 1 and json.loads(r.stdout)["state"] == "pending", r.stdout + r.stderr
+    first = json.loads(r.stdout)["cut_id"]
+    ev = [e for e in srv.events.list() if e.kind == "checkpoint"][-1]
+    assert ev.evidence["reason"] == "preStop: test" and ev.evidence["cut_id"] == first
+
+    def commit_when_opened() -> None:  # the leader's part: write the checkpoint, report it done
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pending = [c for c in srv.checkpoints.cuts() if c["state"] == "pending" and c["cut_id"] > first]
+            if pending:
+                srv.checkpoints.commit(pending[0]["cut_id"], 5, str(tmp_path / "ckpt-5"))
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=commit_when_opened)
+    t.start()
+    r = cut("--wait", "30")
+    t.join()
+    assert r.returncode == 0 and json.loads(r.stdout)["state"] == "committed", r.stdout + r.stderr

@@ -290,6 +290,8 @@ def test_the_ps_is_protected(rendered: Any) -> None:
     assert start["periodSeconds"] * start["failureThreshold"] >= 1800  # a warm start's restore fits
     assert "initialDelaySeconds" not in c["livenessProbe"]
     assert "shareProcessNamespace" not in spec  # identity no longer rides on pids
+    hook = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == ["metaps", "cut"] and int(hook[hook.index("--wait") + 1]) < spec["terminationGracePeriodSeconds"]
     assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     args = c["args"]
     assert args[args.index("--shard") + 1] == "auto" and args[args.index("--advertise") + 1] == \

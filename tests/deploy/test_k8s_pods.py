@@ -3,8 +3,9 @@
 One fleet run from ``kubectl kustomize`` output, with nothing taken from the job file
 directly: the data Job builds Meta-IO on the shared volume, the controller Job, the PS
 Indexed Job (2 shards) and worker work-queue Job (2 workers) train to completion with
-coverage 100%. Mid-run a node drain evicts PS 1: its PodDisruptionBudget refuses a second
-eviction meanwhile, the Job replaces the pod (a new pod, uid and address, the same shard
+coverage 100%. Mid-run a node drain evicts PS 1: its preStop hook has the controller take a
+checkpoint cut first, its PodDisruptionBudget refuses a second eviction meanwhile, the Job
+replaces the pod (a new pod, uid and address, the same shard
 and DNS name, and -- in a fresh PID namespace -- the same pid 1), and the controller
 recovers it as a new incarnation; the worker Job is scaled up by one (the newcomer trains)
 and down by one (a random pod goes, whichever index it holds: its shards are requeued,
@@ -135,14 +136,21 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         # evicts PS 1 and the worker Job is scaled up by one.
         wait_for(lambda: any(c.get("state") == "committed" for c in status()["checkpoints"]), 300,
                  "a committed checkpoint")
-        held = [p.name for p in sim.job_pods("mps-worker")]
         phase("first checkpoint committed")
-        for name in held:
-            sim.signal_container(name, signal.SIGSTOP)
-        assert not status()["finished"]
         old_ps1 = sim.pods[ps_pod(1)]
         assert sim.evict_pod(old_ps1.name)
         assert not sim.evict_pod(ps_pod(0)), "the PDB (maxUnavailable 1) lets a drain take one PS at a time"
+        # its preStop hook had the controller take a cut while the shard still served
+        wait_for(lambda: old_ps1.pre_stop_exits, 60, "PS 1's preStop hook")
+        assert old_ps1.pre_stop_exits == [0], tail(old_ps1.log_path)
+        asked = [e for e in status()["events"] if e["kind"] == "checkpoint"
+                 and e["evidence"].get("reason", "").startswith("preStop")]
+        cuts = {c["cut_id"]: c for c in status()["checkpoints"]}
+        assert asked and cuts[asked[-1]["evidence"]["cut_id"]]["state"] == "committed"
+        held = [p.name for p in sim.job_pods("mps-worker")]
+        for name in held:
+            sim.signal_container(name, signal.SIGSTOP)
+        assert not status()["finished"]
         sim.scale_job("mps-worker", 3)
         # a new pod for index 1: new name, uid and address; same shard and DNS name
         wait_for(lambda: ps_pod(1) != old_ps1.name, 120, "the Job to replace PS 1's pod")
