@@ -247,7 +247,9 @@ class ControllerConfig:
             a worker idle waiting for data is never flagged (controller/liveness.py).
             0 = off. Must exceed ``2 x agent.heartbeat_s``.
         tick_s: period of the background loop (leases, heartbeats, windows, policy).
-        checkpoint_interval_s: coordinated checkpoint trigger period; 0 = off.
+        checkpoint_interval_s: coordinated checkpoint trigger period (default 5 minutes: a PS
+            restart is recovered to a cut at most this old); 0 = off (a PS restart then fails
+            the run: there is nothing consistent to restore).
         eval_epochs: passes over the eval dataset.
         max_workers: gRPC server threads.
         fsync: fsync LMDB on every commit. Off by default: a committed txn already
@@ -265,7 +267,7 @@ class ControllerConfig:
     heartbeat_timeout_s: float = 30.0
     worker_stall_timeout_s: float = 60.0
     tick_s: float = 0.5
-    checkpoint_interval_s: float = 0.0
+    checkpoint_interval_s: float = 300.0
     eval_epochs: int = 1
     max_workers: int = 16
     fsync: bool = False

@@ -66,6 +66,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,10 @@ from metaps.core import exit_codes
 from metaps.core.errors import ConfigError
 from metaps.deploy.yaml_out import dumps_all
 from metaps.core.security import REDACTED, generate_token
+from metaps.core.log import kv
 from metaps.core.toml_writer import dumps as toml_dumps
+
+log = logging.getLogger(__name__)
 
 JOB_DIR = "/etc/metaps/job"
 JOB_PATH = f"{JOB_DIR}/job.toml"
@@ -112,7 +116,7 @@ class Options:
 
 
 def pod_job_mapping(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """The job mapping pods read: token out, token file and bind host in.
+    """The job mapping pods read: token out, token file and bind host in, ``[faults]`` out.
 
     Raises:
         ConfigError: the job file holds a token (it would land in a ConfigMap).
@@ -128,6 +132,9 @@ def pod_job_mapping(raw: dict[str, Any], where: str) -> dict[str, Any]:
                           "unset them (gRPC auth uses the token Secret)")
     rpc["token_file"] = TOKEN_PATH
     data.setdefault("ps", {})["host"] = "0.0.0.0"
+    if data.pop("faults", None):  # a demo's injected slowdowns and kills never ship into a cluster
+        log.warning("[faults] left out of the pods' job file (fault injection is for local runs)",
+                    extra=kv(job=where))
     return data
 
 
