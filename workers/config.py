@@ -71,7 +71,7 @@ class TrainConfig:
             at start-up. The dense model computes on CPU in this version.
         tb_every_steps: a fleet worker writes live TensorBoard scalars (``<run>/tb/worker-R.inc-N``) and
             rewrites its incarnation report every this many steps (0: only at the end).
-        eval_every_steps: rank 0 evaluates on a bounded sample of ``[data] eval`` every this many
+        eval_every_steps: the checkpoint leader evaluates on a bounded sample of ``[data] eval`` every this many
             steps, so AUC is a curve in TensorBoard and report.json (0: only the final evaluation).
         eval_max_rows: rows of the periodic evaluation's sample (the first batches of the eval set).
         val_fraction: share of each train file's batches held out (a seeded pick, ``seed``) to
