@@ -23,8 +23,19 @@ controller's coverage misses at the end of the scaling run (must be 0).
 Run: ``python -m bench.k8s_local [--quick]`` (root, ``ip netns``, ``unshare``, kubectl);
 the last line is a JSON object with ``first_step_s_ratio`` (k8s / launch),
 ``throughput_ratio`` (k8s / launch, goal >= 0.9) and ``scale_events_lost_shards``.
-``--smoke`` runs one configuration only, the k8s scaling run (1000 rows, 1 epoch; each fleet
-takes 20-50 s here): its JSON has the k8s keys and ``scale_events_lost_shards``, no ratios.
+Lifecycle (:func:`run_lifecycle`, pods only): day 1 with a PS pod drained mid-run (preStop
+cut, eviction, a replacement pod recovered by the controller) and a scale-down by a random
+pod; day 2, a new run warm-started from day 1's checkpoints on the same data; a run that
+fails (a PS crashes before any cut committed) and must fail its Jobs. JSON keys
+``replaced_ps_recovered`` (recovered and the run completed with full coverage),
+``replaced_ps_recover_s``, ``rows_lost`` (training rows of the requested epochs the final
+coverage misses: must be 0), ``warm_start_ok`` (every PS restored, the run completed),
+``run_failure_fails_job`` (the worker and controller Jobs failed through their
+podFailurePolicy), ``run_failure_s`` (eviction to failed Jobs).
+
+``--smoke`` runs day 1 of the lifecycle only (1000 rows, 20 epochs; about a minute here):
+``replaced_ps_recovered``, ``rows_lost`` and ``scale_events_lost_shards`` (day 1's), no
+ratios; day 2 and the failing run are ``null`` (``--quick`` runs them).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -45,8 +57,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _job(root: Path, epochs: int, name: str) -> dict[str, Any]:
-    return {
+def _job(root: Path, epochs: int, name: str, **controller: Any) -> dict[str, Any]:
+    job: dict[str, Any] = {
         "data": {"train": "metaio/train"},
         "ps": {"shards": 2, "num_vshards": 16, "device": "cpu", "table_defaults": {"dim": 8, "capacity": 16384}},
         "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
@@ -58,6 +70,8 @@ def _job(root: Path, epochs: int, name: str) -> dict[str, Any]:
         "run": {"dir": "runs", "name": name},
         "deploy": {"name": "bk", "deliver_schedule": ""},
     }
+    job["controller"].update(controller)
+    return job
 
 
 def _data(root: Path, rows: int) -> tuple[int, int]:
@@ -164,7 +178,7 @@ def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag
         ctl = sim.job_pods("bk-controller")[0]
         prog = Progress(lambda: sim.controller_status(f"{ctl.ip}:7070", token) if ctl.phase == "Running" else {})
         target = epochs * total_batches
-        scaled = []
+        scaled: list[tuple[str, int]] = []
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             st = prog.poll()
@@ -188,6 +202,136 @@ def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag
         sim.close()
 
 
+def _render(work: Path, cfg: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
+    out = work / "manifests"
+    subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(cfg), "--image", "local/metaps:bench",
+                    "--out", str(out), *extra], check=True, cwd=REPO, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    docs = [d for d in yaml.safe_load_all(subprocess.run(["kubectl", "kustomize", str(out)], check=True,
+                                                          capture_output=True, text=True).stdout) if d]
+    return docs, (out / "token").read_text().strip()
+
+
+def _lost(cov: dict[str, Any], rows_per_batch: float) -> tuple[int, int]:
+    """(batches, rows) of the requested epochs the final coverage misses (0, 0 when complete)."""
+    if cov.get("complete"):
+        return 0, 0
+    missing = int(cov.get("total_batches", 0)) - int(cov.get("done_batches", 0))
+    return missing, round(missing * rows_per_batch)
+
+
+def _day_two(root: Path, epochs: int, fleet: Callable[..., Any], wait: Callable[..., bool]) -> dict[str, Any]:
+    """Day 2: a new run (its own name and state) warm-started from day 1's checkpoints."""
+    from metaps.core.toml_writer import write
+
+    (root / "day2").mkdir()
+    cfg = write(root / "day2" / "job.toml", _job(root, epochs, "day1", checkpoint_interval_s=2.0))
+    t0 = time.monotonic()
+    sim, _, prog = fleet("day2", cfg, "--run-name", "day2", "--warm-start-from", "runs/day1/checkpoints")
+    try:
+        done = wait(lambda: bool(prog.poll() or True) and sim.job_complete("bk-worker")
+                    and sim.job_complete("bk-controller"), 900)
+        logs = [p.log_path.read_text() for p in sim.job_pods("bk-ps")]
+        restored = len(logs) == 2 and all(re.search(r'msg="?restored"? ', t) for t in logs)
+        cov = prog.last.get("coverage", {})
+        return {"warm_start_ok": bool(done and restored and cov.get("complete")),
+                "warm_start_s": round(time.monotonic() - t0, 2)}
+    finally:
+        sim.close()
+
+
+def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, warm_start: bool = True,
+                  failure: bool = True) -> dict[str, Any]:
+    """Three fleets of pods: (1) day 1 with a PS pod replaced mid-run (a drain: preStop cut,
+    eviction, a new pod for its index) and a worker deleted by a scale-down; (2) day 2, a
+    warm start of a new run from day 1's checkpoints (``warm_start``); (3) a run that fails (a
+    PS crashes before any cut committed: nothing consistent to restore) and must fail its
+    Jobs (``failure``). ``epochs`` are day 1's and the failing run's (long enough to act on
+    mid-run)."""
+    from metaps.deploy.podsim import PodSim
+    from metaps.core.toml_writer import write
+
+    out: dict[str, Any] = {}
+    shared = root / "lifecycle-data"
+    shared.mkdir()
+    subprocess.run(["cp", "-a", str(root / "data" / "metaio"), str(shared / "metaio")], check=True)
+
+    def fleet(tag: str, cfg: Path, *extra: str) -> tuple[PodSim, str, Progress]:
+        docs, token = _render(root / tag, cfg, *extra)
+        sim = PodSim(docs, root / tag / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.233.0")
+        pvc = sim.root / "pvc"
+        pvc.mkdir(parents=True)
+        os.symlink(shared, pvc / "bk-data")  # one shared volume across the days
+        for w in ("bk-controller", "bk-ps", "bk-worker"):
+            sim.start_workload(w)
+        ctl = sim.job_pods("bk-controller")[0]
+        return sim, token, Progress(lambda: sim.controller_status(f"{ctl.ip}:7070", token)
+                                    if ctl.phase == "Running" else {})
+
+    def wait(pred: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if pred():
+                return True
+            time.sleep(0.25)
+        return False
+
+    # (1) day 1: a drained PS, a scaled-down worker
+    (root / "day1").mkdir()
+    cfg = write(root / "day1" / "job.toml", _job(root, epochs, "day1", checkpoint_interval_s=2.0))
+    sim, _, prog = fleet("day1", cfg)
+    try:
+        def committed() -> bool:
+            if sim.job_status("bk-controller") != "Running":
+                raise AssertionError("day 1 ended before its first committed cut: give it more epochs")
+            return any(c.get("state") == "committed" for c in prog.poll().get("checkpoints", []))
+        assert wait(committed, 600), "day 1: no committed cut"
+        old = sim.index_pod("bk-ps", 1)
+        assert old is not None
+        t_evict = time.monotonic()
+        evicted = sim.evict_pod(old.name)
+        recovered = wait(lambda: any(e["kind"] == "ps_recovery" and e["node"] == "ps:1"
+                                     for e in prog.poll().get("events", [])), 300)
+        out["replaced_ps_recover_s"] = round(time.monotonic() - t_evict, 2)
+        sim.scale_job("bk-worker", 2)
+        done = wait(lambda: bool(prog.poll() or True) and sim.job_complete("bk-worker")
+                    and sim.job_complete("bk-ps") and sim.job_complete("bk-controller"), 900)
+        cov = prog.last.get("coverage", {})
+        batches, rows = _lost(cov, rows_per_batch)
+        out.update(replaced_ps_recovered=bool(evicted and recovered and done and cov.get("complete")),
+                   day1_jobs_complete=done, day1_lost_batches=batches, rows_lost=rows)
+    finally:
+        sim.close()
+
+    # (2) day 2: a new run warm-started from day 1's checkpoints
+    if not warm_start:
+        out.update(warm_start_ok=None, warm_start_s=None)
+    else:
+        out.update(_day_two(root, epochs, fleet, wait))
+
+    # (3) a failed run reaches its Jobs: no cut ever commits, then a PS crashes (no preStop: a crash)
+    if not failure:
+        out.update(run_failure_fails_job=None, run_failure_s=None, run_failure_reason="not run")
+        return out
+    (root / "fail").mkdir()
+    cfg3 = write(root / "fail" / "job.toml", _job(root, epochs, "fail", checkpoint_interval_s=0.0))
+    sim, _, prog = fleet("fail", cfg3)
+    try:
+        started = wait(lambda: int(prog.poll().get("coverage", {}).get("done_batches", 0)) > 0, 600)
+        old = sim.index_pod("bk-ps", 0)
+        assert started and old is not None, "the failing run never started"
+        t_kill = time.monotonic()
+        sim.kill_container(old.name)
+        failed = wait(lambda: sim.job_status("bk-worker") == "Failed" and sim.job_status("bk-controller") == "Failed",
+                      300)
+        reason = sim.jobs["bk-worker"].reason
+        out.update(run_failure_fails_job=bool(failed and reason.startswith("PodFailurePolicy")),
+                   run_failure_s=round(time.monotonic() - t_kill, 2), run_failure_reason=reason)
+    finally:
+        sim.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller data, fewer epochs")
@@ -207,17 +351,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tag}: first step {r['first_step_s']:.1f}s, {r['batches_per_s']:.2f} batches/s "
                   f"({r['batches_per_s'] * per_batch:.0f} samples/s), rc {r['rc']}", flush=True)
 
-        if args.smoke:
-            k8s = run_k8s(root, epochs, n_batches, scale=True, tag="k8s-scaling")
-            print(f"k8s pods, scaling: first step {k8s['first_step_s']:.1f}s, {k8s['batches_per_s']:.2f} batches/s "
-                  f"with scale events {k8s['scale_events']}, lost shards {k8s['lost_shards']}", flush=True)
+        # the lifecycle: day 1 long enough to be drained after its first cut (smoke: no day 2)
+        life = run_lifecycle(root, epochs * 20 if args.smoke else epochs * 4, per_batch, warm_start=not args.smoke,
+                             failure=not args.smoke)
+        print(f"lifecycle: replaced PS recovered {life['replaced_ps_recovered']} in {life['replaced_ps_recover_s']}s, "
+              f"rows lost {life['rows_lost']}, warm start ok {life['warm_start_ok']}, run failure fails the Jobs "
+              f"{life['run_failure_fails_job']} ({life['run_failure_reason']})", flush=True)
+        lifecycle = {k: life[k] for k in ("replaced_ps_recovered", "replaced_ps_recover_s", "rows_lost", "warm_start_ok",
+                                          "run_failure_fails_job", "run_failure_s")}
+        if args.smoke:  # one configuration: day 1 (a drained PS, a scale-down), no launch run, no ratios
             print(json.dumps({
                 "smoke": True, "load_avg_1m_at_start": round(load0, 2),
                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-                "k8s_scaling_first_step_s": round(k8s["first_step_s"], 2),
-                "k8s_scaling_samples_per_s": round(k8s["batches_per_s"] * per_batch, 1),
-                "scale_events": [e[0] for e in k8s["scale_events"]],
-                "scale_events_lost_shards": k8s["lost_shards"],
+                "scale_events": ["down 3->2 (a random pod)"],
+                "scale_events_lost_shards": life["day1_lost_batches"], **lifecycle,
             }))
             return 0
         launches = [run_launch(root, epochs, "launch-a")]
@@ -247,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio_while_scaling": round(k8s["batches_per_s"] / launch_bps, 3),
         "scale_events": [e[0] for e in k8s["scale_events"]],
         "scale_events_lost_shards": k8s["lost_shards"],
-        "steady_lost_shards": steady["lost_shards"],
+        "steady_lost_shards": steady["lost_shards"], **lifecycle,
     }))
     return 0
 

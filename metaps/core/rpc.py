@@ -111,6 +111,10 @@ def channel_options(cfg: RpcConfig) -> list[tuple[str, Any]]:
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # A replaced pod keeps its DNS name (NAME-ps-K.NAME-ps) but gets a new address: look the
+        # name up again within a second of a failed connection (gRPC's default waits 30 s), or a
+        # killed PS's replacement stays "unreachable" to the controller's recovery for that long.
+        ("grpc.dns_min_time_between_resolutions_ms", 1000),
     ]
 
 

@@ -222,7 +222,7 @@ class PodSim:
         """Every Service name -> the address of the pod(s) it selects; rewritten in place."""
         lines = ["127.0.0.1\tlocalhost"]
         with self._lock:
-            pods = [p for p in self.pods.values() if p.phase != "Deleted"]
+            pods = [p for p in self.pods.values() if not p.ended]  # a finished pod leaves the endpoints
             for p in pods:
                 lines.append(f"{p.ip}\t{p.name}")
             for svc in (d for d in self.docs if d["kind"] == "Service"):
@@ -462,7 +462,8 @@ class PodSim:
         finally:
             if pod.deleting:
                 pod.phase = "Deleted"
-                self._write_hosts()
+            if not self._stop.is_set():
+                self._write_hosts()  # an ended pod leaves the Services' endpoints
 
     # ----------------------------------------------------------------- workloads
     def start_workload(self, name: str) -> list[Pod]:

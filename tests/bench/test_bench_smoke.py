@@ -42,11 +42,14 @@ class Smoke:
         figures: result keys that must hold a finite number (or a mapping of finite numbers);
             ``a/b/c`` reaches into nested objects.
         timeout_s: wall-clock limit of the process.
+        verdicts: result keys that must be ``true`` (the run's own pass/fail findings, e.g. a
+            fault recovered); a smoke run that says it failed fails.
     """
 
     args: tuple[str, ...]
     figures: tuple[str, ...]
     timeout_s: float = 240.0
+    verdicts: tuple[str, ...] = ()
 
 
 SMOKES: dict[str, Smoke] = {
@@ -54,9 +57,10 @@ SMOKES: dict[str, Smoke] = {
     "chaos": Smoke(("--smoke",), ("faults_tried", "faults_survived", "bad_inputs_tried", "bad_inputs_clear_error")),
     "delivery": Smoke(("--smoke",), ("export_rows_per_s", "write_speedup", "lookup_speedup",
                                      "delta_cost_vs_fraction", "delta_cost_vs_fraction_job", "adapt/ms_per_task")),
-    # --smoke: the k8s scaling fleet only (root, ip netns, kubectl), no launch run to compare with
-    "k8s_local": Smoke(("--smoke",), ("k8s_scaling_samples_per_s", "k8s_scaling_first_step_s",
-                                      "scale_events_lost_shards"), 420.0),
+    # --smoke: day 1 of the lifecycle (root, ip netns, kubectl): a drained PS and a scale-down;
+    # no launch run to compare with, no day 2, no failing run (--quick runs those)
+    "k8s_local": Smoke(("--smoke",), ("replaced_ps_recover_s", "scale_events_lost_shards", "rows_lost"), 420.0,
+                       ("replaced_ps_recovered",)),
     "meta_io": Smoke(("--smoke",), ("read_speedup_vs_naive", "reader_overhead", "raw_reader_unpacked_vs_packed")),
     "meta_step": Smoke(("--smoke",), ("vmap_speedup", "vmap_speedup_min")),
     # --no-fleet: its fleet part is bench.train_throughput's run_local / run_fleet, which that bench's
@@ -161,6 +165,8 @@ def check_smoke(name: str, tmp_path: Path) -> None:
     assert not missing, f"figures missing from the JSON: {missing}; keys: {sorted(result)}\n{shown}"
     bad = {k: _figure(result, k) for k in smoke.figures if not _finite(_figure(result, k))}
     assert not bad, f"figures that are not finite numbers: {bad}\n{shown}"
+    failed = {k: result.get(k) for k in smoke.verdicts if result.get(k) is not True}
+    assert not failed, f"the run's own findings say it failed: {failed}\n{shown}"
 
 
 def _has(result: dict[str, Any], key: str) -> bool:

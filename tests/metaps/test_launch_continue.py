@@ -49,7 +49,7 @@ def _done_after_latest_cut(state: Path) -> list[dict]:  # type: ignore[type-arg]
 @pytest.mark.timeout(900)
 def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
-    cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=1, train={"epochs": 6},
+    cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=1, train={"epochs": 4},
                          # slowed 3x: the run is still going when it is interrupted after its first cut
                          faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0},
                                             {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]},
