@@ -220,13 +220,7 @@ class NodeRegistry:
 
     def mark_done(self, role: str, index: int) -> bool:
         """The node's process finished and left; True when it was not already done."""
-        with self._lock:
-            info = self._nodes.get((role, index))
-            if info is None or info.state is NodeState.DONE:
-                return False
-            info.state = NodeState.DONE
-            self._save(info)
-            return True
+        return self._set_state(role, index, NodeState.DONE)
 
     def pending(self, role: str, index: int, target: str = "process") -> bool:
         """Commands queued for the node's process (or agent) not yet handed out."""
@@ -245,11 +239,14 @@ class NodeRegistry:
 
     def mark_dead(self, role: str, index: int) -> bool:
         """True when the node was not already dead."""
+        return self._set_state(role, index, NodeState.DEAD)
+
+    def _set_state(self, role: str, index: int, state: NodeState) -> bool:
         with self._lock:
             info = self._nodes.get((role, index))
-            if info is None or info.state is NodeState.DEAD:
+            if info is None or info.state is state:
                 return False
-            info.state = NodeState.DEAD
+            info.state = state
             self._save(info)
             return True
 

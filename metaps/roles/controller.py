@@ -64,18 +64,10 @@ def register(subparsers: Any) -> None:
     add_cli_args(p, checkpoint_root=True)
     p.set_defaults(func=run_controller)
 
-    s = subparsers.add_parser("status", help="the run's state, coverage, nodes and checkpoints from the controller")
-    s.add_argument("--config", required=True, help="job TOML (its [rpc] token; [controller] state_dir's address file)")
-    s.add_argument("--controller", default="",
-                   help="controller host:port (default $METAPS_CONTROLLER, else the state dir's address file)")
-    s.add_argument("--token-file", default="", help="file (mode 0600) holding the auth token")
+    s = _client_parser(subparsers, "status", "the run's state, coverage, nodes and checkpoints from the controller")
     s.set_defaults(func=run_status)
 
-    c = subparsers.add_parser("cut", help="ask the controller for a coordinated checkpoint cut now (a preStop hook)")
-    c.add_argument("--config", required=True, help="job TOML (its [rpc] token)")
-    c.add_argument("--controller", default="",
-                   help="controller host:port (default $METAPS_CONTROLLER, else the state dir's address file)")
-    c.add_argument("--token-file", default="", help="file (mode 0600) holding the auth token")
+    c = _client_parser(subparsers, "cut", "ask the controller for a coordinated checkpoint cut now (a preStop hook)")
     c.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the cut to commit")
     c.add_argument("--reason", default="requested", help="why, for the event log")
     c.set_defaults(func=run_cut)
@@ -89,6 +81,32 @@ def register(subparsers: Any) -> None:
     add_cli_args(a)
     a.add_argument("child", nargs=argparse.REMAINDER, help="child command after '--' (default: metaps ROLE ...)")
     a.set_defaults(func=run_agent)
+
+
+def _client_parser(subparsers: Any, name: str, help_text: str) -> Any:
+    """A subcommand that talks to a running controller (``status``, ``cut``)."""
+    p = subparsers.add_parser(name, help=help_text)
+    p.add_argument("--config", required=True, help="job TOML (its [rpc] token; [controller] state_dir's address file)")
+    p.add_argument("--controller", default="",
+                   help="controller host:port (default $METAPS_CONTROLLER, else the state dir's address file)")
+    p.add_argument("--token-file", default="", help="file (mode 0600) holding the auth token")
+    return p
+
+
+def _controller_address(job: Any, given: str, config: str) -> str:
+    """``given``, else ``$METAPS_CONTROLLER``, else the controller's address file in the job's state dir.
+
+    Raises:
+        ConfigError: none of them.
+    """
+    addr = given or os.environ.get("METAPS_CONTROLLER", "")
+    if addr:
+        return addr
+    f = _state_dir(job, "") / "address"
+    if not f.exists():
+        raise ConfigError(f"{config}: no controller address: pass --controller, set METAPS_CONTROLLER "
+                          f"or start the controller first (it writes {f})")
+    return f.read_text().strip()
 
 
 def _state_dir(job: Any, override: str) -> Path:
@@ -215,14 +233,7 @@ def _controller_client(args: argparse.Namespace) -> Any:
 
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
-    addr = args.controller or os.environ.get("METAPS_CONTROLLER", "")
-    if not addr:
-        f = _state_dir(job, "") / "address"
-        if not f.exists():
-            raise ConfigError(f"{args.config}: no controller address: pass --controller, set METAPS_CONTROLLER "
-                              f"or run where the controller's state dir is ({f} is missing)")
-        addr = f.read_text().strip()
-    return ControllerClient(addr, job.rpc, retry_s=5.0)
+    return ControllerClient(_controller_address(job, args.controller, args.config), job.rpc, retry_s=5.0)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -272,13 +283,7 @@ def run_agent(args: argparse.Namespace) -> int:
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
     check_bind(["127.0.0.1"], job.rpc.resolved_token(), insecure=args.insecure, what="metaps agent")
-    addr = args.controller or os.environ.get("METAPS_CONTROLLER", "")
-    if not addr:
-        f = _state_dir(job, "") / "address"
-        if not f.exists():
-            raise ConfigError(f"{args.config}: no controller address: pass --controller, set METAPS_CONTROLLER "
-                              f"or start the controller first (it writes {f})")
-        addr = f.read_text().strip()
+    addr = _controller_address(job, args.controller, args.config)
     child = [c for c in args.child if c != "--"] or default_child_cmd(args.role, args.index, args.config)
     agent = Agent(job.controller.agent, args.role, args.index, addr, job.rpc, child)
     if args.metrics_port >= 0:
