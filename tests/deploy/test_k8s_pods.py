@@ -50,7 +50,7 @@ def job_file(path: Path) -> Path:
                "table_defaults": {"dim": 8, "capacity": 8192}},
         "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
         "meta": {"inner_steps": 1, "inner_lr": 0.1},
-        "train": {"mode": "meta", "workers": 2, "epochs": 6, "overlap": False, "log_every": 5},
+        "train": {"mode": "meta", "workers": 2, "epochs": 12, "overlap": False, "log_every": 5},
         # frozen workers (SIGSTOP below) keep their registration (heartbeat timeout) but lose
         # their leases after lease_s: the newcomer gets their shards
         "controller": {"heartbeat_timeout_s": 300.0, "tick_s": 0.2, "checkpoint_interval_s": 2.0,
@@ -140,17 +140,22 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         old_ps1 = sim.pods[ps_pod(1)]
         assert sim.evict_pod(old_ps1.name)
         assert not sim.evict_pod(ps_pod(0)), "the PDB (maxUnavailable 1) lets a drain take one PS at a time"
-        # its preStop hook had the controller take a cut while the shard still served
+        # its preStop hook has the controller take a cut while the shard still serves
+
+        def pre_stop_cut() -> str:
+            st = status()
+            asked = [e for e in st["events"] if e["kind"] == "checkpoint"
+                     and e["evidence"].get("reason", "").startswith("preStop")]
+            cuts = {c["cut_id"]: c for c in st["checkpoints"]}
+            return cuts[asked[-1]["evidence"]["cut_id"]]["state"] if asked else ""
+
+        wait_for(lambda: pre_stop_cut() == "committed", 60, "the preStop cut committed")
+        held = [p.name for p in sim.job_pods("mps-worker")]
+        for name in held:  # at once: the workers must leave shards for the newcomer below
+            sim.signal_container(name, signal.SIGSTOP)
         wait_for(lambda: old_ps1.pre_stop_exits, 60, "PS 1's preStop hook")
         assert old_ps1.pre_stop_exits == [0], tail(old_ps1.log_path)
-        asked = [e for e in status()["events"] if e["kind"] == "checkpoint"
-                 and e["evidence"].get("reason", "").startswith("preStop")]
-        cuts = {c["cut_id"]: c for c in status()["checkpoints"]}
-        assert asked and cuts[asked[-1]["evidence"]["cut_id"]]["state"] == "committed"
-        held = [p.name for p in sim.job_pods("mps-worker")]
-        for name in held:
-            sim.signal_container(name, signal.SIGSTOP)
-        assert not status()["finished"]
+        assert not status()["finished"], "the job finished before the workers could be held: make it longer"
         sim.scale_job("mps-worker", 3)
         # a new pod for index 1: new name, uid and address; same shard and DNS name
         wait_for(lambda: ps_pod(1) != old_ps1.name, 120, "the Job to replace PS 1's pod")
