@@ -1,8 +1,8 @@
 """PS failure recovery: put the whole fleet back at the last *good* committed checkpoint cut.
 
-Who triggers it: the controller, when a PS *process* registers again with a new
-pid (its agent restarted it after a crash, or the fleet was restarted against
-the same controller state). Its rows are gone (or came from an older
+Who triggers it: the controller, when a PS *process* registers again under a new
+incarnation id (its agent restarted it after a crash, its pod was replaced, or the
+fleet was restarted against the same controller state; never decided by the pid). Its rows are gone (or came from an older
 checkpoint), so the fleet is no longer at any consistent point. The controller
 then, off the RPC thread (:class:`PsRecovery`)::
 

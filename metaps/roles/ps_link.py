@@ -3,7 +3,7 @@
 ``metaps ps --controller ADDR`` (or ``$METAPS_CONTROLLER``, which agents set)
 starts one :class:`ControllerLink` once the shard serves::
 
-    register(role=ps, index=shard, address=host:port, metrics_port, pid)
+    register(role=ps, index=shard, address=host:port, metrics_port, pid, incarnation id)
     every report_s:    ReportMetrics(request_latency_s = mean data-RPC time since last report,
                                      queue_depth = mean requests in flight seen on arrival)
     every heartbeat_s: Heartbeat: a ``stop`` command (the run ended or failed, or a newer
