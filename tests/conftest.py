@@ -13,6 +13,9 @@ orders work: a module missing from it (or a stale entry) still runs, only later.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 HEAVY_FIRST = (
@@ -58,3 +61,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     last = len(HEAVY_FIRST)
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], last))
+
+
+LOG_SUFFIXES = (".log", ".out", ".err")
+"""Files under a failed test's ``tmp_path`` whose tails the report shows (process output)."""
+MAX_LOGS = 12
+MAX_CHARS = 4000
+
+
+def _log_tails(root: Path) -> Iterator[tuple[str, str]]:
+    """(relative path, last :data:`MAX_CHARS` characters) of the newest :data:`MAX_LOGS` log files under ``root``."""
+    try:
+        found = [p for p in root.rglob("*") if p.suffix in LOG_SUFFIXES and p.is_file()]
+    except OSError:
+        return
+    found.sort(key=lambda p: p.stat().st_mtime if p.exists() else 0.0, reverse=True)
+    for p in found[:MAX_LOGS]:
+        try:
+            text = p.read_text(errors="replace")
+        except OSError:
+            continue
+        yield str(p.relative_to(root)), text[-MAX_CHARS:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that started processes shows their output: the tails of the log files
+    under its ``tmp_path`` (launcher output, every fleet process's log) go into the report."""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if not rep.failed or not isinstance(tmp, Path):
+        return
+    for name, tail in _log_tails(tmp):
+        rep.sections.append((f"process output: {name} (last {MAX_CHARS} chars)", tail))

@@ -110,3 +110,28 @@ def wait_for(pred: Any, timeout_s: float, what: str, poll_s: float = 0.5) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(poll_s)
+
+
+def start_launch(args: list[str], log: Path, **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``python -m metaps launch ARGS`` with its output (stdout and stderr) in ``log``.
+
+    The output lives in a file, not a pipe, so a test that fails before the launcher ends
+    still shows it (tests/conftest.py prints the log files under a failed test's tmp_path).
+
+    Args:
+        args: the command line after ``metaps launch``.
+        log: the file for the launcher's output (overwritten).
+        popen: extra :class:`subprocess.Popen` keyword arguments (``env``, ``cwd``).
+    """
+    import sys  # noqa: PLC0415 (only this helper needs it)
+
+    popen.setdefault("cwd", Path(__file__).resolve().parents[2])
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "metaps", "launch", *args], stdout=out,
+                                stderr=subprocess.STDOUT, **popen)
+
+
+def finish_launch(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
+    """Wait up to ``timeout_s`` for a launcher of :func:`start_launch`; its output so far."""
+    proc.wait(timeout=timeout_s)
+    return log.read_text(errors="replace")

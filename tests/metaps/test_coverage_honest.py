@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +21,9 @@ from controller.config import DdsConfig
 from controller.dds import DatasetKind, DatasetSpec, DynamicDataSharding, GetStatus
 from controller.state import EventLog, StateStore
 from metaps.run_report import coverage_text
-from tests.metaps.fleet_data import fleet_pids, make_data, reaping, wait_for, write_job_file
+from tests.metaps.fleet_data import (fleet_pids, finish_launch, make_data, reaping, start_launch, wait_for,
+                                     write_job_file)
 
-REPO = Path(__file__).resolve().parents[2]
 TRAIN = DatasetSpec("train", (8, 8), DatasetKind.TRAIN, epochs=2)  # 4 shards of 4 batches per epoch
 
 
@@ -82,13 +80,13 @@ def test_launch_stopped_by_sigterm_reports_the_fraction_and_why(tmp_path: Path) 
                          # slowed 3x (a third of the CPU): the test only needs it mid-run
                          faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0}]})
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
-                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "launcher.log"
+    proc = start_launch(["--config", str(cfg), "--run-dir", str(run), "--no-progress"], log)
     with reaping(proc, run):
         wait_for(lambda: _steps(run) >= 2, 400, "training steps")  # mid-run: far from 50 epochs
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=240)
+        out = finish_launch(proc, log, 240)
         left = fleet_pids(str(run))
     assert proc.returncode == 143, out[-4000:]
     assert left == []

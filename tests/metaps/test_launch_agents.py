@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from metaps.core.toml_writer import write
-from tests.metaps.fleet_data import fleet_pids, job_mapping, make_data, reaping, wait_for
+from tests.metaps.fleet_data import (fleet_pids, finish_launch, job_mapping, make_data, reaping, start_launch,
+                                     wait_for)
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _read(path: Path) -> str:
@@ -50,14 +48,14 @@ def test_sigkilled_agent_is_restarted_and_the_run_completes(tmp_path: Path) -> N
     job["ps"]["max_staleness"] = 1000
     cfg = write(tmp_path / "job.toml", job)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
-                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "launcher.log"
+    proc = start_launch(["--config", str(cfg), "--run-dir", str(run), "--no-progress"], log)
     with reaping(proc, run):
         wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-1.log"), 400, "worker 1's first step")
         pid = _agent_pid(run, "worker", 1)
         assert pid is not None and proc.poll() is None
         os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=500)
+        out = finish_launch(proc, log, 500)
         left = fleet_pids(str(run))
     assert proc.returncode == 0, out[-5000:]
     assert left == [], f"fleet processes left running: {left}"

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from controller.state import EventLog, StateStore
-from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
+from tests.metaps.fleet_data import (fleet_pids, finish_launch, kill_leftovers, make_data, start_launch, wait_for,
+                                     write_job_file)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,16 +56,15 @@ def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
                                             {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]},
                          controller={"checkpoint_interval_s": 3.0, "dds": {"batches_per_shard": 2}})
     run = tmp_path / "run"
-    launch = [sys.executable, "-m", "metaps", "launch", "--no-progress"]
-    proc = subprocess.Popen(launch + ["--config", str(cfg), "--run-dir", str(run)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "launcher.log"
+    proc = start_launch(["--no-progress", "--config", str(cfg), "--run-dir", str(run)], log)
     try:
         # interrupted with work done after its latest cut: that work must be redone, not kept
         wait_for(lambda: _done_after_latest_cut(run / "controller") or proc.poll() is not None, 400,
                  "shards done after a committed cut")
         assert proc.poll() is None, "the run ended before it could be interrupted"
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=300)
+        out = finish_launch(proc, log, 300)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -79,11 +79,16 @@ def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
     assert after, "no work after the cut to roll back"
 
     try:
-        r = subprocess.run(launch + ["--resume", str(run)], cwd=REPO, capture_output=True, text=True, timeout=600)
+        log2 = tmp_path / "launcher-resume.log"
+        again = start_launch(["--no-progress", "--resume", str(run)], log2)
+        finish_launch(again, log2, 600)
         left = fleet_pids(str(run))
     finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
         kill_leftovers(str(run))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert again.returncode == 0, log2.read_text()[-3000:]
     assert left == []
     rep = json.loads((run / "report.json").read_text())
     assert rep["status"] == "succeeded" and rep["resumed_from"] == cut["dir"]

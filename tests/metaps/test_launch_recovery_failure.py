@@ -13,17 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from ps.checkpoint import shard_files
-from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, wait_for, write_job_file
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.metaps.fleet_data import (fleet_pids, finish_launch, kill_leftovers, make_data, start_launch, wait_for,
+                                     write_job_file)
 
 
 def _committed(root: Path) -> list[Path]:
@@ -51,8 +48,8 @@ def test_failed_ps_recovery_fails_the_launch_loudly(tmp_path: Path) -> None:
                                                "stop_grace_s": 5.0}})
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    proc = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--config", str(cfg), "--run-dir", str(run),
-                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "launcher.log"
+    proc = start_launch(["--config", str(cfg), "--run-dir", str(run), "--no-progress"], log)
     corrupted: set[Path] = set()
     stop = threading.Event()
 
@@ -68,13 +65,13 @@ def test_failed_ps_recovery_fails_the_launch_loudly(tmp_path: Path) -> None:
 
     try:
         wait_for(lambda: _committed(ckpts) or proc.poll() is not None, 400, "a committed checkpoint")
-        assert proc.poll() is None
+        assert proc.poll() is None, f"the launch ended (exit {proc.returncode}) before a checkpoint committed"
         t = threading.Thread(target=corrupt_every_committed, daemon=True)
         t.start()
         wait_for(lambda: set(_committed(ckpts)) <= corrupted, 30, "the checkpoints corrupted", 0.05)
         pid = json.loads((run / "ps" / "ps-0.ready").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
+        out = finish_launch(proc, log, 300)
         left = fleet_pids(str(run))
     finally:
         stop.set()
