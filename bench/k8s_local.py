@@ -33,9 +33,10 @@ coverage misses: must be 0), ``warm_start_ok`` (every PS restored, the run compl
 ``run_failure_fails_job`` (the worker and controller Jobs failed through their
 podFailurePolicy), ``run_failure_s`` (eviction to failed Jobs).
 
-``--smoke`` runs day 1 of the lifecycle only (1000 rows, 20 epochs; about a minute here):
-``replaced_ps_recovered``, ``rows_lost`` and ``scale_events_lost_shards`` (day 1's), no
-ratios; day 2 and the failing run are ``null`` (``--quick`` runs them).
+``--smoke`` runs the failing run of the lifecycle only (1000 rows, 20 epochs; under a minute
+here): ``run_failure_fails_job`` and ``run_failure_s``, no ratios; day 1 and day 2 are
+``null`` (``--quick`` runs them; tests/deploy/test_k8s_pods.py runs day 1's drain and
+scale-down in the suite).
 """
 
 from __future__ import annotations
@@ -240,14 +241,48 @@ def _day_two(root: Path, epochs: int, fleet: Callable[..., Any], wait: Callable[
         sim.close()
 
 
-def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, warm_start: bool = True,
+def _day_one(root: Path, epochs: int, rows_per_batch: float, fleet: Callable[..., Any],
+             wait: Callable[[Callable[[], bool], float], bool]) -> dict[str, Any]:
+    """Day 1 of :func:`run_lifecycle`: PS 1 drained after the first committed cut, then a scale-down."""
+    from metaps.core.toml_writer import write
+
+    out: dict[str, Any] = {}
+    (root / "day1").mkdir()
+    cfg = write(root / "day1" / "job.toml", _job(root, epochs, "day1", checkpoint_interval_s=2.0))
+    sim, _, prog = fleet("day1", cfg)
+    try:
+        def committed() -> bool:
+            if sim.job_status("bk-controller") != "Running":
+                raise AssertionError("day 1 ended before its first committed cut: give it more epochs")
+            return any(c.get("state") == "committed" for c in prog.poll().get("checkpoints", []))
+        assert wait(committed, 600), "day 1: no committed cut"
+        old = sim.index_pod("bk-ps", 1)
+        assert old is not None
+        t_evict = time.monotonic()
+        evicted = sim.evict_pod(old.name)
+        recovered = wait(lambda: any(e["kind"] == "ps_recovery" and e["node"] == "ps:1"
+                                     for e in prog.poll().get("events", [])), 300)
+        out["replaced_ps_recover_s"] = round(time.monotonic() - t_evict, 2)
+        sim.scale_job("bk-worker", 2)
+        done = wait(lambda: bool(prog.poll() or True) and sim.job_complete("bk-worker")
+                    and sim.job_complete("bk-ps") and sim.job_complete("bk-controller"), 900)
+        cov = prog.last.get("coverage", {})
+        batches, rows = _lost(cov, rows_per_batch)
+        out.update(replaced_ps_recovered=bool(evicted and recovered and done and cov.get("complete")),
+                   day1_jobs_complete=done, day1_lost_batches=batches, rows_lost=rows)
+    finally:
+        sim.close()
+    return out
+
+
+def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, day1: bool = True, warm_start: bool = True,
                   failure: bool = True) -> dict[str, Any]:
     """Three fleets of pods: (1) day 1 with a PS pod replaced mid-run (a drain: preStop cut,
-    eviction, a new pod for its index) and a worker deleted by a scale-down; (2) day 2, a
-    warm start of a new run from day 1's checkpoints (``warm_start``); (3) a run that fails (a
-    PS crashes before any cut committed: nothing consistent to restore) and must fail its
-    Jobs (``failure``). ``epochs`` are day 1's and the failing run's (long enough to act on
-    mid-run)."""
+    eviction, a new pod for its index) and a worker deleted by a scale-down (``day1``); (2)
+    day 2, a warm start of a new run from day 1's checkpoints (``warm_start``, needs day 1);
+    (3) a run that fails (a PS crashes before any cut committed: nothing consistent to
+    restore) and must fail its Jobs (``failure``). ``epochs`` are day 1's and the failing
+    run's (long enough to act on mid-run). The figures of a part not run are ``None``."""
     from metaps.deploy.podsim import PodSim
     from metaps.core.toml_writer import write
 
@@ -277,31 +312,12 @@ def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, warm_start: bo
         return False
 
     # (1) day 1: a drained PS, a scaled-down worker
-    (root / "day1").mkdir()
-    cfg = write(root / "day1" / "job.toml", _job(root, epochs, "day1", checkpoint_interval_s=2.0))
-    sim, _, prog = fleet("day1", cfg)
-    try:
-        def committed() -> bool:
-            if sim.job_status("bk-controller") != "Running":
-                raise AssertionError("day 1 ended before its first committed cut: give it more epochs")
-            return any(c.get("state") == "committed" for c in prog.poll().get("checkpoints", []))
-        assert wait(committed, 600), "day 1: no committed cut"
-        old = sim.index_pod("bk-ps", 1)
-        assert old is not None
-        t_evict = time.monotonic()
-        evicted = sim.evict_pod(old.name)
-        recovered = wait(lambda: any(e["kind"] == "ps_recovery" and e["node"] == "ps:1"
-                                     for e in prog.poll().get("events", [])), 300)
-        out["replaced_ps_recover_s"] = round(time.monotonic() - t_evict, 2)
-        sim.scale_job("bk-worker", 2)
-        done = wait(lambda: bool(prog.poll() or True) and sim.job_complete("bk-worker")
-                    and sim.job_complete("bk-ps") and sim.job_complete("bk-controller"), 900)
-        cov = prog.last.get("coverage", {})
-        batches, rows = _lost(cov, rows_per_batch)
-        out.update(replaced_ps_recovered=bool(evicted and recovered and done and cov.get("complete")),
-                   day1_jobs_complete=done, day1_lost_batches=batches, rows_lost=rows)
-    finally:
-        sim.close()
+    if not day1:
+        out.update(replaced_ps_recovered=None, replaced_ps_recover_s=None, day1_jobs_complete=None,
+                   day1_lost_batches=None, rows_lost=None)
+        warm_start = False  # day 2 starts from day 1's checkpoints
+    else:
+        out.update(_day_one(root, epochs, rows_per_batch, fleet, wait))
 
     # (2) day 2: a new run warm-started from day 1's checkpoints
     if not warm_start:
@@ -336,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller data, fewer epochs")
     ap.add_argument("--smoke", action="store_true",
-                    help="one configuration only: the k8s scaling run on 1000 rows, 1 epoch (no launch run, so no "
-                         "ratios in the JSON); figures meaningless")
+                    help="the lifecycle's failing run only, on 1000 rows (no launch run, so no ratios in the JSON); "
+                         "figures meaningless")
     args = ap.parse_args(argv)
     rows, epochs = (1000, 1) if args.smoke else (4000, 4) if args.quick else (20000, 4)
     load0 = os.getloadavg()[0]
@@ -351,20 +367,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tag}: first step {r['first_step_s']:.1f}s, {r['batches_per_s']:.2f} batches/s "
                   f"({r['batches_per_s'] * per_batch:.0f} samples/s), rc {r['rc']}", flush=True)
 
-        # the lifecycle: day 1 long enough to be drained after its first cut (smoke: no day 2)
-        life = run_lifecycle(root, epochs * 20 if args.smoke else epochs * 4, per_batch, warm_start=not args.smoke,
-                             failure=not args.smoke)
+        # the lifecycle: day 1 long enough to be drained after its first cut (smoke: the failing run only)
+        life = run_lifecycle(root, epochs * 20 if args.smoke else epochs * 4, per_batch, day1=not args.smoke,
+                             warm_start=not args.smoke)
         print(f"lifecycle: replaced PS recovered {life['replaced_ps_recovered']} in {life['replaced_ps_recover_s']}s, "
               f"rows lost {life['rows_lost']}, warm start ok {life['warm_start_ok']}, run failure fails the Jobs "
               f"{life['run_failure_fails_job']} ({life['run_failure_reason']})", flush=True)
         lifecycle = {k: life[k] for k in ("replaced_ps_recovered", "replaced_ps_recover_s", "rows_lost", "warm_start_ok",
                                           "run_failure_fails_job", "run_failure_s")}
-        if args.smoke:  # one configuration: day 1 (a drained PS, a scale-down), no launch run, no ratios
+        if args.smoke:  # one configuration: the failing run, no launch run, no ratios
             print(json.dumps({
                 "smoke": True, "load_avg_1m_at_start": round(load0, 2),
-                "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-                "scale_events": ["down 3->2 (a random pod)"],
-                "scale_events_lost_shards": life["day1_lost_batches"], **lifecycle,
+                "load_avg_1m_at_end": round(os.getloadavg()[0], 2), **lifecycle,
             }))
             return 0
         launches = [run_launch(root, epochs, "launch-a")]

@@ -57,10 +57,9 @@ SMOKES: dict[str, Smoke] = {
     "chaos": Smoke(("--smoke",), ("faults_tried", "faults_survived", "bad_inputs_tried", "bad_inputs_clear_error")),
     "delivery": Smoke(("--smoke",), ("export_rows_per_s", "write_speedup", "lookup_speedup",
                                      "delta_cost_vs_fraction", "delta_cost_vs_fraction_job", "adapt/ms_per_task")),
-    # --smoke: day 1 of the lifecycle (root, ip netns, kubectl): a drained PS and a scale-down;
-    # no launch run to compare with, no day 2, no failing run (--quick runs those)
-    "k8s_local": Smoke(("--smoke",), ("replaced_ps_recover_s", "scale_events_lost_shards", "rows_lost"), 420.0,
-                       ("replaced_ps_recovered",)),
+    # --smoke: the lifecycle's failing run (root, ip netns, kubectl): a PS crash before any cut must fail
+    # the Jobs; no launch run to compare with, no day 1 or 2 (--quick runs those; test_k8s_pods runs a day 1)
+    "k8s_local": Smoke(("--smoke",), ("run_failure_s",), 420.0, ("run_failure_fails_job",)),
     "meta_io": Smoke(("--smoke",), ("read_speedup_vs_naive", "reader_overhead", "raw_reader_unpacked_vs_packed")),
     "meta_step": Smoke(("--smoke",), ("vmap_speedup", "vmap_speedup_min")),
     # --no-fleet: its fleet part is bench.train_throughput's run_local / run_fleet, which that bench's
