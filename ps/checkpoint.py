@@ -57,9 +57,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import shutil
 import uuid
+import zlib
 from dataclasses import dataclass
 import json
 import logging
@@ -69,7 +71,7 @@ import re
 import struct
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import lmdb
 import numpy as np
@@ -77,8 +79,8 @@ import numpy as np
 from metaps.core.hashing import vshard_of
 from metaps.core.log import kv
 from ps.embedding_table import TableRows
-from metaps.core.atomic_write import write_json_atomic
-from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
+from metaps.core.atomic_write import write_text_atomic
+from ps.errors import BadRequest, CheckpointError, CheckpointNoSpace, CheckpointNotFound, CheckpointWriteError
 
 if TYPE_CHECKING:
     from ps.shard_store import ShardStore
@@ -86,7 +88,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAGIC = b"MPSC"
-FORMAT = 1
+FORMAT = 2
+"""Chunk and shard-file format written: 2 = per-chunk crc32s and per-vshard row counts (``n/<table>``).
+Files of format 1 (no checksums, written before) are still read."""
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 DELTA_UNAVAILABLE = "delta unavailable"
@@ -95,6 +99,9 @@ _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_RE = re.compile(r"^ckpt-(\d+)\.tmp$")
 _SHARD_RE = re.compile(r"^shard-(\d+)\.lmdb$")
 _HDR = struct.Struct("<4sII")
+"""Chunk prefix: magic, format, header length (format 1 ends here)."""
+_HDR2 = struct.Struct("<4sIII")
+"""Format 2 chunk prefix: + crc32 of the json header."""
 _TXN_BYTES = 64 << 20
 """A streaming save commits its LMDB write transaction every this many bytes."""
 DELTA_CHUNK_BYTES = 16 << 20
@@ -106,7 +113,13 @@ ROW_CHUNKS_RUNS = "runs"
 
 # -- chunk encoding ----------------------------------------------------------------
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
-    """Serialize named arrays as raw little-endian buffers behind a small json header."""
+    """Serialize named arrays as raw little-endian buffers behind a small json header.
+
+    Format 2: every array's crc32 is taken from its bytes here, as the rows are
+    serialized, and stored in the header; the header's own crc32 is in the fixed
+    prefix. A reader (:func:`unpack_arrays`) recomputes both, so any later stage
+    that changes a byte (a write-path fault, the disk, LMDB) is caught per chunk.
+    """
     metas = []
     bufs = []
     offset = 0
@@ -117,31 +130,53 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> bytes:
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         b = a.tobytes()
-        metas.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "nbytes": len(b)})
+        metas.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "nbytes": len(b),
+                      "crc32": zlib.crc32(b)})
         bufs.append(b)
         pad = (-len(b)) % 8
         if pad:
             bufs.append(b"\0" * pad)
         offset += len(b) + pad
     header = json.dumps({"arrays": metas}).encode()
-    head = _HDR.pack(MAGIC, FORMAT, len(header)) + header
+    head = _HDR2.pack(MAGIC, FORMAT, len(header), zlib.crc32(header)) + header
     head += b"\0" * ((-len(head)) % 8)
     return head + b"".join(bufs)
 
 
-def unpack_arrays(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
-    """Inverse of :func:`pack_arrays`; ``where`` names file and key in errors."""
+def unpack_arrays(buf: bytes | memoryview, where: str, checked: bool = False) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_arrays`; ``where`` names file and key in errors.
+
+    Args:
+        buf: the chunk.
+        where: ``<file> key '<key>'`` for error messages.
+        checked: the chunk must carry checksums (format 2): set for chunks of a file whose
+            meta says format 2, so a corrupted format field cannot skip the check. Format 1
+            chunks (files written before checksums) are read when False.
+
+    Raises:
+        CheckpointError: truncated, malformed, or a checksum that does not match.
+    """
     buf = memoryview(buf)
     if len(buf) < _HDR.size:
         raise CheckpointError(f"{where}: chunk truncated ({len(buf)} bytes)")
     magic, fmt, hlen = _HDR.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CheckpointError(f"{where}: bad chunk magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if fmt != FORMAT:
-        raise CheckpointError(f"{where}: chunk format {fmt}, this build reads {FORMAT}")
-    start = _HDR.size + hlen
+    if fmt not in (1, FORMAT) or (checked and fmt != FORMAT):
+        raise CheckpointError(f"{where}: chunk format {fmt}, this build reads {FORMAT}"
+                              + (" (the file's meta says format 2)" if checked and fmt == 1 else " and 1"))
+    hstart = _HDR2.size if fmt == FORMAT else _HDR.size
+    start = hstart + hlen
+    if start > len(buf):
+        raise CheckpointError(f"{where}: chunk truncated (header of {hlen} bytes, chunk of {len(buf)})")
+    if fmt == FORMAT:
+        want = _HDR2.unpack_from(buf, 0)[3]
+        got = zlib.crc32(buf[hstart:start])
+        if got != want:
+            raise CheckpointError(f"{where}: chunk header checksum mismatch (crc32 written {want:08x}, "
+                                  f"read {got:08x}): the chunk changed after it was written")
     try:
-        header = json.loads(bytes(buf[_HDR.size : start]))
+        header = json.loads(bytes(buf[hstart:start]))
     except ValueError as exc:
         raise CheckpointError(f"{where}: corrupt chunk header: {exc}") from None
     base = start + ((-start) % 8)
@@ -155,12 +190,18 @@ def unpack_arrays(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
             hi = lo + int(m["nbytes"])
             dt = np.dtype(m["dtype"])
             shape = tuple(int(s) for s in m["shape"])
+            crc = int(m["crc32"]) if fmt == FORMAT else None
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{where}: malformed array entry {str(m)[:120]} in the chunk header: {exc}") from None
         if hi > len(buf) or lo < base or min(shape, default=0) < 0:
             raise CheckpointError(f"{where}: array '{m.get('name')}' runs past the chunk end ({hi} > {len(buf)})")
         if math.prod(shape) * dt.itemsize != int(m["nbytes"]):
             raise CheckpointError(f"{where}: array '{m['name']}' size does not match shape {shape} {dt}")
+        if crc is not None:
+            got = zlib.crc32(buf[lo:hi])
+            if got != crc:
+                raise CheckpointError(f"{where}: array '{m['name']}' checksum mismatch (crc32 written {crc:08x}, "
+                                      f"read {got:08x}): the chunk changed after it was written")
         out[m["name"]] = np.frombuffer(buf[lo:hi], dtype=dt).reshape(shape).copy()
     return out
 
@@ -266,7 +307,12 @@ def plan_checkpoint(root: str | Path, step: int, full_every: int = 1) -> Checkpo
 
 def write_plan(ckpt_dir: str | Path, plan: CheckpointPlan) -> Path:
     """Write ``plan.json`` into a checkpoint tmp dir (atomically, fsynced)."""
-    return write_json_atomic(Path(ckpt_dir) / PLAN, plan.to_dict(), fsync=True)
+    path = Path(ckpt_dir) / PLAN
+    text = json.dumps(plan.to_dict(), indent=1) + "\n"
+    try:
+        return write_text_atomic(path, (_faulted(path, PLAN, text.encode()) or b"").decode(), fsync=True)
+    except OSError as exc:
+        raise write_failed(path, exc, "writing the checkpoint plan") from None
 
 
 def read_plan(ckpt_dir: str | Path) -> CheckpointPlan | None:
@@ -293,13 +339,141 @@ def begin_checkpoint(root: str | Path, step: int, full_every: int = 1) -> tuple[
             save_shard(store, tmp, k)          # reads tmp/plan.json
         commit_checkpoint(tmp, {"step": 200})
     """
-    tmp = checkpoint_tmp_dir(root, step)
     plan = plan_checkpoint(root, step, full_every)
-    write_plan(tmp, plan)
+    tmp = Path(root) / f"ckpt-{int(step)}.tmp"
+    try:
+        tmp = checkpoint_tmp_dir(root, step)
+        write_plan(tmp, plan)
+    except OSError as exc:  # a full disk before the first shard writes: no tmp dir left
+        abort_checkpoint(tmp)
+        raise write_failed(tmp, exc, "creating the checkpoint directory") from None
+    except CheckpointWriteError:
+        abort_checkpoint(tmp)
+        raise
     return tmp, plan
 
 
 # -- save ----------------------------------------------------------------------------
+WriteFault = Callable[[Path, str, bytes], "bytes | None"]
+"""A write-path fault hook: (file, key, chunk as serialized) -> the bytes actually written.
+
+It may change the bytes (a corrupting stage after serialization), return None (an LMDB
+chunk lost on its way: not written) or raise ``OSError`` (a full disk at the write
+point). For tests and fault demos: see :func:`write_fault`."""
+
+_WRITE_FAULTS: list[WriteFault] = []
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_LOW_SPACE = 2 * _TXN_BYTES
+"""An LMDB write error with less than this free on the filesystem is reported as a full disk
+(LMDB reports ENOSPC while flushing pages as "Input/output error")."""
+
+
+@contextlib.contextmanager
+def write_fault(hook: WriteFault) -> Iterator[None]:
+    """Pass every checkpoint write of this process through ``hook`` while the block runs.
+
+    Called with each LMDB chunk of :func:`save_shard` after it was packed (its
+    checksums already taken) and before ``txn.put``, with ``plan.json`` and
+    ``manifest.json`` (key = the file name) before they are written.
+
+    Example::
+
+        def full(path, key, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        with write_fault(full):
+            save_shard(store, tmp, 0)      # -> CheckpointNoSpace, no shard file left
+    """
+    _WRITE_FAULTS.append(hook)
+    try:
+        yield
+    finally:
+        _WRITE_FAULTS.remove(hook)
+
+
+def _faulted(path: Path, key: str, data: bytes) -> bytes | None:
+    out: bytes | None = data
+    for hook in _WRITE_FAULTS:
+        if out is None:
+            break
+        out = hook(path, key, out)
+    return out
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return int(st.f_bavail * st.f_frsize)
+    return None
+
+
+def write_failed(path: Path, exc: BaseException, doing: str) -> CheckpointWriteError:
+    """The one-line error for an I/O failure while ``doing`` on ``path`` (a full disk named as such)."""
+    free = _free_bytes(path)
+    err = getattr(exc, "errno", None)
+    what = " ".join(str(exc).split()) or type(exc).__name__
+    if err in _DISK_FULL or (isinstance(exc, lmdb.Error) and free is not None and free < _LOW_SPACE):
+        name = errno.errorcode.get(err, "ENOSPC") if err in _DISK_FULL else "ENOSPC"
+        return CheckpointNoSpace(f"{path}: no space left on device while {doing} ({name}: {what}; "
+                                 f"{free} bytes free); the checkpoint's partial files were removed")
+    return CheckpointWriteError(f"{path}: I/O error while {doing} ({type(exc).__name__}: {what}); "
+                                f"the checkpoint's partial files were removed")
+
+
+def _remove_partial(path: Path) -> None:
+    for p in (path, Path(str(path) + "-lock")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def abort_checkpoint(tmp_dir: str | Path) -> bool:
+    """Remove a checkpoint tmp dir (``ckpt-<step>.tmp``) after a failed attempt; True if removed.
+
+    Never touches a committed ``ckpt-<step>`` directory.
+    """
+    tmp_dir = Path(tmp_dir)
+    if not _TMP_RE.match(tmp_dir.name) or not tmp_dir.exists():
+        return False
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    gone = not tmp_dir.exists()
+    log.warning("checkpoint attempt aborted; its tmp dir removed" if gone else
+                "checkpoint attempt aborted; its tmp dir could not be removed", extra=kv(dir=str(tmp_dir)))
+    return gone
+
+
+def checkpoint_local(store: ShardStore, root: str | Path, step: int, info: dict[str, Any],
+                     full_every: int = 1) -> Path:
+    """One store's whole checkpoint (plan, save, commit), all or nothing.
+
+    Any failure removes ``ckpt-<step>.tmp``; a write failure (full disk, I/O error)
+    is raised as ``ps.coordinator.CheckpointCoordinationError`` -- what a worker's
+    periodic checkpoint treats as "skip this cut, keep training" -- with the one-line
+    reason of :class:`~ps.errors.CheckpointWriteError`.
+
+    Args:
+        store: the single shard's store.
+        root: the checkpoint root.
+        step: the checkpoint's step (``ckpt-<step>``).
+        info: the manifest's ``info``.
+        full_every: ``[ps] checkpoint_full_every``.
+    """
+    from ps.coordinator import CheckpointCoordinationError
+
+    tmp = Path(root) / f"ckpt-{int(step)}.tmp"
+    try:
+        tmp, _plan = begin_checkpoint(root, step, full_every)
+        save_shard(store, tmp, 0)
+        return commit_checkpoint(tmp, info)
+    except CheckpointWriteError as exc:
+        abort_checkpoint(tmp)
+        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
+    except BaseException:
+        abort_checkpoint(tmp)
+        raise
+
+
 def checkpoint_tmp_dir(root: str | Path, step: int) -> Path:
     """Create (if needed) and return ``<root>/ckpt-<step>.tmp``."""
     p = Path(root) / f"ckpt-{int(step)}.tmp"
@@ -385,37 +559,14 @@ def save_shard(
         est = sum(t.size * (8 * 3 + t.raw_bytes_per_row()) for t in store.tables.values())
         est += sum(8 * int(r.shape[0]) for r in removed.values())
         est += sum(sum(np.asarray(a).nbytes for a in e.values()) for e in dense.values())
-        env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * est + (64 << 20), 1 << 26), sync=False)
         try:
-            txn = env.begin(write=True)
-            pending = 0
-            txn.put(b"meta", json.dumps(meta).encode())
-            for name in store.tables:
-                if since is not None:
-                    txn.put(f"r/{name}".encode(), pack_arrays({"ids": removed[name]}))
-                parts = store.vshard_chunks(name, since_version=since)
-                if since is not None:  # a delta: runs of vshards, a few chunks per table
-                    parts = _vshard_runs(parts, DELTA_CHUNK_BYTES)
-                for v, part in parts:
-                    chunk = pack_arrays(_rows_to_arrays(part))
-                    del part
-                    txn.put(f"t/{name}/{v}".encode(), chunk)
-                    pending += len(chunk)
-                    del chunk
-                    if pending >= _TXN_BYTES:  # bound LMDB's dirty pages in memory
-                        txn.commit()
-                        txn = env.begin(write=True)
-                        pending = 0
-            for name, entry in dense.items():
-                txn.put(f"d/{name}".encode(), pack_arrays(entry))
-            txn.commit()
-            env.sync(True)  # one fsync for the file (not one per transaction)
+            _write_shard_file(store, path, meta, since, removed, dense, est)
+        except (OSError, lmdb.Error) as exc:  # a full disk, an I/O error: no partial file, one line
+            _remove_partial(path)
+            raise write_failed(path, exc, "writing checkpoint shard file") from None
         except BaseException:
-            with contextlib.suppress(Exception):
-                txn.abort()
+            _remove_partial(path)
             raise
-        finally:
-            env.close()
         if plan is not None:
             store.record_cut(plan.ckpt_id, cut)
     rows = {name: int(m["rows"]) for name, m in meta["tables"].items()}
@@ -430,6 +581,71 @@ def save_shard(
     log.info("saved shard checkpoint", extra=kv(shard=shard_id, path=str(path), kind=meta["kind"],
                                                 bytes=summary["bytes"]))
     return summary
+
+
+def _write_shard_file(store: ShardStore, path: Path, meta: dict[str, Any], since: int | None,
+                      removed: dict[str, np.ndarray], dense: dict[str, dict[str, np.ndarray]], est: int) -> None:
+    """The LMDB write of :func:`save_shard` (called under ``store.write_lock()``).
+
+    Every chunk is packed (its crc32s taken from the rows as they are serialized) and
+    then passes the write-fault hooks (:func:`write_fault`) on its way to ``txn.put``.
+    Per table the rows of each vshard are counted as the store hands them over and
+    written as ``n/<table>`` (vshards, rows): a restore compares them with what it reads,
+    so a chunk that never reached the file, or lost rows, is found.
+    """
+    env = lmdb.open(str(path), subdir=False, lock=False, map_size=max(2 * est + (64 << 20), 1 << 26), sync=False)
+    txn: lmdb.Transaction | None = None
+    try:
+        txn = env.begin(write=True)
+        pending = 0
+
+        def put(key: str, value: bytes) -> None:
+            nonlocal txn, pending
+            assert txn is not None
+            out = _faulted(path, key, value)
+            if out is None:  # (a fault hook lost this write)
+                return
+            txn.put(key.encode(), out)
+            pending += len(out)
+            if pending >= _TXN_BYTES:  # bound LMDB's dirty pages in memory
+                txn.commit()
+                txn = env.begin(write=True)
+                pending = 0
+
+        put("meta", json.dumps(meta).encode())
+        for name in store.tables:
+            if since is not None:
+                put(f"r/{name}", pack_arrays({"ids": removed[name]}))
+            counts = np.zeros(store.num_vshards, dtype=np.int64)
+            parts = _counted(store.vshard_chunks(name, since_version=since), counts)
+            if since is not None:  # a delta: runs of vshards, a few chunks per table
+                parts = _vshard_runs(parts, DELTA_CHUNK_BYTES)
+            for v, part in parts:
+                chunk = pack_arrays(_rows_to_arrays(part))
+                del part
+                put(f"t/{name}/{v}", chunk)
+                del chunk
+            nz = np.flatnonzero(counts)
+            put(f"n/{name}", pack_arrays({"vshards": nz.astype(np.int64), "rows": counts[nz]}))
+        for name, entry in dense.items():
+            put(f"d/{name}", pack_arrays(entry))
+        txn.commit()
+        txn = None
+        env.sync(True)  # one fsync for the file (not one per transaction)
+    except BaseException:
+        if txn is not None:
+            with contextlib.suppress(Exception):
+                txn.abort()
+        raise
+    finally:
+        env.close()
+
+
+def _counted(parts: Iterator[tuple[int, TableRows]], counts: np.ndarray) -> Iterator[tuple[int, TableRows]]:
+    """``parts`` unchanged, adding each part's row count to ``counts[vshard]`` as it passes."""
+    for v, part in parts:
+        counts[v] += part.ids.shape[0]
+        yield v, part
 
 
 def _vshard_runs(parts: Iterator[tuple[int, TableRows]], limit: int) -> Iterator[tuple[int, TableRows]]:
@@ -514,24 +730,57 @@ def _fsync_dir(path: Path) -> None:
 def _read_meta(path: Path) -> dict[str, Any]:
     env = _open_ro(path)
     try:
-        with env.begin() as txn:
+        with _reading(path, "meta"), env.begin() as txn:
             raw = txn.get(b"meta")
+            raw = None if raw is None else bytes(raw)
     finally:
         env.close()
     if raw is None:
         raise CheckpointError(f"{path}: key 'meta' missing (incomplete shard file)")
     try:
-        meta: dict[str, Any] = json.loads(bytes(raw))
+        meta: dict[str, Any] = json.loads(raw)
     except ValueError as exc:
         raise CheckpointError(f"{path}: key 'meta' is not valid json: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: key 'meta' is not a json object")
+    fmt = meta.get("format", 1)
+    if not isinstance(fmt, int) or not 1 <= fmt <= FORMAT:
+        raise CheckpointError(f"{path} key 'meta': format {fmt!r}, this build reads 1 to {FORMAT}")
     return meta
 
 
-def _open_ro(path: Path) -> lmdb.Environment:
+def _checked(meta: Mapping[str, Any]) -> bool:
+    """The file carries checksums (format 2): its chunks must be format 2 and ``n/<table>`` present."""
+    return int(meta.get("format", 1)) >= 2
+
+
+@contextlib.contextmanager
+def _reading(path: Path, key: str) -> Iterator[None]:
+    """LMDB's own errors while reading ``key`` of ``path`` (a damaged page, a bad node) as CheckpointError."""
     try:
-        return lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False)
+        yield
+    except lmdb.Error as exc:
+        raise CheckpointError(f"{path} key '{key}': LMDB error {type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())} (corrupt shard file)") from None
+
+
+def _open_ro(path: Path) -> lmdb.Environment:
+    """A shard file opened read-only, refused when shorter than LMDB's own last page says (truncated:
+    reading its missing pages would fault the process, not raise)."""
+    try:
+        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False)
     except lmdb.Error as exc:
         raise CheckpointError(f"{path}: cannot open as LMDB: {exc}") from None
+    try:
+        need = (int(env.info()["last_pgno"]) + 1) * int(env.stat()["psize"])
+        size = path.stat().st_size
+    except (lmdb.Error, OSError) as exc:
+        env.close()
+        raise CheckpointError(f"{path}: cannot read its LMDB header: {exc}") from None
+    if size < need:
+        env.close()
+        raise CheckpointError(f"{path}: truncated LMDB file ({size} bytes; its last page ends at byte {need})")
+    return env
 
 
 def shard_files(ckpt_dir: str | Path) -> list[Path]:
@@ -597,6 +846,19 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict[str, Any]) -> Path:
                 raise CheckpointError(f"{p}: table '{name}' dim/optimizer differ from another shard's")
             entry = tables.setdefault(name, {"dim": t["dim"], "optimizer": t["optimizer"], "rows": 0})
             entry["rows"] += t["rows"]
+    try:
+        return _seal(tmp_dir, final, step, shards, vsh.pop(), tables, info, plan, want_kind)
+    except OSError as exc:  # a full disk while sealing: the attempt is dropped whole, nothing committed
+        if final.exists() and not tmp_dir.exists():
+            raise  # (renamed already: committed; only the root's fsync failed)
+        abort_checkpoint(tmp_dir)
+        raise write_failed(tmp_dir / MANIFEST, exc, "committing the checkpoint") from None
+
+
+def _seal(tmp_dir: Path, final: Path, step: int, shards: list[Path], num_vshards: int,
+          tables: dict[str, dict[str, Any]], info: dict[str, Any], plan: CheckpointPlan | None,
+          want_kind: str) -> Path:
+    """fsync + sha256 every file, write the manifest, rename ``tmp_dir`` to ``final`` (see commit_checkpoint)."""
     files = {}
     for p in sorted(tmp_dir.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
@@ -607,7 +869,7 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict[str, Any]) -> Path:
         "step": step,
         "created": time.time(),
         "shards": len(shards),
-        "num_vshards": vsh.pop(),
+        "num_vshards": num_vshards,
         "tables": tables,
         "files": files,
         "info": info,
@@ -616,8 +878,9 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict[str, Any]) -> Path:
         manifest.update({"ckpt_id": plan.ckpt_id, "kind": plan.kind, "parent": plan.parent,
                          "chain": [list(c) for c in plan.chain]})
     mpath = tmp_dir / MANIFEST
-    with mpath.open("w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
+    data = _faulted(mpath, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode()) or b""
+    with mpath.open("wb") as fh:
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(tmp_dir)
@@ -802,33 +1065,109 @@ def _shards_to_read(ckpt_dir: Path, verify: bool) -> list[Path]:
     return shards
 
 
-def _iter_table_chunks(path: Path, table: str, vshards: Sequence[int] | None) -> Iterator[tuple[str, TableRows]]:
+def _iter_table_chunks(path: Path, meta: Mapping[str, Any], table: str,
+                       vshards: Sequence[int] | None) -> Iterator[tuple[str, TableRows]]:
+    """Chunks of ``table`` in one shard file: of ``vshards`` by key, or all (None); see :func:`_table_chunks`."""
     env = _open_ro(path)
     try:
         with env.begin() as txn:
-            if vshards is not None:
-                for v in vshards:
-                    key = f"t/{table}/{int(v)}"
-                    raw = txn.get(key.encode())
-                    if raw is not None:
-                        where = f"{path} key '{key}'"
-                        yield where, _arrays_to_rows(unpack_arrays(raw, where), where)
-            else:
-                yield from _all_table_chunks(txn, path, table)
+            yield from _table_chunks(txn, path, meta, table, vshards)
     finally:
         env.close()
 
 
-def _all_table_chunks(txn: lmdb.Transaction, path: Path, table: str) -> Iterator[tuple[str, TableRows]]:
+def _all_table_chunks(txn: lmdb.Transaction, path: Path, table: str,
+                      meta: Mapping[str, Any]) -> Iterator[tuple[str, TableRows]]:
     """Every ``t/<table>/<vshard>`` chunk of one open shard file, in key order: (where, rows)."""
+    return _table_chunks(txn, path, meta, table, None)
+
+
+def _decode_rows(raw: Any, where: str, checked: bool) -> TableRows:
+    return _arrays_to_rows(unpack_arrays(raw, where, checked), where)
+
+
+def _expected_counts(txn: lmdb.Transaction, path: Path, meta: Mapping[str, Any], table: str) -> np.ndarray | None:
+    """Rows per vshard the file recorded for ``table`` as it wrote it (key ``n/<table>``); None for format 1."""
+    if not _checked(meta):
+        return None
+    key = f"n/{table}"
+    where = f"{path} key '{key}'"
+    with _reading(path, key):
+        raw = txn.get(key.encode())
+    if raw is None:
+        raise CheckpointError(f"{where}: missing (a format-2 shard file records the rows of every table)")
+    a = unpack_arrays(raw, where, checked=True)
+    nv = int(meta["num_vshards"])
+    vs, rows = a.get("vshards"), a.get("rows")
+    if (vs is None or rows is None or vs.dtype != np.int64 or rows.dtype != np.int64 or vs.ndim != 1
+            or vs.shape != rows.shape or (vs.size and (vs.min() < 0 or vs.max() >= nv)) or (rows < 0).any()):
+        raise CheckpointError(f"{where}: expected int64 [n] arrays 'vshards' (< {nv}) and 'rows' (>= 0)")
+    counts = np.zeros(nv, dtype=np.int64)
+    counts[vs] = rows
+    tmeta = (meta.get("tables") or {}).get(table) or {}
+    total = tmeta.get("delta_rows", tmeta.get("rows")) if meta.get("kind") == "delta" else tmeta.get("rows")
+    if total is not None and int(counts.sum()) != int(total):
+        raise CheckpointError(f"{where}: records {int(counts.sum())} rows, key 'meta' says {total}")
+    return counts
+
+
+def _table_chunks(txn: lmdb.Transaction, path: Path, meta: Mapping[str, Any], table: str,
+                  vshards: Sequence[int] | None) -> Iterator[tuple[str, TableRows]]:
+    """(where, rows) of ``table``'s chunks in one open shard file, each checked against what was written.
+
+    Every chunk's checksums are verified (:func:`unpack_arrays`). In a format-2 file the rows
+    read are also counted per vshard and compared with ``n/<table>`` (written as the store
+    handed the rows over): a chunk that is missing, holds rows of another vshard, or lost or
+    gained rows raises :class:`CheckpointError` naming file, key and vshard. By key
+    (``vshards`` given; one chunk per vshard) each chunk is checked as it is read; reading all
+    (None), the counts are compared once the last chunk was read.
+    """
+    checked = _checked(meta)
+    want = _expected_counts(txn, path, meta, table)
+    nv = int(meta["num_vshards"])
+    if vshards is not None:
+        for v in vshards:
+            key = f"t/{table}/{int(v)}"
+            with _reading(path, key):
+                raw = txn.get(key.encode())
+            n = 0 if want is None else int(want[int(v)])
+            where = f"{path} key '{key}'"
+            if raw is None:
+                if n:
+                    raise CheckpointError(f"{where}: chunk missing; key 'n/{table}' records {n} rows of vshard {v}")
+                continue
+            rows = _decode_rows(raw, where, checked)
+            if want is not None:
+                if len(rows) != n:
+                    raise CheckpointError(f"{where}: {len(rows)} rows, key 'n/{table}' records {n} (rows lost or added)")
+                if n and (vshard_of(rows.ids, nv) != int(v)).any():
+                    raise CheckpointError(f"{where}: holds ids of vshards other than {v}")
+            yield where, rows
+        return
+    got = None if want is None else np.zeros(nv, dtype=np.int64)
     prefix = f"t/{table}/".encode()
-    cur = txn.cursor()
-    if cur.set_range(prefix):
-        for k, raw in cur:
-            if not bytes(k).startswith(prefix):
+    key = prefix.decode()
+    with _reading(path, key):
+        cur = txn.cursor()
+        found = cur.set_range(prefix)
+    while found:
+        with _reading(path, key):
+            k = bytes(cur.key())
+            if not k.startswith(prefix):
                 break
-            where = f"{path} key '{bytes(k).decode()}'"
-            yield where, _arrays_to_rows(unpack_arrays(raw, where), where)
+            key = k.decode(errors="replace")
+            raw = cur.value()
+        where = f"{path} key '{key}'"
+        rows = _decode_rows(raw, where, checked)
+        if got is not None and len(rows):
+            got += np.bincount(vshard_of(rows.ids, nv), minlength=nv)
+        yield where, rows
+        with _reading(path, key):
+            found = cur.next()
+    if got is not None and want is not None and not np.array_equal(got, want):
+        v = int(np.flatnonzero(got != want)[0])
+        raise CheckpointError(f"{path} key 't/{table}/...': vshard {v} has {int(got[v])} rows in its chunks, "
+                              f"key 'n/{table}' records {int(want[v])} (a chunk missing or changed)")
 
 
 def load_shard(
@@ -879,15 +1218,20 @@ def load_shard(
 
 def _apply_removals(store: ShardStore, path: Path, owned: np.ndarray) -> None:
     """Drop the owned ids a delta shard file lists as removed (``r/<table>``)."""
+    meta = _read_meta(path)
     env = _open_ro(path)
     try:
         with env.begin() as txn:
             for name in store.tables:
                 key = f"r/{name}"
-                raw = txn.get(key.encode())
+                with _reading(path, key):
+                    raw = txn.get(key.encode())
                 if raw is None:
+                    if _checked(meta) and name in (meta.get("tables") or {}):
+                        raise CheckpointError(f"{path} key '{key}': missing (a format-2 delta file lists the "
+                                              f"removals of every table)")
                     continue
-                ids = unpack_arrays(raw, f"{path} key '{key}'").get("ids")
+                ids = unpack_arrays(raw, f"{path} key '{key}'", _checked(meta)).get("ids")
                 if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
                     raise CheckpointError(f"{path} key '{key}': expected an int64 [n] array 'ids'")
                 mine = ids[np.isin(vshard_of(ids, store.num_vshards), owned)]
@@ -914,7 +1258,7 @@ def _import_files(store: ShardStore, shards: list[Path], owned: np.ndarray) -> N
                     f"configured dim {t.dim} / {t.cfg.optimizer.kind.value}"
                 )
             t.step = max(t.step, int(tmeta.get("step", 0)))
-            chunks = _iter_table_chunks(path, name, owned.tolist() if by_key else None)
+            chunks = _iter_table_chunks(path, meta, name, owned.tolist() if by_key else None)
             for where, rows in chunks:
                 if not by_key:  # re-bucket by id (new vshard count, or runs of vshards)
                     rows = rows.take(np.nonzero(np.isin(vshard_of(rows.ids, store.num_vshards), owned))[0])
@@ -936,20 +1280,17 @@ def load_dense(
     want = None if names is None else set(names)
     loaded = []
     for path in shards:
+        checked = _checked(_read_meta(path))
         env = _open_ro(path)
         try:
             with env.begin() as txn:
-                cur = txn.cursor()
-                if not cur.set_range(b"d/"):
-                    continue
-                for k, raw in cur:
-                    key = bytes(k).decode()
-                    if not key.startswith("d/"):
-                        break
+                with _reading(path, "d/"):
+                    found = [(bytes(k).decode(errors="replace"), bytes(raw)) for k, raw in _prefixed(txn, b"d/")]
+                for key, raw in found:
                     name = key[2:]
                     if want is not None and name not in want:
                         continue
-                    arrays = unpack_arrays(raw, f"{path} key '{key}'")
+                    arrays = unpack_arrays(raw, f"{path} key '{key}'", checked)
                     if "value" not in arrays:
                         raise CheckpointError(f"{path} key '{key}': dense chunk lacks 'value'")
                     try:
@@ -1026,25 +1367,20 @@ def read_changes_tables(ckpt_dir: str | Path, tables: Sequence[str]) -> dict[str
     parts: dict[str, list[TableRows]] = {t: [] for t in tables}
     removed: dict[str, list[np.ndarray]] = {t: [] for t in tables}
     for path in _shards_to_read(ckpt_dir, False):
+        meta = _read_meta(path)
         env = _open_ro(path)
         try:
             with env.begin() as txn:
-                raw_meta = txn.get(b"meta")
-                if raw_meta is None:
-                    raise CheckpointError(f"{path}: key 'meta' missing (incomplete shard file)")
-                try:
-                    meta = json.loads(bytes(raw_meta))
-                except ValueError as exc:
-                    raise CheckpointError(f"{path}: key 'meta' is not valid json: {exc}") from None
                 _row_chunks(path, meta)  # either layout reads by prefix; an unknown one is refused
                 for table in tables:
                     if table not in meta["tables"]:
                         raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")
-                    parts[table].extend(rows for _, rows in _all_table_chunks(txn, path, table))
-                    raw_removed = txn.get(f"r/{table}".encode())
+                    parts[table].extend(rows for _, rows in _all_table_chunks(txn, path, table, meta))
+                    with _reading(path, f"r/{table}"):
+                        raw_removed = txn.get(f"r/{table}".encode())
                     if raw_removed is None:
                         raise CheckpointError(f"{path}: delta shard file lacks key 'r/{table}'")
-                    ids = unpack_arrays(raw_removed, f"{path} key 'r/{table}'").get("ids")
+                    ids = unpack_arrays(raw_removed, f"{path} key 'r/{table}'", _checked(meta)).get("ids")
                     if ids is None or ids.dtype != np.int64 or ids.ndim != 1:
                         raise CheckpointError(f"{path} key 'r/{table}': expected an int64 [n] array 'ids'")
                     removed[table].append(ids)
@@ -1120,5 +1456,16 @@ def _read_rows_one(ckpt_dir: Path, table: str, verify: bool) -> Iterator[TableRo
         meta = _read_meta(path)
         if table not in meta["tables"]:
             raise CheckpointError(f"{path}: no table '{table}' (has {sorted(meta['tables'])})")
-        for _where, rows in _iter_table_chunks(path, table, None):
+        for _where, rows in _iter_table_chunks(path, meta, table, None):
             yield rows
+
+
+def _prefixed(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of every key starting with ``prefix``, in key order."""
+    cur = txn.cursor()
+    if not cur.set_range(prefix):
+        return
+    for k, raw in cur:
+        if not bytes(k).startswith(prefix):
+            break
+        yield bytes(k), bytes(raw)

@@ -26,3 +26,16 @@ class CheckpointError(MetapsError):
 
 class CheckpointNotFound(CheckpointError):
     """The directory is not a committed checkpoint (no such directory, or no manifest)."""
+
+
+class CheckpointWriteError(MetapsError):
+    """A checkpoint could not be written (an I/O error on its files); its partial files
+    were removed and nothing was committed.
+
+    Not a :class:`CheckpointError`: the checkpoints already committed are intact (a
+    restore of them is unaffected). The message is one line naming the file.
+    """
+
+
+class CheckpointNoSpace(CheckpointWriteError):
+    """A checkpoint file hit a full disk or quota (ENOSPC / EDQUOT); partial files removed."""

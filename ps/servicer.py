@@ -102,7 +102,7 @@ from protos import ps_pb2, ps_pb2_grpc
 from ps import frame, wire
 from ps.codec import checked_lease, dense_tensors, rows_from_chunk, rows_to_chunks
 from ps.config import NonfiniteMode
-from ps.errors import BadRequest, CheckpointError, CheckpointNotFound
+from ps.errors import BadRequest, CheckpointError, CheckpointNoSpace, CheckpointNotFound, CheckpointWriteError
 from ps.gate import Gate, RpcAbort, bad
 from ps.partition_map import PartitionMap
 from ps.reply_buffer import PullReplyBuffer
@@ -175,6 +175,14 @@ def _rpc(data: bool, name: str | None = None) -> Callable[[Handler], Handler]:
             except CheckpointNotFound as exc:  # not a committed checkpoint (no such dir / no manifest)
                 self.metrics.errors.labels(shard, method, "NOT_FOUND").inc()
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{method}: {exc}")
+            except CheckpointNoSpace as exc:  # a checkpoint hit a full disk: partial files removed, nothing committed
+                self.metrics.errors.labels(shard, method, "RESOURCE_EXHAUSTED").inc()
+                log.error("checkpoint not written: no space", extra=kv(shard=self.shard_id, method=method, error=str(exc)))
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
+            except CheckpointWriteError as exc:  # an I/O error writing a checkpoint: partial files removed
+                self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
+                log.error("checkpoint not written", extra=kv(shard=self.shard_id, method=method, error=str(exc)))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {exc}")
             except CheckpointError as exc:  # a corrupt/incomplete checkpoint: the shard is unchanged
                 self.metrics.errors.labels(shard, method, "DATA_LOSS").inc()
                 context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
@@ -188,7 +196,7 @@ def _rpc(data: bool, name: str | None = None) -> Callable[[Handler], Handler]:
                 self.metrics.errors.labels(shard, method, "RESOURCE_EXHAUSTED").inc()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: no space to write: {exc}")
             except OSError as exc:  # an unreadable directory; a full disk
-                if exc.errno == errno.ENOSPC:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     self.metrics.errors.labels(shard, method, "RESOURCE_EXHAUSTED").inc()
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: no space to write: {exc}")
                 self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
