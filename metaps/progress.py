@@ -20,6 +20,14 @@ Sources, all produced by the fleet:
 :func:`render` turns them into rich tables; :class:`ProgressDisplay` shows them
 live on a terminal, or logs a one-line summary every few seconds otherwise.
 
+Percent and time left come from the controller's own accounting, never from the
+shard counts (shards split at an epoch's tail, so their total grows during a run):
+``status["coverage"]`` counts the batches of every requested epoch of every dataset
+(``total_batches`` is fixed at the start) and those done so far. :class:`JobEta` turns
+successive readings into a rate over a sliding window and a time left; the live view
+draws them with rich's progress bar, the log line carries the same figures
+(``done``, ``pct``, ``batches_per_s``, ``eta_s``).
+
 Example::
 
     live = LiveWorkers(run_dir, ports={0: 9101})
@@ -42,8 +50,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from collections import deque
+from dataclasses import dataclass
+
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -263,6 +275,93 @@ class LiveWorkers:
         return max((int(w["step"]) for w in self._latest.values()), default=0)
 
 
+@dataclass(frozen=True)
+class EtaReading:
+    """The whole job's progress at one moment.
+
+    Args:
+        done: batches done (every requested epoch of every dataset).
+        total: batches the job needs in all.
+        batches_per_s: recent rate (over :class:`JobEta`'s window); None until two readings differ in time.
+        eta_s: seconds left at that rate; None while the rate is unknown or zero.
+    """
+
+    done: int
+    total: int
+    batches_per_s: float | None
+    eta_s: float | None
+
+    @property
+    def pct(self) -> float:
+        """Percent done (100 for an empty job)."""
+        return 100.0 * self.done / self.total if self.total else 100.0
+
+    def fields(self) -> dict[str, Any]:
+        """The figures as log-line fields."""
+        return {"done": f"{self.done}/{self.total}", "pct": round(self.pct, 1),
+                "batches_per_s": None if self.batches_per_s is None else round(self.batches_per_s, 3),
+                "eta_s": None if self.eta_s is None else round(self.eta_s)}
+
+
+def duration_text(seconds: float | None) -> str:
+    """``1h02m``, ``3m05s``, ``42s``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(round(seconds)))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class JobEta:
+    """Percent done and time left of a run, from the controller's coverage.
+
+    The rate is measured over the last ``window_s`` seconds of readings (all of them
+    until the window fills), so a fleet that slows down or speeds up is reflected within a
+    window; a rollback (done going down: a PS recovery replays work) restarts the window.
+
+    Args:
+        window_s: how far back the rate looks.
+    """
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self._points: deque[tuple[float, int]] = deque()
+
+    def update(self, done: int, total: int, now: float) -> EtaReading:
+        """Add one reading (``now`` from a monotonic clock) and return the figures."""
+        if self._points and done < self._points[-1][1]:
+            self._points.clear()
+        self._points.append((now, done))
+        while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
+            self._points.popleft()
+        t0, d0 = self._points[0]
+        rate = (done - d0) / (now - t0) if now > t0 else None
+        left = max(total - done, 0)
+        eta = 0.0 if left == 0 else (left / rate if rate else None)
+        return EtaReading(done=done, total=total, batches_per_s=rate, eta_s=eta)
+
+    def from_status(self, status: Mapping[str, Any] | None, now: float) -> EtaReading | None:
+        """:meth:`update` with ``status["coverage"]`` (None when the status has none yet)."""
+        cov = (status or {}).get("coverage") or {}
+        if "total_batches" not in cov:
+            return None
+        return self.update(int(cov.get("done_batches") or 0), int(cov["total_batches"]), now)
+
+
+def eta_bar(reading: EtaReading, description: str = "job") -> Progress:
+    """A rich progress bar (not started: a renderable for a Live view) showing ``reading``."""
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                   TextColumn("{task.completed:.0f}/{task.total:.0f} batches"),
+                   TextColumn("{task.fields[rate]}"), TextColumn("ETA {task.fields[eta]}"), auto_refresh=False)
+    rate = "" if reading.batches_per_s is None else f"{reading.batches_per_s:.2f} batches/s"
+    bar.add_task(description, total=max(reading.total, 1), completed=reading.done, rate=rate,
+                 eta=duration_text(reading.eta_s))
+    return bar
+
+
 def _fmt(v: Any, spec: str = ".4g") -> str:
     if v is None:
         return "-"
@@ -284,8 +383,8 @@ def epoch_text(d: Mapping[str, Any]) -> str:
 
 
 def render(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]], elapsed_s: float,
-           title: str = "metaps launch", max_events: int = 6) -> Group:
-    """Tables for datasets, nodes and recent events.
+           title: str = "metaps launch", max_events: int = 6, eta: EtaReading | None = None) -> Group:
+    """The job's progress bar, then tables for datasets, nodes and recent events.
 
     Args:
         status: ``ControllerClient.status()`` (None while unreachable).
@@ -293,6 +392,7 @@ def render(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, 
         elapsed_s: seconds since the launch.
         title: heading.
         max_events: newest events shown.
+        eta: the job's percent and time left (:class:`JobEta`); no bar when None.
     """
     status = status or {}
     head = Text(f"{title}  elapsed {elapsed_s:,.0f}s", style="bold")
@@ -329,13 +429,18 @@ def render(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, 
     for e in list(status.get("events", []))[-max_events:]:
         ev.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["node"]), str(e["kind"]),
                    str(e.get("action", "")))
-    return Group(head, ds, nodes, ev)
+    parts: list[Any] = [head]
+    if eta is not None:
+        parts.append(eta_bar(eta))
+    return Group(*parts, ds, nodes, ev)
 
 
-def one_line(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """A compact summary for a log line (non-terminal runs)."""
+def one_line(status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]],
+             eta: EtaReading | None = None) -> dict[str, Any]:
+    """A compact summary for a log line (non-terminal runs): the job's batches done/total,
+    percent and time left first (when known), then shards, rate, loss, slow nodes."""
     status = status or {}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = eta.fields() if eta is not None else {}
     for d in status.get("datasets", []):
         out[f"{d['dataset']}_shards"] = f"{d['shards_done']}/{d['shards_total']}"
     if workers:
@@ -362,6 +467,7 @@ class ProgressDisplay:
     def __init__(self, console: Console, live: bool = True, log_every_s: float = 10.0) -> None:
         self.console = console
         self.log_every_s = log_every_s
+        self.eta = JobEta()
         self._last_log = 0.0
         self._live: Live | None = None
         if live and console.is_terminal:
@@ -370,13 +476,14 @@ class ProgressDisplay:
 
     def update(self, status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]],
                elapsed_s: float) -> None:
-        if self._live is not None:
-            self._live.update(render(status, workers, elapsed_s))
-            return
         now = time.monotonic()
+        reading = self.eta.from_status(status, now)
+        if self._live is not None:
+            self._live.update(render(status, workers, elapsed_s, eta=reading))
+            return
         if now - self._last_log >= self.log_every_s:
             self._last_log = now
-            log.info("progress", extra=kv(elapsed_s=round(elapsed_s), **one_line(status, workers)))
+            log.info("progress", extra=kv(elapsed_s=round(elapsed_s), **one_line(status, workers, reading)))
 
     def close(self) -> None:
         if self._live is not None:

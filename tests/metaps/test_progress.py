@@ -11,7 +11,9 @@ from rich.console import Console
 
 from metaps.core.log import KeyValueFormatter, kv
 from metaps.progress import (
+    JobEta,
     ProgressDisplay,
+    duration_text,
     StepLogTail,
     one_line,
     parse_kv_line,
@@ -95,3 +97,48 @@ def test_live_view_on_a_terminal() -> None:
     display.update(STATUS, {0: {"step": 7, "loss": 0.61, "samples_per_s": 123.4}}, 5.0)
     display.close()
     assert "SLOW" in buf.getvalue() and "3/5" in buf.getvalue()
+
+
+def _cov(done: int, total: int = 400) -> dict[str, object]:
+    return {**STATUS, "coverage": {"done_batches": done, "total_batches": total, "complete": False}}
+
+
+def test_job_eta_is_the_rate_over_the_window_and_restarts_on_a_rollback() -> None:
+    eta = JobEta(window_s=10.0)
+    first = eta.update(100, 400, now=0.0)
+    assert (first.done, first.total, first.pct, first.batches_per_s, first.eta_s) == (100, 400, 25.0, None, None)
+    r = eta.update(120, 400, now=10.0)  # 2 batches/s: 280 left -> 140 s
+    assert r.batches_per_s == 2.0 and r.eta_s == 140.0 and r.pct == 30.0
+    r = eta.update(125, 400, now=20.0)  # slowed to 0.5 batches/s: the window forgets the fast start
+    assert r.batches_per_s == 0.5 and r.eta_s == 550.0
+    r = eta.update(90, 400, now=21.0)  # a PS recovery rolled work back: no rate until it moves again
+    assert r.batches_per_s is None and r.eta_s is None and r.done == 90
+    assert eta.update(400, 400, now=30.0).eta_s == 0.0
+    assert eta.from_status(STATUS, 31.0) is None  # no coverage yet: no figures, not zeros
+
+
+def test_duration_text() -> None:
+    assert [duration_text(v) for v in (None, 42.4, 185, 3725)] == ["-", "42s", "3m05s", "1h02m"]
+
+
+def test_log_lines_carry_percent_and_eta_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+    display = ProgressDisplay(Console(file=io.StringIO()), live=False, log_every_s=0.0)
+    with caplog.at_level(logging.INFO, logger="metaps.progress"):
+        display.update(_cov(100), {}, 3.0)
+        display.eta._points[-1] = (display.eta._points[-1][0] - 10.0, 100)  # the first reading, 10 s ago
+        display.update(_cov(120), {}, 13.0)
+    display.close()
+    recs = [r.kv for r in caplog.records if r.getMessage() == "progress"]
+    assert recs[0]["done"] == "100/400" and recs[0]["pct"] == 25.0 and recs[0]["eta_s"] is None
+    last = recs[-1]
+    assert last["done"] == "120/400" and last["pct"] == 30.0
+    assert 1.9 < last["batches_per_s"] < 2.1 and 130 < last["eta_s"] < 150, last
+
+
+def test_live_view_draws_the_job_bar() -> None:
+    buf = io.StringIO()
+    display = ProgressDisplay(Console(file=buf, force_terminal=True, width=140), live=True)
+    display.update(_cov(100), {}, 5.0)
+    display.close()
+    out = buf.getvalue()
+    assert "100/400 batches" in out and "25%" in out and "ETA" in out
