@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import os
 import platform
 import re
 import time
@@ -114,6 +115,53 @@ def _wall(rep: Mapping[str, Any]) -> float:
     return wall
 
 
+LIVE_STATES = ("starting", "running")
+"""Snapshot states of an incarnation whose process was still going when it last wrote."""
+MIN_RATE_WALL_S = 1.0
+"""An incarnation that trained for less than this has no samples/wall rate (a 2 ms wall
+after a kill made rates near 10^12): its last measured step rate stands instead."""
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def incarnation_state(rep: Mapping[str, Any], newest: bool) -> str:
+    """An incarnation's state as it is now: ``dead`` for a ``starting``/``running`` snapshot
+    whose process is gone (a newer incarnation replaced it, or its pid no longer runs);
+    otherwise the snapshot's own ``state`` (``finished`` for old reports without one).
+
+    Args:
+        rep: the incarnation's snapshot.
+        newest: whether it is its rank's newest incarnation (an older one was replaced).
+    """
+    state = str(rep.get("state", "finished"))
+    if state in LIVE_STATES and (not newest or not _pid_alive(rep.get("pid"))):
+        return "dead"
+    return state
+
+
+def incarnation_rate(rep: Mapping[str, Any], wall_s: float) -> float | None:
+    """samples/s of one incarnation: samples over its training wall when that is long enough
+    to mean something (:data:`MIN_RATE_WALL_S`), else its last measured step rate (None if none)."""
+    samples = int(rep.get("samples") or 0)
+    if wall_s >= MIN_RATE_WALL_S:
+        return samples / wall_s
+    for rec in [rep.get("last") or {}, *reversed(rep.get("history") or [])]:
+        v = rec.get("samples_per_s")
+        if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0:
+            return float(v)
+    return None
+
+
 def merge_incarnations(incs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One rank's figures over all its incarnations.
 
@@ -128,15 +176,18 @@ def merge_incarnations(incs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     per: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
     eval_history: list[dict[str, Any]] = []
-    for rep in incs:
+    for n, rep in enumerate(incs):
         inc = int(rep.get("incarnation") or 1)
         steps_run = int(rep.get("steps_run", int(rep.get("steps") or 0) - int(rep.get("start_step") or 0)))
         hist = [{**h, "incarnation": inc} for h in rep.get("history") or []]
         history += hist
         eval_history += [{**h, "incarnation": inc} for h in rep.get("eval_history") or []]
-        per.append({"incarnation": inc, "state": rep.get("state", "finished"), "start_step": rep.get("start_step", 0),
+        wall = _wall(rep)
+        per.append({"incarnation": inc, "state": incarnation_state(rep, newest=n == len(incs) - 1),
+                    "snapshot_state": rep.get("state", "finished"), "start_step": rep.get("start_step", 0),
                     "last_step": int(rep.get("steps") or 0), "steps": steps_run,
-                    "samples": int(rep.get("samples") or 0), "wall_s": round(_wall(rep), 3),
+                    "samples": int(rep.get("samples") or 0), "wall_s": round(wall, 3),
+                    "samples_per_s": incarnation_rate(rep, wall),
                     "train_start": rep.get("train_start", 0.0), "train_end": rep.get("train_end", 0.0),
                     "final_loss": hist[-1].get("loss") if hist else None})
     samples = sum(p["samples"] for p in per)
@@ -154,6 +205,7 @@ def merge_incarnations(incs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "history": history,
         "eval_history": eval_history,
         "incarnations": per,
+        "state": per[-1]["state"],
     }
     for key in ("eval", "checkpoint"):
         merged[key] = next((r.get(key) for r in reversed(incs) if r.get(key)), last.get(key) or ({} if key == "eval" else ""))
@@ -186,7 +238,8 @@ def read_ledger(state_dir: Path) -> list[dict[str, Any]]:
 def _worker_entry(rank: int, rep: Mapping[str, Any] | None, log_history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     hist = list(log_history)
     log_last = int(hist[-1]["step"]) if hist else 0
-    if rep is not None and all(i.get("state") == "starting" for i in rep.get("incarnations") or [{}]):
+    if rep is not None and all(i.get("snapshot_state", i.get("state")) == "starting"
+                               for i in rep.get("incarnations") or [{}]):
         rep = None  # claimed, never trained far enough to write a snapshot: the log knows more
     if rep is not None:
         out = {**rep, "source": "report"}
@@ -424,9 +477,7 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
         incs = w.get("incarnations") or []
         if len(incs) > 1:
             for i in incs:
-                row(str(w["rank"]), str(i["incarnation"]), {**i, "samples_per_s": i["samples"] / i["wall_s"]
-                                                            if i.get("wall_s") else 0.0}, i.get("final_loss"),
-                    str(i.get("state", "")))
+                row(str(w["rank"]), str(i["incarnation"]), i, i.get("final_loss"), str(i.get("state", "")))
         loss = hist[-1].get("loss") if hist else None
         row(str(w["rank"]), "all" if len(incs) > 1 else str(len(incs) or "-"), w, loss, str(w.get("source", "")))
     console.print(wt)

@@ -251,7 +251,9 @@ class Telemetry:
                 self._phase[p].observe(max(float(v), 0.0))
         total = phases.get("total")
         self.last = {"step": step, "time": time.time(), "loss": loss, "samples": samples,
-                     **({"samples_per_s": samples / max(total, 1e-9)} if total is not None and _finite(total) else {}),
+                     # a step too short to time (total 0) has no rate, not samples / 1e-9
+                     **({"samples_per_s": samples / total} if total is not None and _finite(total) and total > 0
+                        else {}),
                      **{k: v for k, v in (parts or {}).items() if loss_labels(k) is not None and _finite(v)}}
 
     def due(self, step: int) -> bool:
@@ -304,7 +306,8 @@ class Telemetry:
         record is encoded once and kept: a snapshot joins the cached texts instead of encoding
         the whole history again (which made every snapshot cost O(steps) of JSON encoding).
         """
-        body = {**report, "incarnation": self.incarnation, "eval_history": list(self.eval_points),
+        # the pid tells a reader whether a ``running`` snapshot's process is still there
+        body = {**report, "incarnation": self.incarnation, "pid": os.getpid(), "eval_history": list(self.eval_points),
                 "last": dict(self.last)}
         hist = body.pop("history", None) or []
         cache = self._history_json

@@ -86,3 +86,31 @@ def test_epoch_column_is_the_same_running_and_finished() -> None:
     buf = io.StringIO()
     Console(file=buf, width=200).print(render({"datasets": [row]}, {}, 1.0))
     assert " 1/1 " in buf.getvalue() and " 0/1 " not in buf.getvalue()
+
+
+def test_a_dead_incarnation_says_dead_with_its_last_real_rate(tmp_path: Path) -> None:
+    """Killed 2 ms into training: its snapshot still says ``running``; the report says
+    ``dead`` (a newer incarnation replaced it, or its pid is gone) and gives its last measured
+    step rate, not samples over a 2 ms wall (~10^12 samples/s)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid = int(gone.stdout)  # a process that has exited
+    killed = {**_inc(0, 0, 5, 2_000_000_000, "running", 1000.0), "pid": dead_pid, "time": 1000.002,
+              "last": {"step": 5, "samples_per_s": 480.0}}
+    _write(run, "worker-0.inc-1.json", killed)
+    _write(run, "worker-0.inc-2.json", {**_inc(0, 5, 9, 400, "running", 1010.0), "pid": dead_pid})
+    _write(run, "worker-1.inc-1.json", {**_inc(1, 0, 9, 900, "running", 1000.0), "pid": __import__("os").getpid()})
+    reps = read_worker_reports(run)
+    first, second = reps[0]["incarnations"]
+    assert first["state"] == "dead" and second["state"] == "dead" and reps[0]["state"] == "dead"
+    assert first["samples_per_s"] == 480.0  # its last measured rate
+    assert reps[1]["incarnations"][0]["state"] == "running" and reps[1]["state"] == "running"  # this pid lives
+    job = job_from_mapping({"data": {"train": "x"}, "train": {"workers": 2}, "run": {"dir": str(tmp_path)}})
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=220), build_report(run, job, status="interrupted"))
+    text = buf.getvalue()
+    assert "dead" in text and "480.0" in text and "000,000" not in text, text
