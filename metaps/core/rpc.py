@@ -4,8 +4,12 @@
 * a shared-token check: every call carries ``authorization: Bearer <token>``
   metadata; a server built with :func:`make_server` refuses calls without it
   (``UNAUTHENTICATED``);
-* optional TLS from PEM files (a missing or unreadable file is a one-line
-  :class:`~metaps.core.errors.ConfigError` naming it: :meth:`RpcConfig.check_files`);
+* optional TLS from PEM files (``[rpc] tls_cert`` + ``tls_key`` on servers,
+  ``tls_ca`` on clients): servers bind with ``grpc.ssl_server_credentials``,
+  clients use ``grpc.ssl_channel_credentials``; a missing, unreadable or
+  non-PEM file is a one-line :class:`~metaps.core.errors.ConfigError` naming
+  the key (:meth:`RpcConfig.check_files`);
+* a port that cannot be bound is a one-line :class:`BindError`;
 * the standard gRPC health service on every server.
 
 Example::
@@ -28,11 +32,15 @@ from typing import Any, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from metaps.core.errors import ConfigError
+from metaps.core.errors import ConfigError, MetapsError
 from metaps.core.security import REDACTED, TOKEN_ENV, read_token_file
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _AUTH_KEY = "authorization"
+
+
+class BindError(MetapsError, OSError):
+    """A gRPC server could not bind its address (in use, not a local address, bad TLS key/cert)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,10 @@ class RpcConfig:
             still nothing means no auth (loopback binds only). Never logged or written out.
         token_file: a file (mode 0600) holding the token, e.g. a mounted Secret.
         max_message_bytes: send and receive limit on both ends.
-        tls_cert / tls_key / tls_ca: PEM paths; all empty means plaintext.
+        tls_cert / tls_key: the server's PEM certificate chain and private key (given together);
+            servers then accept TLS only.
+        tls_ca: PEM CA bundle clients verify the server against; a client with
+            ``tls_ca`` or ``tls_cert`` set talks TLS. All empty means plaintext.
         timeout_s: default deadline of a unary call.
     """
 
@@ -81,10 +92,11 @@ class RpcConfig:
         Raises:
             ConfigError: naming the key and the file (no traceback, nothing started).
         """
-        for key in ("tls_cert", "tls_key", "tls_ca"):
-            path = getattr(self, key)
-            if path:
-                _read_file(key, path)
+        given = [(key, getattr(self, key)) for key in ("tls_cert", "tls_key", "tls_ca") if getattr(self, key)]
+        pems = [(key, path, _read_file(key, path)) for key, path in given]  # missing files first
+        for key, path, pem in pems:
+            if b"-----BEGIN " not in pem:
+                raise ConfigError(f"[rpc] {key} {path}: not a PEM file (no '-----BEGIN' line)")
         if self.token_file:
             read_token_file(self.token_file)
 
@@ -179,15 +191,48 @@ def make_server(cfg: RpcConfig, max_workers: int = 8) -> grpc.Server:
 
 
 def add_port(server: grpc.Server, address: str, cfg: RpcConfig) -> int:
-    """Bind ``address`` (``host:0`` picks a free port) with TLS if configured."""
-    if cfg.tls_cert:
-        creds = grpc.ssl_server_credentials([(_read_file("tls_key", cfg.tls_key), _read_file("tls_cert", cfg.tls_cert))])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    """Bind ``address`` (``host:0`` picks a free port) with TLS if configured.
+
+    Raises:
+        BindError: the address cannot be bound (one line naming it).
+    """
+    try:
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials([(_read_file("tls_key", cfg.tls_key),
+                                                  _read_file("tls_cert", cfg.tls_cert))])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc >= 1.60 raises instead of returning 0
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind gRPC server to {address}")
+        tls = " with [rpc] tls_cert/tls_key (a cert and key that do not match?)" if cfg.tls_cert else ""
+        raise BindError(f"cannot bind gRPC to {address}{tls}: the port is in use or the host is not "
+                        f"an address of this machine")
     return port
+
+
+def check_bindable(address: str) -> None:
+    """Bind ``address`` (``host:port``) with a plain socket and release it: a port in use or a
+    host that is not this machine's is found before a role loads its state (and before gRPC's
+    own multi-line bind error).
+
+    Raises:
+        BindError: the address cannot be bound (one line naming it).
+    """
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+    except (OSError, ValueError, IndexError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise BindError(f"cannot bind gRPC to {address}: {why}") from None
 
 
 def add_health(server: grpc.Server) -> health.HealthServicer:

@@ -4,8 +4,14 @@
   and :func:`write_token_file` keep one in a 0600 file (``[rpc] token_file``);
 * :func:`redact` is the one place secrets are blanked before a config is
   serialized (job files, ``report.json``, checkpoint manifests, JSON dumps);
-* :func:`check_bind` refuses a non-loopback bind without a token (unless
-  ``--insecure``) and warns loudly about a loopback one;
+* :func:`role_rpc` settles a role's token: ``[rpc] token``, ``token_file``
+  (``--token-file``), ``$METAPS_TOKEN``, else the run's token file
+  ``<run dir>/rpc.token`` (:func:`run_token_path`); a serving role (PS,
+  controller) bound to loopback that finds none of them *generates* that file
+  (0600, path logged, token never), so a hand-started role never serves
+  unauthenticated mutations and the clients started for it find the token;
+* :func:`check_bind` refuses to serve without a token: a non-loopback bind
+  always, any bind of a serving role, unless ``--insecure`` (which warns loudly);
 * :data:`PRIVATE_UMASK` / :func:`make_private_dir`: run directories 0700,
   files 0600.
 
@@ -25,6 +31,7 @@ import os
 import secrets
 import socket
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +46,8 @@ REDACTED = "<redacted>"
 """What a secret is replaced by in any serialized config; never a usable token."""
 SECRET_KEYS = frozenset({"token"})
 """Mapping keys whose (non-empty string) values are secrets."""
+RUN_TOKEN_FILE = "rpc.token"
+"""The file in the run dir where a hand-started serving role writes the token it generated."""
 PRIVATE_UMASK = 0o077
 """Files 0600, directories 0700 for everything a fleet process creates."""
 _WILDCARD = ("", "0.0.0.0", "::", "[::]", "*")
@@ -156,21 +165,78 @@ def add_cli_args(parser: Any, *, checkpoint_root: bool = False) -> None:
         checkpoint_root: also add ``--checkpoint-root`` (roles that take paths over the wire).
     """
     parser.add_argument("--token-file", default="",
-                        help="file (mode 0600) holding the auth token (overrides [rpc] token_file)")
+                        help="file (mode 0600) holding the auth token (overrides [rpc] token_file; default: "
+                             "[rpc] token, [rpc] token_file, $METAPS_TOKEN, else <run dir>/rpc.token)")
     parser.add_argument("--insecure", action="store_true",
-                        help="allow binding a non-loopback address without an auth token")
+                        help="with no token: serve unauthenticated (no generated token) and allow a "
+                             "non-loopback bind; anyone who can reach the port may push, pause or shut down")
     if checkpoint_root:
         parser.add_argument("--checkpoint-root", default="",
                             help="the only directory tree Checkpoint/Restore/CheckpointDone requests may name "
                                  "(default $METAPS_RUN_DIR/checkpoints, else the run dir's checkpoints/)")
 
 
-def role_rpc(rpc: Any, token_file: str = "") -> Any:
-    """The job's ``[rpc]`` for a role process: ``--token-file`` applied, every file checked.
+def run_token_path(run_dir: str | Path) -> Path:
+    """The run's token file: ``$METAPS_RUN_DIR/rpc.token``, else ``<run_dir>/rpc.token`` (absolute).
+
+    A hand-started PS or controller with no token writes a generated one here;
+    every role and CLI client of the same job looks here last.
+    """
+    env = os.environ.get("METAPS_RUN_DIR", "")
+    return (Path(env or run_dir) / RUN_TOKEN_FILE).resolve()
+
+
+def _create_run_token(path: Path) -> bool:
+    """Atomically create ``path`` (0600) holding a fresh token; False when another process made it first.
+
+    The token is written to a private temporary file that is then hard-linked to
+    ``path``, so a concurrent reader sees either no file or the whole token.
+
+    Raises:
+        ConfigError: the directory or the file cannot be created.
+    """
+    why = "pass --token-file or set $METAPS_TOKEN"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
+    except OSError as exc:
+        raise ConfigError(f"cannot create the run's token file {path} ({exc.strerror}); {why}") from None
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(generate_token() + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run's token file {path} ({exc.strerror}); {why}") from None
+        return True
+    finally:
+        os.unlink(tmp)
+
+
+def role_rpc(rpc: Any, token_file: str = "", *, run_dir: str | Path = "", serve_hosts: list[str] | None = None,
+             insecure: bool = False, what: str = "") -> Any:
+    """The job's ``[rpc]`` for a role process or CLI client: ``--token-file`` applied, the token
+    settled, every file checked.
+
+    The token is ``[rpc] token``, else ``[rpc] token_file`` (``--token-file``),
+    else ``$METAPS_TOKEN``, else (with ``run_dir``) the run's token file
+    :func:`run_token_path`. A serving role (``serve_hosts`` given) that finds
+    none of them, binds loopback only and was not started ``--insecure``
+    generates that file (0600; the path is logged, the token never), so it never
+    serves unauthenticated mutations; its clients find the same file.
 
     Args:
         rpc: the job's ``metaps.core.rpc.RpcConfig``.
         token_file: ``--token-file`` ('' = keep ``[rpc] token_file``).
+        run_dir: the job's ``[run] dir`` ('' = no run token file lookup).
+        serve_hosts: the hosts a serving role binds (None: a client, never generates).
+        insecure: the operator's ``--insecure``: serve without a token, generate none.
+        what: the command, for the log (``metaps ps``).
 
     Raises:
         ConfigError: a missing/unreadable TLS or token file (one line naming it).
@@ -180,7 +246,20 @@ def role_rpc(rpc: Any, token_file: str = "") -> Any:
     if token_file:
         rpc = dataclasses.replace(rpc, token_file=token_file)
     rpc.check_files()
-    return rpc
+    if not run_dir or rpc.resolved_token():
+        return rpc
+    path = run_token_path(run_dir)
+    generated = (serve_hosts is not None and not insecure and not path.exists()
+                 and all(is_loopback(h) for h in serve_hosts) and _create_run_token(path))
+    if generated:
+        log.warning("no auth token given: generated one for this run; clients read it from the token file",
+                    extra=kv(command=what, token_file=str(path), mode="0600"))
+    elif not path.exists():
+        return rpc
+    else:
+        log.info("auth token from the run's token file", extra=kv(command=what, token_file=str(path)))
+    read_token_file(path)  # the mode and content checks, one line naming the file
+    return dataclasses.replace(rpc, token_file=str(path))
 
 
 def checkpoint_root(explicit: str, run_dir: str | Path) -> Path:
@@ -235,17 +314,19 @@ def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "") -> tuple[s
     return token, env
 
 
-def check_bind(hosts: list[str], token: str, *, insecure: bool, what: str) -> None:
-    """Refuse to serve on a non-loopback address without a token.
+def check_bind(hosts: list[str], token: str, *, insecure: bool, what: str, serves: bool = False) -> None:
+    """Refuse to serve without a token.
 
     Args:
         hosts: every host this process will bind (gRPC, /metrics).
         token: the resolved token ('' = no auth).
-        insecure: the operator's ``--insecure``: allow a public bind without a token.
+        insecure: the operator's ``--insecure``: serve without a token (loudly).
         what: the command, for messages (``metaps ps``).
+        serves: this process serves gRPC mutations (PS, controller): no token is
+            refused on loopback too (:func:`role_rpc` generates one there).
 
     Raises:
-        SecurityError: a non-loopback host, no token, no ``--insecure``.
+        SecurityError: no token, no ``--insecure``, and a non-loopback host or ``serves``.
     """
     if token:
         return
@@ -255,18 +336,29 @@ def check_bind(hosts: list[str], token: str, *, insecure: bool, what: str) -> No
             f"{what}: refusing to bind {public[0]!r} without an auth token (anyone who can reach it could "
             f"push rows, write checkpoints, shut the fleet down); set [rpc] token_file, [rpc] token or "
             f"$METAPS_TOKEN, bind 127.0.0.1, or pass --insecure")
-    log.warning("NO AUTH TOKEN: calls to and from this process are unauthenticated (loopback only); "
-                "set [rpc] token_file or $METAPS_TOKEN",
-                extra=kv(command=what, hosts=",".join(hosts), insecure=insecure))
+    if serves and not insecure:
+        raise SecurityError(
+            f"{what}: refusing to serve without an auth token; set [rpc] token_file, [rpc] token or "
+            f"$METAPS_TOKEN, give [run] dir so one is generated there, or pass --insecure")
+    if insecure:
+        log.warning("NO AUTH TOKEN (--insecure): calls to and from this process are unauthenticated; anyone "
+                    "who can reach its ports may push rows, pause writes or shut the fleet down",
+                    extra=kv(command=what, hosts=",".join(hosts), insecure=insecure))
+    else:
+        log.warning("NO AUTH TOKEN: this process found no token ([rpc] token, token_file, $METAPS_TOKEN, "
+                    "the run's rpc.token); an authenticated PS or controller will refuse its calls",
+                    extra=kv(command=what, hosts=",".join(hosts), insecure=insecure))
 
 
 __all__ = [
     "PRIVATE_UMASK",
+    "RUN_TOKEN_FILE",
     "TOKEN_ENV",
     "launch_token",
     "add_cli_args",
     "checkpoint_root",
     "role_rpc",
+    "run_token_path",
     "REDACTED",
     "SecurityError",
     "check_bind",

@@ -144,6 +144,10 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {args.out} is the run's own report.json; run-report never overwrites it")
     cfg = Path(args.config) if args.config else run_dir / "job.toml"
     job = load_job(cfg)
+    if args.controller or args.ps:
+        from metaps.core.security import role_rpc
+
+        job = job.with_overrides(rpc=role_rpc(job.rpc, run_dir=run_dir))  # the run's rpc.token, if any
     status = None
     if args.controller:
         from controller.client import ControllerClient, ControllerError

@@ -19,9 +19,11 @@ go through a ``MigrationPsMover`` over the addresses PS processes register
 makes the controller restore the fleet to the last committed cut
 (``controller/ps_recovery.py``).
 
-Security: as ``metaps ps`` (see :mod:`metaps.core.security`): no token -> a loud
-warning and loopback only (a non-loopback ``--address`` is refused unless
-``--insecure``); ``CheckpointDone`` dirs must lie under ``--checkpoint-root``
+Security: as ``metaps ps`` (see :mod:`metaps.core.security`): no token -> a loopback
+controller generates ``<[run] dir>/rpc.token`` (0600) and requires it; ``status``,
+``cut`` and ``agent`` read it when they have no other token; a non-loopback
+``--address`` without a token is refused; ``--insecure`` serves unauthenticated, loudly;
+``CheckpointDone`` dirs must lie under ``--checkpoint-root``
 (default ``$METAPS_RUN_DIR/checkpoints``, else ``checkpoints/`` next to the
 state dir); files 0600, directories 0700.
 """
@@ -130,11 +132,11 @@ def run_controller(args: argparse.Namespace) -> int:
 
     set_private_umask()  # LMDB state, address file: 0600
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
     address = args.address or job.controller.address
-    check_bind([address.rsplit(":", 1)[0]] + ([args.metrics_host] if args.metrics_port >= 0 else []),
-               job.rpc.resolved_token(), insecure=args.insecure,
-               what="metaps controller")
+    hosts = [address.rsplit(":", 1)[0]] + ([args.metrics_host] if args.metrics_port >= 0 else [])
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir, serve_hosts=hosts,
+                                          insecure=args.insecure, what="metaps controller"))
+    check_bind(hosts, job.rpc.resolved_token(), insecure=args.insecure, what="metaps controller", serves=True)
     from controller.ps_mover import MigrationPsMover
     from ps.fleet_admin import GrpcPsFleet  # the app floor wires the PS fleet into the controller
 
@@ -232,7 +234,7 @@ def _controller_client(args: argparse.Namespace) -> Any:
     from metaps.job import load_job
 
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir))
     return ControllerClient(_controller_address(job, args.controller, args.config), job.rpc, retry_s=5.0)
 
 
@@ -281,7 +283,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
     set_private_umask()
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir))
     check_bind(["127.0.0.1"], job.rpc.resolved_token(), insecure=args.insecure, what="metaps agent")
     addr = _controller_address(job, args.controller, args.config)
     child = [c for c in args.child if c != "--"] or default_child_cmd(args.role, args.index, args.config)

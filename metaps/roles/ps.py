@@ -33,11 +33,17 @@ replaced pod; no Restore arrived yet), and clears it when the controller has see
 none (the crashed process never served).
 It needs ``--controller``: only the controller's recovery clears it.
 
-Security: without a token (``[rpc] token``/``token_file``, ``--token-file``,
-``$METAPS_TOKEN``) the shard warns and serves loopback only; a non-loopback
-``[ps] host`` is refused (exit 1) unless ``--insecure``. Checkpoint/Restore
-requests may only name directories under ``--checkpoint-root``. Files are
-created 0600, directories 0700.
+Security: the token is ``[rpc] token``, ``[rpc] token_file`` (``--token-file``),
+``$METAPS_TOKEN``, else the run's token file ``<[run] dir>/rpc.token``
+(``$METAPS_RUN_DIR/rpc.token``). With none of them a loopback shard generates
+that file (0600; its path is logged, the token never) and requires it, so a
+hand-started shard never accepts unauthenticated Push/PauseWrites/Checkpoint;
+``metaps worker``/``status``/``cut`` of the same job read it. A non-loopback
+``[ps] host`` without a token is refused (exit 1). ``--insecure`` keeps the old
+unauthenticated behaviour, with a loud warning. Checkpoint/Restore requests may
+only name directories under ``--checkpoint-root``. Files are created 0600,
+directories 0700. Config errors (the job file, ``--shard``, ``[ps] device``, an
+address that cannot be bound) are one line on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -119,8 +125,16 @@ def run_ps(args: argparse.Namespace) -> int:
 
     set_private_umask()  # checkpoint LMDB files, ready file: 0600
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
-    check_bind([job.ps.host], job.rpc.resolved_token(), insecure=args.insecure, what="metaps ps")
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir, serve_hosts=[job.ps.host],
+                                          insecure=args.insecure, what="metaps ps"))
+    check_bind([job.ps.host], job.rpc.resolved_token(), insecure=args.insecure, what="metaps ps", serves=True)
+    from metaps.deploy.identity import resolve_shard
+
+    args.shard = resolve_shard(str(args.shard), job.ps.shards)
+    port = args.port if args.port is not None else (job.ps.base_port + args.shard if job.ps.base_port else 0)
+    from metaps.core.rpc import check_bindable
+
+    check_bindable(f"{job.ps.host}:{port}")  # a busy port or a foreign host: one line, before torch
     # torch/fbgemm only once the config and bind checks passed: a bad invocation fails in a second
     import torch
     from prometheus_client import REGISTRY
@@ -135,9 +149,14 @@ def run_ps(args: argparse.Namespace) -> int:
     from ps import intra_op
 
     intra_op.set_threads(ps_cfg.intra_op_threads)  # [ps] intra_op_threads: explicit spans, not OpenMP
-    from metaps.deploy.identity import resolve_shard
+    from ps.shard_store import resolve_device
 
-    args.shard = resolve_shard(str(args.shard), ps_cfg.shards)
+    try:
+        resolve_device(ps_cfg.device)
+    except ValueError as exc:
+        from metaps.core.errors import ConfigError
+
+        raise ConfigError(f"{args.config}: [ps] device: {exc}") from None
     server = build_server(
         ps_cfg, job.rpc, job.table_configs(), args.shard, registry=REGISTRY,
         added_latency_s=_latency_hook(job, args.shard),
@@ -171,7 +190,6 @@ def run_ps(args: argparse.Namespace) -> int:
     if restore:
         rows, step = restore_shard_checkpoint(server, restore)
         log.info("restored", extra=kv(shard=args.shard, dir=restore, rows=rows, step=step))
-    port = args.port if args.port is not None else (ps_cfg.base_port + args.shard if ps_cfg.base_port else 0)
     port = server.start(f"{ps_cfg.host}:{port}")
     metrics_port = serve_metrics(args.metrics_port, ps_cfg.host)
     log.info("ps ready", extra=kv(shard=args.shard, port=port, metrics_port=metrics_port, pid=os.getpid(),

@@ -64,7 +64,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
     job = _load(args)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file))
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=args.run_dir or job.run.dir))
     check_bind([args.metrics_host] if args.metrics_port >= 0 else [], job.rpc.resolved_token(),
                insecure=args.insecure, what="metaps worker")
     from metaps.deploy.pod import resolve_worker

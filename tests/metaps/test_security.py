@@ -133,7 +133,7 @@ def _ps_job(tmp: Path, host: str = "127.0.0.1", extra_rpc: str = "") -> Path:
     text = "\n".join(line for line in text.splitlines() if not line.startswith("token = "))
     text = text.replace("[ps]\n", f'[ps]\nhost = "{host}"\n').replace("[rpc]\n", f"[rpc]\n{extra_rpc}")
     out = tmp / f"job-{host}.toml"
-    out.write_text(text + "\n")
+    out.write_text(text + f'\n[run]\ndir = "{tmp / "run"}"\n')  # the run's rpc.token lookup stays in tmp
     return out
 
 
@@ -168,9 +168,11 @@ def test_missing_tls_key_is_one_line_naming_the_file(tmp_path) -> None:
     assert ps.stderr.strip().splitlines() == [f"metaps ps: error: [rpc] tls_key {tmp_path / 'missing.key'}: no such file"]
 
 
-def test_no_token_on_loopback_warns_and_insecure_public_bind_starts(tmp_path) -> None:
+def test_insecure_serves_without_a_token_loudly(tmp_path) -> None:
+    # without --insecure a loopback PS generates and requires a token (test_security_handstart.py);
+    # --insecure keeps the old unauthenticated behaviour, on loopback and on a public bind, with a warning
     procs = {}
-    for name, host, extra in (("loop", "127.0.0.1", []), ("public", "0.0.0.0", ["--insecure"])):
+    for name, host, extra in (("loop", "127.0.0.1", ["--insecure"]), ("public", "0.0.0.0", ["--insecure"])):
         d = tmp_path / name
         d.mkdir()
         log = (d / "ps.log").open("wb")
@@ -182,7 +184,8 @@ def test_no_token_on_loopback_warns_and_insecure_public_bind_starts(tmp_path) ->
             wait_for(lambda: (d / "ready").exists() or proc.poll() is not None, 300, f"the {name} PS to start")
             assert proc.poll() is None, (d / "ps.log").read_text()[-3000:]
             log = (d / "ps.log").read_text()
-            assert 'WARNING metaps.core.security role=ps msg="NO AUTH TOKEN' in log, log[-3000:]
+            assert 'WARNING metaps.core.security role=ps msg="NO AUTH TOKEN (--insecure)' in log, log[-3000:]
+            assert not (d / "run" / "rpc.token").exists()  # --insecure generates no token
             # unauthenticated, but it does serve
             port = json.loads((d / "ready").read_text())["port"]
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
