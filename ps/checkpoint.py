@@ -345,8 +345,9 @@ def begin_checkpoint(root: str | Path, step: int, full_every: int = 1) -> tuple[
         tmp = checkpoint_tmp_dir(root, step)
         write_plan(tmp, plan)
     except OSError as exc:  # a full disk before the first shard writes: no tmp dir left
+        failed = write_failed(tmp, exc, "creating the checkpoint directory")
         abort_checkpoint(tmp)
-        raise write_failed(tmp, exc, "creating the checkpoint directory") from None
+        raise failed from None
     except CheckpointWriteError:
         abort_checkpoint(tmp)
         raise
@@ -562,8 +563,9 @@ def save_shard(
         try:
             _write_shard_file(store, path, meta, since, removed, dense, est)
         except (OSError, lmdb.Error) as exc:  # a full disk, an I/O error: no partial file, one line
+            failed = write_failed(path, exc, "writing checkpoint shard file")  # (free space before the removal)
             _remove_partial(path)
-            raise write_failed(path, exc, "writing checkpoint shard file") from None
+            raise failed from None
         except BaseException:
             _remove_partial(path)
             raise
@@ -851,8 +853,9 @@ def commit_checkpoint(tmp_dir: str | Path, info: dict[str, Any]) -> Path:
     except OSError as exc:  # a full disk while sealing: the attempt is dropped whole, nothing committed
         if final.exists() and not tmp_dir.exists():
             raise  # (renamed already: committed; only the root's fsync failed)
+        failed = write_failed(tmp_dir / MANIFEST, exc, "committing the checkpoint")
         abort_checkpoint(tmp_dir)
-        raise write_failed(tmp_dir / MANIFEST, exc, "committing the checkpoint") from None
+        raise failed from None
 
 
 def _seal(tmp_dir: Path, final: Path, step: int, shards: list[Path], num_vshards: int,

@@ -82,13 +82,31 @@ def checkpoint_all(
     Returns:
         the committed checkpoint directory.
     """
-    from ps.checkpoint import DELTA_UNAVAILABLE, CheckpointPlan, begin_checkpoint, commit_checkpoint, write_plan
+    from ps.checkpoint import abort_checkpoint, begin_checkpoint
+    from ps.errors import CheckpointWriteError
+
+    try:
+        tmp, plan = begin_checkpoint(root, step, full_every)
+    except CheckpointWriteError as exc:  # a full disk before any shard wrote: one line, nothing left
+        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
+    try:
+        return _checkpoint_all(addresses, tmp, plan, step, rpc_cfg, extra_info, pause_lease_s)
+    except CheckpointWriteError as exc:  # the commit hit a full disk (tmp dir already removed)
+        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
+    except BaseException:
+        abort_checkpoint(tmp)  # no committed checkpoint: its tmp dir (plan, partial shard files) goes
+        raise
+
+
+def _checkpoint_all(addresses: list[str], tmp: Path, plan: Any, step: int, rpc_cfg: RpcConfig | None,
+                    extra_info: dict[str, Any] | None, pause_lease_s: float) -> Path:
+    """:func:`checkpoint_all` once its plan is written into ``tmp``."""
+    from ps.checkpoint import DELTA_UNAVAILABLE, CheckpointPlan, commit_checkpoint, write_plan
 
     rpc_cfg = rpc_cfg or RpcConfig()
     channels = [make_channel(a, rpc_cfg) for a in addresses]
     stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in channels]
     timeout = rpc_cfg.timeout_s
-    tmp, plan = begin_checkpoint(root, step, full_every)
     t0 = time.monotonic()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(stubs)))
     try:

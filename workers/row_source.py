@@ -180,11 +180,11 @@ class LocalRowSource:
         self.store.dense.set(values)
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any], full_every: int = 1) -> Path:
-        from ps.checkpoint import begin_checkpoint, commit_checkpoint, save_shard
+        from ps.checkpoint import checkpoint_local
 
-        tmp, _plan = begin_checkpoint(root, step, full_every)  # full, or a delta ([ps] checkpoint_full_every)
-        save_shard(self.store, tmp, 0)
-        return commit_checkpoint(tmp, info)
+        # full, or a delta ([ps] checkpoint_full_every); a failure leaves no tmp dir, a full disk
+        # raises CheckpointCoordinationError (a periodic cut is skipped, training goes on)
+        return checkpoint_local(self.store, root, step, info, full_every)
 
     def leave_clock(self) -> None:
         pass  # one process: no staleness clocks
