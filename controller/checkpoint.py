@@ -113,13 +113,17 @@ class CheckpointCoordinator:
         done = [c for c in self.cuts() if c["state"] == "committed"]
         return done[-1] if done else None
 
-    def rollback_to(self, cut_id: int) -> list[str]:
-        """Roll the DDS back to a committed cut; returns the shards returned to TODO."""
+    def rollback_to(self, cut_id: int, also: Callable[[Any, list[str]], None] | None = None) -> list[str]:
+        """Roll the DDS back to a committed cut; returns the shards returned to TODO.
+
+        Args:
+            also: called inside the rollback's LMDB transaction (``DynamicDataSharding.rollback_to``).
+        """
         body = next((c for c in self.cuts() if c["cut_id"] == cut_id), None)
         if body is None or body["state"] != "committed":
             raise UnknownCut(f"checkpoint cut {cut_id} is {'unknown' if body is None else body['state']}; "
                              f"only committed cuts can be rolled back to")
-        return self._dds.rollback_to(DdsCut.from_json(body["dds"]))
+        return self._dds.rollback_to(DdsCut.from_json(body["dds"]), also)
 
     def rollback_to_latest(self) -> list[str]:
         latest = self.latest_committed()

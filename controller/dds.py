@@ -759,13 +759,18 @@ class DynamicDataSharding:
         with self._lock:
             return DdsCut(self.ledger.last_seq(), {n: l.epoch for n, l in self._live.items()}, self._clock())
 
-    def rollback_to(self, cut: DdsCut) -> list[str]:
+    def rollback_to(self, cut: DdsCut,
+                    also: Callable[[lmdb.Transaction, list[str]], None] | None = None) -> list[str]:
         """Roll back to ``cut``: shards done after it (and all DOING) return to TODO.
 
         Ledger entries after the cut are marked ``replayed``; epochs started after
         the cut are discarded, and a later report of a lease from one of them (a worker
         that held it across the recovery) is ``stale`` (ledger ``stale``: its samples are
         replays), not an unknown shard. Returns the ids of the shards returned to TODO.
+
+        Args:
+            also: called inside the rollback's transaction with the shards returned, so a
+                caller's record of the rollback commits with it (a PS recovery's, exactly once).
         """
         with self._lock:
             returned: list[str] = []
@@ -820,6 +825,8 @@ class DynamicDataSharding:
                                 {"cut_ledger_seq": cut.ledger_seq, "epochs": cut.epochs,
                                  "replayed_entries": len(replayed), "shards_returned": len(returned)},
                                 "rollback")
+                    if also is not None:
+                        also(txn, returned)
             finally:
                 self._load_all()
             return returned

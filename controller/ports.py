@@ -17,7 +17,7 @@ structurally, so neither side imports the other.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 
 class MoveReport(Protocol):
@@ -95,7 +95,9 @@ class PsFleet(Protocol):
         ...
 
     def restore(self, addresses: Sequence[str], ckpt_dirs: Sequence[str], *, pause_lease_s: float,
-                while_paused: Callable[[str], None] | None) -> RestoreReport:
+                while_paused: Callable[[str], None] | None,
+                on_step: Callable[[str, dict[str, Any]], None] | None = None,
+                skip: Mapping[str, Sequence[int]] | None = None, renew_s: float = 0.0) -> RestoreReport:
         """Restore every shard from the first of ``ckpt_dirs`` every shard accepts, under one pause.
 
         Args:
@@ -103,9 +105,26 @@ class PsFleet(Protocol):
             ckpt_dirs: committed checkpoint directories, preferred first.
             pause_lease_s: the write pause ends by itself after this long.
             while_paused: called once with the directory restored, before the shards resume.
+            on_step: called before each step acts (``pause``, ``restore`` {dir, shard}, ``resume``),
+                after each shard's restore (``restored`` {dir, shard, rows}) and each pause renewal
+                (``renewed``): the controller records its progress there, durably, first.
+            skip: directory -> shards an interrupted restore already restored to it (not redone).
+            renew_s: > 0: renew the pause this often while restoring (a short lease then bounds
+                the pause by the controller's life).
 
         Raises:
             MetapsError: every directory refused, or a shard unreachable or failing.
+        """
+        ...
+
+    def resume(self, addresses: Sequence[str]) -> None:
+        """End the write pause on every shard (an interrupted recovery whose rollback was done).
+
+        Args:
+            addresses: every shard's address.
+
+        Raises:
+            MetapsError: a shard unreachable.
         """
         ...
 

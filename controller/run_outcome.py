@@ -2,7 +2,8 @@
 
 ::
 
-    running --(every dataset done, the final checkpoint written, no worker left running)--> complete
+    running --(every dataset done, no PS recovery pending, the final checkpoint written,
+               no worker left running)--> complete
 
 A worker that stops training early on request (its ``[train] max_steps``) says so in
 its heartbeats; once every live worker has, the train datasets are closed (the DDS hands
@@ -83,6 +84,10 @@ class OutcomeHost(Protocol):
     @property
     def shutdown_requested(self) -> threading.Event: ...
 
+    def run_finished(self) -> bool:
+        """Every dataset done and no PS recovery pending (a pending one's rollback requeues shards)."""
+        ...
+
 
 class RunOutcome:
     """See the module docstring.
@@ -131,7 +136,7 @@ class RunOutcome:
 
     def worker_finished(self, index: int) -> None:
         """Worker ``index`` reported itself finished; if it led a finished run, the final checkpoint is written."""
-        if not self.final_done and self.h.dds.finished() and index == self.leader():
+        if not self.final_done and self.h.run_finished() and index == self.leader():
             self.final_done = True
             self.h.events.record(Event.now(f"worker:{index}", FINAL_CHECKPOINT, {"worker": index}, ""))
 
@@ -141,7 +146,7 @@ class RunOutcome:
         with self._lock:
             if self._failed:
                 return RunState.FAILED, self._failed
-        if self.final_done and self.h.dds.finished() and not self.h.registry.alive("worker"):
+        if self.final_done and self.h.run_finished() and not self.h.registry.alive("worker"):
             return RunState.COMPLETE, ""  # the leader's final checkpoint written, no worker left running
         return RunState.RUNNING, ""
 

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import lmdb
+
 from controller.checkpoint import CheckpointCoordinator
 from controller.config import ControllerConfig
 from controller.dds import DynamicDataSharding
@@ -111,7 +113,7 @@ class ControllerServer:
         self._last_ckpt = clock()
         self._movers: list[threading.Thread] = []
         self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
-        self.recovery = PsRecovery(self, ps_fleet)
+        self.recovery = PsRecovery(self, ps_fleet, pause_lease_s=cfg.heartbeat_timeout_s)
         self.outcome = RunOutcome(self, end_fleet=end_fleet, expected_workers=expected_workers)
         self.address = ""
         self._truncates: set[tuple[str, int]] = set()  # truncate commands sent by this process
@@ -131,6 +133,7 @@ class ControllerServer:
         self._stop.clear()
         self._loop = threading.Thread(target=self._run_loop, name="controller-tick", daemon=True)
         self._loop.start()
+        self.recovery.resume_pending()  # a PS recovery this state records as unfinished (ps_recovery.py)
         log.info("controller serving", extra=kv(address=self.address, policy=self.policy.name,
                                                 datasets=",".join(sorted(self.dds.specs))))
         return port
@@ -293,8 +296,12 @@ class ControllerServer:
         """
         prev = self.registry.get(role, index) if self.registry.known(role, index) else None
         prev_id, prev_pid, prev_uid = (prev.incarnation_id, prev.pid, prev.pod_uid) if prev else ("", 0, "")
-        info = self.registry.register(role, index, address, metrics_port, pid, source, incarnation_id, pod_uid)
         restarted = source == "process" and bool(prev_id) and incarnation_id != prev_id
+        if role == "ps" and restarted and incarnation_id:
+            # durable before the registry forgets the old incarnation: a controller that dies
+            # right after still recovers the fleet when it starts again
+            self.recovery.note(f"{role}:{index}", prev.incarnation + 1 if prev else 1)
+        info = self.registry.register(role, index, address, metrics_port, pid, source, incarnation_id, pod_uid)
         if role == "worker" and source == "process" and self.liveness is not None:
             self.liveness.reset(index)  # a fresh incarnation holds nothing yet
         if role == "ps" and restarted:
@@ -305,6 +312,14 @@ class ControllerServer:
                                           "address": address}, "recover"))
             self.recovery.request(info.name, info.incarnation)
         return info, restarted
+
+    def recovery_pending(self) -> bool:
+        """A PS recovery is recorded and not ended (controller/ps_recovery.py)."""
+        return self.recovery.pending()
+
+    def run_finished(self) -> bool:
+        """Every dataset done and no PS recovery pending (its rollback may requeue shards)."""
+        return self.dds.finished() and not self.recovery_pending()
 
     def ps_addresses(self) -> list[str]:
         """Every PS shard's registered address, in shard order (the PsMover's and recovery's view).
@@ -321,9 +336,11 @@ class ControllerServer:
                              f"(registered: {sorted(k for k, a in ps.items() if a)})")
         return [ps[k] for k in range(max(ps) + 1)]
 
-    def record_event(self, node: str, kind: str, evidence: dict[str, Any], action: str = "") -> None:
-        """Append one event to the LMDB event log (a ``run_failed`` one also fails the run's outcome)."""
-        self.events.record(Event.now(node, kind, evidence, action))
+    def record_event(self, node: str, kind: str, evidence: dict[str, Any], action: str = "",
+                     txn: lmdb.Transaction | None = None) -> None:
+        """Append one event to the LMDB event log (inside ``txn`` when given; a ``run_failed`` one
+        also fails the run's outcome)."""
+        self.events.record(Event.now(node, kind, evidence, action), txn)
         if kind == RUN_FAILED:
             self.outcome.note_failed(str(evidence.get("reason") or "the controller failed the run"))
 
@@ -421,7 +438,8 @@ class ControllerServer:
             "datasets": self.dds.progress(),
             "nodes": nodes,
             "events": [e.__dict__ for e in self.events.list(since=events_since)],
-            "finished": self.dds.finished(),
+            "finished": self.run_finished(),
+            "recovery": self.recovery.record(),
             "run": {"state": run_state.value, "reason": run_reason, "leader": self.outcome.leader(),
                     "final_checkpoint": self.outcome.final_done},
             "coverage": cov.to_status(),

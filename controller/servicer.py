@@ -77,6 +77,7 @@ class ServedController(Protocol):
     def node_down(self, role: str, index: int, reason: str, exit_code: int = 0) -> list[str]: ...
 
     def status(self, events_since: int = 0) -> dict[str, Any]: ...
+    def recovery_pending(self) -> bool: ...
     def trigger_checkpoint(self, reason: str = "interval") -> int: ...
     @property
     def outcome(self) -> RunOutcome: ...
@@ -183,7 +184,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                                             message=r.message)
         else:
             got = self.s.dds.get_shard(request.worker, request.dataset)
-        resp = pb.GetShardResponse(status=_GET[got.status], report=report)
+        status = got.status
+        if status is GetStatus.DONE and self.s.recovery_pending():
+            # a pending PS recovery's rollback will requeue shards: keep the workers asking
+            status = GetStatus.WAIT
+        resp = pb.GetShardResponse(status=_GET[status], report=report)
         if got.lease is not None and self.s.liveness is not None:
             self.s.liveness.granted(request.worker, got.lease.shard_id)
         if got.lease is not None:

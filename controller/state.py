@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import lmdb
 
+from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ def key_seq(key: bytes | memoryview) -> int:
     return struct.unpack(">Q", key)[0]
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
@@ -50,23 +55,81 @@ def loads(raw: bytes | memoryview) -> Any:
     return json.loads(bytes(raw))
 
 
+class StateCorrupt(MetapsError):
+    """The controller's LMDB state file cannot be read back; the controller refuses to start.
+
+    The message names the file and the first unreadable record (one line).
+    """
+
+    code = "data_loss"
+
+
 class StateStore:
     """An LMDB environment with the controller's named databases.
+
+    Opening it reads every record of every database back once (LMDB keeps no
+    checksums: a damaged page or value shows only when read): a state file that
+    cannot be read is refused here with :class:`StateCorrupt` naming the file,
+    instead of a controller that serves and fails every call (``UNKNOWN``).
 
     Args:
         path: directory (created if missing).
         fsync: fsync every commit (see ``ControllerConfig.fsync``).
         map_size: LMDB map size (sparse; only used pages take disk).
+
+    Raises:
+        StateCorrupt: the state file is not a readable controller state.
     """
 
     def __init__(self, path: str | Path, fsync: bool = False, map_size: int = 1 << 32) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(
-            str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 2,
-            sync=fsync, metasync=fsync, lock=True,
-        )
-        self.dbs = {name.decode(): self.env.open_db(name) for name in DB_NAMES}
+        data = self.path / "data.mdb"
+        try:
+            self.env = lmdb.open(
+                str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 2,
+                sync=fsync, metasync=fsync, lock=True,
+            )
+        except lmdb.Error as exc:
+            raise StateCorrupt(f"controller state {data}: cannot be opened as LMDB ({_one_line(exc)}); "
+                               f"restore the state directory from a backup or start the run on a new one") from None
+        try:
+            self.dbs = {name.decode(): self.env.open_db(name) for name in DB_NAMES}
+            self.verify()
+        except StateCorrupt:
+            self.env.close()
+            raise
+        except (lmdb.Error, ValueError, UnicodeDecodeError) as exc:
+            self.env.close()
+            raise StateCorrupt(f"controller state {data}: unreadable ({_one_line(exc)}); restore the state "
+                               f"directory from a backup or start the run on a new one") from None
+
+    def verify(self) -> int:
+        """Read every record of every database back (keys in order, values as JSON); returns how many.
+
+        Raises:
+            StateCorrupt: a record is unreadable or out of order (names the file, database and key).
+        """
+        data = self.path / "data.mdb"
+        n = 0
+        with self.begin() as txn:
+            for name, db in self.dbs.items():
+                prev = b""
+                for k, v in txn.cursor(db):
+                    key = bytes(k)
+                    if key < prev:
+                        raise StateCorrupt(f"controller state {data}: database {name!r} keys out of order at "
+                                           f"{key[:40]!r}; restore the state directory from a backup or start "
+                                           f"the run on a new one")
+                    prev = key
+                    try:
+                        loads(v)
+                    except (ValueError, UnicodeDecodeError) as exc:
+                        raise StateCorrupt(f"controller state {data}: database {name!r} key {key[:40]!r} holds "
+                                           f"no JSON record ({_one_line(exc)}); restore the state directory from "
+                                           f"a backup or start the run on a new one") from None
+                    n += 1
+        return n
 
     def db(self, name: str) -> Any:
         return self.dbs[name]

@@ -30,8 +30,9 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
@@ -74,7 +75,10 @@ class FleetRestore:
 
 def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str | Sequence[str], *,
                   pause_lease_s: float = 120.0,
-                  while_paused: Callable[[str], None] | None = None) -> FleetRestore:
+                  while_paused: Callable[[str], None] | None = None,
+                  on_step: Callable[[str, dict[str, Any]], None] | None = None,
+                  skip: Mapping[str, Sequence[int]] | None = None,
+                  renew_s: float = 0.0) -> FleetRestore:
     """Restore every shard from the first of ``ckpt_dirs`` that every shard accepts, under one pause.
 
     A shard refuses a corrupt or incomplete checkpoint with DATA_LOSS and is left
@@ -88,6 +92,14 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
         ckpt_dirs: one directory, or several, preferred first.
         pause_lease_s: the write pause ends by itself after this long.
         while_paused: called with the restored directory before the shards resume.
+        on_step: called before each step acts (``pause`` {shards}, ``restore`` {dir, shard},
+            ``resume`` {shards}), after each shard's restore (``restored`` {dir, shard, rows}) and
+            after each pause renewal (``renewed`` {lease_s}): the controller records its progress
+            durably there (an exception aborts the restore; the pause ends with its lease).
+        skip: directory -> shards already restored to it by an earlier, interrupted restore
+            (still paused since): not restored again; counted as 0 rows.
+        renew_s: > 0: renew the pause every ``renew_s`` while the restore runs, so a short lease
+            bounds the pause by the caller's life (a dead controller's pause ends by itself).
 
     Raises:
         CheckpointRefused: every directory was refused (the message names each and why).
@@ -101,11 +113,20 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
     timeout = rpc_cfg.timeout_s
     paused: list[int] = []
     rejected: list[dict[str, str]] = []
+    step = on_step or (lambda what, detail: None)
+    done = threading.Event()
+    renewer: threading.Thread | None = None
     try:
         try:
+            step("pause", {"shards": len(stubs), "lease_s": pause_lease_s})
             for k, s in enumerate(stubs):
                 s.PauseWrites(ps_pb2.PauseRequest(paused=True, lease_s=pause_lease_s), timeout=timeout)
                 paused.append(k)
+            if renew_s > 0:
+                renewer = threading.Thread(target=_renew_pause, args=(stubs, pause_lease_s, renew_s, timeout, done,
+                                                                      step),
+                                           name="pause-renew", daemon=True)
+                renewer.start()
             maps = [PartitionMap.from_proto(s.GetPartitionMap(ps_pb2.GetPartitionMapRequest(), timeout=timeout))
                     for s in stubs]
             newest = max(maps, key=lambda m: m.version)
@@ -115,9 +136,15 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
             for ckpt_dir in dirs:
                 rows = 0
                 k = 0
+                already = set((skip or {}).get(ckpt_dir, ()))
                 try:
                     for k, s in enumerate(stubs):
-                        rows += int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
+                        if k in already:
+                            continue
+                        step("restore", {"dir": ckpt_dir, "shard": k})
+                        n = int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
+                        rows += n
+                        step("restored", {"dir": ckpt_dir, "shard": k, "rows": n})
                 except grpc.RpcError as exc:
                     if exc.code() not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
                         raise  # corrupt or vanished cuts fall back to the previous one; anything else fails
@@ -134,6 +161,14 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
         why = "; ".join(f"{r['dir']}: {r['error']}" for r in rejected)
         raise CheckpointRefused(f"no committed checkpoint could be restored ({len(rejected)} refused): {why}")
     finally:
+        done.set()
+        if renewer is not None:
+            renewer.join(timeout * 2)
+        if paused:
+            try:
+                step("resume", {"shards": len(paused)})
+            except Exception:  # the shards are resumed regardless
+                log.exception("resume step hook failed")
         for k in paused:
             try:
                 stubs[k].PauseWrites(ps_pb2.PauseRequest(paused=False), timeout=timeout)
@@ -141,6 +176,35 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
                 log.warning("could not resume a shard after recovery", extra=kv(shard=k, error=exc.details()))
         for c in channels:
             c.close()
+
+
+def _renew_pause(stubs: Sequence[ps_pb2_grpc.ParameterServerStub], lease_s: float, every_s: float, timeout: float,
+                 done: threading.Event, step: Callable[[str, dict[str, Any]], None]) -> None:
+    """Renew the pause on every shard every ``every_s`` until ``done`` (a lapsed renewal is logged)."""
+    while not done.wait(every_s):
+        try:
+            for s in stubs:
+                s.PauseWrites(ps_pb2.PauseRequest(paused=True, lease_s=lease_s), timeout=timeout)
+            step("renewed", {"lease_s": lease_s})
+        except Exception as exc:  # the restore's own calls report a dead shard
+            log.warning("pause renewal failed", extra=kv(error=str(exc)[:200]))
+
+
+def resume_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig) -> None:
+    """End a write pause on every shard (a restore interrupted after its data were restored).
+
+    Raises:
+        FleetRestoreError: a shard could not be reached (its pause ends with its lease anyway).
+    """
+    for a in addresses:
+        ch = make_channel(a, rpc_cfg)
+        try:
+            ps_pb2_grpc.ParameterServerStub(ch).PauseWrites(ps_pb2.PauseRequest(paused=False),
+                                                            timeout=rpc_cfg.timeout_s)
+        except grpc.RpcError as exc:
+            raise FleetRestoreError(f"resuming PS shard {a} failed: {exc.code().name}: {exc.details()}") from None
+        finally:
+            ch.close()
 
 
 class GrpcPsFleet:
@@ -202,7 +266,9 @@ class GrpcPsFleet:
         return migrate_vshards(list(addresses), self.rpc_cfg, vshards, dst, freeze_lease_s=freeze_lease_s)
 
     def restore(self, addresses: Sequence[str], ckpt_dirs: Sequence[str], *, pause_lease_s: float = 120.0,
-                while_paused: Callable[[str], None] | None = None) -> FleetRestore:
+                while_paused: Callable[[str], None] | None = None,
+                on_step: Callable[[str, dict[str, Any]], None] | None = None,
+                skip: Mapping[str, Sequence[int]] | None = None, renew_s: float = 0.0) -> FleetRestore:
         """:func:`restore_fleet` with this fleet's RPC settings.
 
         Args:
@@ -210,9 +276,14 @@ class GrpcPsFleet:
             ckpt_dirs: committed checkpoint directories, preferred first.
             pause_lease_s: the write pause ends by itself after this long.
             while_paused: called with the restored directory before the shards resume.
+            on_step, skip, renew_s: see :func:`restore_fleet`.
         """
         return restore_fleet(addresses, self.rpc_cfg, ckpt_dirs, pause_lease_s=pause_lease_s,
-                             while_paused=while_paused)
+                             while_paused=while_paused, on_step=on_step, skip=skip, renew_s=renew_s)
+
+    def resume(self, addresses: Sequence[str]) -> None:
+        """:func:`resume_fleet` with this fleet's RPC settings."""
+        resume_fleet(addresses, self.rpc_cfg)
 
 
-__all__ = ["CheckpointRefused", "FleetRestore", "FleetRestoreError", "GrpcPsFleet", "restore_fleet"]
+__all__ = ["CheckpointRefused", "FleetRestore", "FleetRestoreError", "GrpcPsFleet", "restore_fleet", "resume_fleet"]
