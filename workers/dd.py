@@ -16,9 +16,22 @@ How a new split reaches every worker at the same step::
                 -> every worker sees every worker's latest plan and adopts, for step t+1,
                    plan = min over workers (every worker holds that plan's size)
                 -> sum of sizes checked == global batch (DdInvariantError otherwise)
-                pull rows -> compute -> push rows x share -> collective B: dense grads x share
+                pull rows -> compute -> row grads x share
+                -> collective C (all-gather): every worker's (ids, row grads x share)
+                -> each id's gradients summed over the workers; each active worker pushes
+                   the ids it owns (id mod n_active), so every row gets ONE optimizer update
+                -> collective B: dense grads x share
     share_i = samples_i / sum(samples): the average is weighted by samples, and the
-    update equals one step on the global batch (rows too: the PS sums the scaled pushes).
+    update equals one step on the global batch, rows included, for every row optimizer
+    (SGD, Adagrad, rowwise Adagrad, Adam, FTRL): the PS applies the summed gradient once,
+    as it would the global batch's. (Pushing each worker's scaled rows as its own update
+    would be exact for SGD only: an Adagrad or Adam step normalises the gradient, so a row
+    pushed at share 0.1 would move as far as at share 1.0.)
+
+Collective A also carries each worker's active flag and unique-id count per table, so
+collective C needs no size exchange of its own. C comes after every worker's compute,
+so no push of step t can reach a peer's step-t pull; the pushes are done before B, so
+every step-t update is on the PS before any worker leaves B and pulls step t+1.
 
 Until every worker holds plan 1, everyone trains the equal split (plan 0). A
 plan that does not cover every live worker is never sent (controller/server.py),
@@ -38,6 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from meta_io.slicer import BatchSlicer, Take
@@ -61,6 +75,97 @@ def equal_split(world: int, global_batch: int) -> dict[int, int]:
     from controller.policy.dd import proportional_batch_sizes
 
     return proportional_batch_sizes({i: 1.0 for i in range(world)}, global_batch)
+
+
+def combine_row_grads(grads: dict[str, tuple[np.ndarray, np.ndarray]], tables: list[tuple[str, int]],
+                      counts: torch.Tensor, pushers: list[int], rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Collective C: sum one step's row gradients over the DD workers; returns what this rank pushes.
+
+    Every rank of the default ``torch.distributed`` group must call it at the same step,
+    an idle one with ``grads = {}``. Each rank's ids and (already share-scaled) gradients
+    travel as one int32 buffer (ids and float32 gradients bit-cast, never converted) in one
+    ``all_gather``; a pushing rank then keeps the gathered ids it owns (``id mod
+    len(pushers)`` = its index in ``pushers``) and sums their gradients per id
+    (``torch.unique`` + ``index_add_``). Every id any rank touched is owned by exactly one
+    pusher, so the PS gets one gradient per row per step: the sum a single process would
+    compute for the union of the ranks' batches.
+
+    Args:
+        grads: table -> (unique int64 ids [n], float32 grads [n, dim]) of this rank ({} when idle).
+        tables: (name, dim) of every table, in the same order on every rank.
+        counts: int64 [world, len(tables)]: each rank's id count per table (collective A).
+        pushers: the ranks that push this step (the active ones), ascending, the same on every rank.
+        rank: this rank.
+
+    Returns:
+        table -> (ids, summed grads) this rank pushes ({} when it is not a pusher); tables
+        whose owned share is empty are left out.
+
+    Raises:
+        DdInvariantError: this rank's grads disagree with its count in ``counts`` (the
+            collective's framing would be wrong on every rank).
+    """
+    import torch.distributed as dist
+
+    world = counts.shape[0]
+    dims = torch.tensor([d for _, d in tables], dtype=torch.int64)
+    n_ids = counts.sum(dim=1)  # [world]
+    lengths = 2 * n_ids + (counts * dims).sum(dim=1)  # int32 words per rank: ids (2 each), then grads
+    width = max(1, int(lengths.max()))  # gloo: no empty buffers
+    id_parts: list[torch.Tensor] = []
+    grad_parts: list[torch.Tensor] = []
+    for k, (name, dim) in enumerate(tables):
+        n = int(counts[rank, k])
+        if name not in grads:
+            if n:
+                raise DdInvariantError(f"rank {rank}: table '{name}' announced {n} ids for the row-gradient "
+                                       "combine but has no gradients")
+            continue
+        ids, g = grads[name]
+        if ids.shape[0] != n or g.shape != (n, dim):
+            raise DdInvariantError(f"rank {rank}: table '{name}' announced {n} ids x dim {dim} for the row-gradient "
+                                   f"combine, got ids {tuple(ids.shape)} and grads {tuple(g.shape)}")
+        id_parts.append(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))
+        grad_parts.append(torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).reshape(-1))
+    unknown = sorted(set(grads) - {name for name, _ in tables})
+    if unknown:
+        raise DdInvariantError(f"rank {rank}: row gradients for table(s) {unknown} that are not in the job's "
+                               f"tables {[name for name, _ in tables]}")
+    buf = torch.zeros(width, dtype=torch.int32)
+    if id_parts:
+        mine = torch.cat([torch.cat(id_parts).view(torch.int32), torch.cat(grad_parts).view(torch.int32)])
+        buf[:mine.numel()] = mine
+    gathered = [torch.empty(width, dtype=torch.int32) for _ in range(world)]
+    dist.all_gather(gathered, buf)
+    if rank not in pushers:
+        return {}
+    n_push, me = len(pushers), pushers.index(rank)
+    # per rank: where each table's ids and grads start in its buffer (a few ints per rank and table)
+    id_off = torch.cumsum(counts, dim=1) - counts  # [world, T], in ids
+    grad_off = 2 * n_ids.unsqueeze(1) + torch.cumsum(counts * dims, dim=1) - counts * dims  # [world, T], in words
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for k, (name, dim) in enumerate(tables):
+        ids_k, grads_k = [], []
+        for r in range(world):
+            n = int(counts[r, k])
+            if n == 0:
+                continue
+            all_ids = gathered[r][:2 * int(n_ids[r])].view(torch.int64)
+            a, b = int(id_off[r, k]), int(grad_off[r, k])
+            ids_k.append(all_ids[a:a + n])
+            grads_k.append(gathered[r][b:b + n * dim].view(torch.float32).reshape(n, dim))
+        if not ids_k:
+            continue
+        cat_ids, cat_grads = torch.cat(ids_k), torch.cat(grads_k)
+        if n_push > 1:
+            own = torch.remainder(cat_ids, n_push) == me
+            cat_ids, cat_grads = cat_ids[own], cat_grads[own]
+            if cat_ids.numel() == 0:
+                continue
+        uniq, inv = torch.unique(cat_ids, return_inverse=True)
+        summed = torch.zeros((uniq.numel(), dim), dtype=torch.float32).index_add_(0, inv, cat_grads)
+        out[name] = (uniq.numpy(), summed.numpy())
+    return out
 
 
 class BatchPlans:
@@ -130,6 +235,9 @@ class DdStepRecord:
     """Seconds in collective A (the sizes/plan exchange): mostly waiting for the slower peer."""
     grad_wait_s: float = 0.0
     """Seconds in collective B (the dense gradients)."""
+    combine_s: float = 0.0
+    """Seconds in collective C (the row-gradient all-gather: mostly waiting for the slower peer)
+    and summing the gathered gradients per id."""
     apply_s: float = 0.0
     """The local optimizer step on the all-reduced dense gradients."""
     shard_report_s: float = 0.0
@@ -164,6 +272,9 @@ class DdLoop:
         self._last_grad_wait_s = 0.0
         self._last_apply_s = 0.0
         self._last_compute_cpu_s = 0.0
+        self._last_combine_s = 0.0
+        self.tables: list[tuple[str, int]] = [(t.name, t.dim) for t in worker.job.table_configs()]
+        """(name, dim) of every table: the framing of the row-gradient combine, the same on every rank."""
 
     def _next_range(self) -> tuple[BatchRange, Any] | None:
         from controller.types import GetStatus
@@ -195,11 +306,18 @@ class DdLoop:
                 read_s = time.perf_counter() - t0
                 self._clock(take.units > 0)
                 samples = _samples_of(take.batch)[0] if take.batch is not None else 0
+                ids = _ids_of(take.batch) if take.batch is not None else {}
                 idle_done = take.units == 0 and slicer.exhausted
-                head = torch.zeros(_HEAD + world, dtype=torch.float64)
+                n_tab = len(self.tables)
+                head = torch.zeros(_HEAD + 2 * world + world * n_tab, dtype=torch.float64)
                 head[0], head[1], head[2], head[3], head[4] = samples, float(take.batch is not None), size, take.units, \
                     float(idle_done)
                 head[_HEAD + rank] = self.plans.latest
+                # for the row-gradient combine (collective C): who is active, and its id count per table
+                head[_HEAD + world + rank] = float(take.batch is not None)
+                at = _HEAD + 2 * world + rank * n_tab
+                head[at:at + n_tab] = torch.tensor([float(len(ids.get(t, ()))) for t, _ in self.tables],
+                                                   dtype=torch.float64)
                 t_head = time.perf_counter()
                 dist.all_reduce(head)
                 head_wait_s = time.perf_counter() - t_head
@@ -211,14 +329,16 @@ class DdLoop:
                         f"step {step}: worker batch sizes sum to {size_sum}, expected the global batch "
                         f"{self.plans.global_batch} (this worker: {size} under plan {self.plans.current})")
                 plan_now = self.plans.current
-                self.plans.agree(head[_HEAD:].tolist(), step)
+                self.plans.agree(head[_HEAD:_HEAD + world].tolist(), step)
+                pushers = [r for r in range(world) if head[_HEAD + world + r] > 0]
+                counts = head[_HEAD + 2 * world:].to(torch.int64).reshape(world, n_tab)
                 if active == 0:
                     if n_done == world:
                         break
                     time.sleep(_IDLE_SLEEP_S)  # shards still leased elsewhere (e.g. a dead worker's)
                     self._commands()
                     continue
-                stats = self._step(take, samples, total, read_s)
+                stats = self._step(take, ids, samples, total, read_s, counts, pushers)
                 t_post = time.perf_counter()
                 shard_samples += samples
                 for lease in take.finished:
@@ -238,6 +358,7 @@ class DdLoop:
                                    pull_s=stats.pull_s, compute_s=stats.compute_s, push_s=stats.push_s,
                                    sleep_s=self._last_sleep_s, head_wait_s=head_wait_s,
                                    grad_wait_s=self._last_grad_wait_s, apply_s=self._last_apply_s,
+                                   combine_s=self._last_combine_s,
                                    compute_cpu_s=self._last_compute_cpu_s,
                                    shard_report_s=t_report - t_post, report_s=t_end - t_report,
                                    wall_s=t_end - t_iter)
@@ -263,8 +384,16 @@ class DdLoop:
     def _commands(self) -> None:
         self.w._handle_commands()
 
-    def _step(self, take: Take, samples: int, total: float, read_s: float) -> StepStats:
-        """One weighted step: rows and dense grads scaled by this worker's sample share."""
+    def _step(self, take: Take, ids: dict[str, np.ndarray], samples: int, total: float, read_s: float,
+              counts: torch.Tensor, pushers: list[int]) -> StepStats:
+        """One weighted step: rows and dense grads scaled by this worker's sample share, the rows
+        summed over the workers (collective C) and pushed once per id (see the module docstring).
+
+        Args:
+            ids: this worker's unique ids per table ({} when idle), as counted in collective A.
+            counts: int64 [world, tables]: every worker's id counts (collective A).
+            pushers: the active workers, who push the combined rows.
+        """
         import torch.distributed as dist
 
         tr = self.trainer
@@ -275,18 +404,16 @@ class DdLoop:
         loss, metrics, tasks = 0.0, {}, 0
         share = samples / total if total > 0 else 0.0
         n_params = sum(p.numel() for _, p in tr._named_parameters())
+        row_grads: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if batch is not None:
-            ids = _ids_of(batch)
             rows = tr.rows.pull(ids, step=tr.step_no)
             pull_s = time.perf_counter() - t0
             cpu0 = time.process_time()
             result = tr.compute(batch, rows)
             compute_s = time.perf_counter() - t0 - pull_s
             self._last_compute_cpu_s = time.process_time() - cpu0
-            t1 = time.perf_counter()
-            tr.rows.push({t: (ids[t], result.row_grads[t].detach().numpy() * share)
-                          for t in ids if t in result.row_grads}, tr.step_no)
-            push_s = time.perf_counter() - t1
+            row_grads = {t: (ids[t], (result.row_grads[t].detach() * share).numpy())
+                         for t in ids if t in result.row_grads}
             flat = torch.cat([result.dense_grads[n].reshape(-1) for n in tr._names]) * share
             loss, metrics = float(result.outer_loss.detach()), dict(result.metrics)
             tasks = _samples_of(batch)[1]
@@ -313,6 +440,14 @@ class DdLoop:
                 import os
 
                 os._exit(137)
+        t_comb = time.perf_counter()
+        mine = combine_row_grads(row_grads, self.tables, counts, pushers, self.w.rank)
+        t_push = time.perf_counter()
+        self._last_combine_s = t_push - t_comb
+        if batch is not None:  # an idle worker left the PS clocks: it pushes nothing (and owns nothing)
+            tr.rows.push(mine, tr.step_no)
+            push_s = time.perf_counter() - t_push
+            busy += push_s
         t_grad = time.perf_counter()
         dist.all_reduce(flat)
         self._last_grad_wait_s = time.perf_counter() - t_grad

@@ -16,7 +16,11 @@ controller sends two batch-size plans (64/32, then 20/76 of a global batch of
 * the dense parameters and embedding rows equal a single-process reference that
   trains, step by step, on the union of the two workers' pieces (each worker
   recorded exactly which units it took), to float tolerance: the all-reduce
-  average is weighted by samples, and the row pushes are scaled by share.
+  average is weighted by samples, and the row gradients are scaled by share and
+  summed over the workers before ONE push per row (``workers.dd.combine_row_grads``).
+  The tables use every row optimizer the PS offers (``ROW_OPTIMIZERS``: SGD by
+  default, Adam, rowwise Adagrad, Adagrad and FTRL on the busiest tables), so
+  the check covers the optimizers for which per-worker pushes would not add up.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from meta_io.slicer import concat_batches, slice_batch
 from tests.ports import pick_port
 from metaps.core.rpc import RpcConfig
 from ps.client import PsClient
+from ps.config import OptimizerKind
 from workers.local import local_store
 from workers.row_source import LocalRowSource, RemoteRowSource
 from workers.trainer import Trainer, _ids_of
@@ -50,8 +55,19 @@ from tests.workers.procs import start_worker, wait_exit, write_job
 G = 96
 PLANS = [{0: 64, 1: 32}, {0: 20, 1: 76}]
 SLOW = 3.0  # worker 1's slow fault factor
-PARTS = ("read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s", "grad_wait_s", "apply_s",
+PARTS = ("read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s", "combine_s", "grad_wait_s", "apply_s",
          "shard_report_s", "report_s")
+# one table per row optimizer of ps.config.OptimizerKind (the rest keep the SGD default); shared ids
+# in one step (items, scenes, tokens, users whose rows both workers hold) need the combine to be exact
+# (every key given: the job goes to the workers as TOML, which has no null for an unset one)
+_TABLE = {"dim": 8, "capacity": 4096, "admission": {}, "eviction": {}, "init": "normal", "init_scale": 0.01,
+          "grad_clip_norm": 0.0, "grad_clip_value": 0.0}
+ROW_OPTIMIZERS = [
+    {**_TABLE, "name": "user", "optimizer": {"kind": "adam", "lr": 0.01}},
+    {**_TABLE, "name": "item", "optimizer": {"kind": "rowwise_adagrad", "lr": 0.05}},
+    {**_TABLE, "name": "scene", "optimizer": {"kind": "adagrad", "lr": 0.05}},
+    {**_TABLE, "name": "token", "optimizer": {"kind": "ftrl", "ftrl_alpha": 0.05}, "init": "zeros"},
+]
 
 
 def _wait(cond, what: str, timeout_s: float = 120.0, procs=()) -> None:
@@ -67,8 +83,10 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
     job = make_job(worker_data["plain"], tmp_path, mode="plain", workers=2,
                    train={"dense_sync": "allreduce", "epochs": 2, "log_every": 1},
                    ps={"table_defaults": {"dim": 8, "capacity": 4096, "optimizer": {"kind": "sgd", "lr": 0.05}},
-                       # SGD on both sides: linear in the gradient, so the comparison tests the weighting
-                       # and not Adam's normalisation of near-zero gradients (rounding -> lr-sized steps)
+                       "tables": ROW_OPTIMIZERS,
+                       # dense SGD on both sides: linear in the gradient, so the dense comparison tests the
+                       # weighting and not Adam's normalisation of near-zero gradients (rounding -> lr-sized
+                       # steps); the rows use every optimizer (ROW_OPTIMIZERS)
                        "dense_optimizer": {"kind": "sgd", "lr": 0.05}},
                    controller={"policy": "dd", "dd": {"global_batch": G}},
                    faults={"faults": [{"target": "worker", "index": 1, "kind": "slow", "factor": SLOW}]})
@@ -162,7 +180,12 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
         assert moved > 0, "dense parameters never moved"
         uniq = {t: np.unique(np.concatenate(v)) for t, v in all_ids.items()}
         want, got = ref.rows.pull(uniq), remote.pull(uniq)
+        kinds = {t.name: t.optimizer.kind.value for t in job.table_configs()}
+        assert {kinds[t] for t in uniq} == {k.value for k in OptimizerKind}, kinds  # every row optimizer checked
+        start = LocalRowSource(local_store(job)).pull(uniq)  # every id's initial row
         for t in uniq:
-            np.testing.assert_allclose(got[t], want[t], rtol=1e-4, atol=1e-5, err_msg=f"table {t}")
+            np.testing.assert_allclose(got[t], want[t], rtol=1e-4, atol=1e-5, err_msg=f"table {t} ({kinds[t]})")
+            moved_rows = float((np.abs(got[t] - start[t]).max(axis=1) > 1e-6).mean())
+            assert moved_rows > 0.5, f"table {t} ({kinds[t]}): only {moved_rows:.0%} of its rows moved"
     finally:
         client.close()
