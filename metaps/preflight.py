@@ -16,6 +16,9 @@ What it checks (cheap: nothing is trained, data batches are not read)::
                 the workers use: JobConfig.table_configs); the model builds
     resume      --resume-from: the checkpoint's manifest, the sha256 and size of
                 every file it lists, and its table dims vs the job's
+    policy      [controller] policy = "dd" only with [train] dense_sync = "allreduce"
+                (DD sets per-worker batch sizes of all-reduce workers; PS-mode
+                workers would drop every batch-size command)
 
 Every problem found is collected and reported together, in one line::
 
@@ -125,6 +128,18 @@ def _support_size(ds: Any, job: "JobConfig") -> None:
                           f"{support} support rows per task (inner_loss_reduction = 'sum_per_support' needs them equal)")
 
 
+def _dd_policy(job: "JobConfig") -> None:
+    """``[controller] policy = "dd"`` needs all-reduce workers: only they train controller-set batch sizes."""
+    from controller.config import PolicyKind
+    from metaps.core.errors import ConfigError
+    from workers.config import DenseSync
+
+    if job.controller.policy == PolicyKind.DD and job.train.dense_sync != DenseSync.ALLREDUCE:
+        got = job.train.dense_sync.value if isinstance(job.train.dense_sync, DenseSync) else job.train.dense_sync
+        raise ConfigError(f"{job.source or '<job>'}: [controller] policy = 'dd' needs [train] dense_sync = "
+                          f"'allreduce' (DD sets the batch sizes of all-reduce workers), got dense_sync = '{got}'")
+
+
 def _resume(ckpt: str, job: "JobConfig", problems: list[str]) -> None:
     from ps.checkpoint import verify_checkpoint
 
@@ -154,6 +169,7 @@ def preflight(job: "JobConfig", resume: str | Path = "", build_model: bool = Tru
     """
     t0 = time.perf_counter()
     problems: list[str] = []
+    _check(problems, lambda: _dd_policy(job))
     datasets = {"data.train": _check(problems, lambda: _dataset(job.data.train, "data.train", job.source))}
     if job.data.eval:
         datasets["data.eval"] = _check(problems, lambda: _dataset(job.data.eval, "data.eval", job.source))

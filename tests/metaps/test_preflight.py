@@ -69,6 +69,9 @@ def case_job(case: str, data: dict[str, Path], tmp: Path) -> tuple[Path, list[st
         flip(ckpt / "shard-0.lmdb", (ckpt / "shard-0.lmdb").stat().st_size // 3)
         args = ["--resume-from", str(ckpt)]
         want = "shard-0.lmdb: sha256 mismatch"
+    elif case == "dd without allreduce":
+        sections["controller"] = {"policy": "dd"}  # [train] dense_sync stays "ps"
+        want = "[controller] policy = 'dd' needs [train] dense_sync = 'allreduce'"
     elif case == "missing data.train":
         d["train"] = tmp / "no-such-dataset"
         want = f"data.train = {d['train']}: no such directory"
@@ -85,7 +88,8 @@ def case_job(case: str, data: dict[str, Path], tmp: Path) -> tuple[Path, list[st
     return job, args, want
 
 
-CASES = ["unknown table", "truncated dataset", "bad resume checksum", "missing data.train", "empty data.train"]
+CASES = ["unknown table", "truncated dataset", "bad resume checksum", "dd without allreduce", "missing data.train",
+         "empty data.train"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -167,3 +171,19 @@ def test_sum_per_support_needs_the_layouts_support_size(size: int, data: dict[st
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(
         f"preflight: [meta] inner_support_size = 8 but data.train = {data['train']} has 4 support rows per task")
+
+
+@pytest.mark.parametrize("dense_sync", ["ps", "allreduce"])
+def test_dd_policy_needs_allreduce_workers(dense_sync: str, data: dict[str, Path], tmp_path: Path) -> None:
+    # PS-mode workers run no DD loop: they would drop every batch-size command the DD policy sends
+    job = tmp_path / "job.toml"
+    mapping = job_mapping(data, tmp_path, train={"dense_sync": dense_sync})
+    mapping["controller"]["policy"] = "dd"
+    write(job, mapping)
+    if dense_sync == "allreduce":
+        preflight(load_job(job), build_model=False)
+        return
+    with pytest.raises(PreflightError) as err:
+        preflight(load_job(job), build_model=False)
+    assert str(err.value) == (f"preflight: {job}: [controller] policy = 'dd' needs [train] dense_sync = 'allreduce' "
+                              "(DD sets the batch sizes of all-reduce workers), got dense_sync = 'ps'")
