@@ -49,12 +49,15 @@ class RpcConfig:
 
     Args:
         token: shared secret; '' (or ``<redacted>``, what job files written by
-            ``metaps launch`` hold) means: read ``token_file``, else ``$METAPS_TOKEN``;
-            still nothing means no auth (loopback binds only). Never logged or written out.
+            ``metaps launch`` hold) means: read ``token_file``, else ``$METAPS_TOKEN``, else
+            the run's ``<[run] dir>/rpc.token``; with none of them a loopback PS or controller
+            generates that file (0600) and requires it (``--insecure``: no auth, loudly).
+            Never logged or written out.
         token_file: a file (mode 0600) holding the token, e.g. a mounted Secret.
         max_message_bytes: send and receive limit on both ends.
-        tls_cert / tls_key: the server's PEM certificate chain and private key (given together);
-            servers then accept TLS only.
+        tls_cert: the server's PEM certificate (chain); with ``tls_key`` every server of the
+            job accepts TLS only.
+        tls_key: the server's PEM private key (given with ``tls_cert``).
         tls_ca: PEM CA bundle clients verify the server against; a client with
             ``tls_ca`` or ``tls_cert`` set talks TLS. All empty means plaintext.
         timeout_s: default deadline of a unary call.

@@ -97,6 +97,12 @@ class DeployConfig:
             startup probe gives up; liveness probing starts after it.
         deliver_deadline_s: ``activeDeadlineSeconds`` of a delivery run (a hung one cannot block
             the later ones).
+        network_policy: write ``network.yaml``: NetworkPolicies that admit only the job's own
+            pods to the controller's and the PS's gRPC ports (and to the workers), plus the
+            metrics port from ``metrics_from_namespace``.
+        metrics_from_namespace: the namespace whose pods may scrape ``metrics_port`` ('' = any
+            pod in any namespace: Prometheus runs in different namespaces in different clusters,
+            and ``/metrics`` is read-only and carries no secret).
         resources: per-role requests and limits.
     """
 
@@ -117,6 +123,8 @@ class DeployConfig:
     priority_class: str = ""
     startup_timeout_s: int = 1800
     deliver_deadline_s: int = 3600
+    network_policy: bool = True
+    metrics_from_namespace: str = ""
     resources: RoleResources = field(default_factory=RoleResources)
 
     def validate(self) -> None:
@@ -144,6 +152,10 @@ class DeployConfig:
         for key in ("startup_timeout_s", "deliver_deadline_s"):
             if getattr(self, key) < 60:
                 raise ValueError(f"{key} must be >= 60 seconds, got {getattr(self, key)}")
+        if self.metrics_from_namespace and not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+                                                        self.metrics_from_namespace):
+            raise ValueError(f"metrics_from_namespace {self.metrics_from_namespace!r} is not a namespace name "
+                             "(a DNS label: lowercase letters, digits, '-')")
         if self.deliver_schedule and not _CRON.match(self.deliver_schedule.strip()):
             raise ValueError(f"deliver_schedule {self.deliver_schedule!r} is not a cron schedule "
                              "(five fields, e.g. '0 * * * *', or @hourly/@daily)")

@@ -17,6 +17,9 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
                       by writing RUN_DIR/data-ready.json, which training pods wait for (a gate of
                       this run: a rebuild at yesterday's path never passes on yesterday's manifest)
     deliver.yaml      CronJob ([deploy] deliver_schedule): metaps deliver of the run's checkpoints
+    network.yaml      NetworkPolicies ([deploy] network_policy): only the job's own pods reach the
+                      controller's and the PS's gRPC ports and the workers; the metrics port is
+                      open to [deploy] metrics_from_namespace ('' = any namespace)
     kustomization.yaml  the above + a Secret NAME-token generated from DIR/token (0600, created
                       here with a fresh token unless it exists; never in the ConfigMap or an env value)
 
@@ -91,7 +94,8 @@ STATE_DIR = "/var/lib/metaps"
 UID = 10001
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 PS_GRACE_S = 30  # a PS pod's termination grace: its preStop cut gets all but 10 s of it
-FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml")
+FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml",
+         "network.yaml")
 
 
 @dataclass(frozen=True)
@@ -428,6 +432,38 @@ class _Gen:
         raise ConfigError(f"{self.job.source}: the delivery CronJob needs a gate: set [delivery] holdout or "
                           f"[data] eval, or put \"--no-gate\" in [deploy] deliver_args to publish ungated")
 
+    def network(self) -> list[dict[str, Any]]:
+        """Ingress NetworkPolicies: the token is not the only gate to the fleet's gRPC ports.
+
+        Controller and PS pods admit their gRPC port from this job's own pods only (same
+        namespace, labels ``app.kubernetes.io/name=metaps`` + ``instance=NAME``: workers,
+        the other PS, the controller, a PS pod's preStop ``metaps cut``); worker pods admit
+        this job's pods on any port (all-reduce's rendezvous and gloo's peer ports). Every
+        policy admits ``metrics_port`` from ``metrics_from_namespace`` ('' = anywhere).
+        Kubelet probes come from the node, which a NetworkPolicy never blocks. Egress is
+        left open (DNS, storage and registries differ from cluster to cluster).
+        """
+        if not self.d.network_policy:
+            return []
+        own = [{"podSelector": {"matchLabels": self.labels("")}}]
+        if self.d.metrics_from_namespace:
+            scrapers: list[dict[str, Any]] = [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": self.d.metrics_from_namespace}}}]
+            metrics_rule: dict[str, Any] = {"from": scrapers}
+        else:
+            metrics_rule = {}  # no "from": every source
+        metrics_rule["ports"] = [{"protocol": "TCP", "port": self.d.metrics_port}]
+
+        def policy(component: str, grpc_port: int | None) -> dict[str, Any]:
+            own_rule: dict[str, Any] = {"from": own}
+            if grpc_port is not None:
+                own_rule["ports"] = [{"protocol": "TCP", "port": grpc_port}]
+            return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                    "metadata": self.meta(f"{self.n}-{component}", component),
+                    "spec": {"podSelector": {"matchLabels": self.labels(component)}, "policyTypes": ["Ingress"],
+                             "ingress": [own_rule, copy.deepcopy(metrics_rule)]}}
+        return [policy("controller", self.d.controller_port), policy("ps", self.d.ps_port), policy("worker", None)]
+
     def kustomization(self, files: list[str]) -> dict[str, Any]:
         k: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
         if self.o.namespace:
@@ -456,7 +492,8 @@ def render(job: Any, raw: dict[str, Any], opts: Options) -> dict[str, str]:
         raise ConfigError(f"{job.source}: [ps] device = 'cuda' needs --gpu (the CUDA image and GPU limits)")
     gen = _Gen(job, toml_dumps(pod_job_mapping(raw, job.source or "<job>")), opts)
     parts = {"job.yaml": gen.job_objects(), "storage.yaml": gen.storage(), "controller.yaml": gen.controller(),
-             "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver()}
+             "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver(),
+             "network.yaml": gen.network()}
     out = {name: dumps_all(docs) for name, docs in parts.items() if docs}
     out["kustomization.yaml"] = dumps_all([gen.kustomization([n for n in FILES if n in out])])
     return out

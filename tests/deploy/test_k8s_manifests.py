@@ -92,7 +92,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: Any, va
     for d in docs:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
     assert {"ConfigMap", "Secret", "Service", "PersistentVolumeClaim", "Job", "CronJob",
-            "PodDisruptionBudget"} <= set(kinds)
+            "PodDisruptionBudget", "NetworkPolicy"} <= set(kinds)
     # every long-running role is a Job: it completes when the run ends (no Deployment or
     # StatefulSet restarts a finished controller or PS, or rolls the PS on an apply)
     assert not {"Deployment", "StatefulSet"} & set(kinds)
@@ -347,3 +347,89 @@ def test_day_two_is_a_new_run_with_its_own_state_gate_and_warm_start(tmp_path: P
         init = _job(docs, name)["spec"]["template"]["spec"]["initContainers"]
         wait = [c for c in init if c["name"] == "wait-data"][0]["args"]
         assert wait[wait.index("--path") + 1] == gate, name  # this run's build, never a manifest that exists
+
+
+# ---------------------------------------------------------------- NetworkPolicy
+def admits(docs: list[dict[str, Any]], dst: dict[str, str], port: int, src: dict[str, str], src_ns: str) -> bool:
+    """Whether the manifests' NetworkPolicies let a pod labelled ``src`` in namespace ``src_ns``
+    open ``port`` on a pod labelled ``dst`` (in the policies' namespace): the Kubernetes rules
+    for ingress (a pod no policy selects admits everything; otherwise any rule of any selecting
+    policy must match both the port and the peer)."""
+    selecting = [p for p in by_kind(docs, "NetworkPolicy")
+                 if p["spec"]["podSelector"]["matchLabels"].items() <= dst.items()]
+    if not selecting:
+        return True
+    for pol in selecting:
+        assert "Ingress" in pol["spec"]["policyTypes"]
+        ns = pol["metadata"].get("namespace", "default")
+        for rule in pol["spec"].get("ingress", []):
+            if "ports" in rule and port not in [p["port"] for p in rule["ports"]]:
+                continue
+            if "from" not in rule:
+                return True
+            for peer in rule["from"]:
+                assert set(peer) <= {"podSelector", "namespaceSelector"}, peer  # no ipBlock
+                pods = peer.get("podSelector", {}).get("matchLabels", {})
+                nss = peer.get("namespaceSelector")
+                ns_ok = (src_ns == ns) if nss is None else \
+                    nss.get("matchLabels", {}).items() <= {"kubernetes.io/metadata.name": src_ns}.items()
+                if ns_ok and pods.items() <= src.items():
+                    return True
+    return False
+
+
+def _labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {name: t["metadata"]["labels"] for name, t in pod_templates(docs).items()}
+
+
+def _ports(docs: list[dict[str, Any]], job: str) -> dict[str, int]:
+    t = pod_templates(docs)[job]
+    return {p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+
+
+@pytest.mark.parametrize("variant", ["cpu", "allreduce"])
+def test_network_policies_admit_only_the_jobs_own_pods_to_grpc(rendered: Any, variant: str) -> None:
+    _, docs = rendered[variant]
+    ns = "ctr" if variant == "cpu" else "default"
+    labels = _labels(docs)
+    ctl, ps, worker = labels["metaps-controller"], labels["metaps-ps"], labels["metaps-worker"]
+    ctl_grpc, ps_grpc = _ports(docs, "metaps-controller")["grpc"], _ports(docs, "metaps-ps")["grpc"]
+    metrics = _ports(docs, "metaps-ps")["metrics"]
+    # the job's own pods: workers reach controller and PS, the PS (and its preStop cut) the controller
+    assert admits(docs, ctl, ctl_grpc, worker, ns) and admits(docs, ps, ps_grpc, worker, ns)
+    assert admits(docs, ctl, ctl_grpc, ps, ns) and admits(docs, ps, ps_grpc, ctl, ns)
+    # anyone else: another pod of the namespace, another metaps job, any pod of another namespace
+    outsiders = [({"app": "web"}, ns), ({**worker, "app.kubernetes.io/instance": "other-job"}, ns), (worker, "evil")]
+    for src, src_ns in outsiders:
+        for dst, port in ((ctl, ctl_grpc), (ps, ps_grpc), (worker, 29500), (worker, 12345)):
+            assert not admits(docs, dst, port, src, src_ns), (src, src_ns, dst, port)
+        # the metrics port is open to scrapers anywhere (the default: metrics_from_namespace = '')
+        for dst in (ctl, ps, worker):
+            assert admits(docs, dst, metrics, src, src_ns)
+    # every long-running pod is covered by a policy, and workers admit each other on any port (gloo)
+    assert admits(docs, worker, 29500, worker, ns) and admits(docs, worker, 40000, worker, ns)
+    assert {p["metadata"]["name"] for p in by_kind(docs, "NetworkPolicy")} == \
+        {"metaps-controller", "metaps-ps", "metaps-worker"}
+
+
+def test_metrics_can_be_limited_to_a_monitoring_namespace_and_policies_turned_off(tmp_path: Path) -> None:
+    cfg = _variant(tmp_path, "mon", lambda raw: raw.setdefault("deploy", {}).update(metrics_from_namespace="monitoring"))
+    r = generate(tmp_path / "out", cfg)
+    assert r.returncode == 0, r.stderr
+    docs = kustomize(tmp_path / "out")
+    for d in by_kind(docs, "NetworkPolicy"):
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    labels = _labels(docs)
+    ps, metrics = labels["metaps-ps"], _ports(docs, "metaps-ps")["metrics"]
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    assert admits(docs, ps, metrics, prometheus, "monitoring")
+    assert not admits(docs, ps, metrics, prometheus, "default")
+    assert not admits(docs, ps, _ports(docs, "metaps-ps")["grpc"], prometheus, "monitoring")
+    off = _variant(tmp_path, "off", lambda raw: raw.setdefault("deploy", {}).update(network_policy=False))
+    r = generate(tmp_path / "out-off", off)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "out-off" / "network.yaml").exists()
+    assert not by_kind(kustomize(tmp_path / "out-off"), "NetworkPolicy")
+    bad = _variant(tmp_path, "bad", lambda raw: raw.setdefault("deploy", {}).update(metrics_from_namespace="Mon itor"))
+    r = generate(tmp_path / "out-bad", bad)
+    assert r.returncode == 1 and "metrics_from_namespace 'Mon itor' is not a namespace name" in r.stderr, r.stderr
