@@ -31,6 +31,9 @@ from typing import Any
 
 from metaps.core.errors import ConfigError
 
+PROTOCOLS = ("plain", "episodes", "first-k")
+"""The evaluation protocols (:mod:`workers.eval_protocols`)."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("evaluate", help="evaluate a checkpoint or bundle (plain / episodes / first-k; base vs adapted)")
@@ -39,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--bundle", type=Path, help="a bundle directory or publish root (LATEST)")
     e.add_argument("--data", type=Path, required=True,
                    help="evaluation data: a Meta-IO dataset (episodes, plain) or Parquet/CSV (first-k, plain)")
-    e.add_argument("--protocol", choices=["plain", "episodes", "first-k"], default="episodes",
+    e.add_argument("--protocol", choices=list(PROTOCOLS), default="episodes",
                    help="plain: base model on every row; episodes: the dataset's support/query episodes; "
                         "first-k: first K rows of each task by time as support, every later row scored once "
                         "(default episodes)")
@@ -88,14 +91,15 @@ class _BundleRows:
         return out
 
 
-def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any, recipe: Any = None) -> Any:
-    """The recipe with its learned inner rates (``[meta] learn_inner_lr``), unless ``--inner-lr`` fixes one."""
+def _inner_loop(model: Any, meta: Any, inner_lr: float | None, checkpoint: Path | None, served: Any,
+                recipe: Any = None) -> Any:
+    """The recipe with its learned inner rates (``[meta] learn_inner_lr``), unless ``inner_lr`` fixes one."""
     from models.meta_learner import MetaLearner
 
-    if args.inner_lr is not None and meta.meta_emb:  # a fixed rate, but the MetaEmb generator still ships
+    if inner_lr is not None and meta.meta_emb:  # a fixed rate, but the MetaEmb generator still ships
         meta = dataclasses.replace(meta, learn_inner_lr="off")
     learner = MetaLearner(model, meta)
-    if (args.inner_lr is not None and not meta.meta_emb) or not learner.has_parameters:
+    if (inner_lr is not None and not meta.meta_emb) or not learner.has_parameters:
         return meta
     if served is not None:
         import numpy as np
@@ -105,7 +109,8 @@ def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any, re
     else:
         from delivery.export import CheckpointSource
 
-        values = CheckpointSource.open(args.checkpoint).dense([n for n, _ in learner.store_named_parameters()])
+        assert checkpoint is not None  # a checkpoint source when there is no bundle
+        values = CheckpointSource.open(checkpoint).dense([n for n, _ in learner.store_named_parameters()])
     learner.load_dense(values)
     if learner.meta_emb:
         from delivery.adapt import unseen_initializers
@@ -114,49 +119,83 @@ def _inner_loop(model: Any, meta: Any, args: argparse.Namespace, served: Any, re
     return learner
 
 
-def _evaluate(args: argparse.Namespace) -> int:
+def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path | None = None,
+                    bundle: Path | None = None, k: int = 5, query_slots: int = 32, inner_steps: int | None = None,
+                    inner_lr: float | None = None, offset_steps: int | None = None,
+                    offset_prior: float | None = None) -> dict[str, Any]:
+    """Evaluate a checkpoint or a bundle on ``data``: what ``metaps evaluate`` runs (without printing).
+
+    Args:
+        data: a Meta-IO dataset (episodes, plain) or Parquet/CSV (first-k, plain).
+        protocol: ``plain``, ``episodes`` or ``first-k``.
+        checkpoint: a committed checkpoint directory, or a run (its latest); exactly one of this and ``bundle``.
+        bundle: a bundle directory or publish root (LATEST).
+        k / query_slots: support rows per task and query rows per episode of ``first-k``.
+        inner_steps / inner_lr / offset_steps / offset_prior: override the model's ``[meta]`` recipe
+            (None: the model's; ``inner_steps=0``: base only).
+
+    Returns:
+        the report: ``protocol``, ``data``, ``source``, ``meta``, ``rows``, ``tasks``, ``base``
+        (head -> metrics) and, when adapted, ``adapted`` and ``gain``.
+
+    Raises:
+        ConfigError: not exactly one source, an unknown protocol, or a bad recipe override.
+    """
     from models.meta_config import MetaConfig
-    from metaps.core.atomic_write import write_text_atomic
     from metaps.core.config import from_mapping, to_dict
     from workers.eval_protocols import evaluate_protocol, protocol_batches
 
+    if (checkpoint is None) == (bundle is None):
+        raise ConfigError("evaluate: give exactly one of a checkpoint and a bundle")
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"evaluate: unknown protocol {protocol!r}; known: {list(PROTOCOLS)}")
     served = None
-    if args.checkpoint is not None:
-        model, rows, schema, source = _from_checkpoint(args.checkpoint)
+    if checkpoint is not None:
+        model, rows, schema, source = _from_checkpoint(Path(checkpoint))
     else:
         from delivery.adapt import AdaptingModel
         from delivery.loader import load_bundle
 
-        served = load_bundle(args.bundle)
+        assert bundle is not None  # exactly one source, checked above
+        served = load_bundle(Path(bundle))
         adapting = AdaptingModel(served)
         model, rows, schema = adapting.model, _BundleRows(served), served.schema
         source = {"bundle": str(served.path), "version": served.version, "recipe": served.manifest.adapt}
     try:
         meta = from_mapping(MetaConfig, source["recipe"]["meta"], where="adaptation recipe")
-        over = {}
-        if args.inner_steps is not None:
-            over["inner_steps"] = args.inner_steps
-        if args.inner_lr is not None:
-            over["inner_lr"] = args.inner_lr
-        if args.offset_steps is not None:
-            over["offset_steps"] = args.offset_steps
-        elif args.inner_steps == 0:  # base only: the offset is part of the adaptation that is off
+        over: dict[str, Any] = {}
+        if inner_steps is not None:
+            over["inner_steps"] = inner_steps
+        if inner_lr is not None:
+            over["inner_lr"] = inner_lr
+        if offset_steps is not None:
+            over["offset_steps"] = offset_steps
+        elif inner_steps == 0:  # base only: the offset is part of the adaptation that is off
             over["offset_steps"] = 0
-        if args.offset_prior is not None:
-            over["offset_prior"] = args.offset_prior
+        if offset_prior is not None:
+            over["offset_prior"] = offset_prior
         try:
             meta = dataclasses.replace(meta, **over)
         except ValueError as exc:
             raise ConfigError(f"metaps evaluate: {exc}") from None
-        loop = _inner_loop(model, meta, args, served, source["recipe"])
-        batches = protocol_batches(args.protocol, args.data, schema, k=args.k, query_slots=args.query_slots)
+        ckpt = Path(source["checkpoint"]) if served is None else None
+        loop = _inner_loop(model, meta, inner_lr, ckpt, served, source["recipe"])
+        batches = protocol_batches(protocol, Path(data), schema, k=k, query_slots=query_slots)
         res = evaluate_protocol(model, rows, batches, loop, adapt=meta.inner_steps > 0, task_key=schema.task_key)
     finally:
         if served is not None:
             served.close()
     source.pop("recipe", None)
-    report = {"protocol": args.protocol, "data": str(args.data), "source": source, "meta": to_dict(meta),
-              **({"k": args.k} if args.protocol == "first-k" else {}), **res}
+    return {"protocol": protocol, "data": str(data), "source": source, "meta": to_dict(meta),
+            **({"k": k} if protocol == "first-k" else {}), **res}
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from metaps.core.atomic_write import write_text_atomic
+
+    report = evaluate_report(args.data, args.protocol, checkpoint=args.checkpoint, bundle=args.bundle, k=args.k,
+                             query_slots=args.query_slots, inner_steps=args.inner_steps, inner_lr=args.inner_lr,
+                             offset_steps=args.offset_steps, offset_prior=args.offset_prior)
     text = json.dumps(report, default=float)
     if args.out is not None:
         write_text_atomic(args.out, text + "\n")

@@ -13,11 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metaps.core.config import from_mapping
 from metaps.roles.output import emit, summary_replaces, wants_json
+
+if TYPE_CHECKING:
+    from meta_io.build import BuildResult
+    from meta_io.holdout import HoldoutSplit
+    from meta_io.synth import GeneratedData
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,14 +86,34 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _split_holdout(args: argparse.Namespace) -> int:
-    from meta_io.holdout import KEYS_FILE, read_task_keys, split_by_task
+def split_holdout(input_path: str | Path, schema: str | Path, out: str | Path, fraction: float | None = None,
+                  seed: int = 0, keys: str | Path | None = None) -> "HoldoutSplit":
+    """Split logs into train and held-out tasks: what ``metaps meta-io split-holdout`` runs.
+
+    Args:
+        input_path: Parquet/CSV file or folder.
+        schema: schema file (.json or .toml).
+        out: writes ``out/train``, ``out/holdout``, ``out/schema.json`` and the held-out keys file.
+        fraction: share of tasks held out (None: 0.1); not with ``keys``.
+        seed: seed of the ``fraction`` choice.
+        keys: hold out exactly the task keys in this file, one per line.
+
+    Returns:
+        the :class:`meta_io.holdout.HoldoutSplit`.
+    """
+    from meta_io.holdout import read_task_keys, split_by_task
     from meta_io.schema import load_schema
 
-    keys = read_task_keys(args.keys) if args.keys else None
-    fraction = 0.1 if args.fraction is None else args.fraction
+    key_ids = read_task_keys(keys) if keys else None
+    share = 0.1 if fraction is None else fraction
+    return split_by_task(input_path, load_schema(schema), out, share, seed, keys=key_ids)
+
+
+def _split_holdout(args: argparse.Namespace) -> int:
+    from meta_io.holdout import KEYS_FILE
+
     with summary_replaces("meta_io", "holdout split"):
-        res = split_by_task(args.input, load_schema(args.schema), args.out, fraction, args.seed, keys=keys)
+        res = split_holdout(args.input, args.schema, args.out, args.fraction, args.seed, args.keys)
     keys_file = res.schema_path.parent / KEYS_FILE
     emit(args, {"train_rows": res.train_rows, "train_dir": str(res.train_dir), "holdout_rows": res.holdout_rows,
                 "holdout_tasks": res.holdout_tasks, "holdout_dir": str(res.holdout_dir),
@@ -99,15 +125,32 @@ def _split_holdout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gen_data(args: argparse.Namespace) -> int:
+def generate_data(out: str | Path, rows: int, users: int, items: int, seed: int = 0,
+                  files: int | None = None, where: str = "gen-data arguments") -> "GeneratedData":
+    """Generate AntM2C-like logs: what ``metaps gen-data`` runs.
+
+    Args:
+        out: output folder (Parquet files + ``schema.json``).
+        rows / users / items: sizes (users are the tasks of Meta-IO).
+        seed: random seed (same seed, same data).
+        files: Parquet files to write (None: the generator's default).
+        where: how a bad value's error names these arguments.
+
+    Returns:
+        the generator's :class:`meta_io.synth.GeneratedData`.
+    """
     from meta_io.synth import GeneratorConfig, generate
 
-    fields: dict[str, Any] = dict(rows=args.rows, users=args.users, items=args.items, seed=args.seed)
-    if args.files is not None:
-        fields["n_files"] = args.files
-    cfg = from_mapping(GeneratorConfig, fields, where="gen-data arguments")
+    fields: dict[str, Any] = dict(rows=rows, users=users, items=items, seed=seed)
+    if files is not None:
+        fields["n_files"] = files
+    cfg = from_mapping(GeneratorConfig, fields, where=where)
+    return generate(out, cfg)
+
+
+def _gen_data(args: argparse.Namespace) -> int:
     with summary_replaces("meta_io", "generated"):
-        data = generate(args.out, cfg)
+        data = generate_data(args.out, args.rows, args.users, args.items, args.seed, args.files)
     emit(args, {"rows": data.rows, "out_dir": str(data.out_dir), "files": [str(f) for f in data.files],
                 "schema": str(data.schema_path), "rows_per_s": data.rows_per_s, "peak_rss_mb": data.peak_rss_mb,
                 "oracle_auc": dict(data.oracle_auc)},
@@ -118,21 +161,36 @@ def _gen_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace) -> int:
+def build_dataset(input_path: str | Path, schema: str | Path, out: str | Path, fields: Mapping[str, Any],
+                  where: str = "meta-io build arguments") -> "BuildResult":
+    """Build a Meta-IO dataset: what ``metaps meta-io build`` runs.
+
+    Args:
+        input_path: Parquet/CSV file or folder.
+        schema: schema file (.json or .toml).
+        out: dataset folder to write.
+        fields: :class:`meta_io.build.MetaIOBuildConfig` fields (``support``, ``query``, ``overwrite``, ...);
+            checked by name and type.
+        where: how a bad field's error names these arguments.
+
+    Returns:
+        the :class:`meta_io.build.BuildResult` (folder and manifest).
+    """
     from meta_io.build import MetaIOBuildConfig, build
 
-    cfg = from_mapping(
-        MetaIOBuildConfig,
-        dict(
-            layout=args.layout, support=args.support, query=args.query, split=args.split, seed=args.seed,
-            task_key=args.task_key, rows_per_batch=args.rows_per_batch, bucketing=not args.no_buckets,
-            memory_budget_mb=args.memory_budget_mb, partitions=args.partitions, max_file_mb=args.max_file_mb,
-            overwrite=args.overwrite,
-        ),
-        where="meta-io build arguments",
+    cfg = from_mapping(MetaIOBuildConfig, dict(fields), where=where)
+    return build(input_path, schema, out, cfg)
+
+
+def _build(args: argparse.Namespace) -> int:
+    fields = dict(
+        layout=args.layout, support=args.support, query=args.query, split=args.split, seed=args.seed,
+        task_key=args.task_key, rows_per_batch=args.rows_per_batch, bucketing=not args.no_buckets,
+        memory_budget_mb=args.memory_budget_mb, partitions=args.partitions, max_file_mb=args.max_file_mb,
+        overwrite=args.overwrite,
     )
     with summary_replaces("meta_io", "build done"):
-        result = build(args.input, args.schema, args.out, cfg)
+        result = build_dataset(args.input, args.schema, args.out, fields)
     t = result.manifest["totals"]
     lines = [f"built {result.out_dir}: {t['input_rows']:,} rows -> {t['batches']} batches in {t['files']} files "
              f"({t['build_seconds']:.2f} s, {t['rows_per_s']:,} rows/s)"]

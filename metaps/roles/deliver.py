@@ -22,7 +22,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
 from metaps.core import exit_codes
@@ -72,24 +74,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_predict)
 
 
-def _deliver(args: argparse.Namespace) -> int:
+def delivery_config(fields: Mapping[str, Any], no_gate: bool = False, where: str = "metaps deliver") -> DeliveryConfig:
+    """The checked :class:`DeliveryConfig` of one ``metaps deliver``: fields by name, and the gate rule.
+
+    Args:
+        fields: ``DeliveryConfig`` fields (``out``, ``holdout``, ``incremental``, ``keep``, ...).
+        no_gate: publish without a holdout AUC gate (recorded in the manifest as ``gate.gated = false``).
+        where: how a bad field's error names these arguments.
+
+    Raises:
+        ConfigError: a bad field; DeliveryError: no holdout and no ``no_gate``.
+    """
     from delivery.bundle import DeliveryError
-    from delivery.job import PeriodicDelivery, Status, deliver_once
     from metaps.core.config import from_mapping
 
-
-    cfg = from_mapping(
-        DeliveryConfig,
-        {"out": str(args.out), "incremental": args.incremental, "keep": args.keep, "dtype": args.dtype,
-         "max_chain": args.max_chain, "holdout": args.holdout, "max_auc_drop": args.max_auc_drop,
-         "holdout_rows": args.holdout_rows, "every": args.every},
-        where="metaps deliver",
-    )
-    if not args.holdout and not args.no_gate:
+    cfg = from_mapping(DeliveryConfig, dict(fields), where=where)
+    if not cfg.holdout and not no_gate:
         raise DeliveryError(
             "no --holdout given: bundles are published only after the holdout AUC gate; "
             "pass --holdout DATA, or --no-gate to publish ungated (recorded in the manifest as gate.gated = false)"
         )
+    return cfg
+
+
+def _deliver(args: argparse.Namespace) -> int:
+    from delivery.job import PeriodicDelivery, Status, deliver_once
+
+    cfg = delivery_config(
+        {"out": str(args.out), "incremental": args.incremental, "keep": args.keep, "dtype": args.dtype,
+         "max_chain": args.max_chain, "holdout": args.holdout, "max_auc_drop": args.max_auc_drop,
+         "holdout_rows": args.holdout_rows, "every": args.every},
+        no_gate=args.no_gate,
+    )
     if cfg.every:
         if args.run is None:
             print("metaps deliver: error: --every needs --run (a run directory to watch)", file=sys.stderr)
@@ -101,7 +117,7 @@ def _deliver(args: argparse.Namespace) -> int:
                 print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind,
                                   "checkpoint": str(o.checkpoint), "reason": o.reason}))
         return 0
-    if args.if_checkpoint and args.run is not None and not _has_checkpoint(args.run):
+    if args.if_checkpoint and args.run is not None and not has_checkpoint(args.run):
         print(json.dumps({"status": "no_checkpoint", "version": "", "kind": "", "checkpoint": "",
                           "run": str(args.run)}))
         print(f"metaps deliver: {args.run} has no committed checkpoint yet; nothing to deliver", file=sys.stderr)
@@ -115,7 +131,8 @@ def _deliver(args: argparse.Namespace) -> int:
     return 0
 
 
-def _has_checkpoint(run: Path) -> bool:
+def has_checkpoint(run: Path) -> bool:
+    """Whether the run directory ``run`` holds a committed checkpoint (``--if-checkpoint``)."""
     from ps.checkpoint import latest_checkpoint
 
     root = Path(run) / "checkpoints"
