@@ -2,12 +2,12 @@
 
 Every fleet is a real ``metaps launch`` (controller, PS and worker agents as OS
 processes, gRPC on 127.0.0.1) on tiny Meta-IO data (800 rows, 17 meta-batches,
-2 epochs, 2 PS, 2 workers, a coordinated checkpoint every 3 s), bounded by
-``--timeout`` and killed from outside past a hard limit. Faults:
+2 epochs, 2 PS, 2 workers, Adam on every table), bounded by ``--timeout`` and
+killed from outside past a hard limit. Faults:
 
     kill_<role>       SIGKILL of the controller, PS 0, worker 1, worker 1's agent, PS 0's agent
     stop_<role>       SIGSTOP of the same for STOP_S (> the heartbeat timeout), then SIGCONT
-    corrupt_ckpt_kill_ps  bytes of the newest committed checkpoint overwritten, then PS 0 SIGKILLed
+    corrupt_ckpt_kill_ps  the newest committed checkpoint's bytes overwritten, then PS 0 SIGKILLed
     disk_full         the checkpoint root is a tiny tmpfs (``unshare --mount``; room for ~1 checkpoint)
     slow_ps           PS 1 answers every request +50 ms late (``[faults]`` latency)
     many_workers      32 simulated workers (threads here) against one ``metaps ps`` with bounded
@@ -15,16 +15,36 @@ processes, gRPC on 127.0.0.1) on tiny Meta-IO data (800 rows, 17 meta-batches,
     bad inputs        hostile RPCs to a live PS and controller (bench/chaos_inputs.py) and bad
                       configs / data to ``metaps launch``
 
-Each fleet run is judged from its own outputs (exit code, report.json, the ledger,
-PS Stats rows, the committed checkpoints' manifests, a no-fault run's rows):
+**Faults strike at states, not times** (a busy box cannot make them vacuous). A signal
+fault's fleet takes no interval cuts; the bench watches the controller (``GetStatus``)
+and: waits for a train shard done -> requests cut A (``RequestCut``) and waits for its
+commit -> waits for another shard done after A -> (corrupt: requests cut B, waits for its
+commit, corrupts it) -> strikes. A PS recovery must then restore A and roll the DDS back
+to it, with training on both sides of the cut to lose. A fault that did not reach its
+state is **not exercised** (never survived).
 
-    survived      exit 0 with the ledger covering every batch of every epoch exactly once
-                  and no rows lost, or a non-zero exit whose reason names the fault's cause
-    lost_rows     the PS fleet ended with fewer rows than a committed checkpoint of the run
-                  (not counting one the bench corrupted on purpose), a shard ended empty, or
-                  (status succeeded) fewer rows than the no-fault run
+**The judge reads the model, not row counts.** Every table runs Adam, whose per-row
+state counts the row's updates (checkpointed with the row); one training step pushes
+each unique id of its batch once, so a row's count is the number of trained batches
+holding its id, whatever the interleaving. From the run's own outputs (exit code,
+report.json: the ledger, the cuts, the recovery events; the checkpoints):
+
+    model         final checkpoint, row by row: count >= the batches of the ledger's live done
+                  entries holding the id (else: updates the ledger claims and the model lacks)
+                  and <= those plus the replayed / stale / duplicate entries' batches (else:
+                  replays the run did not report)
+    restored      each cut a PS recovery restored: its checkpoint holds the updates of every
+                  shard done at the cut
+    exercised     the armed cut is the one restored, with shards done before it and after it
+    survived      exercised, exit 0, "succeeded", the ledger covering every batch of every
+                  epoch exactly once, and the model checks clean. A failed run never survives
+                  (``failed_clearly``: it failed naming the fault's cause, lost nothing)
     false_claim   "succeeded" / coverage complete while the ledger has batches not done,
-                  or "succeeded" after a failed PS recovery
+                  "succeeded" after a failed PS recovery, or replays not reported
+
+The judge is mutation-tested (tests/bench/test_chaos_judge.py): fleets of builds broken
+on purpose (``metaps.core.faults.TEST_BREAKS``: no DDS rollback; a restore that keeps
+zero rows) must fail it, and a correct one pass.
 
 Run: ``python -m bench.chaos [--quick] [--keep DIR]``; the last line is one JSON object.
 ``--smoke``: bad inputs and many_workers (4 threads, 2 s) only, no fleet fault unless ``--only`` names some: seconds.
@@ -48,13 +68,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "chaos-token"
 STOP_S = 14.0            # SIGSTOP length: longer than HEARTBEAT_TIMEOUT_S
 HEARTBEAT_TIMEOUT_S = 10.0
 RUN_TIMEOUT_S = 240.0    # metaps launch --timeout
 HARD_LIMIT_S = 330.0     # killed from outside past this
-INJECT_AFTER_S = 4.0     # after the first training step (a checkpoint cut exists by then)
+ARMED_INTERVAL_S = 3600.0  # checkpoint interval of a fleet whose fault is armed: the bench takes the cuts
+ADAM = {"kind": "adam", "lr": 0.01}  # every table: the per-row update count the judge reads
 TMPFS_BYTES = 600 * 1024  # one ~450 KiB checkpoint fits, the next does not
 
 log = logging.getLogger("bench.chaos")
@@ -157,6 +180,7 @@ def job_mapping(data: dict[str, Path], root: Path, *, workers: int = 2, ps: int 
     job["controller"]["checkpoint_interval_s"] = 3.0
     job["controller"]["heartbeat_timeout_s"] = HEARTBEAT_TIMEOUT_S
     job["controller"]["agent"]["restart_limit"] = 2
+    job["ps"]["table_defaults"]["optimizer"] = dict(ADAM)
     for name, values in sections.items():
         job.setdefault(name, {}).update(values)
     return job
@@ -200,15 +224,15 @@ class FleetFault:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     special: str = ""
 
+    @property
+    def armed(self) -> bool:
+        """Struck at a state (the bench's own cut committed, training on both sides of it), not at a time."""
+        return bool(self.sig)
 
-def _worker_stepped(run: Path) -> bool:
-    for f in (run / "logs").glob("worker-*.log"):
-        try:
-            if 'msg="step"' in f.read_text(errors="replace"):
-                return True
-        except OSError:
-            pass
-    return False
+    @property
+    def recovers_ps(self) -> bool:
+        """The fault restarts a PS: the fleet must restore a committed cut and roll the DDS back to it."""
+        return self.target.startswith("ps-") and self.sig == "kill"
 
 
 def _committed(root: Path) -> list[Path]:
@@ -216,49 +240,134 @@ def _committed(root: Path) -> list[Path]:
     return sorted(out, key=lambda p: int(p.name.split("-")[1]) if p.name.split("-")[1].isdigit() else -1)
 
 
-def _wait(pred: Callable[[], bool], deadline: float, proc: subprocess.Popen[Any]) -> bool:
-    while not pred():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+class _Watch:
+    """The fleet's controller, as the bench sees it (``GetStatus``, ``RequestCut``): faults strike at states."""
+
+    def __init__(self, run: Path, proc: subprocess.Popen[Any], deadline: float) -> None:
+        self.run, self.proc, self.deadline = run, proc, deadline
+        self._client: Any = None
+
+    def _ctl(self) -> Any:
+        if self._client is None:
+            from controller.client import ControllerClient
+            from metaps.core.rpc import RpcConfig
+
+            addr = (self.run / "controller" / "address").read_text().strip()
+            self._client = ControllerClient(addr, RpcConfig(token=TOKEN, timeout_s=10.0), role="worker", index=0,
+                                            retry_s=2.0)
+        return self._client
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return dict(self._ctl().status())
+        except Exception as exc:  # noqa: BLE001 -- not up yet / restarting: the next poll asks again
+            log.debug("status: %s", exc)
+            self.close()
+            return None
+
+    def request_cut(self) -> int | None:
+        try:
+            return int(self._ctl().request_cut("chaos"))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("request_cut: %s", exc)
+            self.close()
+            return None
+
+    def until(self, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """Poll the status until ``pred`` holds; None when the run ended or the deadline passed first."""
+        while self.proc.poll() is None and time.monotonic() < self.deadline:
+            st = self.status()
+            if st is not None and pred(st):
+                return st
+            time.sleep(0.2)
+        return None
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._client = None
+
+
+def ledger_head(st: dict[str, Any]) -> int:
+    """The seq of the ledger's newest entry (-1: none), from a status's coverage counts."""
+    cov = st.get("coverage", {})
+    return int(cov.get("done_entries", 0)) + int(cov.get("duplicate_entries", 0)) + int(cov.get("stale_entries", 0)) - 1
+
+
+def _cut(st: dict[str, Any], cut_id: int) -> dict[str, Any] | None:
+    return next((c for c in st.get("checkpoints", []) if int(c.get("cut_id", -1)) == cut_id), None)
+
+
+def _arm_cut(w: _Watch, notes: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """Request a cut, wait until it committed; its record (None, ``notes['not_exercised']`` said why)."""
+    cut_id = w.request_cut()
+    if cut_id is None:
+        notes["not_exercised"] = "the controller refused the bench's cut"
+        return None
+    st = w.until(lambda s: (_cut(s, cut_id) or {}).get("state") in ("committed", "aborted"))
+    cut = _cut(st, cut_id) if st else None
+    if cut is None or cut.get("state") != "committed":
+        notes["not_exercised"] = f"cut {cut_id} never committed ({(cut or {}).get('state', 'run ended')})"
+        return None
+    notes[key] = {"cut_id": cut_id, "ledger_seq": int(cut["dds"]["ledger_seq"]), "dir": cut.get("dir", "")}
+    return cut
 
 
 def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[str, Any]) -> None:
-    """Wait for training, then do the fault. Everything it did goes into ``notes``."""
-    deadline = time.monotonic() + HARD_LIMIT_S - 30
-    if not _wait(lambda: _worker_stepped(run), deadline, proc):
-        notes["injected"] = "no: the run ended (or hung) before the first training step"
-        return
-    time.sleep(INJECT_AFTER_S)
-    if f.special == "corrupt":
-        if not _wait(lambda: bool(_committed(run / "checkpoints")), deadline, proc):
-            notes["injected"] = "no: no committed checkpoint"
+    """Drive the fleet to the fault's state, then strike. Everything it did goes into ``notes``.
+
+    Armed faults (signals): shard(s) done -> the bench's cut A committed -> another shard done
+    after A (-> for ``corrupt``: cut B committed and corrupted) -> strike. Interval cuts are off
+    (``checkpoint_interval_s`` huge), so no cut commits between A and the strike: a correct PS
+    recovery restores A (B is unreadable) and must roll the DDS back to it.
+    """
+    w = _Watch(run, proc, time.monotonic() + HARD_LIMIT_S - 30)
+    try:
+        if f.special == "disk":
+            notes["injected"] = "tmpfs checkpoint root"
             return
-        newest = _committed(run / "checkpoints")[-1]
-        shard = newest / "shard-0.lmdb"
-        size = shard.stat().st_size
-        with shard.open("r+b") as fh:  # the middle of the file: sha256 no longer matches the manifest
-            fh.seek(size // 2)
-            fh.write(os.urandom(min(4096, size // 4)))
-        notes["corrupted"] = str(newest)
-    if f.sig:
+        if not f.armed:
+            notes["injected"] = "from the start (job [faults])" if f.sections else "none (fault-free run)"
+            return
+        if w.until(lambda s: ledger_head(s) >= 0) is None:
+            notes["not_exercised"] = "the run ended before any shard was done"
+            return
+        cut = _arm_cut(w, notes, "cut")
+        if cut is None:
+            return
+        seq = int(cut["dds"]["ledger_seq"])
+        if w.until(lambda s: ledger_head(s) > seq) is None:
+            notes["not_exercised"] = f"no shard was done after cut {cut['cut_id']} (the run ended)"
+            return
+        if f.special == "corrupt":
+            spoiled = _arm_cut(w, notes, "corrupted_cut")
+            if spoiled is None:
+                return
+            shard = Path(spoiled["dir"]) / "shard-0.lmdb"
+            size = shard.stat().st_size
+            with shard.open("r+b") as fh:  # the middle of the file: sha256 no longer matches the manifest
+                fh.seek(size // 2)
+                fh.write(os.urandom(min(4096, size // 4)))
+            notes["corrupted"] = spoiled["dir"]
+        st = w.status()
         pid = fleet_procs(str(run)).get(f.target)
         if pid is None:
-            notes["injected"] = f"no: {f.target} not found"
+            notes["not_exercised"] = f"{f.target} not found"
             return
+        notes["ledger_head_at_strike"] = ledger_head(st) if st else None
+        notes["strike_time"] = time.time()
         if f.sig == "kill":
             _signal(pid, signal.SIGKILL)
         else:
             _signal(pid, signal.SIGSTOP)
             time.sleep(STOP_S)
             _signal(pid, signal.SIGCONT)
-        notes["injected"] = f"{f.sig} {f.target} pid {pid} at {time.time():.1f}"
-        if f.special == "corrupt":  # a cut committed between the corruption and the kill makes the fault moot
-            newest = _committed(run / "checkpoints")[-1].name
-            notes["corrupted_was_newest_at_kill"] = newest == Path(notes["corrupted"]).name
-    elif f.special == "disk":
-        notes["injected"] = "tmpfs checkpoint root"
+        notes["injected"] = f"{f.sig} {f.target} pid {pid} after cut {cut['cut_id']}"
+    finally:
+        w.close()
 
 
 def _launch_cmd(f: FleetFault, cfg: Path, run: Path) -> tuple[list[str], str]:
@@ -277,16 +386,35 @@ def _launch_cmd(f: FleetFault, cfg: Path, run: Path) -> tuple[list[str], str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], f"tmpfs {TMPFS_BYTES} bytes"
 
 
-def run_fleet(f: FleetFault, data: dict[str, Path], root: Path) -> dict[str, Any]:
-    """One ``metaps launch`` with fault ``f``; returns the raw outputs for :func:`judge`."""
-    cfg = write_job(root / f.name / "job.toml", job_mapping(data, root / f.name, **f.sections))
+def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str = "",
+              workers: int = 2, ps: int = 2, epochs: int = 2) -> dict[str, Any]:
+    """One ``metaps launch`` with fault ``f``; returns the raw outputs for :func:`judge`.
+
+    Args:
+        breaks: TEST ONLY: ``$METAPS_TEST_BREAK`` for the fleet (``metaps.core.faults.TEST_BREAKS``):
+            the run is of a deliberately broken build, for the judge's mutation tests.
+        workers, ps, epochs: the fleet's size (the tests run smaller ones).
+    """
+    job = job_mapping(data, root / f.name, workers=workers, ps=ps, **f.sections)
+    job["train"]["epochs"] = epochs
+    if f.armed:  # the bench takes the cuts (_inject): none commits behind its back
+        job["controller"]["checkpoint_interval_s"] = ARMED_INTERVAL_S
+    cfg = write_job(root / f.name / "job.toml", job)
     run = root / f.name / "run"
     cmd, method = _launch_cmd(f, cfg, run)
     notes: dict[str, Any] = {"method": method} if method else {}
+    notes["recovers_ps"] = f.recovers_ps
+    env = _env()
+    if breaks:
+        from metaps.core.faults import TEST_BREAK_ENV, write_break_sitecustomize
+
+        env["PYTHONPATH"] = write_break_sitecustomize(root / f.name / "break-site") + ":" + env["PYTHONPATH"]
+        env[TEST_BREAK_ENV] = breaks
+        notes["test_break"] = breaks
     t0 = time.monotonic()
     out_path = root / f.name / "launch.out"
     with out_path.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         inj = threading.Thread(target=_inject, args=(f, run, proc, notes), daemon=True)
         inj.start()
@@ -309,21 +437,6 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path) -> dict[str, Any
         pass
     return {"rc": rc, "report": rep, "run": run, "wall_s": time.monotonic() - t0, "notes": notes,
             "left_processes": len(left), "tail": text[-1500:]}
-
-
-def _ckpt_rows(run: Path) -> list[tuple[str, int]]:
-    """(checkpoint, total rows over tables) of every committed checkpoint of a run, oldest first."""
-    rows = []
-    for root in (run / "ckpt-manifests", run / "checkpoints"):
-        for p in _committed(root):
-            try:
-                man = json.loads((p / "manifest.json").read_text())
-            except (OSError, ValueError):
-                continue
-            rows.append((p.name, int(sum(int(t.get("rows", 0)) for t in man.get("tables", {}).values()))))
-        if rows:
-            break
-    return rows
 
 
 def ledger_coverage(shards: list[dict[str, Any]], specs: dict[str, list[int]], epochs: dict[str, int]) -> list[str]:
@@ -349,60 +462,192 @@ def ledger_coverage(shards: list[dict[str, Any]], specs: dict[str, list[int]], e
     return problems
 
 
-def _ps_rows(rep: dict[str, Any]) -> list[int]:
-    return [int(sum(int(t.get("rows", 0)) for t in s.get("store", {}).get("tables", {}).values()))
-            for s in rep.get("ps", [])]
+# ============================================================== the model's own update counts
+# Every table of a chaos fleet runs Adam, whose per-row state holds the row's update count
+# (``ps.optimizers.AdamOptimizer.step``; checkpointed with the row). A training step pushes
+# every unique id of its batch once, so a row's count is exactly the number of trained
+# batches holding its id (checked on a fault-free run: every row equal). The count is
+# additive and order-free (two async workers, any interleaving): the judge compares it,
+# row by row, with what the ledger says was trained.
+BatchIds = dict[tuple[int, int], dict[str, "np.ndarray"]]
 
 
-def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], baseline_rows: int | None) -> dict[str, Any]:
-    """survived / lost_rows / false_claim of one fleet run (see the module docstring)."""
+def batch_ids(train: Path) -> BatchIds:
+    """(file, batch) -> table -> the batch's unique ids: what one training step on it pushes."""
+    from meta_io.reader import MetaIODataset
+
+    ds = MetaIODataset(train)
+    out: BatchIds = {}
+    for f in range(ds.num_files):
+        for i, b in enumerate(ds.read_range(f, 0, ds.num_batches(f))):
+            out[(f, i)] = {t: u.numpy().astype(np.int64) for t, u in b.unique_ids.items()}
+    return out
+
+
+def expected_counts(entries: list[dict[str, Any]], ids: BatchIds) -> dict[str, dict[int, int]]:
+    """table -> id -> updates the ledger ``entries`` (train; each batch of a range once) account for."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for e in entries:
+        for b in range(int(e["start"]), int(e["stop"])):
+            for t, u in ids.get((int(e["file"]), b), {}).items():
+                parts.setdefault(t, []).append(u)
+    out: dict[str, dict[int, int]] = {}
+    for t, arrs in parts.items():
+        u, c = np.unique(np.concatenate(arrs), return_counts=True)
+        out[t] = dict(zip(u.tolist(), c.tolist()))
+    return out
+
+
+def model_counts(ckpt: Path) -> dict[str, dict[int, int]]:
+    """table -> id -> the row's update count (Adam ``step``) in a committed checkpoint."""
+    from ps.checkpoint import read_manifest, read_rows
+
+    out: dict[str, dict[int, int]] = {}
+    for t in read_manifest(ckpt).get("tables", {}):
+        d: dict[int, int] = {}
+        for rows in read_rows(ckpt, t):
+            d.update(zip(rows.ids.tolist(), np.asarray(rows.state["step"]).reshape(-1).tolist()))
+        out[t] = d
+    return out
+
+
+def compare_counts(have: dict[str, dict[int, int]], low: dict[str, dict[int, int]],
+                   high: dict[str, dict[int, int]] | None = None) -> dict[str, int]:
+    """Rows whose count is below ``low`` (updates the ledger claims and the model lacks) / above ``high``.
+
+    Returns rows_short, updates_missing, rows_over, updates_unaccounted, rows_checked.
+    """
+    short = missing = over = extra = checked = 0
+    for t, want in low.items():
+        got = have.get(t, {})
+        for i, n in want.items():
+            checked += 1
+            g = got.get(i, 0)
+            if g < n:
+                short += 1
+                missing += n - g
+    if high is not None:
+        for t, got in have.items():
+            cap = high.get(t, {})
+            for i, g in got.items():
+                if g > cap.get(i, 0):
+                    over += 1
+                    extra += g - cap.get(i, 0)
+    return {"rows_short": short, "updates_missing": missing, "rows_over": over, "updates_unaccounted": extra,
+            "rows_checked": checked}
+
+
+def model_check(res: dict[str, Any], ids: BatchIds) -> dict[str, Any]:
+    """The final model and every restored cut against the ledger (see the module docstring).
+
+    Keys: ``final`` (compare_counts of the final checkpoint: low = live done entries, high = those
+    plus every replayed / stale / duplicate entry), ``restored`` (one per PS recovery: the cut's
+    checkpoint against the done entries at the cut), ``exercised`` (None, or why the fault did not
+    reach its state), ``problems``.
+    """
+    rep = res["report"] or {}
+    train = [e for e in rep.get("shards", []) if e.get("dataset") == "train"]
+    live = [e for e in train if e.get("kind") == "done" and not e.get("replayed")]
+    replays = [e for e in train if e not in live]
+    out: dict[str, Any] = {"problems": [], "restored": []}
+    final = rep.get("checkpoint") or ""
+    if final and (Path(final) / "manifest.json").is_file():
+        fc = compare_counts(model_counts(Path(final)), expected_counts(live, ids), expected_counts(live + replays, ids))
+        out["final"] = fc
+        if fc["updates_missing"]:
+            out["problems"].append(f"the final model lacks {fc['updates_missing']} row updates of {fc['rows_short']} "
+                                   f"rows that the ledger says were trained")
+        if fc["updates_unaccounted"]:
+            out["problems"].append(f"the final model holds {fc['updates_unaccounted']} row updates ({fc['rows_over']} "
+                                   f"rows) more than the ledger's done + replayed + stale entries: replays not reported")
+    elif rep.get("status") == "succeeded":
+        out["problems"].append("succeeded without a final checkpoint to check")
+    cuts = {int(c["cut_id"]): c for c in rep.get("controller", {}).get("checkpoints", [])}
+    recoveries = [e for e in rep.get("controller", {}).get("events", []) if e.get("kind") == "ps_recovery"]
+    for ev in recoveries:
+        cut = cuts.get(int((ev.get("evidence") or {}).get("cut_id", -1)))
+        if cut is None:
+            out["problems"].append(f"a PS recovery restored a cut the report does not list: {ev.get('evidence')}")
+            continue
+        seq = int(cut["dds"]["ledger_seq"])
+        row: dict[str, Any] = {"cut_id": int(cut["cut_id"]), "ledger_seq": seq}
+        if Path(cut.get("dir", ""), "manifest.json").is_file():
+            at_cut = [e for e in train if e.get("kind") == "done" and int(e["seq"]) <= seq]
+            row.update(compare_counts(model_counts(Path(cut["dir"])), expected_counts(at_cut, ids)))
+            if row["updates_missing"]:
+                out["problems"].append(f"cut {cut['cut_id']}'s checkpoint lacks {row['updates_missing']} row updates "
+                                       f"of the shards done at the cut")
+        else:
+            row["checked"] = "its checkpoint was pruned"
+        out["restored"].append(row)
+    out["exercised"] = _exercised(res, train, cuts, recoveries)
+    return out
+
+
+def _exercised(res: dict[str, Any], train: list[dict[str, Any]], cuts: dict[int, dict[str, Any]],
+               recoveries: list[dict[str, Any]]) -> str | None:
+    """None when the fault reached the state it was meant for; else why not (from the run's own record)."""
+    notes = res["notes"]
+    if notes.get("not_exercised"):
+        return str(notes["not_exercised"])
+    f_armed = "strike_time" in notes
+    if not f_armed:
+        return None if notes.get("injected") else "never injected"
+    if notes.get("recovers_ps"):
+        if not recoveries:
+            return "no PS recovery ran"
+        cut_id = int((recoveries[0].get("evidence") or {}).get("cut_id", -1))
+        if cut_id != int(notes["cut"]["cut_id"]):
+            return f"the recovery restored cut {cut_id}, not the armed cut {notes['cut']['cut_id']}"
+        seq = int(cuts[cut_id]["dds"]["ledger_seq"]) if cut_id in cuts else -1
+        before = [e for e in train if e.get("kind") == "done" and int(e["seq"]) <= seq]
+        after = [e for e in train if e.get("kind") == "done" and int(e["seq"]) > seq
+                 and float(e.get("time", 0)) <= float(notes["strike_time"])]
+        if not before or not after:
+            return f"the restored cut had {len(before)} shards done before it and {len(after)} after it at the strike"
+    return None
+
+
+def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], ids: BatchIds) -> dict[str, Any]:
+    """survived / not exercised / lost updates / false claim of one fleet run (see the module docstring)."""
     rep = res["report"]
     row: dict[str, Any] = {"fault": f.name, "exit_code": res["rc"], "wall_s": round(res["wall_s"], 1),
-                           **res["notes"], "left_processes": res["left_processes"]}
+                           **{k: v for k, v in res["notes"].items() if k != "recovers_ps"},
+                           "left_processes": res["left_processes"]}
     if rep is None:
-        row.update(survived=False, lost_rows=False, false_claim=False, status="no report.json",
+        row.update(survived=False, exercised=False, lost_updates=False, false_claim=False, status="no report.json",
                    why="no report.json (launcher hung or crashed); tail: " + res["tail"][-300:])
         return row
     status, reason = rep.get("status", ""), rep.get("reason", "")
     epochs = {"train": int(rep.get("config", {}).get("train", {}).get("epochs", 1)), "eval": 1}
     problems = ledger_coverage(rep.get("shards", []), specs, epochs)
-    ps_rows = _ps_rows(rep)
-    ckpts = _ckpt_rows(res["run"])
-    # a checkpoint this bench corrupted on purpose holds no rows anyone can restore: not a yardstick
-    spoiled = Path(str(res["notes"].get("corrupted", ""))).name
-    max_ckpt = max((r for name, r in ckpts if name != spoiled), default=0)
+    mc = model_check(res, ids)
     events = rep.get("controller", {}).get("events", [])
     failed_recovery = [e for e in events if e.get("kind") == "ps_recovery_failed"
                        or (e.get("kind") == "ps_recovery" and "error" in (e.get("evidence") or {}))]
-    lost = []
-    if ps_rows:
-        if sum(ps_rows) < max_ckpt:
-            lost.append(f"PS rows {sum(ps_rows)} < committed checkpoint's {max_ckpt}")
-        if status == "succeeded" and any(r == 0 for r in ps_rows):
-            lost.append(f"a shard ended with 0 rows: {ps_rows}")
-        if status == "succeeded" and baseline_rows is not None and sum(ps_rows) < baseline_rows:
-            lost.append(f"PS rows {sum(ps_rows)} < the no-fault run's {baseline_rows}")
-    elif status == "succeeded":
-        lost.append("no PS stats at the end of a run that says succeeded")
-    claims = []
+    lost = [p for p in mc["problems"] if "lacks" in p]
+    claims = [p for p in mc["problems"] if "lacks" not in p]
     cov_claim = bool(rep.get("controller", {}).get("coverage", {}).get("complete"))
     if (status == "succeeded" or cov_claim) and problems:
         claims.append(f"says {'succeeded' if status == 'succeeded' else 'coverage complete'} but the ledger: {problems[:3]}")
     if status == "succeeded" and failed_recovery:
         claims.append(f"says succeeded after a failed PS recovery: {failed_recovery[0].get('evidence')}")
+    not_ex = mc["exercised"]
+    succeeded = res["rc"] == 0 and status == "succeeded" and not problems
+    survived = succeeded and not lost and not claims and not_ex is None
     true_reason = bool(reason) and any(w.lower() in reason.lower() for w in f.because)
-    survived = ((res["rc"] == 0 and status == "succeeded" and not problems and not lost)
-                or (res["rc"] not in (0, None) and status == "failed" and true_reason and not lost))
-    row.update(status=status, reason=reason[:300], survived=survived, lost_rows=bool(lost), false_claim=bool(claims),
-               coverage_problems=len(problems), ps_rows=ps_rows, max_checkpoint_rows=max_ckpt,
-               checkpoints=len(ckpts), ps_recoveries=len([e for e in events if e.get("kind") == "ps_recovery"]),
+    row.update(status=status, reason=reason[:300], survived=survived, exercised=not_ex is None,
+               lost_updates=bool(lost), false_claim=bool(claims), coverage_problems=len(problems),
+               failed_clearly=not succeeded and status == "failed" and true_reason and not lost and not claims,
+               model=mc.get("final"), restored=mc["restored"],
+               ps_recoveries=len([e for e in events if e.get("kind") == "ps_recovery"]),
                failed_recoveries=len(failed_recovery))
-    why = lost + claims
-    if not survived and not why:
-        why.append("failed without naming the cause" if status == "failed" else f"status {status}, exit {res['rc']}"
-                   + (f", ledger: {problems[:2]}" if problems else ""))
+    why = ([f"not exercised: {not_ex}"] if not_ex else []) + lost + claims
+    if not succeeded:
+        why.append(f"the run failed (status {status}, exit {res['rc']}): {reason[:200]}" if status == "failed" else
+                   f"status {status}, exit {res['rc']}" + (f", ledger: {problems[:2]}" if problems else ""))
     if why:
-        row["why"] = "; ".join(why)[:500]
+        row["why"] = "; ".join(why)[:600]
     return row
 
 
@@ -652,7 +897,8 @@ def write_raw(path: Path, job: dict[str, Any]) -> Path:
 # ============================================================== main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a subset: bad inputs, many workers, 2 fleet faults")
+    ap.add_argument("--quick", action="store_true",
+                    help="a subset: bad inputs, many workers, 2 fleet faults (1 epoch each)")
     ap.add_argument("--keep", default="", help="keep run dirs under this directory (default: a temp dir, removed)")
     ap.add_argument("--only", default="", help="comma-separated fleet fault names to run (default: all of the mode)")
     ap.add_argument("--smoke", action="store_true",
@@ -679,20 +925,19 @@ def main(argv: list[str] | None = None) -> int:
             faults = [f for f in faults if f.name in keep]
         elif args.smoke:
             faults = []
-        baseline_rows = None
+        ids = batch_ids(data["train"])
         rows: list[dict[str, Any]] = []
         resume_source = None
-        if not (args.quick or args.smoke):
+        if not (args.quick or args.smoke):  # the fault-free run: the judge must pass it too
             b = run_fleet(FleetFault("baseline"), data, root)
-            rb = judge(FleetFault("baseline"), b, specs, None)
+            rb = judge(FleetFault("baseline"), b, specs, ids)
             say("baseline: " + json.dumps(rb))
-            if b["report"] is not None and rb["survived"]:
-                baseline_rows = sum(_ps_rows(b["report"]))
+            rows.append(rb)
             ck = _committed(b["run"] / "checkpoints")
             resume_source = ck[-1] if ck else None
         for f in faults:
-            res = run_fleet(f, data, root)
-            row = judge(f, res, specs, baseline_rows)
+            res = run_fleet(f, data, root, epochs=1 if args.quick else 2)  # quick: 5 shards, still both sides of a cut
+            row = judge(f, res, specs, ids)
             rows.append(row)
             say(f"{f.name}: " + json.dumps(row))
             if resume_source is None:
@@ -702,8 +947,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in bad[-5:]:
             say(f"bad input {r['target']}: {r['name']}: {'clear' if r['clear'] else 'NOT CLEAR'} "
                 f"({r['code']}: {r['message'][:120]})")
-        mw_row = {"fault": "many_workers_one_slow", "survived": mw["survived"], "lost_rows": False,
-                  "false_claim": False, **{k: mw[k] for k in ("slow_steps_tried", "slow_failed", "slow_pushes",
+        mw_row = {"fault": "many_workers_one_slow", "survived": mw["survived"], "exercised": mw["slow_steps_tried"] > 0,
+                  "lost_updates": False, "false_claim": False, **{k: mw[k] for k in ("slow_steps_tried", "slow_failed", "slow_pushes",
                                                                "slow_push_failed", "slow_codes", "fast_steps",
                                                                "fast_errors")}}
         rows.append(mw_row)
@@ -711,18 +956,20 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
             "faults_tried": len(rows),
             "faults_survived": sum(1 for r in rows if r["survived"]),
-            "runs_losing_rows": sum(1 for r in rows if r["lost_rows"]),
+            "faults_not_exercised": sum(1 for r in rows if not r.get("exercised", True)),
+            "faults_failed_clearly": sum(1 for r in rows if r.get("failed_clearly")),
+            "runs_losing_updates": sum(1 for r in rows if r["lost_updates"]),
             "false_coverage_claims": sum(1 for r in rows if r["false_claim"]),
             "bad_inputs_tried": len(bad),
             "bad_inputs_clear_error": sum(1 for r in bad if r["clear"]),
-            "baseline_rows": baseline_rows,
             "disk_full_method": next((r.get("method", "") for r in rows if r["fault"] == "disk_full"), "not run"),
             "slow_worker_steps_tried": mw["slow_steps_tried"],
             "slow_worker_steps_failed": mw["slow_failed"],
             "slow_worker_pushes_failed": mw["slow_push_failed"],
             "wall_s": round(time.monotonic() - t0, 1),
-            "faults": [{k: r[k] for k in ("fault", "survived", "lost_rows", "false_claim") if k in r}
-                       | {k: r[k] for k in ("status", "exit_code", "reason", "why") if r.get(k)} for r in rows],
+            "faults": [{k: r[k] for k in ("fault", "survived", "exercised", "lost_updates", "false_claim") if k in r}
+                       | {k: r[k] for k in ("status", "exit_code", "reason", "why", "model") if r.get(k)}
+                       for r in rows],
             "bad_inputs": [{k: r[k] for k in ("target", "name", "clear", "code")} for r in bad],
         }
     finally:

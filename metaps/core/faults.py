@@ -37,7 +37,9 @@ import enum
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Mapping
+
+from metaps.core.errors import MetapsError
 
 
 class FaultTarget(str, enum.Enum):
@@ -231,3 +233,124 @@ def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None) -> C
         t0 = float(os.environ["METAPS_T0"])
     inj = FaultInjector(cfg, "ps", shard, t0=t0)
     return inj.added_latency
+
+
+# ============================================================== test-only breaks (mutation tests)
+# A judge that cannot fail proves nothing: ``bench.chaos``'s judge is shown to fail on
+# deliberately broken builds (tests/bench/test_chaos_judge.py). The breaks are applied to
+# a fleet's processes from outside the product: :func:`write_break_sitecustomize` writes a
+# ``sitecustomize.py`` that calls :func:`install_test_breaks`; a fleet started with that
+# directory first on ``PYTHONPATH`` and ``$METAPS_TEST_BREAK`` set runs broken. Nothing in
+# the product reads ``$METAPS_TEST_BREAK``; without the sitecustomize nothing is broken.
+TEST_BREAK_ENV = "METAPS_TEST_BREAK"
+TEST_BREAKS = {
+    "no_rollback": "a PS recovery does not roll the DDS back to the restored cut (its record still commits)",
+    "restore_empty": "a PS Restore verifies and loads the checkpoint, then keeps zero rows (dense params kept)",
+}
+
+
+class UnknownTestBreak(MetapsError):
+    """``$METAPS_TEST_BREAK`` names a break that does not exist."""
+
+
+def _break_no_rollback(mod: Any) -> None:
+    import logging
+
+    def rollback_to(self: Any, cut_id: int, also: Callable[[Any, list[str]], None] | None = None) -> list[str]:
+        logging.getLogger(__name__).warning("TEST BREAK no_rollback: the DDS is not rolled back", extra={"cut_id": cut_id})
+        if also is not None:  # the recovery's own record commits as if the rollback had
+            with self._dds._store.begin(write=True) as txn:
+                also(txn, [])
+        return []
+
+    mod.CheckpointCoordinator.rollback_to = rollback_to
+
+
+def _break_restore_empty(mod: Any) -> None:
+    import logging
+
+    orig = mod.restore_shard_checkpoint
+
+    def restore_shard_checkpoint(server: Any, ckpt_dir: Any) -> tuple[int, int]:
+        _rows, step = orig(server, ckpt_dir)
+        fresh = server.store.empty_like()
+        fresh.dense = server.store.dense
+        server.store = fresh
+        logging.getLogger(__name__).warning("TEST BREAK restore_empty: restored rows dropped", extra={"dir": str(ckpt_dir)})
+        return 0, step
+
+    mod.restore_shard_checkpoint = restore_shard_checkpoint
+
+
+_BREAK_TARGETS: dict[str, tuple[str, Callable[[Any], None]]] = {
+    "no_rollback": ("controller.checkpoint", _break_no_rollback),
+    "restore_empty": ("ps.coordinator", _break_restore_empty),
+}
+
+
+class _PatchAfterImport:
+    """A ``sys.meta_path`` finder: once module ``name`` has executed, ``patch(module)`` runs (lazily,
+    so a process that never imports it pays nothing)."""
+
+    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            patch(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def install_test_breaks(env: Mapping[str, str] | None = None) -> list[str]:
+    """Break this process as ``$METAPS_TEST_BREAK`` (comma-separated :data:`TEST_BREAKS` names) says.
+
+    TEST ONLY: called by the ``sitecustomize.py`` of :func:`write_break_sitecustomize`. Returns
+    the breaks installed ([] when the variable is unset).
+
+    Raises:
+        UnknownTestBreak: a name not in :data:`TEST_BREAKS`.
+    """
+    import sys
+
+    names = [n for n in (env if env is not None else os.environ).get(TEST_BREAK_ENV, "").split(",") if n]
+    unknown = [n for n in names if n not in _BREAK_TARGETS]
+    if unknown:
+        raise UnknownTestBreak(f"${TEST_BREAK_ENV}: unknown break(s) {unknown}; known: {sorted(TEST_BREAKS)}")
+    patches: dict[str, Callable[[Any], None]] = {}
+    for n in names:
+        module, patch = _BREAK_TARGETS[n]
+        if module in sys.modules:
+            patch(sys.modules[module])
+        else:
+            patches[module] = patch
+    if patches:
+        sys.meta_path.insert(0, _PatchAfterImport(patches))
+    return names
+
+
+def write_break_sitecustomize(directory: str | os.PathLike[str]) -> str:
+    """Write ``directory/sitecustomize.py`` (calls :func:`install_test_breaks`); returns the directory.
+
+    TEST ONLY. Put the directory first on ``PYTHONPATH`` and set ``$METAPS_TEST_BREAK``
+    in the environment of the processes to break.
+    """
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text("from metaps.core.faults import install_test_breaks\n\ninstall_test_breaks()\n")
+    return str(d)
