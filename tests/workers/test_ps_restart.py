@@ -20,10 +20,13 @@ from ps.coordinator import checkpoint_all
 
 from tests.ps.conftest import start_ps_process
 from tests.workers.conftest import make_job
-from tests.workers.procs import start_worker, wait_exit, wait_for_log, write_job
+from tests.workers.procs import TOKEN, start_worker, wait_exit, wait_for_log, write_job
 
 
-def test_worker_survives_ps_sigkill_and_restart(worker_data, tmp_path: Path) -> None:
+def test_worker_survives_ps_sigkill_and_restart(worker_data, tmp_path: Path, monkeypatch) -> None:
+    # job.toml says token = "<redacted>": hand the PS its token as a launcher does (without one
+    # a hand-started PS generates its own, and the worker's token would be refused)
+    monkeypatch.setenv("METAPS_TOKEN", TOKEN)
     epochs = 3
     # Overlap on (the fleet default): the outage hits the background row lane as well as the step.
     job = make_job(worker_data["plain"], tmp_path, mode="plain",
