@@ -88,6 +88,11 @@ class DeliveryError(MetapsError):
     """A delivery input or bundle is bad: missing checkpoint, corrupt file, broken chain."""
 
 
+class DeliveryWriteError(DeliveryError):
+    """Writing the bundle failed (a full disk, an I/O error); nothing partial was left under the
+    publish root and LATEST is unchanged."""
+
+
 class BundleKind(str, enum.Enum):
     FULL = "full"
     DELTA = "delta"

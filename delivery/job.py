@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import logging
 import shutil
 import threading
@@ -36,7 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from delivery.bundle import DeliveryError, read_manifest, write_manifest, checksum_files
+import lmdb
+
+from delivery.bundle import DeliveryError, DeliveryWriteError, read_manifest, write_manifest, checksum_files
 from delivery.config import DeliveryConfig
 from delivery.export import CheckpointSource, ParentState, export_bundle, parent_state, resolve_checkpoint
 from delivery.gate import GateReport, run_gate
@@ -46,6 +49,10 @@ from delivery.reuse import ExportCache
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
+
+_LOW_SPACE = 64 << 20
+"""An LMDB write error with less than this free under the publish root is reported as a full disk
+(LMDB reports ENOSPC while flushing its pages as "Input/output error")."""
 
 
 class Status(str, enum.Enum):
@@ -130,6 +137,32 @@ def deliver_once(
     ckpt = resolve_checkpoint(run, checkpoint)
     src = CheckpointSource.open(ckpt, cache=cache)
     pub = Publisher(cfg.out)
+    try:
+        return _deliver_locked(cfg, pub, ckpt, src, force, cache)
+    except (OSError, lmdb.Error) as exc:  # a full disk, an I/O error: one line; nothing partial is left
+        raise write_failed(pub.root, exc) from None
+
+
+def write_failed(root: Path, exc: BaseException) -> DeliveryWriteError:
+    """The one-line error of a delivery whose writes under ``root`` failed (a full disk named as such)."""
+    err = getattr(exc, "errno", None)
+    what = " ".join(str(exc).split()) or type(exc).__name__
+    try:
+        free: int | None = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    where = getattr(exc, "filename", None) or root
+    if err in (errno.ENOSPC, errno.EDQUOT) or (isinstance(exc, lmdb.Error) and free is not None and free < _LOW_SPACE):
+        code = errno.errorcode.get(err, "ENOSPC") if err in (errno.ENOSPC, errno.EDQUOT) else "ENOSPC"
+        return DeliveryWriteError(f"{where}: no space left on device while writing the bundle ({code}: {what}; "
+                                  f"{free} bytes free); nothing was published, LATEST unchanged")
+    return DeliveryWriteError(f"{where}: I/O error while writing the bundle ({type(exc).__name__}: {what}); "
+                              f"nothing was published, LATEST unchanged")
+
+
+def _deliver_locked(cfg: DeliveryConfig, pub: Publisher, ckpt: Path, src: CheckpointSource, force: bool,
+                    cache: ExportCache | None) -> DeliveryOutcome:
+    """:func:`deliver_once` from taking the publish root's lock on."""
     with pub.locked():
         latest = pub.latest()
         published = pub.root / latest if latest else None

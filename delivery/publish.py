@@ -241,10 +241,15 @@ class Publisher:
                 log.warning("stale delivery lock cleared: its holder died without removing it",
                             extra=kv(root=self.root, lock=path.name, pid=pid, host=host,
                                      pid_alive="yes (pid reused)" if alive else "no"))
-            fh.seek(0)
-            fh.truncate()
-            fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
-            fh.flush()
+            try:
+                fh.seek(0)
+                fh.truncate()
+                fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+                fh.flush()
+            except OSError:  # (a full disk): no lock file left behind
+                self._release(fh)
+                fh.close()
+                raise
             return fh
         raise DeliveryError(f"{self.root}: could not take {path}: it keeps being replaced")
 
@@ -295,6 +300,19 @@ class Publisher:
             raise DeliveryError(f"{final}: version already published; refusing to overwrite")
         fsync_tree(staging)
         os.rename(staging, final)
+        try:
+            self._point_latest(version)
+        except BaseException:  # (a full disk writing LATEST.tmp): the version goes back to staging, unseen
+            with contextlib.suppress(OSError):
+                (self.root / (LATEST + ".tmp")).unlink()
+            if final.is_dir() and self.latest() != version:
+                os.rename(final, staging)
+            raise
+        log.info("published", extra=kv(root=self.root, version=version))
+        return final
+
+    def _point_latest(self, version: str) -> None:
+        """:meth:`publish` after the rename: ``LATEST`` names ``version`` (fsyncs overlapped)."""
         # The root's fsync (the new version's entry) and LATEST.tmp's (its text) are independent:
         # both run at once, and both end before LATEST.tmp is renamed over LATEST.
         staged: list[Path] = []
@@ -315,8 +333,6 @@ class Publisher:
         if errors:
             raise errors[0]
         self._swap_latest(staged[0])
-        log.info("published", extra=kv(root=self.root, version=version))
-        return final
 
     def set_latest(self, version: str) -> None:
         """Point ``LATEST`` at ``version`` atomically (temp file, fsync, rename, fsync dir)."""
