@@ -16,12 +16,19 @@ Keys in ``shard-<K>.lmdb``::
                          tables {name: {dim, optimizer, capacity, rows, step, state}}, dense [names]
     t/<table>/<vshard>   one chunk: that vshard's TableRows (full checkpoints; see
                          ``row_chunks`` below for delta files)
+    n/<table>            one chunk: rows per vshard as written (int64 "vshards", "rows");
+                         format 2: a restore compares what it reads with it
     d/<name>             one chunk: dense value + optimizer state
 
 Chunk format (little-endian)::
 
-    b"MPSC" | u32 format=1 | u32 header_len | header json | pad to 8 | buffers
-    header = {"arrays": [{"name", "dtype", "shape", "offset", "nbytes"}, ...]}
+    b"MPSC" | u32 format=2 | u32 header_len | u32 crc32(header) | header json | pad to 8 | buffers
+    header = {"arrays": [{"name", "dtype", "shape", "offset", "nbytes", "crc32"}, ...]}
+
+The crc32s are taken as the rows are serialized (:func:`pack_arrays`) and checked
+on every read: damage after serialization (a write-path fault, the disk, LMDB) is
+refused as :class:`CheckpointError` (DATA_LOSS on the wire) naming file and key.
+Format 1 (no crc fields, files written before) is still read.
 
 Because rows are keyed by vshard, a checkpoint taken with N shards restores
 onto M shards: each new shard reads every ``shard-*.lmdb`` and imports only the
