@@ -43,6 +43,67 @@ def key_seq(key: bytes | memoryview) -> int:
     return struct.unpack(">Q", key)[0]
 
 
+_PROBE = r"""
+import json, os, shutil, sys
+import lmdb
+names = sys.argv[2].split(",")
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=len(names) + 2)
+try:
+    with env.begin() as txn:
+        for name in names:
+            db = env.open_db(name.encode(), txn=txn, create=False)
+            for k, v in txn.cursor(db):
+                json.loads(bytes(v))
+    env.close()
+    # writes read what reads never do (the free-page list): write to a copy of the file
+    shutil.copyfile(os.path.join(sys.argv[1], "data.mdb"), os.path.join(sys.argv[3], "data.mdb"))
+    env = lmdb.open(sys.argv[3], lock=False, max_dbs=len(names) + 2, sync=False, metasync=False,
+                    map_size=max(1 << 32, 2 * os.path.getsize(os.path.join(sys.argv[3], "data.mdb"))))
+    for _ in range(3):
+        with env.begin(write=True) as txn:
+            for name in names:
+                db = env.open_db(name.encode(), txn=txn, create=False)
+                txn.put(b"\xff-state-probe", b"{}" * 2048, db=db)
+        with env.begin(write=True) as txn:
+            for name in names:
+                txn.delete(b"\xff-state-probe", db=env.open_db(name.encode(), txn=txn, create=False))
+except Exception as exc:
+    print(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+    sys.exit(3)
+"""
+
+
+def probe_state(path: Path, timeout_s: float = 120.0) -> None:
+    """Read an existing state directory back in a child process (a damaged LMDB page can end
+    the reading process with SIGBUS/SIGSEGV, which no ``except`` catches).
+
+    Raises:
+        StateCorrupt: the child could not read every record (names the file and why).
+    """
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    data = path / "data.mdb"
+    names = ",".join(n.decode() for n in DB_NAMES)
+    try:
+        with tempfile.TemporaryDirectory(prefix="state-probe-") as tmp:
+            r = subprocess.run([sys.executable, "-c", _PROBE, str(path), names, tmp], capture_output=True,
+                               text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise StateCorrupt(f"controller state {data}: reading it back took over {timeout_s:.0f}s; restore the "
+                           f"state directory from a backup or start the run on a new one") from None
+    if r.returncode == 0:
+        return
+    if r.returncode < 0:
+        why = f"reading it back killed the checking process with {signal.Signals(-r.returncode).name}"
+    else:
+        why = r.stdout.strip() or (r.stderr.strip().splitlines() or ["unreadable"])[-1]
+    raise StateCorrupt(f"controller state {data}: unreadable ({why}); restore the state directory from a "
+                       f"backup or start the run on a new one")
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
@@ -85,6 +146,8 @@ class StateStore:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         data = self.path / "data.mdb"
+        if data.exists() and data.stat().st_size > 0:
+            probe_state(self.path)  # a damaged page can kill the reader (SIGBUS): read it in a child first
         try:
             self.env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 2,
