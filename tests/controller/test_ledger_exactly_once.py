@@ -156,3 +156,29 @@ def test_to_status_reports_the_overlap(ledger: Ledger) -> None:
     assert st["problems"] == ["dataset train epoch 0 file 0: batches [0, 1) done more than once"]
     assert st["done_batches"] == st["total_batches"] == 20 and st["fraction"] == 1.0
     assert st["by_dataset"] == {"train": [20, 20]} and st["done_entries"] == 9
+
+
+def test_to_status_is_the_whole_coverage_as_plain_data(ledger: Ledger) -> None:
+    spec = DatasetSpec("train", (3,), DatasetKind.TRAIN, epochs=1)
+    _add(ledger, 0, 0, 1)
+    _add(ledger, 0, 0, 1, kind=EntryKind.DUPLICATE, samples=7)
+    _add(ledger, 0, 1, 2, kind=EntryKind.STALE, samples=5)
+    cov = ledger.coverage({"train": spec})
+    cov.finished, cov.closed = False, {"eval": "max_steps"}
+    assert cov.to_status() == {
+        "complete": False, "state": "incomplete", "fraction": 0.333333, "done_batches": 1, "total_batches": 3,
+        "by_dataset": {"train": [1, 3]}, "finished": False, "closed": {"eval": "max_steps"},
+        "problems": ["dataset train epoch 0 file 0: batches [1, 3) never done"], "done_entries": 1,
+        "duplicate_entries": 1, "stale_entries": 1, "replayed_entries": 0, "samples": 22,
+        "duplicate_samples": 12, "duplicate_batches": 2,
+    }
+
+
+def test_to_status_keeps_the_first_fifty_problems(ledger: Ledger) -> None:
+    spec = DatasetSpec("train", (1,) * 60, DatasetKind.TRAIN, epochs=1)
+    cov = ledger.coverage({"train": spec})
+    assert len(cov.problems) == 60 and cov.fraction == 0.0
+    st = cov.to_status()
+    assert st["problems"] == cov.problems[:50] and st["fraction"] == 0.0
+    assert len(cov.to_status(max_problems=3)["problems"]) == 3
+    assert Coverage().to_status()["fraction"] == 1.0  # nothing requested: all of it done

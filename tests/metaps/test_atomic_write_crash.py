@@ -129,7 +129,7 @@ def test_mode_is_private_by_default_whatever_the_umask_and_an_old_tmp(tmp_path: 
     old_umask = os.umask(0)
     try:
         write_text_atomic(p, "a\n")
-        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600 and p.read_text() == "a\n"  # the old tmp truncated
         write_text_atomic(p, "b\n", mode=0o640)
         assert stat.S_IMODE(p.stat().st_mode) == 0o640
         write_json_atomic(p, [1], mode=0o604)
