@@ -683,9 +683,13 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
 
     resolve_device(job.train.device)  # a CUDA setting on a machine without one fails here, in one line
 
+    # A PS recovery's pause is leased for one controller node timeout and renewed while the
+    # controller lives (controller/ps_recovery.py): a dead controller's pause ends within one,
+    # a controller back within one pauses again and restores. Wait out three before giving up.
+    ps_wait_s = max(60.0, 3 * job.controller.heartbeat_timeout_s) if controller_addr else 60.0
     client = PsClient(
         ps_addresses, job.rpc, value_dtype=job.ps.value_dtype, worker_id=f"worker-{rank}",
-        register=True, max_request_rows=job.ps.max_request_rows,
+        register=True, max_request_rows=job.ps.max_request_rows, retry_timeout_s=ps_wait_s,
     )
     ctl = None
     if controller_addr:

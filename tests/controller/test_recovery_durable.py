@@ -148,3 +148,25 @@ def _scenario(tmp_path: Path, crash_at: str) -> None:
 ])
 def test_recovery_resumes_after_controller_sigkill(tmp_path: Path, crash_at: str) -> None:
     _scenario(tmp_path, crash_at)
+
+
+def test_no_final_checkpoint_while_a_recovery_is_pending(controller: Any) -> None:
+    """A recorded, unfinished recovery (its rollback will requeue shards) keeps the run
+    unfinished: GetShard says WAIT, not DONE (workers stay to replay), status is not
+    finished, and the leader's finish does not count as the final checkpoint -- which
+    would carry a step label newer than the restored rows."""
+    from controller.ps_recovery import RECORD_KEY
+
+    from .conftest import TRAIN, client, drain
+
+    srv = controller(datasets=(TRAIN,), ps_fleet=None)
+    w = client(srv, 0)
+    assert drain(w, "train") > 0 and w.get_shard("train").status.value == "done"
+    srv.recovery.note("ps:1", 2)  # durable; no run started here
+    assert w.get_shard("train").status.value == "wait"
+    assert w.status()["finished"] is False
+    srv.outcome.worker_finished(0)
+    assert not srv.outcome.final_done
+    with srv.store.begin(write=True) as txn:  # stand-in for the end of the recovery
+        txn.delete(RECORD_KEY.encode(), db=srv.store.db("meta"))
+    assert w.get_shard("train").status.value == "done" and w.status()["finished"] is True
