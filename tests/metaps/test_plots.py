@@ -115,7 +115,7 @@ def test_a_plot_that_fails_does_not_stop_the_others(tmp_path: Path) -> None:
     ("plot_throughput", "throughput (fleet total and per worker)", "seconds since launch", "samples/s", True),
     ("plot_shard_timeline", "shard timeline (who did which shard; requeues and stragglers marked)",
      "seconds since launch", "", True),
-    ("plot_loss", "training loss (fleet mean and per worker)", "seconds since launch", "loss", True),
+    ("plot_loss", "training loss per head (all workers, smoothed)", "seconds since launch", "loss", True),
     ("plot_auc", "eval AUC by head (final evaluation)", "head", "AUC", True),
 ])
 def test_every_plot_finishes_its_axes(fn: str, title: str, xlabel: str, ylabel: str, legend: bool) -> None:

@@ -128,10 +128,12 @@ def test_fleet_total_and_every_incarnation_drawn() -> None:
     fig = render("throughput.png", _report(2))
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "fleet total" in labels and "worker 0" in labels and "worker 1 (2 incarnations)" in labels
+    # worker 0 is the one the controller flagged slow (slow_detected on worker:0)
+    assert "fleet total" in labels and "worker 0 (slow)" in labels and "worker 1 (2 incarnations)" in labels
+    assert "restart (new incarnation)" in labels
     assert {"event: slow", "event: restart", "event: checkpoint", "event: migrate"} <= set(labels), labels
     total = next(line for line in ax.get_lines() if line.get_label() == "fleet total")
     worker_peak = max(max(line.get_ydata()) for line in ax.get_lines() if line.get_label().startswith("worker"))
     assert max(total.get_ydata()) > worker_peak  # the sum of two workers is above either
     loss = render("loss.png", _report(2))
-    assert "fleet mean" in [t.get_text() for t in loss.axes[0].get_legend().get_texts()]
+    assert "all heads (loss), smoothed" in [t.get_text() for t in loss.axes[0].get_legend().get_texts()]
