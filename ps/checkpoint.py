@@ -451,37 +451,6 @@ def abort_checkpoint(tmp_dir: str | Path) -> bool:
     return gone
 
 
-def checkpoint_local(store: ShardStore, root: str | Path, step: int, info: dict[str, Any],
-                     full_every: int = 1) -> Path:
-    """One store's whole checkpoint (plan, save, commit), all or nothing.
-
-    Any failure removes ``ckpt-<step>.tmp``; a write failure (full disk, I/O error)
-    is raised as ``ps.coordinator.CheckpointCoordinationError`` -- what a worker's
-    periodic checkpoint treats as "skip this cut, keep training" -- with the one-line
-    reason of :class:`~ps.errors.CheckpointWriteError`.
-
-    Args:
-        store: the single shard's store.
-        root: the checkpoint root.
-        step: the checkpoint's step (``ckpt-<step>``).
-        info: the manifest's ``info``.
-        full_every: ``[ps] checkpoint_full_every``.
-    """
-    from ps.coordinator import CheckpointCoordinationError
-
-    tmp = Path(root) / f"ckpt-{int(step)}.tmp"
-    try:
-        tmp, _plan = begin_checkpoint(root, step, full_every)
-        save_shard(store, tmp, 0)
-        return commit_checkpoint(tmp, info)
-    except CheckpointWriteError as exc:
-        abort_checkpoint(tmp)
-        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
-    except BaseException:
-        abort_checkpoint(tmp)
-        raise
-
-
 def checkpoint_tmp_dir(root: str | Path, step: int) -> Path:
     """Create (if needed) and return ``<root>/ckpt-<step>.tmp``."""
     p = Path(root) / f"ckpt-{int(step)}.tmp"

@@ -180,7 +180,7 @@ class LocalRowSource:
         self.store.dense.set(values)
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any], full_every: int = 1) -> Path:
-        from ps.checkpoint import checkpoint_local
+        from ps.coordinator import checkpoint_local
 
         # full, or a delta ([ps] checkpoint_full_every); a failure leaves no tmp dir, a full disk
         # raises CheckpointCoordinationError (a periodic cut is skipped, training goes on)

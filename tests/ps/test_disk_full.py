@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from ps.checkpoint import checkpoint_local, latest_checkpoint, write_fault
+from ps.checkpoint import latest_checkpoint, write_fault
 from ps.config import TableConfig
-from ps.coordinator import CheckpointCoordinationError, checkpoint_all
+from ps.coordinator import CheckpointCoordinationError, checkpoint_all, checkpoint_local
 from ps.shard_store import ShardStore
 from protos import ps_pb2
 
@@ -117,9 +117,8 @@ _REAL_FULL = textwrap.dedent("""
     import sys, numpy as np, torch
     torch.set_num_threads(1)
     from pathlib import Path
-    from ps.checkpoint import checkpoint_local
     from ps.config import TableConfig
-    from ps.coordinator import CheckpointCoordinationError
+    from ps.coordinator import CheckpointCoordinationError, checkpoint_local
     from ps.shard_store import ShardStore
     root = Path(sys.argv[1])
     s = ShardStore([TableConfig(name="user", dim=16, capacity=16384)], shard_id=0, num_vshards=8, seed=1)
