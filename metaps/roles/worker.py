@@ -4,8 +4,10 @@
 like ``launch`` (:mod:`metaps.roles.local_run`); both print a short summary, or one
 JSON object with ``--json``.
 
-A worker without a token warns; a non-loopback ``--metrics-host`` without one is
-refused unless ``--insecure`` (see :mod:`metaps.core.security`).
+A worker's token is ``[rpc] token``, ``token_file`` (``--token-file``), ``$METAPS_TOKEN``,
+else the run's ``<[run] dir>/rpc.token`` that a hand-started PS or controller generated;
+without one it warns; a non-loopback ``--metrics-host`` without one is refused unless
+``--insecure`` (see :mod:`metaps.core.security`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
     job = _load(args)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=args.run_dir or job.run.dir))
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir))  # as the PS: [run] dir
     check_bind([args.metrics_host] if args.metrics_port >= 0 else [], job.rpc.resolved_token(),
                insecure=args.insecure, what="metaps worker")
     from metaps.deploy.pod import resolve_worker
