@@ -85,8 +85,8 @@ def combine_row_grads(grads: dict[str, tuple[np.ndarray, np.ndarray]], tables: l
     an idle one with ``grads = {}``. Each rank's ids and (already share-scaled) gradients
     travel as one int32 buffer (ids and float32 gradients bit-cast, never converted) in one
     ``all_gather``; a pushing rank then keeps the gathered ids it owns (``id mod
-    len(pushers)`` = its index in ``pushers``) and sums their gradients per id
-    (``torch.unique`` + ``index_add_``). Every id any rank touched is owned by exactly one
+    len(pushers)`` = its index in ``pushers``) and sums their gradients per (table, id)
+    (all tables of one dim at once: a stable sort by id then table, ``index_add_``). Every id any rank touched is owned by exactly one
     pusher, so the PS gets one gradient per row per step: the sum a single process would
     compute for the union of the ranks' batches.
 
@@ -107,15 +107,17 @@ def combine_row_grads(grads: dict[str, tuple[np.ndarray, np.ndarray]], tables: l
     """
     import torch.distributed as dist
 
-    world = counts.shape[0]
-    dims = torch.tensor([d for _, d in tables], dtype=torch.int64)
-    n_ids = counts.sum(dim=1)  # [world]
-    lengths = 2 * n_ids + (counts * dims).sum(dim=1)  # int32 words per rank: ids (2 each), then grads
-    width = max(1, int(lengths.max()))  # gloo: no empty buffers
+    cnt: list[list[int]] = counts.tolist()  # [world][tables]: plain ints (tensor indexing costs ~us each)
+    world = len(cnt)
+    dims = [d for _, d in tables]
+    n_ids = [sum(row) for row in cnt]
+    # int32 words per rank: its ids (2 words each), then its grads
+    lengths = [2 * n + sum(c * d for c, d in zip(row, dims)) for n, row in zip(n_ids, cnt)]
+    width = max(1, max(lengths))  # gloo: no empty buffers
     id_parts: list[torch.Tensor] = []
     grad_parts: list[torch.Tensor] = []
     for k, (name, dim) in enumerate(tables):
-        n = int(counts[rank, k])
+        n = cnt[rank][k]
         if name not in grads:
             if n:
                 raise DdInvariantError(f"rank {rank}: table '{name}' announced {n} ids for the row-gradient "
@@ -140,31 +142,50 @@ def combine_row_grads(grads: dict[str, tuple[np.ndarray, np.ndarray]], tables: l
     if rank not in pushers:
         return {}
     n_push, me = len(pushers), pushers.index(rank)
-    # per rank: where each table's ids and grads start in its buffer (a few ints per rank and table)
-    id_off = torch.cumsum(counts, dim=1) - counts  # [world, T], in ids
-    grad_off = 2 * n_ids.unsqueeze(1) + torch.cumsum(counts * dims, dim=1) - counts * dims  # [world, T], in words
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for k, (name, dim) in enumerate(tables):
-        ids_k, grads_k = [], []
+    by_dim: dict[int, list[int]] = {}
+    for k, d in enumerate(dims):
+        by_dim.setdefault(d, []).append(k)
+    for dim, ks in by_dim.items():  # usually one group: every table has the model's default dim
+        ids_p, tab_p, grad_p = [], [], []
         for r in range(world):
-            n = int(counts[r, k])
-            if n == 0:
+            if n_ids[r] == 0:
                 continue
-            all_ids = gathered[r][:2 * int(n_ids[r])].view(torch.int64)
-            a, b = int(id_off[r, k]), int(grad_off[r, k])
-            ids_k.append(all_ids[a:a + n])
-            grads_k.append(gathered[r][b:b + n * dim].view(torch.float32).reshape(n, dim))
-        if not ids_k:
+            all_ids = gathered[r][:2 * n_ids[r]].view(torch.int64)
+            all_grads = gathered[r][2 * n_ids[r]:lengths[r]].view(torch.float32)
+            if len(ks) == len(dims):  # the whole buffer is this group: no per-table slicing
+                ids_p.append(all_ids)
+                grad_p.append(all_grads.view(-1, dim))
+                tab_p.append(torch.repeat_interleave(torch.arange(len(dims)), torch.tensor(cnt[r])))
+                continue
+            a = b = 0
+            for k, (n, d) in enumerate(zip(cnt[r], dims)):
+                if n and d == dim:
+                    ids_p.append(all_ids[a:a + n])
+                    grad_p.append(all_grads[b:b + n * d].view(n, d))
+                    tab_p.append(torch.full((n,), k, dtype=torch.int64))
+                a, b = a + n, b + n * d
+        if not ids_p:
             continue
-        cat_ids, cat_grads = torch.cat(ids_k), torch.cat(grads_k)
-        if n_push > 1:
-            own = torch.remainder(cat_ids, n_push) == me
-            cat_ids, cat_grads = cat_ids[own], cat_grads[own]
-            if cat_ids.numel() == 0:
-                continue
-        uniq, inv = torch.unique(cat_ids, return_inverse=True)
-        summed = torch.zeros((uniq.numel(), dim), dtype=torch.float32).index_add_(0, inv, cat_grads)
-        out[name] = (uniq.numpy(), summed.numpy())
+        g_ids, g_tab, g_grads = torch.cat(ids_p), torch.cat(tab_p), torch.cat(grad_p)
+        if n_push > 1:  # the ids this rank owns
+            own = torch.remainder(g_ids, n_push) == me
+            g_ids, g_tab, g_grads = g_ids[own], g_tab[own], g_grads[own]
+        if g_ids.numel() == 0:
+            continue
+        # one sum per (table, id): sort by table, then id (two stable sorts), cut where either changes
+        order = torch.argsort(g_ids, stable=True)
+        order = order[torch.argsort(g_tab[order], stable=True)]
+        s_ids, s_tab = g_ids[order], g_tab[order]
+        first = torch.ones(s_ids.numel(), dtype=torch.bool)
+        first[1:] = (s_ids[1:] != s_ids[:-1]) | (s_tab[1:] != s_tab[:-1])
+        segment = torch.cumsum(first, 0) - 1
+        u_ids, u_tab = s_ids[first], s_tab[first]
+        summed = torch.zeros((u_ids.numel(), dim), dtype=torch.float32).index_add_(0, segment, g_grads[order])
+        sizes = torch.bincount(u_tab, minlength=len(dims)).tolist()
+        for k, t_ids, t_grads in zip(range(len(dims)), torch.split(u_ids, sizes), torch.split(summed, sizes)):
+            if sizes[k]:
+                out[tables[k][0]] = (t_ids.numpy(), t_grads.numpy())
     return out
 
 

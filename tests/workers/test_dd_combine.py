@@ -2,7 +2,8 @@
 
 Two real processes join a gloo group, as DD workers do, and for 4 steps each one
 hands the combine its own share-scaled row gradients (uneven shares 0.7/0.3,
-overlapping ids, rank 1 idle on one step: rank 0 then pushes every id), then pushes what the combine gives it to
+overlapping ids, rank 1 idle on one step: rank 0 then pushes every id; tables of
+dims 8 and 4, interleaved), then pushes what the combine gives it to
 two real PS shards over gRPC on 127.0.0.1. One table per row optimizer the PS offers
 (``ps.config.OptimizerKind``). Checked against a single-process reference
 (an in-process ``ShardStore`` with the same tables) that applies, per step, the
@@ -32,11 +33,12 @@ from ps.config import InitKind, OptimizerConfig, OptimizerKind, PsConfig, TableC
 from tests.ports import pick_port
 from tests.workers.procs import TOKEN
 
-DIM = 8
+DIMS = {OptimizerKind.SGD: 8, OptimizerKind.ADAGRAD: 4, OptimizerKind.ROWWISE_ADAGRAD: 8, OptimizerKind.ADAM: 4,
+        OptimizerKind.FTRL: 8}  # two dims, interleaved: the combine sums each dim's tables together
 WORLD = 2
 STEPS = 4
 SHARES = (0.7, 0.3)
-ID_SPACE = 48
+ID_SPACE = 64
 OPTS = {
     OptimizerKind.SGD: OptimizerConfig(kind=OptimizerKind.SGD, lr=0.1),
     OptimizerKind.ADAGRAD: OptimizerConfig(kind=OptimizerKind.ADAGRAD, lr=0.1),
@@ -47,7 +49,7 @@ OPTS = {
 
 
 def _tables() -> list[TableConfig]:
-    return [TableConfig(name=k.value, dim=DIM, capacity=256, optimizer=opt,
+    return [TableConfig(name=k.value, dim=DIMS[k], capacity=256, optimizer=opt,
                         init=InitKind.ZEROS if k is OptimizerKind.FTRL else InitKind.NORMAL)
             for k, opt in OPTS.items()]
 
@@ -67,8 +69,13 @@ def _rank_grads(rank: int, step: int) -> dict[str, tuple[np.ndarray, np.ndarray]
     out = {}
     for k, t in enumerate(OPTS):
         g = np.random.default_rng([rank, step, k])
-        ids = np.sort(g.choice(ID_SPACE, size=20, replace=False)).astype(np.int64)  # overlapping across ranks
-        grads = (g.standard_normal((ids.size, DIM)) * SHARES[rank]).astype(np.float32)
+        # table t draws from [16 j, 16 j + 16], j = its place among the tables of its dim, and always holds
+        # both ends: the next table of its dim starts with this one's last id (the sum must not merge
+        # them). Both ranks draw from the same 17 ids: most ids are shared.
+        j = [u for u in OPTS if DIMS[u] == DIMS[t]].index(t)
+        inner = g.choice(np.arange(16 * j + 1, 16 * j + 16), size=10, replace=False)
+        ids = np.sort(np.concatenate([[16 * j, 16 * j + 16], inner])).astype(np.int64)
+        grads = (g.standard_normal((ids.size, DIMS[t])) * SHARES[rank]).astype(np.float32)
         out[t.value] = (ids, grads)
     return out
 
@@ -123,7 +130,7 @@ def _reference(per_rank: bool) -> dict[str, np.ndarray]:
             ids = np.concatenate([g[t][0] for g in by_rank if g])
             grads = np.concatenate([g[t][1] for g in by_rank if g])
             uniq, inv = np.unique(ids, return_inverse=True)
-            summed = torch.zeros((uniq.size, DIM)).index_add_(0, torch.from_numpy(inv), torch.from_numpy(grads))
+            summed = torch.zeros((uniq.size, DIMS[k])).index_add_(0, torch.from_numpy(inv), torch.from_numpy(grads))
             merged[t] = (uniq, summed.numpy())
         store.push(merged, step)
     return store.pull(_every())
@@ -168,8 +175,11 @@ def test_dd_combine_gives_one_global_batch_update_for_every_optimizer(tmp_path: 
         t = k.value
         w, g, n0 = want[t], got[t], init[t]
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"optimizer {t}: DD rows != global-batch step")
-        moved = np.abs(g - n0).max(axis=1) > 1e-6
-        assert moved.mean() > 0.9, f"optimizer {t}: only {moved.mean():.0%} of the rows moved"
+        touched = np.unique(np.concatenate([_rank_grads(r, s)[t][0] for r in range(WORLD) for s in range(STEPS)
+                                            if _active(r, s)]))
+        moved = np.abs(g - n0).max(axis=1)[touched] > 1e-6
+        assert moved.mean() > 0.9, f"optimizer {t}: only {moved.mean():.0%} of the touched rows moved"
+        assert np.array_equal(g[np.setdiff1d(every[t], touched)], n0[np.setdiff1d(every[t], touched)]), t
         gap = float(np.abs(naive[t] - w).max())
         if k is OptimizerKind.SGD:
             assert gap < 1e-5, f"sgd: per-rank pushes should add up (gap {gap})"
