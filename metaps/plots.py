@@ -274,20 +274,27 @@ def fleet_throughput(report: Mapping[str, Any]) -> Throughput:
     it jump (each worker's rate is defined everywhere it is alive, not only at its records).
 
     ``W`` (``window_s``) is the median gap between a worker's records, at least 1 s; the
-    grid step is ``W / 5`` (at most 2,000 points).
+    grid step is ``W / 5`` (at most 2,000 points). An incarnation with a single record and
+    no known span holds that record's rate over one window around it.
     """
     t0 = _t0(report)
     segs: list[Segment] = []
     gaps: list[np.ndarray] = []
+    lone: list[tuple[int, int, float, float]] = []  # one record, no known span: (rank, incarnation, time, rate)
     for w in report.get("workers", []) or []:
         for seg in _segments(w, "samples_per_s"):
             gaps.append(np.diff([float(h["time"]) for h in seg]))
             t, cum = _cumulative(w, seg, t0)
+            rank, inc = int(w.get("rank", 0)), int(seg[0].get("incarnation") or 1)
             if t[-1] > t[0]:
-                segs.append(Segment(int(w.get("rank", 0)), int(seg[0].get("incarnation") or 1), t, cum))
+                segs.append(Segment(rank, inc, t, cum))
+            else:
+                lone.append((rank, inc, float(t[0]), float(seg[-1]["samples_per_s"])))
     all_gaps = np.concatenate(gaps) if gaps else np.zeros(0)
     all_gaps = all_gaps[all_gaps > 0]
     window = max(1.0, float(np.median(all_gaps))) if all_gaps.size else 1.0
+    for rank, inc, t1, rate in lone:  # its rate held over one window around it
+        segs.append(Segment(rank, inc, np.array([t1 - window / 2, t1 + window / 2]), np.array([0.0, rate * window])))
     if not segs:
         return Throughput(np.zeros(0), np.zeros(0), [], window)
     lo, hi = min(s.span[0] for s in segs), max(s.span[1] for s in segs)

@@ -174,3 +174,16 @@ def test_summary_has_four_panels(tmp_path: Path) -> None:
     paths = make_plots(rep, tmp_path)
     assert tmp_path / "summary.png" in paths
     assert_png_not_blank(tmp_path / "summary.png")
+
+
+def test_a_worker_with_one_record_still_counts() -> None:
+    """A worker killed after its first logged step (one record, no span known) holds its rate
+    over one window around the record, in its line and in the total."""
+    rep = {"started": T0, "controller": {"events": []}, "workers": [
+        {"rank": 0, "history": [{"step": 1, "time": T0 + 5.0, "samples_per_s": 50.0}]},
+        {"rank": 1, "history": [{"step": s, "time": T0 + s, "samples_per_s": 100.0} for s in (2, 4, 6, 8)]}]}
+    tp = fleet_throughput(rep)
+    assert tp.window_s == pytest.approx(2.0)
+    assert {s.rank for s in tp.segments} == {0, 1}
+    near = np.abs(tp.grid - 5.0) < 0.9
+    assert np.allclose(tp.total[near], 150.0) and np.allclose(tp.total[~(np.abs(tp.grid - 5.0) <= 1.0)], 100.0)
