@@ -18,8 +18,8 @@ killed from outside past a hard limit. Faults:
 **Faults strike at states, not times** (a busy box cannot make them vacuous). A signal
 fault's fleet takes no interval cuts; the bench watches the controller (``GetStatus``)
 and: waits for a train shard done -> requests cut A (``RequestCut``) and waits for its
-commit -> waits for another shard done after A -> (corrupt: requests cut B, waits for its
-commit, corrupts it) -> strikes. A PS recovery must then restore A and roll the DDS back
+commit -> (corrupt: requests cut B, waits for its commit, corrupts it) -> waits for another
+shard done after A -> strikes. A PS recovery must then restore A and roll the DDS back
 to it, with training on both sides of the cut to lose. A fault that did not reach its
 state is **not exercised** (never survived).
 
@@ -319,8 +319,8 @@ def _arm_cut(w: _Watch, notes: dict[str, Any], key: str) -> dict[str, Any] | Non
 def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[str, Any]) -> None:
     """Drive the fleet to the fault's state, then strike. Everything it did goes into ``notes``.
 
-    Armed faults (signals): shard(s) done -> the bench's cut A committed -> another shard done
-    after A (-> for ``corrupt``: cut B committed and corrupted) -> strike. Interval cuts are off
+    Armed faults (signals): shard(s) done -> the bench's cut A committed (-> for ``corrupt``: cut
+    B committed and corrupted) -> another shard done after A -> strike. Interval cuts are off
     (``checkpoint_interval_s`` huge), so no cut commits between A and the strike: a correct PS
     recovery restores A (B is unreadable) and must roll the DDS back to it.
     """
@@ -338,11 +338,7 @@ def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[s
         cut = _arm_cut(w, notes, "cut")
         if cut is None:
             return
-        seq = int(cut["dds"]["ledger_seq"])
-        if w.until(lambda s: ledger_head(s) > seq) is None:
-            notes["not_exercised"] = f"no shard was done after cut {cut['cut_id']} (the run ended)"
-            return
-        if f.special == "corrupt":
+        if f.special == "corrupt":  # right away: a run of 1 epoch may end before a later cut commits
             spoiled = _arm_cut(w, notes, "corrupted_cut")
             if spoiled is None:
                 return
@@ -352,6 +348,10 @@ def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[s
                 fh.seek(size // 2)
                 fh.write(os.urandom(min(4096, size // 4)))
             notes["corrupted"] = spoiled["dir"]
+        seq = int(cut["dds"]["ledger_seq"])
+        if w.until(lambda s: ledger_head(s) > seq) is None:
+            notes["not_exercised"] = f"no shard was done after cut {cut['cut_id']} (the run ended)"
+            return
         st = w.status()
         pid = fleet_procs(str(run)).get(f.target)
         if pid is None:
@@ -428,6 +428,9 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str =
         inj.join(STOP_S + 5)
     left = kill_marker(str(run))
     text = out_path.read_text(errors="replace")
+    if breaks:  # the break's own log line, from the process it broke: the mutation ran
+        notes["breaks_fired"] = sorted({b for b in breaks.split(",") for lf in (run / "logs").glob("*.log")
+                                        if f"TEST BREAK {b}" in lf.read_text(errors="replace")})
     if "CHAOS_MOUNT_FAILED" in text:
         notes["method"] = "tmpfs mount failed: no disk-full fault"
     rep = None
@@ -559,7 +562,8 @@ def model_check(res: dict[str, Any], ids: BatchIds) -> dict[str, Any]:
                                    f"rows that the ledger says were trained")
         if fc["updates_unaccounted"]:
             out["problems"].append(f"the final model holds {fc['updates_unaccounted']} row updates ({fc['rows_over']} "
-                                   f"rows) more than the ledger's done + replayed + stale entries: replays not reported")
+                                   f"rows) more than the ledger's done + replayed + stale entries: "
+                                   f"replays not reported")
     elif rep.get("status") == "succeeded":
         out["problems"].append("succeeded without a final checkpoint to check")
     cuts = {int(c["cut_id"]): c for c in rep.get("controller", {}).get("checkpoints", [])}
@@ -898,7 +902,7 @@ def write_raw(path: Path, job: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a subset: bad inputs, many workers, 2 fleet faults (1 epoch each)")
+                    help="a subset: bad inputs, many workers, 2 fleet faults")
     ap.add_argument("--keep", default="", help="keep run dirs under this directory (default: a temp dir, removed)")
     ap.add_argument("--only", default="", help="comma-separated fleet fault names to run (default: all of the mode)")
     ap.add_argument("--smoke", action="store_true",
@@ -936,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
             ck = _committed(b["run"] / "checkpoints")
             resume_source = ck[-1] if ck else None
         for f in faults:
-            res = run_fleet(f, data, root, epochs=1 if args.quick else 2)  # quick: 5 shards, still both sides of a cut
+            res = run_fleet(f, data, root)
             row = judge(f, res, specs, ids)
             rows.append(row)
             say(f"{f.name}: " + json.dumps(row))
@@ -947,10 +951,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in bad[-5:]:
             say(f"bad input {r['target']}: {r['name']}: {'clear' if r['clear'] else 'NOT CLEAR'} "
                 f"({r['code']}: {r['message'][:120]})")
-        mw_row = {"fault": "many_workers_one_slow", "survived": mw["survived"], "exercised": mw["slow_steps_tried"] > 0,
-                  "lost_updates": False, "false_claim": False, **{k: mw[k] for k in ("slow_steps_tried", "slow_failed", "slow_pushes",
-                                                               "slow_push_failed", "slow_codes", "fast_steps",
-                                                               "fast_errors")}}
+        mw_row = {"fault": "many_workers_one_slow", "survived": mw["survived"],
+                  "exercised": mw["slow_steps_tried"] > 0, "lost_updates": False, "false_claim": False,
+                  **{k: mw[k] for k in ("slow_steps_tried", "slow_failed", "slow_pushes", "slow_push_failed",
+                                        "slow_codes", "fast_steps", "fast_errors")}}
         rows.append(mw_row)
         figures = {
             "mode": "smoke" if args.smoke else "quick" if args.quick else "full",

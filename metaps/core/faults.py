@@ -256,8 +256,11 @@ class UnknownTestBreak(MetapsError):
 def _break_no_rollback(mod: Any) -> None:
     import logging
 
+    from metaps.core.log import kv
+
     def rollback_to(self: Any, cut_id: int, also: Callable[[Any, list[str]], None] | None = None) -> list[str]:
-        logging.getLogger(__name__).warning("TEST BREAK no_rollback: the DDS is not rolled back", extra={"cut_id": cut_id})
+        logging.getLogger(__name__).warning("TEST BREAK no_rollback: the DDS is not rolled back",
+                                            extra=kv(cut_id=cut_id))
         if also is not None:  # the recovery's own record commits as if the rollback had
             with self._dds._store.begin(write=True) as txn:
                 also(txn, [])
@@ -269,6 +272,8 @@ def _break_no_rollback(mod: Any) -> None:
 def _break_restore_empty(mod: Any) -> None:
     import logging
 
+    from metaps.core.log import kv
+
     orig = mod.restore_shard_checkpoint
 
     def restore_shard_checkpoint(server: Any, ckpt_dir: Any) -> tuple[int, int]:
@@ -276,7 +281,8 @@ def _break_restore_empty(mod: Any) -> None:
         fresh = server.store.empty_like()
         fresh.dense = server.store.dense
         server.store = fresh
-        logging.getLogger(__name__).warning("TEST BREAK restore_empty: restored rows dropped", extra={"dir": str(ckpt_dir)})
+        logging.getLogger(__name__).warning("TEST BREAK restore_empty: restored rows dropped",
+                                            extra=kv(dir=str(ckpt_dir)))
         return 0, step
 
     mod.restore_shard_checkpoint = restore_shard_checkpoint

@@ -65,7 +65,7 @@ def test_correct_build_survives_kill_ps(judged: dict[str, dict[str, Any]]) -> No
 @pytest.mark.parametrize("build", ["no_rollback", "restore_empty"])
 def test_broken_build_fails_the_judge(judged: dict[str, dict[str, Any]], build: str) -> None:
     row = _shown(judged[build])
-    assert row["test_break"] == build
+    assert row["test_break"] == build and row["breaks_fired"] == [build], "the broken build did not run broken"
     assert row["exercised"], f"the fault did not reach its state, nothing was judged: {row.get('why')}"
     assert not row["survived"], row.get("why")
     assert row["lost_updates"], row.get("why")
