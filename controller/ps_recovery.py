@@ -217,6 +217,15 @@ class PsRecovery:
 
         self._update(fn)
 
+    def discard(self, why: str) -> bool:
+        """Drop a pending record without acting on it (a continued run restores its cut itself);
+        True if there was one."""
+        with self.s.store.begin(write=True) as txn:
+            gone = bool(txn.delete(RECORD_KEY.encode(), db=self.s.store.db("meta")))
+        if gone:
+            log.warning("pending PS recovery discarded", extra=kv(why=why))
+        return gone
+
     def request(self, node: str, incarnation: int) -> None:
         """A PS process came back as ``incarnation``: recover the fleet (asynchronously)."""
         log.warning("ps process restarted; fleet recovery requested", extra=kv(node=node, incarnation=incarnation))

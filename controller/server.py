@@ -164,6 +164,7 @@ class ControllerServer:
         cut = self.checkpoints.latest_committed()
         requeued = self.checkpoints.rollback_to_latest()
         self.registry.retire_all()  # the new attempt's PS restore the cut themselves: no restart recovery
+        self.recovery.discard("the run continues from its latest committed cut")  # nor a pending one
         assert cut is not None  # rollback_to_latest raised otherwise
         evidence = {"cut_id": cut["cut_id"], "step": cut.get("step"), "dir": cut.get("dir"), "requeued": requeued}
         self.events.record(Event.now("controller", "run_continued", evidence, "rollback to the cut"))
