@@ -234,7 +234,8 @@ def _controller_client(args: argparse.Namespace) -> Any:
     from metaps.job import load_job
 
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir))
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir,
+                                          what=f"metaps {args.command}"))
     return ControllerClient(_controller_address(job, args.controller, args.config), job.rpc, retry_s=5.0)
 
 
@@ -283,7 +284,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
     set_private_umask()
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir))
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir, what="metaps agent"))
     check_bind(["127.0.0.1"], job.rpc.resolved_token(), insecure=args.insecure, what="metaps agent")
     addr = _controller_address(job, args.controller, args.config)
     child = [c for c in args.child if c != "--"] or default_child_cmd(args.role, args.index, args.config)

@@ -66,7 +66,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
     job = _load(args)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir))  # as the PS: [run] dir
+    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir,  # as the PS: [run] dir
+                                          what="metaps worker"))
     check_bind([args.metrics_host] if args.metrics_port >= 0 else [], job.rpc.resolved_token(),
                insecure=args.insecure, what="metaps worker")
     from metaps.deploy.pod import resolve_worker

@@ -112,9 +112,9 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.timeout(600)
 def test_hand_started_ps_and_controller_generate_and_require_a_token(data, tmp_path) -> None:
-    job = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1, rpc={"token": ""})
+    job = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1, rpc={"token": ""}, train={"max_steps": 3})
     run = tmp_path / "runs"  # the job's [run] dir
-    ctl_log, ps_log = tmp_path / "controller.log", tmp_path / "ps.log"
+    ctl_log, ps_log, worker_log = tmp_path / "controller.log", tmp_path / "ps.log", tmp_path / "worker.log"
     # started together: they race for the token file and must agree on one token
     ctl = subprocess.Popen(_metaps("controller", "--config", str(job), "--address", "127.0.0.1:0",
                                    "--state-dir", str(run / "controller")),
@@ -155,13 +155,20 @@ def test_hand_started_ps_and_controller_generate_and_require_a_token(data, tmp_p
                             capture_output=True, text=True, timeout=120, check=False)
         assert st.returncode == 0 and "run         running" in st.stdout, st.stdout + st.stderr
         assert token not in st.stdout + st.stderr
+        # so does a hand-started worker: it trains against both (its calls would be refused without it)
+        worker = subprocess.run(_metaps("worker", "--config", str(job), "--rank", "0", "--ps", ps_addr,
+                                        "--controller", ctl_addr),
+                                cwd=REPO, env=_env(), stdout=worker_log.open("wb"), stderr=subprocess.STDOUT,
+                                timeout=300, check=False)
+        assert worker.returncode == 0, worker_log.read_text()[-3000:]
+        assert 'msg="step"' in worker_log.read_text() and "NO AUTH TOKEN" not in worker_log.read_text()
         with make_channel(ctl_addr, RpcConfig(token_file=str(tok_file))) as ch:
             controller_pb2_grpc.ControllerStub(ch).Shutdown(controller_pb2.ShutdownRequest(reason="test"), timeout=30)
         assert ctl.wait(120) == 0
     finally:
         _stop(ps, ctl)
     logs = ps_log.read_text() + ctl_log.read_text()
-    assert token not in logs
+    assert token not in logs + worker_log.read_text()
     assert logs.count("generated one for this run") == 1, logs[-5000:]  # one winner of the race
     assert logs.count(f"token_file={tok_file.resolve()}") == 2, logs[-5000:]  # both name the file
 
