@@ -256,15 +256,22 @@ class CheckpointSource:
         """
         import lmdb
 
-        from ps.checkpoint import shard_files, unpack_arrays
+        from ps.checkpoint import open_shard_file, shard_files, unpack_arrays
 
         values: dict[str, np.ndarray] = {}
         for path in shard_files(self.path):
-            env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=0)
+            try:  # (refuses a truncated file: reading past its end would be SIGBUS)
+                env = open_shard_file(path)
+            except MetapsError as exc:
+                raise DeliveryError(f"{self.path}: cannot read dense parameters: {exc}") from None
             try:
                 with env.begin(buffers=False) as txn:
                     for name in names:
-                        raw = txn.get(f"d/{name}".encode())
+                        try:
+                            raw = txn.get(f"d/{name}".encode())
+                        except lmdb.Error as exc:
+                            raise DeliveryError(f"{path} key 'd/{name}': LMDB error {type(exc).__name__}: {exc} "
+                                                f"(corrupt shard file)") from None
                         if raw is None or name in values:
                             continue
                         try:

@@ -761,6 +761,11 @@ def _open_ro(path: Path) -> lmdb.Environment:
     return env
 
 
+def open_shard_file(path: str | Path) -> lmdb.Environment:
+    """A checkpoint's shard file opened read-only (CheckpointError when it is not LMDB or is truncated)."""
+    return _open_ro(Path(path))
+
+
 def shard_files(ckpt_dir: str | Path) -> list[Path]:
     """``shard-*.lmdb`` files of a checkpoint dir, by shard id."""
     numbered = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir() if (m := _SHARD_RE.match(p.name))]
