@@ -1,5 +1,6 @@
 """Secure by default: per-run token, no secret in any file or log, private modes,
-loopback-only without a token, one-line errors for missing TLS files.
+no unauthenticated serving without --insecure (hand-started roles: test_security_handstart.py),
+one-line errors for missing TLS files.
 
 The fleet test launches a real fleet (controller, PS and worker agents on
 127.0.0.1) from a job file with *no* token and checks what an outsider sees.
