@@ -454,7 +454,7 @@ def build_meta_io(input: PathLike, schema: PathLike, out: PathLike, *, support: 
 # ---------------------------------------------------------------------------- training
 
 def train_local(config: JobSource, *, overrides: Overrides | None = None, run_dir: PathLike | None = None,
-                max_steps: int | None = None) -> TrainResult:
+                max_steps: int | None = None, plots: bool = True) -> TrainResult:
     """Train in this process with local tables (the parity reference), like ``metaps train-local``.
 
     Leaves a run directory like :func:`launch` does (``job.toml``, ``checkpoints/``, ``report.json``,
@@ -465,6 +465,8 @@ def train_local(config: JobSource, *, overrides: Overrides | None = None, run_di
         overrides: ``{"section.key": value}`` (the CLI's ``--set``), e.g. ``{"train.max_steps": 20}``.
         run_dir: run directory, new or empty (None: ``[run] dir/<name>-<time>``, pointed at by ``latest``).
         max_steps: shorthand for ``overrides={"train.max_steps": N}``.
+        plots: draw the run's ``plots/`` PNGs (``report.json`` and ``tb/`` are always written); drawing
+            them takes about as long as a short run, so a quick notebook may skip them.
 
     Returns:
         the run directory, training totals, checkpoint, eval AUC and report.
@@ -483,7 +485,7 @@ def train_local(config: JobSource, *, overrides: Overrides | None = None, run_di
     job = job_from_mapping(data, where=where)
     target = str(_path(run_dir, "run_dir")) if run_dir is not None else ""
     with _private_umask():
-        rep, d = run_local(job, target)
+        rep, d = run_local(job, target, plots=plots)
     w = rep["worker"]
     ckpt = str(w.get("checkpoint") or "")
     report = {k: v for k, v in rep.items() if k != "worker"}

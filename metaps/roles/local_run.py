@@ -33,12 +33,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path]:
+def run_local(job: "JobConfig", run_dir: str = "", plots: bool = True) -> tuple[dict[str, Any], Path]:
     """Preflight, make the run dir, train in this process, write the report and its artefacts.
 
     Args:
         job: the parsed job (overrides applied).
         run_dir: run directory, new or empty ('' = ``[run] dir/<name>-<time>``, pointed at by ``latest``).
+        plots: draw ``plots/`` (matplotlib: about as long as a short run itself); False skips them.
 
     Returns:
         (report.json's dict, the run directory)
@@ -73,6 +74,8 @@ def run_local(job: "JobConfig", run_dir: str = "") -> tuple[dict[str, Any], Path
     write_report(d, rep)
     for what, fn in (("tensorboard", lambda: write_tensorboard(rep, d / "tb")),
                      ("plots", lambda: make_plots(rep, d / "plots"))):
+        if what == "plots" and not plots:
+            continue
         try:
             fn()
         except Exception:  # noqa: BLE001 -- the report stands without its pictures

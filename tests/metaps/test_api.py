@@ -62,6 +62,7 @@ def test_the_notebook_in_docs_runs_as_written(tmp_path: Path) -> None:
     assert (work / "bundles" / "LATEST").read_text().strip() == "v000001"
     [run_dir] = [p for p in (work / "runs").iterdir() if p.name.startswith("notebook-")]
     assert json.loads((run_dir / "report.json").read_text())["status"] == "succeeded"
+    assert (run_dir / "tb").is_dir() and not (run_dir / "plots").exists()  # plots=False
     assert (work / "runs" / "latest").resolve() == run_dir.resolve()
 
 
@@ -152,9 +153,9 @@ def test_data_functions_name_a_bad_size_or_option(tiny: dict[str, Path], tmp_pat
     with pytest.raises(ConfigError) as e:
         api.build_meta_io(tiny["data"], tiny["schema"], tmp_path / "m", options={"suport": 3})
     _one_line(e.value, "build_meta_io()", "suport")
-    with pytest.raises(MetapsError) as e:  # an existing dataset is kept unless overwrite=True
+    with pytest.raises(MetapsError) as kept:  # an existing dataset is kept unless overwrite=True
         api.build_meta_io(tiny["data"], tiny["schema"], tiny["metaio"], rows_per_batch=64)
-    _one_line(e.value, "overwrite")
+    _one_line(kept.value, "overwrite")
 
 
 def test_evaluate_and_deliver_name_their_sources(tiny: dict[str, Path], tmp_path: Path) -> None:
@@ -167,9 +168,9 @@ def test_evaluate_and_deliver_name_their_sources(tiny: dict[str, Path], tmp_path
     with pytest.raises(api.ApiError) as e:
         api.deliver(tmp_path / "bundles", run=tmp_path)
     _one_line(e.value, "holdout=", "no_gate=True")
-    with pytest.raises(MetapsError) as e:  # a run without a committed checkpoint
+    with pytest.raises(MetapsError) as none:  # a run without a committed checkpoint
         api.deliver(tmp_path / "bundles", run=tmp_path, no_gate=True)
-    _one_line(e.value, str(tmp_path))
+    _one_line(none.value, str(tmp_path))
     assert not (tmp_path / "bundles" / "LATEST").exists()
 
 
@@ -177,9 +178,9 @@ def test_load_bundle_names_what_is_not_a_bundle(tmp_path: Path) -> None:
     with pytest.raises(api.ApiError) as e:
         api.load_bundle(tmp_path / "no-bundles")
     _one_line(e.value, "no-bundles", "no such file")
-    with pytest.raises(DeliveryError) as e:
+    with pytest.raises(DeliveryError) as bad:
         api.load_bundle(tmp_path)
-    _one_line(e.value, str(tmp_path), "publish root")
+    _one_line(bad.value, str(tmp_path), "publish root")
 
 
 def test_importing_the_api_stays_light() -> None:
