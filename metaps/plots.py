@@ -581,13 +581,16 @@ def eval_sources(report: Mapping[str, Any]) -> tuple[str, str]:
     The periodic evaluation's sample is the leading batches of ``[data] eval`` holding at
     most ``[train] eval_max_rows`` rows (``workers.evaluation.bounded_batches``), scored by
     the checkpoint leader every ``[train] eval_every_steps``; the report does not record
-    its row count, so the bound is read from the job config in the report.
+    its row count (unless its points carry ``rows``), so the bound is read from the job
+    config in the report.
     """
     train = (report.get("config") or {}).get("train") or {}
     cap, every = train.get("eval_max_rows"), train.get("eval_every_steps")
     who = next((f"worker {w.get('rank')}" for w in report.get("workers", []) or [] if w.get("eval_history")),
                "the leader (rank 0)")
-    sample = (f"the first ≤ {int(cap):,} rows of [data] eval" if isinstance(cap, (int, float))
+    scored = next((h["rows"] for h in reversed(report.get("auc_history") or []) if _finite(h.get("rows"))), None)
+    sample = (f"the first {int(scored):,} rows of [data] eval" if isinstance(scored, (int, float))
+              else f"the first ≤ {int(cap):,} rows of [data] eval" if isinstance(cap, (int, float))
               else "a bounded sample of [data] eval")
     periodic = f"periodic eval (curves): {who} on {sample}" + (f", every {int(every)} steps" if _finite(every) and every else "")
     rows = final_eval_rows(report)

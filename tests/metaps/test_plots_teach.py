@@ -147,6 +147,10 @@ def test_auc_plot_names_both_samples() -> None:
     assert "2,048 rows" in text and "worker 0" in text and "every 10 steps" in text, text
     assert "all 2,187 held-out rows" in text, text
     assert "step 30" in text and "0.730 vs 0.790" in text, "the curve's last point is compared with the final figure"
+    counted = _auc_report()  # points that say how many rows they scored: that count, not the bound
+    for h in counted["auc_history"]:
+        h["rows"] = 1984
+    assert "the first 1,984 rows of [data] eval" in _all_text(render("auc.png", counted))
     bars = _auc_report()
     bars["auc_history"] = []
     assert "all 2,187 held-out rows" in _all_text(render("auc.png", bars))
