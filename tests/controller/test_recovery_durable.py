@@ -142,6 +142,7 @@ def _scenario(tmp_path: Path, crash_at: str) -> None:
 
 
 @pytest.mark.parametrize("crash_at", [
+    "pause",        # recorded, no shard paused yet
     "restored:0",   # the restarted shard (1) not restored yet
     "restored:1",   # every shard restored, the DDS not rolled back yet (the erased updates)
     "rolled_back",  # rolled back, the shards still paused
