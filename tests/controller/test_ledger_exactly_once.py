@@ -182,3 +182,34 @@ def test_to_status_keeps_the_first_fifty_problems(ledger: Ledger) -> None:
     assert st["problems"] == cov.problems[:50] and st["fraction"] == 0.0
     assert len(cov.to_status(max_problems=3)["problems"]) == 3
     assert Coverage().to_status()["fraction"] == 1.0  # nothing requested: all of it done
+
+
+def test_counts_accumulate_and_unchecked_epochs_count_every_file(ledger: Ledger) -> None:
+    _tile(ledger, epochs=1)
+    _add(ledger, 0, 0, 2, epoch=1)
+    _add(ledger, 1, 1, 3, epoch=1)  # epoch 1 still running: both files count towards the fraction
+    for _ in range(2):
+        _add(ledger, 0, 0, 1, kind=EntryKind.DUPLICATE, samples=10)
+    cov = _cov(ledger, epochs={"train": 1})
+    assert cov.problems == [] and not cov.complete and cov.finished is False
+    assert cov.duplicate_entries == 2 and cov.duplicate_samples == 20 and cov.duplicate_batches == 2
+    assert (cov.done_batches, cov.total_batches) == (14, 20)
+    assert _cov(ledger, epochs={"eval": 1}).problems == _cov(ledger).problems != []  # not named: every epoch
+    assert _cov(ledger, epochs={"eval": 1}).done_batches == 14
+    cov.closed = {"train": "max_steps"}
+    assert cov.state == "in_progress"  # the DDS has not finished: no verdict yet
+
+
+def test_a_complete_coverage_is_finished(ledger: Ledger) -> None:
+    _tile(ledger)
+    cov = _cov(ledger)
+    assert cov.complete is True and cov.finished is True and cov.to_status()["finished"] is True
+
+
+def test_entries_read_inside_a_transaction_are_the_same(ledger: Ledger) -> None:
+    _tile(ledger, epochs=1)
+    _add(ledger, 0, 0, 1, kind=EntryKind.STALE)
+    with ledger._store.begin() as txn:
+        inside = list(ledger._iter(txn))
+    assert inside == ledger.entries() and [e.seq for e in inside] == list(range(5))
+    assert inside[-1].kind is EntryKind.STALE and inside[-1].batches == 1
