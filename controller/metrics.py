@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 
 
 class ControllerCollector(Collector):
-    """Shards by dataset and state, nodes by role and state, slow nodes, events (total and by kind)."""
+    """Shards by dataset and state, nodes by role and state, slow nodes, events (total and by kind),
+    the job's batches done of its total (the ledger's coverage) and the run's state."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
@@ -55,7 +56,18 @@ class ControllerCollector(Collector):
             kinds[e.kind] = kinds.get(e.kind, 0) + 1
         for kind, c in sorted(kinds.items()):
             by_kind.add_metric([kind], c)
-        yield from (shards, epoch, nodes, slow, events, by_kind)
+        cov = self.server.dds.coverage()
+        done = GaugeMetricFamily("metaps_controller_batches_done",
+                                 "Batches of every requested epoch covered by the ledger (the job's progress)")
+        done.add_metric([], cov.done_batches)
+        total = GaugeMetricFamily("metaps_controller_batches_total", "Batches the whole job needs (every epoch)")
+        total.add_metric([], cov.total_batches)
+        state, _ = self.server.outcome.state()
+        run = GaugeMetricFamily("metaps_controller_run_state", "1 for the run's current state (running, complete, "
+                                "failed)", labels=["state"])
+        for name in ("running", "complete", "failed"):
+            run.add_metric([name], int(state.value == name))
+        yield from (shards, epoch, nodes, slow, events, by_kind, done, total, run)
 
 
 class AgentCollector(Collector):

@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "metaps.roles.deliver",     # deliver, predict
     "metaps.evaluate",          # evaluate
     "metaps.deploy.cli",  # deploy k8s|wait
+    "metaps.roles.monitor",  # monitor
 )
 
 

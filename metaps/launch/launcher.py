@@ -118,6 +118,7 @@ class Launcher:
         self.ctl_addr = ""
         self.ps_addrs: list[str] = []
         self.metrics_ports: dict[str, int | None] = {}
+        self.metrics_hosts: dict[str, str] = {}  # process -> the host its /metrics binds (default 127.0.0.1)
         self.status: dict[str, Any] | None = None
         self.ckpt = ""
         self.agent_notes: list[str] = []  # agents that died and were restarted (true reasons, for the report)
@@ -155,6 +156,8 @@ class Launcher:
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
         self.ctl_addr = f"{_connect_host(host)}:{port}"
         self.metrics_ports["controller"] = mport
+        self.metrics_hosts["controller"] = _connect_host(host)
+        self._write_targets()
         log.info("controller up", extra=kv(address=self.ctl_addr))
 
     def _start_ps(self) -> None:
@@ -176,6 +179,7 @@ class Launcher:
             self.metrics_ports[f"agent-ps-{k}"] = aport
             self.ps_addrs.append(f"{_connect_host(host)}:{port}")
             self.metrics_ports[f"ps-{k}"] = mport
+            self.metrics_hosts[f"ps-{k}"] = _connect_host(host)
 
     def _wait_ps(self) -> None:
         for k in range(self.job.ps.shards):
@@ -183,6 +187,7 @@ class Launcher:
             self.fleet.wait_file(ready, self.fleet.members[f"ps-{k}"], self.lc.ready_timeout_s, self.stop_event.is_set)
             info = json.loads(ready.read_text())
             self.metrics_ports[f"ps-{k}"] = int(info["metrics_port"])
+        self._write_targets()
         log.info("PS fleet ready", extra=kv(addresses=",".join(self.ps_addrs)))
 
     def _start_workers(self) -> None:
@@ -201,6 +206,16 @@ class Launcher:
                                                     *_metaps(*child)), role="worker", index=r)
             self.metrics_ports[f"agent-worker-{r}"] = aport
             self.metrics_ports[f"worker-{r}"] = mport
+        self._write_targets()
+
+    def _write_targets(self) -> None:
+        """``RUN/metrics/targets.json``: every process's ``/metrics`` (Prometheus ``file_sd``; metaps.monitoring)."""
+        from metaps.monitoring import write_targets
+
+        endpoints = {name: f"{self.metrics_hosts.get(name, '127.0.0.1')}:{port}"
+                     for name, port in self.metrics_ports.items() if port}
+        path = write_targets(self.run_dir / "metrics" / "targets.json", endpoints, self.run_dir.name)
+        log.info("metrics targets written", extra=kv(path=str(path), endpoints=len(endpoints)))
 
     # ---------------------------------------------------------------- watch
     def _poll_status(self, client: Any) -> None:

@@ -49,3 +49,21 @@ def test_agent_collector_reports_child_and_restarts(controller) -> None:
     text = _scrape(reg)
     assert 'metaps_agent_child_alive{index="3",role="worker"} 0.0' in text
     assert 'metaps_agent_child_restarts{index="3",role="worker"} 0.0' in text
+
+
+def test_alert_rules_read_only_metrics_the_controller_exports(controller) -> None:
+    """Every metric an alert rule of metaps.monitoring reads is one a real controller's /metrics
+    serves (a renamed gauge would leave its alert silently never firing)."""
+    import re
+
+    from metaps.monitoring import ALERT_RULES
+
+    srv = controller()
+    reg = CollectorRegistry()
+    reg.register(ControllerCollector(srv))
+    text = _scrape(reg)
+    assert "metaps_controller_batches_total " in text and 'metaps_controller_run_state{state="running"} 1.0' in text
+    exported = set(re.findall(r"^# TYPE (metaps_\w+)", text, re.M))  # families, with or without samples yet
+    for rule in ALERT_RULES["groups"][0]["rules"]:
+        used = set(re.findall(r"\b(metaps_\w+)\b", rule["expr"])) - {"metaps_run"}  # metaps_run: a label
+        assert used <= exported, (rule["alert"], used - exported)

@@ -73,6 +73,19 @@ def test_coverage_text_when_the_controller_failed_the_run() -> None:
                          "succeeded").startswith("40% (stopped: every worker exited before every shard was done); problems:")
 
 
+def _every_target_answers(run: Path) -> None:
+    """Mid-run, RUN/metrics/targets.json (Prometheus file_sd) names every process's /metrics, and each answers."""
+    import urllib.request
+
+    groups = json.loads((run / "metrics" / "targets.json").read_text())
+    procs = {g["labels"]["process"]: g["targets"][0] for g in groups}
+    assert {"controller", "ps-0", "worker-0", "agent-ps-0", "agent-worker-0"} <= set(procs), procs
+    for name, address in procs.items():
+        body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        assert "metaps_" in body, (name, body[:300])
+    assert "metaps_worker_step" in urllib.request.urlopen(f"http://{procs['worker-0']}/metrics", timeout=10).read().decode()
+
+
 @pytest.mark.timeout(600)
 def test_launch_stopped_by_sigterm_reports_the_fraction_and_why(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
@@ -85,6 +98,7 @@ def test_launch_stopped_by_sigterm_reports_the_fraction_and_why(tmp_path: Path) 
     with reaping(proc, run):
         wait_for(lambda: _steps(run) >= 2, 400, "training steps")  # mid-run: far from 50 epochs
         assert proc.poll() is None
+        _every_target_answers(run)
         proc.send_signal(signal.SIGTERM)
         out = finish_launch(proc, log, 240)
         left = fleet_pids(str(run))
