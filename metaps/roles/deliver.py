@@ -19,7 +19,6 @@ Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input, no 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from typing import Any
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
 from metaps.core import exit_codes
+from metaps.roles.output import emit
 
 EXIT_REFUSED = exit_codes.REFUSED
 
@@ -111,24 +111,41 @@ def _deliver(args: argparse.Namespace) -> int:
             print("metaps deliver: error: --every needs --run (a run directory to watch)", file=sys.stderr)
             return 2
         loop = PeriodicDelivery(cfg, args.run)
-        outcomes = loop.run(parse_interval(cfg.every), max_ticks=args.max_ticks)
-        for o in outcomes:
-            if o is not None:
-                print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind,
-                                  "checkpoint": str(o.checkpoint), "reason": o.reason}))
+        done = [o for o in loop.run(parse_interval(cfg.every), max_ticks=args.max_ticks) if o is not None]
+        emit(args, {"outcomes": [_outcome_dict(o) for o in done]}, [_outcome_line(o) for o in done] or ["no ticks"])
         return 0
     if args.if_checkpoint and args.run is not None and not has_checkpoint(args.run):
-        print(json.dumps({"status": "no_checkpoint", "version": "", "kind": "", "checkpoint": "",
-                          "run": str(args.run)}))
-        print(f"metaps deliver: {args.run} has no committed checkpoint yet; nothing to deliver", file=sys.stderr)
+        emit(args, {"status": "no_checkpoint", "version": "", "kind": "", "checkpoint": "", "run": str(args.run)},
+             f"{args.run} has no committed checkpoint yet; nothing to deliver")
         return 0
     o = deliver_once(cfg, run=args.run, checkpoint=args.checkpoint, force=args.force)
-    print(json.dumps({"status": o.status.value, "version": o.version, "kind": o.kind, "checkpoint": str(o.checkpoint),
-                      "auc": o.gate.auc if o.gate else {}}))
+    emit(args, _outcome_dict(o), _outcome_line(o))
     if o.status is Status.REFUSED:
         print(f"metaps deliver: refused by the validation gate: {o.reason}", file=sys.stderr)
         return EXIT_REFUSED
     return 0
+
+
+def _outcome_dict(o: Any) -> dict[str, Any]:
+    """One delivery's result as plain data (``--json``)."""
+    return {"status": o.status.value, "version": o.version, "kind": o.kind, "checkpoint": str(o.checkpoint),
+            "auc": o.gate.auc if o.gate else {}, "reason": o.reason}
+
+
+def _auc_text(auc: Mapping[str, Any]) -> str:
+    flat = {k: v for k, v in auc.items() if isinstance(v, (int, float))}
+    return ", ".join(f"{k} {v:.4f}" for k, v in sorted(flat.items()))
+
+
+def _outcome_line(o: Any) -> str:
+    """One delivery's result for a person."""
+    ckpt = Path(str(o.checkpoint)).name
+    if o.status.value == "published":
+        auc = _auc_text(o.gate.auc) if o.gate else ""
+        return f"published {o.version} ({o.kind}) from {ckpt}" + (f"; holdout AUC {auc}" if auc else "")
+    if o.status.value == "up_to_date":
+        return f"up to date: {ckpt} is already published"
+    return f"{o.status.value}: {o.version or '-'} from {ckpt}" + (f" ({o.reason})" if o.reason else "")
 
 
 def has_checkpoint(run: Path) -> bool:
@@ -162,8 +179,13 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"metaps predict: warning: {res.unknown_share:.0%} of looked-up ids ({res.unknown_ids:,} of "
               f"{res.looked_up_ids:,}) are unknown to bundle {res.bundle} (threshold {args.warn_unknown:.0%}); "
               f"is this data from the model's domain?", file=sys.stderr)
-    if res.labels:  # evaluation only when the data has labels; the summary stays the last line
-        print(json.dumps({"eval": {"auc": res.auc, "labels": res.labels}}))
-    print(json.dumps({"bundle": res.bundle, "rows": res.rows, "out": str(res.out), "unknown_ids": res.unknown_ids,
-                      "unknown_share": round(res.unknown_share, 6), "adapted": res.adapted}))
+    data: dict[str, Any] = {"bundle": res.bundle, "rows": res.rows, "out": str(res.out),
+                             "unknown_ids": res.unknown_ids, "unknown_share": round(res.unknown_share, 6),
+                             "adapted": res.adapted}
+    human = f"scored {res.rows:,} rows with bundle {res.bundle}{' (adapted on --support)' if res.adapted else ''}" \
+            f" -> {res.out}"
+    if res.labels:  # evaluation only when the data has labels
+        data["eval"] = {"auc": res.auc, "labels": res.labels}
+        human += f"; AUC {_auc_text(res.auc)}"
+    emit(args, data, human)
     return 0

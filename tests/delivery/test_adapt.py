@@ -154,7 +154,7 @@ def test_predict_with_support_keeps_columns_and_matches_the_api(shipped, tiny, t
     pq.write_table(t.append_column("note", pa.array(notes)), str(d_path))  # not a schema column
     out = tmp_path / "scores.parquet"
     capsys.readouterr()
-    assert main(["predict", "--bundle", str(path), "--support", str(s_path), "--data", str(d_path),
+    assert main(["--json", "predict", "--bundle", str(path), "--support", str(s_path), "--data", str(d_path),
                  "--out", str(out), "--batch-rows", "16", "--keep-columns", "user_id,click,note", "--progress"]) == 0
     io = capsys.readouterr()
     assert "rows scored" in io.err and "warning" not in io.err
@@ -182,7 +182,7 @@ def test_predict_warns_when_most_ids_are_unknown(shipped, tiny, tmp_path, capsys
     unseen = {t: np.arange(7_000_000, 7_000_500) for t in tiny.dims}
     fb = live_features(tiny, unseen, rows=30, seed=3)
     d_path = write_parquet(tmp_path / "far.parquet", tiny, fb, {h: np.zeros(30) for h in tiny.schema.labels})
-    args = ["predict", "--bundle", str(path), "--data", str(d_path), "--out", str(tmp_path / "s.parquet")]
+    args = ["--json", "predict", "--bundle", str(path), "--data", str(d_path), "--out", str(tmp_path / "s.parquet")]
     capsys.readouterr()
     assert main(args) == 0
     io = capsys.readouterr()

@@ -20,11 +20,18 @@ def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
     fb = live_features(tiny, history.live[30], rows=50, seed=4)
     data = write_parquet(tmp_path / "day.parquet", tiny, fb, {h: np.zeros(50) for h in tiny.schema.labels})
     capsys.readouterr()
-    assert main(["predict", "--bundle", str(out), "--data", str(data), "--out", str(tmp_path / "s.parquet"),
-                 "--batch-rows", "16"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["--json", "predict", "--bundle", str(out), "--data", str(data), "--out",
+                 str(tmp_path / "s.parquet"), "--batch-rows", "16"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1  # --json: exactly one object
+    summary = json.loads(printed[0])
+    assert summary.pop("eval")["labels"] == list(tiny.schema.labels)  # labelled data: evaluated in the same object
     assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0,
                        "unknown_share": 0.0, "adapted": False}
+    assert main(["predict", "--bundle", str(out), "--data", str(data), "--out", str(tmp_path / "s2.parquet")]) == 0
+    human = capsys.readouterr().out.strip().splitlines()  # no --json: one readable line
+    assert human == [f"scored 50 rows with bundle v000001 -> {tmp_path / 's2.parquet'}; AUC "
+                     + human[0].split("; AUC ")[1]] and "{" not in human[0]
     scores = pq.read_table(tmp_path / "s.parquet").to_pydict()
     want = load_bundle(out).predict(fb)
     assert scores["row"] == list(range(50))
@@ -35,10 +42,12 @@ def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
 def test_deliver_every_runs_the_loop(tmp_path, history, capsys):
     run = tmp_path / "run"
     shutil.copytree(history.ckpts[20], run / "checkpoints" / "ckpt-20")
-    rc = main(["deliver", "--no-gate", "--run", str(run), "--out", str(tmp_path / "out"), "--every", "10ms", "--max-ticks", "2"])
+    rc = main(["--json", "deliver", "--no-gate", "--run", str(run), "--out", str(tmp_path / "out"), "--every", "10ms",
+               "--max-ticks", "2"])
     assert rc == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert [x["status"] for x in lines] == ["published", "up_to_date"]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1  # --json: one object for the whole loop
+    assert [x["status"] for x in json.loads(printed[0])["outcomes"]] == ["published", "up_to_date"]
 
 
 def test_deliver_if_checkpoint_exits_0_before_the_runs_first_checkpoint(tmp_path, history, capsys):
@@ -48,12 +57,14 @@ def test_deliver_if_checkpoint_exits_0_before_the_runs_first_checkpoint(tmp_path
     out = tmp_path / "out"
     assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out)]) == 1  # without the flag: an error
     assert "run has no committed checkpoint" in capsys.readouterr().err
-    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
+    assert main(["--json", "deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
     cap = capsys.readouterr()
-    assert json.loads(cap.out)["status"] == "no_checkpoint" and "no committed checkpoint yet" in cap.err
+    assert json.loads(cap.out)["status"] == "no_checkpoint"
+    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
+    assert "no committed checkpoint yet" in capsys.readouterr().out
     assert not (out / "LATEST").exists()
     shutil.copytree(history.ckpts[20], run / "checkpoints" / "ckpt-20")  # once there is one, it delivers
-    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
+    assert main(["--json", "deliver", "--no-gate", "--run", str(run), "--out", str(out), "--if-checkpoint"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "published"
 
 

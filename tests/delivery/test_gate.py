@@ -32,7 +32,7 @@ def holdout(tmp_path_factory, history, tiny):
 
 
 def _deliver(ckpt, out, holdout, *extra):
-    return main(["deliver", "--checkpoint", str(ckpt), "--out", str(out), "--holdout", str(holdout),
+    return main(["--json", "deliver", "--checkpoint", str(ckpt), "--out", str(out), "--holdout", str(holdout),
                  "--max-auc-drop", "0.01", *extra])
 
 

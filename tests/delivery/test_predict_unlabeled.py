@@ -35,7 +35,8 @@ def test_predict_scores_unlabeled_data(tmp_path, bundle, history, tiny, capsys) 
     drop(data, list(tiny.schema.labels))
     capsys.readouterr()
     out = tmp_path / "s.parquet"
-    assert main(["predict", "--bundle", str(bundle), "--data", str(data), "--out", str(out), "--batch-rows", "16"]) == 0
+    assert main(["--json", "predict", "--bundle", str(bundle), "--data", str(data), "--out", str(out), "--batch-rows",
+                 "16"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1  # no evaluation without labels
     assert json.loads(lines[0]) == {"bundle": "v000001", "rows": 40, "out": str(out), "unknown_ids": 0,
@@ -55,12 +56,14 @@ def test_predict_evaluates_the_labels_that_are_present(tmp_path, bundle, history
     data = drop(write_parquet(tmp_path / "day.parquet", tiny, fb, labels), [second])
     capsys.readouterr()
     out = tmp_path / "s.parquet"
-    assert main(["predict", "--bundle", str(bundle), "--data", str(data), "--out", str(out)]) == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert lines[-1]["rows"] == 60
-    assert lines[0]["eval"]["labels"] == [first]
+    assert main(["--json", "predict", "--bundle", str(bundle), "--data", str(data), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1  # --json: one object, the evaluation inside it
+    res = json.loads(printed[0])
+    assert res["rows"] == 60
+    assert res["eval"]["labels"] == [first]
     scores = pq.read_table(out).column(f"p_{first}").to_numpy()
-    assert lines[0]["eval"]["auc"][first] == pytest.approx(auc(labels[first], scores), abs=1e-4)
+    assert res["eval"]["auc"][first] == pytest.approx(auc(labels[first], scores), abs=1e-4)
 
 
 def test_failed_predict_leaves_no_file_at_out(tmp_path, bundle, history, tiny, capsys) -> None:
