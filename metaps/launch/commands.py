@@ -36,6 +36,8 @@ def register(subparsers: Any) -> None:
                         "model and step counters; nothing trained twice beyond the cut)")
     p.add_argument("--timeout", type=float, default=0.0, help="fail the run after this many seconds (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no live view; a progress log line every 10 s")
+    p.add_argument("--file-log-level", default="INFO", metavar="LEVEL",
+                   help="level of the fleet's log files RUN/logs/*.log (--log-level sets the console's only)")
     p.add_argument("--token-file", default="",
                    help="auth token file (0600): read it, or create it with the run's token (default [rpc] token_file)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="sets",
@@ -65,14 +67,13 @@ def register(subparsers: Any) -> None:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from metaps.core.security import set_private_umask
 
-    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     from metaps.roles.output import emit, wants_json
 
     set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
                       resume_from=args.resume_from, resume=args.resume, progress=not args.no_progress,
                       timeout_s=args.timeout,
-                      token_file=args.token_file, sets=tuple(args.sets))
+                      token_file=args.token_file, sets=tuple(args.sets), file_log_level=args.file_log_level.upper())
     try:
         lc.validate()
     except ValueError as exc:

@@ -39,6 +39,8 @@ class LaunchConfig:
         stop_grace_s: SIGTERM -> SIGKILL grace per role when stopping.
         status_every_s: controller status poll period.
         token_file: read the run's token from this 0600 file, or write it there ('' = ``[rpc] token_file``).
+        file_log_level: the level every fleet process logs at into its ``RUN/logs/*.log`` (the
+            launcher's own console follows ``--log-level``; the files keep INFO unless asked).
         sets: ``--set SECTION.KEY=VALUE`` overrides of the job file (:mod:`metaps.roles.overrides`).
 
     Example::
@@ -58,6 +60,7 @@ class LaunchConfig:
     stop_grace_s: float = 20.0
     status_every_s: float = 1.0
     token_file: str = ""
+    file_log_level: str = "INFO"
     sets: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -71,6 +74,8 @@ class LaunchConfig:
             raise ValueError(f"--ps must be >= 1, got {self.ps}")
         if self.timeout_s < 0:
             raise ValueError(f"--timeout must be >= 0, got {self.timeout_s}")
+        if self.file_log_level not in LOG_LEVELS:
+            raise ValueError(f"--file-log-level must be one of {', '.join(LOG_LEVELS)}, got {self.file_log_level!r}")
         for name in ("ready_timeout_s", "stop_grace_s", "status_every_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -149,7 +154,11 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in _WILDCARD else host
 
 
-def _metaps(*args: str) -> list[str]:
-    return [sys.executable, "-m", "metaps", "--log-level", logging.getLevelName(logging.getLogger().level), *args]
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _metaps(*args: str, level: str = "INFO") -> list[str]:
+    """``python -m metaps --log-level LEVEL ARGS``: a fleet process logging at ``level`` into its log file."""
+    return [sys.executable, "-m", "metaps", "--log-level", level, *args]
 
 

@@ -140,6 +140,10 @@ class Launcher:
         self.stop_event.set()
 
     # ---------------------------------------------------------------- start
+    def _cmd(self, *args: str) -> list[str]:
+        """A fleet process's command line: it logs at ``--file-log-level`` (INFO), whatever the console's level."""
+        return _metaps(*args, level=self.lc.file_log_level)
+
     def _start_controller(self) -> None:
         from metaps.core.metrics import free_port
 
@@ -148,7 +152,7 @@ class Launcher:
         addr_file = self.run_dir / "controller" / "address"
         addr_file.unlink(missing_ok=True)
         mport = free_port(_connect_host(host))
-        m = self.fleet.start("controller", _metaps(
+        m = self.fleet.start("controller", self._cmd(
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
             "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport),
             "--checkpoint-root", str(self.run_dir / "checkpoints"),
@@ -172,10 +176,10 @@ class Launcher:
             if self.resume:
                 child += ["--restore", self.resume]
             aport = free_port(_connect_host(host))
-            self.fleet.start(f"ps-{k}", _metaps("agent", "--config", str(self.job_path), "--role", "ps",
-                                                "--index", str(k), "--controller", self.ctl_addr,
-                                                "--metrics-port", str(aport), "--",
-                                                *_metaps(*child)), role="ps", index=k)
+            self.fleet.start(f"ps-{k}", self._cmd("agent", "--config", str(self.job_path), "--role", "ps",
+                                                  "--index", str(k), "--controller", self.ctl_addr,
+                                                  "--metrics-port", str(aport), "--",
+                                                  *self._cmd(*child)), role="ps", index=k)
             self.metrics_ports[f"agent-ps-{k}"] = aport
             self.ps_addrs.append(f"{_connect_host(host)}:{port}")
             self.metrics_ports[f"ps-{k}"] = mport
@@ -200,10 +204,10 @@ class Launcher:
             if self.continued is not None:
                 child += ["--start-step", str(self.continued.step)]
             aport = free_port()
-            self.fleet.start(f"worker-{r}", _metaps("agent", "--config", str(self.job_path), "--role", "worker",
-                                                    "--index", str(r), "--controller", self.ctl_addr,
-                                                    "--metrics-port", str(aport), "--",
-                                                    *_metaps(*child)), role="worker", index=r)
+            self.fleet.start(f"worker-{r}", self._cmd("agent", "--config", str(self.job_path), "--role", "worker",
+                                                      "--index", str(r), "--controller", self.ctl_addr,
+                                                      "--metrics-port", str(aport), "--",
+                                                      *self._cmd(*child)), role="worker", index=r)
             self.metrics_ports[f"agent-worker-{r}"] = aport
             self.metrics_ports[f"worker-{r}"] = mport
         self._write_targets()

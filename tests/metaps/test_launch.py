@@ -326,3 +326,21 @@ def test_missing_eval_dataset_fails_before_any_process_starts(data: dict[str, Pa
     assert len(errors) == 1 and errors[0].startswith("metaps launch: error: preflight: data.eval = "), proc.stderr
     assert "no-such-eval: no such directory" in errors[0]
     assert not run.exists()
+
+
+def test_fleet_processes_log_at_the_file_level_not_the_consoles() -> None:
+    """``--log-level`` is the launcher's console; its fleet logs into RUN/logs at ``--file-log-level`` (INFO)."""
+    import logging
+
+    from metaps.launch.config import LaunchConfig, _metaps
+
+    root = logging.getLogger()
+    before = root.level
+    root.setLevel(logging.WARNING)  # the console's level (launch --log-level WARNING) ...
+    try:
+        assert _metaps("ps", "--shard", "0")[3:6] == ["--log-level", "INFO", "ps"]  # ... is not the files'
+    finally:
+        root.setLevel(before)
+    assert _metaps("ps", level="DEBUG")[4] == "DEBUG"
+    with pytest.raises(ValueError, match="--file-log-level must be one of DEBUG, INFO, WARNING, ERROR, got 'LOUD'"):
+        LaunchConfig(config="job.toml", file_log_level="LOUD").validate()

@@ -49,7 +49,9 @@ def test_sigkilled_agent_is_restarted_and_the_run_completes(tmp_path: Path) -> N
     cfg = write(tmp_path / "job.toml", job)
     run = tmp_path / "run"
     log = tmp_path / "launcher.log"
-    proc = start_launch(["--config", str(cfg), "--run-dir", str(run), "--no-progress"], log)
+    # a quiet console (--log-level WARNING) keeps the per-process log files at INFO: the waits below read
+    # the workers' INFO lines from them
+    proc = start_launch(["--config", str(cfg), "--run-dir", str(run), "--no-progress", "--log-level", "WARNING"], log)
     with reaping(proc, run):
         wait_for(lambda: 'msg="step"' in _read(run / "logs" / "worker-1.log"), 400, "worker 1's first step")
         pid = _agent_pid(run, "worker", 1)
