@@ -10,7 +10,9 @@ the last digit, not against whatever two checkpoints happen to score.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +144,37 @@ def test_the_record_written_into_the_manifest(setup: _Setup) -> None:
     assert report.ok
     assert report.record(str(setup.holdout)) == {"gated": True, "holdout": str(setup.holdout), "rows": setup.rows,
                                                  "auc": setup.auc, "published_auc": published}
+
+
+def test_defaults_are_consistency_only_and_a_drop_of_one_hundredth(setup: _Setup) -> None:
+    report = run_gate(setup.staged)  # no holdout: consistency checks only
+    assert report.ok is True and report.reasons == [] and report.auc == {} and report.rows == 0
+    setup.record({h: a + 0.011 for h, a in setup.auc.items()})
+    report = run_gate(setup.staged, published=setup.published, holdout=str(setup.holdout))
+    assert report.ok is False and "(allowed drop 0.01)" in report.reasons[0]
+    setup.record({h: a + 0.009 for h, a in setup.auc.items()})
+    assert run_gate(setup.staged, published=setup.published, holdout=str(setup.holdout)).ok is True
+
+
+def test_verdicts_are_logged_with_their_fields(setup: _Setup, tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="delivery.gate")
+    published = {h: a + 0.02 for h, a in setup.auc.items()}
+    setup.record(published)
+    report = setup.gate(0.01)
+    (rec,) = [r for r in caplog.records if r.name == "delivery.gate"]
+    assert (rec.levelno, rec.getMessage()) == (logging.INFO, "gate")
+    assert rec.kv == {"bundle": setup.staged, "ok": False, "auc": report.auc, "published_auc": published,
+                      "rows": setup.rows}
+
+    bad = tmp_path / "v000009"
+    shutil.copytree(setup.staged, bad)
+    with open(bad / "dense.pt", "r+b") as fh:
+        b = fh.read(1)
+        fh.seek(0)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    caplog.clear()
+    report = run_gate(bad, published=setup.published, holdout=str(setup.holdout))
+    assert report.ok is False and len(report.reasons) == 1 and "dense.pt: checksum mismatch" in report.reasons[0]
+    (rec,) = [r for r in caplog.records if r.name == "delivery.gate"]
+    assert (rec.levelno, rec.getMessage()) == (logging.WARNING, "gate refused an inconsistent bundle")
+    assert rec.kv == {"bundle": bad, "problems": 1}
