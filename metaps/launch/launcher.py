@@ -117,6 +117,7 @@ class Launcher:
         self.signal_name = ""
         self.ctl_addr = ""
         self.ps_addrs: list[str] = []
+        self.ps_ready = False  # every shard's ready file seen (a final checkpoint can be asked of them)
         self.metrics_ports: dict[str, int | None] = {}
         self.metrics_hosts: dict[str, str] = {}  # process -> the host its /metrics binds (default 127.0.0.1)
         self.status: dict[str, Any] | None = None
@@ -192,6 +193,7 @@ class Launcher:
             info = json.loads(ready.read_text())
             self.metrics_ports[f"ps-{k}"] = int(info["metrics_port"])
         self._write_targets()
+        self.ps_ready = True
         log.info("PS fleet ready", extra=kv(addresses=",".join(self.ps_addrs)))
 
     def _start_workers(self) -> None:
@@ -331,8 +333,10 @@ class Launcher:
         from ps.coordinator import checkpoint_all
         from workers.worker import checkpoint_info
 
-        if not self.ps_addrs or any(self.fleet.members[f"ps-{k}"].poll() is not None
+        if not self.ps_ready or any(self.fleet.members[f"ps-{k}"].poll() is not None
                                     for k in range(len(self.ps_addrs)) if f"ps-{k}" in self.fleet.members):
+            # stopped during start-up (Ctrl-C before every shard served): nothing to save, not an error
+            log.info("no final checkpoint: the PS fleet was not up", extra=kv(reason=reason))
             return ""
         node_steps = [int(n.get("step", 0)) for n in (self.status or {}).get("nodes", []) if n.get("role") == "worker"]
         step = max([self.tail.max_step(), *node_steps])
