@@ -33,6 +33,7 @@ from meta_io.reader import MetaIODataset
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core import exit_codes
 from metaps.core.config import to_dict
+from metaps.core.eta import JobEta
 from metaps.core.log import kv
 from workers.config import DenseSync, TrainMode
 from workers.data_feed import BatchRange, static_ranges
@@ -224,6 +225,7 @@ class Worker:
             self._hb.start()
         t_start = time.perf_counter()
         self.train_start = time.time()
+        self._eta = JobEta()
         self._last_step_end = t_start
         self.start_step = self.trainer.step_no
         if self._dd_mode():
@@ -363,7 +365,7 @@ class Worker:
         if step % self.job.train.log_every == 0 or step == 1:
             self.history.append(rec)
             log.info("step", extra=kv(rank=self.rank, step=step, loss=round(stats.loss, 4),
-                                      samples_per_s=round(rec["samples_per_s"], 1)))
+                                      samples_per_s=round(rec["samples_per_s"], 1), **self._eta_fields(step)))
         if due:
             self.telemetry.scalars(step, rec)
         self._periodic_eval(step)
@@ -605,6 +607,15 @@ class Worker:
         ckpt = self.checkpoint(metrics=metrics)
         self.final = True
         return metrics, ckpt
+
+    def _eta_fields(self, step: int) -> dict[str, Any]:
+        """``pct`` and ``eta_s`` of a run whose length this process knows (train-local: ``total_steps``);
+        a fleet worker's share of the job is the controller's to say (the launcher's progress line)."""
+        total = int(getattr(self.trainer, "total_steps", 0) or 0)
+        if self.ctl is not None or total <= 0 or not hasattr(self, "_eta"):
+            return {}
+        r = self._eta.update(step - self.start_step, total - self.start_step, time.monotonic())
+        return {"pct": round(r.pct, 1), "eta_s": None if r.eta_s is None else round(r.eta_s)}
 
     def _report_dict(self, eval_metrics: dict[str, Any] | None, checkpoint: Path | None,
                      state: str) -> dict[str, Any]:

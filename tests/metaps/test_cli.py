@@ -229,10 +229,14 @@ def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
 
     data = make_data(tmp_path / "data")
     job = write(tmp_path / "job.toml", job_mapping(data, tmp_path, workers=1, ps=1))
-    res = _metaps("train-local", "--config", str(job), "--set", "train.max_steps=3", "--json",
-                  "--log-level", "WARNING")
+    res = _metaps("train-local", "--config", str(job), "--set", "train.max_steps=3", "--set", "train.log_every=1",
+                  "--json")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     out = json.loads(res.stdout)  # one object, nothing else on stdout
+    # off a terminal, the step lines carry the run's percent and time left (3 steps planned)
+    steps = [ln for ln in res.stderr.splitlines() if 'msg="step"' in ln]
+    assert " pct=33.3 " in steps[0] + " " and "eta_s=" in steps[0], steps
+    assert "pct=100.0" in steps[-1] and "eta_s=0" in steps[-1], steps
     run = Path(out["run_dir"])
     assert run.parent == tmp_path / "runs" and run.name.startswith("test-")  # [run] dir/<name>-<time>
     assert (tmp_path / "runs" / "latest").resolve() == run.resolve()
