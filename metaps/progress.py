@@ -411,3 +411,68 @@ class ProgressDisplay:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+class TaskProgress:
+    """One command's progress toward a known total: rich's progress bar on a terminal, else a
+    log line (``msg="progress"``: ``what``, ``done``, ``pct``, ``per_s``, ``eta_s``) every
+    ``log_every_s`` seconds. Without a total it counts and gives a rate, no percent or ETA.
+
+    Args:
+        what: what is counted (``rows scored``).
+        total: how many there will be (None: unknown).
+        console: where the bar is drawn (a terminal); None or not a terminal: log lines.
+        log_every_s: period of the log line.
+
+    Example::
+
+        with TaskProgress("rows scored", total=50_000, console=Console(stderr=True)) as p:
+            for n in batches:
+                p.update(n)
+    """
+
+    def __init__(self, what: str, total: int | None, console: Console | None = None,
+                 log_every_s: float = 5.0) -> None:
+        self.what, self.total, self.log_every_s = what, total, log_every_s
+        self.eta = JobEta(window_s=30.0)
+        self._t0 = time.monotonic()
+        self._last_log = self._t0
+        self._done = 0
+        self.last: EtaReading | None = None
+        self._bar: Progress | None = None
+        if console is not None and console.is_terminal:
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                                 TextColumn("{task.completed:,.0f}/{task.fields[total_text]}"),
+                                 TextColumn("ETA {task.fields[eta]}"), console=console, transient=False)
+            self._task = self._bar.add_task(what, total=total, total_text=f"{total:,}" if total else "?", eta="-")
+            self._bar.start()
+
+    def __enter__(self) -> "TaskProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, done: int) -> None:
+        """``done`` so far (cumulative); the figures are then in :attr:`last`."""
+        now = time.monotonic()
+        self._done = done
+        r = self.last = self.eta.update(done, self.total or 0, now)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, eta=duration_text(r.eta_s) if self.total else "-")
+        elif now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            log.info("progress", extra=kv(**self.fields(r, now)))
+
+    def fields(self, r: EtaReading, now: float) -> dict[str, Any]:
+        """The log line's figures for reading ``r``."""
+        out: dict[str, Any] = {"what": self.what, "done": r.done,
+                               "per_s": round(r.done / max(now - self._t0, 1e-9), 1)}
+        if self.total:
+            out.update(total=self.total, pct=round(r.pct, 1), eta_s=None if r.eta_s is None else round(r.eta_s))
+        return out
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

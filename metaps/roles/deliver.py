@@ -148,6 +148,19 @@ def _outcome_line(o: Any) -> str:
     return f"{o.status.value}: {o.version or '-'} from {ckpt}" + (f" ({o.reason})" if o.reason else "")
 
 
+def _row_count(data: Path) -> int | None:
+    """Rows of the Parquet file(s) at ``data`` from their footers (None for CSV or unreadable: no percent)."""
+    import pyarrow.parquet as pq
+
+    files = sorted(data.rglob("*.parquet")) if data.is_dir() else [data]
+    if not files or any(f.suffix != ".parquet" for f in files):
+        return None
+    try:
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    except (OSError, ValueError):
+        return None  # predict itself says what is wrong with the file
+
+
 def has_checkpoint(run: Path) -> bool:
     """Whether the run directory ``run`` holds a committed checkpoint (``--if-checkpoint``)."""
     from ps.checkpoint import latest_checkpoint
@@ -157,22 +170,20 @@ def has_checkpoint(run: Path) -> bool:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from delivery.predict import predict_to_parquet
+    from metaps.progress import TaskProgress
 
     keep = [c.strip() for c in args.keep_columns.split(",") if c.strip()]
     show = args.progress or sys.stderr.isatty()
-    last = [0.0]
     t0 = time.monotonic()
-
-    def progress(rows: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= 1.0:
-            last[0] = now
-            rate = rows / max(now - t0, 1e-9)
-            print(f"metaps predict: {rows:,} rows scored ({rate:,.0f} rows/s)", file=sys.stderr, flush=True)
-
-    res = predict_to_parquet(args.bundle, args.data, args.out, args.batch_rows, support=args.support,
-                             keep_columns=keep, warn_unknown=args.warn_unknown, progress=progress if show else None)
+    with TaskProgress("rows scored", _row_count(Path(args.data)),
+                      console=Console(stderr=True) if sys.stderr.isatty() else None,
+                      log_every_s=1.0) as bar:
+        res = predict_to_parquet(args.bundle, args.data, args.out, args.batch_rows, support=args.support,
+                                 keep_columns=keep, warn_unknown=args.warn_unknown,
+                                 progress=bar.update if show else None)
     if show:
         print(f"metaps predict: {res.rows:,} rows scored in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     if res.warn_unknown:

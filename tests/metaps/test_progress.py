@@ -142,3 +142,30 @@ def test_live_view_draws_the_job_bar() -> None:
     display.close()
     out = buf.getvalue()
     assert "100/400 batches" in out and "25%" in out and "ETA" in out
+
+
+def test_task_progress_logs_percent_and_eta_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+    from metaps.progress import TaskProgress
+
+    with caplog.at_level(logging.INFO, logger="metaps.progress"):
+        with TaskProgress("rows scored", total=1000, console=Console(file=io.StringIO()), log_every_s=0.0) as p:
+            p.update(250)
+            p.eta._points[0] = (p.eta._points[0][0] - 5.0, 250)  # the first reading, 5 s ago
+            p.update(500)
+    recs = [r.kv for r in caplog.records if r.getMessage() == "progress"]
+    assert recs[-1]["what"] == "rows scored" and recs[-1]["pct"] == 50.0 and recs[-1]["total"] == 1000
+    assert 9 < recs[-1]["eta_s"] < 11, recs[-1]  # 250 rows in 5 s: 500 left -> 10 s
+    with caplog.at_level(logging.INFO, logger="metaps.progress"):
+        with TaskProgress("rows", total=None, console=None, log_every_s=0.0) as p:
+            p.update(10)
+    last = [r.kv for r in caplog.records if r.getMessage() == "progress"][-1]
+    assert last["done"] == 10 and "pct" not in last and "eta_s" not in last  # unknown total: a count and a rate
+
+
+def test_task_progress_draws_a_bar_on_a_terminal() -> None:
+    from metaps.progress import TaskProgress
+
+    buf = io.StringIO()
+    with TaskProgress("rows scored", total=1000, console=Console(file=buf, force_terminal=True, width=120)) as p:
+        p.update(400)
+    assert "rows scored" in buf.getvalue() and "40%" in buf.getvalue() and "400/1,000" in buf.getvalue()
