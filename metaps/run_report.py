@@ -395,6 +395,7 @@ def build_report(
         "shards": list(ledger),
         "final_metrics": final_metrics,
         "final_auc": flat_auc(final_metrics),
+        "cold_start": cold_start(final_metrics),
         "checkpoint": ckpt,
         "resumed_from": resumed_from,
         "metrics_ports": dict(metrics_ports or {}),
@@ -455,6 +456,50 @@ def _store_rows(stats: Mapping[str, Any]) -> int:
     return sum(int(t.get("rows", 0)) for t in tables.values() if isinstance(t, Mapping))
 
 
+GAIN_NOISE = 0.001
+"""An adapted-minus-base AUC gain smaller than this (either sign) is reported as "no clear change"."""
+
+
+def cold_start(final_metrics: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per head, the held-out users' base vs adapted AUC: what adaptation bought, said plainly.
+
+    ``{head: {"base", "adapted", "gain", "oracle" (None where the data has no Bayes reference),
+    "verdict"}}`` with ``verdict`` ``helps`` (gain >= :data:`GAIN_NOISE`), ``hurts``
+    (gain <= -:data:`GAIN_NOISE`) or ``no clear change``; empty when the eval has no adapted part.
+
+    Args:
+        final_metrics: the leader's merged eval (``base`` / ``adapted`` -> head -> ``auc``, ``oracle_auc``).
+    """
+    base, adapted = final_metrics.get("base") or {}, final_metrics.get("adapted") or {}
+    out: dict[str, dict[str, Any]] = {}
+    for head in sorted(set(base) & set(adapted)):
+        b, a = base[head], adapted[head]
+        if not (isinstance(b, Mapping) and isinstance(a, Mapping)):
+            continue
+        if not all(isinstance(x.get("auc"), (int, float)) and math.isfinite(x["auc"]) for x in (b, a)):
+            continue
+        gain = float(a["auc"]) - float(b["auc"])
+        verdict = "helps" if gain >= GAIN_NOISE else "hurts" if gain <= -GAIN_NOISE else "no clear change"
+        oracle = b.get("oracle_auc")
+        out[head] = {"base": round(float(b["auc"]), 4), "adapted": round(float(a["auc"]), 4),
+                     "gain": round(gain, 4), "oracle": round(float(oracle), 4) if isinstance(oracle, (int, float))
+                     and math.isfinite(oracle) else None, "verdict": verdict}
+    return out
+
+
+def cold_start_text(table: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per head for the summary (``click: base 0.7942 -> adapted 0.7921 (-0.0021: hurts); ...``),
+    and a closing line when adaptation helps no head."""
+    lines = []
+    for head, r in table.items():
+        oracle = f"; Bayes oracle {r['oracle']:.4f}" if r.get("oracle") is not None else ""
+        lines.append(f"{head}: base {r['base']:.4f} -> adapted {r['adapted']:.4f} ({r['gain']:+.4f}: "
+                     f"{r['verdict']}){oracle}")
+    if table and not any(r["verdict"] == "helps" for r in table.values()):
+        lines.append("adaptation did not improve any head on these held-out users (docs/design/meta_learning.md)")
+    return lines
+
+
 def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     """Workers, PS shards, final metrics and the run directory as rich tables."""
     colour = {"succeeded": "green", "failed": "red", "interrupted": "yellow"}.get(report["status"], "white")
@@ -506,3 +551,8 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     ct.add_row("checkpoint", report["checkpoint"] or "-")
     ct.add_row("run dir", report["run_dir"])
     console.print(ct)
+    lines = cold_start_text(report.get("cold_start") or {})
+    if lines:
+        console.print("cold start, held-out users (base vs adapted on their support rows):", markup=False)
+        for line in lines:
+            console.print("  " + line, markup=False)

@@ -114,3 +114,31 @@ def test_a_dead_incarnation_says_dead_with_its_last_real_rate(tmp_path: Path) ->
     print_summary(Console(file=buf, width=220), build_report(run, job, status="interrupted"))
     text = buf.getvalue()
     assert "dead" in text and "480.0" in text and "000,000" not in text, text
+
+
+def test_the_summary_says_plainly_what_adaptation_bought(tmp_path: Path) -> None:
+    """Base vs adapted AUC per head of the held-out users, the gain with its sign, the Bayes
+    oracle where the data has one, and a plain line when adaptation helped no head."""
+    from metaps.run_report import cold_start
+
+    def head(auc: float, oracle: float | None = None) -> dict[str, Any]:
+        return {"rows": 2187, "auc": auc, **({"oracle_auc": oracle} if oracle is not None else {})}
+
+    hurt = {"base": {"click": head(0.7942, 0.8521), "conversion": head(0.8479, 0.9190)},
+            "adapted": {"click": head(0.7921, 0.8521), "conversion": head(0.8485, 0.9190)}}
+    table = cold_start(hurt)
+    assert table["click"] == {"base": 0.7942, "adapted": 0.7921, "gain": -0.0021, "oracle": 0.8521, "verdict": "hurts"}
+    assert table["conversion"]["verdict"] == "no clear change"
+    run, job = _run(tmp_path)
+    (run / "workers" / "worker-0.inc-1.json").write_text(json.dumps({
+        **_inc(0, 0, 40, 4000, "finished", 1000.0), "eval": hurt}))
+    rep = build_report(run, job, status="succeeded")
+    assert rep["cold_start"] == table
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=220), rep)
+    text = buf.getvalue()
+    assert "click: base 0.7942 -> adapted 0.7921 (-0.0021: hurts); Bayes oracle 0.8521" in text, text
+    assert "adaptation did not improve any head on these held-out users" in text
+    helped = {"base": {"click": head(0.70)}, "adapted": {"click": head(0.72)}}
+    assert cold_start(helped)["click"]["verdict"] == "helps" and cold_start(helped)["click"]["oracle"] is None
+    assert cold_start({"base": {"click": head(0.7)}}) == {}  # no adapted eval: nothing claimed
