@@ -178,3 +178,12 @@ def test_verdicts_are_logged_with_their_fields(setup: _Setup, tmp_path: Path, ca
     (rec,) = [r for r in caplog.records if r.name == "delivery.gate"]
     assert (rec.levelno, rec.getMessage()) == (logging.WARNING, "gate refused an inconsistent bundle")
     assert rec.kv == {"bundle": bad, "problems": 1}
+
+
+def test_holdout_rows_caps_what_is_evaluated(setup: _Setup) -> None:
+    setup.record({})  # no usable record: the published bundle is measured on the same capped rows
+    report = run_gate(setup.staged, published=setup.published, holdout=str(setup.holdout), max_auc_drop=1.0,
+                      holdout_rows=100)
+    assert report.ok and report.rows == 100
+    full = run_gate(setup.staged, holdout=str(setup.holdout))
+    assert full.rows == 300 and report.auc != full.auc
