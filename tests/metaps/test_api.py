@@ -7,7 +7,8 @@ user; its own ``assert`` lines check the results) and the test then checks what 
 
 The error tests call the real functions with one bad argument each and check the error
 is a ``MetapsError`` whose single line names the bad argument; none of them starts
-training or leaves a run directory.
+training or leaves a run directory. ``api.launch``'s fleet runs in
+tests/metaps/test_launch_max_steps.py (one fleet checks both the step limit and the API's result).
 """
 
 from __future__ import annotations
@@ -188,25 +189,6 @@ def test_importing_the_api_stays_light() -> None:
     res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120,
                          check=True)
     assert res.stdout.strip() == "False"
-
-
-def test_launch_runs_a_fleet_and_returns_its_report(tiny: dict[str, Path], tmp_path: Path) -> None:
-    """The one fleet of this file (1 PS, 1 worker, 4 steps): the same Launcher as ``metaps launch``."""
-    job = {"data": {"train": str(tiny["metaio"])},
-           "ps": {"table_defaults": {"dim": 8, "capacity": 4096}},
-           "model": {"kind": "dnn", "default_dim": 8, "hidden": [16]},
-           "train": {"mode": "meta", "threads": 1},
-           "run": {"dir": str(tmp_path / "runs"), "name": "fleet"}}
-    umask = os.umask(0o022)
-    os.umask(umask)
-    res = api.launch(job, overrides={"train.max_steps": 4}, ps=1, workers=1, run_dir=tmp_path / "run",
-                     timeout_s=240)
-    assert res.ok and res.status == "succeeded" and res.reason == "", res
-    assert res.run_dir == (tmp_path / "run").resolve()
-    assert res.checkpoint is not None and (res.checkpoint / "manifest.json").is_file()
-    assert res.report == json.loads((res.run_dir / "report.json").read_text())
-    assert "max_steps" in res.coverage
-    assert os.umask(umask) == umask  # the run's 0600/0700 rule was for the call only
 
 
 def test_the_cli_keeps_the_deliver_gate_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
