@@ -187,3 +187,6 @@ def test_holdout_rows_caps_what_is_evaluated(setup: _Setup) -> None:
     assert report.ok and report.rows == 100
     full = run_gate(setup.staged, holdout=str(setup.holdout))
     assert full.rows == 300 and report.auc != full.auc
+    # a published version with no record is measured on the same capped rows: itself scores the same
+    same = run_gate(setup.staged, published=setup.staged, holdout=str(setup.holdout), holdout_rows=100)
+    assert same.ok and same.rows == 100 and same.published_auc == same.auc == report.auc
