@@ -94,10 +94,14 @@ ALERT_RULES: dict[str, Any] = {"groups": [{
 
 
 def _write(path: Path, text: str) -> Path:
-    """``text`` to ``path`` atomically, 0644 (a local Prometheus or Grafana reads it), folders made."""
+    """``text`` to ``path`` atomically, folders made; private like the rest of a run (files 0600,
+    folders 0700): the local Prometheus and Grafana run as the same user."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return write_text_atomic(path, text, mode=0o644)
+        missing = [d for d in [path.parent, *path.parent.parents] if not d.exists()]
+        for d in reversed(missing):  # each new folder 0700 (mkdir(parents=True) leaves the umask's mode)
+            d.mkdir(mode=0o700)
+            d.chmod(0o700)
+        return write_text_atomic(path, text)
     except OSError as exc:
         raise MonitoringError(f"{path}: cannot write ({exc.strerror or exc})") from exc
 
@@ -134,7 +138,7 @@ def target_groups(endpoints: Mapping[str, str], run_name: str) -> list[dict[str,
 
 
 def write_targets(path: Path, endpoints: Mapping[str, str], run_name: str) -> Path:
-    """Write :func:`target_groups` to ``path`` atomically (readable by a local Prometheus: 0644)."""
+    """Write :func:`target_groups` to ``path`` atomically (0600, as every file of a run)."""
     return _write(path, json.dumps(target_groups(endpoints, run_name), indent=1) + "\n")
 
 

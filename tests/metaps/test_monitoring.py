@@ -43,7 +43,7 @@ def test_stack_files_point_at_the_targets(tmp_path: Path) -> None:
     ds = yaml.safe_load((files.grafana / "datasources" / "metaps.yml").read_text())
     assert ds["datasources"][0]["url"] == "http://127.0.0.1:9999"
     assert (files.grafana / "dashboards" / "metaps.json").is_file()
-    assert os.stat(files.targets).st_mode & 0o777 == 0o644
+    assert os.stat(files.targets).st_mode & 0o777 == 0o600 and os.stat(files.grafana).st_mode & 0o777 == 0o700
 
 
 def _metaps(*args: str) -> subprocess.CompletedProcess[str]:

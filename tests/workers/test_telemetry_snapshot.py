@@ -7,6 +7,7 @@ whole history; encoding it all each time made a long run's snapshots cost O(step
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from workers.telemetry import Telemetry
@@ -19,7 +20,7 @@ def test_snapshot_reads_back_as_the_report_with_every_record(tmp_path: Path) -> 
     for k in range(3):
         tel.snapshot(report)
         got = json.loads(tel.report_path.read_text())
-        assert got == {**report, "incarnation": tel.incarnation, "eval_history": [], "last": {}}
+        assert got == {**report, "incarnation": tel.incarnation, "pid": os.getpid(), "eval_history": [], "last": {}}
         hist.append({"step": 5 + k, "loss": 0.1, "samples": 9})  # the history grows between snapshots
     assert len(tel._history_json) == 7  # encoded once each, not per snapshot
     tel.snapshot({"rank": 0, "history": [{"step": 1}]})  # another (shorter) history: encoded afresh
