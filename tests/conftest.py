@@ -6,7 +6,7 @@ their number of tests, which sends the heaviest modules (one or two long real-fl
 subprocess-chain tests each: the README chain, mypy, the all-reduce fleets) to the very
 end, where one worker runs them alone while the other sits idle: a tail of minutes.
 Longest-first is the classic fix: :data:`HEAVY_FIRST` lists the modules measured slowest
-(``--durations``, Dec 2026; about 30 s and more of wall each on a loaded 2-core box), in
+(``--durations``, 2 Dec 2026; about 30 s and more of wall each on a loaded 2-core box), in
 that order, and every other module keeps its collection order after them. The list only
 orders work: a module missing from it (or a stale entry) still runs, only later.
 """
@@ -22,6 +22,7 @@ HEAVY_FIRST = (
     "tests/test_readme.py",
     "tests/bench/test_bench_smoke_fleets.py",
     "tests/deploy/test_k8s_pods.py",
+    "tests/bench/test_chaos_judge.py",
     "tests/bench/test_bench_smoke.py",
     "tests/metaps/test_launch.py",
     "tests/metaps/test_launch_continue.py",
@@ -37,10 +38,15 @@ HEAVY_FIRST = (
     "tests/workers/test_dd_slicer.py",
     "tests/metaps/test_launch_recovery_failure.py",
     "tests/metaps/test_launch_agents.py",
+    "tests/metaps/test_security_handstart.py",
     "tests/scripts/test_multi_host.py",
     "tests/metaps/test_coverage_honest.py",
     "tests/controller/test_ps_recovery.py",
     "tests/workers/test_tail_split.py",
+    "tests/metaps/test_api.py",
+    "tests/metaps/test_launch_startup_stop.py",
+    "tests/metaps/test_tls.py",
+    "tests/delivery/test_disk_full.py",
     "tests/workers/test_parity.py",
     "tests/workers/test_parity_multi.py",
     "tests/workers/test_overlap.py",
