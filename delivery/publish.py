@@ -53,6 +53,7 @@ from typing import IO, Any, Iterator
 
 from delivery.bundle import DeliveryError, read_manifest
 from metaps.core.log import kv
+from metaps.core.process import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +73,6 @@ def version_number(name: str) -> int:
     if not m:
         raise DeliveryError(f"{name!r} is not a bundle version name (expected like 'v000007')")
     return int(m.group(1))
-
-
-def _pid_alive(pid: object) -> bool:
-    """Whether a process with this pid exists on this host (True when unsure)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _lock_holder(fh: IO[str]) -> dict[str, Any]:
@@ -236,7 +224,7 @@ class Publisher:
             prev = _lock_holder(fh)
             if prev:
                 pid, host = prev.get("pid"), prev.get("host")
-                alive = host == socket.gethostname() and _pid_alive(pid)
+                alive = host == socket.gethostname() and pid_alive(pid)
                 # the flock was free, so its holder died (or, alive, is another process reusing the pid)
                 log.warning("stale delivery lock cleared: its holder died without removing it",
                             extra=kv(root=self.root, lock=path.name, pid=pid, host=host,

@@ -26,7 +26,6 @@ import importlib.metadata
 import json
 import logging
 import math
-import os
 import platform
 import re
 import time
@@ -40,6 +39,7 @@ from rich.table import Table
 
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core.log import kv
+from metaps.core.process import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -122,18 +122,6 @@ MIN_RATE_WALL_S = 1.0
 after a kill made rates near 10^12): its last measured step rate stands instead."""
 
 
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 def incarnation_state(rep: Mapping[str, Any], newest: bool) -> str:
     """An incarnation's state as it is now: ``dead`` for a ``starting``/``running`` snapshot
     whose process is gone (a newer incarnation replaced it, or its pid no longer runs);
@@ -144,7 +132,7 @@ def incarnation_state(rep: Mapping[str, Any], newest: bool) -> str:
         newest: whether it is its rank's newest incarnation (an older one was replaced).
     """
     state = str(rep.get("state", "finished"))
-    if state in LIVE_STATES and (not newest or not _pid_alive(rep.get("pid"))):
+    if state in LIVE_STATES and (not newest or not pid_alive(rep.get("pid"))):
         return "dead"
     return state
 
