@@ -45,8 +45,16 @@ metaps config-write --config "$CONFIG" --out "$RUN_DIR/job.toml" \
 metaps launch --config "$RUN_DIR/job.toml" --no-progress --timeout 900
 
 echo "== [5/5] deliver: latest checkpoint -> serving bundle"
+rc=0
 metaps deliver --run "$RUN_DIR/runs/latest" --out "$RUN_DIR/bundles" \
-    --holdout "$RUN_DIR/split/holdout" --holdout-rows 20000 --keep 5
+    --holdout "$RUN_DIR/split/holdout" --holdout-rows 20000 --keep 5 || rc=$?
+if [[ $rc == 3 ]]; then
+    # a rerun of `make run` is gated against the bundle the previous run published: a refusal is
+    # the gate doing its job (the published bundle stays), not a failure of the job
+    echo "deliver: the AUC gate refused this run's bundle; $RUN_DIR/bundles keeps the published one"
+elif [[ $rc != 0 ]]; then
+    exit "$rc"
+fi
 
 latest="$RUN_DIR/bundles/$(cat "$RUN_DIR/bundles/LATEST")"
 echo
