@@ -10,7 +10,8 @@
 A worker with ``--rank auto`` and a controller also leaves politely when its pod
 is deleted (scale-down, ``kubectl delete pod``): SIGTERM reports it down to the
 controller (``NodeDown``), which requeues its leased shards at once and frees its
-index for a newcomer; the worker then leaves the PS (its cleanup) and exits 143.
+index for a newcomer; the worker then leaves the PS (its cleanup) and exits 143. One
+that fails does the same before it exits 1 (:func:`leave_on_failure`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,32 @@ def resolve_worker(job: Any, config: str, rank: str, ps_spec: str, controller: s
 
     addrs = ps_addresses(ps_spec, job.ps.shards, from_controller if controller else None)
     return r, addrs
+
+
+def leave_on_failure(job: Any, rank: int, controller: str, reason: str, exit_code: int = 1) -> list[str]:
+    """A pod's worker that fails (an error it cannot retry, e.g. a push whose deadline passed)
+    reports itself down before it exits, as a deleted one does on SIGTERM: its leases are
+    requeued and another live worker takes over the checkpoint lead at once, instead of the
+    controller holding it "alive" until its heartbeat timeout. Best effort: returns the
+    requeued shard ids ([] if the controller could not be told; it then finds out by timeout).
+
+    Args:
+        job: the job config (``rpc``).
+        rank: this worker's index.
+        controller: the controller's address.
+        reason: why the worker fails (one line).
+        exit_code: the exit code the worker is about to exit with.
+    """
+    from controller.client import ControllerClient
+
+    try:
+        with ControllerClient(controller, job.rpc, role="worker", index=rank, retry_s=5.0) as ctl:
+            requeued = list(ctl.node_down("worker", rank, reason[:300], exit_code))
+    except Exception as exc:  # the controller finds out on heartbeat timeout instead
+        log.error("NodeDown failed; the controller finds out by heartbeat timeout", extra=kv(error=str(exc)[:200]))
+        return []
+    log.warning("failed; left the job", extra=kv(rank=rank, requeued=requeued))
+    return requeued
 
 
 def _leave_on_sigterm(job: Any, rank: int, controller: str) -> None:

@@ -73,6 +73,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from metaps.deploy.pod import resolve_worker
 
     ctl = args.controller or os.environ.get("METAPS_CONTROLLER", "")
+    in_pod = str(args.rank) == "auto" and bool(ctl)  # no agent reports this process's death: it does
     args.rank, addrs = resolve_worker(job, args.config, args.rank, args.ps or os.environ.get("METAPS_PS", ""), ctl)
     run_dir = Path(args.run_dir or job.run.dir)
     if args.metrics_port >= 0:
@@ -81,7 +82,14 @@ def _run_worker(args: argparse.Namespace) -> int:
         serve_metrics(args.metrics_port, args.metrics_host)
     from workers.worker import run_worker  # torch: only once the command line passed its checks
 
-    rep = run_worker(job, args.rank, addrs, ctl, run_dir, start_step=args.start_step)
+    try:
+        rep = run_worker(job, args.rank, addrs, ctl, run_dir, start_step=args.start_step)
+    except Exception as exc:
+        if in_pod:
+            from metaps.deploy.pod import leave_on_failure
+
+            leave_on_failure(job, args.rank, ctl, f"worker failed: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+        raise
     out = {k: rep[k] for k in ("rank", "steps", "samples", "samples_per_s")}
     emit(args, out, f"worker {out['rank']}: {out['steps']} steps, {out['samples']:,} samples "
                     f"({out['samples_per_s']:,.1f} samples/s)")
