@@ -47,6 +47,23 @@ class KeyValueFormatter(logging.Formatter):
         return line
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not the stream it was
+    when logging was configured: a replaced stderr (a test's capture, a redirect) that is
+    later closed must not turn every later log line into a "--- Logging error ---" report."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it; sys.stderr wins
+        pass
+
+
 def configure(level: str | int = "INFO", role: str = "") -> None:
     """Install the key=value formatter on the root logger (idempotent)."""
     global _ROLE
@@ -57,7 +74,7 @@ def configure(level: str | int = "INFO", role: str = "") -> None:
     for h in root.handlers:
         if isinstance(h.formatter, KeyValueFormatter):
             return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(KeyValueFormatter())
     handler.addFilter(_DropRootInfo())
     root.addHandler(handler)

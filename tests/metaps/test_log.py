@@ -28,3 +28,33 @@ def test_root_info_is_dropped_but_warnings_and_named_loggers_pass() -> None:
 
 def test_kv_helper() -> None:
     assert kv(a=1) == {"kv": {"a": 1}}
+
+
+def test_log_lines_follow_the_current_stderr_after_the_old_one_closed(monkeypatch) -> None:
+    """configure() under a replaced stderr (a test's capture) that is later closed: later records go
+    to the stderr of their time, with no "--- Logging error ---" report (it flooded a later test's
+    captured stderr with 869 lines)."""
+    import io
+    import logging
+    import sys
+
+    from metaps.core import log as mlog
+
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    for h in saved:
+        root.removeHandler(h)
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    try:
+        mlog.configure("INFO")
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger("metaps.test").warning("after the close")
+        assert 'msg="after the close"' in second.getvalue() and "Logging error" not in second.getvalue()
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved:
+            root.addHandler(h)
