@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from tests.tmpfs import run_on_tmpfs
+
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,21 +34,11 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_deliver_on_a_full_disk_says_so_and_leaves_nothing(tmp_path: Path, history) -> None:
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare")
     mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=8m tmpfs {mnt}"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
     script = tmp_path / "deliver_full.py"
     script.write_text(_SCRIPT)
-    r = subprocess.run(
-        ["unshare", "-rm", "sh", "-c",
-         f"mount -t tmpfs -o size=8m tmpfs {mnt} && exec {sys.executable} {script} {mnt} "
-         f"{history.ckpts[20]} {history.ckpts[30]}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = run_on_tmpfs(mnt, "8m", [sys.executable, str(script), str(mnt), str(history.ckpts[20]), str(history.ckpts[30])],
+                     cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     res = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
     assert res["rc"] == [0, 1], (res, r.stderr[-3000:])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -27,6 +25,8 @@ from ps.config import TableConfig
 from ps.coordinator import CheckpointCoordinationError, checkpoint_all, checkpoint_local
 from ps.shard_store import ShardStore
 from protos import ps_pb2
+
+from tests.tmpfs import run_on_tmpfs
 
 from .conftest import Fleet
 
@@ -135,20 +135,11 @@ _REAL_FULL = textwrap.dedent("""
 
 def test_a_real_full_disk(tmp_path: Path) -> None:
     """A 512 KiB tmpfs, a ~1.2 MiB checkpoint: LMDB reports the full disk as an I/O error; it is named as one."""
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare")
     mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=512k tmpfs {mnt}"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {probe.stderr.strip()}")
     script = tmp_path / "full.py"
     script.write_text(_REAL_FULL)
-    r = subprocess.run(["unshare", "-rm", "sh", "-c",
-                        f"mount -t tmpfs -o size=512k tmpfs {mnt} && exec {sys.executable} {script} {mnt}"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = run_on_tmpfs(mnt, "512k", [sys.executable, str(script), str(mnt)], cwd=ROOT, timeout=120,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
     out = r.stdout
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "COMMITTED" not in out, out
