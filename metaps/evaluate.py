@@ -38,7 +38,8 @@ PROTOCOLS = ("plain", "episodes", "first-k")
 def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("evaluate", help="evaluate a checkpoint or bundle (plain / episodes / first-k; base vs adapted)")
     src = e.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", type=Path, help="a committed checkpoint directory (or a run: its latest)")
+    src.add_argument("--checkpoint", type=Path,
+                     help="a committed checkpoint directory, or a run directory (its newest committed checkpoint)")
     src.add_argument("--bundle", type=Path, help="a bundle directory or publish root (LATEST)")
     e.add_argument("--data", type=Path, required=True,
                    help="evaluation data: a Meta-IO dataset (episodes, plain) or Parquet/CSV (first-k, plain)")
@@ -59,12 +60,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=_evaluate)
 
 
-def _from_checkpoint(path: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
+def checkpoint_dir(path: Path) -> Path:
+    """The committed checkpoint ``--checkpoint PATH`` names, resolved once for every reader.
+
+    ``PATH`` may be a checkpoint (``.../checkpoints/ckpt-N``, its ``manifest.json`` present),
+    a run directory (its newest committed checkpoint under ``checkpoints/``) or a run's
+    ``checkpoints/`` folder itself. The model, its rows and the inner loop's learned rates
+    (Meta-SGD's ``meta_learner.*`` dense values) are all read from the returned directory:
+    a reader handed the unresolved run path would find no checkpoint there.
+
+    Args:
+        path: what the user gave.
+
+    Raises:
+        DeliveryError: no such directory, or it holds no committed checkpoint (one line).
+    """
+    from delivery.bundle import DeliveryError
+    from delivery.export import resolve_checkpoint
+    from ps.checkpoint import latest_checkpoint
+
+    if (path / "manifest.json").is_file():
+        return path
+    if path.name == "checkpoints" and path.is_dir() and not (path / "checkpoints").is_dir():
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise DeliveryError(f"{path}: no committed checkpoint (ckpt-<step> with its manifest) in this folder")
+        return Path(newest)
+    return resolve_checkpoint(run=path)
+
+
+def _from_checkpoint(ckpt: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Model, rows, schema and source of a resolved checkpoint (:func:`checkpoint_dir`)."""
     from delivery.adapt import adapt_recipe, unseen_initializers
-    from delivery.export import CheckpointSource, build_trained_model, resolve_checkpoint
+    from delivery.export import CheckpointSource, build_trained_model
     from workers.eval_protocols import FixedRows
 
-    ckpt = path if (path / "manifest.json").is_file() else resolve_checkpoint(run=path)
     src = CheckpointSource.open(ckpt)
     model, dims = build_trained_model(src)
     recipe = adapt_recipe(src.info, list(dims), str(src.path))
@@ -128,7 +158,8 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
     Args:
         data: a Meta-IO dataset (episodes, plain) or Parquet/CSV (first-k, plain).
         protocol: ``plain``, ``episodes`` or ``first-k``.
-        checkpoint: a committed checkpoint directory, or a run (its latest); exactly one of this and ``bundle``.
+        checkpoint: a committed checkpoint directory, or a run directory (or its ``checkpoints/``): its newest
+            committed checkpoint (:func:`checkpoint_dir`); exactly one of this and ``bundle``.
         bundle: a bundle directory or publish root (LATEST).
         k / query_slots: support rows per task and query rows per episode of ``first-k``.
         inner_steps / inner_lr / offset_steps / offset_prior: override the model's ``[meta]`` recipe
@@ -150,8 +181,10 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
     if protocol not in PROTOCOLS:
         raise ConfigError(f"evaluate: unknown protocol {protocol!r}; known: {list(PROTOCOLS)}")
     served = None
+    ckpt: Path | None = None
     if checkpoint is not None:
-        model, rows, schema, source = _from_checkpoint(Path(checkpoint))
+        ckpt = checkpoint_dir(Path(checkpoint))  # a run dir -> its newest committed checkpoint, for every reader
+        model, rows, schema, source = _from_checkpoint(ckpt)
     else:
         from delivery.adapt import AdaptingModel
         from delivery.loader import load_bundle
@@ -178,7 +211,6 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
             meta = dataclasses.replace(meta, **over)
         except ValueError as exc:
             raise ConfigError(f"metaps evaluate: {exc}") from None
-        ckpt = Path(source["checkpoint"]) if served is None else None
         loop = _inner_loop(model, meta, inner_lr, ckpt, served, source["recipe"])
         batches = protocol_batches(protocol, Path(data), schema, k=k, query_slots=query_slots)
         res = evaluate_protocol(model, rows, batches, loop, adapt=meta.inner_steps > 0, task_key=schema.task_key)
