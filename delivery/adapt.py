@@ -35,6 +35,25 @@ The per-task logit offset (``[meta] offset_steps`` / ``offset_prior``,
 :mod:`models.meta_offset`) ships in the recipe's ``meta`` like every other
 field and runs inside ``adapt_and_predict``, as in the trainer.
 
+The served recipe (the gate's choice, :mod:`delivery.adapt_select`): when the deliver gate had a
+holdout, it scored a few adaptation recipes (:class:`Recipe`: no adaptation, an offset only, inner
+steps at a few ``inner_lr`` scales, inner steps + offset) on the holdout's users under first-k and
+recorded the candidates' figures and the winner in the manifest's gate record::
+
+    manifest.json gate.adapt   {"selected": true, "protocol": "first-k", "k": 8, "candidates": [...],
+                                "configured": {...}, "choice": {"inner_steps", "inner_lr",
+                                "offset_steps", "offset_prior"}}
+
+The gate record is what the delivery job persists after the gate, so the choice lives there (the
+``adapt`` record above is written at export, before the gate ran). :class:`AdaptingModel` serves
+``gate.adapt.choice`` when present, else the configured recipe (``adapt.meta``'s inner steps, rate
+and offset). A choice with ``inner_steps = 0`` is served without the inner loop: ``offset_steps = 0``
+scores every row with the base network (no adaptation), ``offset_steps > 0`` adds each task's
+Newton logit offset (:func:`models.meta_offset.fit_offsets`) fitted on the base model's support
+logits. Learned inner rates (``learn_inner_lr``) and MetaEmb ride along with any choice that has
+inner steps; ``inner_lr`` of a choice replaces the fixed rate only (the selector varies it only
+when the rates are not learned).
+
 MetaEmb (``[meta] meta_emb``): the generator ships with the learned rates in
 ``adapt_params.npz`` (``meta_learner.meta_emb_*``), and adaptation replaces the
 rows of unseen ids -- by the same rule as the trainer: a row equal to the
@@ -50,9 +69,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -63,6 +85,10 @@ from meta_io.schema import PAD_ID, Schema
 from metaps.core.config import from_mapping, to_dict
 from metaps.core.errors import ConfigError
 from metaps.core.log import kv
+
+if TYPE_CHECKING:
+    from models.meta_config import MetaConfig
+    from models.meta_learner import MetaLearner
 
 
 class ServingModel(Protocol):
@@ -84,6 +110,93 @@ log = logging.getLogger(__name__)
 
 RECIPE_VERSION = 1
 ADAPT_PARAMS = "adapt_params.npz"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One way to adapt a task at serving time (what the gate chooses among, what a bundle serves).
+
+    Args:
+        inner_steps: inner SGD steps on the task's support rows (0: none).
+        inner_lr: their fixed rate (ignored without inner steps, and when the rates are learned).
+        offset_steps: Newton iterations of the per-task logit offset (0: none); with
+            ``inner_steps = 0`` the offset is fitted on the base model's logits.
+        offset_prior: the offset's prior precision (> 0).
+    """
+
+    inner_steps: int
+    inner_lr: float
+    offset_steps: int = 0
+    offset_prior: float = 16.0
+
+    @property
+    def kind(self) -> str:
+        """``none``, ``offset``, ``inner`` or ``inner+offset``."""
+        if self.inner_steps == 0:
+            return "offset" if self.offset_steps else "none"
+        return "inner+offset" if self.offset_steps else "inner"
+
+    @property
+    def simplicity(self) -> int:
+        """0 (no adaptation) .. 3 (inner steps + offset): ties go to the lower."""
+        return ("none", "offset", "inner", "inner+offset").index(self.kind)
+
+    @property
+    def name(self) -> str:
+        """A short label, e.g. ``inner(1x0.03)+offset(4, prior 16)``."""
+        parts = []
+        if self.inner_steps:
+            parts.append(f"inner({self.inner_steps}x{self.inner_lr:g})")
+        if self.offset_steps:
+            parts.append(f"offset({self.offset_steps}, prior {self.offset_prior:g})")
+        return "+".join(parts) or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "inner_steps": self.inner_steps, "inner_lr": self.inner_lr,
+                "offset_steps": self.offset_steps, "offset_prior": self.offset_prior}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "Recipe":
+        """A recipe from its :meth:`to_dict` record.
+
+        Raises:
+            DeliveryError: a field is missing or out of range (named, with ``where``).
+        """
+        if not isinstance(raw, dict):
+            raise DeliveryError(f"{where}: expected a recipe mapping, got {type(raw).__name__}")
+        try:
+            r = cls(int(raw["inner_steps"]), float(raw["inner_lr"]), int(raw.get("offset_steps", 0)),
+                    float(raw.get("offset_prior", 16.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DeliveryError(f"{where}: bad recipe {raw!r}: {exc!r}") from None
+        if r.inner_steps < 0 or r.offset_steps < 0:
+            raise DeliveryError(f"{where}: inner_steps and offset_steps must be >= 0, got {r.inner_steps}, {r.offset_steps}")
+        if not (r.inner_lr > 0 and math.isfinite(r.inner_lr)) or not (r.offset_prior > 0 and math.isfinite(r.offset_prior)):
+            raise DeliveryError(f"{where}: inner_lr and offset_prior must be finite and > 0, "
+                                f"got {r.inner_lr}, {r.offset_prior}")
+        return r
+
+    @classmethod
+    def configured(cls, cfg: "MetaConfig") -> "Recipe":
+        """The recipe a ``[meta]`` config runs (its inner steps, rate and offset)."""
+        offset = cfg.offset_steps if cfg.inner_steps > 0 else 0
+        return cls(cfg.inner_steps, cfg.inner_lr, offset, cfg.offset_prior)
+
+    def meta(self, trained: "MetaConfig") -> "MetaConfig":
+        """``trained`` with this recipe's inner loop (only for ``inner_steps >= 1``: MetaConfig has no offset-only)."""
+        return dataclasses.replace(trained, inner_steps=self.inner_steps, inner_lr=self.inner_lr,
+                                   offset_steps=self.offset_steps, offset_prior=self.offset_prior)
+
+
+def served_choice(manifest: BundleManifest, where: str) -> Recipe | None:
+    """The gate's chosen recipe recorded in ``manifest.gate["adapt"]["choice"]`` (None: not selected).
+
+    Raises:
+        DeliveryError: the record is malformed.
+    """
+    rec = (manifest.gate or {}).get("adapt") or {}
+    raw = rec.get("choice") if isinstance(rec, dict) else None
+    return None if raw is None else Recipe.from_dict(raw, f"{where}: gate.adapt.choice")
 
 
 def adapt_recipe(info: dict[str, Any], tables: list[str], where: str) -> dict[str, Any]:
@@ -207,6 +320,39 @@ def _flat(fb: FeatureBatch) -> FeatureBatch:
     return fb.map(lambda t: t.reshape((-1,) + tuple(t.shape[len(lead):])))
 
 
+def offset_only_probs(
+    model: Any, support: FeatureBatch, query: FeatureBatch, uniq: dict[str, torch.Tensor],
+    rows: dict[str, torch.Tensor], steps: int, prior: float,
+) -> dict[str, torch.Tensor]:
+    """Head -> ``sigmoid(base query logit + the task's Newton offset)`` ``[T, Q]``, the offset fitted on the
+    base model's support logits (:func:`models.meta_offset.fit_offsets`, one task per ``vmap`` slot).
+
+    Args:
+        model: the eager model (its logits are the ones the loss sees: ESMM's CTCVR logit).
+        support: ``[T, S]`` labeled support rows.
+        query: ``[T, Q]`` rows to score.
+        uniq: table -> sorted ids of both.
+        rows: table -> their rows.
+        steps: Newton iterations (>= 1).
+        prior: the offset's prior precision (> 0).
+    """
+    from torch.func import vmap
+
+    from models.meta_offset import fit_offsets, shift
+
+    heads = model.heads
+    z_s = model(support, rows, uniq)
+    z_q = model(query, rows, uniq)
+
+    def one(z: dict[str, torch.Tensor], labels: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        fb = FeatureBatch(ids={}, dense=mask, vectors={}, labels=labels, mask=mask, scenario=mask)
+        return fit_offsets(z, fb, heads, steps, prior)
+
+    offsets = vmap(one)(z_s, support.labels, support.mask)  # head -> [T]
+    shifted = shift(z_q, {h: b[:, None] for h, b in offsets.items()})
+    return {h: torch.sigmoid(z) for h, z in shifted.items()}
+
+
 class AdaptingModel:
     """The eager model of a bundle with its base parameters and inner-loop recipe.
 
@@ -232,16 +378,22 @@ class AdaptingModel:
         if rec.get("version") != RECIPE_VERSION:
             raise DeliveryError(f"{where}: adapt recipe version {rec.get('version')!r}; this reader knows {RECIPE_VERSION}")
         try:
-            self.cfg = from_mapping(MetaConfig, rec["meta"], where=f"{where}: adapt.meta")
+            self.trained = from_mapping(MetaConfig, rec["meta"], where=f"{where}: adapt.meta")
             model_cfg = from_mapping(ModelConfig, m.model, where=f"{where}: model")
         except ConfigError as exc:
             raise DeliveryError(str(exc)) from None
+        choice = served_choice(m, where)
+        self.recipe: Recipe = choice if choice is not None else Recipe.configured(self.trained)
+        """The recipe served: the gate's choice, else the configured one."""
+        self.recipe_from = "gate" if choice is not None else "configured"
+        self.cfg: MetaConfig = self.recipe.meta(self.trained) if self.recipe.inner_steps else self.trained
+        """The inner loop of the served recipe (the trained ``[meta]`` when it has no inner steps)."""
         self.serving = serving
         self.model = build_model(serving.schema, model_cfg)
         path = serving.path / str(rec.get("params", ADAPT_PARAMS))
         try:
             with np.load(path) as z:
-                values = {k: z[k] for k in z.files}
+                values: dict[str, np.ndarray] = {k: z[k] for k in z.files}
         except (OSError, ValueError) as exc:
             raise DeliveryError(f"{path}: cannot read the base parameters: {exc}") from None
         with torch.no_grad():
@@ -253,16 +405,27 @@ class AdaptingModel:
                     raise DeliveryError(f"{path}: parameter '{name}': expected {tuple(p.shape)}, got {v.shape}")
                 p.copy_(torch.from_numpy(np.asarray(v, np.float32).reshape(p.shape)))
         self.model.eval()
+        self._values = values
+        self._params_path = path
+        self.learner = self.learner_for(self.cfg)
+        """The inner loop with its learned rates (``[meta] learn_inner_lr``): ``learner.inner_recipe()``."""
+
+    def learner_for(self, cfg: "MetaConfig") -> "MetaLearner":
+        """The inner loop ``cfg`` with the bundle's learned values (Meta-SGD rates, MetaEmb generators).
+
+        Raises:
+            DeliveryError: the bundle's parameters lack a learned value ``cfg`` needs.
+        """
         from models.meta_learner import MetaLearner
 
-        self.learner = MetaLearner(self.model, self.cfg)
-        """The inner loop with its learned rates (``[meta] learn_inner_lr``): ``learner.inner_recipe()``."""
+        learner = MetaLearner(self.model, cfg)
         try:
-            self.learner.load_dense(values)
-            if self.learner.meta_emb:  # the one unseen rule: a row equal to the PS's initial row of its id
-                self.learner.set_init_rows(unseen_initializers(rec, dict(self.model.dims)))
+            learner.load_dense(self._values)
+            if learner.meta_emb:  # the one unseen rule: a row equal to the PS's initial row of its id
+                learner.set_init_rows(unseen_initializers(self.serving.manifest.adapt, dict(self.model.dims)))
         except ConfigError as exc:
-            raise DeliveryError(f"{path}: {exc}") from None
+            raise DeliveryError(f"{self._params_path}: {exc}") from None
+        return learner
 
     def rows_for(self, parts: list[FeatureBatch]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(unique_ids, rows)`` per model table over the id columns of ``parts`` (unseen ids: initial rows)."""
@@ -282,11 +445,34 @@ class AdaptingModel:
         return uniq, rows
 
     def adapted_probs(self, support: FeatureBatch, query: FeatureBatch) -> dict[str, torch.Tensor]:
-        """Head -> ``[T, Q]`` after adapting each task on its support (``[T, S]``, labels needed)."""
-        from models.meta import adapt_and_predict
-
+        """Head -> ``[T, Q]`` after adapting each task on its support (``[T, S]``, labels needed) by the
+        served recipe (:attr:`recipe`)."""
         uniq, rows = self.rows_for([support, query])
-        return adapt_and_predict(self.model, support, query, rows, uniq, self.learner)
+        return self.recipe_probs(self.recipe, support, query, uniq, rows, self.learner)
+
+    def recipe_probs(
+        self, recipe: Recipe, support: FeatureBatch, query: FeatureBatch, uniq: dict[str, torch.Tensor],
+        rows: dict[str, torch.Tensor], learner: "MetaLearner | None" = None,
+    ) -> dict[str, torch.Tensor]:
+        """Head -> ``[T, Q]`` probabilities of the query rows adapted by ``recipe`` (no gradient kept).
+
+        Args:
+            recipe: the adaptation (module docstring: ``inner_steps = 0`` runs no inner loop).
+            support: ``[T, S]`` labeled support rows.
+            query: ``[T, Q]`` rows to score.
+            uniq: table -> sorted ids of support and query (:meth:`rows_for`).
+            rows: table -> their rows.
+            learner: the inner loop of ``recipe`` (built by :meth:`learner_for` when None).
+        """
+        if recipe.inner_steps > 0:
+            from models.meta import adapt_and_predict
+
+            lrn = learner if learner is not None else self.learner_for(recipe.meta(self.trained))
+            return adapt_and_predict(self.model, support, query, rows, uniq, lrn)
+        with torch.no_grad():
+            if recipe.offset_steps == 0:
+                return self.model(query, rows, uniq, probabilities=True)
+            return offset_only_probs(self.model, support, query, uniq, rows, recipe.offset_steps, recipe.offset_prior)
 
 
 class AdaptedPredictor:
@@ -328,6 +514,8 @@ class AdaptedPredictor:
         if keys.shape[0] != features.mask.shape[0]:
             raise DeliveryError(f"predict: {keys.shape[0]} task keys for {features.mask.shape[0]} rows")
         out = {h: p.clone() for h, p in self.adapting.serving.predict(features).items()}
+        if self.adapting.recipe.kind == "none":  # the gate chose no adaptation: the base scores every row
+            return out
         tasks = np.intersect1d(self.tasks, keys)
         for lo in range(0, tasks.shape[0], self.tasks_per_batch):
             chunk = tasks[lo:lo + self.tasks_per_batch]

@@ -13,12 +13,24 @@ Two checks, in order:
    the one recorded in its manifest when it was measured on the same holdout,
    else it is measured now on the same rows. A drop larger than
    ``max_auc_drop`` on any head refuses the bundle.
+3. **Adaptation choice** (when a holdout is configured and the bundle carries an
+   adaptation recipe): :func:`delivery.adapt_select.select_recipe` scores a few
+   adaptation recipes (none, offset only, inner steps at a few rates, inner +
+   offset) on the holdout's users (first-k, ``adapt_k`` support rows; a Meta-IO
+   meta holdout: its episodes) and picks the best mean AUC over heads, so the
+   served adaptation is never worse than none on those users. The figures and
+   the choice go into the report's ``adapt`` record, which :meth:`GateReport.record`
+   puts in the manifest's ``gate`` field; serving reads the choice from there
+   (:mod:`delivery.adapt`). Without a holdout, or when the holdout cannot give
+   episodes (no timestamp, a plain layout), the configured recipe ships and
+   ``adapt`` says why (the selection never refuses a bundle).
 
 Example::
 
     report = run_gate(staging, published=root / "v000004", holdout="holdout.parquet", max_auc_drop=0.01)
     if not report.ok:
         print("refused:", "; ".join(report.reasons))
+    report.adapt_summary     # "adaptation chosen on 240 validation episodes (first-k, k=8): offset(4, prior 4), ..."
 """
 
 from __future__ import annotations
@@ -55,6 +67,10 @@ class GateReport:
         auc: head -> AUC of the new bundle on the holdout (empty without a holdout).
         published_auc: head -> AUC of the published version on the same holdout.
         rows: holdout rows evaluated.
+        adapt: the adaptation choice (:meth:`delivery.adapt_select.Selection.record`: candidates'
+            validation figures and ``choice``, or ``selected: false`` and the reason); empty for an
+            inconsistent bundle.
+        adapt_summary: the choice in one line, for the deliver report.
     """
 
     ok: bool
@@ -62,11 +78,16 @@ class GateReport:
     auc: dict[str, float] = field(default_factory=dict)
     published_auc: dict[str, float] = field(default_factory=dict)
     rows: int = 0
+    adapt: dict[str, Any] = field(default_factory=dict)
+    adapt_summary: str = ""
 
     def record(self, holdout: str) -> dict[str, Any]:
-        """What goes into the published manifest's ``gate`` field."""
-        return {"gated": True, "holdout": holdout, "rows": self.rows, "auc": self.auc,
-                "published_auc": self.published_auc}
+        """What goes into the published manifest's ``gate`` field (``adapt``: the served adaptation's choice)."""
+        out: dict[str, Any] = {"gated": True, "holdout": holdout, "rows": self.rows, "auc": self.auc,
+                               "published_auc": self.published_auc}
+        if self.adapt:
+            out["adapt"] = self.adapt
+        return out
 
 
 # -- consistency ------------------------------------------------------------------------
@@ -219,30 +240,45 @@ def run_gate(
     holdout: str = "",
     max_auc_drop: float = 0.01,
     holdout_rows: int = 0,
+    adapt_k: int = 8,
 ) -> GateReport:
-    """Decide whether the staged bundle may replace the published one.
+    """Decide whether the staged bundle may replace the published one, and choose its adaptation.
 
     Args:
         staging: the staged bundle directory (its parents are looked up next to it).
         published: the currently published bundle directory (None if none).
-        holdout: holdout path ('' = consistency checks only).
+        holdout: holdout path ('' = consistency checks only; the configured adaptation ships).
         max_auc_drop: largest allowed AUC drop per head.
-        holdout_rows: cap on holdout rows (0 = all).
+        holdout_rows: cap on holdout rows (0 = all); also caps the adaptation selection's query rows.
+        adapt_k: support rows per holdout user when choosing the adaptation (first-k).
     """
+    from delivery.adapt_select import not_selected, select_recipe
+
     problems = check_consistency(staging)
     if problems:
         log.warning("gate refused an inconsistent bundle", extra=kv(bundle=staging, problems=len(problems)))
         return GateReport(ok=False, reasons=problems)
-    if not holdout:
-        return GateReport(ok=True)
     from delivery.loader import load_bundle
 
+    if not holdout:
+        sel = not_selected(read_manifest(staging), "no holdout to validate on")
+        log.info("gate: no holdout; the configured adaptation ships", extra=kv(bundle=staging))
+        return GateReport(ok=True, adapt=sel.record(), adapt_summary=sel.summary())
     new = load_bundle(staging, verify=False)  # just verified above
     try:
         new_auc, rows = evaluate(new, holdout, holdout_rows)
+        if not new.manifest.adapt:
+            sel = not_selected(new.manifest, "the bundle carries no adaptation recipe")
+        else:
+            try:
+                sel = select_recipe(new, holdout, adapt_k, max_rows=holdout_rows)
+            except DeliveryError as exc:
+                log.warning("gate: adaptation not selected; the configured recipe ships",
+                            extra=kv(bundle=staging, reason=str(exc)))
+                sel = not_selected(new.manifest, str(exc))
     finally:
         new.close()
-    report = GateReport(ok=True, auc=new_auc, rows=rows)
+    report = GateReport(ok=True, auc=new_auc, rows=rows, adapt=sel.record(), adapt_summary=sel.summary())
     if published is not None:
         pm = read_manifest(published)
         recorded = pm.gate

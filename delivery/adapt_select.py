@@ -1,0 +1,335 @@
+"""Choose the adaptation a bundle serves on validation users: never worse than not adapting.
+
+The configured inner loop (``[meta] inner_steps`` / ``inner_lr``, optionally a per-task logit
+offset) can lower a model's quality on new users: a plain-trained base adapted with the default
+inner loop scored 0.794 -> 0.790 click AUC under first-k K=8 (issue 29). So before a bundle ships,
+the deliver gate scores a small candidate set of :class:`~delivery.adapt.Recipe` s on its holdout
+(users the model did not train on) and the bundle serves the best::
+
+    candidates (simplest first)                          scored on the holdout's episodes
+      none            0 inner steps, no offset             first-k: per user the first K rows by time
+      offset          Newton offset on the base logits,    are the support, every later row is a
+                      priors OFFSET_PRIORS                  query row scored once (meta_io.firstk)
+      inner           the configured steps at inner_lr x    (a Meta-IO meta holdout: its episodes)
+                      LR_SCALES (1 = the configured rate)
+      inner+offset    each inner rate + the offset at the  -> AUC per head over every query row,
+                      configured prior (or 16 when off)       the mean over heads with an AUC
+      (the configured recipe itself is always a candidate)
+                                          |
+    chosen = the simplest candidate whose mean AUC is within ``tie_tol`` of the best
+
+"No adaptation" is the first candidate, so the chosen recipe's mean validation AUC is never below
+the base's: either "none" itself is chosen, or a candidate beat it by more than ``tie_tol``.
+Every candidate is scored on the same episodes, with the bundle's own rows and parameters
+(:class:`~delivery.adapt.AdaptingModel`), vectorized over tasks (``vmap``); no loop over rows.
+
+The result (:class:`Selection`) goes into the gate's record (``manifest.json`` ``gate.adapt``:
+the candidates' figures, the configured recipe, the choice), and serving reads the choice from
+there (:func:`delivery.adapt.served_choice`). When the selection cannot run (no holdout, a holdout
+without a timestamp or labels, a bundle without an adaptation recipe) the configured recipe ships
+and the record says why.
+
+Example::
+
+    sel = select_recipe(load_bundle(staging, verify=False), "holdout/", k=8)
+    sel.chosen.name, sel.record()["candidates"]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from delivery.adapt import AdaptingModel, Recipe
+from delivery.bundle import BundleManifest, DeliveryError
+from meta_io.batch import MetaBatch
+from meta_io.schema import Schema
+from metaps.core.errors import MetapsError
+from metaps.core.evaluation import auc
+from metaps.core.log import kv
+
+log = logging.getLogger(__name__)
+
+DEFAULT_K = 8
+"""Support rows per validation user (first-k), the cold-start setting of issue 29."""
+LR_SCALES = (0.1, 0.3, 1.0)
+"""Multiples of the configured ``inner_lr`` tried (1.0: the configured rate)."""
+OFFSET_PRIORS = (1.0, 4.0, 16.0)
+"""Prior precisions of the offset-only candidates."""
+OFFSET_STEPS = 4
+"""Newton iterations of an added offset (the fit is converged well before; the configured count is kept when set)."""
+TIE_TOL = 1e-4
+"""Mean AUCs within this of the best are a tie: the simpler recipe wins."""
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One candidate's validation figures.
+
+    Args:
+        recipe: the candidate.
+        auc: head -> AUC over the validation query rows (nan: the head's labels have one class).
+        mean_auc: mean over heads with an AUC (nan when none has one).
+    """
+
+    recipe: Recipe
+    auc: dict[str, float]
+    mean_auc: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.recipe.name, "recipe": self.recipe.to_dict(), "auc": self.auc, "mean_auc": self.mean_auc}
+
+
+@dataclass
+class Selection:
+    """The outcome of :func:`select_recipe` (or why it did not run).
+
+    Args:
+        selected: the candidates were scored and ``chosen`` is the best of them.
+        configured: the recipe the bundle's ``[meta]`` config runs.
+        chosen: the recipe to serve (``configured`` when not selected).
+        reason: why the selection did not run ('' when it did).
+        protocol: ``first-k`` or ``episodes``.
+        k: support rows per user (first-k).
+        tasks: validation episodes scored.
+        rows: validation query rows scored.
+        candidates: every candidate's figures, simplest first.
+    """
+
+    selected: bool
+    configured: Recipe | None
+    chosen: Recipe | None
+    reason: str = ""
+    protocol: str = ""
+    k: int = 0
+    tasks: int = 0
+    rows: int = 0
+    candidates: list[Scored] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's ``gate.adapt`` record (``choice`` only when selected: serving reads it)."""
+        out: dict[str, Any] = {"selected": self.selected,
+                               "configured": self.configured.to_dict() if self.configured else None}
+        if not self.selected:
+            out["reason"] = self.reason
+            return out
+        assert self.chosen is not None
+        by = {s.recipe: s for s in self.candidates}
+        base, best = self.base(), by[self.chosen]
+        conf = by.get(self.configured) if self.configured else None
+        out.update({
+            "protocol": self.protocol, "k": self.k, "tasks": self.tasks, "rows": self.rows,
+            "candidates": [s.to_dict() for s in self.candidates],
+            "choice": self.chosen.to_dict(), "choice_name": self.chosen.name,
+            "choice_auc": best.auc, "base_auc": base.auc,
+            "configured_auc": conf.auc if conf is not None else None,
+        })
+        return out
+
+    def base(self) -> Scored:
+        """The "no adaptation" candidate's figures (always scored when selected)."""
+        return next(s for s in self.candidates if s.recipe.kind == "none")
+
+    def summary(self) -> str:
+        """One line for a report: the choice and its gain over no adaptation and over the configured recipe."""
+        if not self.selected:
+            return f"adaptation not selected ({self.reason}); the configured recipe ships"
+        by = {s.recipe: s for s in self.candidates}
+        assert self.chosen is not None
+        best = by[self.chosen].mean_auc
+        base = self.base().mean_auc
+        conf = by[self.configured].mean_auc if self.configured in by else float("nan")
+        return (f"adaptation chosen on {self.tasks} validation episodes ({self.protocol}, k={self.k}): "
+                f"{self.chosen.name}, mean AUC {best:.5f} (no adaptation {base:.5f}, configured {conf:.5f})")
+
+
+def candidate_recipes(
+    configured: Recipe, learned_rates: bool = False, lr_scales: Sequence[float] = LR_SCALES,
+    offset_priors: Sequence[float] = OFFSET_PRIORS, offset_steps: int = OFFSET_STEPS,
+) -> list[Recipe]:
+    """The candidate set, simplest first, no duplicates; ``Recipe(0, lr)`` (no adaptation) is first.
+
+    Args:
+        configured: the bundle's configured recipe (always a candidate).
+        learned_rates: the inner rates are learned (Meta-SGD): only the configured rate is tried.
+        lr_scales: multiples of the configured ``inner_lr`` for the inner candidates.
+        offset_priors: priors of the offset-only candidates.
+        offset_steps: Newton iterations of an added offset (the configured count when it has one).
+    """
+    lr = configured.inner_lr
+    steps = configured.inner_steps or 1
+    o_steps = configured.offset_steps or offset_steps
+    o_prior = configured.offset_prior if configured.offset_steps else 16.0
+    scales = (1.0,) if learned_rates else tuple(lr_scales)
+    out = [Recipe(0, lr)]
+    out += [Recipe(0, lr, o_steps, float(p)) for p in offset_priors]
+    out += [Recipe(steps, lr * s) for s in scales]
+    out += [Recipe(steps, lr * s, o_steps, o_prior) for s in scales]
+    out.append(configured if configured.inner_steps else Recipe(0, lr))
+    seen: dict[Recipe, None] = {}
+    for r in out:
+        seen.setdefault(_canonical(r), None)
+    return sorted(seen, key=lambda r: r.simplicity)  # stable: the order above within a kind
+
+
+def _canonical(r: Recipe) -> Recipe:
+    """Without an offset its prior is irrelevant: normalized (to 16) so equal recipes deduplicate."""
+    return Recipe(r.inner_steps, r.inner_lr, r.offset_steps, r.offset_prior if r.offset_steps else 16.0)
+
+
+def choose(scored: Sequence[Scored], tie_tol: float = TIE_TOL) -> Scored:
+    """The simplest candidate whose mean AUC is within ``tie_tol`` of the best (candidates with a nan mean lose).
+
+    Raises:
+        DeliveryError: no candidate has a mean AUC.
+    """
+    good = [s for s in scored if not math.isnan(s.mean_auc)]
+    if not good:
+        raise DeliveryError("adaptation selection: no candidate has a validation AUC (every head's labels have one class)")
+    best = max(s.mean_auc for s in good)
+    return min((s for s in good if s.mean_auc >= best - tie_tol), key=lambda s: s.recipe.simplicity)
+
+
+def validation_episodes(
+    holdout: str | Path, schema: Schema, k: int = DEFAULT_K, query_slots: int = 32, tasks_per_batch: int = 64,
+) -> tuple[str, Iterator[MetaBatch]]:
+    """``(protocol, meta batches)`` of a holdout: first-k of Parquet/CSV rows, or a Meta-IO meta dataset's episodes.
+
+    Raises:
+        DeliveryError: the holdout cannot give episodes (a plain Meta-IO layout, no timestamp column), named.
+    """
+    from meta_io.layout import INDEX_NAME, MANIFEST_NAME
+    from metaps.core.errors import DataError
+
+    p = Path(holdout)
+    if not p.exists():
+        raise DeliveryError(f"{p}: holdout not found")
+    if p.is_dir() and (p / MANIFEST_NAME).is_file() and (p / INDEX_NAME).is_file():
+        from meta_io.reader import MetaIODataset
+
+        ds = MetaIODataset(p)
+        if ds.manifest.get("layout", "meta") != "meta":
+            raise DeliveryError(f"{p}: a plain-layout Meta-IO holdout has no support/query episodes; "
+                                f"give Parquet/CSV rows with a timestamp (first-k) or a meta layout")
+        return "episodes", (b for b in ds.iter_all() if isinstance(b, MetaBatch))
+    if not schema.timestamp:
+        raise DeliveryError(f"{p}: the bundle's schema has no timestamp column; first-k orders each user's rows by time")
+    from meta_io.firstk import first_k_batches, read_table
+
+    try:
+        table = read_table(p, schema)
+        return "first-k", first_k_batches(table, schema, k, query_slots, tasks_per_batch)
+    except DataError as exc:
+        raise DeliveryError(f"{p}: cannot lay out first-k episodes: {exc}") from None
+
+
+def score_recipes(
+    adapting: AdaptingModel, batches: Iterable[MetaBatch], recipes: Sequence[Recipe], max_rows: int = 0,
+) -> tuple[list[Scored], int, int]:
+    """Every recipe's AUC per head on the query rows of ``batches`` (the same rows for all).
+
+    Args:
+        adapting: the bundle's eager model, rows and parameters.
+        batches: validation episodes (support ``[T, K]``, query ``[T, Q]``).
+        recipes: the candidates.
+        max_rows: stop after the batch that reaches this many query rows (0: all).
+
+    Returns:
+        ``(scored in the order of recipes, episodes, query rows)``.
+    """
+    heads = adapting.model.heads
+    learners = {r: adapting.learner_for(r.meta(adapting.trained)) for r in recipes if r.inner_steps > 0}
+    scores: list[dict[str, list[np.ndarray]]] = [{h.name: [] for h in heads} for _ in recipes]
+    targets: dict[str, list[np.ndarray]] = {h.name: [] for h in heads}
+    rows = tasks = 0
+    for mb in batches:
+        real = mb.query.mask.bool()
+        if not bool(real.any()):
+            continue
+        uniq, table_rows = adapting.rows_for([mb.support, mb.query])
+        for h in heads:
+            targets[h.name].append(h.target(mb.query)[real].numpy().astype(np.float64))
+        for i, r in enumerate(recipes):
+            probs = adapting.recipe_probs(r, mb.support, mb.query, uniq, table_rows, learners.get(r))
+            for h in heads:
+                scores[i][h.name].append(probs[h.name][real].detach().numpy().astype(np.float64))
+        rows += int(real.sum())
+        tasks += int(real.any(dim=1).sum())
+        if max_rows and rows >= max_rows:
+            break
+    if rows == 0:
+        raise DeliveryError("adaptation selection: the holdout gave no validation episode (no user has more than k rows)")
+    y = {h: np.concatenate(v) for h, v in targets.items()}
+    out = []
+    for r, per in zip(recipes, scores):
+        a = {h: float(auc(y[h], np.concatenate(v))) for h, v in per.items()}
+        defined = [v for v in a.values() if not math.isnan(v)]
+        out.append(Scored(r, a, float(np.mean(defined)) if defined else float("nan")))
+    return out, tasks, rows
+
+
+def select_recipe(
+    serving: Any, holdout: str | Path, k: int = DEFAULT_K, *, max_rows: int = 0, tie_tol: float = TIE_TOL,
+    lr_scales: Sequence[float] = LR_SCALES, offset_priors: Sequence[float] = OFFSET_PRIORS,
+    extra: Sequence[Recipe] = (), tasks_per_batch: int = 64,
+) -> Selection:
+    """Score the candidate recipes on ``holdout``'s users and choose (module docstring).
+
+    Args:
+        serving: a loaded bundle (:class:`delivery.loader.ServingModel`) with an adaptation recipe.
+        holdout: validation rows of users the model did not train on (Parquet/CSV with a timestamp:
+            first-k; or a Meta-IO meta dataset: its episodes).
+        k: support rows per user (first-k).
+        max_rows: cap on the validation query rows (0: all).
+        tie_tol: mean AUCs within this of the best tie (the simpler wins).
+        lr_scales: multiples of the configured ``inner_lr`` tried.
+        offset_priors: priors of the offset-only candidates.
+        extra: more candidates (a test's deliberately harmful one).
+        tasks_per_batch: episodes adapted together (one ``vmap``).
+
+    Raises:
+        DeliveryError: the bundle cannot adapt, or the holdout gives no episodes / no AUC.
+    """
+    from models.meta_config import InnerLr
+
+    adapting = AdaptingModel(serving)
+    configured = _canonical(Recipe.configured(adapting.trained))
+    learned = InnerLr(adapting.trained.learn_inner_lr) is not InnerLr.OFF
+    recipes = candidate_recipes(configured, learned, lr_scales, offset_priors)
+    for r in extra:
+        if _canonical(r) not in recipes:
+            recipes.append(_canonical(r))
+    recipes.sort(key=lambda r: r.simplicity)
+    protocol, batches = validation_episodes(holdout, serving.schema, k, tasks_per_batch=tasks_per_batch)
+    scored, tasks, rows = score_recipes(adapting, batches, recipes, max_rows)
+    best = choose(scored, tie_tol)
+    sel = Selection(True, configured, best.recipe, protocol=protocol, k=k if protocol == "first-k" else 0,
+                    tasks=tasks, rows=rows, candidates=scored)
+    log.info("adaptation selected", extra=kv(bundle=serving.path, choice=best.recipe.name, mean_auc=round(best.mean_auc, 5),
+                                             candidates=len(scored), tasks=tasks, rows=rows, protocol=protocol))
+    return sel
+
+
+def not_selected(manifest: BundleManifest, reason: str) -> Selection:
+    """The record of a bundle whose configured recipe ships unselected (``reason`` says why).
+
+    Args:
+        manifest: the bundle's manifest (its ``adapt`` record names the configured recipe).
+        reason: why no selection ran.
+    """
+    configured = None
+    if manifest.adapt:
+        from metaps.core.config import from_mapping
+        from models.meta_config import MetaConfig
+
+        try:
+            configured = Recipe.configured(from_mapping(MetaConfig, manifest.adapt.get("meta") or {}, where="adapt.meta"))
+        except (MetapsError, ValueError):  # the record only; AdaptingModel names a bad config when serving
+            configured = None
+    return Selection(False, configured, configured, reason=reason)

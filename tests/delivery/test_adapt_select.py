@@ -1,0 +1,209 @@
+"""The adaptation a bundle serves is chosen on validation users and never worse than not adapting.
+
+Real tiny data: generated rows split by user (meta_io.holdout), a meta-mode train-local run on the
+training users, delivered with the held-out users as the gate's holdout (first-k, K = 8).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from delivery.adapt import AdaptingModel, Recipe
+from delivery.adapt_select import (
+    Scored, choose, not_selected, score_recipes, select_recipe, validation_episodes,
+)
+from delivery.bundle import DeliveryError, read_manifest
+from delivery.config import DeliveryConfig
+from delivery.gate import run_gate
+from delivery.job import deliver_once
+from delivery.loader import load_bundle
+from delivery.predict import predict_to_parquet
+from meta_io.firstk import first_k_layout, read_table
+from metaps.core.evaluation import auc
+
+K = 8
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Train on 70% of the users, deliver with the other 30% as the holdout."""
+    from meta_io.build import MetaIOBuildConfig, build
+    from meta_io.holdout import split_by_task
+    from meta_io.schema import load_schema
+    from meta_io.synth import GeneratorConfig, generate
+    from tests.workers.conftest import make_job
+    from workers.local import train_local
+
+    root = tmp_path_factory.mktemp("adapt-select")
+    gen = generate(root / "raw", GeneratorConfig(rows=4000, users=300, items=200, seed=3, n_files=1,
+                                                 row_group_rows=4000), progress=False)
+    split = split_by_task(gen.out_dir, load_schema(gen.schema_path), root / "split", fraction=0.3, seed=0)
+    meta = build(split.train_dir, split.schema_path, root / "meta",
+                 MetaIOBuildConfig(support=4, query=4, rows_per_batch=64)).out_dir
+    job = make_job(meta, root, meta={"inner_steps": 1, "inner_lr": 0.1}, train={"max_steps": 40})
+    _, local = train_local(job, root / "local", checkpoint=False)
+    ckpt = local.checkpoint()
+    out = deliver_once(DeliveryConfig(out=root / "bundles", holdout=str(split.holdout_dir)), checkpoint=ckpt)
+    assert out.gate is not None and out.gate.ok
+    return {"root": root, "bundle": root / "bundles" / "v000001", "holdout": split.holdout_dir, "ckpt": ckpt,
+            "report": out.gate}
+
+
+def _by_kind(rec: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for c in rec["candidates"]:
+        out.setdefault(c["recipe"]["kind"], []).append(c)
+    return out
+
+
+def test_the_choice_is_never_worse_than_no_adaptation_on_validation(world) -> None:
+    rec = read_manifest(world["bundle"]).gate["adapt"]
+    assert rec["selected"] and rec["protocol"] == "first-k" and rec["k"] == K and rec["tasks"] > 20
+    kinds = _by_kind(rec)
+    assert set(kinds) == {"none", "offset", "inner", "inner+offset"}
+    assert len(kinds["offset"]) == 3 and len(kinds["inner"]) == 3  # priors 1/4/16, rates x0.1/0.3/1
+    none = kinds["none"][0]["mean_auc"]
+    chosen = next(c for c in rec["candidates"] if c["recipe"] == rec["choice"])
+    best = max(c["mean_auc"] for c in rec["candidates"])
+    assert chosen["mean_auc"] >= none
+    assert chosen["mean_auc"] >= best - 1e-4
+    # the configured recipe (1 step at 0.1) is a candidate; on this data it is worse than none, so
+    # shipping it unchosen would have lowered the validation AUC
+    conf = next(c for c in rec["candidates"] if c["recipe"] == rec["configured"])
+    assert rec["configured"]["inner_steps"] == 1 and rec["configured"]["inner_lr"] == 0.1
+    assert conf["mean_auc"] < chosen["mean_auc"]
+    assert rec["choice"] != rec["configured"]
+    assert "adaptation chosen on" in world["report"].adapt_summary
+
+
+def test_a_harmful_recipe_loses_to_no_adaptation(world) -> None:
+    harmful = Recipe(1, 1000.0)
+    served = load_bundle(world["bundle"])
+    try:
+        _, batches = validation_episodes(world["holdout"], served.schema, K)
+        scored, tasks, rows = score_recipes(AdaptingModel(served), batches, [Recipe(0, 0.1), harmful])
+        assert tasks > 20 and rows > 200
+        none, bad = scored
+        assert bad.mean_auc < none.mean_auc - 0.01, (none, bad)
+        assert choose(scored).recipe == Recipe(0, 0.1)
+        # among the whole candidate set too
+        sel = select_recipe(served, world["holdout"], K, extra=[harmful])
+        assert harmful in [s.recipe for s in sel.candidates] and sel.chosen != harmful
+        assert next(s for s in sel.candidates if s.recipe == sel.chosen).mean_auc >= sel.base().mean_auc
+    finally:
+        served.close()
+
+
+def test_ties_go_to_the_simpler_recipe_and_nan_loses() -> None:
+    none, off, inner = Recipe(0, 0.1), Recipe(0, 0.1, 4, 4.0), Recipe(1, 0.1)
+    assert choose([Scored(none, {}, 0.7), Scored(off, {}, 0.7), Scored(inner, {}, 0.7)]).recipe == none
+    assert choose([Scored(inner, {}, 0.70005), Scored(off, {}, 0.7)]).recipe == off  # within the tie tolerance
+    assert choose([Scored(none, {}, 0.7), Scored(inner, {}, 0.71)]).recipe == inner
+    assert choose([Scored(none, {}, math.nan), Scored(inner, {}, 0.6)]).recipe == inner
+    with pytest.raises(DeliveryError, match="no candidate has a validation AUC"):
+        choose([Scored(none, {}, math.nan)])
+
+
+def _support_and_query(world, tmp: Path) -> tuple[Path, Path]:
+    """The holdout's first-k support rows (first K per user by time) and later rows, as two Parquet files."""
+    served = load_bundle(world["bundle"])
+    schema = served.schema
+    served.close()
+    from meta_io.source import list_source_files
+
+    # the raw holdout files in the order the protocol reads them (read_table's rows are normalized: padded lists)
+    table = pa.concat_tables([pq.read_table(f) for f in list_source_files(world["holdout"])])
+    assert table.num_rows == read_table(world["holdout"], schema).num_rows
+    lay = first_k_layout(table.column(schema.task_key).to_numpy(), table.column(schema.timestamp).to_numpy(), K)
+    sup, qry = tmp / "support.parquet", tmp / "query.parquet"
+    pq.write_table(table.take(pa.array(lay.support.reshape(-1))), sup)
+    pq.write_table(table.take(pa.array(lay.query_rows)), qry)
+    return sup, qry
+
+
+def test_the_bundle_carries_the_choice_and_predict_support_applies_it(world, tmp_path) -> None:
+    rec = read_manifest(world["bundle"]).gate["adapt"]
+    choice = Recipe.from_dict(rec["choice"], "test")
+    served = load_bundle(world["bundle"])
+    try:
+        adapting = AdaptingModel(served)
+        assert adapting.recipe == choice and adapting.recipe_from == "gate"
+    finally:
+        served.close()
+    # the same bundle without the gate's choice serves the configured recipe
+    plain = tmp_path / "configured" / "v000001"
+    shutil.copytree(world["bundle"], plain)
+    man = json.loads((plain / "manifest.json").read_text())
+    del man["gate"]["adapt"]
+    (plain / "manifest.json").write_text(json.dumps(man))
+    served = load_bundle(plain)
+    try:
+        assert AdaptingModel(served).recipe == Recipe(1, 0.1) and AdaptingModel(served).recipe_from == "configured"
+    finally:
+        served.close()
+
+    sup, qry = _support_and_query(world, tmp_path)
+    chosen = predict_to_parquet(world["bundle"], qry, tmp_path / "chosen.parquet", support=sup)
+    configured = predict_to_parquet(plain, qry, tmp_path / "conf.parquet", support=sup)
+    assert chosen.adapted and chosen.rows > 200
+    a = pq.read_table(tmp_path / "chosen.parquet").column("p_click").to_numpy()
+    b = pq.read_table(tmp_path / "conf.parquet").column("p_click").to_numpy()
+    assert np.abs(a - b).max() > 1e-3
+    # predict --support reproduces the validation figures of the choice and of the configured recipe (the
+    # streaming AUC and float32 sums differ from the selection's exact AUC in the 5th decimal)
+    conf = next(c for c in rec["candidates"] if c["recipe"] == rec["configured"])
+    for h in ("click", "conversion"):
+        assert chosen.auc[h] == pytest.approx(rec["choice_auc"][h], abs=2e-4), h
+        assert configured.auc[h] == pytest.approx(conf["auc"][h], abs=2e-4), h
+
+
+def test_offset_only_adds_each_tasks_newton_offset_to_the_base_logit(world) -> None:
+    from models.meta_offset import fit_offsets
+
+    served = load_bundle(world["bundle"])
+    try:
+        adapting = AdaptingModel(served)
+        _, batches = validation_episodes(world["holdout"], served.schema, K, tasks_per_batch=8)
+        mb = next(batches)
+        uniq, rows = adapting.rows_for([mb.support, mb.query])
+        got = adapting.recipe_probs(Recipe(0, 0.1, 3, 4.0), mb.support, mb.query, uniq, rows)
+        base = adapting.recipe_probs(Recipe(0, 0.1), mb.support, mb.query, uniq, rows)
+        with torch.no_grad():
+            zs, zq = adapting.model(mb.support, rows, uniq), adapting.model(mb.query, rows, uniq)
+        for t in range(mb.support.mask.shape[0]):  # the reference: one task at a time
+            one = mb.support.map(lambda x: x[t])
+            b = fit_offsets({h: z[t] for h, z in zs.items()}, one, adapting.model.heads, 3, 4.0)
+            for h in got:
+                want = torch.sigmoid(zq[h][t] + b[h])
+                torch.testing.assert_close(got[h][t], want, atol=1e-6, rtol=0)
+                torch.testing.assert_close(base[h][t], torch.sigmoid(zq[h][t]), atol=1e-6, rtol=0)
+        assert any(float((got[h] - base[h]).abs().max()) > 1e-3 for h in got)
+    finally:
+        served.close()
+
+
+def test_without_a_holdout_the_configured_recipe_ships_and_the_report_says_so(world) -> None:
+    report = run_gate(world["bundle"])
+    assert report.ok and report.adapt["selected"] is False
+    assert report.adapt["reason"] == "no holdout to validate on"
+    assert report.adapt["configured"]["inner_lr"] == 0.1 and "choice" not in report.adapt
+    assert "the configured recipe ships" in report.adapt_summary
+    sel = not_selected(read_manifest(world["bundle"]), "why")
+    assert sel.chosen == Recipe(1, 0.1) and sel.summary().startswith("adaptation not selected (why)")
+
+
+def test_a_holdout_without_episodes_ships_the_configured_recipe(world) -> None:
+    """No holdout user has more than k rows: no episode to validate on; the gate passes and says why."""
+    report = run_gate(world["bundle"], holdout=str(world["holdout"]), adapt_k=100_000)
+    assert report.ok and report.auc and report.adapt["selected"] is False
+    assert "no validation episode" in report.adapt["reason"]
+    assert report.record(str(world["holdout"]))["adapt"] == report.adapt
