@@ -20,6 +20,13 @@ Sources, all produced by the fleet:
 :func:`render` turns them into rich tables; :class:`ProgressDisplay` shows them
 live on a terminal, or logs a one-line summary every few seconds otherwise.
 
+One command's own work toward a known total (``predict``'s rows) is drawn by
+:class:`TaskProgress`; a library that reports stages through a hook
+``(stage, done, total)`` (``meta_io.build.pipeline.build``: pass 1 and pass 2;
+``delivery.job.deliver_once``: verify, export, dense, gate, publish) is drawn by
+:class:`StageProgress`, one :class:`TaskProgress` per stage in turn, each with a
+final log line when it reaches its total (a short stage still leaves one line).
+
 Percent and time left come from the controller's own accounting, never from the
 shard counts (shards split at an epoch's tail, so their total grows during a run):
 ``status["coverage"]`` counts the batches of every requested epoch of every dataset
@@ -439,6 +446,8 @@ class TaskProgress:
         self._last_log = self._t0
         self._done = 0
         self.last: EtaReading | None = None
+        self.logged: int | None = None
+        """``done`` of the last log line written (None: none yet)."""
         self._bar: Progress | None = None
         if console is not None and console.is_terminal:
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
@@ -461,8 +470,27 @@ class TaskProgress:
         if self._bar is not None:
             self._bar.update(self._task, completed=done, eta=duration_text(r.eta_s) if self.total else "-")
         elif now - self._last_log >= self.log_every_s:
-            self._last_log = now
-            log.info("progress", extra=kv(**self.fields(r, now)))
+            self.log_line(now)
+
+    def log_line(self, now: float | None = None) -> None:
+        """Log the figures of the last :meth:`update` now (off a terminal; nothing before an update)."""
+        if self.last is None:
+            return
+        now = time.monotonic() if now is None else now
+        self._last_log = now
+        self.logged = self.last.done
+        log.info("progress", extra=kv(**self.fields(self.last, now)))
+
+    @property
+    def drawn(self) -> bool:
+        """Whether a bar is drawn (a terminal), rather than log lines written."""
+        return self._bar is not None
+
+    def set_total(self, total: int | None) -> None:
+        """A total that became known or changed (later readings use it)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total, total_text=f"{total:,}" if total else "?")
 
     def fields(self, r: EtaReading, now: float) -> dict[str, Any]:
         """The log line's figures for reading ``r``."""
@@ -476,3 +504,70 @@ class TaskProgress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class StageProgress:
+    """A progress hook ``(stage, done, total)`` drawn like :class:`TaskProgress`, one stage after another.
+
+    A stage other than the current one closes it and starts a new :class:`TaskProgress`
+    (its own bar on a terminal; a stage that comes round again, as in ``deliver --every``,
+    starts afresh). Off a terminal, a stage's log line (``msg="progress"``: ``what`` = the
+    stage, ``done``, ``total``, ``pct``, ``per_s``, ``eta_s``) comes every ``log_every_s``
+    seconds and once more when it reaches its total, so each finished stage leaves a line.
+    A total of 0 is unknown: counts and rate, no percent or ETA.
+
+    Args:
+        console: where bars are drawn (a terminal); None or not a terminal: log lines.
+        log_every_s: period of the log lines within a stage.
+
+    Example::
+
+        with StageProgress(Console(stderr=True)) as hook:
+            build(input, schema, out, cfg, progress=hook)
+    """
+
+    def __init__(self, console: Console | None = None, log_every_s: float = 5.0) -> None:
+        self.console = console
+        self.log_every_s = log_every_s
+        self.stage: str | None = None
+        self._task: TaskProgress | None = None
+
+    def __enter__(self) -> "StageProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        """One reading of ``stage``: ``done`` of ``total`` (cumulative; 0 total: unknown)."""
+        name = str(stage)
+        task = self._task
+        if task is None or name != self.stage:
+            self.close()
+            task = self._task = TaskProgress(name, total or None, console=self.console,
+                                             log_every_s=self.log_every_s)
+            self.stage = name
+        elif (total or None) != task.total:
+            task.set_total(total or None)
+        task.update(done)
+        if total and done >= total and not task.drawn and task.logged != done:
+            task.log_line()
+
+    def close(self) -> None:
+        """End the current stage (its bar stays on the terminal)."""
+        if self._task is not None:
+            self._task.close()
+            self._task = None
+
+
+def command_progress(no_progress: bool = False, log_every_s: float = 5.0) -> StageProgress:
+    """The :class:`StageProgress` of a CLI command: bars on stderr when it is a terminal, else log lines.
+
+    Args:
+        no_progress: the command's ``--no-progress``: log lines even on a terminal (as ``launch``'s).
+        log_every_s: period of the log lines within a stage.
+    """
+    import sys
+
+    bar = not no_progress and sys.stderr.isatty()
+    return StageProgress(Console(stderr=True) if bar else None, log_every_s=log_every_s)

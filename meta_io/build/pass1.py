@@ -1,4 +1,10 @@
-"""Pass 1: stream the input, check it, and partition rows by ``hash(task_key) % P`` into spill files."""
+"""Pass 1: stream the input, check it, and partition rows by ``hash(task_key) % P`` into spill files.
+
+Progress: ``on_rows(done, total)`` after each source batch, rows read so far out of the
+input's rows as :func:`meta_io.source.count_rows` gives them before reading (Parquet
+footers; a CSV's one-column scan); the last call is ``(rows, rows)``. The callback only
+gets numbers: the caller decides how (and whether) to show them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -64,7 +70,19 @@ def _pass1(
     cfg: MetaIOBuildConfig,
     key: str,
     spill_dir: Path,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> _Spill:
+    """Partition the input into spill files.
+
+    Args:
+        input_path: the input file or folder.
+        schema: its schema.
+        data_schema: the normalized Arrow schema of the rows.
+        cfg: the build config (partitions, memory budget, seed, layout, split).
+        key: the task key column.
+        spill_dir: where the spill files go.
+        on_rows: told ``(rows read so far, input rows)`` after each batch (None: nothing told).
+    """
     from meta_io import source
 
     t0 = time.perf_counter()
@@ -81,6 +99,8 @@ def _pass1(
         P = int(min(cfg.max_partitions, max(1, math.ceil(est_rows * bytes_per_row * _WORKING_SET_FACTOR / budget))))
     log.info("pass 1: partitioning", extra=kv(input=input_path, est_rows=est_rows, partitions=P,
                                                bytes_per_row=round(bytes_per_row)))
+    if on_rows is not None:
+        on_rows(0, est_rows)
     spill_schema = data_schema.append(pa.field(L.ROW_COL, pa.int64(), nullable=False))
     paths = [spill_dir / f"spill-{p:05d}.arrow" for p in range(P)]
     sinks: list[tuple[pa.NativeFile, ipc.RecordBatchFileWriter] | None] = [None] * P
@@ -116,6 +136,8 @@ def _pass1(
                     sinks[p] = entry
                 entry[1].write_table(table.slice(off, int(counts[p])))
                 off += int(counts[p])
+            if on_rows is not None:
+                on_rows(row0, max(est_rows, row0))
     finally:
         for s in sinks:
             if s is not None:
@@ -123,6 +145,8 @@ def _pass1(
                 s[0].close()
     if row0 == 0:
         raise DataError(f"{input_path}: input has no rows")
+    if on_rows is not None:
+        on_rows(row0, row0)
     dt = time.perf_counter() - t0
     log.info("pass 1 done", extra=kv(rows=row0, seconds=round(dt, 2), rows_per_s=int(row0 / max(dt, 1e-9))))
     return _Spill([p for p, s in zip(paths, sinks) if s is not None], row0, bytes_per_row, dt)

@@ -1,10 +1,17 @@
-"""Pass 2: sort each spill partition, plan episodes and pack them (meta format) or shuffle rows (plain format)."""
+"""Pass 2: sort each spill partition, plan episodes and pack them (meta format) or shuffle rows (plain format).
+
+Progress: ``on_rows(done, total)`` once before the first partition (``done`` 0) and after
+each partition, rows of the partitions finished out of the input's rows (partitions
+differ in size, so rows, not partition counts, give the time left); the last call is
+``(rows, rows)``.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -66,12 +73,17 @@ def _pass2_meta(
     key: str,
     parts: _RollingWriter,
     leftover: _RollingWriter,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[_Stats, list[_BucketPacker], _PlainPacker]:
+    """Pack every spill partition into episodes (``on_rows``: see the module docstring)."""
     buckets = L.make_buckets(cfg.support, cfg.query, cfg.bucketing)
     packers = [_BucketPacker(b, cfg.rows_per_batch, data_schema, parts) for b in buckets]
     left = _PlainPacker(cfg.rows_per_batch, data_schema, leftover, BatchKind.LEFTOVER)
     stats = _Stats()
     n_parts = len(spill.paths)
+    done = 0
+    if on_rows is not None:
+        on_rows(0, spill.input_rows)
     for p, path in enumerate(spill.paths):
         t0 = time.perf_counter()
         t = _read_spill(path)
@@ -134,6 +146,9 @@ def _pass2_meta(
             extra=kv(partition=f"{p + 1}/{n_parts}", rows=n, tasks=starts.size, seconds=round(dt, 3),
                      rows_per_s=int(n / max(dt, 1e-9))),
         )
+        done += n
+        if on_rows is not None:
+            on_rows(done, max(done, spill.input_rows))
     for packer in packers:
         packer.flush()
     left.flush()
@@ -141,11 +156,16 @@ def _pass2_meta(
 
 
 def _pass2_plain(
-    spill: _Spill, schema: Schema, data_schema: pa.Schema, cfg: MetaIOBuildConfig, parts: _RollingWriter
+    spill: _Spill, schema: Schema, data_schema: pa.Schema, cfg: MetaIOBuildConfig, parts: _RollingWriter,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[_Stats, _PlainPacker]:
+    """Shuffle every spill partition's rows into plain batches (``on_rows``: see the module docstring)."""
     packer = _PlainPacker(cfg.rows_per_batch, data_schema, parts, BatchKind.PLAIN)
     stats = _Stats()
     n_parts = len(spill.paths)
+    done = 0
+    if on_rows is not None:
+        on_rows(0, spill.input_rows)
     for p, path in enumerate(spill.paths):
         t0 = time.perf_counter()
         t = _read_spill(path)
@@ -162,5 +182,8 @@ def _pass2_plain(
         dt = time.perf_counter() - t0
         log.info("pass 2: partition done", extra=kv(partition=f"{p + 1}/{n_parts}", rows=st.num_rows,
                                                      seconds=round(dt, 3), rows_per_s=int(st.num_rows / max(dt, 1e-9))))
+        done += st.num_rows
+        if on_rows is not None:
+            on_rows(done, max(done, spill.input_rows))
     packer.flush()
     return stats, packer

@@ -26,21 +26,32 @@ row ``r`` goes to episode ``r*E // n``. An episode of ``n_e`` rows gets
 and ``n_s = n_e - n_q`` support rows, so ``n_s <= S`` and ``n_q <= Q``. A task
 with one row goes to the leftover (plain-format) files. No row is dropped.
 
+Progress: ``build(..., progress=hook)`` calls ``hook(stage, done, total)`` as the
+build goes (no printing here; ``metaps meta-io build`` draws a bar or logs lines):
+stage :attr:`BuildStage.READ`, rows read in pass 1 out of the input's rows (Parquet
+footers, known before reading), after each source batch; then :attr:`BuildStage.PACK`,
+rows of the spill partitions packed in pass 2 out of the same total, after each
+partition. Each stage starts with ``done`` 0, never goes down, and ends with
+``done == total``. What follows pass 2 (index, manifest, rename) is small and not counted.
+
 Example::
 
     cfg = MetaIOBuildConfig(support=8, query=4, split=Split.TIME)
-    result = build("data/", "data/schema.json", "metaio/", cfg)
+    result = build("data/", "data/schema.json", "metaio/", cfg,
+                   progress=lambda stage, done, total: print(stage, done, total))
     result.manifest["totals"]["episodes"]
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Callable, Protocol
 
 import pyarrow as pa
 
@@ -59,6 +70,32 @@ from metaps.core.errors import ConfigError, DataError, SchemaError
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
+
+
+class BuildStage(enum.StrEnum):
+    """The stages :func:`build` reports progress for (values: one word, for bars and log fields).
+
+    Both count rows: ``pass1`` rows read, ``pass2`` rows packed.
+    """
+
+    READ = "pass1"
+    PACK = "pass2"
+
+
+class ProgressHook(Protocol):
+    """Told how far a long operation has come: ``done`` of ``total`` units of ``stage`` (cumulative).
+
+    Called on the working thread, between batches: it must be cheap and must not raise.
+    """
+
+    def __call__(self, stage: str, done: int, total: int) -> None: ...
+
+
+def _stage_hook(progress: ProgressHook | None, stage: BuildStage) -> Callable[[int, int], None] | None:
+    """``progress`` bound to one stage (None stays None)."""
+    if progress is None:
+        return None
+    return lambda done, total: progress(stage, done, total)
 
 
 def _resolve(schema: Schema | str | Path, cfg: MetaIOBuildConfig) -> tuple[Schema, str, pa.Schema]:
@@ -86,6 +123,7 @@ def build(
     schema: Schema | str | Path,
     out_dir: str | Path,
     config: MetaIOBuildConfig = MetaIOBuildConfig(),
+    progress: ProgressHook | None = None,
 ) -> BuildResult:
     """Build a Meta-IO dataset from ``input_path`` into ``out_dir``.
 
@@ -95,6 +133,8 @@ def build(
         out_dir: the dataset folder (created; must not hold a dataset unless
             ``config.overwrite``).
         config: layout, S/Q, split, seed, batch shape, memory budget.
+        progress: told ``(stage, done, total)`` as pass 1 reads and pass 2 packs rows
+            (see the module docstring); None: nothing told.
 
     Returns:
         The folder and the manifest written last into it.
@@ -126,7 +166,8 @@ def build(
     spill_dir.mkdir(parents=True)
     ok = False
     try:
-        spill = _pass1(input_path, schema, data_schema, config, key, spill_dir)
+        spill = _pass1(input_path, schema, data_schema, config, key, spill_dir,
+                       _stage_hook(progress, BuildStage.READ))
         index = IndexBuilder()
         max_bytes = int(config.max_file_mb * 2**20)
         tables = L.id_tables(schema)
@@ -137,12 +178,13 @@ def build(
                                    tables, packs.get("main"))
             left_w = _RollingWriter(staging, L.LEFTOVER_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index,
                                    tables, packs.get("leftover"))
-            stats, packers, left = _pass2_meta(spill, schema, data_schema, config, key, parts, left_w)
+            stats, packers, left = _pass2_meta(spill, schema, data_schema, config, key, parts, left_w,
+                                               _stage_hook(progress, BuildStage.PACK))
             files, left_files = parts.close(), left_w.close()
         else:
             parts = _RollingWriter(staging, L.PART_PATTERN, L.plain_arrow_schema(data_schema), max_bytes, index,
                                    tables, packs.get("main"))
-            stats, plain = _pass2_plain(spill, schema, data_schema, config, parts)
+            stats, plain = _pass2_plain(spill, schema, data_schema, config, parts, _stage_hook(progress, BuildStage.PACK))
             files, left_files, packers = parts.close(), [], []
         pass2_s = time.perf_counter() - t2
         index.write(staging / L.INDEX_NAME)

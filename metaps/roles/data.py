@@ -4,6 +4,8 @@ Example::
 
     metaps gen-data --out data/ --rows 200000 --users 20000 --items 5000 --seed 1
     metaps meta-io build --input data/ --schema data/schema.json --out metaio/ --support 8 --query 4
+        # progress on stderr: a bar per pass on a terminal, else (or with --no-progress) log
+        # lines msg="progress" with done/total/pct/per_s/eta_s every 5 s and at each pass's end
     metaps meta-io inspect metaio/ [--verify]
     metaps meta-io split-holdout --input data/ --schema data/schema.json --out split/ --fraction 0.1
 """
@@ -22,6 +24,7 @@ from metaps.roles.output import emit, summary_replaces, wants_json
 
 if TYPE_CHECKING:
     from meta_io.build import BuildResult
+    from meta_io.build.pipeline import ProgressHook
     from meta_io.holdout import HoldoutSplit
     from meta_io.synth import GeneratedData
 
@@ -57,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--partitions", type=int, default=0, help="spill partitions (0: from the budget)")
     b.add_argument("--max-file-mb", type=float, default=64.0, help="roll to a new part file after this size")
     b.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    b.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; a progress log line every 5 s and at the end of each pass")
     b.add_argument("--done-file", default="",
                    help="write this file (the build's totals, JSON) once the dataset is complete: a gate "
                         "tied to this build, unlike a manifest that may be yesterday's")
@@ -162,7 +167,7 @@ def _gen_data(args: argparse.Namespace) -> int:
 
 
 def build_dataset(input_path: str | Path, schema: str | Path, out: str | Path, fields: Mapping[str, Any],
-                  where: str = "meta-io build arguments") -> "BuildResult":
+                  where: str = "meta-io build arguments", progress: "ProgressHook | None" = None) -> "BuildResult":
     """Build a Meta-IO dataset: what ``metaps meta-io build`` runs.
 
     Args:
@@ -172,6 +177,8 @@ def build_dataset(input_path: str | Path, schema: str | Path, out: str | Path, f
         fields: :class:`meta_io.build.MetaIOBuildConfig` fields (``support``, ``query``, ``overwrite``, ...);
             checked by name and type.
         where: how a bad field's error names these arguments.
+        progress: told ``(stage, done, total)`` as the two passes go
+            (:mod:`meta_io.build.pipeline`); None: nothing told.
 
     Returns:
         the :class:`meta_io.build.BuildResult` (folder and manifest).
@@ -179,7 +186,7 @@ def build_dataset(input_path: str | Path, schema: str | Path, out: str | Path, f
     from meta_io.build import MetaIOBuildConfig, build
 
     cfg = from_mapping(MetaIOBuildConfig, dict(fields), where=where)
-    return build(input_path, schema, out, cfg)
+    return build(input_path, schema, out, cfg, progress=progress)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -189,8 +196,10 @@ def _build(args: argparse.Namespace) -> int:
         memory_budget_mb=args.memory_budget_mb, partitions=args.partitions, max_file_mb=args.max_file_mb,
         overwrite=args.overwrite,
     )
-    with summary_replaces("meta_io", "build done"):
-        result = build_dataset(args.input, args.schema, args.out, fields)
+    from metaps.progress import command_progress
+
+    with summary_replaces("meta_io", "build done"), command_progress(args.no_progress) as progress:
+        result = build_dataset(args.input, args.schema, args.out, fields, progress=progress)
     t = result.manifest["totals"]
     lines = [f"built {result.out_dir}: {t['input_rows']:,} rows -> {t['batches']} batches in {t['files']} files "
              f"({t['build_seconds']:.2f} s, {t['rows_per_s']:,} rows/s)"]
