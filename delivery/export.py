@@ -28,6 +28,17 @@ A long-lived process (the periodic job) passes an :class:`~delivery.reuse.Export
 parsed configs, the built model, the parent's traced dense network and live ids are
 then reused, each keyed by the content it stands for; every check runs as without it.
 
+Progress: ``export_bundle(..., progress=hook)`` calls ``hook(DeliverStage.EXPORT, done,
+total)`` (no printing here; ``metaps deliver`` draws a bar or logs lines): rows of the
+tables exported so far out of the rows to export, told once before the first table and
+after each table (read, compared with the parent, written). The total is known before
+any row is read: the checkpoint manifest's rows per table for a full read, the changed
+rows of the delta checkpoints for a changes-only read (0: unknown, a manifest without row
+counts). ``done`` never goes down; the last call, once the embedding file is closed, is
+``done == total``. Then ``DeliverStage.DENSE`` (one step: dense network, adaptation
+parameters, checksums, manifest). The other stages of a delivery are told by
+:mod:`delivery.job`.
+
 Example::
 
     src = CheckpointSource.open(latest_checkpoint(run / "checkpoints"))
@@ -37,11 +48,12 @@ Example::
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -64,6 +76,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REQUIRED_INFO = ("schema", "model")
+
+
+class DeliverStage(enum.StrEnum):
+    """The stages a delivery reports progress for, in order (values: one word, for bars and log fields).
+
+    ``EXPORT`` counts rows; the others are one step each (``done`` 0 then 1 of ``total`` 1):
+    ``DENSE`` is the rest of the bundle (dense network, adaptation parameters, checksums, manifest).
+    """
+
+    VERIFY = "verify"
+    EXPORT = "export"
+    DENSE = "dense"
+    GATE = "gate"
+    PUBLISH = "publish"
+
+
+class ProgressHook(Protocol):
+    """Told how far a long operation has come: ``done`` of ``total`` units of ``stage`` (cumulative).
+
+    Called on the working thread, between steps: it must be cheap and must not raise.
+    """
+
+    def __call__(self, stage: str, done: int, total: int) -> None: ...
 
 
 @dataclass
@@ -290,6 +325,23 @@ class CheckpointSource:
                 f"({len(missing)} of {len(names)}); was it trained with dense_sync = 'ps'?"
             )
         return values
+
+
+def _told(progress: ProgressHook | None, done: int, total: int) -> None:
+    """Tell ``progress`` the export's rows so far (a total of 0 stays unknown; a low one grows to ``done``)."""
+    if progress is not None:
+        progress(DeliverStage.EXPORT, done, max(total, done) if total else 0)
+
+
+def _manifest_rows(manifest: dict[str, Any], tables: list[str]) -> int:
+    """Rows of ``tables`` per the checkpoint manifest (0 for a table it gives no count for)."""
+    entries = manifest.get("tables")
+    if isinstance(entries, list):
+        entries = {str(t.get("name")): t for t in entries if isinstance(t, dict)}
+    if not isinstance(entries, dict):
+        return 0
+    rows = [entries.get(t, {}).get("rows") if isinstance(entries.get(t), dict) else None for t in tables]
+    return sum(int(r) for r in rows if isinstance(r, int) and not isinstance(r, bool))
 
 
 def _manifest_tables(path: Path, manifest: dict[str, Any]) -> dict[str, int]:
@@ -549,6 +601,7 @@ def export_bundle(
     cfg: DeliveryConfig,
     parent: ParentState | None = None,
     cache: ExportCache | None = None,
+    progress: ProgressHook | None = None,
 ) -> BundleManifest:
     """Write a bundle of checkpoint ``src`` into ``staging`` (full, or a delta on ``parent``).
 
@@ -562,6 +615,9 @@ def export_bundle(
             the built model, the traced dense network, live ids; see that module); every
             check runs as without it. The written bundle's dense network and live ids are
             put back into it, keyed by the sha256 of the files written.
+        progress: told ``(DeliverStage.EXPORT, rows done, rows to export)`` before the first
+            table and after each, then ``DeliverStage.DENSE`` as one step (see the module
+            docstring); None: nothing told.
 
     Nothing is fsynced here: ``staging`` becomes a bundle only through
     ``Publisher.publish``, which fsyncs each of its files once before the rename.
@@ -595,6 +651,11 @@ def export_bundle(
     watermark = parent.watermark if parent is not None else -1
     written_total = 0
     at: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per table: written rows' places in the parent's ids
+    rows_total = (sum(int(changes[t][0].ids.shape[0]) for t in order) if changes is not None
+                  else _manifest_rows(src.manifest, order))
+    rows_done = 0
+    if progress is not None:
+        progress(DeliverStage.EXPORT, 0, rows_total)
     try:
         for t in order:
             if parent is not None and changes is not None:  # only the changed data is read
@@ -620,6 +681,8 @@ def export_bundle(
                 written_total += sel_ids.shape[0]
                 tables[t] = TableInfo(dim=dims[t], rows=int(p_ids.shape[0] - gone.shape[0] + new_ids),
                                       written=int(sel_ids.shape[0]), removed=int(gone.shape[0]))
+                rows_done += int(data.ids.shape[0])
+                _told(progress, rows_done, rows_total)
                 continue
             data = src.table(t)
             if data.last_step.size:
@@ -642,10 +705,15 @@ def export_bundle(
             written_total += sel_ids.shape[0]
             tables[t] = TableInfo(dim=dims[t], rows=int(data.ids.shape[0]), written=int(sel_ids.shape[0]),
                                   removed=int(gone.shape[0]))
+            rows_done += int(data.ids.shape[0])
+            _told(progress, rows_done, rows_total)
     finally:
         writer.close(fsync=False)  # staging: Publisher.publish fsyncs every file once
     if parent is not None:
         write_removed(staging / REMOVED, removed)
+    if progress is not None:
+        progress(DeliverStage.EXPORT, rows_done, rows_done)
+        progress(DeliverStage.DENSE, 0, 1)
     reused = _reuse_parent_dense(model, src, dims, parent, cache)
     scripted, spec = reused if reused is not None else trace_dense(model, src.schema, dims)
     dense_sha = save_scripted(scripted, str(staging / DENSE))
@@ -686,6 +754,8 @@ def export_bundle(
         adapt=recipe,
     )
     write_manifest(staging, manifest, fsync=False)  # (fsynced by Publisher.publish)
+    if progress is not None:
+        progress(DeliverStage.DENSE, 1, 1)
     if cache is not None:
         cache.put_dense(files[DENSE], scripted)
         key: LiveKey = ((version, files[INDEX], files.get(REMOVED, "")),)

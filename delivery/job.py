@@ -18,6 +18,13 @@ parsed configs, the built model, the traced dense network and the parent's
 live ids of the last delivery are reused by the next incremental one (each
 keyed by the content it stands for; every check still runs).
 
+Progress: ``deliver_once(..., progress=hook)`` tells ``hook(stage, done, total)`` the
+stages of :class:`~delivery.export.DeliverStage` in order: ``verify`` (the sha256
+check of the checkpoint, one step), ``export`` (rows exported) and ``dense`` (the rest
+of the bundle, one step), both from :func:`~delivery.export.export_bundle`, then
+``gate`` and ``publish`` (publish, LATEST and retention; one step each). A delivery that finds nothing newer stops after the
+first; a refused one after ``gate``. The loop passes the same hook to every tick.
+
 Example::
 
     cfg = DeliveryConfig(out=Path("bundles"), incremental=True, keep=5)
@@ -41,7 +48,9 @@ import lmdb
 
 from delivery.bundle import DeliveryError, DeliveryWriteError, read_manifest, write_manifest, checksum_files
 from delivery.config import DeliveryConfig
-from delivery.export import CheckpointSource, ParentState, export_bundle, parent_state, resolve_checkpoint
+from delivery.export import (
+    CheckpointSource, DeliverStage, ParentState, ProgressHook, export_bundle, parent_state, resolve_checkpoint,
+)
 from delivery.gate import GateReport, run_gate
 from delivery.loader import bundle_chain
 from delivery.publish import Publisher
@@ -118,6 +127,7 @@ def deliver_once(
     checkpoint: str | Path | None = None,
     force: bool = False,
     cache: ExportCache | None = None,
+    progress: ProgressHook | None = None,
 ) -> DeliveryOutcome:
     """Deliver the latest checkpoint of ``run`` (or ``checkpoint``) to ``cfg.out``.
 
@@ -128,6 +138,8 @@ def deliver_once(
         force: deliver even if LATEST was built from the same or a newer checkpoint.
         cache: state reused from this process's earlier deliveries (:mod:`delivery.reuse`);
             None = nothing reused.
+        progress: told ``(stage, done, total)`` of each stage (see the module docstring);
+            None: nothing told.
 
     Raises:
         DeliveryError: bad input (missing checkpoint, no schema/model info, bad rows, ...);
@@ -135,10 +147,12 @@ def deliver_once(
     """
     cfg.validate()
     ckpt = resolve_checkpoint(run, checkpoint)
+    _step(progress, DeliverStage.VERIFY, 0)
     src = CheckpointSource.open(ckpt, cache=cache)
+    _step(progress, DeliverStage.VERIFY, 1)
     pub = Publisher(cfg.out)
     try:
-        return _deliver_locked(cfg, pub, ckpt, src, force, cache)
+        return _deliver_locked(cfg, pub, ckpt, src, force, cache, progress)
     except (OSError, lmdb.Error) as exc:  # a full disk, an I/O error: one line; nothing partial is left
         raise write_failed(pub.root, exc) from None
 
@@ -160,8 +174,14 @@ def write_failed(root: Path, exc: BaseException) -> DeliveryWriteError:
                               f"nothing was published, LATEST unchanged")
 
 
+def _step(progress: ProgressHook | None, stage: DeliverStage, done: int) -> None:
+    """Tell ``progress`` that the one-step ``stage`` starts (``done`` 0) or ended (1)."""
+    if progress is not None:
+        progress(stage, done, 1)
+
+
 def _deliver_locked(cfg: DeliveryConfig, pub: Publisher, ckpt: Path, src: CheckpointSource, force: bool,
-                    cache: ExportCache | None) -> DeliveryOutcome:
+                    cache: ExportCache | None, progress: ProgressHook | None = None) -> DeliveryOutcome:
     """:func:`deliver_once` from taking the publish root's lock on."""
     with pub.locked():
         latest = pub.latest()
@@ -173,8 +193,10 @@ def _deliver_locked(cfg: DeliveryConfig, pub: Publisher, ckpt: Path, src: Checkp
         version = pub.next_version()
         staging = pub.staging_dir(version)
         try:
-            manifest = export_bundle(src, staging, version, cfg, parent, cache)
+            manifest = export_bundle(src, staging, version, cfg, parent, cache, progress)
+            _step(progress, DeliverStage.GATE, 0)
             report = run_gate(staging, published, cfg.holdout, cfg.max_auc_drop, cfg.holdout_rows)
+            _step(progress, DeliverStage.GATE, 1)
             if not report.ok:
                 log.warning("gate refused the bundle", extra=kv(version=version, reasons=report.reasons))
                 shutil.rmtree(staging)
@@ -183,6 +205,7 @@ def _deliver_locked(cfg: DeliveryConfig, pub: Publisher, ckpt: Path, src: Checkp
             record = report.record(cfg.holdout) if cfg.holdout else {"gated": False, "holdout": ""}
             manifest = dataclasses.replace(manifest, gate=record)
             manifest = dataclasses.replace(manifest, files=checksum_files(staging))
+            _step(progress, DeliverStage.PUBLISH, 0)
             write_manifest(staging, manifest, fsync=False)  # publish fsyncs every file of the staging dir
             pub.publish(staging, version)
         except BaseException:
@@ -190,6 +213,7 @@ def _deliver_locked(cfg: DeliveryConfig, pub: Publisher, ckpt: Path, src: Checkp
                 shutil.rmtree(staging, ignore_errors=True)
             raise
         deleted = pub.retain(cfg.keep)
+        _step(progress, DeliverStage.PUBLISH, 1)
     log.info("delivered", extra=kv(version=version, kind=manifest.kind.value, checkpoint=ckpt, deleted=deleted))
     return DeliveryOutcome(Status.PUBLISHED, ckpt, version, manifest.kind.value, report)
 
@@ -200,6 +224,7 @@ class PeriodicDelivery:
     Args:
         cfg: the delivery config.
         run: the run directory to watch.
+        progress: told each delivery's stages (see :func:`deliver_once`); None: nothing told.
 
     Example::
 
@@ -207,9 +232,11 @@ class PeriodicDelivery:
         loop.run(every_s=600)            # until stop() or Ctrl-C
     """
 
-    def __init__(self, cfg: DeliveryConfig, run: str | Path) -> None:
+    def __init__(self, cfg: DeliveryConfig, run: str | Path, progress: ProgressHook | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run)
+        self.progress = progress
+        """Told each tick's stages (see :func:`deliver_once`); None: nothing told."""
         self.refused: set[Path] = set()
         self.cache = ExportCache()
         """Reused by this loop's deliveries (content-keyed; see :mod:`delivery.reuse`)."""
@@ -225,7 +252,7 @@ class PeriodicDelivery:
         if ckpt in self.refused:
             log.info("latest checkpoint was refused by the gate; waiting for a newer one", extra=kv(checkpoint=ckpt))
             return None
-        outcome = deliver_once(self.cfg, checkpoint=ckpt, cache=self.cache)
+        outcome = deliver_once(self.cfg, checkpoint=ckpt, cache=self.cache, progress=self.progress)
         if outcome.status is Status.REFUSED:
             self.refused.add(ckpt)
         return outcome

@@ -9,6 +9,11 @@ Examples::
     metaps predict --bundle bundles --support first.parquet --data day2.parquet --out scores.parquet \\
         --keep-columns user_id,click                                  # adapted per user, key + label kept
 
+``deliver`` shows its stages on stderr (verify, export (rows), dense, gate, publish):
+a bar each on a terminal, else (or with ``--no-progress``) log lines ``msg="progress"``
+with done/total/pct/per_s/eta_s every 5 s and at each stage's end; stdout holds only
+the result (one JSON object with ``--json``).
+
 ``deliver`` without ``--holdout`` refuses (exit 1) unless ``--no-gate`` is given; the
 manifest's ``gate.gated`` records which it was.
 
@@ -53,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--dtype", choices=[x.value for x in RowDtype], default="fp32", help="row storage (default fp32)")
     d.add_argument("--max-chain", type=int, default=8, help="deltas on one base before a full bundle (default 8)")
     d.add_argument("--force", action="store_true", help="deliver even if LATEST is from the same checkpoint")
+    d.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; a progress log line every 5 s and at the end of each stage")
     d.add_argument("--max-ticks", type=int, default=None, help=argparse.SUPPRESS)
     d.set_defaults(func=_deliver)
 
@@ -99,6 +106,7 @@ def delivery_config(fields: Mapping[str, Any], no_gate: bool = False, where: str
 
 def _deliver(args: argparse.Namespace) -> int:
     from delivery.job import PeriodicDelivery, Status, deliver_once
+    from metaps.progress import command_progress
 
     cfg = delivery_config(
         {"out": str(args.out), "incremental": args.incremental, "keep": args.keep, "dtype": args.dtype,
@@ -110,15 +118,17 @@ def _deliver(args: argparse.Namespace) -> int:
         if args.run is None:
             print("metaps deliver: error: --every needs --run (a run directory to watch)", file=sys.stderr)
             return 2
-        loop = PeriodicDelivery(cfg, args.run)
-        done = [o for o in loop.run(parse_interval(cfg.every), max_ticks=args.max_ticks) if o is not None]
+        with command_progress(args.no_progress) as progress:
+            loop = PeriodicDelivery(cfg, args.run, progress=progress)
+            done = [o for o in loop.run(parse_interval(cfg.every), max_ticks=args.max_ticks) if o is not None]
         emit(args, {"outcomes": [_outcome_dict(o) for o in done]}, [_outcome_line(o) for o in done] or ["no ticks"])
         return 0
     if args.if_checkpoint and args.run is not None and not has_checkpoint(args.run):
         emit(args, {"status": "no_checkpoint", "version": "", "kind": "", "checkpoint": "", "run": str(args.run)},
              f"{args.run} has no committed checkpoint yet; nothing to deliver")
         return 0
-    o = deliver_once(cfg, run=args.run, checkpoint=args.checkpoint, force=args.force)
+    with command_progress(args.no_progress) as progress:
+        o = deliver_once(cfg, run=args.run, checkpoint=args.checkpoint, force=args.force, progress=progress)
     emit(args, _outcome_dict(o), _outcome_line(o))
     if o.status is Status.REFUSED:
         print(f"metaps deliver: refused by the validation gate: {o.reason}", file=sys.stderr)
