@@ -39,6 +39,15 @@ class LrSchedule(str, enum.Enum):
     dataset's batches x epochs in train-local)."""
 
 
+class EarlyStopMetric(str, enum.Enum):
+    """``[train] early_stop_metric``: the validation figure that picks the best epoch and stops training."""
+
+    AUC = "auc"
+    """The mean AUC over the heads (higher is better; in meta mode the adapted AUC of the held-out tasks)."""
+    LOSS = "loss"
+    """The training objective on the validation batches (lower is better)."""
+
+
 class DenseSync(str, enum.Enum):
     PS = "ps"
     """Dense parameters live on PS shard 0; workers push grads, pull params."""
@@ -78,10 +87,16 @@ class TrainConfig:
             validate on after every epoch (``train-local``): the best epoch's checkpoint is kept
             and restored at the end. 0 (default) = no validation, every batch trains (a fleet
             and ``train-local`` then train on the same rows). 0.1 is a sound value for unseen data.
-        early_stop_patience: epochs without a lower validation loss before training stops
-            (with ``val_fraction`` > 0). Default 2: one noisy epoch does not stop training,
-            two in a row on data never seen before mean it is overfitting. 0 = never stop early
-            (the best epoch is still restored).
+        early_stop_patience: epochs without a better validation figure (``early_stop_metric``)
+            before training stops (with ``val_fraction`` > 0). Default 2: one noisy epoch does not
+            stop training, two in a row on data never seen before mean it is overfitting. 0 = never
+            stop early (the best epoch is still restored).
+        early_stop_metric: the validation figure that picks the best epoch (the one restored)
+            and counts the bad epochs: ``auc`` (default: the metric that matters, the mean AUC
+            over the heads, higher is better; in meta mode after adaptation, as the validation
+            loss is) or ``loss`` (the training objective, lower is better; it tends to stop a few
+            epochs before the best AUC). Both are recorded per epoch in report.json's
+            ``validation``.
         lr_schedule: ``constant`` (default: Adam's bias correction already damps the first
             steps, and a decay needs the run length, unknown on new data), ``warmup`` or
             ``warmup_cosine``; a factor on the dense optimizer's lr (the embedding tables'
@@ -108,11 +123,13 @@ class TrainConfig:
     eval_max_rows: int = 2048
     val_fraction: float = 0.0
     early_stop_patience: int = 2
+    early_stop_metric: EarlyStopMetric = EarlyStopMetric.AUC
     lr_schedule: LrSchedule = LrSchedule.CONSTANT
     warmup_steps: int = 100
 
     def validate(self) -> None:
         object.__setattr__(self, "lr_schedule", LrSchedule(self.lr_schedule))
+        object.__setattr__(self, "early_stop_metric", EarlyStopMetric(self.early_stop_metric))
         if not 0.0 <= self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must be in [0, 0.5), got {self.val_fraction}")
         if self.early_stop_patience < 0:

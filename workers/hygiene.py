@@ -7,10 +7,19 @@
         train on the other batches (the same step engine)
         validation loss = the training objective on the validation batches, no update
             (meta: query loss after adaptation; plain: the loss), eval mode (no dropout)
-        lower than the best so far -> checkpoint ckpt-<step> (the "best" checkpoint)
+        validation AUC = per head on the same batches (meta: adapted, as the loss is);
+            its mean over the heads with both classes present
+        the [train] early_stop_metric (auc: higher, loss: lower) better than the best so far
+            -> checkpoint ckpt-<step> (the "best" checkpoint)
         else one more bad epoch; early_stop_patience bad epochs in a row -> stop
     the best checkpoint is loaded back (rows, dense params, learned inner rates): the model
     that is evaluated and reported is the best epoch's, not the last one's
+
+AUC is the default metric: the loss tends to turn up a few epochs before the AUC turns
+down (issue 29), so stopping on the loss gives away ranking quality. Both figures are
+recorded per epoch in the :class:`ValidationRecord`, with why training stopped;
+``train-local`` puts it in the worker report and the run's ``report.json``
+(``validation``).
 
 The picked batches are whole Meta-IO batches, so in the meta layout they are whole
 tasks (users) never trained on: a cold-start validation. Validation pulls rows of its
@@ -32,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from metaps.core.log import kv
-from workers.config import LrSchedule
+from workers.config import EarlyStopMetric, LrSchedule, TrainMode
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +96,57 @@ def _runs(n: int, held: np.ndarray) -> list[tuple[int, int]]:
 
 @dataclass
 class ValidationRecord:
-    """What early stopping saw: one entry per epoch, and the checkpoint it kept."""
+    """What early stopping saw: one entry per epoch, the checkpoint it kept, and why it stopped.
 
+    Args:
+        metric: the ``[train] early_stop_metric`` that chose ``best_epoch`` (``auc`` / ``loss``).
+        losses: validation loss per epoch.
+        aucs: mean validation AUC over the heads per epoch (NaN where no head has both classes).
+        head_aucs: validation AUC per head per epoch.
+        steps: training steps done at each epoch's end.
+        best_epoch: the epoch whose checkpoint was kept and restored (0-based; -1: none).
+        best_value: its ``metric`` figure.
+        best_loss / best_auc: its validation loss and mean AUC.
+        best_checkpoint: the kept checkpoint's directory.
+        stopped_early: training stopped before ``epochs`` for lack of improvement.
+        stop_reason: why the epochs ended (``patience``: ``early_stop_patience`` epochs without a
+            better figure; ``max_steps``; ``epochs``: all ran), with the figures, in words.
+    """
+
+    metric: str = EarlyStopMetric.AUC.value
     losses: list[float] = field(default_factory=list)
+    aucs: list[float] = field(default_factory=list)
+    head_aucs: list[dict[str, float]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     best_epoch: int = -1
+    best_value: float = math.nan
     best_loss: float = math.inf
+    best_auc: float = math.nan
     best_checkpoint: str = ""
     stopped_early: bool = False
+    stop_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The record as plain JSON values: an undefined figure (NaN, inf) is ``None`` (strict JSON)."""
+
+        def clean(v: Any) -> Any:
+            if isinstance(v, float) and not math.isfinite(v):
+                return None
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            return v
+
+        return {k: clean(v) for k, v in dataclasses.asdict(self).items()}
+
+    def better(self, value: float) -> bool:
+        """Whether an epoch's ``metric`` figure beats the best so far (NaN never does)."""
+        if not math.isfinite(value):
+            return False
+        if self.best_epoch < 0 or not math.isfinite(self.best_value):
+            return True
+        return value > self.best_value if self.metric == EarlyStopMetric.AUC.value else value < self.best_value
 
 
 def validation_loss(worker: Any, batches: list[tuple[int, int]]) -> float:
@@ -124,6 +173,41 @@ def validation_loss(worker: Any, batches: list[tuple[int, int]]) -> float:
     return total / weight if weight else math.inf
 
 
+def validation_auc(worker: Any, batches: list[tuple[int, int]]) -> dict[str, float]:
+    """AUC per head on validation batches, without any update (eval mode).
+
+    Meta mode scores the query rows after adapting on each task's support rows (the
+    trainer's inner loop), as the validation loss does; plain mode scores every row.
+
+    Args:
+        worker: the :class:`~workers.worker.Worker` (its trainer, rows and dataset).
+        batches: ``(file, batch index)`` pairs.
+
+    Returns:
+        head -> AUC (NaN where the validation rows hold one class only).
+    """
+    from metaps.core.evaluation import auc
+    from workers.evaluation import score_batches
+
+    tr = worker.trainer
+    meta = TrainMode(worker.job.train.mode) == TrainMode.META
+
+    def read() -> Any:
+        for name, b in batches:
+            yield from worker.dataset.read_range(name, b, b + 1)
+
+    scores = score_batches(tr.model, tr.rows, read(), tr.inner_loop if meta else None, adapt=meta)
+    arrays = scores["adapted"] if meta and "adapted" in scores else scores["base"]
+    return {h: float(auc(a["target"].astype(np.float64), a["score"].astype(np.float64)))
+            for h, a in sorted(arrays.items())}
+
+
+def mean_auc(head_aucs: dict[str, float]) -> float:
+    """The mean of the defined (finite) head AUCs; NaN when none is."""
+    vals = [v for v in head_aucs.values() if math.isfinite(v)]
+    return float(np.mean(vals)) if vals else math.nan
+
+
 def _rows_of(batch: Any) -> int:
     fb = getattr(batch, "features", None)
     return int(fb.num_rows()) if fb is not None else int(batch.query.num_rows())
@@ -134,7 +218,8 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
 
     Args:
         worker: a ``train-local`` :class:`~workers.worker.Worker` (LocalRowSource).
-        job: the job (``[train] epochs, val_fraction, early_stop_patience, seed, max_steps``).
+        job: the job (``[train] epochs, val_fraction, early_stop_patience, early_stop_metric, seed,
+            max_steps``).
         make_store: a fresh in-process store of the job's tables, to restore the best epoch into
             (``workers.local.local_store``; passed in so this module does not import the
             train-local driver that calls it).
@@ -151,7 +236,8 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
     plan = [(name, a, b) for name, n in files.items() for a, b in _runs(n, held[name])]
     per_epoch = sum(b - a for _, a, b in plan)
     worker.trainer.total_steps = cfg.max_steps or per_epoch * cfg.epochs
-    rec = ValidationRecord()
+    metric = EarlyStopMetric(cfg.early_stop_metric)
+    rec = ValidationRecord(metric=metric.value)
     bad = 0
     for epoch in range(cfg.epochs):
         for name, a, b in plan:
@@ -161,26 +247,40 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
             if worker.trainer._at_limit():
                 break
         loss = validation_loss(worker, val)
+        heads = validation_auc(worker, val)
+        val_auc = mean_auc(heads)
         rec.losses.append(loss)
+        rec.aucs.append(val_auc)
+        rec.head_aucs.append(heads)
         rec.steps.append(worker.trainer.step_no)
-        improved = loss < rec.best_loss
-        if improved:
-            rec.best_loss, rec.best_epoch = loss, epoch
-            rec.best_checkpoint = str(worker.checkpoint(metrics={"val_loss": loss}))
+        value = val_auc if metric == EarlyStopMetric.AUC else loss
+        if rec.better(value):
+            rec.best_value, rec.best_epoch, rec.best_loss, rec.best_auc = value, epoch, loss, val_auc
+            figures = {"val_loss": loss, **({"val_auc": val_auc} if math.isfinite(val_auc) else {})}
+            rec.best_checkpoint = str(worker.checkpoint(metrics=figures))
             bad = 0
         else:
             bad += 1
         log.info("validation", extra=kv(epoch=epoch, step=worker.trainer.step_no, val_loss=round(loss, 5),
-                                        best_epoch=rec.best_epoch, bad_epochs=bad))
+                                        val_auc=round(val_auc, 5), metric=metric.value, best_epoch=rec.best_epoch,
+                                        bad_epochs=bad))
         if worker.trainer._at_limit():
+            rec.stop_reason = f"max_steps: {cfg.max_steps} steps reached in epoch {epoch}"
             break
         if cfg.early_stop_patience and bad >= cfg.early_stop_patience:
             rec.stopped_early = epoch + 1 < cfg.epochs
+            word = "higher validation auc" if metric == EarlyStopMetric.AUC else "lower validation loss"
+            rec.stop_reason = (f"patience: {bad} epochs without a {word} than epoch {rec.best_epoch}'s "
+                               f"{rec.best_value:.5f} (early_stop_patience = {cfg.early_stop_patience})")
             break
+    else:
+        rec.stop_reason = f"epochs: all {cfg.epochs} epochs ran"
     if rec.best_checkpoint and rec.best_epoch != len(rec.losses) - 1:
         restore(worker, make_store(), Path(rec.best_checkpoint))
-    log.info("validation done", extra=kv(best_epoch=rec.best_epoch, best_loss=round(rec.best_loss, 5),
-                                         epochs=len(rec.losses), stopped_early=rec.stopped_early,
+    log.info("validation done", extra=kv(metric=metric.value, best_epoch=rec.best_epoch,
+                                         best_value=round(rec.best_value, 5), best_loss=round(rec.best_loss, 5),
+                                         best_auc=round(rec.best_auc, 5), epochs=len(rec.losses),
+                                         stopped_early=rec.stopped_early, stop_reason=rec.stop_reason,
                                          best_checkpoint=rec.best_checkpoint))
     return rec
 

@@ -6,7 +6,9 @@
         job.toml          the effective job (overrides applied, token redacted)
         workers/worker-0.json, checkpoints/ckpt-<step>/, eval/
         report.json, tb/, plots/    the launcher's run-report code (metaps.run_report,
-                                    metaps.tb, metaps.plots) over this one-process run
+                                    metaps.tb, metaps.plots) over this one-process run;
+                                    report.json also holds ``validation`` (early stopping's
+                                    record, workers/hygiene.py) when [train] val_fraction > 0
     [run] dir/latest -> the run     (auto-named runs only, as launch does)
 
 Everything is checked before the directory is made: the job (with ``--set``) and
@@ -71,6 +73,10 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool = True) -> tuple[
         raise
     rep = build_report(d, job, status="succeeded", started=t0, checkpoint=str(worker_rep.get("checkpoint") or ""),
                        notes=["metaps train-local: one process, local tables, no PS fleet or controller"])
+    if worker_rep.get("validation") is not None:
+        # early stopping's record (workers/hygiene.py): the metric, per-epoch validation loss and
+        # AUC, the best epoch and its checkpoint, why the epochs ended; not only in the log
+        rep["validation"] = worker_rep["validation"]
     write_report(d, rep)
     for what, fn in (("tensorboard", lambda: write_tensorboard(rep, d / "tb")),
                      ("plots", lambda: make_plots(rep, d / "plots"))):

@@ -28,7 +28,7 @@ SGD = {"kind": "sgd", "lr": 0.5}
 @pytest.mark.parametrize(
     "key, value",
     [("val_fraction", 0.5), ("val_fraction", -0.1), ("early_stop_patience", -1), ("lr_schedule", "step"),
-     ("warmup_steps", 0)],
+     ("warmup_steps", 0), ("early_stop_metric", "logloss")],
 )
 def test_train_keys_validated(worker_data, tmp_path: Path, key, value) -> None:
     with pytest.raises(ConfigError, match=rf"train.*{key}"):
@@ -136,7 +136,7 @@ def test_early_stopping_keeps_and_restores_the_best_epoch(worker_data, tmp_path:
     job = make_job(worker_data["plain"], tmp_path, mode="plain",
                    ps={"dense_optimizer": {"kind": "adam", "lr": 0.03},
                        "table_defaults": {"dim": 8, "capacity": 4096, "optimizer": {"kind": "sgd", "lr": 0.1}}},
-                   train={"epochs": 8, "val_fraction": 0.2, "early_stop_patience": 2})
+                   train={"epochs": 8, "val_fraction": 0.2, "early_stop_patience": 2, "early_stop_metric": "loss"})
     rep, w = train_local(job, tmp_path / "run", checkpoint=False)
     val = rep["validation"]
     losses = val["losses"]
@@ -145,6 +145,7 @@ def test_early_stopping_keeps_and_restores_the_best_epoch(worker_data, tmp_path:
     assert best < len(losses) - 1, f"setup no longer overfits: {losses}"
     # stopped exactly after `patience` epochs without improvement
     assert len(losses) == best + 1 + 2 and val["stopped_early"]
+    assert val["metric"] == "loss" and val["best_value"] == losses[best] and val["stop_reason"].startswith("patience")
     assert Path(val["best_checkpoint"]).is_dir()
     # the model and rows now in the worker are the best epoch's: same validation loss
     held = validation_split(w.dataset, 0.2, job.train.seed)
