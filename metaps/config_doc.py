@@ -5,6 +5,10 @@ The reference is derived, never hand-edited, so it cannot drift:
 what this module renders. Regenerate with ``python -m metaps.config_doc``.
 
 Field descriptions come from each dataclass docstring's ``Args:`` section.
+Defaults come from the field that holds a table, when it has one: ``[ps]
+dense_optimizer`` defaults to ``OptimizerConfig(kind="adam", lr=1e-3)``, so its
+table lists adam and 0.001, not ``OptimizerConfig``'s own field defaults (an
+embedding table's rowwise_adagrad, 0.05).
 """
 
 from __future__ import annotations
@@ -70,12 +74,18 @@ def _type_str(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _default_str(field: dataclasses.Field) -> str:
+def _field_default(field: dataclasses.Field) -> Any:
+    """The value a field takes when the key is absent (``dataclasses.MISSING``: required)."""
     if field.default is not dataclasses.MISSING:
-        v = field.default
-    elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        v = field.default_factory()  # type: ignore[misc]
-    else:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _default_str(v: Any) -> str:
+    """A default value as the table's ``default`` cell."""
+    if v is dataclasses.MISSING:
         return "(required)"
     if dataclasses.is_dataclass(v):
         return "(table below)"
@@ -103,7 +113,19 @@ def _module_docs(cls: type) -> dict[str, str]:
     return pool
 
 
-def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, str]]) -> None:
+def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, str]],
+                  default: Any = None) -> None:
+    """Append the table of ``[key]`` (dataclass ``cls``), then its nested tables.
+
+    Args:
+        cls: the section's dataclass.
+        key: its dotted TOML key.
+        lines: the document so far.
+        seen: (class, key) pairs already rendered.
+        default: the instance the parent field defaults to (e.g. ``[ps] dense_optimizer``'s
+            ``OptimizerConfig(kind=ADAM, lr=1e-3)``): its values are this table's defaults,
+            not the class's own field defaults (None: a top-level section, the class's).
+    """
     if (cls, key) in seen:
         return
     seen.add((cls, key))
@@ -117,21 +139,24 @@ def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, s
         lines.append("")
     lines.append("| key | type | default | meaning |")
     lines.append("|---|---|---|---|")
-    nested: list[tuple[type, str]] = []
+    nested: list[tuple[type, str, Any]] = []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         tp = hints[f.name]
+        value = getattr(default, f.name) if default is not None else _field_default(f)
         type_cell = _type_str(tp).replace("|", "\\|")
-        default_cell = _default_str(f).replace("|", "\\|")
+        default_cell = _default_str(value).replace("|", "\\|")
         lines.append(f"| `{f.name}` | {type_cell} | {default_cell} | {docs.get(f.name, '')} |")
         inner = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         for a in inner:
             suffix = "[]" if typing.get_origin(tp) in (list, tuple) else ""
-            nested.append((a, f"{key}.{f.name}{suffix}"))
+            # a table field's default instance gives the nested table's defaults; list items: the class's
+            sub = value if not suffix and isinstance(value, a) else None
+            nested.append((a, f"{key}.{f.name}{suffix}", sub))
     lines.append("")
-    for a, k in nested:
-        _render_class(a, k, lines, seen)
+    for a, k, sub in nested:
+        _render_class(a, k, lines, seen, sub)
 
 
 def render() -> str:
