@@ -316,6 +316,25 @@ def select_recipe(
     return sel
 
 
+def select_or_configured(serving: Any, holdout: str | Path, k: int = DEFAULT_K, max_rows: int = 0) -> Selection:
+    """:func:`select_recipe`, or the configured recipe (:func:`not_selected`, the reason logged) when the
+    bundle carries no adaptation recipe or the holdout gives no episodes / no AUC (the gate's call).
+
+    Args:
+        serving: the loaded bundle.
+        holdout: the gate's holdout.
+        k: support rows per user (first-k).
+        max_rows: cap on the validation query rows (0: all).
+    """
+    if not serving.manifest.adapt:
+        return not_selected(serving.manifest, "the bundle carries no adaptation recipe")
+    try:
+        return select_recipe(serving, holdout, k, max_rows=max_rows)
+    except DeliveryError as exc:
+        log.warning("adaptation not selected; the configured recipe ships", extra=kv(bundle=serving.path, reason=str(exc)))
+        return not_selected(serving.manifest, str(exc))
+
+
 def not_selected(manifest: BundleManifest, reason: str) -> Selection:
     """The record of a bundle whose configured recipe ships unselected (``reason`` says why).
 

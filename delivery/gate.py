@@ -23,7 +23,8 @@ Two checks, in order:
    puts in the manifest's ``gate`` field; serving reads the choice from there
    (:mod:`delivery.adapt`). Without a holdout, or when the holdout cannot give
    episodes (no timestamp, a plain layout), the configured recipe ships and
-   ``adapt`` says why (the selection never refuses a bundle).
+   ``adapt`` says why (the selection never refuses a bundle; a bundle without an
+   adaptation recipe gets no ``adapt`` record).
 
 Example::
 
@@ -252,7 +253,7 @@ def run_gate(
         holdout_rows: cap on holdout rows (0 = all); also caps the adaptation selection's query rows.
         adapt_k: support rows per holdout user when choosing the adaptation (first-k).
     """
-    from delivery.adapt_select import not_selected, select_recipe
+    from delivery.adapt_select import not_selected, select_or_configured
 
     problems = check_consistency(staging)
     if problems:
@@ -262,23 +263,16 @@ def run_gate(
 
     if not holdout:
         sel = not_selected(read_manifest(staging), "no holdout to validate on")
-        log.info("gate: no holdout; the configured adaptation ships", extra=kv(bundle=staging))
-        return GateReport(ok=True, adapt=sel.record(), adapt_summary=sel.summary())
+        return GateReport(ok=True, adapt=sel.record() if sel.configured else {}, adapt_summary=sel.summary())
     new = load_bundle(staging, verify=False)  # just verified above
     try:
         new_auc, rows = evaluate(new, holdout, holdout_rows)
-        if not new.manifest.adapt:
-            sel = not_selected(new.manifest, "the bundle carries no adaptation recipe")
-        else:
-            try:
-                sel = select_recipe(new, holdout, adapt_k, max_rows=holdout_rows)
-            except DeliveryError as exc:
-                log.warning("gate: adaptation not selected; the configured recipe ships",
-                            extra=kv(bundle=staging, reason=str(exc)))
-                sel = not_selected(new.manifest, str(exc))
+        sel = select_or_configured(new, holdout, adapt_k, holdout_rows)
     finally:
         new.close()
-    report = GateReport(ok=True, auc=new_auc, rows=rows, adapt=sel.record(), adapt_summary=sel.summary())
+    # a bundle without an adaptation recipe (exported before adaptation shipped) has nothing to choose
+    report = GateReport(ok=True, auc=new_auc, rows=rows, adapt=sel.record() if sel.configured else {},
+                        adapt_summary=sel.summary())
     if published is not None:
         pm = read_manifest(published)
         recorded = pm.gate

@@ -10,7 +10,10 @@ evaluated (streaming AUC over the real rows); the others are only scored.
 With ``support`` (labeled rows of the same schema), each task key's rows are
 scored after adapting on that task's support rows (grouped by the task key column,
 also when it is of kind ``key``, i.e. not a feature) (``ServingModel.adapt``:
-vectorized over tasks); tasks without support are scored by the base model.
+vectorized over tasks); tasks without support are scored by the base model. The
+adaptation is the bundle's served recipe (:mod:`delivery.adapt`): the one the deliver
+gate chose on its holdout (``gate.adapt.choice``), else the configured one; the result
+names it (``recipe``, ``recipe_from``).
 When more than ``warn_unknown`` of the looked-up ids are unknown to the bundle,
 a warning is logged (and printed by the CLI): the data is probably not from
 the model's domain.
@@ -67,6 +70,8 @@ class PredictResult:
         unknown_share: unknown_ids / looked_up_ids.
         warn_unknown: the share is above the warning threshold.
         adapted: rows were scored after per-task adaptation on ``--support``.
+        recipe: the adaptation applied (:attr:`delivery.adapt.Recipe.name`; '' without ``--support``).
+        recipe_from: ``gate`` (chosen on the deliver gate's holdout) or ``configured``.
     """
 
     bundle: str
@@ -79,6 +84,8 @@ class PredictResult:
     unknown_share: float = 0.0
     warn_unknown: bool = False
     adapted: bool = False
+    recipe: str = ""
+    recipe_from: str = ""
 
 
 def serving_schema(schema: Schema, files: list[Path], task_key: bool = False) -> Schema:
@@ -305,11 +312,14 @@ def predict_to_parquet(
         res = PredictResult(bundle=model.version, rows=rows, out=out, unknown_ids=model.unknown_ids,
                             labels=evaluated, auc={h: acc.value() for h, acc in accs.items()},
                             looked_up_ids=model.looked_up_ids, unknown_share=share,
-                            warn_unknown=share > warn_unknown, adapted=predictor is not None)
+                            warn_unknown=share > warn_unknown, adapted=predictor is not None,
+                            recipe=predictor.adapting.recipe.name if predictor is not None else "",
+                            recipe_from=predictor.adapting.recipe_from if predictor is not None else "")
     finally:
         model.close()
     if res.warn_unknown:
         log.warning("many ids unknown to the bundle", extra=kv(bundle=res.bundle, unknown=res.unknown_ids,
                                                                looked_up=res.looked_up_ids, share=round(share, 4)))
-    log.info("predicted", extra=kv(bundle=res.bundle, rows=rows, out=out, labels=",".join(evaluated) or "-"))
+    log.info("predicted", extra=kv(bundle=res.bundle, rows=rows, out=out, labels=",".join(evaluated) or "-",
+                                   recipe=res.recipe or "-", recipe_from=res.recipe_from or "-"))
     return res

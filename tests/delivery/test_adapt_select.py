@@ -155,6 +155,8 @@ def test_the_bundle_carries_the_choice_and_predict_support_applies_it(world, tmp
     chosen = predict_to_parquet(world["bundle"], qry, tmp_path / "chosen.parquet", support=sup)
     configured = predict_to_parquet(plain, qry, tmp_path / "conf.parquet", support=sup)
     assert chosen.adapted and chosen.rows > 200
+    assert (chosen.recipe, chosen.recipe_from) == (choice.name, "gate")
+    assert (configured.recipe, configured.recipe_from) == ("inner(1x0.1)", "configured")
     a = pq.read_table(tmp_path / "chosen.parquet").column("p_click").to_numpy()
     b = pq.read_table(tmp_path / "conf.parquet").column("p_click").to_numpy()
     assert np.abs(a - b).max() > 1e-3
