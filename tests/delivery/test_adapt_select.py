@@ -209,3 +209,22 @@ def test_a_holdout_without_episodes_ships_the_configured_recipe(world) -> None:
     assert report.ok and report.auc and report.adapt["selected"] is False
     assert "no validation episode" in report.adapt["reason"]
     assert report.record(str(world["holdout"]))["adapt"] == report.adapt
+
+
+def test_a_meta_io_holdout_is_validated_on_its_episodes(world, tmp_path) -> None:
+    """A Meta-IO meta-layout holdout gives its own episodes; a plain layout has none (named)."""
+    from meta_io.build import MetaIOBuildConfig, build
+    from meta_io.layout import Layout
+
+    schema = world["holdout"].parent / "schema.json"
+    meta = build(world["holdout"], schema, tmp_path / "meta", MetaIOBuildConfig(support=4, query=4, rows_per_batch=512)).out_dir
+    plain = build(world["holdout"], schema, tmp_path / "plain", MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=128)).out_dir
+    served = load_bundle(world["bundle"])
+    try:
+        sel = select_recipe(served, meta, K, max_rows=400)
+        assert sel.selected and sel.protocol == "episodes" and sel.k == 0 and sel.tasks > 20
+        assert next(s for s in sel.candidates if s.recipe == sel.chosen).mean_auc >= sel.base().mean_auc
+        with pytest.raises(DeliveryError, match="plain-layout Meta-IO holdout has no support/query episodes"):
+            select_recipe(served, plain, K)
+    finally:
+        served.close()
