@@ -5,6 +5,9 @@ The generator writes raw Parquet logs and a schema that the pipeline
 pipeline never imports it.
 """
 
-from meta_io.synth.generator import SCENES, GeneratedData, GeneratorConfig, generate, generator_schema
+from meta_io.synth.generator import (
+    HIDDEN_KNOBS, SCENES, WORLDS, GeneratedData, GeneratorConfig, generate, generator_schema, world_config,
+)
 
-__all__ = ["SCENES", "GeneratedData", "GeneratorConfig", "generate", "generator_schema"]
+__all__ = ["HIDDEN_KNOBS", "SCENES", "WORLDS", "GeneratedData", "GeneratorConfig", "generate", "generator_schema",
+           "world_config"]

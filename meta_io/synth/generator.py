@@ -17,8 +17,9 @@ Hidden model (per row r with user u, item i, scene s)::
     logit_click  = base_click[s] + item_bias(i) + pos_effect[position(r)]
                  + hour_effect[hour(r)] + 0.8 * <u_vec, i_vec> / sqrt(k)
                  + user_bias(u) + user_scene_bias(u, s)          <- personal
+                 + hidden_click(u) + hidden_scene(u, s)          <- hidden (default 0)
     p_cvr        = sigmoid(base_cvr[s] + item_cvr_bias(i) + 0.4 * <u_vec, i_vec>/sqrt(k)
-                           + 0.5 * user_bias(u))
+                           + 0.5 * user_bias(u) + hidden_cvr(u))
     p_click = sigmoid(logit_click);  p_conversion = p_click * p_cvr
     click ~ Bernoulli(p_click);  conversion = click AND Bernoulli(p_cvr)
 
@@ -28,9 +29,26 @@ so adapting to a user's support rows pays off, while the segment, item,
 scenario and context terms (about 70% of the logit variance) are learnable
 from the features of any row.
 
+Hidden per-task effects (``GeneratorConfig.hidden_user_effect_std``,
+``hidden_user_cvr_effect_std``, ``hidden_user_scene_effect_std``; all 0 by
+default): ``hidden_click(u) ~ N(0, hidden_user_effect_std^2)``,
+``hidden_cvr(u) ~ N(0, hidden_user_cvr_effect_std^2)`` and
+``hidden_scene(u, s) ~ N(0, hidden_user_scene_effect_std^2)`` (one per user
+and scenario: AntM2C's per-scenario cold start) are logit offsets drawn from
+a random stream of their own, independent of every other draw of the world,
+and no column depends on them: every feature column of a world with them is
+byte-identical to the same seed's world without them; only ``click``,
+``conversion``, ``p_click`` and ``p_conversion`` change. The one way to learn
+them is a user's own labels, which is what per-task adaptation is for (the
+personal terms above are mostly revealed by the bucketed user features, see
+``bench/quality_ceiling.py``). The draws are standard normals scaled by the
+std, so for one seed the offsets are proportional to it; with every std 0 the
+data are those of before the knobs existed, bit for bit.
+
 Memory: only per-user and per-item tables live in memory (about 250 bytes a
-user, 200 bytes an item). Rows are generated and written one row group at a
-time, so 10M rows need the same row memory as 100k.
+user plus 56 for the hidden-effect tables, 200 bytes an item). Rows are
+generated and written one row group at a time, so 10M rows need the same row
+memory as 100k.
 
 Example::
 
@@ -44,8 +62,9 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -72,6 +91,20 @@ TIME_START = 1_685_577_600  # 2023-06-01T00:00:00Z
 TIME_SPAN_S = 8 * 86_400
 ZIPF_SHIFT = 10.0  # Zipf-Mandelbrot shift: the head id holds ~2% of rows, not 20%
 
+HIDDEN_KNOBS = ("hidden_user_effect_std", "hidden_user_cvr_effect_std", "hidden_user_scene_effect_std")
+"""The :class:`GeneratorConfig` fields of the hidden per-task effects."""
+
+WORLDS: dict[str, dict[str, Any]] = {  # Any: replace(**) checks each field's type
+    "default": {},
+    "hidden": {"hidden_user_effect_std": 1.5, "hidden_user_cvr_effect_std": 0.75},
+}
+"""Named worlds: :class:`GeneratorConfig` fields set over the defaults (:func:`world_config`).
+
+``hidden``: per-user click / cvr logit offsets no feature reveals, std 1.5 / 0.75 (about the user_bias's
+0.8 / 0.4 scaled by 1.9). Chosen with ``python -m bench.quality_ceiling --quick --world hidden``: the Bayes
+ceiling's first-k (K = 8) click AUC gain is >= +0.03 on seeds 3, 4, 5 there (about +0.00 in ``default``).
+"""
+
 
 @dataclass(frozen=True)
 class GeneratorConfig:
@@ -93,6 +126,12 @@ class GeneratorConfig:
         image_dim: length of the ``image`` float vector.
         zipf_users / zipf_items: popularity exponents.
         cold_user_fraction: share of users that get only 1-5 rows each.
+        hidden_user_effect_std: std of a per-user click-logit offset that no
+            feature reveals (module docstring, "Hidden per-task effects"); 0: none.
+        hidden_user_cvr_effect_std: the same for the conversion (p_cvr) logit,
+            drawn independently of the click offset; 0: none.
+        hidden_user_scene_effect_std: std of a per-(user, scenario)
+            click-logit offset that no feature reveals; 0: none.
 
     Example::
 
@@ -117,6 +156,9 @@ class GeneratorConfig:
     zipf_users: float = 1.1
     zipf_items: float = 1.2
     cold_user_fraction: float = 0.3
+    hidden_user_effect_std: float = 0.0
+    hidden_user_cvr_effect_std: float = 0.0
+    hidden_user_scene_effect_std: float = 0.0
 
     @property
     def cold_users(self) -> int:
@@ -137,6 +179,10 @@ class GeneratorConfig:
             raise ValueError(f"zipf exponents must be > 0, got users={self.zipf_users} items={self.zipf_items}")
         if not 0.0 <= self.cold_user_fraction < 1.0:
             raise ValueError(f"cold_user_fraction must be in [0, 1), got {self.cold_user_fraction}")
+        for name in ("hidden_user_effect_std", "hidden_user_cvr_effect_std", "hidden_user_scene_effect_std"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
         if self.users - self.cold_users < 1:
             raise ValueError(f"cold_user_fraction={self.cold_user_fraction} leaves no warm users of {self.users}")
         need = 5 * self.cold_users + 1
@@ -146,6 +192,26 @@ class GeneratorConfig:
             )
         if self.rows < self.n_files:
             raise ValueError(f"rows={self.rows} must be >= n_files={self.n_files}")
+
+
+def world_config(cfg: GeneratorConfig, world: str) -> GeneratorConfig:
+    """``cfg`` with the fields of the named world (:data:`WORLDS`) set.
+
+    Args:
+        cfg: the base config (its own hidden-effect fields are replaced only where the world sets them).
+        world: a key of :data:`WORLDS`.
+
+    Raises:
+        ValueError: an unknown world.
+
+    Example::
+
+        >>> world_config(GeneratorConfig(), "hidden").hidden_user_effect_std
+        1.5
+    """
+    if world not in WORLDS:
+        raise ValueError(f"world: expected one of {', '.join(WORLDS)}, got {world!r}")
+    return replace(cfg, **WORLDS[world])
 
 
 @dataclass
@@ -159,8 +225,8 @@ class GeneratedData:
         rows: rows written.
         oracle_auc: label -> AUC of the true probability against the label.
         oracle_auc_global: label -> AUC of the true logit with the personal
-            (per-user) terms removed: what a model that cannot adapt to a user
-            can reach at best, roughly. ``oracle_auc - oracle_auc_global`` is
+            (per-user) terms, hidden ones included, removed: what a model that
+            cannot adapt to a user can reach at best, roughly. ``oracle_auc - oracle_auc_global`` is
             the headroom of per-user adaptation.
         scene_rows / scene_click_rate: per scenario id.
         elapsed_s, rows_per_s, peak_rss_mb: speed and memory of the run.
@@ -402,6 +468,14 @@ class _World:
         self.base_click = _logit(SCENE_BASE_CLICK)
         self.base_cvr = _logit(SCENE_BASE_CVR)
 
+        # Hidden per-task effects: a stream of their own (the draws above, and so
+        # every feature, are the same with or without them); scaled standard normals.
+        hrng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x48494445]))  # "HIDE"
+        z_click, z_cvr, z_scene = hrng.normal(size=U), hrng.normal(size=U), hrng.normal(size=(U, len(SCENES)))
+        self.hidden_click = cfg.hidden_user_effect_std * z_click
+        self.hidden_cvr = cfg.hidden_user_cvr_effect_std * z_cvr
+        self.hidden_scene = cfg.hidden_user_scene_effect_std * z_scene
+
 
 def _lists(table: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> pa.ListArray:
     """ListArray of ``table[rows, :lengths[rows]]`` without a per-row loop."""
@@ -456,8 +530,15 @@ def _chunk(
     personal = world.user_bias[user] + world.user_scene_bias[user, scene]
     glob = world.base_click[scene] + world.item_bias[item] + world.pos_effect[position] + world.hour_effect[hour]
     logit_click = glob + 0.8 * inter_full + personal
-    logit_click_global = glob + 0.8 * inter_glob
     logit_cvr = world.base_cvr[scene] + world.item_cvr_bias[item] + 0.4 * inter_full + 0.5 * world.user_bias[user]
+    # Hidden effects: added only where configured (x + 0.0 == x, but skipping keeps the default obviously unchanged).
+    if cfg.hidden_user_effect_std > 0:
+        logit_click = logit_click + world.hidden_click[user]
+    if cfg.hidden_user_scene_effect_std > 0:
+        logit_click = logit_click + world.hidden_scene[user, scene]
+    if cfg.hidden_user_cvr_effect_std > 0:
+        logit_cvr = logit_cvr + world.hidden_cvr[user]
+    logit_click_global = glob + 0.8 * inter_glob
     logit_cvr_global = world.base_cvr[scene] + world.item_cvr_bias[item] + 0.4 * inter_glob
     p_click = _sigmoid(logit_click)
     p_cvr = _sigmoid(logit_cvr)

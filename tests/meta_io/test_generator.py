@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -165,6 +166,8 @@ def test_rerun_replaces_old_parts(tmp_path: Path) -> None:
         ({"cold_user_fraction": 1.0}, "cold_user_fraction must be in"),
         ({"zipf_users": 0.0}, "zipf exponents must be > 0"),
         ({"n_dense": -1}, "n_dense must be >= 0"),
+        ({"hidden_user_effect_std": -0.1}, "hidden_user_effect_std must be a finite number >= 0, got -0.1"),
+        ({"hidden_user_scene_effect_std": float("nan")}, "hidden_user_scene_effect_std must be a finite number >= 0"),
     ],
 )
 def test_config_validation(change: dict, message: str, tmp_path: Path) -> None:
@@ -204,3 +207,98 @@ def test_adapting_on_eight_support_rows_pays_off() -> None:
     oracle = auc(y[query], st["p_click"][order][query])
     assert after - before > 0.02, (before, after)
     assert before > 0.7 and after < oracle
+
+
+# -- hidden per-task effects (issue 29) ------------------------------------------------------------
+
+HIDDEN: dict[str, Any] = {"hidden_user_effect_std": 1.0, "hidden_user_cvr_effect_std": 0.5, "hidden_user_scene_effect_std": 0.7}
+LABEL_COLUMNS = {"click", "conversion", "p_click", "p_conversion"}
+
+
+def _digest(table: pa.Table) -> str:
+    """sha256 of every column's values (list columns: lengths and flattened values), in column order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in table.column_names:
+        c = table.column(name).combine_chunks()
+        h.update(name.encode())
+        if pa.types.is_list(c.type):
+            h.update(np.asarray(pa.compute.list_value_length(c)).tobytes())
+            h.update(np.asarray(pa.compute.list_flatten(c)).tobytes())
+        else:
+            h.update(np.asarray(c).tobytes())
+    return h.hexdigest()
+
+
+def test_default_world_is_the_world_of_before_the_hidden_knobs(tmp_path: Path) -> None:
+    """Bit for bit: the digest of SMALL's rows recorded with the generator before the hidden-effect knobs
+    existed (commit 13df852), and the same oracle AUCs."""
+    data = generate(tmp_path, SMALL, progress=False)
+    assert _digest(_read_all(data)) == "27a7e24bffb18b52510608603831249f6c207241f322cbd7e7eaff27453353c1"
+    assert data.oracle_auc == {"click": 0.8494320732692826, "conversion": 0.920538263942314}
+    assert data.oracle_auc_global == {"click": 0.752808768070396, "conversion": 0.840750544392432}
+
+
+def test_hidden_effects_move_only_the_labels_by_the_documented_offsets(tmp_path: Path) -> None:
+    """Every feature column of the hidden world is the default world's (no feature can reveal the
+    offsets); the true logits differ by exactly hidden_click(u) + hidden_scene(u, s) (click) and
+    hidden_cvr(u) (p_cvr = p_conversion / p_click)."""
+    from meta_io.synth.generator import _World
+
+    cfg = dataclasses.replace(SMALL, **HIDDEN)
+    base = _read_all(generate(tmp_path / "a", SMALL, progress=False))
+    hid = _read_all(generate(tmp_path / "b", cfg, progress=False))
+    for name in base.column_names:
+        if name not in LABEL_COLUMNS:
+            assert base.column(name).equals(hid.column(name)), name
+    assert not base.column("click").equals(hid.column("click"))
+    world = _World(cfg)
+    user, scene = base.column("user_id").to_numpy(), base.column("scene").to_numpy()
+    p0, p1 = (t.column("p_click").to_numpy().astype(np.float64) for t in (base, hid))
+    v0, v1 = (t.column("p_conversion").to_numpy().astype(np.float64) / p for t, p in ((base, p0), (hid, p1)))
+    logit = lambda p: np.log(p / (1 - p))  # noqa: E731
+    ok = (np.minimum(p0, p1) > 1e-5) & (np.maximum(p0, p1) < 0.999) & (np.maximum(v0, v1) < 0.999)
+    assert ok.mean() > 0.95
+    want_click = world.hidden_click[user] + world.hidden_scene[user, scene]
+    np.testing.assert_allclose((logit(p1) - logit(p0))[ok], want_click[ok], atol=2e-3)
+    np.testing.assert_allclose((logit(v1) - logit(v0))[ok], world.hidden_cvr[user][ok], atol=2e-3)
+    assert np.abs(want_click).max() > 0.5 and np.abs(world.hidden_cvr[user]).max() > 0.3  # not vacuous
+
+
+def test_hidden_offsets_have_the_configured_std_and_are_independent_of_the_features() -> None:
+    """One offset per user (per user and scene), std as configured, proportional to it for one seed,
+    uncorrelated with every user feature and personal term; std 0 gives zeros."""
+    from meta_io.synth.generator import _World
+
+    cfg = GeneratorConfig(rows=40_000, users=4_000, items=200, seed=5)
+    stds: dict[str, Any] = {"hidden_user_effect_std": 1.5, "hidden_user_cvr_effect_std": 0.75,
+                            "hidden_user_scene_effect_std": 0.5}
+    w = _World(dataclasses.replace(cfg, **stds))
+    half = _World(dataclasses.replace(cfg, **{k: v / 2 for k, v in stds.items()}))
+    zero = _World(cfg)
+    for attr, knob, shape in (("hidden_click", "hidden_user_effect_std", (4000,)),
+                              ("hidden_cvr", "hidden_user_cvr_effect_std", (4000,)),
+                              ("hidden_scene", "hidden_user_scene_effect_std", (4000, len(SCENES)))):
+        x = getattr(w, attr)
+        assert x.shape == shape, attr
+        assert abs(x.std() / stds[knob] - 1.0) < 0.05 and abs(x.mean()) < 4 * stds[knob] / np.sqrt(x.size), attr
+        np.testing.assert_allclose(getattr(half, attr), x / 2, rtol=1e-12)
+        assert not getattr(zero, attr).any(), attr
+    visible = np.column_stack([w.user_feats, w.user_bias, w.user_scene_bias, w.user_vec, w.user_activity])
+    offsets = np.column_stack([w.hidden_click, w.hidden_cvr, w.hidden_scene])
+    corr = np.corrcoef(np.column_stack([visible, offsets]), rowvar=False)[: visible.shape[1], visible.shape[1]:]
+    assert np.abs(corr).max() < 4.5 / np.sqrt(4000), np.abs(corr).max()  # ~0.071: 4.5 sd of a null correlation
+    # the hidden stream is the offsets' own: the world's visible tables are the default world's
+    assert np.array_equal(zero.user_feats, w.user_feats) and np.array_equal(zero.user_bias, w.user_bias)
+
+
+def test_named_worlds() -> None:
+    from meta_io.synth import HIDDEN_KNOBS, WORLDS, world_config
+
+    assert world_config(SMALL, "default") == SMALL
+    hid = world_config(SMALL, "hidden")
+    assert hid == dataclasses.replace(SMALL, **WORLDS["hidden"])
+    assert hid.hidden_user_effect_std > 0 and set(WORLDS["hidden"]) <= set(HIDDEN_KNOBS)
+    with pytest.raises(ValueError, match="world: expected one of default, hidden, got 'bogus'"):
+        world_config(SMALL, "bogus")
