@@ -85,7 +85,7 @@ import numpy as np
 
 from metaps.core.hashing import vshard_of
 from metaps.core.log import kv
-from ps.embedding_table import TableRows
+from ps.rows import TableRows
 from metaps.core.atomic_write import write_text_atomic
 from ps.errors import BadRequest, CheckpointError, CheckpointNoSpace, CheckpointNotFound, CheckpointWriteError
 

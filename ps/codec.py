@@ -29,7 +29,7 @@ from ps import wire
 from ps.gate import bad
 
 if TYPE_CHECKING:
-    from ps.embedding_table import TableRows
+    from ps.rows import TableRows
 
 
 _ROW_FIELDS = ("ids", "weights", "freq", "last_step")
@@ -61,7 +61,7 @@ def rows_from_chunk(chunk: ps_pb2.RowsChunk) -> TableRows:
     Args:
         chunk: one message of :func:`rows_to_chunks`.
     """
-    from ps.embedding_table import TableRows as Rows
+    from ps.rows import TableRows as Rows
 
     fields: dict[str, np.ndarray] = {}
     for a in chunk.arrays:
