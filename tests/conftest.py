@@ -13,6 +13,10 @@ orders work: a module missing from it (or a stale entry) still runs, only later.
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,3 +105,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     for name, tail in _log_tails(tmp):
         rep.sections.append((f"process output: {name} (last {MAX_CHARS} chars)", tail))
+
+
+CPU_LOG = os.environ.get("METAPS_TEST_CPU_LOG", "")
+"""Where the suite's CPU goes: with ``METAPS_TEST_CPU_LOG=FILE`` every test appends one JSON line
+(nodeid, wall s, CPU s of the pytest process and of its reaped child processes; a module's fixtures
+count in its first test). ``python -m tests.cpu_report FILE`` sums them per module (docs/testing.md)."""
+
+
+def _cpu() -> tuple[float, float]:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not CPU_LOG:
+        yield
+        return
+    t0, (s0, c0) = time.monotonic(), _cpu()
+    yield
+    t1, (s1, c1) = time.monotonic(), _cpu()
+    line = json.dumps({"nodeid": item.nodeid, "wall": round(t1 - t0, 3), "self": round(s1 - s0, 3),
+                       "children": round(c1 - c0, 3)})
+    with open(CPU_LOG, "a") as f:  # one short line per write: O_APPEND keeps the xdist workers' lines whole
+        f.write(line + "\n")
