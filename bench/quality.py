@@ -3,7 +3,8 @@
 Run::
 
     python -m bench.quality [--quick] [--rows N] [--kinds dnn,deepfm,dcnv2,esmm]
-    python -m bench.quality --smoke [--cold-only]   # 4k rows, 1 epoch (1 seed, inner steps 1,2); figures meaningless
+    python -m bench.quality --smoke [--cold-only]   # 4k rows, 1 epoch (1 seed, inner steps 1,2; baselines: 3 L2
+                                                    # values, 50 L-BFGS iterations); figures meaningless
 
 Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
 60-64 rows a user on average), whose true probabilities give every figure a ceiling:
@@ -43,6 +44,17 @@ Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
    (``--cold-only``) sets ``[meta] offset_steps`` / ``offset_prior`` (a per-task logit offset per head,
    fitted by Newton on the support after the inner steps) for the meta trainings and the plain
    model's fine-tuning alike; both are recorded in the JSON.
+
+4. **Standard baselines** (``--cold-only`` with ``--first-k``; ``--baselines off`` skips them): per
+   seed, logistic regression (one-hot ids, pooled id lists, dense; L2 chosen on the validation users)
+   and, where the ``lightgbm`` package is installed, LightGBM on target/count encodings (else
+   ``"lightgbm": "not installed"``) train on the training users' rows (``bench.quality_baselines``).
+   Per K, under first-k on the same scored rows: base and + a per-task Bayesian logit offset fitted
+   on the K support rows (prior strength ``--baseline-offset-prior``, default 4) for each baseline
+   and for the plain and the chosen meta model, beside plain + ft, meta adapted and the oracle
+   (``first_k_by_k[k]["baselines"]``, AUC and logloss per head). ``goals``: adapted >= the best of
+   (plain, logistic regression, LightGBM) + offset, per head and seed, with the margin. The Bayes
+   ceiling of the same rows comes from ``python -m bench.quality_ceiling``, not from this bench.
 
 The same run measures everything; the last line printed is a JSON object.
 """
@@ -129,7 +141,8 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                      learn: str, inner_lr: float, first_k: int | list[int] = 0, emb_list: tuple[bool, ...] = (False,),
                      emb_cold_weight: float = 0.5, emb_labels: bool = False,
                      support_loss_weight: float = 0.0, inner_loss_reduction: str = "mean",
-                     offset_steps: int = 0, offset_prior: float = 16.0) -> dict[str, Any]:
+                     offset_steps: int = 0, offset_prior: float = 16.0, baselines: bool = False,
+                     baseline_prior: float = 4.0, smoke: bool = False) -> dict[str, Any]:
     """One seed of the inner-loop study: the variant (inner steps x MetaEmb off/on) chosen on
     validation users, held-out users reported (and, with ``first_k``, every variant under first-k).
 
@@ -144,6 +157,11 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
         offset_steps: ``[meta] offset_steps`` (the per-task Newton logit offset) of the meta trainings
             and of the plain model's fine-tuning alike (0: off, no key added).
         offset_prior: ``[meta] offset_prior`` (with ``offset_steps``).
+        baselines: with ``first_k``, also train the standard baselines (``bench.quality_baselines``) and
+            score them, the plain model and the chosen meta model, each + a per-task offset, per K
+            (``first_k_by_k[k]["baselines"]``).
+        baseline_prior: the per-task offset's prior strength lambda.
+        smoke: the baselines' smoke sizes (figures meaningless).
     """
     ks = [k for k in ([first_k] if isinstance(first_k, int) else list(first_k)) if k]
     from meta_io.build import MetaIOBuildConfig, build
@@ -228,6 +246,8 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                           f"{m_fk['adapted'][head]['auc']:.4f} plain {p_fk['base'][head]['auc']:.4f} plain+ft "
                           f"{p_fk['adapted'][head]['auc']:.4f}")
             res["first_k_by_k"][k] = entry
+        if baselines:
+            first_k_baselines(res, ks, pw, workers[chosen_key], vsplit, split.holdout_dir, schema, baseline_prior, smoke)
         first = res["first_k_by_k"][ks[0]]  # the keys of a single --first-k, as before
         res["first_k"] = {"k": ks[0], "meta": first["meta"], "plain": first["plain"]}
         for head in ("click", "conversion"):
@@ -240,6 +260,47 @@ def cold_start_sweep(gen: Any, tmp: Path, seed: int, epochs: int, fraction: floa
                   f"{held['adapted'][head]['auc']:.4f} plain {plain['base'][head]['auc']:.4f} plain+ft "
                   f"{plain['adapted'][head]['auc']:.4f}")
     return res
+
+
+def first_k_baselines(res: dict[str, Any], ks: list[int], pw: Any, mw: Any, vsplit: Any, holdout_dir: Path,
+                      schema: Any, prior: float, smoke: bool) -> None:
+    """Train the standard baselines on the training users and score every arm + a per-task offset
+    under first-k, per K: ``res["first_k_by_k"][k]["baselines"]`` (``bench.quality_baselines``).
+
+    Args:
+        res: one seed's result with ``first_k_by_k[k]["meta"/"plain"]`` filled.
+        ks: the K values.
+        pw / mw: the plain worker and the chosen meta variant's worker.
+        vsplit: the training / validation user split (baselines train on its train users, tune on the others).
+        holdout_dir: the held-out users' rows.
+        schema: the data's schema.
+        prior: the offset's lambda.
+        smoke: the baselines' smoke sizes.
+    """
+    from bench.quality_baselines import compare_entry, model_logits, score_first_k, train_baselines
+    from models.losses import heads_for_schema
+    from workers.eval_protocols import protocol_batches
+
+    heads = [h.name for h in heads_for_schema(schema)]
+    _progress(f"  baselines: logistic regression{'' if smoke else ' (L2 on validation users)'}, LightGBM where installed")
+    bl = train_baselines(vsplit.train_dir, vsplit.holdout_dir, schema, heads, smoke)
+    res["baselines"] = bl.info
+    for w in (pw, mw):
+        w.trainer.refresh_dense()
+    sources = {"metaps_plain": model_logits(pw.model, pw.rows), "metaps_meta": model_logits(mw.model, mw.rows),
+               **bl.sources}
+    for k in ks:
+        batches = list(protocol_batches("first-k", holdout_dir, schema, k=k))
+        scored = {name: score_first_k(batches, src, heads, prior) for name, src in sources.items()}
+        e = res["first_k_by_k"][k]
+        e["baselines"] = compare_entry(e["meta"], e["plain"], scored, bl.info, heads, prior)
+        for h in heads:
+            g = e["baselines"]["goal"][h]
+            arms = " ".join(f"{n} {e['baselines'][h][n]['base']['auc']:.4f}->{e['baselines'][h][n]['offset']['auc']:.4f}"
+                            for n in ("metaps_plain", "metaps_meta", "logreg", "lightgbm")
+                            if isinstance(e["baselines"][h][n], dict))
+            _progress(f"      first-k (k={k}) {h} base->offset: {arms}; adapted {g['adapted']:.4f} vs {g['best']} "
+                      f"{g['best_auc']:.4f} ({g['margin']:+.4f})")
 
 
 def cold_sizes(quick: bool, rows: int = 0) -> tuple[int, int, int, float]:
@@ -403,7 +464,8 @@ def main_inner(args: argparse.Namespace) -> int:
     ks = parse_first_k(args.first_k)
     out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight,
                            "offset_steps": args.offset_steps, "offset_prior": args.offset_prior,
-                           "inner_loss_reduction": args.inner_loss_reduction, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
+                           "inner_loss_reduction": args.inner_loss_reduction, "baselines": args.baselines,
+                           "baseline_offset_prior": args.baseline_offset_prior, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
                            "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
                            "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
                            "meta_emb_labels": args.meta_emb_labels,
@@ -418,10 +480,15 @@ def main_inner(args: argparse.Namespace) -> int:
                                                      args.learn_inner_lr, args.inner_lr, ks,
                                                      emb_list, args.meta_emb_cold_weight, args.meta_emb_labels,
                                                      args.support_loss_weight, args.inner_loss_reduction,
-                                                     args.offset_steps, args.offset_prior)
+                                                     args.offset_steps, args.offset_prior,
+                                                     args.baselines == "on", args.baseline_offset_prior, args.smoke)
     per = list(out["per_seed"].values())
     if ks:
         out["first_k_by_k"] = first_k_summary(per, ks)
+    if ks and args.baselines == "on":
+        from bench.quality_baselines import baseline_goals
+
+        out["goals"] = baseline_goals(out["per_seed"], ks)
     if ks:  # each variant's first-k gains over seeds (side by side, same data)
         out["first_k_per_variant"] = {
             key: {f"{head}_{what}": _spread([_fk_gain(r["runs"][key]["first_k"], head, what) for r in per])
@@ -468,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="--cold-only: [meta] offset_steps (Newton iterations of a per-task logit offset) of the "
                          "meta trainings and the plain model's fine-tuning (0: off)")
     ap.add_argument("--offset-prior", type=float, default=16.0, help="--cold-only: [meta] offset_prior (lambda > 0)")
+    ap.add_argument("--baselines", choices=("on", "off"), default="on",
+                    help="--cold-only with --first-k: train logistic regression and (where installed) LightGBM on the "
+                         "same rows and score them, the plain and the meta model, each + a per-task offset")
+    ap.add_argument("--baseline-offset-prior", type=float, default=4.0,
+                    help="--cold-only: prior strength lambda of the baselines' per-task logit offset")
     ap.add_argument("--meta-emb", default="off", choices=("off", "on", "both"),
                     help="MetaEmb cold user-id rows ([meta] meta_emb on the user table): off, on, or both side by side")
     ap.add_argument("--meta-emb-cold-weight", type=float, default=0.5, help="[meta] meta_emb_cold_weight")
