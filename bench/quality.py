@@ -282,7 +282,7 @@ def first_k_baselines(res: dict[str, Any], ks: list[int], pw: Any, mw: Any, vspl
     from workers.eval_protocols import protocol_batches
 
     heads = [h.name for h in heads_for_schema(schema)]
-    _progress(f"  baselines: logistic regression{'' if smoke else ' (L2 on validation users)'}, LightGBM where installed")
+    _progress("  baselines: logistic regression (L2 on validation users), LightGBM where installed")
     bl = train_baselines(vsplit.train_dir, vsplit.holdout_dir, schema, heads, smoke)
     res["baselines"] = bl.info
     for w in (pw, mw):
