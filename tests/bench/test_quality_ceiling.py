@@ -55,13 +55,19 @@ def _sig(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
 
-def test_predictive_weights_match_brute_force() -> None:
+@pytest.mark.parametrize("hidden", [False, True], ids=["no-hidden", "hidden-offsets"])
+def test_predictive_weights_match_brute_force(hidden: bool) -> None:
+    """(``hidden``: with the hidden per-user click / cvr logit offsets of a hidden-effects world.)"""
     rng = np.random.default_rng(0)
     rows = _rows(rng, users=3, per_user=5)
     rows = _draw_labels(rows, np.full(15, 0.5), np.full(15, 0.5), rng)
     m = 6
     s = Samples(bias=rng.normal(size=(3, m)), scene_bias=rng.normal(size=(3, m, 5)),
-                personal=rng.normal(size=(3, m, 8)), log_w=rng.normal(size=(3, m)))
+                personal=rng.normal(size=(3, m, 8)), log_w=rng.normal(size=(3, m)),
+                click_offset=rng.normal(size=(3, m)) if hidden else None,
+                cvr_offset=rng.normal(size=(3, m)) if hidden else None)
+    off_click = s.click_offset if s.click_offset is not None else np.zeros((3, m))
+    off_cvr = s.cvr_offset if s.cvr_offset is not None else np.zeros((3, m))
     ks = [1, 3]
     got = predictive(rows, s, ks, budget=10)  # a small budget: several chunks of users
     for r in range(15):
@@ -70,8 +76,9 @@ def test_predictive_weights_match_brute_force() -> None:
         for j in range(m):
             def logits(i: int) -> tuple[float, float]:
                 inter = float(sum(s.personal[u, j, d] * rows.item_vec[i, d] for d in range(8)))
-                lc = rows.g_click[i] + CLICK_INTER * inter + s.bias[u, j] + s.scene_bias[u, j, rows.scene[i]]
-                return lc, rows.g_cvr[i] + CVR_INTER * inter + CVR_BIAS * s.bias[u, j]
+                lc = rows.g_click[i] + CLICK_INTER * inter + s.bias[u, j] + s.scene_bias[u, j, rows.scene[i]] \
+                    + off_click[u, j]
+                return lc, rows.g_cvr[i] + CVR_INTER * inter + CVR_BIAS * s.bias[u, j] + off_cvr[u, j]
             lc, lv = logits(r)
             pc.append(_sig(lc))
             pconv.append(_sig(lc) * _sig(lv))
@@ -230,6 +237,7 @@ def test_interest_evidence_is_the_users_list_and_weights_only_consistent_draws()
         assert set(np.flatnonzero(ev.interests[i]).tolist()) == want, u
 
     def consistent(personal: np.ndarray) -> np.ndarray:  # [T, M, k] -> [T, M]
+        assert ev.cluster_center is not None and ev.interests is not None
         aff = (ev.seg_vec @ ev.cluster_center.T)[:, None, :] + personal @ ev.cluster_center.T
         inside = ev.interests[:, None, :]
         return np.where(inside, aff, np.inf).min(axis=2) > np.where(inside, -np.inf, aff).max(axis=2)
@@ -271,3 +279,51 @@ def test_an_unknown_condition_is_refused_before_any_work(tmp_path: Path) -> None
     """(No data, no world: the check comes first.)"""
     with pytest.raises(CeilingError, match="condition: expected one of buckets, buckets\\+interests, none"):
         ceiling_for_split(None, tmp_path / "missing", tmp_path / "missing.json", [8], 2000, 0, condition="bogus")
+
+
+# -- the hidden-effects world (issue 29) ------------------------------------------------------------
+
+
+def test_prior_of_a_config_and_hidden_draws() -> None:
+    """The prior knows the config's hidden stds; the sampler draws the per-user offsets with them (and the
+    per-(user, scene) one inside ``scene_bias``), after every other draw: a prior with only per-user hidden
+    offsets draws the other terms bit for bit as a prior without them."""
+    from meta_io.synth import GeneratorConfig
+
+    cfg = GeneratorConfig(hidden_user_effect_std=1.5, hidden_user_cvr_effect_std=0.75, hidden_user_scene_effect_std=0.3)
+    prior = Prior.of_config(cfg)
+    assert prior == Prior(hidden_click_std=1.5, hidden_cvr_std=0.75, hidden_scene_std=0.3)
+    assert Prior.of_config(GeneratorConfig()) == Prior()
+    _, _, ev, _, _ = _bias_only_case(np.random.default_rng(12), 40, 2)
+    m = 4000
+    plain = sample_personal(ev, Prior(), 5, m, np.random.default_rng(13))
+    assert plain.click_offset is None and plain.cvr_offset is None
+    per_user = sample_personal(ev, dataclasses.replace(prior, hidden_scene_std=0.0), 5, m, np.random.default_rng(13))
+    for name in ("bias", "scene_bias", "personal", "log_w"):
+        assert np.array_equal(getattr(per_user, name), getattr(plain, name)), name
+    full = sample_personal(ev, prior, 5, m, np.random.default_rng(13))
+    assert full.click_offset is not None and full.cvr_offset is not None
+    n = 40 * m
+    for x, want in ((full.click_offset, 1.5), (full.cvr_offset, 0.75), (full.scene_bias, math.hypot(0.4, 0.3))):
+        assert abs(float(x.std()) / want - 1.0) < 0.02 and abs(float(x.mean())) < 5 * want / math.sqrt(n)
+
+
+def test_the_ceiling_gain_grows_with_the_hidden_std(tmp_path: Path) -> None:
+    """Tiny generated data split as bench.quality splits it (seed 7, 19 held-out users, K = 6): the world's
+    hidden per-user offsets are reconstructed exactly (the file's true probabilities), and the click gain
+    grows with their std: about 0 without (-0.003), +0.024 at std 1, +0.20 at 2.5 (1000 draws); a posterior
+    whose prior ignores them (issue 16's Prior()) gains much less there (+0.09)."""
+    from meta_io.synth import generate
+
+    gains = []
+    for std in (0.0, 1.0, 2.5):
+        cfg = dataclasses.replace(cold_generator_config(3000, 60, 80, 7), hidden_user_effect_std=std,
+                                  hidden_user_cvr_effect_std=std / 2)
+        gen = generate(tmp_path / f"raw{std}", cfg, progress=False)
+        split = cold_split(gen, tmp_path / f"s{std}", 7, 0.25)
+        res = ceiling_for_split(cfg, split.holdout_dir, split.schema_path, [6], 1000, 0, relabel=2)
+        assert res["reconstruction_max_abs_err"] < 1e-6
+        gains.append(res["by_k"][6]["click"]["ceiling_gain"])
+    assert abs(gains[0]) < 0.01 and gains[0] < gains[1] - 0.01 and gains[1] < gains[2] - 0.1, gains
+    blind = ceiling_for_split(cfg, split.holdout_dir, split.schema_path, [6], 1000, 0, prior=Prior(), relabel=2)
+    assert blind["by_k"][6]["click"]["ceiling_gain"] < gains[2] - 0.05, (blind["by_k"][6]["click"], gains)
