@@ -22,6 +22,17 @@ from pathlib import Path
 
 import pytest
 
+SINGLE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""One math thread per process, for this process and every process a test starts (unless the
+caller set them). ``make test`` runs two xdist workers on two cores, each starting fleets of
+processes: a box far more oversubscribed than any deployment. There, OpenMP's second thread
+spin-waits for a descheduled first one and burns CPU doing nothing: ``metaps deliver`` with its
+gate took 25 CPU-s at the default 2 threads and 8.5 at 1, the README chain 185 against 137
+(2 Dec 2026, load ~8). Fleet workers and PS shards already run one thread (``[train] threads``,
+the PS role); this covers the CLIs, the benches' smoke runs and the in-process tests."""
+for _name in SINGLE_THREAD:
+    os.environ.setdefault(_name, "1")
+
 HEAVY_FIRST = (
     "tests/test_readme.py",
     "tests/bench/test_bench_smoke_fleets.py",

@@ -139,7 +139,7 @@ def _deliver(args: argparse.Namespace) -> int:
 def _outcome_dict(o: Any) -> dict[str, Any]:
     """One delivery's result as plain data (``--json``)."""
     return {"status": o.status.value, "version": o.version, "kind": o.kind, "checkpoint": str(o.checkpoint),
-            "auc": o.gate.auc if o.gate else {}, "reason": o.reason}
+            "auc": o.gate.auc if o.gate else {}, "adapt": o.gate.adapt if o.gate else {}, "reason": o.reason}
 
 
 def _auc_text(auc: Mapping[str, Any]) -> str:
@@ -152,7 +152,9 @@ def _outcome_line(o: Any) -> str:
     ckpt = Path(str(o.checkpoint)).name
     if o.status.value == "published":
         auc = _auc_text(o.gate.auc) if o.gate else ""
-        return f"published {o.version} ({o.kind}) from {ckpt}" + (f"; holdout AUC {auc}" if auc else "")
+        line = f"published {o.version} ({o.kind}) from {ckpt}" + (f"; holdout AUC {auc}" if auc else "")
+        summary = getattr(o.gate, "adapt_summary", "") if o.gate else ""
+        return line + (f"; {summary}" if summary else "")
     if o.status.value == "up_to_date":
         return f"up to date: {ckpt} is already published"
     return f"{o.status.value}: {o.version or '-'} from {ckpt}" + (f" ({o.reason})" if o.reason else "")

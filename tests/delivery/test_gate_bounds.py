@@ -143,7 +143,8 @@ def test_the_record_written_into_the_manifest(setup: _Setup) -> None:
     report = setup.gate(0.01)
     assert report.ok
     assert report.record(str(setup.holdout)) == {"gated": True, "holdout": str(setup.holdout), "rows": setup.rows,
-                                                 "auc": setup.auc, "published_auc": published}
+                                                 "auc": setup.auc, "published_auc": published, "adapt": report.adapt}
+    assert report.adapt["selected"] is False  # no timestamp in this schema: no first-k episodes, the configured recipe ships
 
 
 def test_defaults_are_consistency_only_and_a_drop_of_one_hundredth(setup: _Setup) -> None:
