@@ -462,6 +462,8 @@ def main_inner(args: argparse.Namespace) -> int:
     seeds = [int(x) for x in (args.seeds or ("3" if args.smoke else "3,4,5")).split(",") if x]
     emb_list = {"off": (False,), "on": (True,), "both": (False, True)}[args.meta_emb]
     ks = parse_first_k(args.first_k)
+    if args.baselines == "on" and not args.baseline_offset_prior > 0:
+        raise SystemExit(f"--baseline-offset-prior: expected lambda > 0, got {args.baseline_offset_prior}")
     out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight,
                            "offset_steps": args.offset_steps, "offset_prior": args.offset_prior,
                            "inner_loss_reduction": args.inner_loss_reduction, "baselines": args.baselines,

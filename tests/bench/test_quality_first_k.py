@@ -1,5 +1,5 @@
-"""bench.quality's --first-k list: parsing, and the per-K summary over seeds (pure functions;
-the first-k layout itself is tested row by row in tests/workers)."""
+"""bench.quality's --first-k list and --baseline-offset-prior: parsing, and the per-K summary over
+seeds (pure functions; the first-k layout itself is tested row by row in tests/workers)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,8 @@ def test_first_k_summary_spreads_and_goals_per_k() -> None:
 def test_bad_first_k_flag_fails_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="--first-k"):
         main(["--quick", "--cold-only", "--seeds", "3", "--first-k", "8,x"])
+
+
+def test_bad_baseline_prior_fails_before_any_work() -> None:
+    with pytest.raises(SystemExit, match="--baseline-offset-prior: expected lambda > 0, got 0.0"):
+        main(["--quick", "--cold-only", "--seeds", "3", "--baseline-offset-prior", "0"])
