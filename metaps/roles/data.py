@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metaps.core.config import from_mapping
+from metaps.core.errors import ConfigError
 from metaps.roles.output import emit, summary_replaces, wants_json
 
 if TYPE_CHECKING:
@@ -38,6 +39,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--items", type=int, default=5_000, help="distinct items")
     g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same data)")
     g.add_argument("--files", type=int, default=None, help="Parquet files to write (default: generator's)")
+    g.add_argument("--world", default="default", metavar="NAME",
+                   help="named world (meta_io.synth.WORLDS): default, or hidden (per-user click/cvr logit "
+                        "offsets that no feature reveals: what only adaptation can learn)")
+    g.add_argument("--hidden-user-effect-std", type=float, default=None, metavar="STD",
+                   help="per-user click logit offset no feature reveals (overrides the world's)")
+    g.add_argument("--hidden-user-cvr-effect-std", type=float, default=None, metavar="STD",
+                   help="per-user conversion logit offset no feature reveals (overrides the world's)")
+    g.add_argument("--hidden-user-scene-effect-std", type=float, default=None, metavar="STD",
+                   help="per-(user, scenario) click logit offset no feature reveals (overrides the world's)")
     g.set_defaults(func=_gen_data)
 
     m = subparsers.add_parser("meta-io", help="build and inspect Meta-IO datasets")
@@ -131,7 +141,8 @@ def _split_holdout(args: argparse.Namespace) -> int:
 
 
 def generate_data(out: str | Path, rows: int, users: int, items: int, seed: int = 0,
-                  files: int | None = None, where: str = "gen-data arguments") -> "GeneratedData":
+                  files: int | None = None, where: str = "gen-data arguments", world: str = "default",
+                  hidden: Mapping[str, float | None] | None = None) -> "GeneratedData":
     """Generate AntM2C-like logs: what ``metaps gen-data`` runs.
 
     Args:
@@ -140,22 +151,31 @@ def generate_data(out: str | Path, rows: int, users: int, items: int, seed: int 
         seed: random seed (same seed, same data).
         files: Parquet files to write (None: the generator's default).
         where: how a bad value's error names these arguments.
+        world: a named world of :data:`meta_io.synth.WORLDS` (``hidden``: effects only adaptation can learn).
+        hidden: ``GeneratorConfig`` hidden-effect fields (``hidden_user_effect_std``, ...) set over the
+            world's; None values are left as the world sets them.
 
     Returns:
         the generator's :class:`meta_io.synth.GeneratedData`.
     """
-    from meta_io.synth import GeneratorConfig, generate
+    from meta_io.synth import WORLDS, GeneratorConfig, generate
 
-    fields: dict[str, Any] = dict(rows=rows, users=users, items=items, seed=seed)
+    if world not in WORLDS:
+        raise ConfigError(f"{where}: --world must be one of {sorted(WORLDS)}, got {world!r}")
+    fields: dict[str, Any] = dict(rows=rows, users=users, items=items, seed=seed, **WORLDS[world])
     if files is not None:
         fields["n_files"] = files
+    fields.update({k: v for k, v in (hidden or {}).items() if v is not None})
     cfg = from_mapping(GeneratorConfig, fields, where=where)
     return generate(out, cfg)
 
 
 def _gen_data(args: argparse.Namespace) -> int:
     with summary_replaces("meta_io", "generated"):
-        data = generate_data(args.out, args.rows, args.users, args.items, args.seed, args.files)
+        data = generate_data(args.out, args.rows, args.users, args.items, args.seed, args.files, world=args.world,
+                             hidden={"hidden_user_effect_std": args.hidden_user_effect_std,
+                                     "hidden_user_cvr_effect_std": args.hidden_user_cvr_effect_std,
+                                     "hidden_user_scene_effect_std": args.hidden_user_scene_effect_std})
     emit(args, {"rows": data.rows, "out_dir": str(data.out_dir), "files": [str(f) for f in data.files],
                 "schema": str(data.schema_path), "rows_per_s": data.rows_per_s, "peak_rss_mb": data.peak_rss_mb,
                 "oracle_auc": dict(data.oracle_auc)},
