@@ -54,7 +54,7 @@ import numpy as np
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
@@ -388,7 +388,7 @@ def plot_throughput(report: Mapping[str, Any], ax: Any, compact: bool = False) -
     slow = slow_workers(report)
     ranks = sorted({s.rank for s in tp.segments})
     n_incs = {r: sum(1 for s in tp.segments if s.rank == r) for r in ranks}
-    cmap = plt.get_cmap("tab20" if len(ranks) > 10 else "tab10")
+    cmap = colormaps.get_cmap("tab20" if len(ranks) > 10 else "tab10")
     colour: Any
     entries, restart_labelled, plain_labelled = 0, False, False
     ends: list[tuple[float, float, str, Any]] = []
@@ -455,7 +455,7 @@ def plot_loss(report: Mapping[str, Any], ax: Any, compact: bool = False) -> Post
         _empty(ax, "no loss history")
         return None
     t0 = _t0(report)
-    cmap = plt.get_cmap("tab10")
+    cmap = colormaps.get_cmap("tab10")
     entries = 0
     for i, (key, (t, v)) in enumerate(series.items()):
         colour = "black" if key == "loss" else cmap((i - 1) % 10)
@@ -489,7 +489,7 @@ def plot_shard_timeline(report: Mapping[str, Any], ax: Any) -> PostLayout | None
         _empty(ax, "no shard ledger")
         return None
     datasets = sorted({str(e["dataset"]) for e in ledger})
-    colours = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(datasets)}
+    colours = {d: colormaps.get_cmap("tab10")(i % 10) for i, d in enumerate(datasets)}
     workers = sorted({int(e["worker"]) for e in ledger} | {int(w["rank"]) for w in report.get("workers", [])})
     lane = {w: i for i, w in enumerate(workers)}
     ev_y = len(workers) + 0.3
@@ -601,7 +601,7 @@ def eval_sources(report: Mapping[str, Any]) -> tuple[str, str]:
 def _auc_curves(report: Mapping[str, Any], ax: Any, hist: Sequence[Mapping[str, Any]],
                 by_head: Mapping[str, Mapping[str, float]]) -> None:
     heads = sorted({k.split("/")[1] for h in hist for k in h if k.count("/") == 2 and k.endswith("/auc")})
-    cmap = plt.get_cmap("tab10")
+    cmap = colormaps.get_cmap("tab10")
     entries = 0
     gaps: list[str] = []
     last_step = 0
