@@ -57,6 +57,9 @@ SMOKES: dict[str, Smoke] = {
     "chaos": Smoke(("--smoke",), ("faults_tried", "faults_survived", "bad_inputs_tried", "bad_inputs_clear_error")),
     "delivery": Smoke(("--smoke",), ("export_rows_per_s", "write_speedup", "lookup_speedup",
                                      "delta_cost_vs_fraction", "delta_cost_vs_fraction_job", "adapt/ms_per_task")),
+    # --smoke: 4k rows, 1 seed, 1 epoch, train-local + a launched 1 PS x 1 worker fleet (~36 CPU-s)
+    "fleet_quality": Smoke(("--smoke",), ("worst_margin", "max_abs_diff", "all_click_diff_mean",
+                                          "all_conversion_diff_mean", "first_k_adapted_conversion_diff_mean")),
     # --smoke: the lifecycle's failing run (root, ip netns, kubectl): a PS crash before any cut must fail
     # the Jobs; no launch run to compare with, no day 1 or 2 (--quick runs those; test_k8s_pods runs a day 1)
     "k8s_local": Smoke(("--smoke",), ("run_failure_s",), 420.0, ("run_failure_fails_job",)),
@@ -81,7 +84,7 @@ SMOKES: dict[str, Smoke] = {
 }
 """Every bench module and how its smoke run is judged."""
 
-FLEETS = frozenset({"train_throughput", "chaos", "k8s_local"})
+FLEETS = frozenset({"train_throughput", "chaos", "k8s_local", "fleet_quality"})
 """The smoke runs that start fleets of processes (a minute or less each): they run from
 tests/bench/test_bench_smoke_fleets.py, a module of their own, so the suite's two xdist
 workers (``--dist loadscope``: a module to a worker) can run them beside the others."""
