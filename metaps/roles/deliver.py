@@ -204,9 +204,9 @@ def _predict(args: argparse.Namespace) -> int:
               f"is this data from the model's domain?", file=sys.stderr)
     data: dict[str, Any] = {"bundle": res.bundle, "rows": res.rows, "out": str(res.out),
                              "unknown_ids": res.unknown_ids, "unknown_share": round(res.unknown_share, 6),
-                             "adapted": res.adapted}
-    human = f"scored {res.rows:,} rows with bundle {res.bundle}{' (adapted on --support)' if res.adapted else ''}" \
-            f" -> {res.out}"
+                             "adapted": res.adapted, "recipe": res.recipe, "recipe_from": res.recipe_from}
+    how = f" (adapted on --support: {res.recipe}, {res.recipe_from})" if res.adapted else ""
+    human = f"scored {res.rows:,} rows with bundle {res.bundle}{how} -> {res.out}"
     if res.labels:  # evaluation only when the data has labels
         data["eval"] = {"auc": res.auc, "labels": res.labels}
         human += f"; AUC {_auc_text(res.auc)}"

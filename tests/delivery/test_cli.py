@@ -27,7 +27,7 @@ def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
     summary = json.loads(printed[0])
     assert summary.pop("eval")["labels"] == list(tiny.schema.labels)  # labelled data: evaluated in the same object
     assert summary == {"bundle": "v000001", "rows": 50, "out": str(tmp_path / "s.parquet"), "unknown_ids": 0,
-                       "unknown_share": 0.0, "adapted": False}
+                       "unknown_share": 0.0, "adapted": False, "recipe": "", "recipe_from": ""}
     assert main(["predict", "--bundle", str(out), "--data", str(data), "--out", str(tmp_path / "s2.parquet")]) == 0
     human = capsys.readouterr().out.strip().splitlines()  # no --json: one readable line
     assert human == [f"scored 50 rows with bundle v000001 -> {tmp_path / 's2.parquet'}; AUC "

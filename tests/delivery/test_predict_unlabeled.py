@@ -40,7 +40,7 @@ def test_predict_scores_unlabeled_data(tmp_path, bundle, history, tiny, capsys) 
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1  # no evaluation without labels
     assert json.loads(lines[0]) == {"bundle": "v000001", "rows": 40, "out": str(out), "unknown_ids": 0,
-                                   "unknown_share": 0.0, "adapted": False}
+                                   "unknown_share": 0.0, "adapted": False, "recipe": "", "recipe_from": ""}
     scores = pq.read_table(out).to_pydict()
     want = load_bundle(bundle).predict(fb)
     assert scores["row"] == list(range(40))
