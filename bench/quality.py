@@ -5,6 +5,7 @@ Run::
     python -m bench.quality [--quick] [--rows N] [--kinds dnn,deepfm,dcnv2,esmm]
     python -m bench.quality --smoke [--cold-only]   # 4k rows, 1 epoch (1 seed, inner steps 1,2; baselines: 3 L2
                                                     # values, 50 L-BFGS iterations); figures meaningless
+    python -m bench.quality --cold-only --quick --first-k 8 --world hidden   # per-user effects no feature reveals
 
 Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
 60-64 rows a user on average), whose true probabilities give every figure a ceiling:
@@ -454,7 +455,7 @@ def _fk_gain(m: dict[str, Any], head: str, what: str) -> float:
 
 def main_inner(args: argparse.Namespace) -> int:
     """``--cold-only``: the inner-loop study over seeds (no plain model table)."""
-    from meta_io.synth import generate
+    from meta_io.synth import generate, world_config
 
     rows, users, items, fraction = cold_sizes(args.quick or args.smoke, args.rows or (SMOKE_ROWS if args.smoke else 0))
     epochs = 1 if args.smoke else 2 if rows <= 50_000 else 1
@@ -467,7 +468,7 @@ def main_inner(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"first_k": ks, "support_loss_weight": args.support_loss_weight,
                            "offset_steps": args.offset_steps, "offset_prior": args.offset_prior,
                            "inner_loss_reduction": args.inner_loss_reduction, "baselines": args.baselines,
-                           "baseline_offset_prior": args.baseline_offset_prior, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
+                           "baseline_offset_prior": args.baseline_offset_prior, "world": args.world, "rows": rows, "users": users, "epochs": epochs, "seeds": seeds, "inner_steps": steps_list,
                            "learn_inner_lr": args.learn_inner_lr, "inner_lr": args.inner_lr,
                            "meta_emb": args.meta_emb, "meta_emb_cold_weight": args.meta_emb_cold_weight,
                            "meta_emb_labels": args.meta_emb_labels,
@@ -477,7 +478,8 @@ def main_inner(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-quality-") as td:
             tmp = Path(td)
             _progress(f"[seed {seed}] generating {rows:,} rows ({users:,} users)")
-            gen = generate(tmp / "raw", cold_generator_config(rows, users, items, seed), progress=False)
+            gen = generate(tmp / "raw", world_config(cold_generator_config(rows, users, items, seed), args.world),
+                           progress=False)
             out["per_seed"][seed] = cold_start_sweep(gen, tmp, seed, epochs, fraction, steps_list,
                                                      args.learn_inner_lr, args.inner_lr, ks,
                                                      emb_list, args.meta_emb_cold_weight, args.meta_emb_labels,
@@ -511,6 +513,8 @@ def main_inner(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from meta_io.synth import WORLDS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16k rows instead of 1M (about a minute)")
     ap.add_argument("--rows", type=int, default=0, help="generated rows (default 1M, quick 16k)")
@@ -520,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help=f"smallest size that runs every code path and prints the JSON line ({SMOKE_ROWS} rows, 1 "
                          "epoch; --cold-only: seed 3, inner steps 1,2 unless given; seconds, figures meaningless)")
+    ap.add_argument("--world", default="default", choices=sorted(WORLDS),
+                    help="--cold-only: the generator's named world (hidden: per-user effects no feature reveals; "
+                         "bench.quality_ceiling --world hidden gives its ceiling)")
     ap.add_argument("--seeds", default="", help="seeds of the inner-loop study (default 3,4,5; --smoke: 3)")
     ap.add_argument("--inner-steps", default="",
                     help="inner step counts to choose from (validation users; default 1,2,3,5; --smoke: 1,2)")
