@@ -53,7 +53,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ from delivery.reuse import ExportCache, Live, LiveKey, advance_live, canonical, 
 from meta_io.schema import Schema, schema_from_dict
 from metaps.core.config import from_mapping
 from metaps.core.errors import ConfigError, MetapsError
+from metaps.core.eta import ProgressHook as ProgressHook  # re-exported: deliver_once(progress=...)
 from metaps.core.log import kv
 
 if TYPE_CHECKING:
@@ -90,15 +91,6 @@ class DeliverStage(enum.StrEnum):
     DENSE = "dense"
     GATE = "gate"
     PUBLISH = "publish"
-
-
-class ProgressHook(Protocol):
-    """Told how far a long operation has come: ``done`` of ``total`` units of ``stage`` (cumulative).
-
-    Called on the working thread, between steps: it must be cheap and must not raise.
-    """
-
-    def __call__(self, stage: str, done: int, total: int) -> None: ...
 
 
 @dataclass

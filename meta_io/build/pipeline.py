@@ -51,7 +51,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import pyarrow as pa
 
@@ -67,6 +67,7 @@ from meta_io.layout import Layout, Split
 from meta_io.schema import Schema, load_schema, task_key_kind_error
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core.errors import ConfigError, DataError, SchemaError
+from metaps.core.eta import ProgressHook as ProgressHook  # re-exported: build(progress=...)
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
@@ -80,15 +81,6 @@ class BuildStage(enum.StrEnum):
 
     READ = "pass1"
     PACK = "pass2"
-
-
-class ProgressHook(Protocol):
-    """Told how far a long operation has come: ``done`` of ``total`` units of ``stage`` (cumulative).
-
-    Called on the working thread, between batches: it must be cheap and must not raise.
-    """
-
-    def __call__(self, stage: str, done: int, total: int) -> None: ...
 
 
 def _stage_hook(progress: ProgressHook | None, stage: BuildStage) -> Callable[[int, int], None] | None:

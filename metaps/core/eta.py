@@ -17,7 +17,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+
+class ProgressHook(Protocol):
+    """Told how far a long operation has come: ``done`` of ``total`` units of ``stage`` (cumulative).
+
+    Library code (``meta_io.build``, ``delivery``) calls it on the working thread, between
+    batches: it must be cheap and must not raise. The CLI renders it
+    (:class:`metaps.progress.StageProgress`); the library never prints.
+    """
+
+    def __call__(self, stage: str, done: int, total: int) -> None: ...
 
 
 @dataclass(frozen=True)
