@@ -352,9 +352,15 @@ class ControllerClient:
 
     # ---------------------------------------------------------------- job
 
-    def status(self, events_since: int = 0) -> dict[str, Any]:
-        """Progress per dataset, nodes, events, coverage and checkpoint cuts as plain data."""
-        r = self._call("GetStatus", pb.GetStatusRequest(events_since=events_since))
+    def status(self, events_since: int = 0, brief: bool = False) -> dict[str, Any]:
+        """Progress per dataset, nodes, events, coverage and checkpoint cuts as plain data.
+
+        Args:
+            events_since: events with a larger sequence number only.
+            brief: only ``datasets``, ``finished`` and ``run`` (a poller's view: the controller skips
+                the ledger's coverage scan); the other keys come back empty.
+        """
+        r = self._call("GetStatus", pb.GetStatusRequest(events_since=events_since, brief=brief))
         return {
             "datasets": [_msg_dict(d) for d in r.datasets],
             "nodes": [_msg_dict(n) for n in r.nodes],

@@ -424,10 +424,21 @@ class ControllerServer:
 
     # ---------------------------------------------------------------- status
 
-    def status(self, events_since: int = 0) -> dict[str, Any]:
-        """Progress, nodes, events, coverage and checkpoint cuts as plain data (the run report's input)."""
-        cov = self.dds.coverage()
+    def status(self, events_since: int = 0, brief: bool = False) -> dict[str, Any]:
+        """Progress, nodes, events, coverage and checkpoint cuts as plain data (the run report's input).
+
+        Args:
+            events_since: events with a larger sequence number only.
+            brief: only datasets, ``finished`` and ``run`` (what a worker waiting for the run's end
+                polls): no coverage (a scan of the whole ledger under the DDS lock), nodes, events,
+                recovery or checkpoint cuts.
+        """
         run_state, run_reason = self.outcome.state()
+        run = {"state": run_state.value, "reason": run_reason, "leader": self.outcome.leader(),
+               "final_checkpoint": self.outcome.final_done}
+        if brief:
+            return {"datasets": self.dds.progress(), "finished": self.run_finished(), "run": run}
+        cov = self.dds.coverage()
         nodes = []
         for i in self.registry.nodes():
             nodes.append({"role": i.role, "index": i.index, "state": i.state.value, "slow": i.slow,
@@ -441,8 +452,7 @@ class ControllerServer:
             "events": [e.__dict__ for e in self.events.list(since=events_since)],
             "finished": self.run_finished(),
             "recovery": self.recovery.record(),
-            "run": {"state": run_state.value, "reason": run_reason, "leader": self.outcome.leader(),
-                    "final_checkpoint": self.outcome.final_done},
+            "run": run,
             "coverage": cov.to_status(),
             "checkpoints": self.checkpoints.cuts(),
         }

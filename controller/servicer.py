@@ -234,6 +234,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @_guard
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        if request.brief:
+            st = self.s.status(brief=True)
+            return pb.GetStatusResponse(
+                datasets=[pb.DatasetProgress(**d) for d in st["datasets"]], finished=st["finished"],
+                run_state=st["run"]["state"], run_reason=st["run"]["reason"], leader=st["run"]["leader"],
+                final_checkpoint=st["run"]["final_checkpoint"])
         st = self.s.status(events_since=request.events_since)
         return pb.GetStatusResponse(
             datasets=[pb.DatasetProgress(**d) for d in st["datasets"]],

@@ -586,7 +586,7 @@ class Worker:
         deadline = time.monotonic() + timeout_s
         next_log = time.monotonic() + 30.0
         while True:
-            st = self.ctl.status(events_since=2**62)  # no events: this polls
+            st = self.ctl.status(brief=True)  # a poll: no coverage scan, nodes or events
             run = st.get("run") or {}
             if run.get("final_checkpoint"):
                 return None, None

@@ -191,3 +191,25 @@ def test_status_lists_nodes_and_heartbeat_renews(controller) -> None:
     assert c.report_shard(lease).kind == "done"
     node = next(n for n in c.status()["nodes"] if n["index"] == 3)
     assert node["state"] == "alive" and node["step"] == 5 and node["role"] == "worker"
+
+
+def test_brief_status_is_progress_and_run_only_without_a_ledger_scan(controller) -> None:
+    """A worker waiting for the run's end polls GetStatus(brief): the datasets' progress, finished and
+    the run, as in the full reply, and neither the coverage (a scan of the whole ledger under the DDS
+    lock), nor nodes, events or cuts."""
+    srv = controller(small_cfg())
+    c = client(srv, 0)
+    lease = c.get_shard("train").lease
+    assert c.report_shard(lease).kind == "done"
+    full, brief = c.status(), c.status(brief=True)
+    assert full["coverage"] and full["nodes"]
+    assert brief["datasets"] == full["datasets"] and brief["finished"] == full["finished"]
+    assert brief["run"] == full["run"]
+    assert brief["coverage"] == {} and brief["nodes"] == [] and brief["events"] == [] and brief["checkpoints"] == []
+    scans = []
+    real = srv.dds.coverage
+    srv.dds.coverage = lambda: scans.append(1) or real()  # type: ignore[method-assign]
+    c.status(brief=True)
+    assert scans == []
+    c.status()
+    assert scans == [1]
