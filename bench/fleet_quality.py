@@ -31,6 +31,12 @@ on both heads, every seed" over every evaluation, one-sided (a fleet better than
 ``met`` and ``worst_margin`` = 0.003 - max(local - fleet) (negative: missed by that much), with
 where the worst gap is. ``max_abs_diff`` is the largest gap either way.
 
+**Finding the cause** of a gap: ``--variant LABEL=SPEC`` (repeatable) trains another fleet per seed
+beside the main one, on the same data against the same train-local model, with its own layout
+and overrides (``1x1``, ``ps.sync=sync``, ``train.dense_sync=allreduce``,
+``controller.dds.batches_per_shard=100000`` = one shard per file, i.e. train-local's data order);
+each is reported under ``variants`` with its own goal.
+
 ``--smoke`` (the test suite's run): 4,000 rows, seed 3, 1 epoch, a 1 PS x 1 worker fleet, so every
 step runs once (data, local training, a launched fleet, both evaluations, the goal); seconds of
 CPU; the figures mean nothing. The last line printed is a JSON object.
@@ -133,6 +139,39 @@ def compare(local: dict[str, dict[str, float]], fleet: dict[str, dict[str, float
                 for h in HEADS} for e in EVALS}
 
 
+def parse_variant(text: str) -> tuple[str, int | None, int | None, list[str]]:
+    """``--variant LABEL=SPEC``: another fleet trained beside the main one (train-local runs once per seed).
+
+    ``SPEC`` is comma-separated tokens: ``PxW`` (e.g. ``1x1``) sets the fleet's PS shards and workers,
+    every other token is a ``metaps launch --set`` override (``SECTION.KEY=VALUE``; a value holding
+    a comma cannot be given here). ``"sync=ps.sync=sync"``, ``"order=1x1,controller.dds.batches_per_shard=100000"``.
+
+    Returns:
+        (label, ps or None, workers or None, overrides); None: the main fleet's count.
+
+    Raises:
+        SystemExit: no label, no ``=``, or an empty spec (argparse-style, naming the flag).
+    """
+    import re
+
+    label, sep, spec = text.partition("=")
+    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    if not sep or not label.strip() or not tokens:
+        raise SystemExit(f"--variant: expected LABEL=SPEC (SPEC: PxW and/or SECTION.KEY=VALUE, comma-separated), "
+                         f"got {text!r}")
+    ps = workers = None
+    sets = []
+    for t in tokens:
+        m = re.fullmatch(r"(\d+)x(\d+)", t)
+        if m and int(m[1]) >= 1 and int(m[2]) >= 1:
+            ps, workers = int(m[1]), int(m[2])
+        elif "=" in t and "." in t.split("=", 1)[0]:
+            sets.append(t)
+        else:
+            raise SystemExit(f"--variant {text!r}: token {t!r} is neither PxW (e.g. 1x1) nor SECTION.KEY=VALUE")
+    return label.strip(), ps, workers, sets
+
+
 def parity_goal(per_seed: dict[Any, dict[str, Any]], tol: float = TOLERANCE) -> dict[str, Any]:
     """The goal "fleet within ``tol`` of local on both heads, every seed", over every evaluation.
 
@@ -160,8 +199,9 @@ def parity_goal(per_seed: dict[Any, dict[str, Any]], tol: float = TOLERANCE) -> 
 
 
 def one_seed(seed: int, rows: int, epochs: int, ps: int, workers: int, sets: list[str], smoke: bool,
-             quick: bool) -> dict[str, Any]:
-    """Data, train-local, the fleet and both scorings of one seed (a scratch folder, removed after)."""
+             quick: bool, variants: list[tuple[str, int, int, list[str]]] | None = None) -> dict[str, Any]:
+    """Data, train-local, the fleet (and each variant fleet) and the scorings of one seed (a scratch
+    folder, removed after). ``variants``: (label, ps, workers, overrides) of :func:`parse_variant`, resolved."""
     from bench.quality import cold_generator_config, cold_sizes, cold_split
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.synth import generate
@@ -182,11 +222,28 @@ def one_seed(seed: int, rows: int, epochs: int, ps: int, workers: int, sets: lis
         _progress(f"[seed {seed}] metaps launch: {ps} PS x {workers} worker(s)" + (f", {' '.join(sets)}" if sets else ""))
         fleet = score(run_fleet(mapping, tmp / "fleet", ps, workers, sets), split.holdout_dir)
         t2 = time.perf_counter()
-    res = compare(local, fleet)
+        res = compare(local, fleet)
+        _show(res)
+        extra: dict[str, Any] = {}
+        for i, (label, vps, vw, vsets) in enumerate(variants or []):
+            _progress(f"[seed {seed}] variant {label}: metaps launch {vps} PS x {vw} worker(s) {' '.join(vsets)}")
+            extra[label] = compare(local, score(run_fleet(mapping, tmp / f"variant-{i}", vps, vw, vsets),
+                                                split.holdout_dir))
+            _show(extra[label])
+    return {**res, "held_out_users": split.holdout_tasks, "local_s": t1 - t0, "fleet_s": t2 - t1,
+            **({"variants": extra} if variants else {})}
+
+
+def _show(res: dict[str, Any]) -> None:
     for e in EVALS:
         _progress(f"      {e}: " + "; ".join(f"{h} local {res[e][h]['local']:.4f} fleet {res[e][h]['fleet']:.4f} "
                                              f"({res[e][h]['diff']:+.4f})" for h in HEADS))
-    return {**res, "held_out_users": split.holdout_tasks, "local_s": t1 - t0, "fleet_s": t2 - t1}
+
+
+def _diff_means(per_seed: dict[Any, dict[str, Any]]) -> dict[str, float]:
+    """``EVAL_HEAD_diff_mean``: the mean of ``fleet - local`` over seeds, per evaluation and head."""
+    return {f"{e}_{h}_diff_mean": sum(r[e][h]["diff"] for r in per_seed.values()) / len(per_seed)
+            for e in EVALS for h in HEADS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="workers of the fleet (default 2; --smoke 1)")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="SECTION.KEY=VALUE",
                     help="a job override for the fleet only (metaps launch --set), e.g. ps.sync=sync; repeatable")
+    ap.add_argument("--variant", action="append", default=[], dest="variants", metavar="LABEL=SPEC",
+                    help="another fleet beside the main one, on the same data and the same train-local: SPEC is "
+                         "comma-separated PxW (e.g. 1x1) and/or SECTION.KEY=VALUE overrides, e.g. "
+                         "sync=ps.sync=sync; repeatable (each reported with its own goal under variants)")
     args = ap.parse_args(argv)
+    parsed = [parse_variant(v) for v in args.variants]
+    if len({v[0] for v in parsed}) != len(parsed):
+        raise SystemExit(f"--variant: labels must differ, got {[v[0] for v in parsed]}")
     logging.basicConfig(level=logging.WARNING)
     seeds = [int(x) for x in (args.seeds or ("3" if args.smoke else "3,4,5")).split(",") if x.strip()]
     rows = args.rows or (SMOKE_ROWS if args.smoke else 0)
@@ -214,17 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"rows": n, "epochs": epochs, "seeds": seeds, "ps": ps, "workers": workers,
                            "fleet_sets": args.sets, "first_k": FIRST_K, "per_seed": {}}
     t0 = time.perf_counter()
+    variants = [(label, vps or ps, vw or workers, vsets) for label, vps, vw, vsets in parsed]
     for seed in seeds:
-        out["per_seed"][seed] = one_seed(seed, rows, epochs, ps, workers, args.sets, args.smoke, args.quick)
+        out["per_seed"][seed] = one_seed(seed, rows, epochs, ps, workers, args.sets, args.smoke, args.quick, variants)
+    if variants:
+        out["variants"] = {}
+        for label, vps, vw, vsets in variants:
+            per = {seed: r["variants"][label] for seed, r in out["per_seed"].items()}
+            g = parity_goal(per)
+            out["variants"][label] = {"ps": vps, "workers": vw, "sets": vsets, "goal": g, **_diff_means(per)}
+            _progress(f"variant {label}: goal {'met' if g['met'] else 'MISSED'}, worst margin {g['worst_margin']:+.4f}")
     goal = parity_goal(out["per_seed"])
     out["goal"] = goal
     out["goal_met"] = goal["met"]
     out["worst_margin"] = goal["worst_margin"]
     out["max_abs_diff"] = goal["max_abs_diff"]
-    for e in EVALS:
-        for h in HEADS:
-            diffs = [r[e][h]["diff"] for r in out["per_seed"].values()]
-            out[f"{e}_{h}_diff_mean"] = sum(diffs) / len(diffs)
+    out.update(_diff_means(out["per_seed"]))
     out["elapsed_s"] = time.perf_counter() - t0
     w = goal["worst"]
     _progress(f"goal ({goal['goal']}): {'met' if goal['met'] else 'MISSED'}, worst margin {goal['worst_margin']:+.4f} "

@@ -51,3 +51,21 @@ def test_goal_is_one_sided_a_better_fleet_passes() -> None:
 def test_goal_of_no_seed_is_an_error() -> None:
     with pytest.raises(ValueError, match="no seeds"):
         parity_goal({})
+
+
+def test_parse_variant_layout_and_overrides() -> None:
+    from bench.fleet_quality import parse_variant
+
+    assert parse_variant("order=1x1, controller.dds.batches_per_shard=100000") == (
+        "order", 1, 1, ["controller.dds.batches_per_shard=100000"])
+    assert parse_variant("sync=ps.sync=sync") == ("sync", None, None, ["ps.sync=sync"])
+    assert parse_variant("big=4x3") == ("big", 4, 3, [])
+
+
+@pytest.mark.parametrize("text", ["nolabel", "=1x1", "x=", "x=0x1", "x=sync"])
+def test_parse_variant_refuses_a_bad_spec_in_one_line(text: str) -> None:
+    from bench.fleet_quality import parse_variant
+
+    with pytest.raises(SystemExit, match="--variant") as exc:
+        parse_variant(text)
+    assert "\n" not in str(exc.value)
