@@ -19,35 +19,9 @@ from metaps.cli import main
 from metaps.progress import StageProgress, parse_kv_line
 from tests.delivery.conftest import Fleet, History, TinyModel
 from tests.delivery.test_incremental_delta import delta_checkpoint
+from tests.progress_hooks import Recorder, check_stage
 
 ALL = [DeliverStage.VERIFY, DeliverStage.EXPORT, DeliverStage.DENSE, DeliverStage.GATE, DeliverStage.PUBLISH]
-
-
-class Recorder:
-    """A progress hook that keeps every reading: (stage, done, total)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int]] = []
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        self.calls.append((str(stage), done, total))
-
-    def stages(self) -> list[str]:
-        out: list[str] = []
-        for s, _d, _t in self.calls:
-            if not out or out[-1] != s:
-                out.append(s)
-        return out
-
-    def of(self, stage: str) -> list[tuple[int, int]]:
-        return [(d, t) for s, d, t in self.calls if s == stage]
-
-
-def _check_stage(readings: list[tuple[int, int]], total: int) -> None:
-    """Starts at 0, never goes down, the total fixed, ends at the total."""
-    assert readings[0][0] == 0 and readings[-1] == (total, total), readings
-    assert all(t == total for _d, t in readings), readings
-    assert all(b[0] >= a[0] for a, b in zip(readings, readings[1:])), readings
 
 
 def _ckpt_rows(ckpt: Path) -> int:
@@ -68,7 +42,7 @@ def test_a_delivery_tells_each_stage_in_order_and_export_rows_end_at_the_checkpo
         rows = _ckpt_rows(history.ckpts[step])
         assert rows > 0 and sum(t.rows for t in _manifest(out, o.version).tables.values()) == rows
         export = rec.of(DeliverStage.EXPORT)
-        _check_stage(export, rows)
+        check_stage(export, rows)
         assert len({d for d, _t in export}) == 1 + len(tiny.dims), export  # 0, then after each table
         for one in (DeliverStage.VERIFY, DeliverStage.DENSE, DeliverStage.GATE, DeliverStage.PUBLISH):
             assert rec.of(one) == [(0, 1), (1, 1)], (one, rec.calls)
@@ -101,7 +75,7 @@ def test_a_delta_checkpoint_export_counts_only_its_changed_rows(tmp_path: Path, 
     changed = sum(int(read_changes(delta, t)[0].ids.size) for t in tiny.dims)  # the delta's own rows
     assert 0 < changed < _ckpt_rows(delta)
     assert sum(t.written for t in m.tables.values()) <= changed
-    _check_stage(rec.of(DeliverStage.EXPORT), changed)
+    check_stage(rec.of(DeliverStage.EXPORT), changed)
 
 
 def test_a_terminal_gets_a_bar_per_stage(tmp_path: Path, history: History) -> None:

@@ -20,35 +20,9 @@ from meta_io.layout import Layout
 from meta_io.synth import GeneratedData
 from metaps.cli import main
 from metaps.progress import StageProgress, parse_kv_line
+from tests.progress_hooks import Recorder, check_stage
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class Recorder:
-    """A progress hook that keeps every reading: (stage, done, total)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int]] = []
-
-    def __call__(self, stage: str, done: int, total: int) -> None:
-        self.calls.append((str(stage), done, total))
-
-    def stages(self) -> list[str]:
-        out: list[str] = []
-        for s, _d, _t in self.calls:
-            if not out or out[-1] != s:
-                out.append(s)
-        return out
-
-    def of(self, stage: str) -> list[tuple[int, int]]:
-        return [(d, t) for s, d, t in self.calls if s == stage]
-
-
-def _check_stage(readings: list[tuple[int, int]], total: int) -> None:
-    """Starts at 0, never goes down, the total fixed, ends at the total."""
-    assert readings[0][0] == 0 and readings[-1] == (total, total), readings
-    assert all(t == total for _d, t in readings), readings
-    assert all(b[0] >= a[0] for a, b in zip(readings, readings[1:])), readings
 
 
 @pytest.mark.parametrize("layout", ["meta", "plain"])
@@ -61,8 +35,8 @@ def test_build_reports_monotone_progress_ending_at_the_input_rows(generated: Gen
     assert rows == generated.rows == 3000
     assert rec.stages() == [BuildStage.READ, BuildStage.PACK]  # pass 1 then pass 2, each once
     read, pack = rec.of(BuildStage.READ), rec.of(BuildStage.PACK)
-    _check_stage(read, rows)
-    _check_stage(pack, rows)
+    check_stage(read, rows)
+    check_stage(pack, rows)
     # pass 1 tells each source batch (3000 rows in 1000-row groups, 400-row batches: >= 8), pass 2 each partition
     assert len({d for d, _t in read}) >= 8, read
     assert len(pack) == 1 + 3 and len({d for d, _t in pack}) == 4, pack
