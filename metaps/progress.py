@@ -68,7 +68,8 @@ from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
 
-_KV = re.compile(r'(\w+)=("[^"]*"|\S+)')
+_KV = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+_UNESCAPE = {"n": "\n", "t": "\t"}
 _TS = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
 
 
@@ -85,8 +86,8 @@ def parse_kv_line(line: str) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"time": datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").timestamp()}
     for k, v in _KV.findall(line):
-        if v.startswith('"'):
-            out[k] = v[1:-1]
+        if v.startswith('"'):  # quoted by metaps.core.log.quote_value: undo its escapes
+            out[k] = re.sub(r"\\(.)", lambda e: _UNESCAPE.get(e.group(1), e.group(1)), v[1:-1])
             continue
         try:
             out[k] = float(v)

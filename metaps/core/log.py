@@ -31,16 +31,30 @@ class _DropRootInfo(logging.Filter):
         return record.name != "root" or record.levelno >= logging.WARNING
 
 
+def quote_value(v: object) -> str:
+    """A field value as it appears in a log line: bare when it is one plain token, else quoted
+    logfmt-style (``"`` and ``\\`` escaped, newlines as ``\\n``), so ``reason=the PS died`` reads
+    back as one field (:func:`metaps.progress.parse_kv_line`)."""
+    s = str(v)
+    if s and not any(c in s for c in ' "=\\\n\t'):
+        return s
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+
 class KeyValueFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER [role=R] msg="..." key=value ...``; a value with spaces, quotes or ``=`` is
+    quoted (:func:`quote_value`); ``msg`` is always quoted."""
+
     def format(self, record: logging.LogRecord) -> str:
         ts = self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
         parts = [ts, record.levelname, record.name]
         if _ROLE:
             parts.append(f"role={_ROLE}")
-        parts.append(f'msg="{record.getMessage()}"')
+        msg = quote_value(record.getMessage())
+        parts.append(f"msg={msg if msg.startswith(chr(34)) else chr(34) + msg + chr(34)}")
         fields = getattr(record, "kv", None)
         if fields:
-            parts.extend(f"{k}={v}" for k, v in fields.items())
+            parts.extend(f"{k}={quote_value(v)}" for k, v in fields.items())
         line = " ".join(parts)
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)

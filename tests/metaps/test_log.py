@@ -58,3 +58,19 @@ def test_log_lines_follow_the_current_stderr_after_the_old_one_closed(monkeypatc
             root.removeHandler(h)
         for h in saved:
             root.addHandler(h)
+
+
+def test_values_with_spaces_quotes_or_equals_read_back_as_one_field() -> None:
+    """A reason with spaces (``reason=the PS died``) used to split into words; quoted logfmt-style,
+    every value reads back whole through the parser the launcher's log tail uses."""
+    from metaps.progress import parse_kv_line
+
+    fields = {"reason": "the PS died", "what": "rows scored", "path": "/tmp/a b/c", "quote": 'say "hi"',
+              "eq": "a=b", "back": "C:\\x\\n", "multi": "line one\nline two", "plain": "ok", "n": 5, "empty": ""}
+    line = KeyValueFormatter().format(_record("metaps.x", logging.INFO, 'done "now"', **fields))
+    assert "\n" not in line and "plain=ok" in line and "n=5" in line and 'reason="the PS died"' in line
+    rec = parse_kv_line(line)
+    assert rec is not None
+    assert rec["msg"] == 'done "now"'
+    assert {k: rec[k] for k in fields if k != "n"} == {k: v for k, v in fields.items() if k != "n"}
+    assert rec["n"] == 5.0
