@@ -24,6 +24,7 @@ Exit codes of ``deliver``: 0 published or nothing newer, 1 error (bad input, no 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -32,7 +33,10 @@ from typing import Any
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
 from metaps.core import exit_codes
+from metaps.core.log import kv
 from metaps.roles.output import emit
+
+log = logging.getLogger(__name__)
 
 EXIT_REFUSED = exit_codes.REFUSED
 
@@ -76,8 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated input columns copied verbatim into the output, e.g. user_id,click (default none)")
     p.add_argument("--warn-unknown", type=float, default=0.5,
                    help="warn when more than this share of looked-up ids is unknown to the bundle (default 0.5)")
-    p.add_argument("--progress", action="store_true",
-                   help="print progress to stderr even when stderr is not a terminal (default: only on a terminal)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; a progress log line every 5 s and at the end (as off a terminal)")
     p.set_defaults(func=_predict)
 
 
@@ -188,16 +192,16 @@ def _predict(args: argparse.Namespace) -> int:
     from metaps.progress import TaskProgress
 
     keep = [c.strip() for c in args.keep_columns.split(",") if c.strip()]
-    show = args.progress or sys.stderr.isatty()
+    bar_on_terminal = sys.stderr.isatty() and not args.no_progress
     t0 = time.monotonic()
+    # a bar on a terminal; else (or --no-progress) msg="progress" log lines, as launch, build and deliver
     with TaskProgress("rows scored", _row_count(Path(args.data)),
-                      console=Console(stderr=True) if sys.stderr.isatty() else None,
-                      log_every_s=1.0) as bar:
+                      console=Console(stderr=True) if bar_on_terminal else None, log_every_s=5.0) as bar:
         res = predict_to_parquet(args.bundle, args.data, args.out, args.batch_rows, support=args.support,
-                                 keep_columns=keep, warn_unknown=args.warn_unknown,
-                                 progress=bar.update if show else None)
-    if show:
-        print(f"metaps predict: {res.rows:,} rows scored in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+                                 keep_columns=keep, warn_unknown=args.warn_unknown, progress=bar.update)
+        if not bar.drawn and bar.logged != (bar.last.done if bar.last else None):
+            bar.log_line()  # the end, also of a run shorter than one log period
+    log.info("predicted", extra=kv(rows=res.rows, seconds=round(time.monotonic() - t0, 1), out=str(res.out)))
     if res.warn_unknown:
         print(f"metaps predict: warning: {res.unknown_share:.0%} of looked-up ids ({res.unknown_ids:,} of "
               f"{res.looked_up_ids:,}) are unknown to bundle {res.bundle} (threshold {args.warn_unknown:.0%}); "
