@@ -454,7 +454,7 @@ def build_meta_io(input: PathLike, schema: PathLike, out: PathLike, *, support: 
 # ---------------------------------------------------------------------------- training
 
 def train_local(config: JobSource, *, overrides: Overrides | None = None, run_dir: PathLike | None = None,
-                max_steps: int | None = None, plots: bool = True) -> TrainResult:
+                max_steps: int | None = None, plots: bool | None = None) -> TrainResult:
     """Train in this process with local tables (the parity reference), like ``metaps train-local``.
 
     Leaves a run directory like :func:`launch` does (``job.toml``, ``checkpoints/``, ``report.json``,
@@ -466,7 +466,8 @@ def train_local(config: JobSource, *, overrides: Overrides | None = None, run_di
         run_dir: run directory, new or empty (None: ``[run] dir/<name>-<time>``, pointed at by ``latest``).
         max_steps: shorthand for ``overrides={"train.max_steps": N}``.
         plots: draw the run's ``plots/`` PNGs (``report.json`` and ``tb/`` are always written); drawing
-            them takes about as long as a short run, so a quick notebook may skip them.
+            them takes about as long as a short run, so a quick notebook may skip them (None: the
+            job's ``[run] plots``).
 
     Returns:
         the run directory, training totals, checkpoint, eval AUC and report.

@@ -67,10 +67,20 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Where a run leaves its report, checkpoints, logs and plots."""
+    """Where a run leaves its report, checkpoints, logs and plots.
+
+    Args:
+        dir: the folder of run directories (``launch`` / ``train-local`` create ``<name>-<time>``
+            in it unless given one).
+        name: the run's name (its directory's prefix and ``metaps_run`` metrics label).
+        plots: draw ``RUN/plots/*.png`` when the run ends (matplotlib: about 4 CPU-s, as long as a
+            short run's training); false leaves ``report.json`` and TensorBoard only, and
+            ``metaps run-report --run-dir RUN`` draws them later.
+    """
 
     dir: str = "runs/default"
     name: str = "metaps"
+    plots: bool = True
 
 
 def _section_types() -> dict[str, type]:

@@ -423,6 +423,9 @@ class Launcher:
         write_report(self.run_dir, rep)
         for what, fn in (("tensorboard", lambda: write_tensorboard(rep, self.run_dir / "tb")),
                          ("plots", lambda: make_plots(rep, self.run_dir / "plots"))):
+            if what == "plots" and not self.job.run.plots:
+                log.info("plots not drawn ([run] plots = false)", extra=kv(draw=f"metaps run-report --run-dir {self.run_dir}"))
+                continue
             try:
                 fn()
             except Exception:

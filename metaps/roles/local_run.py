@@ -35,13 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def run_local(job: "JobConfig", run_dir: str = "", plots: bool = True) -> tuple[dict[str, Any], Path]:
+def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None) -> tuple[dict[str, Any], Path]:
     """Preflight, make the run dir, train in this process, write the report and its artefacts.
 
     Args:
         job: the parsed job (overrides applied).
         run_dir: run directory, new or empty ('' = ``[run] dir/<name>-<time>``, pointed at by ``latest``).
-        plots: draw ``plots/`` (matplotlib: about as long as a short run itself); False skips them.
+        plots: draw ``plots/`` (matplotlib: about as long as a short run itself); False skips them;
+            None: as ``[run] plots`` says.
 
     Returns:
         (report.json's dict, the run directory)
@@ -80,7 +81,8 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool = True) -> tuple[
     write_report(d, rep)
     for what, fn in (("tensorboard", lambda: write_tensorboard(rep, d / "tb")),
                      ("plots", lambda: make_plots(rep, d / "plots"))):
-        if what == "plots" and not plots:
+        if what == "plots" and not (job.run.plots if plots is None else plots):
+            log.info("plots not drawn", extra=kv(draw=f"metaps run-report --run-dir {d}"))
             continue
         try:
             fn()

@@ -48,7 +48,8 @@ def job_mapping(data: dict[str, Path], run_root: Path, *, workers: int = 2, ps: 
                        "agent": {"heartbeat_s": 0.5, "restart_limit": 1, "backoff_s": 0.2, "stop_grace_s": 5.0}},
         "rpc": {"token": TOKEN, "timeout_s": 20.0},
         "delivery": {"out": str(run_root / "bundles")},
-        "run": {"dir": str(run_root / "runs"), "name": "test"},
+        # no PNGs (matplotlib, ~4 CPU-s a run): the tests that check plots turn them on
+        "run": {"dir": str(run_root / "runs"), "name": "test", "plots": False},
     }
     for name, values in sections.items():
         job.setdefault(name, {}).update(values)

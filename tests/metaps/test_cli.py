@@ -228,7 +228,7 @@ def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
     from tests.metaps.fleet_data import job_mapping, make_data
 
     data = make_data(tmp_path / "data")
-    job = write(tmp_path / "job.toml", job_mapping(data, tmp_path, workers=1, ps=1))
+    job = write(tmp_path / "job.toml", job_mapping(data, tmp_path, workers=1, ps=1, run={"plots": True}))
     res = _metaps("train-local", "--config", str(job), "--set", "train.max_steps=3", "--set", "train.log_every=1",
                   "--json")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

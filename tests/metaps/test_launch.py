@@ -57,7 +57,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def e2e(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One full launch: 1 PS, 2 workers, meta mode, train + held-out eval."""
     root = tmp_path_factory.mktemp("launch-e2e")
-    cfg = write_job_file(root / "job.toml", data, workers=3, ps=2)  # the flags below override both counts
+    cfg = write_job_file(root / "job.toml", data, workers=3, ps=2,  # the flags below override both counts
+                         run={"plots": True})
     run = root / "run"
     try:
         proc = subprocess.run(_launch_cmd("--config", str(cfg), "--workers", "2", "--ps", "1", "--run-dir", str(run),
@@ -164,7 +165,8 @@ def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
     source = latest_checkpoint(e2e["run"] / "checkpoints")
     cfg = write_job_file(tmp_path / "job.toml", data, workers=1, ps=1,
                          train={"epochs": 50},  # far more than the test waits for
-                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0}]})
+                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0}]},
+                         run={"plots": True})  # an interrupted run is drawn too
     run = tmp_path / "run"
     proc = subprocess.Popen(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--resume-from",
                                         str(e2e["run"]), "--no-progress"),
@@ -310,6 +312,9 @@ def test_worker_failing_beyond_its_restart_limit_fails_the_run(data: dict[str, P
     down = [e for e in rep["controller"]["events"] if e["kind"] == "node_down" and e["node"] == "worker:0"]
     assert down, rep["controller"]["events"]
     assert rep["checkpoint"] and latest_checkpoint(run / "checkpoints") == Path(rep["checkpoint"])
+    # [run] plots = false (the test jobs' default): no PNGs, and the log says how to draw them
+    assert not (run / "plots").exists() and (run / "tb").is_dir()
+    assert f'msg="plots not drawn ([run] plots = false)" draw="metaps run-report --run-dir {run}"' in proc.stderr
 
 
 def test_missing_eval_dataset_fails_before_any_process_starts(data: dict[str, Path], tmp_path: Path) -> None:
