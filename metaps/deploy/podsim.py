@@ -60,6 +60,7 @@ Example::
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import logging
 import os
@@ -80,6 +81,11 @@ from typing import Any
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
+
+HOST_LOCK = "/run/metaps-podsim.lock"
+"""Held shared by every live :class:`PodSim` on this machine (see ``PodSim.__init__``)."""
+HOST_DIRS = "/run/metaps-podsim.dirs"
+"""Host directories a simulation created as mount points, one per line: the last one to close removes them."""
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -182,7 +188,16 @@ class PodSim:
         self.hub = f"k8h{self.tag}"
         self.pods: dict[str, Pod] = {}
         self.namespaces: list[str] = []
-        self.created_dirs: list[Path] = []
+        self.created_dirs: list[Path] = []  # host mount points this simulation made (maybe shared)
+        self.private_dirs: list[Path] = []  # its own stash directories (/run/metaps-podsim-<tag>/...)
+        # Mount points are host directories (/etc/metaps/job, /data, ...) that another simulation on
+        # this machine may be using right now: removing one detaches the bind mounts on it in every
+        # mount namespace (Linux >= 3.18), so a concurrent simulation's pods would lose their config.
+        # Each simulation holds a shared lock on one host-wide file for its life; close() removes the
+        # mount points it created only when it can take the lock exclusively (no other one alive).
+        self._host_lock = open(HOST_LOCK, "a+")
+        fcntl.flock(self._host_lock, fcntl.LOCK_SH)
+        self._closed = False
         self.jobs: dict[str, JobState] = {}
         self.hosts_file = self.root / "hosts"
         self._lock = threading.RLock()
@@ -293,7 +308,7 @@ class PodSim:
         with self._lock:
             if not d.exists():
                 d.mkdir(parents=True)
-                self.created_dirs.extend([d.parent, d] if d.parent not in self.created_dirs else [d])
+                self.private_dirs.extend([d.parent, d] if d.parent not in self.private_dirs else [d])
         return d
 
     def _mountpoint(self, path: str) -> None:
@@ -306,6 +321,8 @@ class PodSim:
         for m in reversed(missing):
             m.mkdir()
             self.created_dirs.append(m)
+            with open(HOST_DIRS, "a") as f:  # one short O_APPEND write: concurrent simulations' lines stay whole
+                f.write(f"{m}\n")
 
     # ----------------------------------------------------------------- pods
     def _new_pod(self, owner: str, name: str, template: dict[str, Any], env: dict[str, str] | None = None,
@@ -757,7 +774,11 @@ class PodSim:
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Stop every pod (SIGKILL), remove the namespaces, veths and mount points created here."""
+        """Stop every pod (SIGKILL), remove the namespaces, veths and, when no other simulation on this
+        machine is alive, the mount points simulations created (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         with self._lock:
             pods = list(self.pods.values())
@@ -781,11 +802,31 @@ class PodSim:
                 t.join(timeout=30)
         for ns in reversed(self.namespaces):  # deleting a namespace deletes its veth ends (and their peers)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, timeout=30)
-        for d in reversed(self.created_dirs):
+        for d in reversed(self.private_dirs):
             try:
                 d.rmdir()
             except OSError:
                 pass
+        try:
+            fcntl.flock(self._host_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        if alone:  # the last one out: every mount point any simulation left, deepest first
+            try:
+                listed = [Path(x) for x in Path(HOST_DIRS).read_text().split("\n") if x]
+            except OSError:
+                listed = []
+            for d in sorted(set(listed) | set(self.created_dirs), key=lambda q: len(q.parts), reverse=True):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+            Path(HOST_DIRS).unlink(missing_ok=True)
+        elif self.created_dirs:
+            log.info("host mount points kept: another simulation is using them",
+                     extra=kv(dirs=[str(d) for d in self.created_dirs]))
+        self._host_lock.close()  # releases the lock
 
 
 def _main_pid(p: subprocess.Popen[bytes]) -> int:

@@ -1,0 +1,65 @@
+"""Two pod simulations on one machine: one ending must not take the other's mounts with it.
+
+A pod's volume is bind-mounted on a host directory (``/etc/metaps/job``); the simulation that
+created that directory removed it when it ended, and since Linux 3.18 removing a mount point
+detaches its bind mounts in every mount namespace: a concurrent simulation's pods (another
+test on the other xdist worker) lost their config file mid-run ("metaps cut: error:
+/etc/metaps/job/job.toml: config file not found" in a PS pod's preStop hook). Judged from
+inside the surviving pod: its mounted file is still there after the other simulation closed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metaps.deploy.podsim import PodSim, _main_pid, netns_available
+from tests.metaps.fleet_data import wait_for
+
+
+def _docs(mount: str) -> list[dict[str, Any]]:
+    return [
+        {"kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"job.toml": "x = 1\n"}},
+        {"kind": "Job", "metadata": {"name": "holder"},
+         "spec": {"parallelism": 1, "completions": 1, "backoffLimit": 0,
+                  "template": {"metadata": {"labels": {"app": "holder"}},
+                               "spec": {"restartPolicy": "Never",
+                                        "containers": [{"name": "main", "command": ["sleep", "300"],
+                                                        "volumeMounts": [{"name": "cfg", "mountPath": mount}]}],
+                                        "volumes": [{"name": "cfg", "configMap": {"name": "cfg"}}]}}}},
+    ]
+
+
+def _read_in_pod(sim: PodSim, path: str) -> subprocess.CompletedProcess[str]:
+    pod = sim.job_pods("holder")[0]
+    assert pod.proc is not None
+    return subprocess.run(["nsenter", "-t", str(_main_pid(pod.proc)), "-m", "cat", path],
+                          capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_a_closing_simulation_keeps_the_mount_points_another_one_uses(tmp_path: Path) -> None:
+    assert netns_available(), "pods run in network + mount namespaces: needs root, iproute2 and unshare"
+    mount = f"/etc/metaps-podsim-test-{secrets.token_hex(3)}/job"  # a host path neither simulation finds
+    assert not Path(mount).exists()
+    first = PodSim(_docs(mount), tmp_path / "a", subnet="10.234.0")
+    second = None
+    try:
+        second = PodSim(_docs(mount), tmp_path / "b", subnet="10.235.0")
+        for sim in (first, second):
+            sim.start_workload("holder")
+        wait_for(lambda: all(_read_in_pod(s, f"{mount}/job.toml").stdout == "x = 1\n" for s in (first, second)),
+                 120, "both pods to see their config file")
+        first.close()  # the one that created the host directory ends first
+        r = _read_in_pod(second, f"{mount}/job.toml")
+        assert r.returncode == 0 and r.stdout == "x = 1\n", (r.returncode, r.stderr)
+        assert Path(mount).is_dir()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+    assert not Path(mount).exists() and not Path(mount).parent.exists()  # the last one out cleans up
