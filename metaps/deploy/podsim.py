@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -81,6 +82,19 @@ from typing import Any
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
+
+_SIMS = itertools.count()
+
+
+def _new_tag() -> str:
+    """A name part no live namespace on this machine has: this process's pid, a per-process count (two
+    simulations in one test) and a random byte; a name left by a killed simulation is skipped. Short:
+    ``v<tag><ip>a`` must fit a 15-character interface name."""
+    while True:
+        tag = f"{os.getpid() % 10000}{next(_SIMS) % 16:x}{secrets.token_hex(1)}"
+        if not Path(f"/run/netns/k8h{tag}").exists():
+            return tag
+
 
 HOST_LOCK = "/run/metaps-podsim.lock"
 """Held shared by every live :class:`PodSim` on this machine (see ``PodSim.__init__``)."""
@@ -184,7 +198,7 @@ class PodSim:
         self.base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
         self.base_env.update(env or {})
         self.subnet = subnet
-        self.tag = f"{os.getpid() % 10000}{secrets.token_hex(1)}"
+        self.tag = _new_tag()
         self.hub = f"k8h{self.tag}"
         self.pods: dict[str, Pod] = {}
         self.namespaces: list[str] = []

@@ -34,11 +34,18 @@ def _docs(mount: str) -> list[dict[str, Any]]:
     ]
 
 
-def _read_in_pod(sim: PodSim, path: str) -> subprocess.CompletedProcess[str]:
-    pod = sim.job_pods("holder")[0]
-    assert pod.proc is not None
-    return subprocess.run(["nsenter", "-t", str(_main_pid(pod.proc)), "-m", "cat", path],
+def _read_in_pod(sim: PodSim, path: str) -> subprocess.CompletedProcess[str] | None:
+    """``cat path`` in the holder pod's mount namespace; None before its container started."""
+    pods = sim.job_pods("holder")
+    if not pods or pods[0].proc is None:
+        return None
+    return subprocess.run(["nsenter", "-t", str(_main_pid(pods[0].proc)), "-m", "cat", path],
                           capture_output=True, text=True, timeout=30)
+
+
+def _sees(sim: PodSim, path: str) -> bool:
+    r = _read_in_pod(sim, path)
+    return r is not None and r.returncode == 0 and r.stdout == "x = 1\n"
 
 
 @pytest.mark.timeout(300)
@@ -52,11 +59,11 @@ def test_a_closing_simulation_keeps_the_mount_points_another_one_uses(tmp_path: 
         second = PodSim(_docs(mount), tmp_path / "b", subnet="10.235.0")
         for sim in (first, second):
             sim.start_workload("holder")
-        wait_for(lambda: all(_read_in_pod(s, f"{mount}/job.toml").stdout == "x = 1\n" for s in (first, second)),
-                 120, "both pods to see their config file")
+        wait_for(lambda: all(_sees(s, f"{mount}/job.toml") for s in (first, second)), 120,
+                 "both pods to see their config file")
         first.close()  # the one that created the host directory ends first
         r = _read_in_pod(second, f"{mount}/job.toml")
-        assert r.returncode == 0 and r.stdout == "x = 1\n", (r.returncode, r.stderr)
+        assert r is not None and r.returncode == 0 and r.stdout == "x = 1\n", r
         assert Path(mount).is_dir()
     finally:
         first.close()
