@@ -18,9 +18,11 @@ killed from outside past a hard limit. Faults:
 **Faults strike at states, not times** (a busy box cannot make them vacuous). A signal
 fault's fleet takes no interval cuts; the bench watches the controller (``GetStatus``)
 and: waits for a train shard done -> requests cut A (``RequestCut``) and waits for its
-commit -> (corrupt: requests cut B, waits for its commit, corrupts it) -> waits for another
-shard done after A -> strikes. A PS recovery must then restore A and roll the DDS back
-to it, with training on both sides of the cut to lose. A fault that did not reach its
+commit -> (corrupt: requests cut B, waits for its commit, corrupts it) -> waits for training
+leased after A's commit to be done (more train batches done than the shards in flight at
+the commit can hold: a shard in flight may have pushed into A's rows before it was reported
+done, and then a broken rollback loses nothing) -> strikes. A PS recovery must then restore
+A and roll the DDS back to it, with training the cut lacks to lose. A fault that did not reach its
 state is **not exercised** (never survived).
 
 **The judge reads the model, not row counts.** Every table runs Adam, whose per-row
@@ -291,6 +293,11 @@ class _Watch:
             self._client = None
 
 
+def train_done(st: dict[str, Any]) -> int:
+    """Batches of the ``train`` dataset done so far (every epoch), from a status's coverage."""
+    return int((st.get("coverage", {}).get("by_dataset", {}).get("train") or [0, 0])[0])
+
+
 def ledger_head(st: dict[str, Any]) -> int:
     """The seq of the ledger's newest entry (-1: none), from a status's coverage counts."""
     cov = st.get("coverage", {})
@@ -316,11 +323,13 @@ def _arm_cut(w: _Watch, notes: dict[str, Any], key: str) -> dict[str, Any] | Non
     return cut
 
 
-def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[str, Any]) -> None:
+def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[str, Any],
+            job: dict[str, Any]) -> None:
     """Drive the fleet to the fault's state, then strike. Everything it did goes into ``notes``.
 
     Armed faults (signals): shard(s) done -> the bench's cut A committed (-> for ``corrupt``: cut
-    B committed and corrupted) -> another shard done after A -> strike. Interval cuts are off
+    B committed and corrupted) -> training leased after A's commit done (more train batches than the
+    shards in flight at the commit can hold) -> strike. Interval cuts are off
     (``checkpoint_interval_s`` huge), so no cut commits between A and the strike: a correct PS
     recovery restores A (B is unreadable) and must roll the DDS back to it.
     """
@@ -348,10 +357,20 @@ def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[s
                 fh.seek(size // 2)
                 fh.write(os.urandom(min(4096, size // 4)))
             notes["corrupted"] = spoiled["dir"]
+        # Training the cut cannot hold: a shard in flight while the cut's rows were written may have
+        # pushed into them before it was reported done (a correct recovery then replays it, a broken
+        # one loses nothing: the judge could not tell them apart). Shards in flight when the commit
+        # was seen hold at most workers x batches_per_shard batches, so more train batches done after
+        # that include one from a shard leased after the commit, whose updates the cut lacks.
         seq = int(cut["dds"]["ledger_seq"])
-        if w.until(lambda s: ledger_head(s) > seq) is None:
-            notes["not_exercised"] = f"no shard was done after cut {cut['cut_id']} (the run ended)"
+        seen = w.status()
+        base = train_done(seen) if seen else 0
+        inflight = int(job["train"]["workers"]) * int(job["controller"]["dds"]["batches_per_shard"])
+        if w.until(lambda s: ledger_head(s) > seq and train_done(s) > base + inflight) is None:
+            notes["not_exercised"] = (f"no training leased after cut {cut['cut_id']} was done "
+                                      f"(train batches done at its commit {base}; the run ended)")
             return
+        notes["train_done_at_commit"] = base
         st = w.status()
         pid = fleet_procs(str(run)).get(f.target)
         if pid is None:
@@ -416,7 +435,7 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str =
     with out_path.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        inj = threading.Thread(target=_inject, args=(f, run, proc, notes), daemon=True)
+        inj = threading.Thread(target=_inject, args=(f, run, proc, notes, job), daemon=True)
         inj.start()
         try:
             rc: int | None = proc.wait(HARD_LIMIT_S)
