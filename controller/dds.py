@@ -30,8 +30,9 @@ ledger still tiles every batch exactly once: [s, p) by W, [p, e) by whoever take
 the tail; a retried partial report (reply lost) is a ``retry``, a partial report
 nobody asked for is refused and changes nothing. No batch is trained twice (this is
 not a backup lease). When every shard of an epoch is DONE the next epoch is
-created (shuffled with ``seed + epoch``) in the same transaction; after the
-last epoch the dataset answers DONE.
+created (shuffled with ``seed + epoch`` by :func:`metaps.core.shard_order.shard_order`,
+the order train-local reads too) in the same transaction; after the last epoch the
+dataset answers DONE.
 
 Every transition is one LMDB write transaction (records + ledger + events), so
 a controller killed at any point restarts from the last committed transition.
@@ -55,10 +56,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 import threading
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -72,6 +71,7 @@ from controller.types import (DatasetKind, DatasetSpec, DdsCut, DdsError, GetRes
                               ReportStatus, ShardLease, StateMismatch, UnknownDataset, UnknownShard,
                               parse_shard_id)
 from metaps.core.log import kv
+from metaps.core.shard_order import shard_order
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +240,7 @@ class DynamicDataSharding:
 
     def _create_epoch(self, txn: lmdb.Transaction, live: _Live, epoch: int) -> None:
         spec, bps = live.spec, self._cfg.batches_per_shard
-        shards = [(f, s, min(s + bps, n)) for f, n in enumerate(spec.batches_per_file) for s in range(0, n, bps)]
-        rng = random.Random(self._cfg.seed * 1_000_003 + epoch * 7919 + zlib.crc32(spec.name.encode()))
-        rng.shuffle(shards)
+        shards = shard_order(spec.batches_per_file, bps, self._cfg.seed, epoch, spec.name)  # train-local reads it too
         live.epoch, live.order_head, live.records, live.doing = epoch, 0, {}, {}
         live.todo = deque()
         for i, (f, s, e) in enumerate(shards):
