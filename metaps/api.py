@@ -94,10 +94,13 @@ class SplitResult:
     """What :func:`split_holdout` wrote.
 
     Args:
-        train_dir / holdout_dir: the two Parquet folders (held-out tasks are unseen in training).
+        train_dir / holdout_dir: the two Parquet folders (a task split: held-out tasks are unseen in
+            training; a time split: the holdout is every row at or after ``time_cut``).
         schema: the split data's schema file.
-        keys_file: the held-out task keys, one per line (``keys=`` of a later split reproduces it).
+        keys_file: what reproduces the split: the held-out task keys, one per line (``keys=`` of a
+            later split), or for a time split ``time_cut.json`` (its ``cut`` is ``cut=``).
         train_rows / holdout_rows / holdout_tasks: counts.
+        time_cut: the time split's cut (None for a task split).
     """
 
     train_dir: Path
@@ -107,6 +110,7 @@ class SplitResult:
     train_rows: int
     holdout_rows: int
     holdout_tasks: int
+    time_cut: int | None = None
 
 
 @dataclass(frozen=True)
@@ -381,36 +385,39 @@ def generate_data(out: PathLike, *, rows: int = 200_000, users: int = 20_000, it
 
 
 def split_holdout(input: PathLike, schema: PathLike, out: PathLike, *, fraction: float | None = None, seed: int = 0,
-                  keys: PathLike | None = None) -> SplitResult:
-    """Split logs into train and held-out tasks (users unseen in training), like ``metaps meta-io split-holdout``.
+                  keys: PathLike | None = None, by: str = "task", cut: int | None = None) -> SplitResult:
+    """Split logs into train and held-out rows, like ``metaps meta-io split-holdout``: by task (users
+    unseen in training, the cold-start judge) or by time (train on the past, score the future).
 
     Args:
         input: Parquet/CSV file or folder (your logs or :func:`generate_data`'s).
         schema: schema file (.json or .toml; ``configs/schema_example.toml`` shows one for your own logs).
         out: writes ``out/train``, ``out/holdout`` and ``out/schema.json``.
-        fraction: share of tasks held out, chosen by a seeded hash of the task key (None: 0.1).
-        seed: seed of the ``fraction`` choice.
-        keys: instead of ``fraction``: hold out exactly the task keys in this file, one per line.
+        fraction: ``by="task"``: share of tasks held out, chosen by a seeded hash of the task key;
+            ``by="time"``: share of rows held out, the latest (None: 0.1).
+        seed: seed of the task ``fraction`` choice.
+        keys: ``by="task"``, instead of ``fraction``: hold out exactly the task keys in this file, one per line.
+        by: ``task`` or ``time``.
+        cut: ``by="time"``, instead of ``fraction``: hold out the rows with a timestamp >= ``cut``.
 
     Returns:
-        the two folders, the schema, the keys file and the counts.
+        the two folders, the schema, what reproduces the split, and the counts.
 
     Raises:
         ApiError: a missing input or schema; DataError / SchemaError: bad data.
     """
-    from meta_io.holdout import KEYS_FILE
-
     from metaps.roles.data import split_holdout as _split
 
-    if fraction is not None and keys is not None:
-        raise ApiError("split_holdout: give fraction or keys, not both")
+    given = [n for n, v in (("fraction", fraction), ("keys", keys), ("cut", cut)) if v is not None]
+    if len(given) > 1:
+        raise ApiError(f"split_holdout: give one of fraction, keys and cut, not {' and '.join(given)}")
     key_file = _path(keys, "keys", must_exist=True) if keys is not None else None
     res = _split(_path(input, "input", must_exist=True), _path(schema, "schema", must_exist=True),
-                 _path(out, "out"), fraction, seed, key_file)
+                 _path(out, "out"), fraction, seed, key_file, by, cut)
     return SplitResult(train_dir=Path(res.train_dir), holdout_dir=Path(res.holdout_dir),
-                       schema=Path(res.schema_path), keys_file=Path(res.schema_path).parent / KEYS_FILE,
+                       schema=Path(res.schema_path), keys_file=Path(res.record),
                        train_rows=int(res.train_rows), holdout_rows=int(res.holdout_rows),
-                       holdout_tasks=int(res.holdout_tasks))
+                       holdout_tasks=int(res.holdout_tasks), time_cut=res.time_cut)
 
 
 def build_meta_io(input: PathLike, schema: PathLike, out: PathLike, *, support: int = 8, query: int = 4,

@@ -81,17 +81,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     i.add_argument("--verify", action="store_true",
                    help="read every byte and check it against the build's checksums (exit 1 on any mismatch)")
     i.set_defaults(func=_inspect)
-    h = msub.add_parser("split-holdout", help="split input into train and held-out tasks (users unseen in training)")
+    h = msub.add_parser("split-holdout", help="split input into train and held-out rows: by task (users unseen in "
+                                              "training) or by time (the future)")
     h.add_argument("--input", required=True, help="Parquet/CSV file or folder")
     h.add_argument("--schema", required=True, help="schema file")
     h.add_argument("--out", required=True, help="writes OUT/train, OUT/holdout and OUT/schema.json")
+    h.add_argument("--by", choices=["task", "time"], default="task",
+                   help="task: hold out whole tasks (cold-start users); time: hold out the latest rows, every "
+                        "task (train on the past, score the future)")
     how = h.add_mutually_exclusive_group()
     how.add_argument("--fraction", type=float, default=None,
-                     help="share of tasks held out, chosen by a seeded hash of the task key (default 0.1)")
+                     help="--by task: share of tasks held out, chosen by a seeded hash of the task key; --by time: "
+                          "share of rows held out, the latest (default 0.1)")
     how.add_argument("--keys", default=None,
-                     help="hold out exactly the task keys in this file, one per line (e.g. OUT/holdout_keys.txt "
-                          "of an earlier split), to reproduce an external split")
-    h.add_argument("--seed", type=int, default=0, help="seed of the --fraction choice")
+                     help="--by task: hold out exactly the task keys in this file, one per line (e.g. "
+                          "OUT/holdout_keys.txt of an earlier split), to reproduce an external split")
+    how.add_argument("--cut", type=int, default=None,
+                     help="--by time: hold out exactly the rows with a timestamp >= CUT (e.g. the cut in "
+                          "OUT/time_cut.json of an earlier split)")
+    h.add_argument("--seed", type=int, default=0, help="seed of the --by task --fraction choice")
     h.set_defaults(func=_split_holdout)
     m.set_defaults(func=lambda args: _missing_action(m))
 
@@ -102,41 +110,60 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
 
 
 def split_holdout(input_path: str | Path, schema: str | Path, out: str | Path, fraction: float | None = None,
-                  seed: int = 0, keys: str | Path | None = None) -> "HoldoutSplit":
-    """Split logs into train and held-out tasks: what ``metaps meta-io split-holdout`` runs.
+                  seed: int = 0, keys: str | Path | None = None, by: str = "task",
+                  cut: int | None = None) -> "HoldoutSplit":
+    """Split logs into train and held-out rows: what ``metaps meta-io split-holdout`` runs.
 
     Args:
         input_path: Parquet/CSV file or folder.
         schema: schema file (.json or .toml).
-        out: writes ``out/train``, ``out/holdout``, ``out/schema.json`` and the held-out keys file.
-        fraction: share of tasks held out (None: 0.1); not with ``keys``.
-        seed: seed of the ``fraction`` choice.
-        keys: hold out exactly the task keys in this file, one per line.
+        out: writes ``out/train``, ``out/holdout``, ``out/schema.json`` and what reproduces the
+            split (the held-out keys file, or ``time_cut.json``).
+        fraction: share of tasks (``by="task"``) or of the latest rows (``by="time"``) held out
+            (None: 0.1); not with ``keys`` or ``cut``.
+        seed: seed of the task ``fraction`` choice.
+        keys: ``by="task"``: hold out exactly the task keys in this file, one per line.
+        by: ``task`` (whole tasks, cold-start users) or ``time`` (rows at or after a cut time).
+        cut: ``by="time"``: hold out the rows with a timestamp >= ``cut``.
 
     Returns:
         the :class:`meta_io.holdout.HoldoutSplit`.
-    """
-    from meta_io.holdout import read_task_keys, split_by_task
-    from meta_io.schema import load_schema
 
-    key_ids = read_task_keys(keys) if keys else None
+    Raises:
+        ConfigError: an option that does not go with ``by`` (one line naming it).
+    """
+    from meta_io.holdout import read_task_keys, split_by_task, split_by_time
+    from meta_io.schema import load_schema
+    from metaps.core.errors import ConfigError
+
+    if by not in ("task", "time"):
+        raise ConfigError(f"split-holdout: --by must be 'task' or 'time', got {by!r}")
+    if by == "time" and keys:
+        raise ConfigError("split-holdout: --keys names tasks; a time split takes --fraction or --cut")
+    if by == "task" and cut is not None:
+        raise ConfigError("split-holdout: --cut is a time; give --by time with it")
     share = 0.1 if fraction is None else fraction
+    if by == "time":
+        return split_by_time(input_path, load_schema(schema), out, share, cut)
+    key_ids = read_task_keys(keys) if keys else None
     return split_by_task(input_path, load_schema(schema), out, share, seed, keys=key_ids)
 
 
 def _split_holdout(args: argparse.Namespace) -> int:
-    from meta_io.holdout import KEYS_FILE
-
-    with summary_replaces("meta_io", "holdout split"):
-        res = split_holdout(args.input, args.schema, args.out, args.fraction, args.seed, args.keys)
-    keys_file = res.schema_path.parent / KEYS_FILE
-    emit(args, {"train_rows": res.train_rows, "train_dir": str(res.train_dir), "holdout_rows": res.holdout_rows,
-                "holdout_tasks": res.holdout_tasks, "holdout_dir": str(res.holdout_dir),
-                "schema": str(res.schema_path), "keys_file": str(keys_file)},
-         [f"train   {res.train_rows:,} rows -> {res.train_dir}",
-          f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}",
+    with summary_replaces("meta_io", "holdout split", "time split"):
+        res = split_holdout(args.input, args.schema, args.out, args.fraction, args.seed, args.keys, args.by, args.cut)
+    timed = res.time_cut is not None
+    out = {"by": args.by, "train_rows": res.train_rows, "train_dir": str(res.train_dir),
+           "holdout_rows": res.holdout_rows, "holdout_tasks": res.holdout_tasks, "holdout_dir": str(res.holdout_dir),
+           "schema": str(res.schema_path), ("time_cut_file" if timed else "keys_file"): str(res.record)}
+    if timed:
+        out["time_cut"] = res.time_cut
+    emit(args, out,
+         [f"train   {res.train_rows:,} rows -> {res.train_dir}" + (f" (timestamp < {res.time_cut})" if timed else ""),
+          f"holdout {res.holdout_rows:,} rows ({res.holdout_tasks:,} tasks) -> {res.holdout_dir}"
+          + (f" (timestamp >= {res.time_cut})" if timed else ""),
           f"schema  {res.schema_path}",
-          f"keys    {keys_file}"])
+          f"{'cut' if timed else 'keys'}    {res.record}"])
     return 0
 
 
