@@ -54,11 +54,17 @@ class DataConfig:
         train: a Meta-IO dataset directory (meta or plain layout).
         eval: a held-out Meta-IO dataset (users unseen in training); '' for none.
         schema: schema file; '' means the one embedded in the train manifest.
+        validation: a Meta-IO dataset ``train-local`` validates on after every epoch (early
+            stopping, the best epoch kept) instead of ``[train] val_fraction`` batches of ``train``:
+            e.g. built from the later rows of a time split (``metaps meta-io split-holdout --by
+            time``), so early stopping sees the drift a random pick of batches hides. Same layout
+            as ``train``; '' for none. Not with ``[train] val_fraction``.
     """
 
     train: str = ""
     eval: str = ""
     schema: str = ""
+    validation: str = ""
 
     def validate(self) -> None:
         if not self.train:
@@ -186,6 +192,10 @@ def job_from_mapping(data: dict[str, Any], where: str = "<job>") -> JobConfig:
         if not isinstance(sub, dict):
             raise ConfigError(f"{where}: '{name}' must be a table, got {type(sub).__name__}")
         sections[name] = from_mapping(cls, sub, where=where, prefix=name)
+    if sections["data"].validation and sections["train"].val_fraction > 0:
+        raise ConfigError(f"{where}: data.validation and train.val_fraction both choose the validation batches; "
+                          f"set one (got validation = {sections['data'].validation!r}, "
+                          f"val_fraction = {sections['train'].val_fraction})")
     return JobConfig(**sections, source=where)
 
 

@@ -7,7 +7,7 @@ surfaced only inside the PS or a worker, after several agent restarts.
 
 What it checks (cheap: nothing is trained, data batches are not read)::
 
-    data        data.train (and data.eval) exist and are Meta-IO datasets: manifest,
+    data        data.train (and data.eval, data.validation) exist and are Meta-IO datasets: manifest,
                 index (crc32), every file's size, Arrow footer and frame crc32
                 (see meta_io.integrity); their columns match the job's schema;
                 data.schema, when set, loads
@@ -105,6 +105,16 @@ def _dataset(path: str, what: str, source: str = "") -> Any:
     return ds
 
 
+def _same_layout(train: Any, validation: Any) -> None:
+    """The validation batches go through the training step: they must be laid out like the train set's."""
+    from metaps.core.errors import DataError
+
+    a, b = train.manifest.get("layout", "meta"), validation.manifest.get("layout", "meta")
+    if a != b:
+        raise DataError(f"data.validation = {validation.path}: layout '{b}', but data.train is '{a}' "
+                        f"(build both with the same --layout)")
+
+
 def _columns(ds: Any, what: str, want: list[str]) -> None:
     from metaps.core.errors import DataError
 
@@ -173,6 +183,11 @@ def preflight(job: "JobConfig", resume: str | Path = "", build_model: bool = Tru
     datasets = {"data.train": _check(problems, lambda: _dataset(job.data.train, "data.train", job.source))}
     if job.data.eval:
         datasets["data.eval"] = _check(problems, lambda: _dataset(job.data.eval, "data.eval", job.source))
+    if job.data.validation:
+        datasets["data.validation"] = _check(problems, lambda: _dataset(job.data.validation, "data.validation",
+                                                                        job.source))
+        if datasets["data.train"] is not None and datasets["data.validation"] is not None:
+            _check(problems, lambda: _same_layout(datasets["data.train"], datasets["data.validation"]))
     if datasets["data.train"] is not None:
         _check(problems, lambda: _support_size(datasets["data.train"], job), job.source or "<job>")
     schema = None

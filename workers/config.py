@@ -87,8 +87,9 @@ class TrainConfig:
             validate on after every epoch (``train-local``): the best epoch's checkpoint is kept
             and restored at the end. 0 (default) = no validation, every batch trains (a fleet
             and ``train-local`` then train on the same rows). 0.1 is a sound value for unseen data.
+            ``[data] validation`` gives a dataset of its own instead (a time split's later rows).
         early_stop_patience: epochs without a better validation figure (``early_stop_metric``)
-            before training stops (with ``val_fraction`` > 0). Default 2: one noisy epoch does not
+            before training stops (with ``val_fraction`` > 0 or ``[data] validation``). Default 2: one noisy epoch does not
             stop training, two in a row on data never seen before mean it is overfitting. 0 = never
             stop early (the best epoch is still restored).
         early_stop_metric: the validation figure that picks the best epoch (the one restored)

@@ -1,8 +1,9 @@
 """Training hygiene: a validation split, early stopping, best-checkpoint selection, lr schedule.
 
-``train-local`` with ``[train] val_fraction > 0``::
+``train-local`` with ``[train] val_fraction > 0`` or a ``[data] validation`` dataset::
 
     per train file: a seeded pick of round(val_fraction * batches) batches (>= 1) -> validation
+        (or: every batch of the [data] validation dataset, and every train batch trains)
     for each epoch:
         train on the other batches (the same step engine)
         validation loss = the training objective on the validation batches, no update
@@ -22,7 +23,10 @@ recorded per epoch in the :class:`ValidationRecord`, with why training stopped;
 (``validation``).
 
 The picked batches are whole Meta-IO batches, so in the meta layout they are whole
-tasks (users) never trained on: a cold-start validation. Validation pulls rows of its
+tasks (users) never trained on: a cold-start validation. A random pick cannot see drift
+over time; ``[data] validation`` takes a dataset built from the later rows of a time split
+(``metaps meta-io split-holdout --by time``) instead, so the epoch kept is the one that
+scores the future best. Validation pulls rows of its
 ids (unseen ids get their initial rows, as in evaluation) and never pushes.
 
 ``[train] lr_schedule`` is :func:`lr_factor` on the dense optimizer's lr, applied by
@@ -149,20 +153,22 @@ class ValidationRecord:
         return value > self.best_value if self.metric == EarlyStopMetric.AUC.value else value < self.best_value
 
 
-def validation_loss(worker: Any, batches: list[tuple[int, int]]) -> float:
+def validation_loss(worker: Any, batches: list[tuple[int, int]], dataset: Any = None) -> float:
     """The training objective on validation batches, sample-weighted, without any update.
 
     Args:
         worker: the :class:`~workers.worker.Worker` (its trainer, rows and dataset).
         batches: ``(file, batch index)`` pairs.
+        dataset: the :class:`meta_io.reader.MetaIODataset` they index (None: the worker's).
     """
+    ds = worker.dataset if dataset is None else dataset
     tr = worker.trainer
     was = tr.model.training
     tr.model.eval()
     total, weight = 0.0, 0.0
     try:
         for name, b in batches:
-            for batch in worker.dataset.read_range(name, b, b + 1):
+            for batch in ds.read_range(name, b, b + 1):
                 rows = tr.rows.pull({t: u.numpy() for t, u in batch.unique_ids.items()})
                 res = tr.compute(batch, rows)
                 n = float(res.metrics.get("tasks", 0.0)) or float(_rows_of(batch))
@@ -173,7 +179,7 @@ def validation_loss(worker: Any, batches: list[tuple[int, int]]) -> float:
     return total / weight if weight else math.inf
 
 
-def validation_auc(worker: Any, batches: list[tuple[int, int]]) -> dict[str, float]:
+def validation_auc(worker: Any, batches: list[tuple[int, int]], dataset: Any = None) -> dict[str, float]:
     """AUC per head on validation batches, without any update (eval mode).
 
     Meta mode scores the query rows after adapting on each task's support rows (the
@@ -182,6 +188,7 @@ def validation_auc(worker: Any, batches: list[tuple[int, int]]) -> dict[str, flo
     Args:
         worker: the :class:`~workers.worker.Worker` (its trainer, rows and dataset).
         batches: ``(file, batch index)`` pairs.
+        dataset: the :class:`meta_io.reader.MetaIODataset` they index (None: the worker's).
 
     Returns:
         head -> AUC (NaN where the validation rows hold one class only).
@@ -192,9 +199,11 @@ def validation_auc(worker: Any, batches: list[tuple[int, int]]) -> dict[str, flo
     tr = worker.trainer
     meta = TrainMode(worker.job.train.mode) == TrainMode.META
 
+    ds = worker.dataset if dataset is None else dataset
+
     def read() -> Any:
         for name, b in batches:
-            yield from worker.dataset.read_range(name, b, b + 1)
+            yield from ds.read_range(name, b, b + 1)
 
     scores = score_batches(tr.model, tr.rows, read(), tr.inner_loop if meta else None, adapt=meta)
     arrays = scores["adapted"] if meta and "adapted" in scores else scores["base"]
@@ -219,7 +228,7 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
     Args:
         worker: a ``train-local`` :class:`~workers.worker.Worker` (LocalRowSource).
         job: the job (``[train] epochs, val_fraction, early_stop_patience, early_stop_metric, seed,
-            max_steps``).
+            max_steps``; ``[data] validation``).
         make_store: a fresh in-process store of the job's tables, to restore the best epoch into
             (``workers.local.local_store``; passed in so this module does not import the
             train-local driver that calls it).
@@ -230,9 +239,17 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
     from meta_io.prefetch import prefetch
 
     cfg = job.train
-    held = validation_split(worker.dataset, cfg.val_fraction, cfg.seed)
     files = {i: int(worker.dataset.num_batches(i)) for i in range(worker.dataset.num_files)}
-    val = [(name, int(b)) for name, idx in held.items() for b in idx]
+    if job.data.validation:
+        from meta_io.reader import MetaIODataset
+
+        vds = MetaIODataset(job.data.validation)
+        held = {i: np.zeros(0, np.int64) for i in files}
+        val = [(name, b) for name in range(vds.num_files) for b in range(int(vds.num_batches(name)))]
+    else:
+        vds = worker.dataset
+        held = validation_split(worker.dataset, cfg.val_fraction, cfg.seed)
+        val = [(name, int(b)) for name, idx in held.items() for b in idx]
     plan = [(name, a, b) for name, n in files.items() for a, b in _runs(n, held[name])]
     per_epoch = sum(b - a for _, a, b in plan)
     worker.trainer.total_steps = cfg.max_steps or per_epoch * cfg.epochs
@@ -246,8 +263,8 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
             worker.shards_done += 1
             if worker.trainer._at_limit():
                 break
-        loss = validation_loss(worker, val)
-        heads = validation_auc(worker, val)
+        loss = validation_loss(worker, val, vds)
+        heads = validation_auc(worker, val, vds)
         val_auc = mean_auc(heads)
         rec.losses.append(loss)
         rec.aucs.append(val_auc)

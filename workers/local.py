@@ -54,7 +54,7 @@ def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True) 
     store = local_store(job)
     worker = Worker(job, 0, LocalRowSource(store), controller=None, run_dir=run_dir, world=1)
     validation = None
-    if job.train.val_fraction > 0:
+    if job.train.val_fraction > 0 or job.data.validation:
         # validation split, early stopping, the best epoch restored (workers/hygiene.py)
         from workers.hygiene import train_with_validation
 
