@@ -37,6 +37,17 @@ and overrides (``1x1``, ``ps.sync=sync``, ``train.dense_sync=allreduce``,
 ``controller.dds.batches_per_shard=100000`` = one shard per file, i.e. train-local's data order);
 each is reported under ``variants`` with its own goal.
 
+**The noise floor**: ``--local-shuffles N`` trains ``train-local`` N times per seed on the same data,
+its ``[controller.dds] seed`` 0..N-1 (seed 0, the job's default, is the compared run). Where
+train-local reads its batches in the order the DDS would lease them to one worker
+(:func:`metaps.core.shard_order.shard_order`: shards of ``batches_per_shard`` batches, shuffled per
+``seed + epoch``; a 1 PS x 1 worker fleet then reproduces it exactly), N shuffle seeds show how far
+the data order alone moves one process's AUC; a train-local that ignores the DDS seed trains alike
+every time and shows a range of 0. ``local_spread`` per evaluation and head: per seed
+``min``, ``max``, ``range`` and ``std`` of those N AUCs, and over seeds ``mean_std`` and
+``max_range``; ``fleet_in_range`` counts the seed/evaluation/head cells whose fleet AUC lies inside
+train-local's range (a fleet gap smaller than the order noise is not evidence against the fleet).
+
 ``--smoke`` (the test suite's run): 4,000 rows, seed 3, 1 epoch, a 1 PS x 1 worker fleet, so every
 step runs once (data, local training, a launched fleet, both evaluations, the goal); seconds of
 CPU; the figures mean nothing. The last line printed is a JSON object.
@@ -199,9 +210,11 @@ def parity_goal(per_seed: dict[Any, dict[str, Any]], tol: float = TOLERANCE) -> 
 
 
 def one_seed(seed: int, rows: int, epochs: int, ps: int, workers: int, sets: list[str], smoke: bool,
-             quick: bool, variants: list[tuple[str, int, int, list[str]]] | None = None) -> dict[str, Any]:
+             quick: bool, variants: list[tuple[str, int, int, list[str]]] | None = None,
+             local_shuffles: int = 0) -> dict[str, Any]:
     """Data, train-local, the fleet (and each variant fleet) and the scorings of one seed (a scratch
-    folder, removed after). ``variants``: (label, ps, workers, overrides) of :func:`parse_variant`, resolved."""
+    folder, removed after). ``variants``: (label, ps, workers, overrides) of :func:`parse_variant`, resolved.
+    ``local_shuffles`` >= 2: train-local again with ``[controller.dds] seed`` 1..N-1 (``local_runs``)."""
     from bench.quality import cold_generator_config, cold_sizes, cold_split
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.synth import generate
@@ -230,8 +243,59 @@ def one_seed(seed: int, rows: int, epochs: int, ps: int, workers: int, sets: lis
             extra[label] = compare(local, score(run_fleet(mapping, tmp / f"variant-{i}", vps, vw, vsets),
                                                 split.holdout_dir))
             _show(extra[label])
+        runs: dict[int, dict[str, dict[str, float]]] = {0: local} if local_shuffles >= 2 else {}
+        for shuffle in range(1, local_shuffles):
+            _progress(f"[seed {seed}] train-local, controller.dds.seed = {shuffle}")
+            m = json.loads(json.dumps(mapping))
+            m.setdefault("controller", {}).setdefault("dds", {})["seed"] = shuffle
+            runs[shuffle] = score(run_local(m, tmp / f"local-{shuffle}"), split.holdout_dir)
+            _progress("      " + "; ".join(f"{e} {h} {runs[shuffle][e][h]:.4f}" for e in EVALS for h in HEADS))
     return {**res, "held_out_users": split.holdout_tasks, "local_s": t1 - t0, "fleet_s": t2 - t1,
-            **({"variants": extra} if variants else {})}
+            **({"variants": extra} if variants else {}), **({"local_runs": runs} if runs else {})}
+
+
+def local_spread(per_seed: dict[Any, dict[int, dict[str, dict[str, float]]]],
+                 fleet: dict[Any, dict[str, dict[str, dict[str, float]]]]) -> dict[str, Any]:
+    """train-local's AUC spread over DDS shuffle seeds (the order noise), and where the fleet falls in it.
+
+    Args:
+        per_seed: seed -> shuffle seed -> :func:`score`'s result (at least 2 shuffles per seed).
+        fleet: seed -> :func:`compare`'s result of the main fleet (its ``fleet`` AUCs are placed).
+
+    Returns:
+        ``per_seed``: seed -> evaluation -> head -> ``min``, ``max``, ``range``, ``std`` (ddof 1);
+        per evaluation and head over seeds ``mean_std`` and ``max_range``; ``fleet_in_range`` /
+        ``cells``: how many seed/evaluation/head fleet AUCs lie within train-local's [min, max].
+
+    Raises:
+        MetapsError: a seed with fewer than 2 shuffles (no spread to measure).
+    """
+    import statistics
+
+    from metaps.core.errors import MetapsError
+
+    out: dict[str, Any] = {"per_seed": {}, "summary": {}}
+    inside = cells = 0
+    for seed, runs in per_seed.items():
+        if len(runs) < 2:
+            raise MetapsError(f"local_spread: seed {seed} has {len(runs)} train-local shuffle(s); need >= 2")
+        out["per_seed"][seed] = {}
+        for e in EVALS:
+            out["per_seed"][seed][e] = {}
+            for h in HEADS:
+                v = [r[e][h] for r in runs.values()]
+                cell = {"min": min(v), "max": max(v), "range": max(v) - min(v), "std": statistics.stdev(v),
+                        "shuffles": len(v)}
+                out["per_seed"][seed][e][h] = cell
+                if seed in fleet:
+                    cells += 1
+                    inside += int(cell["min"] <= fleet[seed][e][h]["fleet"] <= cell["max"])
+    for e in EVALS:
+        out["summary"][e] = {h: {"mean_std": statistics.fmean(out["per_seed"][s][e][h]["std"] for s in per_seed),
+                                 "max_range": max(out["per_seed"][s][e][h]["range"] for s in per_seed)}
+                             for h in HEADS}
+    out["fleet_in_range"], out["cells"] = inside, cells
+    return out
 
 
 def _show(res: dict[str, Any]) -> None:
@@ -262,7 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="another fleet beside the main one, on the same data and the same train-local: SPEC is "
                          "comma-separated PxW (e.g. 1x1) and/or SECTION.KEY=VALUE overrides, e.g. "
                          "sync=ps.sync=sync; repeatable (each reported with its own goal under variants)")
+    ap.add_argument("--local-shuffles", type=int, default=0, metavar="N",
+                    help="train-local N times per seed, [controller.dds] seed 0..N-1 (its data order): "
+                         "the spread is the order noise the fleet's gap is judged against (N >= 2; 0: off)")
     args = ap.parse_args(argv)
+    if args.local_shuffles == 1 or args.local_shuffles < 0:
+        raise SystemExit(f"--local-shuffles: expected 0 (off) or >= 2, got {args.local_shuffles}")
     parsed = [parse_variant(v) for v in args.variants]
     if len({v[0] for v in parsed}) != len(parsed):
         raise SystemExit(f"--variant: labels must differ, got {[v[0] for v in parsed]}")
@@ -280,7 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     variants = [(label, vps or ps, vw or workers, vsets) for label, vps, vw, vsets in parsed]
     for seed in seeds:
-        out["per_seed"][seed] = one_seed(seed, rows, epochs, ps, workers, args.sets, args.smoke, args.quick, variants)
+        out["per_seed"][seed] = one_seed(seed, rows, epochs, ps, workers, args.sets, args.smoke, args.quick, variants,
+                                         args.local_shuffles)
+    if args.local_shuffles:
+        out["local_spread"] = local_spread({s: r.pop("local_runs") for s, r in out["per_seed"].items()}, out["per_seed"])
+        for e in EVALS:
+            _progress(f"train-local over {args.local_shuffles} shuffles, {e}: " + "; ".join(
+                f"{h} mean std {out['local_spread']['summary'][e][h]['mean_std']:.4f} "
+                f"max range {out['local_spread']['summary'][e][h]['max_range']:.4f}" for h in HEADS))
+        _progress(f"fleet AUC inside train-local's range: {out['local_spread']['fleet_in_range']} of "
+                  f"{out['local_spread']['cells']} cells")
     if variants:
         out["variants"] = {}
         for label, vps, vw, vsets in variants:

@@ -69,3 +69,29 @@ def test_parse_variant_refuses_a_bad_spec_in_one_line(text: str) -> None:
     with pytest.raises(SystemExit, match="--variant") as exc:
         parse_variant(text)
     assert "\n" not in str(exc.value)
+
+
+def test_local_spread_is_the_range_and_std_over_shuffles_and_places_the_fleet() -> None:
+    from bench.fleet_quality import local_spread
+
+    runs = {3: {0: _scores(0.80), 1: _scores(0.78, all__conversion=0.70), 2: _scores(0.76)},
+            4: {0: _scores(0.70), 1: _scores(0.70)}}
+    fleet = {3: compare(_scores(0.80), _scores(0.77)), 4: compare(_scores(0.70), _scores(0.71))}
+    out = local_spread(runs, fleet)
+    cell = out["per_seed"][3]["all"]["click"]
+    assert cell["min"] == pytest.approx(0.76) and cell["max"] == pytest.approx(0.80)
+    assert cell["range"] == pytest.approx(0.04) and cell["std"] == pytest.approx(0.02)  # ddof 1
+    assert out["per_seed"][3]["all"]["conversion"]["min"] == pytest.approx(0.70)
+    assert out["per_seed"][4]["all"]["click"]["range"] == 0.0
+    assert out["summary"]["all"]["click"]["mean_std"] == pytest.approx(0.01)
+    assert out["summary"]["all"]["conversion"]["max_range"] == pytest.approx(0.10)
+    # seed 3: 0.77 lies inside every [0.76 or 0.70, 0.80] cell; seed 4: 0.71 is outside [0.70, 0.70]
+    assert (out["fleet_in_range"], out["cells"]) == (len(EVALS) * len(HEADS), 2 * len(EVALS) * len(HEADS))
+
+
+def test_local_spread_of_one_shuffle_is_an_error() -> None:
+    from bench.fleet_quality import local_spread
+    from metaps.core.errors import MetapsError
+
+    with pytest.raises(MetapsError, match="seed 3 has 1 train-local shuffle"):
+        local_spread({3: {0: _scores(0.8)}}, {})
