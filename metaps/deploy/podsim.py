@@ -16,12 +16,30 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   what stands for the image (the checkout on ``PYTHONPATH``, the venv) stays visible when a
   volume covers its path (an emptyDir at ``/tmp`` over a checkout under ``/tmp``): parked
   in ``/run/metaps-podsim-*`` and bound back after the volumes, so any checkout path works;
+* as the pod's user: ``securityContext`` ``runAsUser``/``runAsGroup`` (the container's over
+  the pod's), ``fsGroup`` and ``supplementalGroups`` as supplementary groups, no capabilities
+  (``setpriv`` execs the command once the mounts, which need root, are done; the preStop hook
+  runs the same way); without a runAsUser, root (``runAsNonRoot`` then refuses, as a kubelet
+  would for a root image). A volume gets the ``fsGroup`` as the kubelet gives it, once per pod
+  before the first container: group ``fsGroup``, group read/write (read only for ConfigMap and
+  Secret files), setgid directories, recursively -- with ``fsGroupChangePolicy: OnRootMismatch``
+  only when the volume's root lacks that group or mode. An emptyDir starts 0777, the
+  termination message file 0666. A directory above the image's paths that the user cannot
+  enter (a pyenv interpreter under ``/root``, 0700) gets an empty tmpfs in the pod with the
+  image's paths bound back below it, as an image would hold them; the image's files must be
+  world-readable;
 * with the container's ``command`` (or the image's entrypoint ``metaps``, which is this
   machine's venv: ``python -m metaps``; the image itself is not used), its ``args`` with
   ``$(VAR)`` expanded, its env (literal values and the downward-API ``metadata.name``,
   ``metadata.namespace``, ``metadata.uid`` -- a new one per pod -- and the Job completion
   index annotation), ``workingDir``, init containers first, in order;
-* readiness through the gRPC health service on the probe's port (from the hub namespace);
+* probes through the gRPC health service on the probe's port (from the hub namespace, one
+  helper process answering every pod's probes concurrently): readiness (:meth:`PodSim.ready`);
+  the startup probe, then the liveness probe once it passed (:meth:`PodSim._watch_probes`):
+  ``failureThreshold`` consecutive failures kill the container (SIGTERM to pid 1, SIGKILL
+  after the grace period: 137) and the restartPolicy decides. ``probe_time_scale`` divides
+  their periods, initial delays, timeouts (at least 1 s) and the kill's grace period (a test's
+  "hung for a minute" takes seconds); readiness is not gated on the startup probe here;
 * a deleted pod's ``preStop`` exec hook run in its namespaces (``nsenter``) before SIGTERM;
 * restarts as the pod's ``restartPolicy`` says (Always / OnFailure) in the same pod:
   same name, same address, same emptyDirs -- what a container restart is.
@@ -42,10 +60,11 @@ A CronJob's template runs once with :meth:`PodSim.trigger_cronjob`.
 
 The termination message (``terminationMessagePath``, default ``/dev/termination-log``) is
 the pod's own file bound over that path; the mount point is an empty host file, created
-once if missing and left in place. Not simulated: the image (the venv replaces it), runAsUser/readOnlyRootFilesystem
-(processes run as the caller, root), resource limits, liveness probes (readiness is),
-Service ClusterIPs and load balancing, node scheduling, PVC provisioning. Needs root,
-iproute2 (``ip netns``) and util-linux ``unshare``.
+once if missing and left in place. A container killed by signal N exits 128 + N, as a
+runtime reports it. Not simulated: the image (the venv replaces it), readOnlyRootFilesystem,
+seccomp, resource limits, exec/HTTP/TCP probes, Service ClusterIPs and load balancing, node
+scheduling, PVC provisioning. Needs root, iproute2 (``ip netns``), util-linux ``unshare`` and
+``setpriv``.
 
 Example::
 
@@ -70,6 +89,7 @@ import re
 import secrets
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -77,8 +97,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+from metaps.core.errors import ConfigError
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
@@ -151,6 +172,9 @@ class Pod:
     scaled_down: bool = False        # deleted by the Job controller for a lower parallelism
     accounted: bool = False          # its end was counted by the Job controller
     pre_stop_exits: list[int] = field(default_factory=list)  # the preStop hook's exit codes
+    started: bool = False            # the current container's startup probe passed (or it has none)
+    probe_kills: list[str] = field(default_factory=list)  # 'startup' / 'liveness': containers a probe killed
+    volumes_set_up: set[str] = field(default_factory=set)  # volumes made and owned at the pod's start
 
     @property
     def host(self) -> str:
@@ -189,10 +213,18 @@ class PodSim:
         python: interpreter that stands in for the image's ``metaps`` entrypoint.
         env: extra environment for every container (e.g. ``PYTHONPATH`` of a checkout).
         subnet: first three octets of the pods' /24.
+        probe_time_scale: startup and liveness probes run this many times faster than the
+            manifests say: ``periodSeconds``, ``initialDelaySeconds``, ``timeoutSeconds`` (at
+            least 1 s) and the grace period of a probe's kill are divided by it (a test's
+            minutes of "hung" become seconds); ``failureThreshold`` is kept. 1.0 = as written.
     """
 
     def __init__(self, docs: list[dict[str, Any]], root: Path, python: str = sys.executable,
-                 env: dict[str, str] | None = None, subnet: str = "10.231.0") -> None:
+                 env: dict[str, str] | None = None, subnet: str = "10.231.0",
+                 probe_time_scale: float = 1.0) -> None:
+        if not probe_time_scale > 0:
+            raise ConfigError(f"PodSim probe_time_scale: expected > 0, got {probe_time_scale}")
+        self.probe_time_scale = float(probe_time_scale)
         self.docs, self.root, self.python = docs, Path(root), python
         self.root.mkdir(parents=True, exist_ok=True)
         self.base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
@@ -218,7 +250,7 @@ class PodSim:
         self._next_ip = 2
         self._stop = threading.Event()
         self._pod_threads: list[threading.Thread] = []  # every pod's runner (joined by close())
-        self._prober: subprocess.Popen[str] | None = None
+        self._prober = _Prober(self.hub, self.python, self.base_env)
         self._write_hosts()
         _ip("netns", "add", self.hub)
         self.namespaces.append(self.hub)
@@ -274,6 +306,20 @@ class PodSim:
 
     # ----------------------------------------------------------------- volumes
     def _volume_source(self, pod: Pod, vol: dict[str, Any]) -> Path:
+        """The host folder that stands for a pod volume, owned as the pod's ``fsGroup`` says: once per
+        pod, as the kubelet sets a volume up before the first container (what a container wrote into
+        it later keeps its mode: a 0600 token copied by an init container stays 0600)."""
+        first = vol["name"] not in pod.volumes_set_up
+        pod.volumes_set_up.add(vol["name"])
+        p = self._volume_folder(pod, vol, first)
+        sc = pod.spec["spec"].get("securityContext", {})
+        fresh = first or "configMap" in vol or "secret" in vol  # these two are written anew here
+        if sc.get("fsGroup") is not None and fresh:
+            _apply_fs_group(p, int(sc["fsGroup"]), readonly="configMap" in vol or "secret" in vol,
+                            always=sc.get("fsGroupChangePolicy", "Always") != "OnRootMismatch")
+        return p
+
+    def _volume_folder(self, pod: Pod, vol: dict[str, Any], first: bool) -> Path:
         name = vol["name"]
         if "persistentVolumeClaim" in vol:
             claim = vol["persistentVolumeClaim"]["claimName"]
@@ -284,6 +330,8 @@ class PodSim:
         if "emptyDir" in vol:
             p = pod.dir / "empty" / name
             p.mkdir(parents=True, exist_ok=True)
+            if first:
+                os.chmod(p, 0o777)  # as the kubelet makes an emptyDir (before fsGroup)
             return p
         if "configMap" in vol:
             cm = self.obj("ConfigMap", vol["configMap"]["name"])
@@ -303,18 +351,69 @@ class PodSim:
             return p
         raise ValueError(f"pod {pod.name}: volume {name!r}: unsupported source {sorted(vol)}")
 
-    def _covered_host_paths(self, mount_paths: list[str]) -> list[str]:
-        """The image's paths (PYTHONPATH entries, the interpreter's prefix) that one of ``mount_paths``
-        would hide; the outermost of each nest only."""
+    def _image_paths(self) -> list[str]:
+        """What stands for the image: PYTHONPATH entries, the interpreter's installation, the venv."""
         image = [p for p in self.base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        image.append(str(Path(self.python).resolve().parent.parent))  # <venv>/bin/python -> <venv>
+        image.append(str(Path(self.python).resolve().parent.parent))  # <venv>/bin/python -> <base>
+        image.append(str(Path(self.python).parent.parent))  # <venv>/bin/python -> <venv>
         image.append(sys.prefix)
+        return sorted({str(Path(q).resolve()) for q in image})
+
+    def _covered_host_paths(self, mount_paths: list[str], blocked: Sequence[str] = ()) -> list[str]:
+        """The image's paths that one of ``mount_paths`` would hide, or that lie under a ``blocked``
+        directory (covered by a tmpfs in the pod); the outermost of each nest only."""
+        covers = [m.rstrip("/") for m in mount_paths] + list(blocked)
         out: list[str] = []
-        for p in sorted({str(Path(q).resolve()) for q in image}):
-            if any(p == m.rstrip("/") or p.startswith(m.rstrip("/") + "/") for m in mount_paths):
+        for p in self._image_paths():
+            if any(p == m or p.startswith(m + "/") for m in covers):
                 if not any(p.startswith(o + "/") or p == o for o in out):
                     out.append(p)
         return out
+
+    def _blocked_dirs(self, ident: tuple[int, int, list[int]] | None) -> list[str]:
+        """Directories above the image's paths that the container's user cannot enter (``/root`` 0700
+        above a pyenv interpreter): each gets an empty tmpfs in the pod, the image's paths bound back
+        below it -- what a real image has at those paths, nothing else of the host."""
+        if ident is None:
+            return []
+        uid, gid, groups = ident
+        out: list[str] = []
+        for p in self._image_paths():
+            for a in reversed(Path(p).parents):  # outermost first
+                st = a.stat()
+                bits = 0o100 if st.st_uid == uid else 0o010 if st.st_gid in (gid, *groups) else 0o001
+                if not st.st_mode & bits:
+                    if str(a) not in out:
+                        out.append(str(a))
+                    break
+        return out
+
+    @staticmethod
+    def _identity(pod: Pod, c: dict[str, Any]) -> tuple[int, int, list[int]] | None:
+        """(uid, gid, supplementary groups) the container runs as: its ``securityContext`` over the
+        pod's; None = as the image says (root here)."""
+        pod_sc, c_sc = pod.spec["spec"].get("securityContext", {}), c.get("securityContext", {})
+        uid = c_sc.get("runAsUser", pod_sc.get("runAsUser"))
+        if uid is None:
+            if c_sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+                raise ConfigError(f"pod {pod.name}: container {c['name']}: runAsNonRoot without runAsUser "
+                                  "(the image's user is root here): expected a runAsUser")
+            return None
+        gid = c_sc.get("runAsGroup", pod_sc.get("runAsGroup", 0))
+        groups = [int(g) for g in ([pod_sc["fsGroup"]] if pod_sc.get("fsGroup") is not None else [])
+                  + list(pod_sc.get("supplementalGroups", []))]
+        return int(uid), int(gid), groups
+
+    def _setpriv(self, ident: tuple[int, int, list[int]] | None, c: dict[str, Any]) -> list[str]:
+        """The command prefix that drops root for the container's process (nothing for root)."""
+        if ident is None or ident[0] == 0:
+            return []
+        uid, gid, groups = ident
+        out = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
+               f"--groups={','.join(str(g) for g in groups)}" if groups else "--clear-groups"]
+        if c.get("securityContext", {}).get("allowPrivilegeEscalation") is False:
+            out.append("--no-new-privs")
+        return out + ["--"]
 
     def _stash_dir(self, i: int) -> Path:
         """An empty host directory outside /tmp where a pod's mount namespace parks a covered path."""
@@ -415,12 +514,18 @@ class PodSim:
         term_path = c.get("terminationMessagePath", "/dev/termination-log")
         term = pod.dir / f"termination-{c['name']}"
         term.touch()
+        os.chmod(term, 0o666)  # as the kubelet makes it: writable by the container's user
         Path(term_path).touch(exist_ok=True)
         script.append(f"mount --bind {shlex.quote(str(term))} {shlex.quote(term_path)}")  # before /tmp is covered
         # What stands for the image (the checkout on PYTHONPATH, the interpreter's environment) must stay
-        # visible when a volume covers its path (an emptyDir at /tmp over a checkout under /tmp): bound
-        # to a stash first, bound back into place after the volumes.
-        covered = self._covered_host_paths([m["mountPath"] for m in mounts])
+        # visible when a volume covers its path (an emptyDir at /tmp over a checkout under /tmp), and
+        # reachable for the container's user (an interpreter under /root, 0700): bound to a stash first,
+        # bound back into place after the volumes and the tmpfs over each blocked directory.
+        ident = self._identity(pod, c)
+        blocked = [b for b in self._blocked_dirs(ident)
+                   if not any(m["mountPath"].rstrip("/") == b or m["mountPath"].startswith(b + "/")
+                              for m in mounts)]  # never hide a volume's mount point
+        covered = self._covered_host_paths([m["mountPath"] for m in mounts], blocked)
         stashes = []
         for i, path in enumerate(covered):
             stash = self._stash_dir(i)
@@ -433,16 +538,21 @@ class PodSim:
             script.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(m['mountPath'])}")
             if m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
+        for b in blocked:
+            script.append(f"mount -t tmpfs -o mode=0755,size=1m podsim-image {shlex.quote(b)}")
         for stash, path in stashes:
             script.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(stash))} {shlex.quote(path)}")
         if c.get("workingDir"):  # the runtime creates a missing working directory
             with self._lock:
                 self._mountpoint(c["workingDir"])
             script.append(f"cd {shlex.quote(c['workingDir'])}")
+        # mounts need root, the container's process must not have it: runAsUser/runAsGroup, the
+        # fsGroup as a supplementary group, no capabilities left
         script.append('exec "$@"')
         # a fresh PID namespace per container start, as a container runtime gives: the command is pid 1
         cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
-               "--kill-child", "--propagation", "private", "sh", "-c", "\n".join(script), "sh", *argv]
+               "--kill-child", "--propagation", "private", "sh", "-c", "\n".join(script), "sh",
+               *self._setpriv(ident, c), *argv]
         return cmd, env
 
     def _exec(self, pod: Pod, c: dict[str, Any]) -> subprocess.Popen[bytes]:
@@ -474,10 +584,15 @@ class PodSim:
                     time.sleep(1.0)
             main = spec["containers"][0]
             while not pod.deleting and not self._stop.is_set():
+                pod.started = False  # this container start's startup probe has not passed yet
                 p = self._exec(pod, main)
                 with self._lock:
                     pod.proc, pod.phase = p, "Running"
+                prober = threading.Thread(target=self._watch_probes, args=(pod, main, p), name=f"probe-{pod.name}",
+                                          daemon=True)
+                prober.start()
                 rc = p.wait()
+                rc = 128 - rc if rc < 0 else rc  # killed by signal N: the runtime reports 128 + N
                 pod.exit_codes.append(rc)
                 if pod.deleting or self._stop.is_set():
                     break
@@ -598,6 +713,7 @@ class PodSim:
         if command[0] == "metaps":  # the image's metaps: this machine's venv
             command = [self.python, "-m", "metaps", *command[1:]]
         _, env = self._argv(pod, c)
+        command = self._setpriv(self._identity(pod, c), c) + command
         pid = _main_pid(pod.proc)
         with pod.log_path.open("ab") as out:
             out.write(f"==> preStop: {json.dumps(command[-8:])}\n".encode())
@@ -749,19 +865,6 @@ class PodSim:
                 self.delete_pod(p.name)
 
     # ----------------------------------------------------------------- probes
-    def _probe(self, line: str) -> dict[str, Any]:
-        with self._lock:
-            if self._prober is None or self._prober.poll() is not None:
-                self._prober = subprocess.Popen(
-                    ["ip", "netns", "exec", self.hub, self.python, "-c",
-                     "from metaps.deploy.podsim import prober_main; prober_main()"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**self.base_env},
-                    start_new_session=True)
-            assert self._prober.stdin and self._prober.stdout
-            self._prober.stdin.write(line + "\n")
-            self._prober.stdin.flush()
-            return json.loads(self._prober.stdout.readline())
-
     def ready(self, name: str) -> bool:
         """The pod's readiness probe (gRPC health, from the hub namespace) passes."""
         pod = self.pods[name]
@@ -771,7 +874,66 @@ class PodSim:
             return False
         if "grpc" not in probe:
             return True
-        return bool(self._probe(f"health {pod.ip}:{probe['grpc']['port']}")["serving"])
+        return bool(self._prober.ask(f"health {pod.ip}:{probe['grpc']['port']} 3")["serving"])
+
+    def _probe_passes(self, pod: Pod, probe: dict[str, Any]) -> bool:
+        """One kubelet probe (gRPC health only: the manifests use no other kind)."""
+        if "grpc" not in probe:
+            raise ConfigError(f"pod {pod.name}: probe {sorted(probe)}: podsim runs gRPC probes only")
+        timeout = max(1.0, float(probe.get("timeoutSeconds", 1)) / self.probe_time_scale)
+        return bool(self._prober.ask(f"health {pod.ip}:{probe['grpc']['port']} {timeout}",
+                                     timeout + 30.0).get("serving"))
+
+    def _watch_probes(self, pod: Pod, c: dict[str, Any], p: subprocess.Popen[bytes]) -> None:
+        """The kubelet's startup and liveness probing of one container start ``p``.
+
+        The startup probe runs first (none: started at once); liveness only once it passed.
+        ``failureThreshold`` consecutive failures of the probe in force kill the container
+        (SIGTERM to its pid 1, SIGKILL after the pod's grace period): the pod's restartPolicy
+        then decides, as for any container exit (Never: the pod fails with 137 and its Job
+        decides). Times are divided by ``probe_time_scale``.
+        """
+        startup, liveness = c.get("startupProbe"), c.get("livenessProbe")
+        pod.started = startup is None
+        if startup is None and liveness is None:
+            return
+        scale = self.probe_time_scale
+        t_start = time.monotonic()
+
+        def alive() -> bool:
+            return p.poll() is None and not pod.deleting and not self._stop.is_set()
+
+        for kind, probe in (("startup", startup), ("liveness", liveness)):
+            if probe is None or (kind == "startup") == pod.started:
+                continue
+            delay = float(probe.get("initialDelaySeconds", 0)) / scale - (time.monotonic() - t_start)
+            if delay > 0 and self._stop.wait(delay):
+                return
+            period = max(0.05, float(probe.get("periodSeconds", 10)) / scale)
+            threshold = int(probe.get("failureThreshold", 3))
+            failures = 0
+            while alive():
+                t0 = time.monotonic()
+                ok = self._probe_passes(pod, probe)
+                if not alive():
+                    return
+                if ok and kind == "startup":
+                    pod.started = True
+                    log.info("startup probe passed", extra=kv(pod=pod.name, after_s=round(t0 - t_start, 1)))
+                    break
+                failures = 0 if ok else failures + 1
+                if failures >= threshold:
+                    log.warning("probe failed: killing the container",
+                                extra=kv(pod=pod.name, probe=kind, failures=failures, period_s=period))
+                    pod.probe_kills.append(kind)
+                    grace = float(pod.spec["spec"].get("terminationGracePeriodSeconds", 30)) / scale
+                    _signal_main(p, signal.SIGTERM)
+                    try:
+                        p.wait(max(1.0, grace))
+                    except subprocess.TimeoutExpired:
+                        _signal_group(p, signal.SIGKILL)
+                    return
+                self._stop.wait(max(0.0, period - (time.monotonic() - t0)))
 
     def wait_ready(self, name: str, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -784,7 +946,7 @@ class PodSim:
 
     def controller_status(self, address: str, token: str) -> dict[str, Any]:
         """GetStatus of the controller at ``address`` (a pod address), called from the hub namespace."""
-        return self._probe(f"status {address} {token}")
+        return self._prober.ask(f"status {address} {token}")
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
@@ -806,9 +968,7 @@ class PodSim:
                     pod.proc.wait(30)
                 except subprocess.TimeoutExpired:
                     pass
-        if self._prober is not None and self._prober.poll() is None:
-            self._prober.kill()
-            self._prober.wait()
+        self._prober.close()
         with self._lock:
             threads = list(self._pod_threads)
         for t in threads + [self._thread]:  # no pod thread still rewrites <root>/hosts once close() returns
@@ -841,6 +1001,29 @@ class PodSim:
             log.info("host mount points kept: another simulation is using them",
                      extra=kv(dirs=[str(d) for d in self.created_dirs]))
         self._host_lock.close()  # releases the lock
+
+
+def _apply_fs_group(root: Path, gid: int, readonly: bool, always: bool) -> None:
+    """A volume's ``fsGroup``, as the kubelet applies it: group ``gid`` and group-readable (+ writable
+    unless ``readonly``: ConfigMap, Secret) files, setgid directories (new files inherit the group),
+    recursively -- with ``always`` False (``fsGroupChangePolicy: OnRootMismatch``) only when the root
+    does not already have that group and mode."""
+    file_bits = 0o440 if readonly else 0o660
+    dir_bits = file_bits | 0o110 | stat.S_ISGID
+    st = root.stat()
+    if not always and st.st_gid == gid and st.st_mode & dir_bits == dir_bits:
+        return
+    for d, dirs, files in os.walk(root):
+        for name in [None, *files]:
+            path = d if name is None else os.path.join(d, name)
+            try:
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                os.chown(path, -1, gid)
+                os.chmod(path, stat.S_IMODE(st.st_mode) | (dir_bits if name is None else file_bits))
+            except FileNotFoundError:  # a pod of the same volume removed it meanwhile
+                continue
 
 
 def _main_pid(p: subprocess.Popen[bytes]) -> int:
@@ -879,22 +1062,97 @@ def tail(path: Path, n: int = 30) -> str:
         return f"({path} missing)"
 
 
-def prober_main() -> None:
-    """The probe helper in the hub namespace: one JSON answer per request line.
+class _Prober:
+    """The probe helper process in the hub namespace (:func:`prober_main`), shared by every pod's
+    probes and the test's status calls: requests carry an id and are answered concurrently, so a
+    hung container's probe (waiting out its timeout) delays no other pod's."""
 
-    ``health HOST:PORT`` -> ``{"serving": bool}`` (grpc.health.v1, like a kubelet's gRPC probe);
-    ``status HOST:PORT TOKEN`` -> the controller's GetStatus as plain data (or ``{"error": ...}``).
+    def __init__(self, hub: str, python: str, env: dict[str, str]) -> None:
+        self.hub, self.python, self.env = hub, python, env
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[str] | None = None
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._closed = False
+
+    def _ensure(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.hub, self.python, "-c",
+                 "from metaps.deploy.podsim import prober_main; prober_main()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(self.env),
+                start_new_session=True)
+            threading.Thread(target=self._read, args=(proc,), name="podsim-prober", daemon=True).start()
+            self._proc = proc
+        return self._proc
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            rid, _, body = line.partition(" ")
+            with self._lock:
+                slot = self._waiting.pop(int(rid), None)
+            if slot is not None:
+                slot[1].append(json.loads(body))
+                slot[0].set()
+        with self._lock:  # the helper ended: every open request fails
+            for ev, out in self._waiting.values():
+                out.append({"serving": False, "error": "prober exited"})
+                ev.set()
+            self._waiting.clear()
+
+    def ask(self, request: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """One request line (see :func:`prober_main`) -> its answer."""
+        ev = threading.Event()
+        out: list[dict[str, Any]] = []
+        with self._lock:
+            if self._closed:
+                return {"serving": False, "error": "simulation closed"}
+            proc = self._ensure()
+            rid = next(self._ids)
+            self._waiting[rid] = (ev, out)
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(f"{rid} {request}\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                self._waiting.pop(rid, None)
+                return {"serving": False, "error": f"prober: {exc}"}
+        if not ev.wait(timeout_s):
+            with self._lock:
+                self._waiting.pop(rid, None)
+            return {"serving": False, "error": f"no answer in {timeout_s} s"}
+        return out[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def prober_main() -> None:
+    """The probe helper in the hub namespace: ``ID REQUEST`` per line, answered ``ID JSON`` (each
+    request in its own thread, so answers may come out of order).
+
+    ``health HOST:PORT [TIMEOUT_S]`` -> ``{"serving": bool}`` (grpc.health.v1, like a kubelet's
+    gRPC probe; 3 s by default); ``status HOST:PORT TOKEN`` -> the controller's GetStatus as
+    plain data (or ``{"error": ...}``).
     """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    for line in sys.stdin:
-        parts = line.split()
+    write_lock = threading.Lock()
+
+    def answer(rid: str, parts: list[str]) -> None:
         out: dict[str, Any]
         try:
             if parts[0] == "health":
+                timeout = float(parts[2]) if len(parts) > 2 else 3.0
                 with grpc.insecure_channel(parts[1]) as ch:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3.0)
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
                 out = {"serving": r.status == health_pb2.HealthCheckResponse.SERVING}
             elif parts[0] == "status":
                 from controller.client import ControllerClient
@@ -908,5 +1166,11 @@ def prober_main() -> None:
             out = {"serving": False, "error": str(exc.code())}
         except Exception as exc:  # the answer names it; the caller decides
             out = {"serving": False, "error": str(exc)[:300]}
-        sys.stdout.write(json.dumps(out, default=str) + "\n")
-        sys.stdout.flush()
+        with write_lock:
+            sys.stdout.write(f"{rid} {json.dumps(out, default=str)}\n")
+            sys.stdout.flush()
+
+    for line in sys.stdin:
+        rid, *parts = line.split()
+        if parts:
+            threading.Thread(target=answer, args=(rid, parts), daemon=True).start()

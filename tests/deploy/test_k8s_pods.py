@@ -77,6 +77,16 @@ def _events(state_dir: Path) -> list[dict[str, Any]]:
         store.close()
 
 
+def _ids(pid: int) -> dict[str, list[int]]:
+    """Uid / Gid (real, effective, saved, fs) and supplementary Groups of a process."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Uid", "Gid", "Groups"):
+            out[key] = [int(x) for x in rest.split()]
+    return out
+
+
 def render(tmp: Path) -> tuple[list[dict[str, Any]], str]:
     out = tmp / "manifests"
     r = subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(job_file(tmp / "job.toml")),
@@ -98,7 +108,8 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
     def phase(what: str) -> None:  # where the time goes, with -s
         sys.stderr.write(f"[k8s e2e {time.monotonic() - t0:6.1f}s] {what}\n")
 
-    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)})
+    # probes 5x faster than written: liveness gives up on a hung PS after 6 x 2 s, not 6 x 10 s
+    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)}, probe_time_scale=5.0)
     try:
         data = sim.root / "pvc" / "mps-data"
         generate(data / "raw" / "train", GeneratorConfig(rows=3000, users=150, items=200, seed=5, n_files=1,
@@ -113,10 +124,17 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
             assert pod is not None, f"no pod of PS index {k}"
             return pod.name
 
-        for pod in [ctl.name, ps_pod(0), ps_pod(1)]:
-            sim.wait_ready(pod, 400)
+        for name in [ctl.name, ps_pod(0), ps_pod(1)]:
+            sim.wait_ready(name, 400)
         assert sim.job_complete("mps-data")
         phase("controller and PS ready")
+        # runAsUser/runAsGroup/fsGroup: the containers' processes are uid 10001, not root, and what
+        # the data Job's pod wrote to the shared volume is theirs, in the volume's fsGroup
+        for name in [ctl.name, ps_pod(0)]:
+            assert _ids(sim.container_pid(name)) == {"Uid": [10001] * 4, "Gid": [10001] * 4, "Groups": [10001]}
+        built = (data / "metaio" / "train").stat()
+        assert (built.st_uid, built.st_gid) == (10001, 10001)
+        assert data.stat().st_mode & 0o2070 == 0o2070, oct(data.stat().st_mode)  # OnRootMismatch: g+rwx, setgid
         ctl_addr = f"{ctl.ip}:7070"
 
         def status() -> dict[str, Any]:
@@ -156,7 +174,6 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         wait_for(lambda: old_ps1.pre_stop_exits, 60, "PS 1's preStop hook")
         assert old_ps1.pre_stop_exits == [0], tail(old_ps1.log_path)
         assert not status()["finished"], "the job finished before the workers could be held: make it longer"
-        sim.scale_job("mps-worker", 3)
         # a new pod for index 1: new name, uid and address; same shard and DNS name
         wait_for(lambda: ps_pod(1) != old_ps1.name, 120, "the Job to replace PS 1's pod")
         new_ps1 = sim.pods[ps_pod(1)]
@@ -174,6 +191,23 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         assert ev["pid"] == ev["previous_pid"] == 1, ev
         assert (ev["pod_uid"], ev["previous_pod_uid"]) == (new_ps1.uid, old_ps1.uid)
         assert ev["incarnation_id"] != ev["previous_incarnation_id"]
+
+        # A hung PS (SIGSTOP: its port still accepts, nothing answers): the liveness probe fails 6
+        # times in a row, the kubelet kills the container (SIGTERM is not acted on, SIGKILL after the
+        # grace period: 137), the Job replaces the pod and the controller recovers a new incarnation.
+        old_ps0 = sim.pods[ps_pod(0)]
+        sim.signal_container(old_ps0.name, signal.SIGSTOP)
+        wait_for(lambda: ps_pod(0) != old_ps0.name, 120, "liveness to kill the hung PS 0 and the Job to replace it")
+        assert old_ps0.probe_kills == ["liveness"] and old_ps0.exit_codes == [137], \
+            (old_ps0.probe_kills, old_ps0.exit_codes)
+        new_ps0 = sim.pods[ps_pod(0)]
+        sim.wait_ready(new_ps0.name, 300)
+        wait_for(lambda: any(e["kind"] == "ps_recovery" and e["node"] == "ps:0" for e in status()["events"]),
+                 300, "the controller's recovery of PS 0")
+        ev0 = [e for e in status()["events"] if e["kind"] == "ps_restarted" and e["node"] == "ps:0"][-1]["evidence"]
+        assert (ev0["pod_uid"], ev0["previous_pod_uid"]) == (new_ps0.uid, old_ps0.uid), ev0
+        phase("hung PS 0 killed by liveness and recovered")
+        sim.scale_job("mps-worker", 3)
         # the newcomer claims index 2 and trains on the shards the held workers' leases gave back
         wait_for(lambda: ("worker", 2) in nodes() and nodes()[("worker", 2)]["step"] > 0, 300,
                  "worker 2 (the newcomer) training")
