@@ -195,3 +195,8 @@ def test_operations_quick_paths_run_as_written_after_the_readme(readme_clone: Pa
     assert (local / "bundles-ungated" / "LATEST").is_file()
     scores = pq.read_table(local / "scores-adapted.parquet")
     assert {"user_id", "click"} <= set(scores.column_names) and scores.num_rows > 0
+    # the time split: the past trained, early stopping validated on the later rows (every epoch recorded)
+    cut = json.loads((local / "time2" / "time_cut.json").read_text())["cut"]
+    assert cut < json.loads((local / "time1" / "time_cut.json").read_text())["cut"]
+    timed = json.loads((local / "time-run" / "report.json").read_text())
+    assert timed["status"] == "succeeded" and timed["validation"]["losses"], timed.get("validation")
