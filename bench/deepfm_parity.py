@@ -1,9 +1,9 @@
 """metaps's ``deepfm`` against a plain-torch DeepFM on the same rows and features.
 
-Run::
+Run (a mode of ``bench.quality``; this module is its helper)::
 
-    python -m bench.deepfm_parity [--rows 32000] [--seeds 3,4,5] [--epochs 2]
-    python -m bench.deepfm_parity --smoke      # 3k rows, 1 seed, 1 epoch: every step once
+    python -m bench.quality deepfm-parity [--rows 32000] [--seeds 3,4,5] [--epochs 2] [--set S.K=V]
+    python -m bench.quality deepfm-parity --smoke      # 3k rows, 1 seed, 1 epoch: every step once
 
 Issue 29 found metaps's ``deepfm`` 0.012 AUC below a plain DeepFM on the same features.
 Per seed this bench generates AntM2C-like rows (``bench.quality.cold_generator_config``),
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -313,15 +312,21 @@ def one_seed(seed: int, rows: int, epochs: int, sets: Sequence[str]) -> dict[str
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv: Sequence[str]) -> int:
+    """``python -m bench.quality deepfm-parity ARGS``: parse ``argv``, run every seed, print the JSON line.
+
+    Args:
+        argv: the arguments after ``deepfm-parity``.
+    """
+    ap = argparse.ArgumentParser(prog="python -m bench.quality deepfm-parity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=32_000, help="generated rows (default 32k; 25%% of users held out)")
     ap.add_argument("--seeds", default="3,4,5", help="comma-separated seeds")
     ap.add_argument("--epochs", type=int, default=2, help="epochs of every arm")
     ap.add_argument("--smoke", action="store_true", help=f"{SMOKE_ROWS} rows, seed 3, 1 epoch (figures meaningless)")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="SECTION.KEY=VALUE",
                     help="an override of the metaps arms' job, e.g. model.default_dim=16; repeatable")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(list(argv))
     torch.set_num_threads(1)
     seeds = [3] if args.smoke else [int(s) for s in args.seeds.split(",") if s.strip()]
     rows, epochs = (SMOKE_ROWS, 1) if args.smoke else (args.rows, args.epochs)
@@ -333,7 +338,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"rows": rows, "epochs": epochs, "seeds": seeds, "sets": args.sets, "per_seed": per_seed,
                       **summary}, default=float), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

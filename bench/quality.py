@@ -6,6 +6,8 @@ Run::
     python -m bench.quality --smoke [--cold-only]   # 4k rows, 1 epoch (1 seed, inner steps 1,2; baselines: 3 L2
                                                     # values, 50 L-BFGS iterations); figures meaningless
     python -m bench.quality --cold-only --quick --first-k 8 --world hidden   # per-user effects no feature reveals
+    python -m bench.quality deepfm-parity [--rows 32000] [--smoke]   # metaps deepfm vs a plain DeepFM
+                                                    # (bench/deepfm_parity.py's docstring)
 
 Data: the AntM2C-like generator (1M rows by default, 16k with ``--quick``,
 60-64 rows a user on average), whose true probabilities give every figure a ceiling:
@@ -514,6 +516,12 @@ def main_inner(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from meta_io.synth import WORLDS
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["deepfm-parity"]:  # metaps's deepfm vs a plain DeepFM (bench/deepfm_parity.py)
+        from bench.deepfm_parity import run
+
+        return run(argv[1:])
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16k rows instead of 1M (about a minute)")

@@ -114,3 +114,21 @@ def test_job_mapping_applies_overrides_as_json_or_text(tmp_path: Path) -> None:
     assert data["run"]["name"] == "x1" and data["train"]["seed"] == 7 and data["data"]["eval"] == ""
     with pytest.raises(ConfigError, match="expected SECTION.KEY=VALUE, got 'model.hidden'"):
         job_mapping(tmp_path / "train", tmp_path / "run", "deepfm", 2, 7, ["model.hidden"])
+
+
+def test_the_mode_runs_every_arm_on_real_generated_data(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench.quality deepfm-parity --smoke``: 3k generated rows, train-local deepfm and dnn, both plain
+    DeepFMs, every figure finite in the JSON line (the figures themselves mean nothing at this size)."""
+    import json
+    import math
+
+    from bench.quality import main
+
+    assert main(["deepfm-parity", "--smoke"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    seed = res["per_seed"]["3"]
+    for arm in ("metaps_deepfm", "metaps_dnn", "plain_deepfm", "plain_deepfm_metaps_optimizers",
+                "deepfm_minus_plain", "deepfm_minus_plain_same_optimizers"):
+        assert set(seed[arm]) == {"click", "conversion"} and all(math.isfinite(v) for v in seed[arm].values()), arm
+    assert seed["deepfm_minus_plain"]["click"] == pytest.approx(
+        seed["metaps_deepfm"]["click"] - seed["plain_deepfm"]["click"])
