@@ -43,10 +43,11 @@ train-local reads its batches in the order the DDS would lease them to one worke
 (:func:`metaps.core.shard_order.shard_order`: shards of ``batches_per_shard`` batches, shuffled per
 ``seed + epoch``; a 1 PS x 1 worker fleet then reproduces it exactly), N shuffle seeds show how far
 the data order alone moves one process's AUC; a train-local that ignores the DDS seed trains alike
-every time and shows a range of 0. ``local_spread`` per evaluation and head: per seed
-``min``, ``max``, ``range`` and ``std`` of those N AUCs, and over seeds ``mean_std`` and
-``max_range``; ``fleet_in_range`` counts the seed/evaluation/head cells whose fleet AUC lies inside
-train-local's range (a fleet gap smaller than the order noise is not evidence against the fleet).
+every time and shows a range of 0. ``local_spread`` per evaluation and head: per seed ``min``,
+``max``, ``range``, ``std`` and ``mean`` of those N AUCs and the fleet's AUC minus that mean, and
+over seeds ``mean_std``, ``max_range`` and ``fleet_minus_mean``; ``fleet_in_range`` counts the
+seed/evaluation/head cells whose fleet AUC lies inside train-local's range (a fleet gap smaller
+than the order noise is not evidence against the fleet).
 
 ``--smoke`` (the test suite's run): 4,000 rows, seed 3, 1 epoch, a 1 PS x 1 worker fleet, so every
 step runs once (data, local training, a launched fleet, both evaluations, the goal); seconds of
@@ -263,9 +264,11 @@ def local_spread(per_seed: dict[Any, dict[int, dict[str, dict[str, float]]]],
         fleet: seed -> :func:`compare`'s result of the main fleet (its ``fleet`` AUCs are placed).
 
     Returns:
-        ``per_seed``: seed -> evaluation -> head -> ``min``, ``max``, ``range``, ``std`` (ddof 1);
-        per evaluation and head over seeds ``mean_std`` and ``max_range``; ``fleet_in_range`` /
-        ``cells``: how many seed/evaluation/head fleet AUCs lie within train-local's [min, max].
+        ``per_seed``: seed -> evaluation -> head -> ``min``, ``max``, ``range``, ``std`` (ddof 1),
+        ``mean`` and (seeds with a fleet) ``fleet_minus_mean``; ``summary``: per evaluation and head
+        over seeds ``mean_std``, ``max_range`` and ``fleet_minus_mean`` (the fleet against
+        train-local's mean over orders, not against one order); ``fleet_in_range`` / ``cells``: how
+        many seed/evaluation/head fleet AUCs lie within train-local's [min, max].
 
     Raises:
         MetapsError: a seed with fewer than 2 shuffles (no spread to measure).
@@ -285,15 +288,21 @@ def local_spread(per_seed: dict[Any, dict[int, dict[str, dict[str, float]]]],
             for h in HEADS:
                 v = [r[e][h] for r in runs.values()]
                 cell = {"min": min(v), "max": max(v), "range": max(v) - min(v), "std": statistics.stdev(v),
-                        "shuffles": len(v)}
-                out["per_seed"][seed][e][h] = cell
+                        "mean": statistics.fmean(v), "shuffles": len(v)}
                 if seed in fleet:
                     cells += 1
                     inside += int(cell["min"] <= fleet[seed][e][h]["fleet"] <= cell["max"])
+                    cell["fleet_minus_mean"] = fleet[seed][e][h]["fleet"] - cell["mean"]
+                out["per_seed"][seed][e][h] = cell
     for e in EVALS:
-        out["summary"][e] = {h: {"mean_std": statistics.fmean(out["per_seed"][s][e][h]["std"] for s in per_seed),
-                                 "max_range": max(out["per_seed"][s][e][h]["range"] for s in per_seed)}
-                             for h in HEADS}
+        out["summary"][e] = {}
+        for h in HEADS:
+            cs = [out["per_seed"][s][e][h] for s in per_seed]
+            out["summary"][e][h] = {"mean_std": statistics.fmean(c["std"] for c in cs),
+                                    "max_range": max(c["range"] for c in cs)}
+            if any("fleet_minus_mean" in c for c in cs):
+                out["summary"][e][h]["fleet_minus_mean"] = statistics.fmean(
+                    c["fleet_minus_mean"] for c in cs if "fleet_minus_mean" in c)
     out["fleet_in_range"], out["cells"] = inside, cells
     return out
 
@@ -356,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in EVALS:
             _progress(f"train-local over {args.local_shuffles} shuffles, {e}: " + "; ".join(
                 f"{h} mean std {out['local_spread']['summary'][e][h]['mean_std']:.4f} "
-                f"max range {out['local_spread']['summary'][e][h]['max_range']:.4f}" for h in HEADS))
+                f"max range {out['local_spread']['summary'][e][h]['max_range']:.4f}, "
+                f"fleet - their mean {out['local_spread']['summary'][e][h]['fleet_minus_mean']:+.4f}" for h in HEADS))
         _progress(f"fleet AUC inside train-local's range: {out['local_spread']['fleet_in_range']} of "
                   f"{out['local_spread']['cells']} cells")
     if variants:

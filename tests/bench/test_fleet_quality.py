@@ -85,6 +85,10 @@ def test_local_spread_is_the_range_and_std_over_shuffles_and_places_the_fleet() 
     assert out["per_seed"][4]["all"]["click"]["range"] == 0.0
     assert out["summary"]["all"]["click"]["mean_std"] == pytest.approx(0.01)
     assert out["summary"]["all"]["conversion"]["max_range"] == pytest.approx(0.10)
+    # the fleet against train-local's mean over orders: seed 3 0.77 - 0.78, seed 4 0.71 - 0.70
+    assert cell["mean"] == pytest.approx(0.78) and cell["fleet_minus_mean"] == pytest.approx(-0.01)
+    assert out["summary"]["all"]["click"]["fleet_minus_mean"] == pytest.approx(0.0)
+    assert out["summary"]["all"]["conversion"]["fleet_minus_mean"] == pytest.approx(((0.77 - (0.80 + 0.70 + 0.76) / 3) + 0.01) / 2)
     # seed 3: 0.77 lies inside every [0.76 or 0.70, 0.80] cell; seed 4: 0.71 is outside [0.70, 0.70]
     assert (out["fleet_in_range"], out["cells"]) == (len(EVALS) * len(HEADS), 2 * len(EVALS) * len(HEADS))
 
