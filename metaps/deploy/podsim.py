@@ -284,8 +284,8 @@ class PodSim:
         lines = ["127.0.0.1\tlocalhost"]
         with self._lock:
             pods = [p for p in self.pods.values() if not p.ended]  # a finished pod leaves the endpoints
-            for p in pods:
-                lines.append(f"{p.ip}\t{p.name}")
+            for p in pods:  # a pod's own hostname resolves to its address, as in a kubelet's /etc/hosts
+                lines.append(f"{p.ip}\t{p.name}" + (f" {p.host}" if p.host != p.name else ""))
             for svc in (d for d in self.docs if d["kind"] == "Service"):
                 name = svc["metadata"]["name"]
                 ns = svc["metadata"].get("namespace", "default")
@@ -1013,11 +1013,11 @@ def _apply_fs_group(root: Path, gid: int, readonly: bool, always: bool) -> None:
     st = root.stat()
     if not always and st.st_gid == gid and st.st_mode & dir_bits == dir_bits:
         return
-    for d, dirs, files in os.walk(root):
+    for d, _dirs, files in os.walk(root):
         for name in [None, *files]:
             path = d if name is None else os.path.join(d, name)
             try:
-                st = os.lstat(path)
+                st = os.stat(path) if name is None and d == str(root) else os.lstat(path)  # a linked root: its target
                 if stat.S_ISLNK(st.st_mode):
                     continue
                 os.chown(path, -1, gid)

@@ -1,0 +1,101 @@
+"""The all-reduce variant of the manifests runs to completion in pods (metaps.deploy.podsim).
+
+``[train] dense_sync = "allreduce"`` renders the worker Job as an Indexed Job (completions =
+parallelism = ``[train] workers``) whose pods find rank 0's gloo rendezvous through the
+headless Service (``NAME-worker-0.NAME-worker``, ``$METAPS_ALLREDUCE``); ranks are the Job's
+completion indexes. One small fleet (data Job, controller, 1 PS shard, 2 workers) trains to
+the end: every Job completes, the controller's outcome is ``complete`` with complete coverage,
+both ranks joined the one all-reduce group and the checkpoint leader wrote the final
+checkpoint. Wiring alone (no run) is in test_k8s_manifests.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from meta_io.synth.generator import GeneratorConfig, generate
+from metaps.core.toml_writer import write
+from metaps.deploy.podsim import PodSim, netns_available, tail
+from metaps.run_report import read_worker_reports
+from tests.metaps.fleet_data import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _job_file(path: Path) -> Path:
+    return write(path, {
+        "data": {"train": "metaio/train"},
+        "ps": {"shards": 1, "num_vshards": 8, "device": "cpu", "table_defaults": {"dim": 8, "capacity": 4096}},
+        "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
+        "meta": {"inner_steps": 1, "inner_lr": 0.1},
+        "train": {"mode": "meta", "workers": 2, "epochs": 2, "overlap": False, "log_every": 5,
+                  "dense_sync": "allreduce", "allreduce_port": 29511},
+        # hang_min_s: a known stall (workers/worker.py, reported): a worker told to WAIT for data
+        # (the epoch's last shard is another's) sleeps in its lease loop without joining the
+        # all-reduce step, while the other waits in that step for it -- until the controller's hang
+        # rule requeues the blocked worker's shard (hang_min_s, 120 s by default: twice, 4 of this
+        # run's 4.5 minutes). Short here, so the wiring is what this test times.
+        "controller": {"tick_s": 0.2, "checkpoint_interval_s": 5.0,
+                       "dds": {"batches_per_shard": 2, "hang_min_s": 5.0}, "agent": {"heartbeat_s": 1.0}},
+        "rpc": {"timeout_s": 20.0},
+        "run": {"dir": "runs", "name": "ar"},
+        "deploy": {"name": "mar", "data_input": "raw/train", "data_schema": "raw/train/schema.json",
+                   "deliver_schedule": ""},  # no delivery CronJob: training only
+    })
+
+
+def _render(tmp: Path) -> list[dict[str, Any]]:
+    out = tmp / "manifests"
+    r = subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(_job_file(tmp / "job.toml")),
+                        "--image", "local/metaps:test", "--out", str(out)], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    k = subprocess.run(["kubectl", "kustomize", str(out)], capture_output=True, text=True, timeout=120)
+    assert k.returncode == 0, k.stderr
+    return [d for d in yaml.safe_load_all(k.stdout) if d]
+
+
+@pytest.mark.timeout(600)
+def test_the_allreduce_fleet_runs_to_completion_in_pods(tmp_path: Path) -> None:
+    assert netns_available(), ("this test runs pods in network + mount namespaces: it needs root, iproute2 "
+                               "and unshare (the manifests' wiring is still checked by test_k8s_manifests.py)")
+    docs = _render(tmp_path)
+    workers = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "mar-worker"][0]
+    assert workers["spec"]["completionMode"] == "Indexed"
+    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.237.0")
+    t0 = time.monotonic()
+    try:
+        data = sim.root / "pvc" / "mar-data"
+        generate(data / "raw" / "train", GeneratorConfig(rows=1500, users=100, items=150, seed=7, n_files=1,
+                                                          row_group_rows=1500), progress=False)
+        for w in ("mar-data", "mar-controller", "mar-ps", "mar-worker"):
+            sim.start_workload(w)
+        wait_for(lambda: sim.job_status("mar-worker") != "Running", 300, "the all-reduce worker Job to end")
+        assert sim.job_status("mar-worker") == "Complete", sim.jobs["mar-worker"].reason
+        wait_for(lambda: sim.job_complete("mar-ps") and sim.job_complete("mar-controller"), 180,
+                 "the PS and controller Jobs to complete")
+        ctl = sim.job_pods("mar-controller")[0]
+        outcome = json.loads(sim.termination_message(ctl.name))
+        assert (outcome["run"], outcome["coverage"]) == ("complete", "complete"), outcome
+        ranks = sorted(p.index for p in sim.job_pods("mar-worker") if p.phase == "Succeeded")
+        assert ranks == [0, 1]
+        for p in sim.job_pods("mar-worker"):  # one gloo group of both ranks, met through the Service name
+            assert "joined all-reduce group" in p.log_path.read_text(), tail(p.log_path)
+        reports = list(read_worker_reports(data / "runs" / "ar").values())
+        final = [r for r in reports if r.get("final")]
+        assert len(final) == 1 and final[0]["checkpoint"], [(r["rank"], r.get("final")) for r in reports]
+        sys.stderr.write(f"[allreduce pods] complete in {time.monotonic() - t0:.1f}s\n")
+    except BaseException:
+        for p in sim.pods.values():
+            sys.stderr.write(f"--- {p.name} ({p.phase}, exits {p.exit_codes})\n{tail(p.log_path, 25)}\n")
+        raise
+    finally:
+        sim.close()
