@@ -3,7 +3,8 @@
 Life of a worker::
 
     register with the controller ---- heartbeat thread (leases, commands)
-    for each train shard leased by the DDS (or a static slice without controller):
+    for each train shard leased by the DDS (without a controller: one worker reads the shards
+    a one-worker fleet would be leased, metaps.core.shard_order; rank r of w > 1 a static slice):
         read batches (prefetch) -> pull rows -> step -> push grads -> report metrics
         report the shard done
     pull final dense params; score the eval shards it is leased -> run/eval/*.npz
@@ -35,6 +36,7 @@ from metaps.core import exit_codes
 from metaps.core.config import to_dict
 from metaps.core.eta import JobEta
 from metaps.core.log import kv
+from metaps.core.shard_order import shard_order
 from workers.config import DenseSync, TrainMode
 from workers.data_feed import BatchRange, static_ranges
 from workers.evaluation import merge_eval_files, score_batches, write_eval_file
@@ -184,11 +186,22 @@ class Worker:
         log.info("joined all-reduce group", extra=kv(rank=self.rank, world=self.world, addr=addr))
 
     # -- data -------------------------------------------------------------------------
+    def _own_ranges(self, epoch: int) -> list[BatchRange]:
+        """Without a controller: one worker (train-local) reads a one-worker fleet's order, the
+        DDS's shuffled shards (:func:`metaps.core.shard_order.shard_order` with ``[controller.dds]
+        batches_per_shard`` and ``seed``), so train-local and the fleet differ in nothing but the
+        process layout; rank ``r`` of ``w > 1`` reads its static slice of every file."""
+        if self.world > 1:
+            return static_ranges(self.dataset, self.rank, self.world)
+        dds = self.job.controller.dds
+        files = [int(self.dataset.num_batches(f)) for f in range(self.dataset.num_files)]
+        return [BatchRange(f, a, b) for f, a, b in shard_order(files, dds.batches_per_shard, dds.seed, epoch, "train")]
+
     def _ranges(self) -> Iterator[tuple[BatchRange, Any]]:
-        """(range, lease) pairs: controller leases, or this rank's static slices per epoch."""
+        """(range, lease) pairs: controller leases, or per epoch :meth:`_own_ranges` (no lease)."""
         if self.ctl is None:
-            for _ in range(self.job.train.epochs):
-                for r in static_ranges(self.dataset, self.rank, self.world):
+            for epoch in range(self.job.train.epochs):
+                for r in self._own_ranges(epoch):
                     yield r, None
             self.rows.leave_clock()  # no more data: stop holding the others back (sync barriers too)
             return

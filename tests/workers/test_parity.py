@@ -25,7 +25,9 @@ from tests.workers.conftest import make_job
 def _all_ids(worker: Worker, batches: int | None = None) -> dict[str, np.ndarray]:
     """Unique ids per table of the dataset (or of its first ``batches`` batches, in training order)."""
     ids: dict[str, list[np.ndarray]] = {}
-    for i, batch in enumerate(worker.dataset.iter_all()):
+    ds = worker.dataset  # training order: the worker's own ranges (train-local reads the DDS's shard shuffle)
+    order = (b for r, _ in worker._ranges() for b in ds.read_range(r.file, r.start, r.stop))
+    for i, batch in enumerate(ds.iter_all() if batches is None else order):
         if batches is not None and i >= batches:
             break
         for t, u in batch.unique_ids.items():
