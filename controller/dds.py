@@ -361,7 +361,7 @@ class DynamicDataSharding:
         if live.finished:
             return GetResult(GetStatus.DONE)
         now = self._clock()
-        if not live.todo or self._tail_reserved(live, worker, now):
+        if not live.todo or self._tail_reserved(live, worker, now) or self._training_open(live):
             live.waiting[worker] = now
             return GetResult(GetStatus.WAIT)
         live.waiting.pop(worker, None)
@@ -377,6 +377,16 @@ class DynamicDataSharding:
             self._put(txn, rec)
         return GetResult(GetStatus.SHARD, ShardLease(rec.id, dataset, rec.epoch, rec.file, rec.start,
                                                       rec.stop, rec.attempt, self._cfg.lease_s))
+
+    def _training_open(self, live: _Live) -> bool:
+        """An eval dataset waits while any train dataset is unfinished: eval scores the final model.
+
+        Workers evaluate only once training is DONE, so in a healthy run this never holds; it holds
+        after a rollback (a PS recovery) reopened a finished train dataset: the eval shards the
+        rollback returned must be scored again after the retraining, not by the rolled-back rows.
+        """
+        return live.spec.kind == DatasetKind.EVAL and any(
+            not other.finished and other.spec.kind == DatasetKind.TRAIN for other in self._live.values())
 
     def _split(self, txn: lmdb.Transaction, live: _Live, parent: _Shard, size: int) -> _Shard:
         head = _Shard(parent.dataset, parent.epoch, parent.file, parent.start, parent.start + size,

@@ -171,6 +171,8 @@ class Worker:
         self._last_step_end = 0.0
         self._last_overlapped: bool | None = None
         self.start_step = 0
+        self.wall_s = 0.0
+        self._rounds = 0  # train() calls: more than one when a rollback reopened finished training
         self._last_rec: dict[str, Any] | None = None
         self._last_dense_s = 0.0
         self._eval_ds: Any = None
@@ -232,15 +234,29 @@ class Worker:
 
     # -- main loop --------------------------------------------------------------------
     def train(self) -> None:
-        if self.ctl is not None:
+        """Train on the leased shards (or this process's own order) until the train data is DONE.
+
+        Called again by :func:`run_worker` when a rollback reopened finished training (a PS
+        recovery after this worker finished, :meth:`work_reopened`): the worker registered once,
+        rejoins the step clocks it left, and keeps its step numbering, counters and wall time.
+        """
+        again = self._rounds > 0
+        self._rounds += 1
+        if self.ctl is not None and self._hb is None:
             reg = self.ctl.register(pid=os.getpid())
             self._hb = _Heartbeat(self.ctl, max(0.2, reg.heartbeat_s), self)
             self._hb.start()
         t_start = time.perf_counter()
-        self.train_start = time.time()
-        self._eta = JobEta()
+        wall_before = self.wall_s if again else 0.0
+        if again:
+            log.info("training reopened; training again", extra=kv(rank=self.rank, step=self.trainer.step_no))
+            if not self._clock_released:  # it left the clocks when it finished: back at the fleet's slowest
+                self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
+        else:
+            self.train_start = time.time()
+            self._eta = JobEta()
+            self.start_step = self.trainer.step_no
         self._last_step_end = t_start
-        self.start_step = self.trainer.step_no
         if self._dd_mode():
             from workers.dd import DdLoop
 
@@ -279,7 +295,7 @@ class Worker:
         # exit, so peers still training are not held at a barrier / the staleness bound while
         # this worker evaluates, waits for the job or checkpoints.
         self.rows.leave_clock()
-        self.wall_s = time.perf_counter() - t_start
+        self.wall_s = wall_before + time.perf_counter() - t_start
         self.train_end = time.time()
         log.info(
             "training done",
@@ -557,16 +573,37 @@ class Worker:
         log.info("periodic eval", extra=kv(rank=self.rank, step=step, s=round(time.perf_counter() - t0, 2),
                                            **{k.replace("/", "_"): round(v, 4) for k, v in flat.items()}))
 
-    def evaluate(self) -> None:
-        """Score this worker's eval shards (controller) or its static slice of eval."""
+    def evaluate(self) -> bool:
+        """Score this worker's eval shards (controller) or its static slice of eval.
+
+        Returns:
+            False when training was reopened while this worker waited for eval shards (the DDS
+            leases eval only once training is finished: a rollback after it finished holds eval
+            back until the retraining is done; :func:`run_worker` trains again); else True.
+        """
         if not self.job.data.eval:
-            return
+            return True
         self.trainer.refresh_dense()
         eval_ds = MetaIODataset(self.job.data.eval)
         out_dir = self.run_dir / "eval"
         adapt = self.job.train.mode == TrainMode.META
         if self.ctl is not None:
-            for lease in self.ctl.shards("eval"):
+            from controller.types import GetStatus
+
+            next_check = 0.0
+            while True:
+                got = self.ctl.get_shard("eval")
+                if got.status is GetStatus.DONE:
+                    return True
+                if got.status is GetStatus.WAIT:
+                    if time.monotonic() >= next_check:
+                        next_check = time.monotonic() + 1.0
+                        if self._may_train_again() and self.work_reopened(self.ctl.status(brief=True), ("train",)):
+                            return False
+                    time.sleep(0.2)
+                    continue
+                lease = got.lease
+                assert lease is not None
                 scores = score_batches(self.model, self.rows, eval_ds.read_range(lease.file, lease.start, lease.stop),
                                        self.trainer.inner_loop, adapt=adapt)
                 write_eval_file(out_dir / f"{lease.shard_id.replace('/', '_')}.npz", scores)
@@ -576,6 +613,21 @@ class Worker:
                 scores = score_batches(self.model, self.rows, eval_ds.read_range(r.file, r.start, r.stop),
                                        self.trainer.inner_loop, adapt=adapt)
                 write_eval_file(out_dir / f"static-{r.file}-{r.start}-{r.stop}.npz", scores)
+        return True
+
+    def _may_train_again(self) -> bool:
+        """Not stopped on purpose: a worker that reached ``max_steps`` or is draining leaves the
+        shards it did not train to the others (or to the run's end), whatever is still TODO."""
+        return not self.stopped_reason and not self._draining and not self.trainer._at_limit()
+
+    def work_reopened(self, status: dict[str, Any], datasets: tuple[str, ...] = ("train", "eval")) -> bool:
+        """One of this worker's ``datasets`` (the ones it leases from) has shards to do again
+        although the worker finished with it: a rollback (a PS recovery) returned shards done after
+        its cut. Read from a (brief) controller status; the eval dataset counts only when this job
+        has one."""
+        mine = [n for n in datasets if n == "train" or self.job.data.eval]
+        return any(d.get("dataset") in mine and int(d.get("shards_todo") or 0) > 0 and not d.get("finished")
+                   for d in status.get("datasets") or [])
 
     @property
     def is_leader(self) -> bool:
@@ -585,11 +637,13 @@ class Worker:
             return self.rank == 0
         return self._hb is not None and self._hb.leader
 
-    def finish_run(self, timeout_s: float = 3600.0, poll_s: float = 0.5) -> tuple[dict[str, Any] | None, Path | None]:
+    def finish_run(self, timeout_s: float = 3600.0,
+                   poll_s: float = 0.5) -> tuple[dict[str, Any] | None, Path | None] | None:
         """After training and eval: the leader, once every dataset is done, merges the eval scores
         and writes the final checkpoint; every other worker waits until it has, and takes over
         if it becomes the leader meanwhile (the leader left). Returns (eval metrics, checkpoint)
-        of this worker's final checkpoint, or (None, None).
+        of this worker's final checkpoint, or (None, None); None when work came back while it
+        waited (:meth:`work_reopened`: a rollback after training finished): train and evaluate again.
 
         Raises:
             TimeoutError: nothing ended the wait in ``timeout_s``; the message says what it waited for.
@@ -605,6 +659,8 @@ class Worker:
                 return None, None
             if st.get("finished") and run.get("leader") == self.rank:
                 return self._final_checkpoint()
+            if not st.get("finished") and self._may_train_again() and self.work_reopened(st):
+                return None
             waiting = (f"worker {run.get('leader')}'s final checkpoint" if st.get("finished") else
                        "every dataset done (" + ", ".join(f"{d['dataset']} {d['shards_done']}/{d['shards_total']} "
                                                           "shards" for d in st.get("datasets") or []) + ")")
@@ -729,9 +785,14 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
     worker.trainer.resume(clock)
     finished = False
     try:
-        worker.train()
-        worker.evaluate()
-        metrics, ckpt = worker.finish_run()
+        while True:  # more than once only when a rollback reopened the data after training finished
+            worker.train()
+            if not worker.evaluate():
+                continue
+            done = worker.finish_run()
+            if done is not None:
+                break
+        metrics, ckpt = done
         rep = worker.report(metrics, ckpt)
         finished = True
         return rep

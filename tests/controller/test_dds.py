@@ -218,3 +218,23 @@ def test_bad_input_names_the_problem(tmp_path: Path) -> None:
     with pytest.raises(DdsError, match=r"dataset name must match .*got 'bad name'"):
         make(tmp_path / "x", datasets=(DatasetSpec("bad name", (3,)),))
     assert dds.holders() == {0: [a.shard_id]}  # refused input changed nothing
+
+
+def test_eval_is_leased_only_once_training_is_finished_and_again_after_a_rollback(tmp_path: Path) -> None:
+    """Eval scores the final model: its shards wait while a train dataset is open, also when a
+    rollback (a PS recovery) reopens a finished one; the eval shards it returned are scored again."""
+    _, _, dds = make(tmp_path, DdsConfig(batches_per_shard=4))
+    assert dds.get_shard(0, "eval").status is GetStatus.WAIT  # training not finished
+    first = dds.get_shard(0, "train").lease
+    dds.report(0, first.shard_id, first.attempt, "done")
+    cut = dds.snapshot()
+    finish(dds, "train")
+    ev = dds.get_shard(0, "eval").lease
+    dds.report(0, ev.shard_id, ev.attempt, "done")
+    returned = dds.rollback_to(cut)
+    assert ev.shard_id in returned and any(r.startswith("train:") for r in returned)
+    assert dds.get_shard(1, "eval").status is GetStatus.WAIT  # training reopened: eval waits again
+    finish(dds, "train")
+    assert finish(dds, "eval")  # the returned eval shards are leased again, now
+    cov = dds.coverage()
+    assert cov.complete and dds.finished(), cov.problems

@@ -13,9 +13,9 @@ import pytest
 
 from controller.client import ControllerClient, ControllerError
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
-from controller.types import GetStatus
+from controller.types import DatasetKind, DatasetSpec, GetStatus
 from metaps.core.rpc import RpcConfig
-from tests.controller.conftest import RPC, TOKEN, client, drain, small_cfg
+from tests.controller.conftest import EVAL, RPC, TOKEN, TRAIN, client, drain, small_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_worker_process_killed_mid_shard_is_requeued(controller) -> None:
 
 
 def test_duplicate_completion_reports_are_harmless(controller) -> None:
-    srv = controller()
+    srv = controller(datasets=(EVAL, DatasetSpec("more-eval", (5,), DatasetKind.EVAL, epochs=1)))
     c = client(srv, 0)
     lease = c.get_shard("eval").lease
     assert c.report_shard(lease, samples=4).kind == "done"
@@ -76,16 +76,17 @@ def test_duplicate_completion_reports_are_harmless(controller) -> None:
     assert all(r.kind == "retry" and r.duplicate for r in again)
     assert drain(c, "eval") == 1
     cov = c.status()["coverage"]
-    # eval is covered, train not started: honest coverage says in progress, not complete
+    # eval is covered, the other dataset not started: honest coverage says in progress, not complete
     assert cov["by_dataset"]["eval"] == [6, 6] and cov["state"] == "in_progress" and not cov["complete"]
     assert cov["done_entries"] == 2 and cov["duplicate_samples"] == 0
-    drain(c, "train")
+    drain(c, "more-eval")
     assert c.status()["coverage"]["complete"]
 
 
 def test_hung_worker_lease_expires(controller) -> None:
     srv = controller(small_cfg(lease_s=0.3))
     hung, other = client(srv, 1), client(srv, 2)
+    drain(other, "train")  # eval is leased once training is finished (it scores the final model)
     lease = hung.get_shard("eval").lease  # then never heartbeats again
     time.sleep(0.6)
     got = other.get_shard("eval").lease
@@ -93,24 +94,23 @@ def test_hung_worker_lease_expires(controller) -> None:
     assert other.report_shard(got).kind == "done"
     late = hung.report_shard(lease)
     assert late.kind == "duplicate" and not late.accepted
-    drain(other, "eval")
-    drain(other, "train")  # complete means every dataset's every epoch
+    drain(other, "eval")  # complete means every dataset's every epoch
     st = other.status()
     assert st["coverage"]["complete"] and st["coverage"]["duplicate_entries"] == 1
     assert any(e["kind"] == "lease_expired" and e["node"] == "worker:1" for e in st["events"])
 
 
 def test_node_failure_requeues_shards_in_every_dataset(controller) -> None:
-    srv = controller()
+    srv = controller(datasets=(TRAIN, DatasetSpec("train-b", (6,), DatasetKind.TRAIN, epochs=1)))  # two open at once
     w = client(srv, 4)
-    held = {w.get_shard("train").lease.shard_id, w.get_shard("eval").lease.shard_id, w.get_shard("train").lease.shard_id}
+    held = {w.get_shard("train").lease.shard_id, w.get_shard("train-b").lease.shard_id, w.get_shard("train").lease.shard_id}
     agent = client(srv, 4, source="agent")
     requeued = agent.node_down("worker", 4, "child exited with code 137", 137)
     assert set(requeued) == held
     assert srv.dds.holders() == {}
     c = client(srv, 0)
     drain(c, "train")
-    drain(c, "eval")
+    drain(c, "train-b")
     assert c.status()["coverage"]["complete"]
 
 
