@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ def test_ps_address_specs() -> None:
         ps_addresses("a:1", 2)
     with pytest.raises(ConfigError, match="no PS addresses"):
         ps_addresses("", 2)
-    calls = iter([ValueError("PS shard(s) [1] have not registered"), ["h0:1"], ["h0:1", "h1:1"]])
+    calls: Iterator[Exception | list[str]] = iter([ValueError("PS shard(s) [1] have not registered"), ["h0:1"],
+                                                   ["h0:1", "h1:1"]])
 
     def from_ctl() -> list[str]:
         v = next(calls)

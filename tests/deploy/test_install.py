@@ -67,17 +67,20 @@ def test_makefile_and_both_images_install_with_the_script() -> None:
             assert f"COPY {pkg} ./{pkg}" in text, f"{df}: package {pkg} not copied"
             assert pkg not in ignored, f".dockerignore drops package {pkg}"
         assert re.search(r"^USER 10001", text, re.M), f"{df}: must run as non-root"
-        assert json.loads(re.search(r"^ENTRYPOINT (.*)$", text, re.M).group(1)) == ["metaps"]
+        entry = re.search(r"^ENTRYPOINT (.*)$", text, re.M)
+        assert entry is not None, f"{df}: no ENTRYPOINT"
+        assert json.loads(entry.group(1)) == ["metaps"]
 
 
 def test_image_entrypoint_runs_outside_a_container() -> None:
     """ENTRYPOINT + CMD of the image, run with this venv on PATH (what the image's venv holds)."""
     text = DOCKERFILES[0].read_text()
-    argv = json.loads(re.search(r"^ENTRYPOINT (.*)$", text, re.M).group(1)) + \
-        json.loads(re.search(r"^CMD (.*)$", text, re.M).group(1))
+    entry, cmd = re.search(r"^ENTRYPOINT (.*)$", text, re.M), re.search(r"^CMD (.*)$", text, re.M)
+    assert entry is not None and cmd is not None, f"{DOCKERFILES[0]}: ENTRYPOINT and CMD expected"
+    argv = json.loads(entry.group(1)) + json.loads(cmd.group(1))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     assert shutil.which(argv[0], path=env["PATH"]), "the metaps console script is not installed in this venv"
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
-    for cmd in ("ps", "worker", "controller", "deliver", "meta-io"):
-        assert cmd in r.stdout
+    for sub in ("ps", "worker", "controller", "deliver", "meta-io"):
+        assert sub in r.stdout

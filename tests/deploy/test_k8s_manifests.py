@@ -134,10 +134,10 @@ def test_counts_ports_and_selectors_match_the_job_file(rendered: Any) -> None:
     assert [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "metaps-ps"][0]["spec"]["clusterIP"] == "None"
     for name, t in templates.items():
         for c in t["spec"]["containers"]:
-            ports = {p["containerPort"] for p in c.get("ports", [])}
+            container_ports = {p["containerPort"] for p in c.get("ports", [])}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in c:
-                    assert c[probe]["grpc"]["port"] in ports, (name, probe)
+                    assert c[probe]["grpc"]["port"] in container_ports, (name, probe)
             if name in ("metaps-controller", "metaps-ps"):
                 assert c["readinessProbe"]["grpc"]["port"] == {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
         ann = t["metadata"]["annotations"]
