@@ -12,7 +12,9 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   nothing about identity); hostname = the pod's hostname (an Indexed Job pod: ``JOB-K``);
   ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods)
   and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
-  from one file holding every Service name (rewritten in place as pods appear, like DNS);
+  from one file holding every Service name and every live pod's name and hostname (a
+  kubelet's /etc/hosts holds the pod's own; gloo resolves it to pick its address), rewritten
+  in place as pods come and go, like DNS;
   what stands for the image (the checkout on ``PYTHONPATH``, the venv) stays visible when a
   volume covers its path (an emptyDir at ``/tmp`` over a checkout under ``/tmp``): parked
   in ``/run/metaps-podsim-*`` and bound back after the volumes, so any checkout path works;

@@ -7,11 +7,15 @@ coverage 100%. Mid-run a node drain evicts PS 1: its preStop hook has the contro
 checkpoint cut first, its PodDisruptionBudget refuses a second eviction meanwhile, the Job
 replaces the pod (a new pod, uid and address, the same shard
 and DNS name, and -- in a fresh PID namespace -- the same pid 1), and the controller
-recovers it as a new incarnation; the worker Job is scaled up by one (the newcomer trains)
+recovers it as a new incarnation; then PS 0 hangs (SIGSTOP): its liveness probe (periods
+scaled 5x down) fails 6 times, the container is killed (137), the Job replaces the pod and
+the controller recovers it too; the worker Job is scaled up by one (the newcomer trains)
 and down by one (a random pod goes, whichever index it holds: its shards are requeued,
 none lost, and if it was the checkpoint leader another takes over). When the run ends
 the controller stops the PS and exits: all three Jobs complete, nothing holds a node.
-The delivery CronJob's command, run once, publishes a bundle.
+The delivery CronJob's command, run once, publishes a bundle. Every container runs as
+the manifests' uid/gid 10001 with fsGroup 10001 (checked in /proc), and what the data Job
+wrote to the shared volume is that user's.
 
 Where namespaces cannot be created (not root, no iproute2), this test cannot run the
 pods and fails with a message saying so: the render/validate tests
