@@ -5,7 +5,8 @@
     per train file: a seeded pick of round(val_fraction * batches) batches (>= 1) -> validation
         (or: every batch of the [data] validation dataset, and every train batch trains)
     for each epoch:
-        train on the other batches (the same step engine)
+        train on the other batches (the same step engine), in a one-worker fleet's order
+        (metaps.core.shard_order: the DDS's shuffled shards, the held-out batches left out)
         validation loss = the training objective on the validation batches, no update
             (meta: query loss after adaptation; plain: the loss), eval mode (no dropout)
         validation AUC = per head on the same batches (meta: adapted, as the loss is);
@@ -45,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from metaps.core.log import kv
+from metaps.core.shard_order import shard_order
 from workers.config import EarlyStopMetric, LrSchedule, TrainMode
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,26 @@ def validation_split(dataset: Any, fraction: float, seed: int) -> dict[int, np.n
         rng = np.random.default_rng([seed, i])
         out[i] = np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
     return out
+
+
+def training_plan(files: dict[int, int], held: dict[int, np.ndarray], dds: Any, epoch: int) -> list[tuple[int, int, int]]:
+    """``(file, start, stop)`` ranges train-local trains in ``epoch``: a one-worker fleet's order
+    (:func:`metaps.core.shard_order.shard_order`, the DDS's shuffled shards) without the held-out batches.
+
+    Args:
+        files: file index -> its record batches.
+        held: file index -> the validation batches (:func:`validation_split`; empty arrays: none).
+        dds: the job's ``[controller.dds]`` (``batches_per_shard``, ``seed``).
+        epoch: 0-based.
+    """
+    order = shard_order([files[i] for i in range(len(files))], dds.batches_per_shard, dds.seed, epoch, "train")
+    return [(f, a, b) for f, s, e in order for a, b in _runs_between(s, e, held[f])]
+
+
+def _runs_between(start: int, stop: int, held: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal ``[a, b)`` ranges of ``range(start, stop)`` without the ``held`` indices."""
+    inside = held[(held >= start) & (held < stop)] - start
+    return [(start + a, start + b) for a, b in _runs(stop - start, inside)]
 
 
 def _runs(n: int, held: np.ndarray) -> list[tuple[int, int]]:
@@ -250,14 +272,13 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
         vds = worker.dataset
         held = validation_split(worker.dataset, cfg.val_fraction, cfg.seed)
         val = [(name, int(b)) for name, idx in held.items() for b in idx]
-    plan = [(name, a, b) for name, n in files.items() for a, b in _runs(n, held[name])]
-    per_epoch = sum(b - a for _, a, b in plan)
+    per_epoch = sum(files.values()) - sum(int(h.size) for h in held.values())
     worker.trainer.total_steps = cfg.max_steps or per_epoch * cfg.epochs
     metric = EarlyStopMetric(cfg.early_stop_metric)
     rec = ValidationRecord(metric=metric.value)
     bad = 0
     for epoch in range(cfg.epochs):
-        for name, a, b in plan:
+        for name, a, b in training_plan(files, held, job.controller.dds, epoch):
             for stats in worker.trainer.run(prefetch(worker.read(name, a, b), depth=2)):
                 worker._after_step(stats)
             worker.shards_done += 1
