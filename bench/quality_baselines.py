@@ -55,7 +55,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +129,48 @@ def fit_task_offsets(z: np.ndarray, y: np.ndarray, m: np.ndarray, prior: float, 
 
 
 LogitSource = Callable[[MetaBatch], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
+RowLogits = Callable[[FeatureBatch], dict[str, np.ndarray]]
+"""A fitted baseline's logits of rows, head -> an array shaped like the batch's mask."""
+
+
+def _first_k_source(row_logits: RowLogits) -> LogitSource:
+    """The first-k source of a row scorer: the support and the query rows of each episode."""
+
+    def src(mb: MetaBatch) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return row_logits(mb.support), row_logits(mb.query)
+
+    return src
+
+
+def score_rows(batches: Iterable[FeatureBatch], row_logits: RowLogits, heads: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per head: AUC and logloss of every real row (a plain protocol, e.g. a time split's later
+    rows), the oracle AUC of the same rows where the data has one, and ``norm_auc``.
+
+    Raises:
+        DataError: the batches hold no real row.
+    """
+    from workers.evaluation import head_target
+
+    parts: dict[str, dict[str, list[np.ndarray]]] = {h: {"score": [], "target": [], "oracle": []} for h in heads}
+    for fb in batches:
+        m = fb.mask.numpy().astype(bool)
+        z = row_logits(fb)
+        for h in heads:
+            parts[h]["score"].append(1.0 / (1.0 + np.exp(-np.asarray(z[h], dtype=np.float64)[m])))
+            parts[h]["target"].append(head_target(h, fb.labels).numpy()[m].astype(np.float64))
+            if h in fb.oracle:
+                parts[h]["oracle"].append(fb.oracle[h].numpy()[m].astype(np.float64))
+    out: dict[str, dict[str, Any]] = {}
+    for h in heads:
+        cat = {k: np.concatenate(v) for k, v in parts[h].items() if v}
+        if "target" not in cat or cat["target"].size == 0:
+            raise DataError("plain baselines: the batches yielded no rows to score")
+        res: dict[str, Any] = {"rows": int(cat["target"].size), **_summ(cat["score"], cat["target"])}
+        if "oracle" in cat:
+            res["oracle_auc"] = float(auc(cat["target"], cat["oracle"]))
+            res["norm_auc"] = (res["auc"] - 0.5) / (res["oracle_auc"] - 0.5)
+        out[h] = res
+    return out
 """A first-k batch -> (head -> support logits ``[T, K]``, head -> query logits ``[T, Q]``)."""
 
 
@@ -379,17 +421,14 @@ class LogReg:
             x = _csr(s, self.enc.size)
             return (x @ torch.from_numpy(self.w)).numpy() + s.dense.astype(np.float64) @ self.u + self.b
 
+    def row_logits(self, fb: FeatureBatch) -> dict[str, np.ndarray]:
+        """Head -> logits of ``fb``'s rows, shaped like its mask."""
+        z = self.logits(self.enc.encode(fb)).reshape(*fb.mask.shape, len(self.heads))
+        return {h: z[..., i] for i, h in enumerate(self.heads)}
+
     def source(self) -> LogitSource:
         """The first-k logit source of this model (:func:`score_first_k`)."""
-
-        def src(mb: MetaBatch) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-            out = []
-            for fb in (mb.support, mb.query):
-                z = self.logits(self.enc.encode(fb)).reshape(*fb.mask.shape, len(self.heads))
-                out.append({h: z[..., i] for i, h in enumerate(self.heads)})
-            return out[0], out[1]
-
-        return src
+        return _first_k_source(self.row_logits)
 
 
 class _one_thread:
@@ -631,19 +670,15 @@ class Gbdt:
         self.enc = enc
         self.boosters = boosters
 
+    def row_logits(self, fb: FeatureBatch) -> dict[str, np.ndarray]:
+        """Head -> raw scores (logits) of ``fb``'s rows, shaped like its mask."""
+        x = self.enc.transform(fb)
+        return {h: np.asarray(bst.predict(x, num_iteration=bst.best_iteration, raw_score=True),
+                              dtype=np.float64).reshape(fb.mask.shape) for h, bst in self.boosters.items()}
+
     def source(self) -> LogitSource:
         """The first-k logit source (raw scores = logits)."""
-
-        def src(mb: MetaBatch) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-            out = []
-            for fb in (mb.support, mb.query):
-                x = self.enc.transform(fb)
-                out.append({h: np.asarray(bst.predict(x, num_iteration=bst.best_iteration, raw_score=True),
-                                          dtype=np.float64).reshape(fb.mask.shape)
-                            for h, bst in self.boosters.items()})
-            return out[0], out[1]
-
-        return src
+        return _first_k_source(self.row_logits)
 
 
 def train_lightgbm(schema: Schema, train: Sequence[FeatureBatch], val: Sequence[FeatureBatch], heads: Sequence[str],
@@ -697,6 +732,8 @@ class Baselines:
 
     sources: dict[str, LogitSource]
     info: dict[str, Any]
+    rows: dict[str, RowLogits] = field(default_factory=dict)
+    """name -> the model's logits of plain rows (:func:`score_rows`)."""
 
 
 def train_baselines(train_dir: Path, val_dir: Path, schema: Schema, heads: Sequence[str],
@@ -724,15 +761,17 @@ def train_baselines(train_dir: Path, val_dir: Path, schema: Schema, heads: Seque
     info: dict[str, Any] = {"logreg": {"train_rows": xs.rows, "val_rows": xv.rows, "slots": enc.size,
                                        "chosen_l2": lr.chosen_l2, "val": lr.val, "train_s": time.perf_counter() - t0}}
     sources: dict[str, LogitSource] = {"logreg": lr.source()}
+    row_fns: dict[str, RowLogits] = {"logreg": lr.row_logits}
     if lightgbm_available():
         t0 = time.perf_counter()
         gb, ginfo = train_lightgbm(schema, train, val, heads, smoke)
         sources["lightgbm"] = gb.source()
+        row_fns["lightgbm"] = gb.row_logits
         info["lightgbm"] = {"heads": ginfo, "train_s": time.perf_counter() - t0}
     else:
         info["lightgbm"] = "not installed"
     log.info("baselines trained: %s", {k: (v if isinstance(v, str) else v.get("train_s")) for k, v in info.items()})
-    return Baselines(sources, info)
+    return Baselines(sources, info, row_fns)
 
 
 # -- the report ----------------------------------------------------------------------------------

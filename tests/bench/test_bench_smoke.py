@@ -72,7 +72,7 @@ SMOKES: dict[str, Smoke] = {
     "ps_storage": Smoke(("--smoke",), ("pull_vs_floor", "push_vs_floor_rowwise_adagrad", "insert_vs_hashmap",
                                        "stream_vs_known", "steady_new10_vs_known")),
     "ps_throughput": Smoke(("--smoke",), ("pull_vs_echo", "push_vs_echo", "bytes_per_row_ratio")),
-    "quality": Smoke(("--smoke",), ("dnn_click_norm_auc", "esmm_conversion_norm_auc",
+    "quality": Smoke(("--smoke",), ("dnn_click_norm_auc", "esmm_conversion_norm_auc", "logreg_click_norm_auc",
                                     "cold_click_adapted_minus_base_auc")),
     "quality_ceiling": Smoke(("--smoke",), ("by_k/4/click/ceiling_gain/median",
                                             "by_k/4/conversion/ceiling_gain/median")),

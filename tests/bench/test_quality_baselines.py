@@ -250,6 +250,16 @@ def test_baselines_on_generated_rows_beside_a_trained_model(data: Any) -> None:
     sc = score_first_k(batches, bl.sources["logreg"], ["click", "conversion"], 4.0)
     assert sc["click"]["rows"] > 500 and math.isfinite(sc["click"]["offset"]["logloss"])
     assert 0.6 < sc["click"]["base"]["auc"] < sc["click"]["oracle_auc"]
+    # plain rows (the time split's scoring): the same query rows score as under first-k's base
+    from bench.quality_baselines import score_rows
+
+    rows = score_rows((mb.query for mb in batches), bl.rows["logreg"], ["click", "conversion"])
+    for h in ("click", "conversion"):
+        assert rows[h]["rows"] == sc[h]["rows"]
+        assert rows[h]["auc"] == pytest.approx(sc[h]["base"]["auc"], abs=1e-12)
+        assert rows[h]["logloss"] == pytest.approx(sc[h]["base"]["logloss"], abs=1e-12)
+        assert rows[h]["oracle_auc"] == pytest.approx(sc[h]["oracle_auc"], abs=1e-12)
+        assert rows[h]["norm_auc"] == pytest.approx((rows[h]["auc"] - 0.5) / (rows[h]["oracle_auc"] - 0.5))
 
     # wired into bench.quality beside a real (plain, 1 epoch) model standing in for both metaps arms
     mtrain = build(vsplit.train_dir, vsplit.schema_path, tmp / "m-train", MetaIOBuildConfig(support=8, query=8,
