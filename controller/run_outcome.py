@@ -183,7 +183,9 @@ class RunOutcome:
             self.h.events.record(Event.now("controller", "run_ended", {"state": st.value, "reason": reason},
                                            "stop the fleet and exit"))
             log.info("run ended; stopping the fleet", extra=kv(state=st.value, reason=reason or "-"))
-        pending = [n for n in self.h.registry.nodes() if self.h.registry.pending(n.role, n.index)]
+        # only a live process can still take its commands: a finished or dead one's queue (a cut sent
+        # just before it left, a stop for a crashed PS) would hold the shutdown for the whole linger
+        pending = [n for n in self.h.registry.alive() if self.h.registry.pending(n.role, n.index)]
         if not pending or now - self._ended_at >= self.linger_s:
             self.exit_code = exit_codes.RUN_FAILED if st is RunState.FAILED else exit_codes.OK
             self.ended = True

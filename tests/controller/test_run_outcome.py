@@ -159,3 +159,20 @@ def test_a_leader_finishing_before_the_data_is_done_is_no_final_checkpoint(contr
     drain(w1, "train")
     w1.node_down("worker", 1, NODE_FINISHED, 0)
     assert srv.outcome.final_done and srv.outcome.state()[0].value == "complete"
+
+
+def test_a_finished_workers_unread_command_does_not_hold_the_shutdown(controller) -> None:  # type: ignore[no-untyped-def]
+    """A cut queued to a worker just before it finished is never read; the controller shuts down once
+    the live PS took its stop, not after ``linger_s`` (60 s: the run-failure-to-Job figure's delay)."""
+    srv = controller(datasets=(TRAIN,), end_fleet=True)
+    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
+    ps.register(incarnation="ps-a")
+    w0 = client(srv, 0)
+    drain(w0, "train")
+    srv.registry.enqueue("worker", 0, "checkpoint", cut_id=7)  # never handed out: the worker leaves
+    w0.node_down("worker", 0, NODE_FINISHED, 0)
+    srv.tick()
+    assert srv.outcome.state()[0].value == "complete" and not srv.shutdown_requested.is_set()
+    assert [c.kind for c in ps.heartbeat().commands] == ["stop"]
+    srv.tick()
+    assert srv.shutdown_requested.is_set() and srv.outcome.exit_code == exit_codes.OK
