@@ -57,6 +57,9 @@ class StepStats:
     overlapped: bool = False
     """An overlapped step (``[train] overlap``): the next batch's rows were pulled before this step's
     push (one step stale), on the background lane where the rows are remote."""
+    idle: bool = False
+    """All-reduce: no worker had a batch this round and one waits for a lease (nothing applied, the
+    step number unchanged; :meth:`Trainer.allreduce_step`)."""
 
 
 def _ids_of(batch: MetaBatch | PlainBatch) -> dict[str, np.ndarray]:
@@ -500,12 +503,16 @@ class Trainer:
         finally:
             self.flush()  # every push applied (or its error raised) before run() ends
 
-    def allreduce_step(self, batch: MetaBatch | PlainBatch | None) -> StepStats | None:
+    def allreduce_step(self, batch: MetaBatch | PlainBatch | None, waiting: bool = False) -> StepStats | None:
         """One collective step (all-reduce mode, world > 1); ``batch`` None = idle.
 
         Gradients are averaged weighted by each worker's sample count, so
         workers with fewer (or no) samples this step count for less. Returns
-        None once no worker had a batch (every worker leaves together).
+        None once no worker had a batch and none is ``waiting`` (every worker leaves
+        together). An idle worker that waits for a lease (the DDS said WAIT: another
+        worker's shard may come back) passes ``waiting``: when no worker had a batch but
+        one waits, nothing is applied, the step number stays, and the returned stats
+        are ``idle`` (ask for work again).
         """
         import torch.distributed as dist
 
@@ -526,13 +533,16 @@ class Trainer:
             loss, metrics = float(result.outer_loss.detach()), dict(result.metrics)
         else:
             flat = torch.zeros(n_params)
-        packed = torch.cat([flat, torch.tensor([float(samples), 1.0 if batch is not None else 0.0])])
+        packed = torch.cat([flat, torch.tensor([float(samples), 1.0 if batch is not None else 0.0,
+                                                1.0 if waiting and batch is None else 0.0])])
         # The all-reduce is also a barrier: every worker has pulled step t's rows, so the row
         # pushes below cannot leak into a peer's step-t pull.
         dist.all_reduce(packed)
-        total, active = float(packed[-2]), float(packed[-1])
+        total, active, waiters = float(packed[-3]), float(packed[-2]), float(packed[-1])
         if active == 0:
-            return None
+            if waiters == 0:
+                return None
+            return StepStats(self.step_no, 0.0, 0, 0, 0.0, 0.0, 0.0, time.perf_counter() - t0, {}, idle=True)
         if batch is not None:
             self.rows.push(row_grads, self.step_no)
         if self.barrier is not None:
@@ -540,7 +550,7 @@ class Trainer:
             # (barrier ids count half-steps as in _step; idle workers join it too).
             self.barrier(2 * self.step_no + 1)
         if total > 0:
-            self._apply_local(packed[:-2] / total)
+            self._apply_local(packed[:-3] / total)
         self.step_no += 1
         t1 = time.perf_counter()
         return StepStats(self.step_no, loss, samples, tasks, pull_s, compute_s, t1 - t0 - pull_s - compute_s,

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_WAIT_POLL_S = 0.2
+"""How often an all-reduce worker told to WAIT asks the DDS again (it joins every step meanwhile)."""
+
 
 def checkpoint_info(job: Any, step: int, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a checkpoint manifest carries so delivery can rebuild the model."""
@@ -326,11 +329,18 @@ class Worker:
                 and self.job.controller.policy == PolicyKind.DD)
 
     def _train_allreduce(self) -> None:
-        """Every step is a collective: idle workers join with zero gradients."""
-        ranges = self._ranges()
+        """Every step is a collective: idle workers join with zero gradients, also while the DDS
+        tells them to WAIT (a worker blocked asking for a lease would hold every other worker's
+        step until the DDS's hang rule took a lease away: minutes at each epoch's tail). A waiting
+        worker asks the DDS again every ``_WAIT_POLL_S``; when every worker waits, they pause
+        together for that long instead of spinning collectives."""
+        from controller.types import GetStatus
+
+        ranges = self._ranges() if self.ctl is None else None
         current: Iterator[Any] = iter(())
         lease, t0, n0 = None, 0.0, 0
-        exhausted = False
+        exhausted = waiting = False
+        next_poll = 0.0
         while True:
             batch = next(current, None)
             while batch is None and not exhausted:
@@ -338,19 +348,43 @@ class Worker:
                     self.ctl.report_shard(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
                     self.shards_done += 1
                     lease = None
-                nxt = next(ranges, None)
-                if nxt is None:
-                    exhausted = True
-                    break
-                rng, lease = nxt
+                if ranges is not None:  # no controller: static slices, never a wait
+                    nxt = next(ranges, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    rng, lease = nxt
+                else:
+                    if waiting and time.monotonic() < next_poll:
+                        break  # join this step idle; ask again later
+                    got = self.ctl.get_shard("train")
+                    if got.status is GetStatus.DONE:
+                        exhausted = True
+                        break
+                    if got.status is GetStatus.WAIT:
+                        if not waiting:  # stop holding back the PS clocks of workers still training
+                            self.rows.leave_clock()
+                            waiting = True
+                        next_poll = time.monotonic() + _WAIT_POLL_S
+                        break
+                    if waiting and not self._clock_released:
+                        self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
+                    waiting = False
+                    lease = got.lease
+                    assert lease is not None
+                    rng = BatchRange(lease.file, lease.start, lease.stop)
                 t0, n0 = time.perf_counter(), self.samples
                 current = iter(self.dataset.read_range(rng.file, rng.start, rng.stop))
                 batch = next(current, None)
-            stats = self.trainer.allreduce_step(batch)
+            stats = self.trainer.allreduce_step(batch, waiting=waiting and not exhausted)
             if stats is None:
                 break
             if batch is not None:
                 self._after_step(stats)
+            elif stats.idle:
+                time.sleep(_WAIT_POLL_S)  # nobody had a batch: everyone waits, pause together
+        if ranges is None:
+            self.rows.leave_clock()
 
     def _after_step(self, stats: StepStats) -> None:
         if self.faults.kill_due(born=self._born):

@@ -38,13 +38,10 @@ def _job_file(path: Path) -> Path:
         "meta": {"inner_steps": 1, "inner_lr": 0.1},
         "train": {"mode": "meta", "workers": 2, "epochs": 2, "overlap": False, "log_every": 5,
                   "dense_sync": "allreduce", "allreduce_port": 29511},
-        # hang_min_s: a known stall (workers/worker.py, reported): a worker told to WAIT for data
-        # (the epoch's last shard is another's) sleeps in its lease loop without joining the
-        # all-reduce step, while the other waits in that step for it -- until the controller's hang
-        # rule requeues the blocked worker's shard (hang_min_s, 120 s by default: twice, 4 of this
-        # run's 4.5 minutes). Short here, so the wiring is what this test times.
+        # the default hang rule (120 s): a worker told to WAIT at an epoch's tail joins the all-reduce
+        # steps idle (tests/workers/test_allreduce_wait.py); it used to block them until that rule fired
         "controller": {"tick_s": 0.2, "checkpoint_interval_s": 5.0,
-                       "dds": {"batches_per_shard": 2, "hang_min_s": 5.0}, "agent": {"heartbeat_s": 1.0}},
+                       "dds": {"batches_per_shard": 2}, "agent": {"heartbeat_s": 1.0}},
         "rpc": {"timeout_s": 20.0},
         "run": {"dir": "runs", "name": "ar"},
         "deploy": {"name": "mar", "data_input": "raw/train", "data_schema": "raw/train/schema.json",
