@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
 from metaps.core.toml_writer import write
+from tests.deploy.pods import render as render_manifests, show_pods
 from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,13 +93,7 @@ def _ids(pid: int) -> dict[str, list[int]]:
 
 def render(tmp: Path) -> tuple[list[dict[str, Any]], str]:
     out = tmp / "manifests"
-    r = subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(job_file(tmp / "job.toml")),
-                        "--image", "local/metaps:test", "--out", str(out)], capture_output=True, text=True,
-                       timeout=120, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    k = subprocess.run(["kubectl", "kustomize", str(out)], capture_output=True, text=True, timeout=120)
-    assert k.returncode == 0, k.stderr
-    return [d for d in yaml.safe_load_all(k.stdout) if d], (out / "token").read_text().strip()
+    return render_manifests(job_file(tmp / "job.toml"), out), (out / "token").read_text().strip()
 
 
 @pytest.mark.timeout(900)
@@ -258,8 +252,7 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         phase("delivered")
         assert (data / "bundles" / latest).is_dir()
     except BaseException:
-        for p in sim.pods.values():
-            sys.stderr.write(f"--- {p.name} ({p.phase}, exits {p.exit_codes})\n{tail(p.log_path, 25)}\n")
+        show_pods(sim)
         raise
     finally:
         sim.close()

@@ -12,19 +12,18 @@ checkpoint. Wiring alone (no run) is in test_k8s_manifests.py.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.core.toml_writer import write
 from metaps.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
+from tests.deploy.pods import render, show_pods
 from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,14 +49,7 @@ def _job_file(path: Path) -> Path:
 
 
 def _render(tmp: Path) -> list[dict[str, Any]]:
-    out = tmp / "manifests"
-    r = subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(_job_file(tmp / "job.toml")),
-                        "--image", "local/metaps:test", "--out", str(out)], capture_output=True, text=True,
-                       timeout=120, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    k = subprocess.run(["kubectl", "kustomize", str(out)], capture_output=True, text=True, timeout=120)
-    assert k.returncode == 0, k.stderr
-    return [d for d in yaml.safe_load_all(k.stdout) if d]
+    return render(_job_file(tmp / "job.toml"), tmp / "manifests")
 
 
 @pytest.mark.timeout(600)
@@ -94,8 +86,7 @@ def test_the_allreduce_fleet_runs_to_completion_in_pods(tmp_path: Path) -> None:
         assert len(final) == 1 and final[0]["checkpoint"], [(r["rank"], r.get("final")) for r in reports]
         sys.stderr.write(f"[allreduce pods] complete in {time.monotonic() - t0:.1f}s\n")
     except BaseException:
-        for p in sim.pods.values():
-            sys.stderr.write(f"--- {p.name} ({p.phase}, exits {p.exit_codes})\n{tail(p.log_path, 25)}\n")
+        show_pods(sim)
         raise
     finally:
         sim.close()

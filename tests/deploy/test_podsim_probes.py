@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from metaps.deploy.podsim import PodSim, netns_available, tail
+from tests.deploy.pods import show_pods
 from tests.metaps.fleet_data import wait_for
 
 PORT = 5999
@@ -81,8 +82,7 @@ def test_startup_and_liveness_probes_kill_and_restart(tmp_path: Path) -> None:
         assert late.probe_kills == ["liveness"] and late.exit_codes == [137], (late.probe_kills, late.exit_codes)
         wait_for(lambda: late.started and late.phase == "Running", 60, "the restarted server to start")
     except BaseException:
-        for p in sim.pods.values():
-            sys.stderr.write(f"--- {p.name} ({p.phase}, exits {p.exit_codes})\n{tail(p.log_path, 25)}\n")
+        show_pods(sim)
         raise
     finally:
         sim.close()
