@@ -347,6 +347,7 @@ class Worker:
                 if lease is not None:
                     self.ctl.report_shard(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
                     self.shards_done += 1
+                    self.telemetry.leases(0)
                     lease = None
                 if ranges is not None:  # no controller: static slices, never a wait
                     nxt = next(ranges, None)
@@ -372,6 +373,7 @@ class Worker:
                     waiting = False
                     lease = got.lease
                     assert lease is not None
+                    self.telemetry.leases(1)
                     rng = BatchRange(lease.file, lease.start, lease.stop)
                 t0, n0 = time.perf_counter(), self.samples
                 current = iter(self.dataset.read_range(rng.file, rng.start, rng.stop))
