@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -202,8 +202,20 @@ class Worker:
         files = [int(self.dataset.num_batches(f)) for f in range(self.dataset.num_files)]
         return [BatchRange(f, a, b) for f, a, b in shard_order(files, dds.batches_per_shard, dds.seed, epoch, "train")]
 
-    def _ranges(self) -> Iterator[tuple[BatchRange, Any]]:
-        """(range, lease) pairs: controller leases, or per epoch :meth:`_own_ranges` (no lease)."""
+    @overload
+    def _ranges(self, idle: Literal[False] = False) -> Iterator[tuple[BatchRange, Any]]: ...
+
+    @overload
+    def _ranges(self, idle: bool) -> Iterator[tuple[BatchRange | None, Any]]: ...
+
+    def _ranges(self, idle: bool = False) -> Iterator[tuple[BatchRange | None, Any]]:
+        """(range, lease) pairs: controller leases, or per epoch :meth:`_own_ranges` (no lease).
+
+        Args:
+            idle: while the DDS answers WAIT, yield ``(None, None)`` instead of sleeping, and ask it
+                again only every ``_WAIT_POLL_S`` (an all-reduce worker joins each collective step
+                idle meanwhile: blocking here would hold every other worker's step).
+        """
         if self.ctl is None:
             for epoch in range(self.job.train.epochs):
                 for r in self._own_ranges(epoch):
@@ -213,7 +225,11 @@ class Worker:
         from controller.types import GetStatus
 
         waiting = False
+        next_poll = 0.0
         while True:
+            if idle and waiting and time.monotonic() < next_poll:
+                yield None, None
+                continue
             got = self.ctl.get_shard("train")
             if got.status is GetStatus.DONE:
                 break
@@ -223,7 +239,11 @@ class Worker:
                 if not waiting:
                     self.rows.leave_clock()
                     waiting = True
-                time.sleep(0.2)
+                next_poll = time.monotonic() + _WAIT_POLL_S
+                if idle:
+                    yield None, None
+                else:
+                    time.sleep(_WAIT_POLL_S)
                 continue
             if waiting and not self._clock_released:
                 # rejoin at no less than the fleet's slowest clock: never drag it back to missed steps
@@ -250,7 +270,7 @@ class Worker:
             self._hb = _Heartbeat(self.ctl, max(0.2, reg.heartbeat_s), self)
             self._hb.start()
         t_start = time.perf_counter()
-        wall_before = self.wall_s if again else 0.0
+        wall_before = self.wall_s  # 0 on the first call
         if again:
             log.info("training reopened; training again", extra=kv(rank=self.rank, step=self.trainer.step_no))
             if not self._clock_released:  # it left the clocks when it finished: back at the fleet's slowest
@@ -330,51 +350,28 @@ class Worker:
 
     def _train_allreduce(self) -> None:
         """Every step is a collective: idle workers join with zero gradients, also while the DDS
-        tells them to WAIT (a worker blocked asking for a lease would hold every other worker's
-        step until the DDS's hang rule took a lease away: minutes at each epoch's tail). A waiting
-        worker asks the DDS again every ``_WAIT_POLL_S``; when every worker waits, they pause
-        together for that long instead of spinning collectives."""
-        from controller.types import GetStatus
-
-        ranges = self._ranges() if self.ctl is None else None
+        tells them to WAIT (:meth:`_ranges` with ``idle``: a worker blocked asking for a lease would
+        hold every other worker's step until the DDS's hang rule took a lease away, minutes at each
+        epoch's tail). When every worker waits, the step is idle and they pause together."""
+        ranges = self._ranges(idle=True)
         current: Iterator[Any] = iter(())
         lease, t0, n0 = None, 0.0, 0
         exhausted = waiting = False
-        next_poll = 0.0
         while True:
             batch = next(current, None)
             while batch is None and not exhausted:
                 if lease is not None:
                     self.ctl.report_shard(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0)
                     self.shards_done += 1
-                    self.telemetry.leases(0)
                     lease = None
-                if ranges is not None:  # no controller: static slices, never a wait
-                    nxt = next(ranges, None)
-                    if nxt is None:
-                        exhausted = True
-                        break
-                    rng, lease = nxt
-                else:
-                    if waiting and time.monotonic() < next_poll:
-                        break  # join this step idle; ask again later
-                    got = self.ctl.get_shard("train")
-                    if got.status is GetStatus.DONE:
-                        exhausted = True
-                        break
-                    if got.status is GetStatus.WAIT:
-                        if not waiting:  # stop holding back the PS clocks of workers still training
-                            self.rows.leave_clock()
-                            waiting = True
-                        next_poll = time.monotonic() + _WAIT_POLL_S
-                        break
-                    if waiting and not self._clock_released:
-                        self.trainer.resume(self.rows.join_clock(self.trainer.clock()))
-                    waiting = False
-                    lease = got.lease
-                    assert lease is not None
-                    self.telemetry.leases(1)
-                    rng = BatchRange(lease.file, lease.start, lease.stop)
+                nxt = next(ranges, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                rng, lease = nxt
+                waiting = rng is None
+                if rng is None:
+                    break  # told to WAIT: join this step idle
                 t0, n0 = time.perf_counter(), self.samples
                 current = iter(self.dataset.read_range(rng.file, rng.start, rng.stop))
                 batch = next(current, None)
@@ -385,8 +382,6 @@ class Worker:
                 self._after_step(stats)
             elif stats.idle:
                 time.sleep(_WAIT_POLL_S)  # nobody had a batch: everyone waits, pause together
-        if ranges is None:
-            self.rows.leave_clock()
 
     def _after_step(self, stats: StepStats) -> None:
         if self.faults.kill_due(born=self._born):
