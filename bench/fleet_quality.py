@@ -38,12 +38,11 @@ and overrides (``1x1``, ``ps.sync=sync``, ``train.dense_sync=allreduce``,
 each is reported under ``variants`` with its own goal.
 
 **The noise floor**: ``--local-shuffles N`` trains ``train-local`` N times per seed on the same data,
-its ``[controller.dds] seed`` 0..N-1 (seed 0, the job's default, is the compared run). Where
-train-local reads its batches in the order the DDS would lease them to one worker
+its ``[controller.dds] seed`` 0..N-1 (seed 0, the job's default, is the compared run). train-local
+reads its batches in the order the DDS would lease them to one worker
 (:func:`metaps.core.shard_order.shard_order`: shards of ``batches_per_shard`` batches, shuffled per
-``seed + epoch``; a 1 PS x 1 worker fleet then reproduces it exactly), N shuffle seeds show how far
-the data order alone moves one process's AUC; a train-local that ignores the DDS seed trains alike
-every time and shows a range of 0. ``local_spread`` per evaluation and head: per seed ``min``,
+``seed + epoch``; a 1 PS x 1 worker fleet reproduces it exactly), so N shuffle seeds show how far
+the data order alone moves one process's AUC. ``local_spread`` per evaluation and head: per seed ``min``,
 ``max``, ``range``, ``std`` and ``mean`` of those N AUCs and the fleet's AUC minus that mean, and
 over seeds ``mean_std``, ``max_range`` and ``fleet_minus_mean``; ``fleet_in_range`` counts the
 seed/evaluation/head cells whose fleet AUC lies inside train-local's range (a fleet gap smaller
