@@ -3,6 +3,7 @@
 * :func:`write_job` saves a :class:`~metaps.job.JobConfig` as the TOML every process reads.
 * :func:`start_worker` runs ``metaps worker`` with its log in a file.
 * :func:`wait_for_log` polls a log file for a line (the processes' only shared state with the test).
+* :func:`serve_ps_and_controller` starts one PS shard and a controller in this process (gRPC on 127.0.0.1).
 * (free ports: :func:`metaps.core.metrics.free_port`)
 """
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 from metaps.job import JobConfig
 from metaps.core.toml_writer import dumps
@@ -71,3 +72,26 @@ def kill_all(procs: Iterable[subprocess.Popen], timeout_s: float = 30.0) -> None
         if p.poll() is None:
             p.kill()
             p.wait(timeout=timeout_s)
+
+
+def serve_ps_and_controller(job: JobConfig, state_dir: Path, specs: Sequence[Any], *, batches_per_shard: int,
+                            lease_s: float = 300.0, hang_min_s: float = 600.0) -> tuple[Any, list[str], Any]:
+    """One PS shard of ``job`` and a controller over ``specs`` (no policy, fast ticks, long node
+    timeouts), both serving on 127.0.0.1 in this process; the caller stops them.
+
+    Returns:
+        ``(ps server, [its address], controller server)``.
+    """
+    from controller.config import AgentConfig, ControllerConfig, DdsConfig, PolicyKind
+    from controller.server import ControllerServer
+    from metaps.core.rpc import RpcConfig
+    from ps.factory import build_server
+
+    ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
+    addrs = [f"127.0.0.1:{ps.start('127.0.0.1:0')}"]
+    cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.NONE, heartbeat_timeout_s=120.0, worker_stall_timeout_s=0.0,
+                           dds=DdsConfig(batches_per_shard=batches_per_shard, lease_s=lease_s, hang_min_s=hang_min_s),
+                           agent=AgentConfig(heartbeat_s=0.1))
+    srv = ControllerServer(cfg, state_dir, list(specs), RpcConfig(token=TOKEN))
+    srv.start("127.0.0.1:0")
+    return ps, addrs, srv

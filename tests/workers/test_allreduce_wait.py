@@ -21,18 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import AgentConfig, ControllerConfig, DdsConfig, PolicyKind
 from controller.dds import DatasetSpec
-from controller.server import ControllerServer
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.synth import GeneratorConfig, generate
-from metaps.core.rpc import RpcConfig
-from ps.factory import build_server
 
 from tests.ports import pick_port
-from tests.workers.conftest import TOKEN, make_job
-from tests.workers.procs import kill_all, start_worker, wait_exit, write_job
+from tests.workers.conftest import make_job
+from tests.workers.procs import kill_all, serve_ps_and_controller, start_worker, wait_exit, write_job
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +44,8 @@ def test_a_waiting_allreduce_worker_joins_the_steps_and_nothing_stalls(data: Pat
     job = make_job(data, tmp_path, mode="plain", workers=2, train={"epochs": 1, "dense_sync": "allreduce",
                                                                    "log_every": 1})
     config = write_job(job, tmp_path / "job.toml")
-    ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
-    addrs = [f"127.0.0.1:{ps.start('127.0.0.1:0')}"]
-    cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.NONE, heartbeat_timeout_s=120.0, worker_stall_timeout_s=0.0,
-                           dds=DdsConfig(batches_per_shard=2, lease_s=600.0, hang_min_s=600.0),
-                           agent=AgentConfig(heartbeat_s=0.1))
-    srv = ControllerServer(cfg, tmp_path / "ctl", [DatasetSpec.from_meta_io("train", str(data), "train")],
-                           RpcConfig(token=TOKEN))
-    srv.start("127.0.0.1:0")
+    ps, addrs, srv = serve_ps_and_controller(job, tmp_path / "ctl", [DatasetSpec.from_meta_io("train", str(data), "train")],
+                                             batches_per_shard=2, lease_s=600.0)
     run_dir = tmp_path / "run"
     env = {"METAPS_CONTROLLER": srv.address, "METAPS_ALLREDUCE": f"127.0.0.1:{pick_port()}"}
     logs = [tmp_path / f"worker-{r}.log" for r in range(2)]

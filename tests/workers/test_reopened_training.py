@@ -22,18 +22,15 @@ from pathlib import Path
 import pytest
 
 from controller.client import ControllerClient
-from controller.config import AgentConfig, ControllerConfig, DdsConfig, PolicyKind
 from controller.dds import DatasetSpec
-from controller.server import ControllerServer
 from controller.types import DatasetKind, GetStatus
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.synth import GeneratorConfig, generate
 from metaps.core.rpc import RpcConfig
-from ps.factory import build_server
 
 from tests.workers.conftest import TOKEN, make_job
-from tests.workers.procs import kill_all, start_worker, wait_exit, write_job
+from tests.workers.procs import kill_all, serve_ps_and_controller, start_worker, wait_exit, write_job
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +61,10 @@ def _wait(pred, what: str, proc, log: Path, timeout_s: float = 120.0) -> None:
 def test_a_rollback_after_training_finished_is_trained_again_and_the_run_ends(data, tmp_path: Path) -> None:
     job = make_job(data["train"], tmp_path, mode="plain", eval_path=data["eval"], train={"epochs": 1})
     config = write_job(job, tmp_path / "job.toml")
-    ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
-    addrs = [f"127.0.0.1:{ps.start('127.0.0.1:0')}"]
-    cfg = ControllerConfig(tick_s=0.05, policy=PolicyKind.NONE, heartbeat_timeout_s=120.0, worker_stall_timeout_s=0.0,
-                           dds=DdsConfig(batches_per_shard=2, lease_s=300.0, hang_min_s=600.0),
-                           agent=AgentConfig(heartbeat_s=0.1))
     specs = [DatasetSpec.from_meta_io("train", str(data["train"]), "train"),
              DatasetSpec.from_meta_io("eval", str(data["eval"]), "eval"),
              DatasetSpec.from_meta_io("held", str(data["eval"]), DatasetKind.EVAL)]  # the test's: never scored
-    srv = ControllerServer(cfg, tmp_path / "ctl", specs, RpcConfig(token=TOKEN))
-    srv.start("127.0.0.1:0")
+    ps, addrs, srv = serve_ps_and_controller(job, tmp_path / "ctl", specs, batches_per_shard=2)
     me = ControllerClient(srv.address, RpcConfig(token=TOKEN, timeout_s=5.0), role="worker", index=7)
     me.register()
     before = srv.dds.snapshot()  # the cut: nothing trained yet
