@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 _QTY = re.compile(r"^([0-9]+(\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+STORAGE = ("shared", "per-role")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly|annually)|(\S+\s+){4}\S+)$")
 
 
@@ -77,8 +78,21 @@ class DeployConfig:
         controller_port: the controller's gRPC port (its Service's port).
         ps_port: each PS pod's gRPC port.
         metrics_port: every pod's Prometheus ``/metrics`` port (not 9100: node_exporter's).
+        storage: ``"shared"``: one ReadWriteMany volume holds everything (data, run directory,
+            checkpoints, bundles); ``"per-role"``: the built datasets live at ``data_source`` and
+            each pod that reads them copies them into a volume of its own (a worker the whole
+            datasets, the controller their manifests and indexes, the delivery gate the eval
+            set) in an init container (``metaps meta-io stage``); the shared volume keeps only
+            the run directory, checkpoints and bundles.
         storage_class: storage class of the shared ReadWriteMany volume ('' = the cluster default).
         storage_size: size of the shared volume (data, run directory, checkpoints, bundles).
+        data_source: ``storage = "per-role"``: the URI (``s3://``, ``gs://``, ``hdfs://``,
+            ``file://``) or absolute path under which ``[data] train`` and ``[data] eval`` (relative
+            paths) are the built datasets; the data Job uploads its builds there.
+        stage_size: size of each pod's own staging volume (``storage = "per-role"``: a generic
+            ephemeral volume, created with the pod and deleted with it).
+        stage_storage_class: storage class of the staging volumes ('' = the cluster default;
+            a node-local class fits: the copy lives as long as the pod).
         state_size: size of the controller's ReadWriteOnce LMDB state volume.
         data_input: raw logs (Parquet/CSV, path on the shared volume) the data Job builds
             ``[data] train`` from; '' = no data Job (the datasets are already there).
@@ -110,8 +124,12 @@ class DeployConfig:
     controller_port: int = 7070
     ps_port: int = 5000
     metrics_port: int = 9400
+    storage: str = "shared"
     storage_class: str = ""
     storage_size: str = "100Gi"
+    data_source: str = ""
+    stage_size: str = "50Gi"
+    stage_storage_class: str = ""
     state_size: str = "1Gi"
     data_input: str = ""
     data_eval_input: str = ""
@@ -138,7 +156,21 @@ class DeployConfig:
             raise ValueError("metrics_port 9100 is node_exporter's; pick another (default 9400)")
         if len(set(ports.values())) != len(ports):
             raise ValueError(f"controller_port, ps_port and metrics_port must differ, got {ports}")
-        for key in ("storage_size", "state_size"):
+        if self.storage not in STORAGE:
+            raise ValueError(f"storage must be one of {', '.join(STORAGE)}, got {self.storage!r}")
+        if self.storage == "per-role" and not self.data_source:
+            raise ValueError("storage = 'per-role' needs data_source (the URI or absolute path under which "
+                             "[data] train and [data] eval are the built datasets)")
+        if self.data_source and self.storage != "per-role":
+            raise ValueError("data_source is only read with storage = 'per-role' (the shared volume holds "
+                             "the data otherwise)")
+        if self.data_source and not re.match(r"^([a-z][a-z0-9+.-]*://\S+|/\S*)$", self.data_source):
+            raise ValueError(f"data_source {self.data_source!r}: expected a URI (s3://bucket/prefix, "
+                             "file:///abs/path) or an absolute path")
+        if self.stage_storage_class and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+                                                     self.stage_storage_class):
+            raise ValueError(f"stage_storage_class {self.stage_storage_class!r} is not a Kubernetes object name")
+        for key in ("storage_size", "state_size", "stage_size"):
             if not _QTY.match(getattr(self, key)):
                 raise ValueError(f"{key} {getattr(self, key)!r} is not a Kubernetes quantity (e.g. '100Gi')")
         if self.data_input and not self.data_schema:

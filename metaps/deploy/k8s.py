@@ -91,6 +91,7 @@ TOKEN_DIR = "/run/metaps"
 TOKEN_PATH = f"{TOKEN_DIR}/token"
 DATA_DIR = "/data"
 STATE_DIR = "/var/lib/metaps"
+STAGE_DIR = "/stage"  # storage = "per-role": a pod's own copy of the datasets ([data] X -> /stage/X)
 UID = 10001
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 PS_GRACE_S = 30  # a PS pod's termination grace: its preStop cut gets all but 10 s of it
@@ -119,8 +120,15 @@ class Options:
         return (self.gpu_image or f"{self.image}-cuda") if self.gpu else self.image
 
 
-def pod_job_mapping(raw: dict[str, Any], where: str) -> dict[str, Any]:
+def pod_job_mapping(raw: dict[str, Any], where: str, stage_dir: str = "") -> dict[str, Any]:
     """The job mapping pods read: token out, token file and bind host in, ``[faults]`` out.
+
+    Args:
+        raw: the job file as parsed TOML.
+        where: its path, for messages.
+        stage_dir: ``storage = "per-role"``: ``[data] train`` and ``eval`` become
+            ``STAGE_DIR/<path>``, the pod's own copy (the ones in ``raw`` name paths under
+            ``[deploy] data_source``).
 
     Raises:
         ConfigError: the job file holds a token (it would land in a ConfigMap).
@@ -136,6 +144,11 @@ def pod_job_mapping(raw: dict[str, Any], where: str) -> dict[str, Any]:
                           "unset them (gRPC auth uses the token Secret)")
     rpc["token_file"] = TOKEN_PATH
     data.setdefault("ps", {})["host"] = "0.0.0.0"
+    if stage_dir:
+        section = data.setdefault("data", {})
+        for key in ("train", "eval"):
+            if section.get(key):
+                section[key] = f"{stage_dir}/{section[key]}"
     if data.pop("faults", None):  # a demo's injected slowdowns and kills never ship into a cluster
         log.warning("[faults] left out of the pods' job file (fault injection is for local runs)",
                     extra=kv(job=where))
@@ -153,6 +166,7 @@ class _Gen:
         # the dataset (or manifest) of an earlier run at the same path
         self.data_ready = f"{self.run_dir}/data-ready.json"
         self.allreduce = str(getattr(job.train.dense_sync, "value", job.train.dense_sync)) == "allreduce"
+        self.per_role = self.d.storage == "per-role"
 
     # ------------------------------------------------------------------ pieces
     def meta(self, name: str, component: str = "", **extra: Any) -> dict[str, Any]:
@@ -220,14 +234,61 @@ class _Gen:
                 {"name": "data", "mountPath": DATA_DIR}]
 
     def init_containers(self, role: str) -> list[dict[str, Any]]:
+        """The token copy, then the data gate: the data Job's done file of this run (or ``[data]
+        train``'s manifest); per-role, the gate is the data Job's done file (or none) and the
+        copy of the datasets into the pod's own volume follows (:meth:`stage_containers`)."""
         copy_token = self.container(
             "token", [f"{SECRET_DIR}/token", TOKEN_PATH], role, command=["install", "-m", "0600"],
             mounts=[{"name": "token-secret", "mountPath": SECRET_DIR, "readOnly": True},
                     {"name": "token", "mountPath": TOKEN_DIR}])
-        gate = self.data_ready if self.d.data_input else f"{self.job.data.train}/manifest.json"
-        wait = self.container("wait-data", ["deploy", "wait", "--path", gate, "--timeout", "86400"], role,
-                              mounts=[{"name": "data", "mountPath": DATA_DIR}])
-        return [copy_token, wait]
+        out = [copy_token]
+        if self.d.data_input or not self.per_role:  # per-role without a data Job: `stage --wait` is the gate
+            gate = self.data_ready if self.d.data_input else f"{self.job.data.train}/manifest.json"
+            out.append(self.container("wait-data", ["deploy", "wait", "--path", gate, "--timeout", "86400"], role,
+                                      mounts=[{"name": "data", "mountPath": DATA_DIR}]))
+        if self.per_role and role in ("controller", "worker"):
+            # the controller reads batch counts only (manifest + index); a worker reads every batch
+            out += self.stage_containers(role, self.datasets(), metadata_only=role == "controller")
+        return out
+
+    # ---------------------------------------------------------- per-role storage
+    def datasets(self) -> list[tuple[str, str]]:
+        """(key, path under ``data_source``) of the datasets training reads."""
+        return [(k, p) for k, p in (("train", self.job.data.train), ("eval", self.job.data.eval)) if p]
+
+    def staged(self, path: str) -> str:
+        """A dataset's path in a pod's own staging volume."""
+        return f"{STAGE_DIR}/{path}"
+
+    def source(self, path: str) -> str:
+        """A dataset's URI under ``[deploy] data_source``."""
+        return f"{self.d.data_source.rstrip('/')}/{path}"
+
+    def stage_containers(self, role: str, datasets: list[tuple[str, str]],
+                         metadata_only: bool = False) -> list[dict[str, Any]]:
+        """Init containers copying ``datasets`` from ``data_source`` into the pod's staging volume
+        (``metaps meta-io stage``: waits for the source's manifest, copies it last, verifies)."""
+        out = []
+        for key, path in datasets:
+            args = ["meta-io", "stage", "--from", self.source(path), "--to", self.staged(path), "--wait", "86400"]
+            out.append(self.container(f"stage-{key}", args + (["--metadata-only"] if metadata_only else []), role,
+                                      mounts=[{"name": "stage", "mountPath": STAGE_DIR}]))
+        return out
+
+    def stage_volume(self) -> dict[str, Any]:
+        """A generic ephemeral volume: a PVC made with the pod (``POD-stage``) and deleted with it."""
+        spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
+                                "resources": {"requests": {"storage": self.d.stage_size}}}
+        if self.d.stage_storage_class:
+            spec["storageClassName"] = self.d.stage_storage_class
+        return {"name": "stage", "ephemeral": {"volumeClaimTemplate": {
+            "metadata": {"labels": self.labels("stage")}, "spec": spec}}}
+
+    def stage_mounts(self) -> list[dict[str, Any]]:
+        return [{"name": "stage", "mountPath": STAGE_DIR}] if self.per_role else []
+
+    def stage_volumes(self) -> list[dict[str, Any]]:
+        return [self.stage_volume()] if self.per_role else []
 
     def volumes(self, *extra: dict[str, Any], training: bool = True) -> list[dict[str, Any]]:
         vols: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}},
@@ -290,10 +351,11 @@ class _Gen:
                 "--checkpoint-root", self.ckpt_root, "--exit-when-done",
                 "--termination-log", "/dev/termination-log", "--signal-exit-code", str(exit_codes.SIGTERM)]
         c = self.container("controller", args, "controller", {"grpc": port, "metrics": mport},
-                           self.train_mounts() + [{"name": "state", "mountPath": STATE_DIR}], self.pod_env(),
-                           probe_port=port)
+                           self.train_mounts() + [{"name": "state", "mountPath": STATE_DIR}] + self.stage_mounts(),
+                           self.pod_env(), probe_port=port)
         spec = self.pod_spec([c], "Never", self.volumes(
-            {"name": "state", "persistentVolumeClaim": {"claimName": f"{self.n}-controller-state"}}),
+            {"name": "state", "persistentVolumeClaim": {"claimName": f"{self.n}-controller-state"}},
+            *self.stage_volumes()),
             self.init_containers("controller"), **self.priority())
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-controller", "controller"),
                "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 6,
@@ -372,8 +434,8 @@ class _Gen:
             objs.append({"apiVersion": "v1", "kind": "Service", "metadata": self.meta(name, "worker"),
                          "spec": {"clusterIP": "None", "selector": self.labels("worker"),
                                   "ports": [{"name": "allreduce", "port": ar_port, "protocol": "TCP"}]}})
-        c = self.container("worker", args, "worker", ports, self.train_mounts(), env)
-        spec = self.pod_spec([c], "Never", self.volumes(), self.init_containers("worker"),
+        c = self.container("worker", args, "worker", ports, self.train_mounts() + self.stage_mounts(), env)
+        spec = self.pod_spec([c], "Never", self.volumes(*self.stage_volumes()), self.init_containers("worker"),
                              terminationGracePeriodSeconds=30, **extra)
         # scale-down deletions (143), drains and fenced-off processes never count as failures
         job_spec["podFailurePolicy"] = self.failure_policy("worker", (exit_codes.SUPERSEDED, exit_codes.SIGTERM))
@@ -384,17 +446,31 @@ class _Gen:
     def data(self) -> list[dict[str, Any]]:
         if not self.d.data_input:
             return []
-        mounts = [{"name": "data", "mountPath": DATA_DIR}]
-
-        def build(name: str, src: str, out: str, *extra: str) -> dict[str, Any]:
-            return self.container(name, ["meta-io", "build", "--input", src, "--schema", self.d.data_schema,
-                                         "--out", out, "--overwrite", *extra], "data", mounts=mounts)
-        init = [build("build-eval", self.d.data_eval_input, self.job.data.eval)] if self.d.data_eval_input else []
+        mounts = [{"name": "data", "mountPath": DATA_DIR}] + self.stage_mounts()
         if self.d.data_eval_input and not self.job.data.eval:
             raise ConfigError(f"{self.job.source}: [deploy] data_eval_input is set but [data] eval is empty")
-        train = build("build-train", self.d.data_input, self.job.data.train, "--done-file", self.data_ready)
-        spec = self.pod_spec([train], "OnFailure",
-                             self.volumes(training=False), init or None)
+        # shared: build onto the shared volume; per-role: build into the pod's own volume, then upload
+        # each dataset to data_source (`meta-io stage`, the manifest last); the done file ends the last step
+        out = self.staged if self.per_role else (lambda path: path)
+        done = ["--done-file", self.data_ready]
+
+        def build(name: str, src: str, path: str, *extra: str) -> dict[str, Any]:
+            return self.container(name, ["meta-io", "build", "--input", src, "--schema", self.d.data_schema,
+                                         "--out", out(path), "--overwrite", *extra], "data", mounts=mounts)
+
+        def upload(key: str, path: str, *extra: str) -> dict[str, Any]:
+            return self.container(f"upload-{key}", ["meta-io", "stage", "--from", self.staged(path), "--to",
+                                                    self.source(path), "--overwrite", *extra], "data", mounts=mounts)
+        steps = [build("build-eval", self.d.data_eval_input, self.job.data.eval)] if self.d.data_eval_input else []
+        if self.per_role:
+            steps.append(build("build-train", self.d.data_input, self.job.data.train))
+            if self.d.data_eval_input:
+                steps.append(upload("eval", self.job.data.eval))
+            steps.append(upload("train", self.job.data.train, *done))
+        else:
+            steps.append(build("build-train", self.d.data_input, self.job.data.train, *done))
+        spec = self.pod_spec([steps[-1]], "OnFailure",
+                             self.volumes(*self.stage_volumes(), training=False), steps[:-1] or None)
         return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-data", "data"),
                  "spec": {"backoffLimit": 3, "template": self.template("data", spec, False)}}]
 
@@ -402,10 +478,18 @@ class _Gen:
         if not self.d.deliver_schedule:
             return []
         out = str(self.job.delivery.out)
-        args = ["deliver", "--run", self.run_dir, "--out", out, *self.deliver_gate(), *self.d.deliver_args]
+        gate = self.deliver_gate()
+        init: list[dict[str, Any]] = []
+        mounts = [{"name": "data", "mountPath": DATA_DIR}]
+        if self.per_role and gate and not self.job.delivery.holdout:  # the gate reads [data] eval: a copy
+            init = self.stage_containers("deliver", [("eval", self.job.data.eval)])
+            gate[1] = self.staged(self.job.data.eval)
+            mounts += self.stage_mounts()
+        args = ["deliver", "--run", self.run_dir, "--out", out, *gate, *self.d.deliver_args]
         args.append("--if-checkpoint")  # before the run's first checkpoint: exit 0 saying so, not a failure
-        c = self.container("deliver", args, "deliver", mounts=[{"name": "data", "mountPath": DATA_DIR}])
-        spec = self.pod_spec([c], "OnFailure", self.volumes(training=False))
+        c = self.container("deliver", args, "deliver", mounts=mounts)
+        spec = self.pod_spec([c], "OnFailure", self.volumes(*(self.stage_volumes() if init else []), training=False),
+                             init or None)
         return [{"apiVersion": "batch/v1", "kind": "CronJob", "metadata": self.meta(f"{self.n}-deliver", "deliver"),
                  "spec": {"schedule": self.d.deliver_schedule, "concurrencyPolicy": "Forbid",
                           "startingDeadlineSeconds": 300,
@@ -490,7 +574,15 @@ def render(job: Any, raw: dict[str, Any], opts: Options) -> dict[str, str]:
     device = getattr(job.ps.device, "value", job.ps.device)
     if device == "cuda" and not opts.gpu:
         raise ConfigError(f"{job.source}: [ps] device = 'cuda' needs --gpu (the CUDA image and GPU limits)")
-    gen = _Gen(job, toml_dumps(pod_job_mapping(raw, job.source or "<job>")), opts)
+    per_role = job.deploy.storage == "per-role"
+    if per_role:
+        for key in ("train", "eval"):
+            path = getattr(job.data, key)
+            if path and (path.startswith("/") or ".." in Path(path).parts or "://" in path):
+                raise ConfigError(f"{job.source}: [data] {key} = {path!r}: with [deploy] storage = 'per-role' it is "
+                                  "a relative path under [deploy] data_source (no '/' at the start, no '..')")
+    where = job.source or "<job>"
+    gen = _Gen(job, toml_dumps(pod_job_mapping(raw, where, STAGE_DIR if per_role else "")), opts)
     parts = {"job.yaml": gen.job_objects(), "storage.yaml": gen.storage(), "controller.yaml": gen.controller(),
              "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver(),
              "network.yaml": gen.network()}

@@ -22,6 +22,7 @@ from metaps.job import job_from_mapping
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.32.0"
 IMAGE = "registry.example/metaps:0.1.0"
+SOURCE = "s3://bucket/ctr/2026-12-01"
 
 
 def generate(out: Path, config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -72,11 +73,17 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
         raw["train"]["dense_sync"] = "allreduce"
         raw["train"]["workers"] = 3
 
+    def per_role(raw: dict[str, Any]) -> None:
+        data_job(raw)
+        raw["deploy"].update(storage="per-role", data_source=SOURCE, stage_size="20Gi",
+                             stage_storage_class="local-nvme")
+
     out = {}
     for name, cfg, extra in [
         ("cpu", REPO / "configs" / "main_job.toml", ["--namespace", "ctr"]),
         ("gpu", _variant(tmp, "gpu", data_job), ["--gpu"]),
         ("allreduce", _variant(tmp, "ar", allreduce), []),
+        ("per-role", _variant(tmp, "per_role", per_role), []),
     ]:
         d = tmp / name
         r = generate(d, cfg, *extra)
@@ -85,7 +92,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     return out
 
 
-@pytest.mark.parametrize("variant", ["cpu", "gpu", "allreduce"])
+@pytest.mark.parametrize("variant", ["cpu", "gpu", "allreduce", "per-role"])
 def test_every_object_validates_against_the_kubernetes_schemas(rendered: Any, variant: str) -> None:
     _, docs = rendered[variant]
     kinds = sorted(d["kind"] for d in docs)
@@ -433,3 +440,73 @@ def test_metrics_can_be_limited_to_a_monitoring_namespace_and_policies_turned_of
     bad = _variant(tmp_path, "bad", lambda raw: raw.setdefault("deploy", {}).update(metrics_from_namespace="Mon itor"))
     r = generate(tmp_path / "out-bad", bad)
     assert r.returncode == 1 and "metrics_from_namespace 'Mon itor' is not a namespace name" in r.stderr, r.stderr
+
+
+def _init(template: dict[str, Any]) -> dict[str, list[str]]:
+    return {c["name"]: c["args"] for c in template["spec"].get("initContainers", [])}
+
+
+def _stage_volume(template: dict[str, Any]) -> dict[str, Any] | None:
+    vols = [v for v in template["spec"]["volumes"] if v["name"] == "stage"]
+    return vols[0] if vols else None
+
+
+def test_per_role_storage_stages_each_roles_data_into_its_own_volume(rendered: Any) -> None:
+    _, docs = rendered["per-role"]
+    job = tomllib.loads(by_kind(docs, "ConfigMap")[0]["data"]["job.toml"])
+    train, held = "runs/main/metaio", "runs/main/metaio-holdout"
+    assert (job["data"]["train"], job["data"]["eval"]) == (f"/stage/{train}", f"/stage/{held}")
+    t = pod_templates(docs)
+
+    def stage_args(path: str, *extra: str) -> list[str]:
+        return ["meta-io", "stage", "--from", f"{SOURCE}/{path}", "--to", f"/stage/{path}", "--wait", "86400", *extra]
+    # a worker copies both datasets whole; the controller their manifests and indexes
+    w, ctl = t["metaps-worker"], t["metaps-controller"]
+    assert list(_init(w)) == ["token", "wait-data", "stage-train", "stage-eval"]
+    assert _init(w)["stage-train"] == stage_args(train) and _init(w)["stage-eval"] == stage_args(held)
+    assert _init(ctl)["stage-train"] == stage_args(train, "--metadata-only")
+    assert _init(ctl)["stage-eval"] == stage_args(held, "--metadata-only")
+    for tpl in (w, ctl):
+        claim = _stage_volume(tpl)["ephemeral"]["volumeClaimTemplate"]["spec"]  # type: ignore[index]
+        assert claim == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "20Gi"}},
+                         "storageClassName": "local-nvme"}
+        mounts = {m["mountPath"]: m["name"] for m in tpl["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["/stage"] == "stage" and mounts["/data"] == "data"  # run dir + checkpoints stay shared
+    # the PS reads no data: no copy, no volume
+    ps = t["metaps-ps"]
+    assert _stage_volume(ps) is None and not [n for n in _init(ps) if n.startswith("stage")]
+    # the data Job builds into its own volume, uploads eval, then train with the run's done file last
+    data = t["metaps-data"]["spec"]
+    steps = [(c["name"], c["args"]) for c in data.get("initContainers", []) + data["containers"]]
+    assert [n for n, _ in steps] == ["build-eval", "build-train", "upload-eval", "upload-train"]
+    assert dict(steps)["build-train"][dict(steps)["build-train"].index("--out") + 1] == f"/stage/{train}"
+    gate = _init(w)["wait-data"][3]  # the training pods' gate: the done file of this run
+    assert gate.endswith("/data-ready.json")
+    assert dict(steps)["upload-train"] == ["meta-io", "stage", "--from", f"/stage/{train}", "--to",
+                                           f"{SOURCE}/{train}", "--overwrite", "--done-file", gate]
+    # the delivery gate reads its own copy of [data] eval
+    dl = t["metaps-deliver"]
+    assert _init(dl) == {"stage-eval": stage_args(held)}
+    args = dl["spec"]["containers"][0]["args"]
+    assert args[args.index("--holdout") + 1] == f"/stage/{held}"
+    # the shared volume is still there (checkpoints, run dir, bundles)
+    assert "metaps-data" in [c["metadata"]["name"] for c in by_kind(docs, "PersistentVolumeClaim")]
+
+
+def test_per_role_storage_is_refused_without_a_source_or_with_absolute_data_paths(tmp_path: Path) -> None:
+    def no_source(raw: dict[str, Any]) -> None:
+        raw["deploy"] = {"storage": "per-role"}
+
+    def absolute(raw: dict[str, Any]) -> None:
+        raw["deploy"] = {"storage": "per-role", "data_source": SOURCE}
+        raw["data"]["train"] = "/mnt/metaio"
+
+    def source_alone(raw: dict[str, Any]) -> None:
+        raw["deploy"] = {"data_source": SOURCE}
+
+    for edit, words in ((no_source, "needs data_source"), (absolute, "[data] train = '/mnt/metaio'"),
+                        (source_alone, "only read with storage = 'per-role'")):
+        out = tmp_path / edit.__name__
+        r = generate(out, _variant(tmp_path, edit.__name__, edit))
+        assert r.returncode != 0 and words in r.stderr, r.stderr
+        assert not list(out.glob("*.yaml")) if out.exists() else True
