@@ -246,9 +246,11 @@ class _Gen:
             gate = self.data_ready if self.d.data_input else f"{self.job.data.train}/manifest.json"
             out.append(self.container("wait-data", ["deploy", "wait", "--path", gate, "--timeout", "86400"], role,
                                       mounts=[{"name": "data", "mountPath": DATA_DIR}]))
-        if self.per_role and role in ("controller", "worker"):
-            # the controller reads batch counts only (manifest + index); a worker reads every batch
-            out += self.stage_containers(role, self.datasets(), metadata_only=role == "controller")
+        if self.per_role:
+            # a worker reads every batch; the controller batch counts (manifest + index); the PS the
+            # schema in the train manifest (when [data] schema is empty)
+            datasets = self.datasets()[:1] if role == "ps" else self.datasets()
+            out += self.stage_containers(role, datasets, metadata_only=role != "worker")
         return out
 
     # ---------------------------------------------------------- per-role storage
@@ -384,8 +386,8 @@ class _Gen:
             args += ["--restore-latest", self.d.restore_from]
         env = self.pod_env() + [{"name": "METAPS_INDEX", "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}]
-        c = self.container("ps", args, "ps", {"grpc": port, "metrics": mport}, self.train_mounts(), env,
-                           probe_port=port)
+        c = self.container("ps", args, "ps", {"grpc": port, "metrics": mport},
+                           self.train_mounts() + self.stage_mounts(), env, probe_port=port)
         # a drain or eviction: ask the controller for a checkpoint cut while this shard still serves,
         # so its replacement is recovered to a cut taken just now (within the grace period)
         c["lifecycle"] = {"preStop": {"exec": {"command": [
@@ -397,7 +399,7 @@ class _Gen:
                                                           "topologyKey": "kubernetes.io/hostname"}}]}},
                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                                  "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": sel}]}
-        spec = self.pod_spec([c], "Never", self.volumes(), self.init_containers("ps"),
+        spec = self.pod_spec([c], "Never", self.volumes(*self.stage_volumes()), self.init_containers("ps"),
                              subdomain=svc_name, terminationGracePeriodSeconds=PS_GRACE_S, **self.priority(), **spread)
         shards = self.job.ps.shards
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(svc_name, "ps"),

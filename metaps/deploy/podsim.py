@@ -10,8 +10,8 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
 * in a private mount, UTS and PID namespace (``unshare --mount --uts --pid``), a fresh one
   per container start as a container runtime gives (the main process is pid 1, so pids say
   nothing about identity); hostname = the pod's hostname (an Indexed Job pod: ``JOB-K``);
-  ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods)
-  and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
+  ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods),
+  generic ephemeral (a host folder per pod and volume, ``ROOT/ephemeral/POD-VOLUME``) and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
   from one file holding every Service name and every live pod's name and hostname (a
   kubelet's /etc/hosts holds the pod's own; gloo resolves it to pick its address), rewritten
   in place as pods come and go, like DNS;
@@ -219,15 +219,20 @@ class PodSim:
             manifests say: ``periodSeconds``, ``initialDelaySeconds``, ``timeoutSeconds`` (at
             least 1 s) and the grace period of a probe's kill are divided by it (a test's
             minutes of "hung" become seconds); ``failureThreshold`` is kept. 1.0 = as written.
+        external: host folders every pod sees at the same path, read-write, like the image's
+            paths (bound back over any volume or blocked directory that would hide them): what
+            stands for storage outside the cluster that every pod reaches (an object store
+            behind a ``file://`` URI, a file share).
     """
 
     def __init__(self, docs: list[dict[str, Any]], root: Path, python: str = sys.executable,
                  env: dict[str, str] | None = None, subnet: str = "10.231.0",
-                 probe_time_scale: float = 1.0) -> None:
+                 probe_time_scale: float = 1.0, external: Sequence[Path] = ()) -> None:
         if not probe_time_scale > 0:
             raise ConfigError(f"PodSim probe_time_scale: expected > 0, got {probe_time_scale}")
         self.probe_time_scale = float(probe_time_scale)
         self.docs, self.root, self.python = docs, Path(root), python
+        self.external = [str(Path(e).resolve()) for e in external]
         self.root.mkdir(parents=True, exist_ok=True)
         self.base_env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
         self.base_env.update(env or {})
@@ -329,6 +334,15 @@ class PodSim:
             p = self.root / "pvc" / claim
             p.mkdir(parents=True, exist_ok=True)
             return p
+        if "ephemeral" in vol:
+            # a generic ephemeral volume: the PVC ``POD-VOLUME`` provisioned for this pod alone (a fresh
+            # filesystem's root: root-owned 0755 until the fsGroup applies); kept after the pod ends so
+            # a test can read what the pod wrote (a cluster deletes it with the pod)
+            p = self.root / "ephemeral" / f"{pod.name}-{name}"
+            p.mkdir(parents=True, exist_ok=True)
+            if first:
+                os.chmod(p, 0o755)
+            return p
         if "emptyDir" in vol:
             p = pod.dir / "empty" / name
             p.mkdir(parents=True, exist_ok=True)
@@ -354,12 +368,13 @@ class PodSim:
         raise ValueError(f"pod {pod.name}: volume {name!r}: unsupported source {sorted(vol)}")
 
     def _image_paths(self) -> list[str]:
-        """What stands for the image: PYTHONPATH entries, the interpreter's installation, the venv."""
+        """What stands for the image (PYTHONPATH entries, the interpreter's installation, the venv) and the
+        ``external`` folders: host paths every pod sees where the host has them."""
         image = [p for p in self.base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
         image.append(str(Path(self.python).resolve().parent.parent))  # <venv>/bin/python -> <base>
         image.append(str(Path(self.python).parent.parent))  # <venv>/bin/python -> <venv>
         image.append(sys.prefix)
-        return sorted({str(Path(q).resolve()) for q in image})
+        return sorted({str(Path(q).resolve()) for q in image} | set(self.external))
 
     def _covered_host_paths(self, mount_paths: list[str], blocked: Sequence[str] = ()) -> list[str]:
         """The image's paths that one of ``mount_paths`` would hide, or that lie under a ``blocked``
@@ -540,8 +555,9 @@ class PodSim:
             script.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(m['mountPath'])}")
             if m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
-        for b in blocked:
-            script.append(f"mount -t tmpfs -o mode=0755,size=1m podsim-image {shlex.quote(b)}")
+        for b in blocked:  # (mkdir: a blocked directory under a volume's path, e.g. /tmp's, is not there yet)
+            script.append(f"mkdir -p {shlex.quote(b)} && mount -t tmpfs -o mode=0755,size=1m podsim-image "
+                          f"{shlex.quote(b)}")
         for stash, path in stashes:
             script.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(stash))} {shlex.quote(path)}")
         if c.get("workingDir"):  # the runtime creates a missing working directory

@@ -461,20 +461,20 @@ def test_per_role_storage_stages_each_roles_data_into_its_own_volume(rendered: A
     def stage_args(path: str, *extra: str) -> list[str]:
         return ["meta-io", "stage", "--from", f"{SOURCE}/{path}", "--to", f"/stage/{path}", "--wait", "86400", *extra]
     # a worker copies both datasets whole; the controller their manifests and indexes
-    w, ctl = t["metaps-worker"], t["metaps-controller"]
+    w, ctl, ps = t["metaps-worker"], t["metaps-controller"], t["metaps-ps"]
     assert list(_init(w)) == ["token", "wait-data", "stage-train", "stage-eval"]
     assert _init(w)["stage-train"] == stage_args(train) and _init(w)["stage-eval"] == stage_args(held)
     assert _init(ctl)["stage-train"] == stage_args(train, "--metadata-only")
     assert _init(ctl)["stage-eval"] == stage_args(held, "--metadata-only")
-    for tpl in (w, ctl):
+    for tpl in (w, ctl, ps):
         claim = _stage_volume(tpl)["ephemeral"]["volumeClaimTemplate"]["spec"]  # type: ignore[index]
         assert claim == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "20Gi"}},
                          "storageClassName": "local-nvme"}
         mounts = {m["mountPath"]: m["name"] for m in tpl["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["/stage"] == "stage" and mounts["/data"] == "data"  # run dir + checkpoints stay shared
-    # the PS reads no data: no copy, no volume
-    ps = t["metaps-ps"]
-    assert _stage_volume(ps) is None and not [n for n in _init(ps) if n.startswith("stage")]
+    # the PS reads the schema in the train manifest: that manifest and index only
+    assert {n: a for n, a in _init(ps).items() if n.startswith("stage")} == {
+        "stage-train": stage_args(train, "--metadata-only")}
     # the data Job builds into its own volume, uploads eval, then train with the run's done file last
     data = t["metaps-data"]["spec"]
     steps = [(c["name"], c["args"]) for c in data.get("initContainers", []) + data["containers"]]

@@ -1,0 +1,125 @@
+"""The per-role-volume variant of the manifests runs to a delivered bundle in pods (metaps.deploy.podsim).
+
+``[deploy] storage = "per-role"``: the built datasets live at ``[deploy] data_source`` (here a
+``file://`` folder outside every volume, which every pod reaches as it would an object store);
+the data Job builds into its own ephemeral volume and uploads there; each worker copies the
+train and eval sets into a generic ephemeral volume of its own, the controller copies their
+manifests and indexes only (the PS the train set's, for its schema), and the delivery pod copies the eval set its gate reads. The
+shared volume keeps the run directory, the checkpoints and the bundles only.
+
+One small fleet (data Job, controller, 1 PS shard, 2 workers) trains to complete coverage,
+and the delivery CronJob's command, run once, publishes a bundle gated on the staged eval
+set. Judged on what the volumes hold: no Meta-IO data file on the shared volume, each
+worker's volume holds a byte-identical copy of the source datasets, the controller's the
+metadata only. Wiring alone (no run) is in test_k8s_manifests.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meta_io.synth.generator import GeneratorConfig, generate
+from metaps.core.toml_writer import write
+from metaps.deploy.podsim import PodSim, netns_available, tail
+from tests.deploy.pods import render, show_pods
+from tests.metaps.fleet_data import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+DATASETS = ("metaio/train", "metaio/eval")
+
+
+def _job_file(path: Path, source: Path) -> Path:
+    return write(path, {
+        "data": {"train": "metaio/train", "eval": "metaio/eval"},
+        "ps": {"shards": 1, "num_vshards": 8, "device": "cpu", "table_defaults": {"dim": 8, "capacity": 4096}},
+        "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
+        "meta": {"inner_steps": 1, "inner_lr": 0.1},
+        "train": {"mode": "meta", "workers": 2, "epochs": 2, "overlap": False, "log_every": 5},
+        "controller": {"tick_s": 0.2, "checkpoint_interval_s": 5.0,
+                       "dds": {"batches_per_shard": 2}, "agent": {"heartbeat_s": 1.0}},
+        "rpc": {"timeout_s": 20.0},
+        "delivery": {"out": "bundles", "holdout_rows": 300},  # the gate reads [data] eval: staged
+        "run": {"dir": "runs", "name": "pr"},
+        "deploy": {"name": "mpr", "storage": "per-role", "data_source": source.as_uri(),
+                   "data_input": "raw/train", "data_eval_input": "raw/eval", "data_schema": "raw/train/schema.json",
+                   "deliver_schedule": "*/30 * * * *"},
+    })
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative name) -> its sha256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _stage_of(sim: PodSim, pod: str) -> Path:
+    return sim.root / "ephemeral" / f"{pod}-stage"
+
+
+@pytest.mark.timeout(600)
+def test_the_per_role_fleet_stages_its_data_and_delivers(tmp_path: Path) -> None:
+    assert netns_available(), ("this test runs pods in network + mount namespaces: it needs root, iproute2 "
+                               "and unshare (the manifests' wiring is still checked by test_k8s_manifests.py)")
+    source = tmp_path / "objectstore"  # stands for s3://bucket/prefix: outside every volume of the pods
+    source.mkdir()
+    os.chmod(source, 0o777)  # the data Job (uid 10001) uploads there
+    docs = render(_job_file(tmp_path / "job.toml", source), tmp_path / "manifests")
+    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.238.0", external=[source])
+    t0 = time.monotonic()
+    try:
+        data = sim.root / "pvc" / "mpr-data"
+        for name, rows, seed in (("train", 1500, 7), ("eval", 400, 8)):
+            generate(data / "raw" / name, GeneratorConfig(rows=rows, users=100, items=150, seed=seed, n_files=1,
+                                                          row_group_rows=rows), progress=False)
+        for w in ("mpr-data", "mpr-controller", "mpr-ps", "mpr-worker"):
+            sim.start_workload(w)
+        wait_for(lambda: sim.job_status("mpr-worker") != "Running"
+                 or any(p.phase == "Failed" for p in sim.pods.values()), 300, "the worker Job to end")
+        failed = [p.name for p in sim.pods.values() if p.phase == "Failed"]
+        assert not failed and sim.job_status("mpr-worker") == "Complete", (failed, sim.jobs["mpr-worker"].reason)
+        wait_for(lambda: sim.job_complete("mpr-ps") and sim.job_complete("mpr-controller"), 180,
+                 "the PS and controller Jobs to complete")
+        ctl = sim.job_pods("mpr-controller")[0]
+        outcome = json.loads(sim.termination_message(ctl.name))
+        assert (outcome["run"], outcome["coverage"]) == ("complete", "complete"), outcome
+
+        # the built data went to the source, not the shared volume (which holds the raw logs the data Job read)
+        on_shared = [str(p.relative_to(data)) for p in data.rglob("*.arrow")
+                     if p.name == "index.arrow" or p.name.startswith(("part-", "leftover-"))]
+        assert on_shared == [], on_shared
+        assert (data / "runs" / "pr" / "data-ready.json").exists()
+        want = {d: _digest(source / d) for d in DATASETS}
+        assert all(any(n.startswith("part-") for n in want[d]) for d in DATASETS), want
+        # each worker trained from a whole, byte-identical copy of its own
+        workers = [p for p in sim.job_pods("mpr-worker") if p.phase == "Succeeded"]
+        assert len(workers) == 2
+        for p in workers:
+            for d in DATASETS:
+                assert _digest(_stage_of(sim, p.name) / d) == want[d], (p.name, d)
+        # the controller read batch counts only (manifest and index), the PS the train manifest's schema
+        for d in DATASETS:
+            assert sorted(_digest(_stage_of(sim, ctl.name) / d)) == ["index.arrow", "manifest.json"]
+        ps = _stage_of(sim, sim.job_pods("mpr-ps")[0].name)
+        assert sorted(_digest(ps)) == ["metaio/train/index.arrow", "metaio/train/manifest.json"]
+
+        # the delivery CronJob's command, once: its gate reads its own copy of the eval set
+        pod = sim.trigger_cronjob("mpr-deliver")
+        wait_for(lambda: pod.phase in ("Succeeded", "Failed"), 300, "the delivery pod")
+        assert pod.phase == "Succeeded", tail(pod.log_path)
+        assert _digest(_stage_of(sim, pod.name) / "metaio/eval") == want["metaio/eval"]
+        latest = (data / "bundles" / "LATEST").read_text().strip()
+        assert (data / "bundles" / latest).is_dir()
+        sys.stderr.write(f"[per-role pods] delivered in {time.monotonic() - t0:.1f}s\n")
+    except BaseException:
+        show_pods(sim)
+        raise
+    finally:
+        sim.close()
