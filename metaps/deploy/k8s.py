@@ -7,6 +7,13 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
                       [rpc] token_file -> /run/metaps/token, [ps] host -> 0.0.0.0, no token
     storage.yaml      PVC NAME-data (ReadWriteMany: data, run dir, checkpoints, bundles at /data)
                       PVC NAME-controller-state (ReadWriteOnce: the controller's LMDB)
+                      [deploy] storage = "per-role": the data is not on NAME-data; it lives at
+                      [deploy] data_source and each pod copies what it reads into a generic
+                      ephemeral volume of its own (/stage) in init containers (meta-io stage):
+                      worker train + eval whole, controller their manifests + indexes, PS the
+                      train manifest + index (schema), delivery the eval set its gate reads;
+                      the data Job builds into its own and uploads. The pods' job file names
+                      the copies ([data] X -> /stage/X)
     controller.yaml   Job NAME-controller (1 pod, ``--exit-when-done``) + Service NAME-controller
     ps.yaml           Indexed Job NAME-ps (one pod per [ps] shard, hostname NAME-ps-K, shard K) +
                       headless Service (NAME-ps-K.NAME-ps:PORT) + PodDisruptionBudget
