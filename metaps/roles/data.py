@@ -1,4 +1,4 @@
-"""``metaps gen-data`` and ``metaps meta-io build|inspect``.
+"""``metaps gen-data`` and ``metaps meta-io build|inspect|split-holdout|stage``.
 
 Example::
 
@@ -8,6 +8,8 @@ Example::
         # lines msg="progress" with done/total/pct/per_s/eta_s every 5 s and at each pass's end
     metaps meta-io inspect metaio/ [--verify]
     metaps meta-io split-holdout --input data/ --schema data/schema.json --out split/ --fraction 0.1
+    metaps meta-io stage --from s3://bucket/metaio --to /data/metaio [--metadata-only] [--wait 600] \
+        [--done-file /data/staged.json] [--overwrite]     # see meta_io.stage
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="per-(user, scenario) click logit offset no feature reveals (overrides the world's)")
     g.set_defaults(func=_gen_data)
 
-    m = subparsers.add_parser("meta-io", help="build and inspect Meta-IO datasets")
+    m = subparsers.add_parser("meta-io", help="build, inspect, split and stage Meta-IO datasets")
     msub = m.add_subparsers(dest="meta_io_command", metavar="ACTION")
     b = msub.add_parser("build", help="lay out training logs by task into fixed-shape Arrow IPC files")
     b.add_argument("--input", required=True, help="Parquet/CSV file or folder")
@@ -101,6 +103,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "OUT/time_cut.json of an earlier split)")
     h.add_argument("--seed", type=int, default=0, help="seed of the --by task --fraction choice")
     h.set_defaults(func=_split_holdout)
+    st = msub.add_parser("stage", help="copy a built dataset between a data source URI (s3://, gs://, hdfs://, "
+                                       "file://) and a folder, the manifest last, verified")
+    st.add_argument("--from", dest="src", required=True, help="dataset URI or folder to copy from")
+    st.add_argument("--to", dest="dst", required=True,
+                    help="URI or folder to copy to (a folder is staged aside, verified, then renamed into place)")
+    st.add_argument("--metadata-only", action="store_true",
+                    help="copy manifest.json and index.arrow only (what the controller reads)")
+    st.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="wait up to SECONDS for the source's manifest.json to appear (default: fail at once)")
+    st.add_argument("--done-file", default="",
+                    help="write this file (src, dst, files, bytes; JSON) once the stage succeeded")
+    st.add_argument("--overwrite", action="store_true", help="replace a different dataset already at --to")
+    st.set_defaults(func=_stage)
     m.set_defaults(func=lambda args: _missing_action(m))
 
 
@@ -272,3 +287,22 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         print(format_summary(summary))
     return 1 if summary["problems"] else 0
+
+
+def _stage(args: argparse.Namespace) -> int:
+    from meta_io.stage import stage_dataset
+
+    with summary_replaces("meta_io", "stage done"):
+        res = stage_dataset(args.src, args.dst, metadata_only=args.metadata_only, wait_s=args.wait,
+                            overwrite=args.overwrite)
+    out = {"src": res.src, "dst": res.dst, "files": res.files, "bytes": res.bytes, "seconds": res.seconds,
+           "skipped": res.skipped}
+    if args.done_file:
+        from metaps.core.atomic_write import write_json_atomic
+
+        Path(args.done_file).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.done_file, {**out, "metadata_only": args.metadata_only, "time": time.time()})
+    what = "already staged (identical manifest), nothing copied" if res.skipped else \
+        f"{res.files} files, {res.bytes:,} bytes in {res.seconds:.2f} s"
+    emit(args, out, f"staged {res.src} -> {res.dst}: {what}")
+    return 0
