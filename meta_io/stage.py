@@ -30,7 +30,9 @@ How a stage goes (:func:`stage_dataset`):
    (:func:`meta_io.inspect.inspect_dataset` ``verify=True``); a metadata-only
    copy checks the index's crc32 against the manifest (a dataset built before
    checksums is checked by size only, with a warning). Any failure removes the
-   staging folder and leaves DST as it was. A remote destination is written in
+   staging folder and leaves DST as it was. A live stage holds a ``flock`` on its
+   staging folder; one that no process holds (a stage killed by SIGKILL or the
+   OOM killer) is removed by the next stage to the same DST. A remote destination is written in
    place (manifest last); on failure the files this stage wrote are deleted
    (best effort, the manifest first if it got written).
 
@@ -51,6 +53,8 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import logging
 import os
@@ -309,8 +313,10 @@ def _stage_local(src: _Location, dst: Path, files: list[tuple[str, int]], raw: b
                  state: str) -> int:
     """Copy into ``DST.staging-<random>``, verify, rename into place; the staging folder never outlives a failure."""
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(dst)
     staging = dst.with_name(f"{dst.name}{STAGING_INFIX}{secrets.token_hex(4)}")
     staging.mkdir()
+    lock = _lock(staging)
     old: Path | None = None
     try:
         total = _copy_all(src, pafs.LocalFileSystem(), str(staging), files, [])
@@ -328,9 +334,42 @@ def _stage_local(src: _Location, dst: Path, files: list[tuple[str, int]], raw: b
             os.replace(old, dst)  # the swap failed: put the previous dataset back
             old = None
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return total
+
+
+def _lock(folder: Path) -> int | None:
+    """An exclusive ``flock`` on ``folder`` (held while this stage owns it); None where locks are unsupported."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_stale_staging(dst: Path) -> None:
+    """Remove ``DST.staging-*`` folders no live stage holds: what a killed stage (SIGKILL, OOM) left.
+
+    A restarted init container would otherwise need room for two copies on a
+    volume sized for one. A folder whose lock cannot be taken (a stage running
+    now, or a filesystem without ``flock``) is left alone.
+    """
+    for p in dst.parent.glob(glob.escape(dst.name) + STAGING_INFIX + "*"):
+        fd = _lock(p) if p.is_dir() else None
+        if fd is None:
+            continue
+        try:
+            shutil.rmtree(p, ignore_errors=True)
+        finally:
+            os.close(fd)
+        log.warning("removed a staging folder left by an earlier stage that did not finish",
+                    extra=kv(folder=str(p)))
 
 
 def _stage_remote(src: _Location, dst: _Location, files: list[tuple[str, int]], raw: bytes,

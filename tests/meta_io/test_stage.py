@@ -7,8 +7,10 @@ sidecars and leftovers), real folders, ``file://`` URIs and pyarrow's in-memory
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -215,3 +217,20 @@ def test_dataset_without_checksums_is_staged_by_size_with_a_warning(src: Path, t
         res = stage_dataset(str(src), str(tmp_path / "dst"))
     assert res.files == len(listed_files(src))
     assert any("checked by size only" in r.getMessage() for r in caplog.records)
+
+
+def test_a_killed_stages_staging_folder_is_removed_a_live_ones_kept(src: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    dead = tmp_path / f"dst{STAGING_INFIX}0badf00d"  # as a SIGKILLed stage leaves it: no process holds its lock
+    dead.mkdir()
+    (dead / "part-00000.arrow").write_bytes(b"half a file")
+    live = tmp_path / f"dst{STAGING_INFIX}11ve1111"
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a stage running now holds its folder
+    try:
+        stage_dataset(str(src), str(dst), metadata_only=True)
+    finally:
+        os.close(fd)
+    assert not dead.exists() and live.exists()
+    assert batch_counts(dst) == batch_counts(src)
