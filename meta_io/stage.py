@@ -38,10 +38,11 @@ How a stage goes (:func:`stage_dataset`):
 
 An existing DST holding a ``manifest.json`` byte-identical to SRC's is already
 staged: nothing is copied (``skipped=True``). An existing local DST with anything
-else in it, or a remote DST with a different manifest, is refused unless ``overwrite=True`` (a local DST is then swapped for the
-new copy after it verified; a remote DST loses its manifest first, and old files
-the new manifest does not list stay behind, unread). An empty
-existing local folder is simply replaced. DST must not be a mount point itself
+else in it, or a remote DST with a different manifest, is refused unless
+``overwrite=True`` (a local DST is then swapped for the new copy after it
+verified; a remote DST loses its manifest first, and old files the new manifest
+does not list stay behind, unread). An empty existing local folder is simply
+replaced. DST must not be a mount point itself
 (a folder cannot be renamed onto one): stage into a folder under the mount.
 
 Example::
