@@ -164,7 +164,8 @@ def test_wait_succeeds_when_the_manifest_appears(built: Path, tmp_path: Path) ->
         for n in listed_files(built):
             if n != L.MANIFEST_NAME:
                 shutil.copyfile(built / n, src / n)
-        shutil.copyfile(built / L.MANIFEST_NAME, src / L.MANIFEST_NAME)
+        shutil.copyfile(built / L.MANIFEST_NAME, src / "manifest.tmp")  # whole or absent, as a build's rename
+        os.replace(src / "manifest.tmp", src / L.MANIFEST_NAME)
 
     th = threading.Thread(target=publish)
     th.start()
