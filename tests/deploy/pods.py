@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from metaps.deploy.podsim import PodSim, tail
+from metaps.deploy.podsim import PodSim, Pod, tail
+from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,3 +31,26 @@ def show_pods(sim: PodSim, lines: int = 25) -> None:
     """Every pod's phase, exit codes and log tail on stderr (a failed test's evidence)."""
     for p in sim.pods.values():
         sys.stderr.write(f"--- {p.name} ({p.phase}, exits {p.exit_codes})\n{tail(p.log_path, lines)}\n")
+
+
+def train_to_completion(sim: PodSim, name: str, timeout_s: float = 300.0) -> Pod:
+    """Start ``NAME-data``, ``-controller``, ``-ps`` and ``-worker``; assert that the worker Job
+    completes with no failed pod (a failed pod is judged at once), that the PS and controller Jobs
+    then complete, and that the controller's outcome is a complete run with complete coverage.
+
+    Returns:
+        the controller's pod.
+    """
+    for w in ("data", "controller", "ps", "worker"):
+        sim.start_workload(f"{name}-{w}")
+    worker = f"{name}-worker"
+    wait_for(lambda: sim.job_status(worker) != "Running" or any(p.phase == "Failed" for p in sim.pods.values()),
+             timeout_s, "the worker Job to end")
+    failed = [p.name for p in sim.pods.values() if p.phase == "Failed"]
+    assert not failed and sim.job_status(worker) == "Complete", (failed, sim.jobs[worker].reason)
+    wait_for(lambda: sim.job_complete(f"{name}-ps") and sim.job_complete(f"{name}-controller"), 180,
+             "the PS and controller Jobs to complete")
+    ctl = sim.job_pods(f"{name}-controller")[0]
+    outcome = json.loads(sim.termination_message(ctl.name))
+    assert (outcome["run"], outcome["coverage"]) == ("complete", "complete"), outcome
+    return ctl

@@ -11,7 +11,6 @@ checkpoint. Wiring alone (no run) is in test_k8s_manifests.py.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,7 @@ from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.core.toml_writer import write
 from metaps.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
-from tests.deploy.pods import render, show_pods
-from tests.metaps.fleet_data import wait_for
+from tests.deploy.pods import render, show_pods, train_to_completion
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,18 +63,8 @@ def test_the_allreduce_fleet_runs_to_completion_in_pods(tmp_path: Path) -> None:
         data = sim.root / "pvc" / "mar-data"
         generate(data / "raw" / "train", GeneratorConfig(rows=1500, users=100, items=150, seed=7, n_files=1,
                                                           row_group_rows=1500), progress=False)
-        for w in ("mar-data", "mar-controller", "mar-ps", "mar-worker"):
-            sim.start_workload(w)
         # a rank that fails (e.g. gloo cannot reach its peer) is a failed pod: judged at once
-        wait_for(lambda: sim.job_status("mar-worker") != "Running"
-                 or any(p.phase == "Failed" for p in sim.job_pods("mar-worker")), 300, "the all-reduce worker Job to end")
-        failed = [p.name for p in sim.job_pods("mar-worker") if p.phase == "Failed"]
-        assert not failed and sim.job_status("mar-worker") == "Complete", (failed, sim.jobs["mar-worker"].reason)
-        wait_for(lambda: sim.job_complete("mar-ps") and sim.job_complete("mar-controller"), 180,
-                 "the PS and controller Jobs to complete")
-        ctl = sim.job_pods("mar-controller")[0]
-        outcome = json.loads(sim.termination_message(ctl.name))
-        assert (outcome["run"], outcome["coverage"]) == ("complete", "complete"), outcome
+        train_to_completion(sim, "mar")
         ranks = sorted(p.index for p in sim.job_pods("mar-worker") if p.phase == "Succeeded" and p.index is not None)
         assert ranks == [0, 1]
         for p in sim.job_pods("mar-worker"):  # one gloo group of both ranks, met through the Service name

@@ -17,19 +17,17 @@ metadata only. Wiring alone (no run) is in test_k8s_manifests.py.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.core.toml_writer import write
 from metaps.deploy.podsim import PodSim, netns_available, tail
-from tests.deploy.pods import render, show_pods
+from tests.deploy.pods import render, show_pods, train_to_completion
 from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,17 +77,7 @@ def test_the_per_role_fleet_stages_its_data_and_delivers(tmp_path: Path) -> None
         for name, rows, seed in (("train", 1500, 7), ("eval", 400, 8)):
             generate(data / "raw" / name, GeneratorConfig(rows=rows, users=100, items=150, seed=seed, n_files=1,
                                                           row_group_rows=rows), progress=False)
-        for w in ("mpr-data", "mpr-controller", "mpr-ps", "mpr-worker"):
-            sim.start_workload(w)
-        wait_for(lambda: sim.job_status("mpr-worker") != "Running"
-                 or any(p.phase == "Failed" for p in sim.pods.values()), 300, "the worker Job to end")
-        failed = [p.name for p in sim.pods.values() if p.phase == "Failed"]
-        assert not failed and sim.job_status("mpr-worker") == "Complete", (failed, sim.jobs["mpr-worker"].reason)
-        wait_for(lambda: sim.job_complete("mpr-ps") and sim.job_complete("mpr-controller"), 180,
-                 "the PS and controller Jobs to complete")
-        ctl = sim.job_pods("mpr-controller")[0]
-        outcome = json.loads(sim.termination_message(ctl.name))
-        assert (outcome["run"], outcome["coverage"]) == ("complete", "complete"), outcome
+        ctl = train_to_completion(sim, "mpr")
 
         # the built data went to the source, not the shared volume (which holds the raw logs the data Job read)
         on_shared = [str(p.relative_to(data)) for p in data.rglob("*.arrow")
