@@ -119,7 +119,6 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from metaps.job import load_job
-    from metaps.plots import make_plots
     from metaps.run_report import (
         build_report,
         print_summary,
@@ -186,6 +185,8 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         write_json_atomic(out_path, rep)
     else:
         write_report(run_dir, rep)
+        from metaps.plots import make_plots  # matplotlib: only when drawing
+
         write_tensorboard(rep, run_dir / "tb")
         make_plots(rep, run_dir / "plots")
     from metaps.roles.output import emit, wants_json

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from metaps.core.errors import ConfigError
@@ -398,7 +399,6 @@ class Launcher:
         return stats, notes
 
     def _report(self, outcome: Outcome, ps_stats: list[dict[str, Any]] | None, notes: list[str]) -> dict[str, Any]:
-        from metaps.plots import make_plots
         from metaps.run_report import (
             build_report,
             print_summary,
@@ -422,7 +422,7 @@ class Launcher:
             checkpoint=self.ckpt, resumed_from=self.resume, notes=notes)
         write_report(self.run_dir, rep)
         for what, fn in (("tensorboard", lambda: write_tensorboard(rep, self.run_dir / "tb")),
-                         ("plots", lambda: make_plots(rep, self.run_dir / "plots"))):
+                         ("plots", lambda: _draw_plots(rep, self.run_dir / "plots"))):
             if what == "plots" and not self.job.run.plots:
                 log.info("plots not drawn ([run] plots = false)", extra=kv(draw=f"metaps run-report --run-dir {self.run_dir}"))
                 continue
@@ -482,3 +482,9 @@ class Launcher:
         return outcome.code
 
 
+def _draw_plots(rep: dict[str, Any], out: Path) -> None:
+    """``RUN/plots/*.png``; matplotlib is imported only here (about 1 CPU-s), so a run with
+    ``[run] plots = false`` never loads it."""
+    from metaps.plots import make_plots
+
+    make_plots(rep, out)
