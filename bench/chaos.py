@@ -36,7 +36,10 @@ report.json: the ledger, the cuts, the recovery events; the checkpoints):
                   and <= those plus the replayed / stale / duplicate entries' batches (else:
                   replays the run did not report)
     restored      each cut a PS recovery restored: its checkpoint holds the updates of every
-                  shard done at the cut
+                  shard done at the cut, and the fleet held every row of it once restored
+                  (the shards' Restore replies; a dropped row can be masked in the final
+                  model when the shard in flight at the strike repeats the cut's batches
+                  and its pushes land after the restore)
     exercised     the armed cut is the one restored, with shards done before it and after it
     survived      exercised, exit 0, "succeeded", the ledger covering every batch of every
                   epoch exactly once, and the model checks clean. A failed run never survives
@@ -600,10 +603,21 @@ def model_check(res: dict[str, Any], ids: BatchIds) -> dict[str, Any]:
         row: dict[str, Any] = {"cut_id": int(cut["cut_id"]), "ledger_seq": seq}
         if Path(cut.get("dir", ""), "manifest.json").is_file():
             at_cut = [e for e in train if e.get("kind") == "done" and int(e["seq"]) <= seq]
-            row.update(compare_counts(model_counts(Path(cut["dir"])), expected_counts(at_cut, ids)))
+            held = model_counts(Path(cut["dir"]))
+            row.update(compare_counts(held, expected_counts(at_cut, ids)))
             if row["updates_missing"]:
                 out["problems"].append(f"cut {cut['cut_id']}'s checkpoint lacks {row['updates_missing']} row updates "
                                        f"of the shards done at the cut")
+            # what the fleet held once restored (every shard's Restore reply, summed) against the cut's rows:
+            # a restore that drops rows can be masked in the final model by a stale shard's pushes landing
+            # after it on the same batches (in flight at the strike, reported stale, counted as a replay)
+            in_cut = sum(len(t) for t in held.values())
+            restored = int((ev.get("evidence") or {}).get("rows", -1))
+            row.update(rows_in_cut=in_cut, rows_restored=restored, rows_missing=max(0, in_cut - restored))
+            if restored >= 0 and restored < in_cut:
+                out["problems"].append(f"the PS recovery from cut {cut['cut_id']} left the fleet holding {restored} "
+                                       f"rows of the {in_cut} in its checkpoint: the restored model lacks "
+                                       f"{in_cut - restored} rows")
         else:
             row["checked"] = "its checkpoint was pruned"
         out["restored"].append(row)

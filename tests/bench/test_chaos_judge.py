@@ -10,7 +10,8 @@ fleet's ``PYTHONPATH``):
     restore_empty   the PS recovery's Restore verifies the checkpoint, then keeps zero rows
 
 Before issue 27 both scored "survived, 0 rows lost" (rows grow back); the judge now reads
-each row's update count (Adam's per-row step) against the ledger.
+each row's update count (Adam's per-row step) against the ledger, and the rows the fleet held
+once restored against the cut's checkpoint.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def test_correct_build_survives_kill_ps(judged: dict[str, dict[str, Any]]) -> No
     assert row["exercised"], row.get("why")
     assert row["survived"], row.get("why")
     assert row["model"]["updates_missing"] == 0 and row["model"]["rows_checked"] > 0, row["model"]
-    assert row["restored"] and all(r.get("updates_missing", 0) == 0 for r in row["restored"]), row["restored"]
+    assert row["restored"] and all(r.get("updates_missing", 0) == 0 and r["rows_missing"] == 0
+                                   for r in row["restored"]), row["restored"]
 
 
 @pytest.mark.parametrize("build", ["no_rollback", "restore_empty"])
@@ -70,7 +72,11 @@ def test_broken_build_fails_the_judge(judged: dict[str, dict[str, Any]], build: 
     assert row["exercised"], f"the fault did not reach its state, nothing was judged: {row.get('why')}"
     assert not row["survived"], row.get("why")
     assert row["lost_updates"], row.get("why")
-    assert row["model"]["updates_missing"] > 0, row["model"]
+    if build == "no_rollback":  # the shards done after the cut are never retrained: the final model lacks them
+        assert row["model"]["updates_missing"] > 0, row["model"]
+    else:  # the fleet held none of the cut's rows once restored (the final model alone can be masked: a stale
+        # shard's pushes that land after the restore on the cut's own batches, see bench/chaos.py "restored")
+        assert any(r["rows_missing"] > 0 for r in row["restored"]), row["restored"]
     assert "lacks" in row["why"], row["why"]
 
 
