@@ -293,15 +293,21 @@ def _verify_local(folder: Path, raw_manifest: bytes, metadata_only: bool) -> Non
                         + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
 
 
-def _local_dst_state(dst: Path, raw: bytes, overwrite: bool) -> str:
-    """``absent`` | ``empty`` | ``same`` | ``replace``; ConfigError when DST holds another dataset and not overwrite."""
+def _local_dst_state(dst: Path, raw: bytes, files: list[tuple[str, int]], overwrite: bool) -> str:
+    """``absent`` | ``empty`` | ``same`` | ``replace``; ConfigError when DST holds another dataset and not overwrite.
+
+    ``same``: DST's manifest is byte-identical to SRC's and every file this stage would copy is
+    there at its size. The same manifest with files missing (a metadata-only copy, when the
+    whole dataset is asked for) is the same dataset in part: replaced, no ``overwrite`` needed.
+    """
     if not dst.exists():
         return "absent"
     if not dst.is_dir():
         raise ConfigError(f"meta-io stage: --to {dst} exists and is not a folder")
     manifest = dst / L.MANIFEST_NAME
     if manifest.is_file() and manifest.read_bytes() == raw:
-        return "same"
+        whole = all((dst / n).is_file() and (dst / n).stat().st_size == size for n, size in files)
+        return "same" if whole else "replace"
     if not any(dst.iterdir()):
         return "empty"
     if not overwrite:
@@ -433,7 +439,7 @@ def _stage(s: _Location, d: _Location, metadata_only: bool, wait_s: float, overw
     files = _check_source_sizes(s, _file_plan(s, raw, metadata_only))
     if d.local:
         dpath = Path(d.path)
-        state = _local_dst_state(dpath, raw, overwrite)
+        state = _local_dst_state(dpath, raw, files, overwrite)
         skipped = state == "same"
         total = 0 if skipped else _stage_local(s, dpath, files, raw, metadata_only, state)
     else:

@@ -100,6 +100,15 @@ def test_metadata_only_copies_two_files_and_opens(src: Path, tmp_path: Path) -> 
     assert batch_counts(dst) == batch_counts(src)
 
 
+def test_a_metadata_only_copy_is_completed_not_skipped_by_a_full_stage(src: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    stage_dataset(str(src), str(dst), metadata_only=True)
+    again = stage_dataset(str(src), str(dst))  # the same manifest, the data files missing: copied, no --overwrite
+    assert not again.skipped and again.files == len(listed_files(src))
+    assert sorted(p.name for p in dst.iterdir()) == sorted(listed_files(src)) and leftovers(tmp_path) == []
+    assert stage_dataset(str(src), str(dst), metadata_only=True).skipped  # what it asks for is there
+
+
 def test_metadata_only_catches_a_corrupt_index(src: Path, tmp_path: Path) -> None:
     flip(src / L.INDEX_NAME, (src / L.INDEX_NAME).stat().st_size // 2)
     dst = tmp_path / "meta"
