@@ -3,7 +3,7 @@
 Levels and the shrinking list of modules not yet clean live in setup.cfg ([mypy]
 sections): strict on the ground floor (metaps errors, config, log, ...), the default
 level elsewhere. The cache lives in this session's own tmp dir: no state shared with another
-run or another xdist worker (under ``-n 2`` this one test runs on one worker, once).
+run or another xdist worker (under xdist this one test runs on one worker, once).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ SMOKES: dict[str, Smoke] = {
 
 FLEETS = frozenset({"train_throughput", "chaos", "k8s_local", "fleet_quality"})
 """The smoke runs that start fleets of processes (a minute or less each): they run from
-tests/bench/test_bench_smoke_fleets.py, a module of their own, so the suite's two xdist
+tests/bench/test_bench_smoke_fleets.py, a module of their own, so the suite's xdist
 workers (``--dist loadscope``: a module to a worker) can run them beside the others."""
 
 

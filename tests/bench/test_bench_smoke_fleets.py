@@ -1,6 +1,6 @@
 """Every bench runs: the smoke runs that start fleets of processes (see tests/bench/test_bench_smoke.py).
 
-A module of their own, so ``make test``'s two xdist workers (a module to a worker) run
+A module of their own, so ``make test``'s xdist workers (a module to a worker) run
 them beside the other smoke runs instead of after them.
 """
 
