@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,19 @@ from metaps.deploy.podsim import PodSim, Pod, tail
 from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def pod_env() -> dict[str, str]:
+    """Environment for every container of a test's PodSim: the checkout on ``PYTHONPATH`` (the image's
+    code) and one math thread per process, as tests/conftest.py gives every process a test starts
+    (a kubelet passes no host environment; PodSim passes only PATH and the locale unless told): with
+    two OpenMP threads on this oversubscribed box a pod's ``metaps deliver`` spin-waits, ~25 CPU-s
+    against ~8 for its gate."""
+    from tests.conftest import SINGLE_THREAD
+
+    env = {"PYTHONPATH": str(REPO)}
+    env.update({k: os.environ[k] for k in SINGLE_THREAD if k in os.environ})
+    return env
 
 
 def render(job_toml: Path, out: Path) -> list[dict[str, Any]]:
@@ -31,6 +47,19 @@ def show_pods(sim: PodSim, lines: int = 25) -> None:
     """Every pod's phase, exit codes and log tail on stderr (a failed test's evidence)."""
     for p in sim.pods.values():
         sys.stderr.write(f"--- {p.name} ({p.phase}, exits {p.exit_codes})\n{tail(p.log_path, lines)}\n")
+
+
+@contextmanager
+def closing_shown(sim: PodSim) -> Iterator[PodSim]:
+    """``with closing_shown(PodSim(...)) as sim``: every pod's log tail on stderr when the body fails,
+    the simulation closed (namespaces, mounts, processes) either way."""
+    try:
+        yield sim
+    except BaseException:
+        show_pods(sim)
+        raise
+    finally:
+        sim.close()
 
 
 def train_to_completion(sim: PodSim, name: str, timeout_s: float = 300.0) -> Pod:

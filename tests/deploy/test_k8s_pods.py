@@ -40,10 +40,9 @@ from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
 from metaps.core.toml_writer import write
-from tests.deploy.pods import render as render_manifests, show_pods
+from tests.deploy.pods import pod_env, render as render_manifests, show_pods
 from tests.metaps.fleet_data import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def job_file(path: Path) -> Path:
@@ -54,7 +53,7 @@ def job_file(path: Path) -> Path:
                "table_defaults": {"dim": 8, "capacity": 8192}},
         "model": {"kind": "dnn", "default_dim": 8, "hidden": [16, 8]},
         "meta": {"inner_steps": 1, "inner_lr": 0.1},
-        "train": {"mode": "meta", "workers": 2, "epochs": 12, "overlap": False, "log_every": 5},
+        "train": {"mode": "meta", "workers": 2, "epochs": 20, "overlap": False, "log_every": 5},
         # frozen workers (SIGSTOP below) keep their registration (heartbeat timeout) but lose
         # their leases after lease_s: the newcomer gets their shards
         "controller": {"heartbeat_timeout_s": 300.0, "tick_s": 0.2, "checkpoint_interval_s": 2.0,
@@ -107,7 +106,7 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         sys.stderr.write(f"[k8s e2e {time.monotonic() - t0:6.1f}s] {what}\n")
 
     # probes 5x faster than written: liveness gives up on a hung PS after 6 x 2 s, not 6 x 10 s
-    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)}, probe_time_scale=5.0)
+    sim = PodSim(docs, tmp_path / "sim", env=pod_env(), probe_time_scale=5.0)
     try:
         data = sim.root / "pvc" / "mps-data"
         generate(data / "raw" / "train", GeneratorConfig(rows=3000, users=150, items=200, seed=5, n_files=1,

@@ -22,9 +22,8 @@ from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.core.toml_writer import write
 from metaps.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
-from tests.deploy.pods import render, show_pods, train_to_completion
+from tests.deploy.pods import closing_shown, pod_env, render, train_to_completion
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _job_file(path: Path) -> Path:
@@ -57,9 +56,9 @@ def test_the_allreduce_fleet_runs_to_completion_in_pods(tmp_path: Path) -> None:
     docs = _render(tmp_path)
     workers = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "mar-worker"][0]
     assert workers["spec"]["completionMode"] == "Indexed"
-    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.237.0")
+    sim = PodSim(docs, tmp_path / "sim", env=pod_env(), subnet="10.237.0")
     t0 = time.monotonic()
-    try:
+    with closing_shown(sim):
         data = sim.root / "pvc" / "mar-data"
         generate(data / "raw" / "train", GeneratorConfig(rows=1500, users=100, items=150, seed=7, n_files=1,
                                                           row_group_rows=1500), progress=False)
@@ -73,8 +72,3 @@ def test_the_allreduce_fleet_runs_to_completion_in_pods(tmp_path: Path) -> None:
         final = [r for r in reports if r.get("final")]
         assert len(final) == 1 and final[0]["checkpoint"], [(r["rank"], r.get("final")) for r in reports]
         sys.stderr.write(f"[allreduce pods] complete in {time.monotonic() - t0:.1f}s\n")
-    except BaseException:
-        show_pods(sim)
-        raise
-    finally:
-        sim.close()

@@ -4,14 +4,15 @@
 ``file://`` folder outside every volume, which every pod reaches as it would an object store);
 the data Job builds into its own ephemeral volume and uploads there; each worker copies the
 train and eval sets into a generic ephemeral volume of its own, the controller copies their
-manifests and indexes only (the PS the train set's, for its schema), and the delivery pod copies the eval set its gate reads. The
-shared volume keeps the run directory, the checkpoints and the bundles only.
+manifests and indexes only (the PS the train set's, for its schema), and the delivery pod
+copies the eval set its gate reads. The shared volume keeps the run directory, the
+checkpoints and the bundles only.
 
 One small fleet (data Job, controller, 1 PS shard, 2 workers) trains to complete coverage,
 and the delivery CronJob's command, run once, publishes a bundle gated on the staged eval
 set. Judged on what the volumes hold: no Meta-IO data file on the shared volume, each
-worker's volume holds a byte-identical copy of the source datasets, the controller's the
-metadata only. Wiring alone (no run) is in test_k8s_manifests.py.
+worker's volume holds a byte-identical copy of the source datasets, the controller's and the
+PS's the metadata only. Wiring alone (no run) is in test_k8s_manifests.py.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ import pytest
 from meta_io.synth.generator import GeneratorConfig, generate
 from metaps.core.toml_writer import write
 from metaps.deploy.podsim import PodSim, netns_available, tail
-from tests.deploy.pods import render, show_pods, train_to_completion
+from tests.deploy.pods import closing_shown, pod_env, render, train_to_completion
 from tests.metaps.fleet_data import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 DATASETS = ("metaio/train", "metaio/eval")
 
 
@@ -70,9 +70,9 @@ def test_the_per_role_fleet_stages_its_data_and_delivers(tmp_path: Path) -> None
     source.mkdir()
     os.chmod(source, 0o777)  # the data Job (uid 10001) uploads there
     docs = render(_job_file(tmp_path / "job.toml", source), tmp_path / "manifests")
-    sim = PodSim(docs, tmp_path / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.238.0", external=[source])
+    sim = PodSim(docs, tmp_path / "sim", env=pod_env(), subnet="10.238.0", external=[source])
     t0 = time.monotonic()
-    try:
+    with closing_shown(sim):
         data = sim.root / "pvc" / "mpr-data"
         for name, rows, seed in (("train", 1500, 7), ("eval", 400, 8)):
             generate(data / "raw" / name, GeneratorConfig(rows=rows, users=100, items=150, seed=seed, n_files=1,
@@ -106,8 +106,3 @@ def test_the_per_role_fleet_stages_its_data_and_delivers(tmp_path: Path) -> None
         latest = (data / "bundles" / "LATEST").read_text().strip()
         assert (data / "bundles" / latest).is_dir()
         sys.stderr.write(f"[per-role pods] delivered in {time.monotonic() - t0:.1f}s\n")
-    except BaseException:
-        show_pods(sim)
-        raise
-    finally:
-        sim.close()
