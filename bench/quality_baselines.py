@@ -129,6 +129,7 @@ def fit_task_offsets(z: np.ndarray, y: np.ndarray, m: np.ndarray, prior: float, 
 
 
 LogitSource = Callable[[MetaBatch], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
+"""A first-k batch -> (head -> support logits ``[T, K]``, head -> query logits ``[T, Q]``)."""
 RowLogits = Callable[[FeatureBatch], dict[str, np.ndarray]]
 """A fitted baseline's logits of rows, head -> an array shaped like the batch's mask."""
 
@@ -171,7 +172,6 @@ def score_rows(batches: Iterable[FeatureBatch], row_logits: RowLogits, heads: Se
             res["norm_auc"] = (res["auc"] - 0.5) / (res["oracle_auc"] - 0.5)
         out[h] = res
     return out
-"""A first-k batch -> (head -> support logits ``[T, K]``, head -> query logits ``[T, Q]``)."""
 
 
 def _summ(score: np.ndarray, target: np.ndarray) -> dict[str, float]:
