@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 _QTY = re.compile(r"^([0-9]+(\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
 STORAGE = ("shared", "per-role")
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS subdomain: PriorityClass, StorageClass
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly|annually)|(\S+\s+){4}\S+)$")
 
 
@@ -81,11 +82,12 @@ class DeployConfig:
         storage: ``"shared"``: one ReadWriteMany volume holds everything (data, run directory,
             checkpoints, bundles); ``"per-role"``: the built datasets live at ``data_source`` and
             each pod that reads them copies them into a volume of its own (a worker the whole
-            datasets, the controller their manifests and indexes, the delivery gate the eval
-            set) in an init container (``metaps meta-io stage``); the shared volume keeps only
-            the run directory, checkpoints and bundles.
+            datasets, the controller their manifests and indexes, the PS the train set's for its
+            schema, the delivery gate the eval set) in an init container (``metaps meta-io
+            stage``); the shared volume keeps only the run directory, checkpoints and bundles.
         storage_class: storage class of the shared ReadWriteMany volume ('' = the cluster default).
-        storage_size: size of the shared volume (data, run directory, checkpoints, bundles).
+        storage_size: size of the shared volume (run directory, checkpoints, bundles; the data too
+            with ``storage = "shared"``).
         data_source: ``storage = "per-role"``: the URI (``s3://``, ``gs://``, ``hdfs://``,
             ``file://``) or absolute path under which ``[data] train`` and ``[data] eval`` (relative
             paths) are the built datasets; the data Job uploads its builds there.
@@ -167,8 +169,7 @@ class DeployConfig:
         if self.data_source and not re.match(r"^([a-z][a-z0-9+.-]*://\S+|/\S*)$", self.data_source):
             raise ValueError(f"data_source {self.data_source!r}: expected a URI (s3://bucket/prefix, "
                              "file:///abs/path) or an absolute path")
-        if self.stage_storage_class and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
-                                                     self.stage_storage_class):
+        if self.stage_storage_class and not _OBJECT_NAME.match(self.stage_storage_class):
             raise ValueError(f"stage_storage_class {self.stage_storage_class!r} is not a Kubernetes object name")
         for key in ("storage_size", "state_size", "stage_size"):
             if not _QTY.match(getattr(self, key)):
@@ -179,7 +180,7 @@ class DeployConfig:
             raise ValueError("data_eval_input needs data_input")
         if self.ps_max_unavailable not in (0, 1):
             raise ValueError(f"ps_max_unavailable must be 0 or 1, got {self.ps_max_unavailable}")
-        if self.priority_class and not re.match(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", self.priority_class):
+        if self.priority_class and not _OBJECT_NAME.match(self.priority_class):
             raise ValueError(f"priority_class {self.priority_class!r} is not a Kubernetes object name")
         for key in ("startup_timeout_s", "deliver_deadline_s"):
             if getattr(self, key) < 60:

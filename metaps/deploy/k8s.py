@@ -281,7 +281,7 @@ class _Gen:
         for key, path in datasets:
             args = ["meta-io", "stage", "--from", self.source(path), "--to", self.staged(path), "--wait", "86400"]
             out.append(self.container(f"stage-{key}", args + (["--metadata-only"] if metadata_only else []), role,
-                                      mounts=[{"name": "stage", "mountPath": STAGE_DIR}]))
+                                      mounts=self.stage_mounts()))
         return out
 
     def stage_volume(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   per container start as a container runtime gives (the main process is pid 1, so pids say
   nothing about identity); hostname = the pod's hostname (an Indexed Job pod: ``JOB-K``);
   ConfigMap, Secret (``defaultMode``), PVC (one host folder per claim, shared by the pods),
-  generic ephemeral (a host folder per pod and volume, ``ROOT/ephemeral/POD-VOLUME``) and emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
+  generic ephemeral (a host folder per pod and volume, ``ROOT/ephemeral/POD-VOLUME``) and
+  emptyDir volumes bind-mounted at their ``mountPath``; ``/etc/hosts`` bind-mounted
   from one file holding every Service name and every live pod's name and hostname (a
   kubelet's /etc/hosts holds the pod's own; gloo resolves it to pick its address), rewritten
   in place as pods come and go, like DNS;
