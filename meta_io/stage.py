@@ -37,8 +37,10 @@ How a stage goes (:func:`stage_dataset`):
    (best effort, the manifest first if it got written).
 
 An existing DST holding a ``manifest.json`` byte-identical to SRC's is already
-staged: nothing is copied (``skipped=True``). An existing local DST with anything
-else in it, or a remote DST with a different manifest, is refused unless
+staged when (locally) every file this stage would copy is there at its size: nothing
+is copied (``skipped=True``); with files missing (a metadata-only copy, then a full
+stage) the same dataset is completed, no ``overwrite`` needed. An existing local DST
+with anything else in it, or a remote DST with a different manifest, is refused unless
 ``overwrite=True`` (a local DST is then swapped for the new copy after it
 verified; a remote DST loses its manifest first, and old files the new manifest
 does not list stay behind, unread). An empty existing local folder is simply
@@ -93,7 +95,8 @@ class StageResult:
         files: files copied (0 when skipped).
         bytes: bytes copied (0 when skipped).
         seconds: wall time of the stage, waiting included.
-        skipped: DST already held this dataset (byte-identical manifest): nothing copied.
+        skipped: DST already held this dataset (byte-identical manifest, every file at its size):
+            nothing copied.
         src: the source as given.
         dst: the destination as given (a local path: made absolute).
     """

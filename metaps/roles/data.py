@@ -302,7 +302,7 @@ def _stage(args: argparse.Namespace) -> int:
 
         Path(args.done_file).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.done_file, {**out, "metadata_only": args.metadata_only, "time": time.time()})
-    what = "already staged (identical manifest), nothing copied" if res.skipped else \
+    what = "already staged (same manifest, every file there), nothing copied" if res.skipped else \
         f"{res.files} files, {res.bytes:,} bytes in {res.seconds:.2f} s"
     emit(args, out, f"staged {res.src} -> {res.dst}: {what}")
     return 0
