@@ -24,7 +24,7 @@ run: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/main_job.sh runs/main
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist loadscope tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope tests
 
 protos: $(STAMP)
 	$(BIN)/python -m protos.build

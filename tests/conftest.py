@@ -1,9 +1,9 @@
 """Suite-wide ordering: the heaviest test modules start first (xdist load balance).
 
-``make test`` runs ``-n 3 --dist loadscope``: each module goes whole to one worker, in
-the order of the collection. Three workers on two cores: a fleet test spends much of its wall
-waiting (heartbeats, probes, pods starting; the pods harness ~50 CPU-s over ~130 s in the
-suite), and a third worker fills those gaps (570 s against 635 s with two, 2026-12-02). xdist's default (``--loadscope-reorder``) sorts modules by
+``make test`` runs ``-n 2 --dist loadscope``: each module goes whole to one worker, in
+the order of the collection. (Three workers on the two cores were faster, 570 s against 635 s on
+2026-12-02, as a third fills the fleet tests' waits, but the extra load made the two-worker launch
+of tests/metaps/test_launch.py start a worker too late to get a shard: back to two.) xdist's default (``--loadscope-reorder``) sorts modules by
 their number of tests, which sends the heaviest modules (one or two long real-fleet or
 subprocess-chain tests each: the README chain, mypy, the all-reduce fleets) to the very
 end, where one worker runs them alone while the other sits idle: a tail of minutes.
@@ -26,7 +26,7 @@ import pytest
 
 SINGLE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """One math thread per process, for this process and every process a test starts (unless the
-caller set them). ``make test`` runs three xdist workers on two cores, each starting fleets of
+caller set them). ``make test`` runs two xdist workers on two cores, each starting fleets of
 processes: a box far more oversubscribed than any deployment. There, OpenMP's second thread
 spin-waits for a descheduled first one and burns CPU doing nothing: ``metaps deliver`` with its
 gate took 25 CPU-s at the default 2 threads and 8.5 at 1, the README chain 185 against 137
