@@ -3,18 +3,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The pip that resolved requirements/lock*.txt (scripts/lock.py); the lock installs with it.
+PIP_VERSION := 26.3
 
 .PHONY: run test install bench protos clean mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q pip==$(PIP_VERSION)
 
-# Reinstall only when the declared dependencies change. scripts/install.sh is the one install
+# Reinstall only when the locked dependencies change (requirements/lock*.txt, written on purpose
+# by `python scripts/lock.py` from setup.cfg and requirements/cpu.txt). scripts/install.sh is the one install
 # procedure, shared with the images (docker/Dockerfile*), so an image holds what `make` installs.
 # CPU install set (torch + fbgemm-gpu-cpu); a GPU machine uses requirements/gpu.txt instead
 # in a fresh venv (docs/operations.md, "GPU install"): never both fbgemm packages.
-$(STAMP): $(BIN)/python setup.cfg pyproject.toml requirements/cpu.txt scripts/install.sh
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml requirements/lock.txt requirements/lock-cpu.txt requirements/lock-test.txt scripts/install.sh
 	bash scripts/install.sh --python $(BIN)/python --variant cpu --extras test --editable
 	touch $(STAMP)
 

@@ -30,17 +30,26 @@ def test_cpu_variant_installs_the_cpu_set_editable_with_extras() -> None:
     r = _dry("--variant", "cpu", "--extras", "test", "--editable")
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stdout.splitlines() if l.startswith("+ ")]
-    assert len(lines) == 2, r.stdout
-    assert lines[0].endswith(f"-r {REPO}/requirements/cpu.txt") and "/opt/x/bin/python -m pip install" in lines[0]
-    assert lines[1].endswith(f"-e {REPO}[cpu,test]")
+    assert len(lines) == 3, r.stdout
+    locks = " ".join(f"-r {REPO}/requirements/{n}" for n in ("lock.txt", "lock-cpu.txt", "lock-test.txt"))
+    assert lines[0] == f"+ /opt/x/bin/python -m pip install -q --require-hashes --no-deps {locks}", lines[0]
+    assert lines[1].endswith(f"--no-deps --no-build-isolation -e {REPO}[cpu,test]")
+    assert lines[2] == "+ /opt/x/bin/python -m pip check"
     assert "gpu" not in r.stdout.replace("fbgemm-gpu", "")
 
 
 def test_gpu_variant_never_pulls_the_cpu_fbgemm() -> None:
     r = _dry("--variant", "gpu")
     assert r.returncode == 0, r.stderr
+    assert f"--require-hashes --no-deps -r {REPO}/requirements/lock.txt\n" in r.stdout
     assert f"-r {REPO}/requirements/gpu.txt" in r.stdout and f"{REPO}[gpu]" in r.stdout
     assert "cpu" not in r.stdout and " -e " not in r.stdout
+
+
+def test_an_extra_without_a_lock_is_refused_in_one_line() -> None:
+    r = _dry("--extras", "docs")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "install.sh: error: extra 'docs' has no lock file requirements/lock-docs.txt (run scripts/lock.py)"
 
 
 def test_bad_variant_is_refused_in_one_line() -> None:
