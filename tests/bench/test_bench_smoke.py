@@ -65,9 +65,10 @@ SMOKES: dict[str, Smoke] = {
     "k8s_local": Smoke(("--smoke",), ("run_failure_s",), 420.0, ("run_failure_fails_job",)),
     "meta_io": Smoke(("--smoke",), ("read_speedup_vs_naive", "reader_overhead", "raw_reader_unpacked_vs_packed")),
     "meta_step": Smoke(("--smoke",), ("vmap_speedup", "vmap_speedup_min")),
-    # --no-fleet: its fleet part is bench.train_throughput's run_local / run_fleet, which that bench's
-    # smoke runs (three more processes to start here: ~15 s of CPU in a CPU-bound suite)
-    "peers": Smoke(("--smoke", "--no-fleet"), ("local_vs_torch", "meta_vs_torchfunc"), 420.0),
+    # --no-fleet: its fleet part (metaps train-local and launched fleets of 1-4 PS, every process's CPU)
+    # starts five configurations of processes, minutes of CPU in a CPU-bound suite
+    "peers": Smoke(("--smoke", "--no-fleet"), ("local_vs_torch", "local_vs_torch_per_cpu", "local_vs_floor_per_cpu",
+                                               "meta_vs_torchfunc", "meta_vs_torchfunc_per_cpu"), 420.0),
     "ps_scale": Smoke(("--smoke",), ("pull_50m_vs_1m", "push_50m_vs_1m", "bytes_per_row_ratio", "restore_rows_per_s")),
     "ps_storage": Smoke(("--smoke",), ("pull_vs_floor", "push_vs_floor_rowwise_adagrad", "insert_vs_hashmap",
                                        "stream_vs_known", "steady_new10_vs_known")),
