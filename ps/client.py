@@ -58,6 +58,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -70,9 +71,10 @@ import torch
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, make_channel
-from ps import frame, routing, wire
+from ps import frame, routing, step_frame, wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.types import (
+    StepResult,
     CLOCK_EXPIRED, ERROR_KEY, MAX_ROWS_KEY, PAUSED, PUSH_COUNT_FIELDS, REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY,
     WRONG_OWNER,
 )
@@ -326,6 +328,11 @@ class PsClient:
                             for c in self._channels]
         self._push_frame = [c.unary_unary(frame.PUSH_PATH, request_serializer=None, response_deserializer=frame.decode_push_reply)
                             for c in self._channels]
+        # One message per shard per step (ps/step_frame.py); off after a shard answers UNIMPLEMENTED
+        self.step_frames = framed
+        self._step_frame = [c.unary_unary(step_frame.STEP_PATH, request_serializer=None, response_deserializer=None)
+                            for c in self._channels]
+        self._dense_plans: dict[tuple[tuple[str, ...], tuple[int, ...], int], dict[int, _DensePart]] = {}
         self._dims: dict[str, int] = {}
         self._row_cap: int | None = None  # learned from RESOURCE_EXHAUSTED
         self._map_lock = threading.Lock()
@@ -557,14 +564,8 @@ class PsClient:
             return self._pull_groups_per_table(tables, counts, ids, dims, step)
         jobs = [routing.Job(names[0], _as_ids(g, names[0]), sections=(names, c))
                 for names, c, g in zip(tables, counts, ids)]
-        fp16 = self.value_dtype == wire.DType.FP16
-
-        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
-            return frame.encode_pull_request([(t, jobs[j].ids[rows], at) for j, p in pieces
-                                              for t, rows, at in _group_entries(jobs[j], p)],
-                                             map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
-
-        self._fan_out("pull", jobs, request, lambda pieces, resp: _scatter_groups(jobs, pieces, resp, self._dims))
+        self._fan_out("pull", jobs, self._pull_groups_request(jobs, step),
+                      lambda pieces, resp: _scatter_groups(jobs, pieces, resp, self._dims))
         out = []
         for job, dim in zip(jobs, dims):
             rows = job.out if job.out is not None else np.empty((job.ids.size, dim), dtype=np.float32)
@@ -605,24 +606,182 @@ class PsClient:
                 by_table.update((t, (i, gg)) for t, i, gg in zip(names, torch.split(g_ids, sizes), torch.split(g, sizes))
                                 if i.numel())
             return self.push(by_table, step=step)
-        jobs = []
-        for names, c, g_ids, g in zip(tables, counts, ids, grads):
-            flat = _as_ids(g_ids, names[0])
-            gg = g.detach().to("cpu", torch.float32).contiguous().numpy()
-            if gg.ndim != 2 or gg.shape[0] != flat.size:
-                raise ValueError(f"group {list(names)}: grads must be [n={flat.size}, dim], got shape {gg.shape}")
-            jobs.append(routing.Job(names[0], flat, grads=gg, sections=(names, c)))
-        counts_out = {t: dict.fromkeys(("rows",) + PUSH_COUNT_FIELDS, 0) for names in tables for t in names}
+        jobs = _push_group_jobs(tables, counts, ids, grads)
+        counts_out = _group_counts(tables)
+        self._fan_out("push", jobs, self._push_groups_request(jobs, step),
+                      lambda pieces, resp: routing.add_push_counts(counts_out, resp),
+                      clock=step is not None and bool(self.worker_id))
+        return counts_out
 
+    def _push_groups_request(self, jobs: list[routing.Job], step: int | None) -> Callable[[list[routing.Piece], PartitionMap], bytes]:
         def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
             return frame.encode_push_request([(t, jobs[j].ids[rows], _grads(jobs[j])[rows], at) for j, p in pieces
                                               for t, rows, at in _group_entries(jobs[j], p)],
                                              grad_dtype=self.grad_dtype, map_version=pmap.version,
                                              worker_id=self.worker_id, step=step)
+        return request
 
-        self._fan_out("push", jobs, request, lambda pieces, resp: routing.add_push_counts(counts_out, resp),
-                      clock=step is not None and bool(self.worker_id))
-        return counts_out
+    def _pull_groups_request(self, jobs: list[routing.Job], step: int | None) -> Callable[[list[routing.Piece], PartitionMap], bytes]:
+        fp16 = self.value_dtype == wire.DType.FP16
+
+        def request(pieces: list[routing.Piece], pmap: PartitionMap) -> bytes:
+            return frame.encode_pull_request([(t, jobs[j].ids[rows], at) for j, p in pieces
+                                              for t, rows, at in _group_entries(jobs[j], p)],
+                                             map_version=pmap.version, fp16=fp16, worker_id=self.worker_id, step=step)
+        return request
+
+    # -- one message per shard per step ---------------------------------------------------------
+    def step_groups(self, *, push: GroupPush | None = None, dense: DenseFlat | None = None,
+                    pull: GroupPull | None = None, step: int | None = None, want_values: bool = True) -> StepResult:
+        """A worker step's traffic in one message per shard (``ps/step_frame.py``): the push of
+        ``step``, the dense gradients (their new values back), then the next batch's pull.
+
+        Each shard applies the push and the dense gradients, then serves the pull, so the rows
+        include this push (a serial worker's next rows are exact). What a shard could not take
+        in the one message (it refused the message before applying anything, it is down, its
+        map moved, the pull had to wait or was too big, or it speaks no StepFrame) goes by the
+        ordinary calls afterwards, in the same order (push, dense, pull), with their waits,
+        retries and map refreshes. Without the framed data plane: the ordinary calls only.
+
+        Args:
+            push: per group (tables, counts, ids, grads), as :meth:`push_groups` takes them.
+            dense: (names, flat float32 gradients in that order, each one's size).
+            pull: per group (tables, counts, ids, dims), as :meth:`pull_groups` takes them.
+            step: the step the push completes (its clock; the pull is for ``step + 1``).
+            want_values: get the dense parameters' new values back.
+
+        Returns:
+            the pulled rows per group, the dense values (flat, in ``dense``'s order) and the push counts.
+        """
+        push_jobs = _push_group_jobs(*push) if push is not None else []
+        pull_jobs = [routing.Job(names[0], _as_ids(g, names[0]), sections=(names, c))
+                     for names, c, g in zip(pull[0], pull[1], pull[2])] if pull is not None else []
+        counts_out = _group_counts(push[0]) if push is not None else {}
+        names, flat, sizes = dense if dense is not None else ([], np.empty(0, dtype=np.float32), [])
+        values = np.empty(flat.size, dtype=np.float32) if dense is not None and want_values else None
+        clock = push is not None and step is not None and bool(self.worker_id)
+        pull_step = None if step is None else step + 1
+        parts = self._dense_parts(list(names), list(sizes)) if dense is not None else {}
+        late_push: list[routing.Piece] = []
+        late_clock: set[int] = set()
+        late_dense: list[int] = []
+        late_pull: list[routing.Piece] = []
+        pmap = self._pmap
+        push_plan = {p.shard: p for p in routing.plan(push_jobs, routing.everything(push_jobs), pmap, 1 << 62,
+                                                      every_shard=range(pmap.num_shards) if clock else ())}
+        pull_plan = {p.shard: p for p in routing.plan(pull_jobs, routing.everything(pull_jobs), pmap, 1 << 62)}
+        shards = sorted(set(push_plan) | set(pull_plan) | set(parts))
+        rows_cap = max(self._rows_per_call(push_jobs or pull_jobs or [routing.Job("", np.empty(0, np.int64))], "push"), 1)
+        too_big = any(sum(int(pos.size) for _, pos in p.pieces) > rows_cap for p in (*push_plan.values(), *pull_plan.values()))
+        if not self.framed or not self.step_frames or too_big:
+            late_push = [pc for p in push_plan.values() for pc in p.pieces]
+            late_clock = set(push_plan) if clock else set()
+            late_dense, late_pull = sorted(parts), [pc for p in pull_plan.values() for pc in p.pieces]
+        else:
+            push_req, pull_req = self._push_groups_request(push_jobs, step), self._pull_groups_request(pull_jobs, pull_step)
+            reqs = []
+            for s in shards:
+                part = parts.get(s)
+                msg = step_frame.encode_step(
+                    step_frame.REQUEST,
+                    push=push_req(push_plan[s].pieces, pmap) if s in push_plan else None,
+                    dense=step_frame.encode_dense(part.names, flat if part.pos is None else flat[part.pos], part.sizes)
+                    if part is not None else None,
+                    pull=pull_req(pull_plan[s].pieces, pmap) if s in pull_plan else None,
+                    flags=step_frame.FLAG_WANT_VALUES if values is not None and part is not None else 0)
+                reqs.append((s, msg))
+            if len(reqs) == 1:
+                s, msg = reqs[0]
+                calls = [(s, _Immediate.call(self._step_frame[s], msg, self.rpc_cfg.timeout_s, self._reply_limit_md))]
+            else:
+                calls = [(s, self._step_frame[s].future(msg, timeout=self.rpc_cfg.timeout_s, metadata=self._reply_limit_md))
+                         for s, msg in reqs]
+            for s, fut in calls:
+                try:
+                    reply = step_frame.decode_step(fut.result(), step_frame.REPLY, writable=True)
+                except grpc.RpcError as exc:  # nothing of this shard's message was applied
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        self.step_frames = False
+                        log.warning("ps shard has no StepFrame; a step goes as separate calls",
+                                    extra=kv(shard=s, address=self.addresses[s]))
+                    elif _rpc_kind(exc) == "fatal":
+                        raise PsRequestError(f"shard {s} ({self.addresses[s]}) refused a step: {exc.code().name}: "
+                                             f"{exc.details()}", exc.code()) from None
+                    elif _rpc_kind(exc) == "unavailable":
+                        self._note_down(s, exc)
+                    late_push += push_plan[s].pieces if s in push_plan else []
+                    late_clock |= {s} if clock and s in push_plan else set()
+                    late_dense += [s] if s in parts else []
+                    late_pull += pull_plan[s].pieces if s in pull_plan else []
+                    continue
+                self._note_up(s)
+                if s in push_plan and reply.push is not None:
+                    routing.add_push_counts(counts_out, frame.decode_push_reply(reply.push))
+                if values is not None and s in parts:
+                    self._take_dense(parts[s], reply.dense, values, s)
+                if s in pull_plan:
+                    if reply.pull_deferred or reply.pull is None:
+                        log.debug("step pull deferred", extra=kv(shard=s, reason=reply.deferred_reason))
+                        late_pull += pull_plan[s].pieces
+                    else:
+                        _scatter_groups(pull_jobs, pull_plan[s].pieces, frame.decode_pull_reply(reply.pull), self._dims)
+        if late_push or late_clock:
+            self._fan_out("push", push_jobs, self._push_groups_request(push_jobs, step),
+                          lambda pieces, resp: routing.add_push_counts(counts_out, resp),
+                          clock=bool(late_clock), pending=late_push, clock_shards=late_clock)
+        if late_dense:
+            grads = {n: (flat if parts[s].pos is None else flat[parts[s].pos])[a:b]
+                     for s in late_dense for n, a, b in parts[s].spans()}
+            got = self.push_dense(grads, return_values=values is not None)
+            if values is not None:
+                for s in late_dense:
+                    part = parts[s]
+                    vals = np.concatenate([np.asarray(got[n], dtype=np.float32).reshape(-1) for n in part.names])
+                    if part.pos is None:
+                        values[:] = vals
+                    else:
+                        values[part.pos] = vals
+        if late_pull:
+            self._fan_out("pull", pull_jobs, self._pull_groups_request(pull_jobs, pull_step),
+                          lambda pieces, resp: _scatter_groups(pull_jobs, pieces, resp, self._dims), pending=late_pull)
+        rows = None
+        if pull is not None:
+            rows = []
+            for job, dim in zip(pull_jobs, pull[3]):
+                got_rows = job.out if job.out is not None else np.empty((job.ids.size, dim), dtype=np.float32)
+                rows.append(torch.from_numpy(_writable(got_rows)))
+        return StepResult(rows=rows, dense=values, counts=counts_out)
+
+    def _dense_parts(self, names: list[str], sizes: list[int]) -> dict[int, "_DensePart"]:
+        """Per shard, the dense parameters it owns among ``names`` (cached per name list)."""
+        key = (tuple(names), tuple(int(n) for n in sizes), self.num_shards)
+        got = self._dense_plans.get(key)
+        if got is None:
+            offs = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
+            mine: dict[int, list[int]] = {}
+            for i, n in enumerate(names):
+                mine.setdefault(dense_owner(n, self.num_shards), []).append(i)
+            got = {}
+            for s, idx in mine.items():
+                pos = np.concatenate([np.arange(offs[i], offs[i + 1]) for i in idx]) if idx else np.empty(0, np.int64)
+                whole = len(idx) == len(names) and routing.is_identity(pos)
+                got[s] = _DensePart([names[i] for i in idx], [int(sizes[i]) for i in idx], None if whole else pos)
+            self._dense_plans[key] = got
+        return got
+
+    @staticmethod
+    def _take_dense(part: "_DensePart", data: memoryview | None, values: np.ndarray, shard: int) -> None:
+        """A shard's dense values (a step reply's dense part) into ``values`` at the part's positions."""
+        if data is None:
+            raise PsRequestError(f"shard {shard}: a step reply without the dense values asked for",
+                                 grpc.StatusCode.INTERNAL)
+        sec = step_frame.decode_dense(data)
+        if sec.names != part.names or sec.sizes != part.sizes:
+            raise wire.WireError(f"step reply from shard {shard}: dense values for {sec.names}, asked for {part.names}")
+        if part.pos is None:
+            values[:] = sec.flat
+        else:
+            values[part.pos] = sec.flat
 
     def barrier(self, step: int, timeout_s: float | None = None) -> None:
         """Sync mode: return once every registered worker finished ``step`` on every shard.
@@ -824,6 +983,8 @@ class PsClient:
         *,
         probe: Iterable[int] = (),
         clock: bool = False,
+        pending: list[routing.Piece] | None = None,
+        clock_shards: Iterable[int] | None = None,
     ) -> None:
         """Route, send to every shard at once, retry what was refused, hand each reply to ``on_reply``.
 
@@ -834,12 +995,14 @@ class PsClient:
             on_reply: takes a reply with the pieces it answers.
             probe: jobs whose dim is unknown: an empty one still asks shard 0 (see ``routing.plan``).
             clock: every shard must get a request (a push with a step), rows or not.
+            pending: send only these pieces (default: every row of every job).
+            clock_shards: with ``clock``, the shards that must get a request (default: all).
         """
         with self._waiter(self.wait_timeout_s, kind) as waiter:
-            pending = routing.everything(jobs)
+            pending = routing.everything(jobs) if pending is None else list(pending)
             deadline = time.monotonic() + self.retry_timeout_s
             delay = self.backoff_s
-            need_clock = set(range(self._pmap.num_shards)) if clock else set()
+            need_clock = (set(range(self._pmap.num_shards)) if clock_shards is None else set(clock_shards)) if clock else set()
             while pending or need_clock:
                 pmap = self._pmap
                 planned = routing.plan(jobs, pending, pmap, self._rows_per_call(jobs, kind), every_shard=need_clock, probe=probe)
@@ -927,6 +1090,49 @@ class PsClient:
         cap = int(hint) if hint is not None and 1 <= hint < rows else max(1, rows // 2)
         self._row_cap = min(cap, self._row_cap or cap)
         log.info("request too large; splitting", extra=kv(shard=shard, rows=rows, cap=self._row_cap))
+
+
+GroupPush = tuple[list[tuple[str, ...]], list[np.ndarray], list[torch.Tensor], list[torch.Tensor]]
+"""A step's push per storage group: (tables, counts, ids, grads), as :meth:`PsClient.push_groups` takes them."""
+GroupPull = tuple[list[tuple[str, ...]], list[np.ndarray], list[torch.Tensor], list[int]]
+"""A step's pull per storage group: (tables, counts, ids, dims), as :meth:`PsClient.pull_groups` takes them."""
+DenseFlat = tuple[list[str], np.ndarray, list[int]]
+"""Dense gradients as one flat float32 array: (names, flat, each one's size)."""
+
+
+@dataclasses.dataclass
+class _DensePart:
+    """The dense parameters one shard owns in a step: names, sizes and their positions in the
+    step's flat vector (None: the whole vector, in order)."""
+
+    names: list[str]
+    sizes: list[int]
+    pos: np.ndarray | None
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(name, start, end) of each parameter in this part's own flat values."""
+        out, at = [], 0
+        for n, k in zip(self.names, self.sizes):
+            out.append((n, at, at + k))
+            at += k
+        return out
+
+
+def _push_group_jobs(tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
+                     grads: list[torch.Tensor]) -> list[routing.Job]:
+    """One push job per storage group (its ids unique: the reader's), grads float32 [N_g, dim]."""
+    jobs = []
+    for names, c, g_ids, g in zip(tables, counts, ids, grads):
+        flat = _as_ids(g_ids, names[0])
+        gg = g.detach().to("cpu", torch.float32).contiguous().numpy()
+        if gg.ndim != 2 or gg.shape[0] != flat.size:
+            raise ValueError(f"group {list(names)}: grads must be [n={flat.size}, dim], got shape {gg.shape}")
+        jobs.append(routing.Job(names[0], flat, grads=gg, sections=(names, c)))
+    return jobs
+
+
+def _group_counts(tables: list[tuple[str, ...]]) -> dict[str, dict[str, int]]:
+    return {t: dict.fromkeys(("rows",) + PUSH_COUNT_FIELDS, 0) for names in tables for t in names}
 
 
 _THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="ps-client-rpc")

@@ -81,6 +81,10 @@ _ID = np.dtype("<i8")
 _COUNT_NAMES = ("rows",) + PUSH_COUNT_FIELDS
 
 
+Buffer = bytes | memoryview
+"""What a decoder reads: received bytes, or a part of them (a StepFrame's push or pull frame)."""
+
+
 def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
@@ -300,7 +304,7 @@ def encode_push_reply(counts: Sequence[tuple[str, int, object]]) -> bytes:
 
 
 # -- decoding ------------------------------------------------------------------------------------
-def _parse(data: bytes, kind: int) -> tuple[Frame, list[tuple[int, int, int]], int]:
+def _parse(data: Buffer, kind: int) -> tuple[Frame, list[tuple[int, int, int]], int]:
     """Header, worker id and descriptors of a frame of ``kind``, every length checked.
 
     Returns:
@@ -341,7 +345,7 @@ def _parse(data: bytes, kind: int) -> tuple[Frame, list[tuple[int, int, int]], i
     return frame, descs, pos
 
 
-def _utf8(data: bytes, pos: int, n: int, what: str) -> str:
+def _utf8(data: Buffer, pos: int, n: int, what: str) -> str:
     """The ``n``-byte UTF-8 string at ``pos`` (``what``: e.g. "pull request frame: worker id"), bounds checked."""
     if pos + n > len(data):
         raise WireError(f"{what} of {n} bytes at offset {pos} runs past the end ({len(data)} bytes)")
@@ -351,7 +355,7 @@ def _utf8(data: bytes, pos: int, n: int, what: str) -> str:
         raise WireError(f"{what} is not UTF-8") from None
 
 
-def _take(data: bytes, pos: int, nbytes: int, what: str, table: str, field: str, detail: str) -> int:
+def _take(data: Buffer, pos: int, nbytes: int, what: str, table: str, field: str, detail: str) -> int:
     """Check that ``nbytes`` at ``pos`` lie inside ``data``; returns the next 8-aligned offset."""
     if pos + nbytes > len(data):
         raise WireError(f"{what} frame: table '{table}': {field} need {nbytes} bytes ({detail}) at offset {pos}, "
@@ -359,16 +363,16 @@ def _take(data: bytes, pos: int, nbytes: int, what: str, table: str, field: str,
     return pos + _pad8(nbytes)
 
 
-def _check_end(data: bytes, pos: int, what: str) -> None:
+def _check_end(data: Buffer, pos: int, what: str) -> None:
     if pos != len(data):
         raise WireError(f"{what} frame: {len(data)} bytes, its header and tables say {pos}")
 
 
-def _view(data: bytes | np.ndarray, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
+def _view(data: Buffer | np.ndarray, dtype: np.dtype, count: int, offset: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset) if count else np.empty(0, dtype=dtype)
 
 
-def decode_pull_request(data: bytes) -> Frame:
+def decode_pull_request(data: Buffer) -> Frame:
     """A pull request frame -> :class:`Frame` (ids are views of ``data``).
 
     Args:
@@ -390,7 +394,7 @@ def decode_pull_request(data: bytes) -> Frame:
     return frame
 
 
-def decode_push_request(data: bytes, *, writable: bool = False) -> Frame:
+def decode_push_request(data: Buffer, *, writable: bool = False) -> Frame:
     """A push request frame -> :class:`Frame` (ids and gradients are views of ``data``).
 
     Args:
@@ -404,8 +408,8 @@ def decode_push_request(data: bytes, *, writable: bool = False) -> Frame:
     """
     what = _KIND_NAMES[PUSH_REQUEST]
     frame, descs, pos = _parse(data, PUSH_REQUEST)
-    owned = writable_view(data) if writable else None
-    src: bytes | np.ndarray = data if owned is None else owned
+    owned = writable_view(data) if writable and isinstance(data, bytes) else None
+    src: Buffer | np.ndarray = data if owned is None else owned
     for t, (n, dim, code) in zip(frame.tables, descs):
         if t.dtype is None:
             raise WireError(f"{what} frame: table '{t.name}': grads dtype {_DTYPE_NAMES.get(code, code)}, expected fp32 or fp16")
@@ -420,7 +424,7 @@ def decode_push_request(data: bytes, *, writable: bool = False) -> Frame:
     return frame
 
 
-def decode_pull_reply(data: bytes) -> wire.PullReply:
+def decode_pull_reply(data: Buffer) -> wire.PullReply:
     """A pull reply frame -> ``wire.PullReply`` (the shape ``routing.scatter_pull`` reads).
 
     The rows are views of ``data``, writable where ``reply_buffer.writable_view`` allows
@@ -432,7 +436,7 @@ def decode_pull_reply(data: bytes) -> wire.PullReply:
     what = _KIND_NAMES[PULL_REPLY]
     frame, descs, pos = _parse(data, PULL_REPLY)
     # The reply is ours alone: its rows are handed out as writable views (no copy to own them).
-    owned = writable_view(data)
+    owned = writable_view(data) if isinstance(data, bytes) else None
     buf = owned.data if owned is not None else memoryview(data)
     out = []
     for t, (n, dim, code) in zip(frame.tables, descs):
@@ -447,7 +451,7 @@ def decode_pull_reply(data: bytes) -> wire.PullReply:
     return wire.PullReply(out, buffer=buf)
 
 
-def decode_push_reply(data: bytes) -> ps_pb2.PushManyResponse:
+def decode_push_reply(data: Buffer) -> ps_pb2.PushManyResponse:
     """A push reply frame -> the ``PushManyResponse`` it stands for (what ``routing.add_push_counts`` reads).
 
     Args:

@@ -99,7 +99,7 @@ from metaps.core.hashing import vshard_of
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
-from ps import frame, wire
+from ps import frame, step_frame, wire
 from ps.codec import checked_lease, dense_tensors, rows_from_chunk, rows_to_chunks
 from ps.config import NonfiniteMode
 from ps.errors import BadRequest, CheckpointError, CheckpointNoSpace, CheckpointNotFound, CheckpointWriteError
@@ -242,8 +242,8 @@ class _Handlers:
 def _add_servicer(servicer: "PsServer", server: grpc.Server) -> None:
     """Register the service as generated, except PullMany: its handler returns the serialized
     reply itself (``wire.encode_pull_reply``), so it is registered without a serializer; plus
-    the framed data plane (``ps/frame.py``): PullFrame and PushFrame take and return raw
-    bytes (no protobuf on the hot path), under the same auth interceptor and ``_rpc`` wrapper.
+    the framed data plane (``ps/frame.py``, ``ps/step_frame.py``): PullFrame, PushFrame and
+    StepFrame take and return raw bytes (no protobuf on the hot path), under the same auth interceptor and ``_rpc`` wrapper.
 
     Args:
         servicer: the shard's servicer.
@@ -254,7 +254,8 @@ def _add_servicer(servicer: "PsServer", server: grpc.Server) -> None:
     cap.handlers["PullMany"] = grpc.unary_unary_rpc_method_handler(
         servicer.PullMany, request_deserializer=ps_pb2.PullManyRequest.FromString, response_serializer=None
     )
-    for method, handler in ((frame.PULL_METHOD, servicer.PullFrame), (frame.PUSH_METHOD, servicer.PushFrame)):
+    for method, handler in ((frame.PULL_METHOD, servicer.PullFrame), (frame.PUSH_METHOD, servicer.PushFrame),
+                            (step_frame.STEP_METHOD, servicer.StepFrame)):
         cap.handlers[method] = grpc.unary_unary_rpc_method_handler(handler, request_deserializer=None, response_serializer=None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(cap.service, cap.handlers),))
     server.add_registered_method_handlers(cap.service, cap.handlers)
@@ -592,8 +593,14 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         self._count_rows("pulled", parsed)
         return buf.bytes()
 
-    def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None) -> list[PushResult]:
-        """Apply a push; per table its PushResult (the callers put them in their reply)."""
+    def _push(self, parsed: list[_Parsed], map_version: int, worker: str, step: int | None,
+              then: Callable[[], None] | None = None) -> list[PushResult]:
+        """Apply a push; per table its PushResult (the callers put them in their reply).
+
+        Args:
+            then: also run this inside the same gate entry, after the rows are applied (a step's
+                dense update: a pause cannot fall between the two).
+        """
         if step is not None and step < 0:
             raise bad(f"step must be >= 0, got {step}")
         if worker and step is not None:
@@ -602,6 +609,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             self._check_owner(map_version, parsed)
             # one lookup and one fused update per storage group, every table checked first
             results = self.store.push_many([(p.table, p.ids, wire.to_float32(p.grads)) for p in parsed])
+            if then is not None:
+                then()
         shard = str(self.shard_id)
         self._count_rows("pushed", parsed)
         for p, res in zip(parsed, results):
@@ -646,6 +655,73 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         parsed = self._parse_push_frame(req)
         results = self._push(parsed, req.map_version, req.worker_id, req.step)
         return frame.encode_push_reply([(p.table, int(p.ids.size), r) for p, r in zip(parsed, results)])
+
+    @_rpc(data=True)
+    def StepFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """One worker step with this shard (``ps/step_frame.py``): push, dense, then pull.
+
+        Everything that can refuse the push or dense part is checked before either is applied
+        (frames, dims, ids, NaN, dense names and sizes, the owner inside the gate); a pull that
+        cannot be served once they are applied is answered "deferred" with the reason.
+        """
+        parts = step_frame.decode_step(request, step_frame.REQUEST, writable=True)  # the received bytes are ours
+        push = frame.decode_push_request(parts.push) if parts.push is not None else None
+        pushed = self._parse_push_frame(push) if push is not None else []
+        dense = self._dense_grads(parts.dense) if parts.dense is not None else None
+        pull = frame.decode_pull_request(parts.pull) if parts.pull is not None else None
+        pulled = self._parse_pull([(t.name, t.ids if t.ids is not None else b"") for t in pull.tables]) if pull else []
+        values: dict[str, np.ndarray] = {}
+
+        def dense_step() -> None:  # inside the push's gate entry: both applied, or neither
+            if dense is not None:
+                self.store.dense.push(dense.split())
+                if parts.want_values:
+                    values.update(self.store.dense.pull(dense.names))
+
+        push_reply = None
+        if push is not None:
+            results = self._push(pushed, push.map_version, push.worker_id, push.step, then=dense_step)
+            push_reply = frame.encode_push_reply([(p.table, int(p.ids.size), r) for p, r in zip(pushed, results)])
+        elif dense is not None:
+            with self._gate.data(self.wait_timeout_s):
+                dense_step()
+        dense_reply = None
+        if dense is not None and parts.want_values:
+            flat = np.concatenate([values[n].reshape(-1) for n in dense.names]) if dense.names else \
+                np.empty(0, dtype=np.float32)
+            dense_reply = step_frame.encode_dense(dense.names, flat, dense.sizes)
+        pull_reply: bytes | None = None
+        flags = 0
+        if pull is not None:
+            try:
+                self._check_reply_size(pulled, pull.fp16, context)
+                self._check_staleness(pull.worker_id, pull.step)
+                pull_reply = self._pull_reply(pulled, pull.map_version, pull.fp16, framed=True)
+            except (RpcAbort, ClockExpired, StalenessTimeout) as exc:  # the push and dense are applied: the
+                # client pulls by the ordinary path (it waits, rejoins, refreshes the map or splits there)
+                reason = (dict(exc.metadata).get(ERROR_KEY, "") or exc.code.name) if isinstance(exc, RpcAbort) \
+                    else type(exc).__name__
+                self.metrics.wait_answers.labels(str(self.shard_id), "StepFrame", f"pull_deferred:{reason}").inc()
+                pull_reply, flags = f"{reason}: {exc}".encode("utf-8"), step_frame.FLAG_PULL_DEFERRED
+        return step_frame.encode_step(step_frame.REPLY, push=push_reply, dense=dense_reply, pull=pull_reply, flags=flags)
+
+    def _dense_grads(self, data: memoryview) -> step_frame.DenseSection:
+        """A step's dense part, checked before anything of the step is applied: known names, each
+        once, at their registered sizes, finite (the dense store refuses NaN/Inf in every mode)."""
+        sec = step_frame.decode_dense(data)
+        shapes = self.store.dense.shapes()
+        if len(set(sec.names)) != len(sec.names):
+            raise bad(f"step dense part: a parameter is given twice in {sec.names}")
+        for name, n in zip(sec.names, sec.sizes):
+            if name not in shapes:
+                raise bad(f"dense '{name}': unknown dense parameter; registered: {sorted(shapes)}")
+            want = int(np.prod(shapes[name]))
+            if n != want:
+                raise bad(f"dense '{name}': gradient of {n} values, the parameter has {want} {shapes[name]}")
+        if not np.isfinite(sec.flat).all():  # the dense store refuses them in every mode: refuse before the rows
+            first = next(n for n, g in sec.split().items() if not np.isfinite(g).all())
+            raise bad(f"dense '{first}': gradient contains NaN/Inf; push rejected")
+        return sec
 
     @_rpc(data=True)
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.PullResponse:

@@ -23,14 +23,32 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Protocol, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     from ps.dense_store import DenseStore
     from ps.embedding_table import EmbeddingTable, PushResult, TableRows
     from ps.partition_map import PartitionMap
+
+@dataclasses.dataclass
+class StepResult:
+    """What a step's exchange got back (``PsClient.step_groups``, ``RowSource.exchange``).
+
+    Attributes:
+        rows: the next batch's rows per storage group (float32 [N_g, dim]); None without a pull.
+        dense: the dense parameters' new values, flat in the asked order; None without.
+        counts: the push's counts per table (summed over shards; empty in-process).
+    """
+
+    rows: "list[torch.Tensor] | None"
+    dense: np.ndarray | None
+    counts: dict[str, dict[str, int]]
+
 
 WRONG_OWNER = "wrong_owner"
 """ERROR_KEY value (FAILED_PRECONDITION): the request was routed with another map, or a vshard moved."""

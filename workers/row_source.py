@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ps.types import StepResult
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,6 +43,8 @@ class GroupedIds(Protocol):
     def dims(self) -> list[int]: ...
 
 
+DenseGrads = tuple[list[str], np.ndarray, list[int]]
+"""A step's dense gradients as one flat float32 array: (names, flat, each one's size)."""
 IdsByTable = dict[str, np.ndarray]
 RowsByTable = dict[str, np.ndarray]
 GradsByTable = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -72,6 +76,12 @@ class RowSource(Protocol):
     def push_pull_dense(self, grads: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]: ...
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None: ...
+
+    def exchange(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
+                 pull: GroupedIds | None, step: int | None) -> StepResult: ...
+
+    def exchange_async(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
+                       pull: GroupedIds | None, step: int | None) -> "Future[StepResult]": ...
 
     def checkpoint(self, root: Path, step: int, info: dict[str, Any], full_every: int = 1) -> Path: ...
 
@@ -175,6 +185,29 @@ class LocalRowSource:
         self.store.dense.push(grads)
         return self.store.dense.pull(list(grads))
 
+    supports_exchange = True
+    """Has :meth:`exchange`, with the remote source's order and results (the parity reference)."""
+
+    def exchange(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
+                 pull: GroupedIds | None, step: int | None) -> StepResult:
+        """A step's push, dense update (new values back) and next pull, applied in that order,
+        as a shard applies a StepFrame (``RemoteRowSource.exchange``)."""
+        if push is not None:
+            self.push_groups(push[0], push[1], step if step is not None else 0)
+        values = None
+        if dense is not None:
+            names, flat, sizes = dense
+            offs = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
+            self.store.dense.push({n: flat[offs[i]:offs[i + 1]] for i, n in enumerate(names)})
+            got = self.store.dense.pull(names)
+            values = np.concatenate([got[n].reshape(-1) for n in names]) if names else np.empty(0, np.float32)
+        return StepResult(rows=self.pull_groups(pull) if pull is not None else None, dense=values, counts={})
+
+    def exchange_async(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
+                       pull: GroupedIds | None, step: int | None) -> "Future[StepResult]":
+        """Applied before returning (in-process: nothing to overlap with)."""
+        return _Done(self.exchange(push, dense, pull, step))
+
     def set_dense(self, values: dict[str, np.ndarray]) -> None:
         self.register_dense(values)
         self.store.dense.set(values)
@@ -199,6 +232,8 @@ class LocalRowSource:
 class RemoteRowSource:
     """Rows from the sharded PS fleet through :class:`ps.client.PsClient`."""
 
+    supports_exchange = True
+    """Has :meth:`exchange`: a step's push, dense sync and next pull in one message per shard."""
     supports_groups = True
     """Has :meth:`pull_groups` / :meth:`push_groups` (a step's tables per storage group)."""
 
@@ -245,6 +280,32 @@ class RemoteRowSource:
     def push_pull_dense(self, grads: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         """Apply dense gradients and get the new values back: one round trip per shard."""
         return self.client.push_dense(grads, return_values=True)
+
+    def exchange(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
+                 pull: GroupedIds | None, step: int | None) -> StepResult:
+        """A step's traffic in one message per shard (``PsClient.step_groups``): the push of
+        ``step`` and its dense gradients (new values back), then the pull of the next batch.
+
+        Args:
+            push: the step's grouped ids and their row gradients per group (None: none).
+            dense: (names, flat gradients, sizes) (None: no dense exchange).
+            pull: the next batch's grouped ids (None: no pull).
+            step: the step the push completes.
+
+        Returns:
+            ``ps.client.StepResult``: the pulled rows per group, the new dense values (flat).
+        """
+        g = None
+        if push is not None:
+            index, grads = push
+            g = (index.tables, index.counts, index.ids, grads)
+        q = (pull.tables, pull.counts, pull.ids, pull.dims) if pull is not None else None
+        return self.client.step_groups(push=g, dense=dense, pull=q, step=step)
+
+    def exchange_async(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
+                       pull: GroupedIds | None, step: int | None) -> "Future[StepResult]":
+        """:meth:`exchange` on a background thread (the caller keeps ``push`` and ``dense`` unchanged until done)."""
+        return self._pusher.submit(self.exchange, push, dense, pull, step)
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None:
         self.client.set_dense(values)

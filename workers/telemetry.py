@@ -359,6 +359,18 @@ class CountingRowSource:
         self.tel.rows(pushed=self._grad_rows(grads))
         self.inner.push(grads, step)
 
+    def _count_exchange(self, push: Any, pull: Any) -> None:
+        self.tel.rows(pulled=self._group_rows(pull) if pull is not None else 0,
+                      pushed=self._group_rows(push[0]) if push is not None else 0)
+
+    def exchange(self, push: Any, dense: Any, pull: Any, step: int | None) -> Any:
+        self._count_exchange(push, pull)
+        return self.inner.exchange(push, dense, pull, step)
+
+    def exchange_async(self, push: Any, dense: Any, pull: Any, step: int | None) -> "Future[Any]":
+        self._count_exchange(push, pull)
+        return self.inner.exchange_async(push, dense, pull, step)
+
     def pull_groups(self, index: GroupedIds, step: int | None = None) -> Any:
         self.tel.rows(pulled=self._group_rows(index))
         return self.inner.pull_groups(index, step)

@@ -151,6 +151,14 @@ class Trainer:
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-lane")
         self._inflight: Future | None = None
         """Overlap mode: the last step's row push, possibly still in flight."""
+        self._held: tuple[Any, list[torch.Tensor], Any, int] | None = None
+        """One message per shard per step, overlapped: the last step's push (grouped ids, row grads,
+        dense grads, step), sent with the next pull."""
+        self._x_inflight: Future | None = None
+        """One message per shard per step, overlapped: the exchange in flight (its reply holds the
+        next batch's rows and the dense values)."""
+        self._x_ready: list[torch.Tensor] | None = None
+        """Rows of the next batch taken from an exchange that :meth:`flush` landed."""
         self.learner: Any = None
         """Meta mode: the models.meta_learner.MetaLearner (learned inner rates, if any); its
         parameters are dense parameters like the model's (``meta_learner.*``): synced, checkpointed."""
@@ -302,10 +310,17 @@ class Trainer:
             self._load_dense(self.rows.pull_dense(self._names))
 
     def flush(self) -> None:
-        """Wait until the last step's row push is applied on the PS (overlap leaves it in flight)."""
+        """Wait until the last step's row push (and, with one message per step, its dense
+        gradients) is applied on the PS (overlap leaves it in flight or held)."""
         pushed, self._inflight = self._inflight, None
         if pushed is not None:
             pushed.result()
+        if self._x_inflight is not None:
+            self._x_ready = self._land_exchange()
+        held, self._held = self._held, None
+        if held is not None:
+            index, grads, dense, step = held
+            self._load_flat(dense[0], self.rows.exchange((index, grads), dense, None, step).dense)
 
     def publish_dense(self) -> None:
         """Before a checkpoint: land the in-flight row push; in all-reduce mode also store the
@@ -452,11 +467,126 @@ class Trainer:
             metrics=dict(result.metrics),
         )
 
+    # -- one message per shard per step -------------------------------------------------------
+    def _exchanges(self) -> bool:
+        """Whether steps go as one message per shard (``PsClient.step_groups``): a remote PS holds
+        the dense parameters, no sync barrier splits the step, and steps go group by group."""
+        return (bool(getattr(self.rows, "supports_exchange", False)) and self.cfg.dense_sync == DenseSync.PS
+                and self.barrier is None and self.lookup is not None)
+
+    def _dense_flat(self, grads: dict[str, torch.Tensor]) -> tuple[list[str], np.ndarray, list[int]]:
+        """A step's dense gradients as one flat float32 array (model order): (names, flat, sizes)."""
+        names = [n for n in self._names if n in grads]
+        if not names:
+            return names, np.empty(0, dtype=np.float32), []
+        flat = torch.cat([grads[n].detach().reshape(-1) for n in names]).to(torch.float32).numpy()
+        return names, flat, [int(grads[n].numel()) for n in names]
+
+    @torch.no_grad()
+    def _load_flat(self, names: list[str], flat: np.ndarray | None) -> None:
+        """Load the PS's new values of ``names`` (flat, in that order); parameters that had no
+        gradient (so were not exchanged) are read too."""
+        if flat is None:
+            return
+        params = dict(self._named_parameters())
+        values = torch.from_numpy(flat)
+        at = 0
+        for n in names:
+            p = params[n]
+            k = p.numel()
+            p.copy_(values[at:at + k].view(p.shape))
+            at += k
+        if len(names) != len(self._names):
+            got = set(names)
+            self._load_dense(self.rows.pull_dense([n for n in self._names if n not in got]))
+
+    def _land_exchange(self) -> list[torch.Tensor] | None:
+        """Wait for the exchange in flight; load its dense values; its rows (the next batch's)."""
+        fut, self._x_inflight = self._x_inflight, None
+        assert fut is not None
+        reply, names = fut.result()
+        self._load_flat(names, reply.dense)
+        rows: list[torch.Tensor] | None = reply.rows
+        return rows
+
+    def _run_exchanged(self, it: Iterator[Prepared]) -> Iterator[StepStats]:
+        """:meth:`run` with one message per shard per step (``ps/step_frame.py``).
+
+        Serial step t: compute, then one message carrying push t, dense t and the pull of batch
+        t+1; its reply holds the new dense values and rows that include step t (staleness 0,
+        the same values as separate calls). Overlapped step t: at its start one message carrying
+        push t-1, dense t-1 and the pull of batch t+1 goes out, and step t computes while it
+        travels; its reply is taken at the start of step t+1. Rows and dense parameters are then
+        both exactly one step stale (batch t+1 sees every update up to step t-1).
+        """
+        probe = self.overlap
+        cur = next(it, None)
+        rows: list[torch.Tensor] | None = None
+        last = time.perf_counter()
+        while cur is not None and not self._at_limit():
+            step = self.step_no
+            t0 = time.perf_counter()
+            overlapped = probe.overlap(step)
+            index = cur.grouped
+            assert index is not None  # a grouped lookup prepares every batch with its index
+            if self._x_inflight is not None:
+                rows = self._land_exchange()
+            elif self._x_ready is not None:
+                rows, self._x_ready = self._x_ready, None
+            if rows is None or (not overlapped and self._held is not None):
+                # the first step, or a serial step after an overlapped one: land the held push, pull
+                held, self._held = self._held, None
+                push, dense, pstep = ((held[0], held[1]), held[2], held[3]) if held else (None, None, step - 1)
+                reply = self.rows.exchange(push, dense, index, pstep)
+                self._load_flat(dense[0] if dense else [], reply.dense)
+                rows = reply.rows
+            wait_s = time.perf_counter() - t0
+            nxt = next(it, None)
+            nxt_index = nxt.grouped if nxt is not None else None
+            t1 = time.perf_counter()
+            if overlapped:
+                held, self._held = self._held, None
+                push, dense, pstep = ((held[0], held[1]), held[2], held[3]) if held else (None, None, step - 1)
+                names = dense[0] if dense else []
+                if push is not None or nxt_index is not None:
+                    fut = self.rows.exchange_async(push, dense, nxt_index, pstep)
+                    self._x_inflight = _paired(fut, names)
+                result = self.compute(cur, rows)
+                t2 = time.perf_counter()
+                self._held = (index, [g.detach() for g in result.group_grads], self._dense_flat(result.dense_grads), step)
+                rows = None
+            else:
+                result = self.compute(cur, rows)
+                t2 = time.perf_counter()
+                dense = self._dense_flat(result.dense_grads)
+                reply = self.rows.exchange((index, [g.detach() for g in result.group_grads]), dense, nxt_index, step)
+                self._load_flat(dense[0], reply.dense)
+                rows = reply.rows
+            t3 = time.perf_counter()
+            samples, tasks = _samples_of(cur.batch)
+            self.step_no += 1
+            stats = StepStats(step=self.step_no, loss=float(result.outer_loss.detach()), samples=samples, tasks=tasks,
+                              pull_s=wait_s, compute_s=t2 - t1, push_s=t3 - t2, total_s=wait_s + (t3 - t1),
+                              metrics=dict(result.metrics), overlapped=overlapped)
+            yield stats
+            now = time.perf_counter()
+            probe.record(step, now - last)
+            last = now
+            cur = nxt
+
     def run(self, batches: Iterable[Item]) -> Iterator[StepStats]:
         """Train on ``batches`` (as read, or :meth:`prepare`d ahead on the prefetch thread); yields
         per-step stats. Honors ``overlap`` (true, false, or "auto": :mod:`workers.overlap`) and
-        ``max_steps``."""
+        ``max_steps``. Against a remote PS holding the dense parameters, a step is one message
+        per shard (:meth:`_run_exchanged`)."""
         it = (b if isinstance(b, Prepared) else self.prepare(b) for b in batches)
+        if self._exchanges():
+            try:
+                yield from self._run_exchanged(it)
+            finally:
+                self.flush()  # every push applied (or its error raised) before run() ends
+                self._x_ready = None
+            return
         probe = self.overlap
         # Overlapped steps run row traffic on one background lane, in this order:
         #     push t-1 | pull t+1 | push t | pull t+2 | ...     (FIFO, one thread)
@@ -558,6 +688,21 @@ class Trainer:
 
     def _at_limit(self) -> bool:
         return bool(self.cfg.max_steps) and self.step_no >= self.cfg.max_steps
+
+
+def _paired(fut: "Future[Any]", names: list[str]) -> "Future[Any]":
+    """``fut``'s result with the dense names it answers: a Future of (result, names)."""
+    out: Future = Future()
+
+    def done(f: "Future[Any]") -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result((f.result(), names))
+
+    fut.add_done_callback(done)
+    return out
 
 
 def initial_rows(ps_cfg: Any, dims: dict[str, int]) -> dict[str, Any]:
