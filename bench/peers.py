@@ -131,9 +131,10 @@ recursively; the venv's site-packages never count as repository code).
 
 Sizes: default 130k rows (so that no window wraps around to ids the tables already
 hold), 15 rounds of 30 plain / 8 meta batches, fleet 5 pairs on the same 130k rows
-(about 15 minutes on 2 cores); ``--quick`` 40k rows, 6 rounds of 10 / 3 batches, fleet
-2 pairs on 20k rows (5-8 minutes: 10 fleet runs of ~20-40 s, mostly process
-start-up); ``--smoke`` 2,000 rows, tables of 20k rows for a fast set-up, 2 rounds of
+(25 fleet runs of 508 batches: expect 15-25 minutes on 2 cores, not yet timed);
+``--quick`` 40k rows, 6 rounds of 10 / 3 batches, fleet 2 pairs on 20k rows (about 4
+minutes on a loaded 2-core box: 20 s in process, then 10 fleet runs of 7-38 s, mostly
+process start-up); ``--smoke`` 2,000 rows, tables of 20k rows for a fast set-up, 2 rounds of
 2 / 1-batch windows (seconds), then every fleet configuration once on 6,000 rows
 (about two minutes; figures meaningless: it checks that everything runs).
 ``--rows``, ``--pairs``, ``--window``, ``--meta-window``, ``--fleet-pairs`` override
