@@ -4,6 +4,7 @@ Run::
 
     python -m bench.ps_storage [--quick] [--device cpu|cuda] [--only new-ids]
     python -m bench.ps_storage --smoke   # 40K-row tables, 1 rep, 2 stream pushes: seconds, figures meaningless
+    python -m bench.ps_storage --only fleet-step [--replay-rows 20000] [--replay-epochs 3] [--smoke]
 
 Side by side in one run (this machine is noisy, so read the ratios):
 
@@ -28,6 +29,18 @@ Side by side in one run (this machine is noisy, so read the ratios):
   sightings and the 10% seen in the previous push (admitted now, evicting
   rows), vs pushes of known ids only on the same table (``stream_push_rows_per_s``, ``stream_new_rows_per_s``,
   ``stream_vs_known``);
+* fleet step (``--only fleet-step``, issue 36 item 4): one fleet step's store work
+  replayed in process on a ``ShardStore`` built from the ``bench.train_throughput`` /
+  ``bench.peers`` job (1 shard, 29 tables of dim 16, 200K rows each, rowwise
+  Adagrad, the ``dnn`` model's dense parameters under Adam) on generated data, 256
+  rows a batch, in the order a 1x1 fleet's PS runs it: ``push_many`` of batch t,
+  ``pull_many`` of batch t+1 into reply buffers (the servicer's framed pull), then
+  the dense push with its values returned (``DenseStore.push`` + ``pull``). CPU ms
+  (thread time) per step for each, mean over the first epoch of a fresh process
+  after its first step (``cold``: new ids) and over the later epochs (``warm``:
+  every id known); the first step (``first``: the one-time work of first calls)
+  and the store's construction (``store_build``) apart; ``--replay-rows`` sets the
+  generated rows (20K = 79 batches);
 * steady state beyond capacity (``steady_new10_*``, ``steady_new30_*``): the
   same kind of stream with 10% and 30% of each push's ids not in the table,
   measured only once eviction runs: rows/s, admitted rows/s, evictions per
@@ -59,6 +72,7 @@ from ps.config import (
 )
 from ps.embedding_table import PushResult, TableRows
 from ps.id_map import IdMap
+from ps.initializer import RowInitializer, TablesInitializer
 from ps.shard_store import ShardStore
 
 N_REQ = 16 * 1024
@@ -121,7 +135,12 @@ def _insert_figures(cap: int, dim: int, reps: int, figures: dict) -> None:
 
     def hashmap() -> None:
         m = IdMap(cap)
-        timed("map", lambda: [m.insert(b, np.arange(b.size, dtype=np.int64), known_new=True) for b in batches])
+
+        def insert_all() -> None:
+            for b in batches:
+                m.insert(b, np.arange(b.size, dtype=np.int64), known_new=True)
+
+        timed("map", insert_all)
 
     probe = ShardStore([cfg], shard_id=0, num_vshards=256, seed=0).tables["t"].init
     for _ in range(reps):  # interleaved
@@ -315,6 +334,122 @@ def _steady_figures(cap: int, dim: int, pushes: int, frac: float, figures: dict)
     figures[f"{key}_memory_growth"] = round(s.memory_bytes() / mem0 - 1, 4)
 
 
+def _fleet_step_figures(rows: int, epochs: int, figures: dict, capacity: int = 0) -> None:
+    """One fleet step's store work (pull, push, dense) replayed in process: CPU ms per step.
+
+    Args:
+        rows: generated rows (256 a batch).
+        epochs: passes over the batches (the first is ``cold``, the rest ``warm``).
+        figures: filled with ``fleet_step_*`` figures.
+        capacity: rows per table (0: the job's, 200K).
+    """
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from bench.train_throughput import make_data, write_job
+    from meta_io.reader import MetaIODataset
+    from metaps.job import load_job
+    from workers.worker import build_model
+
+    with tempfile.TemporaryDirectory(prefix="ps-storage-replay-") as tmp:
+        root = Path(tmp)
+        data = make_data(root, rows, "plain")
+        job = load_job(write_job(root / "job.toml", data, root / "run", mode="plain", shards=1, workers=1,
+                                 overlap=False, epochs=1))
+        ds = MetaIODataset(data)
+        steps = [{t: u.numpy().copy() for t, u in b.unique_ids.items()}
+                 for f in range(ds.num_files) for b in ds.read_range(f, 0, ds.num_batches(f))]
+        cfgs = job.table_configs()  # reads the schema from the data
+        dense = {n: p.detach().numpy().copy() for n, p in build_model(job).named_parameters() if p.requires_grad}
+    if capacity:
+        cfgs = [dataclasses.replace(c, capacity=capacity) for c in cfgs]
+    order = [c.name for c in cfgs]
+    rng = np.random.default_rng(7)
+    items = [[(t, st[t]) for t in order if t in st] for st in steps]
+    grads = [[(rng.standard_normal((ids.size, c.dim)) * 1e-3).astype(np.float32) for (t, ids), c in
+              zip(its, [cfgs[order.index(t)] for t, _ in its])] for its in items]
+    dgrads = [{n: (rng.standard_normal(v.shape) * 1e-3).astype(np.float32) for n, v in dense.items()}
+              for _ in range(4)]
+    c0 = time.thread_time()
+    s = ShardStore(cfgs, shard_id=0, num_vshards=job.ps.num_vshards, seed=job.ps.seed,
+                   nonfinite_grads=job.ps.nonfinite_grads, dense_optimizer=job.ps.dense_optimizer)
+    for n, v in dense.items():
+        s.dense.register(n, v)
+    build_ms = (time.thread_time() - c0) * 1e3
+    cpu: dict[str, list[list[float]]] = {k: [[] for _ in range(epochs)] for k in ("pull", "push", "dense")}
+    init_cpu, init_rows = [0.0] * epochs, [0] * epochs
+    epoch = [0]
+    originals = {cls: cls.__call__ for cls in (RowInitializer, TablesInitializer)}
+
+    def counted(fn):  # the initializer's thread CPU time and rows, per epoch
+        def call(self, *args):
+            c = time.thread_time()
+            out = fn(self, *args)
+            init_cpu[epoch[0]] += time.thread_time() - c
+            init_rows[epoch[0]] += out.shape[0]
+            return out
+        return call
+
+    for cls, fn in originals.items():
+        setattr(cls, "__call__", counted(fn))
+    try:
+        _replay(s, items, grads, dgrads, epoch, cpu)
+    finally:
+        for cls, fn in originals.items():
+            setattr(cls, "__call__", fn)
+    admitted = sum(t.counters["admissions"] for t in s.tables.values())
+    figures["fleet_step_batches"] = len(items)
+    figures["fleet_step_ids_per_batch"] = round(sum(ids.size for its in items for _, ids in its) / len(items), 1)
+    figures["fleet_step_new_ids_per_batch"] = round(admitted / len(items), 1)  # each id new once, in epoch 1
+    figures["fleet_step_cold_init_rows_per_batch"] = round(init_rows[0] / len(items), 1)
+    figures["fleet_step_cold_init_cpu_ms"] = round(1e3 * init_cpu[0] / len(items), 3)
+    figures["fleet_step_dense_params"] = int(sum(v.size for v in dense.values()))
+    figures["fleet_step_store_build_cpu_ms"] = round(build_ms, 1)
+    figures["fleet_step_first_cpu_ms"] = round(1e3 * sum(per[0][0] for per in cpu.values() if per[0]), 1)
+    for k, per in cpu.items():  # cold: the first epoch after its first step (one-time work) and before the rest
+        figures[f"fleet_step_cold_{k}_cpu_ms"] = round(1e3 * float(np.mean(per[0][1:])), 3)
+        warm = [x for ep in per[1:] for x in ep]
+        if warm:
+            figures[f"fleet_step_warm_{k}_cpu_ms"] = round(1e3 * float(np.mean(warm)), 3)
+    for phase in ("cold", "warm"):
+        parts = [figures.get(f"fleet_step_{phase}_{k}_cpu_ms") for k in cpu]
+        if all(p is not None for p in parts):
+            figures[f"fleet_step_{phase}_total_cpu_ms"] = round(sum(parts), 3)  # type: ignore[arg-type]
+
+
+def _replay(s: ShardStore, items: list[list[tuple[str, np.ndarray]]], grads: list[list[np.ndarray]],
+            dgrads: list[dict[str, np.ndarray]], epoch: list[int], cpu: dict[str, list[list[float]]]) -> None:
+    """The step loop of :func:`_fleet_step_figures`: push of batch t, pull of t+1, dense push + pull.
+
+    Args:
+        s: the store.
+        items: per batch, (table, unique ids) in storage order.
+        grads: per batch, the gradients of those rows.
+        dgrads: dense gradients, used in turn.
+        epoch: [the current epoch], set here (read by the initializer's counters).
+        cpu: "pull" / "push" / "dense" -> per epoch, thread CPU seconds per step (appended).
+    """
+    prev: list[tuple[str, np.ndarray, np.ndarray]] | None = None
+    for ep in range(len(cpu["pull"])):
+        epoch[0] = ep
+        for k, its in enumerate(items):
+            outs = [np.empty((ids.size, s.tables[t].dim), np.float32) for t, ids in its]
+            if prev is not None:
+                c0 = time.thread_time()
+                s.push_many(prev)
+                cpu["push"][ep].append(time.thread_time() - c0)
+            c0 = time.thread_time()
+            s.pull_many(its, outs=outs)
+            cpu["pull"][ep].append(time.thread_time() - c0)
+            dg = dgrads[k % len(dgrads)]
+            c0 = time.thread_time()
+            s.dense.push(dg)
+            s.dense.pull(list(dg))
+            cpu["dense"][ep].append(time.thread_time() - c0)
+            prev = [(t, ids, g) for (t, ids), g in zip(its, grads[k])]
+
+
 def _bulk_rows(ids: np.ndarray, dim: int) -> TableRows:
     """Rows for a bulk fill: one random block (scale 0.01), tiled; zero momentum."""
     block = (np.random.default_rng(3).normal(size=(min(ids.size, 1 << 16), dim)) * 0.01).astype(np.float32)
@@ -328,9 +463,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller tables (CI smoke)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the tables live")
     ap.add_argument(
-        "--only", default="all", choices=("all", "new-ids"),
-        help="new-ids: only the insert, stream and steady-state figures (issue 15 point 2)",
+        "--only", default="all", choices=("all", "new-ids", "fleet-step"),
+        help="new-ids: only the insert, stream and steady-state figures (issue 15 point 2); fleet-step: only "
+             "the replay of a fleet step's pull, push and dense push (issue 36 item 4)",
     )
+    ap.add_argument("--replay-rows", type=int, default=20_000,
+                    help="fleet-step: generated rows (256 a batch)")
+    ap.add_argument("--replay-epochs", type=int, default=3, help="fleet-step: passes (the first is cold)")
     ap.add_argument("--smoke", action="store_true",
                     help="smallest size that runs every code path and prints the JSON line (40K-row tables, 1 rep, "
                          "2 measured stream pushes; seconds, figures meaningless)")
@@ -378,6 +517,15 @@ def main() -> None:
         figures[f"memory_vs_raw_dim{mdim}"] = round(used / raw, 3)
         assert t.size == cap
         del s, t
+
+    if args.only == "fleet-step":
+        figures = {"device": args.device}
+        _fleet_step_figures(2_000 if args.smoke else args.replay_rows, 2 if args.smoke else args.replay_epochs,
+                            figures, capacity=20_000 if args.smoke else 0)
+        for k, v in figures.items():
+            print(f"{k:34s} {v}")
+        print(json.dumps(figures))
+        return
 
     _insert_figures(cap, dim, reps, figures)
     pushes = 2 if args.smoke else 8 if args.quick else 20

@@ -5,17 +5,29 @@ Each named parameter is a float32 CPU tensor with its own optimizer state
 never steps another's state. Weight decay is L2, as for the sparse tables.
 
 Storage is flat: every parameter (and each per-element optimizer state) is a
-view of one buffer, in registration order::
+view of one buffer, in registration order; the step counts are one float32
+tensor with a 0-dim view per parameter::
 
     flat      [ mlp.0.weight ........ | mlp.0.bias | out.weight ... ]   float32 [total]
     exp_avg   [ ...                   |            |            ... ]   same layout
-    step      one scalar per parameter (a parameter's own count)
+    steps     [ s_0 | s_1 | s_2 ... ]                                   one per parameter
 
-A push of every parameter whose step counts agree (a worker's step: the usual
-case) is then one fused update over the buffers (~8 tensor ops, whatever the
-number of parameters) instead of ~8 per parameter; the arithmetic is
-elementwise, so the values are the per-parameter update's, bit for bit
-(tests/ps/test_dense_store.py). Any other push runs per parameter on the views.
+The update is torch's fused CPU kernel (``torch._fused_adam_``,
+``_fused_adagrad_``, ``_fused_sgd_``: what ``torch.optim.Adam(fused=True)``
+runs): one vectorized pass over parameter, gradient and state instead of ~8
+tensor ops each reading and writing the whole buffer. A push of every parameter
+whose step counts agree (a worker's step: the usual case) is one kernel call
+over the flat buffers, whatever the number of parameters; any other push runs
+the same kernel per parameter on the views. The kernel is elementwise, so both
+give the same bits (tests/ps/test_dense_store.py), and it matches torch.optim's
+default Adam / Adagrad / SGD to float rounding (same test file).
+
+A push's gradients are copied once into one flat buffer (``np.concatenate``
+into a preallocated array) and checked for NaN/Inf with one sum (a finite sum
+proves every element finite; only a non-finite sum checks parameter by
+parameter, to name the bad one). Issue 36 item 4: 72K parameters (the ``dnn``
+model of ``bench.peers``) took ~0.4 ms of CPU a push with ~8 ops per update
+and a numpy finiteness check per parameter; see docs/BENCHMARKS.md.
 
 Example::
 
@@ -28,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Mapping, Sequence
 
@@ -36,6 +49,13 @@ import torch
 
 from ps.config import DENSE_OPTIMIZERS, OptimizerConfig, OptimizerKind
 from ps.errors import BadRequest
+
+
+_ALIGN = 16
+"""Each parameter's slot in the flat buffers starts at, and spans, a multiple of 16 float32 (a 64-byte
+cache line: the fused kernels' work unit, and a multiple of every vector width), so every element
+of it takes the kernel's vector path, in a push of every parameter (one call over the flat buffers)
+and in a push of some (one call over their slots) alike: the same bits either way."""
 
 
 class DenseStore:
@@ -55,34 +75,58 @@ class DenseStore:
         self._params: dict[str, torch.Tensor] = {}
         """name -> a view of :attr:`_flat` (registration order)."""
         self._state: dict[str, dict[str, torch.Tensor]] = {}
-        """name -> its state: per-element entries are views of :attr:`_flat_state`; ``step`` is its own scalar."""
+        """name -> its state: per-element entries are views of :attr:`_flat_state`; ``step`` a 0-dim view of
+        :attr:`_steps`."""
         self._flat = torch.zeros(0, dtype=torch.float32)
         self._flat_state: dict[str, torch.Tensor] = {}
+        self._steps = torch.zeros(0, dtype=torch.float32)
+        """One step count per parameter (registration order); empty for SGD."""
+        self._steps_agree: bool | None = True
+        """Whether every step count is the same (None: not known, computed at the next push)."""
+        self._slots: dict[str, tuple[int, int, int]] = {}
+        """name -> (start, stop, padded stop) in the flat buffers; stop - start = numel, padded stop a
+        multiple of :data:`_ALIGN`."""
+        self._grad = np.zeros(0, dtype=np.float32)
+        """The flat gradient buffer a push writes into (:attr:`_flat`'s layout; padding stays 0)."""
+        self._grad_t = torch.from_numpy(self._grad)
         self.pushes = 0
 
     def _relayout(self, name: str, value: torch.Tensor) -> None:
         """Append parameter ``name`` to the flat buffers (a new registration): existing values and
         states are copied into the new buffers, every view re-pointed."""
-        sizes = [p.numel() for p in self._params.values()] + [value.numel()]
-        total = sum(sizes)
-        flat = torch.empty(total, dtype=torch.float32)
+        items = list(self._params.items()) + [(name, value)]
+        sizes = [p.numel() for _, p in items]
+        padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+        total = sum(padded)
+        flat = torch.zeros(total, dtype=torch.float32)
         fresh_state = self._new_state(value)
         keys = [k for k in fresh_state if k != "step"]
-        flat_state = {k: torch.empty(total, dtype=torch.float32) for k in keys}
+        flat_state = {k: torch.zeros(total, dtype=torch.float32) for k in keys}
+        has_step = "step" in fresh_state
+        steps = torch.zeros(len(sizes) if has_step else 0, dtype=torch.float32)
         params: dict[str, torch.Tensor] = {}
         state: dict[str, dict[str, torch.Tensor]] = {}
+        slots: dict[str, tuple[int, int, int]] = {}
         at = 0
-        for (n, old), size in zip(list(self._params.items()) + [(name, value)], sizes):
+        for i, ((n, old), size, pad) in enumerate(zip(items, sizes, padded)):
             params[n] = flat[at : at + size].view(old.shape)
             params[n].copy_(old)
             st = self._state.get(n, fresh_state)
-            state[n] = {"step": st["step"]} if "step" in st else {}
+            state[n] = {}
+            if has_step:
+                steps[i] = st["step"]
+                state[n]["step"] = steps[i]  # a 0-dim view
             for k in keys:
                 view = flat_state[k][at : at + size].view(old.shape)
                 view.copy_(st[k])
                 state[n][k] = view
-            at += size
+            slots[n] = (at, at + size, at + pad)
+            at += pad
         self._flat, self._flat_state, self._params, self._state = flat, flat_state, params, state
+        self._steps, self._slots = steps, slots
+        self._grad = np.zeros(total, dtype=np.float32)
+        self._grad_t = torch.from_numpy(self._grad)
+        self._steps_agree = None
 
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.cfg.kind == OptimizerKind.ADAM:
@@ -94,31 +138,34 @@ class DenseStore:
         return {}
 
     @torch.no_grad()
-    def _step(self, p: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
-        """One update with torch.optim's formulas (Adam / Adagrad without lr decay / SGD).
+    def _update(self, spans: list[tuple[int, int]], steps: list[torch.Tensor]) -> None:
+        """One fused optimizer update of the flat-buffer ``spans`` by the gradient buffer.
 
-        Written out rather than calling torch.optim: importing torch.optim pulls in
-        torch._dynamo (~3.5 s at PS start-up here) for three lines of math.
+        The kernels are what ``torch.optim``'s ``fused=True`` runs (Adam, Adagrad without lr
+        decay, SGD without momentum; L2 weight decay added to the gradient inside the kernel),
+        called directly: no optimizer object, no Python per element or per op. The caller has
+        incremented the step counts (Adam, Adagrad). Padding elements (zero gradient) compute
+        values nobody reads.
+
+        Args:
+            spans: (start, stop) of each updated range (multiples of :data:`_ALIGN`).
+            steps: the step count of each span (0-dim float32); empty for SGD.
         """
         c = self.cfg
-        if c.weight_decay:
-            g = g.add(p, alpha=c.weight_decay)
+        p = [self._flat[a:b] for a, b in spans]
+        g = [self._grad_t[a:b] for a, b in spans]
         if c.kind == OptimizerKind.SGD:
-            p.add_(g, alpha=-c.lr)
-            return
-        state["step"] += 1
-        if c.kind == OptimizerKind.ADAGRAD:
-            state["sum"].addcmul_(g, g, value=1.0)
-            p.addcdiv_(g, state["sum"].sqrt().add_(c.eps), value=-c.lr)
-            return
-        t = float(state["step"])
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.lerp_(g, 1.0 - c.beta1)
-        v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
-        bc1 = 1.0 - c.beta1**t
-        bc2 = 1.0 - c.beta2**t
-        denom = (v.sqrt() / (bc2**0.5)).add_(c.eps)
-        p.addcdiv_(m, denom, value=-c.lr / bc1)
+            torch._fused_sgd_(p, g, [], weight_decay=c.weight_decay, momentum=0.0, lr=c.lr, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=False)
+        elif c.kind == OptimizerKind.ADAGRAD:
+            acc = self._flat_state["sum"]
+            torch._fused_adagrad_(p, g, [acc[a:b] for a, b in spans], steps, lr=c.lr, lr_decay=0.0,
+                                  weight_decay=c.weight_decay, eps=c.eps, maximize=False)
+        else:
+            m, v = self._flat_state["exp_avg"], self._flat_state["exp_avg_sq"]
+            torch._fused_adam_(p, g, [m[a:b] for a, b in spans], [v[a:b] for a, b in spans], [], steps, lr=c.lr,
+                               beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
+                               maximize=False)
 
     # -- registry ------------------------------------------------------------------
     def register(self, name: str, shape_or_value: Sequence[int] | np.ndarray) -> bool:
@@ -173,48 +220,68 @@ class DenseStore:
 
     # -- reads / writes ------------------------------------------------------------
     def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Copies of the named parameters (all when ``names`` is None)."""
+        """Copies of the named parameters (all when ``names`` is None).
+
+        Every parameter in registration order (a worker's usual request) is one copy of the flat
+        buffer, returned as views of that copy.
+
+        Args:
+            names: parameter names; None: all.
+        """
         with self.lock:
             names = list(self._params) if names is None else list(names)
             self._check_names(names)
+            if names == list(self._params):
+                flat = self._flat.numpy().copy()
+                return {n: flat[lo:hi].reshape(self._params[n].shape) for n, (lo, hi, _) in self._slots.items()}
             return {n: self._params[n].numpy().copy() for n in names}
 
     def push(self, grads: Mapping[str, np.ndarray]) -> int:
         """One optimizer step per named gradient. All-or-nothing: validated first.
+
+        Args:
+            grads: name -> float32 gradient (the parameter's shape, or flat).
 
         Raises:
             BadRequest: unknown name, wrong dtype/shape, or NaN/Inf in a gradient.
         """
         with self.lock:
             self._check_values(grads, "gradient")
-            for k, g in grads.items():
-                if not np.isfinite(g).all():
-                    raise BadRequest(f"dense '{k}': gradient holds NaN/Inf; push rejected")
-            if self._fused(grads):
-                self.pushes += 1
-                return len(grads)
-            for k, g in grads.items():
-                p = self._params[k]
-                self._step(p, self._state[k], torch.from_numpy(np.array(g, dtype=np.float32).reshape(p.shape)))
+            every = len(grads) == len(self._params) and list(grads) == list(self._params)
+            buf = self._grad
+            for k, v in grads.items():  # into the flat gradient buffer (its slots' padding stays 0)
+                lo, hi, _ = self._slots[k]
+                buf[lo:hi] = np.asarray(v).reshape(-1)
+            if every:
+                finite = math.isfinite(float(self._grad_t.sum()))  # a finite sum proves every element finite
+            else:
+                finite = all(math.isfinite(float(self._grad_t[lo:hi].sum()))
+                             for lo, hi, _ in (self._slots[k] for k in grads))
+            if not finite:
+                for k, v in grads.items():
+                    if not np.isfinite(v).all():
+                        raise BadRequest(f"dense '{k}': gradient holds NaN/Inf; push rejected")
+            has_step = self._steps.numel() > 0
+            if every and self._agree():  # one kernel call over the flat buffers
+                if self._flat.numel():
+                    if has_step:
+                        self._steps += 1
+                    self._update([(0, self._flat.numel())], [self._steps[0]] if has_step else [])
+            elif grads:  # one kernel call over the pushed parameters' slots, each with its own step
+                steps = [self._state[k]["step"] for k in grads] if has_step else []
+                if steps:
+                    torch._foreach_add_(steps, 1.0)
+                    self._steps_agree = None
+                self._update([(self._slots[k][0], self._slots[k][2]) for k in grads], steps)
             self.pushes += 1
             return len(grads)
 
-    def _fused(self, grads: Mapping[str, np.ndarray]) -> bool:
-        """One update over the flat buffers when ``grads`` names every parameter, in registration
-        order, and their step counts agree; False (nothing done) otherwise."""
-        if len(grads) != len(self._params) or list(grads) != list(self._params):
-            return False
-        steps = {float(st["step"]) for st in self._state.values() if "step" in st}
-        if len(steps) > 1:
-            return False
-        g = torch.cat([torch.from_numpy(np.asarray(v, dtype=np.float32)).reshape(-1) for v in grads.values()])
-        step = torch.zeros((), dtype=torch.float32) if not steps else torch.tensor(steps.pop(), dtype=torch.float32)
-        state = dict(self._flat_state, step=step)
-        self._step(self._flat, state, g)
-        for st in self._state.values():
-            if "step" in st:
-                st["step"].copy_(state["step"])
-        return True
+    def _agree(self) -> bool:
+        """Whether every parameter's step count is the same (cached until a partial push or a load)."""
+        if self._steps_agree is None:
+            s = self._steps
+            self._steps_agree = bool(s.numel() == 0 or bool((s == s[0]).all()))
+        return self._steps_agree
 
     def set(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite values (restore, all-reduce modes); optimizer state is kept."""
@@ -255,8 +322,9 @@ class DenseStore:
                     if saved.shape != tuple(fresh[sk].shape):
                         raise BadRequest(f"dense '{k}': optimizer state '{sk}' shape {saved.shape}, expected {tuple(fresh[sk].shape)}")
                     fresh[sk] = torch.from_numpy(saved.copy())
-                for sk, sv in fresh.items():  # into the flat views (and the parameter's own step)
+                for sk, sv in fresh.items():  # into the flat views (the step: a view of the step counts)
                     self._state[k][sk].copy_(sv)
+            self._steps_agree = None
 
     def memory_bytes(self) -> int:
         with self.lock:

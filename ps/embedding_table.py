@@ -96,15 +96,23 @@ class PushResult:
         return PushResult(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
 
 
-def check_ids(table: str, ids: object, what: str = "ids") -> np.ndarray:
-    """Validate an id array: numpy int64, 1-D, no -1. Returns it (raises BadRequest)."""
+def check_ids(table: str, ids: object, what: str = "ids", pad: bool = True) -> np.ndarray:
+    """Validate an id array: numpy int64, 1-D, no -1. Returns it (raises BadRequest).
+
+    Args:
+        table: the table's name (for the message).
+        ids: what the caller sent.
+        what: the field's name (for the message).
+        pad: also refuse id -1 (False: the caller scans a whole request for -1 once, and calls
+            again with True for the table that holds one, for its message).
+    """
     if not isinstance(ids, np.ndarray):
         raise BadRequest(f"table '{table}': {what} must be a numpy int64 array, got {type(ids).__name__}")
     if ids.dtype != np.int64:
         raise BadRequest(f"table '{table}': {what} must be int64, got {ids.dtype}")
     if ids.ndim != 1:
         raise BadRequest(f"table '{table}': {what} must be 1-D, got shape {ids.shape}")
-    if ids.size and bool((ids == -1).any()):
+    if pad and ids.size and bool((ids == -1).any()):
         pos = int(np.argmax(ids == -1))
         raise BadRequest(f"table '{table}': {what}[{pos}] is -1 (the padding id is not a real id)")
     return ids
@@ -146,7 +154,7 @@ class EmbeddingTable:
         self.tbe = storage.tbe
         self.weights: torch.Tensor = span.weights  # [capacity, dim] view of the storage's weights
         self.optimizer = storage.optimizer
-        self.id_map = IdMap(cfg.capacity, slots=span.map_slots)
+        self.id_map = IdMap(cfg.capacity, slots=span.map_slots, generation=storage.map_generation)
         self.init = RowInitializer(cfg.name, cfg.dim, cfg.init, cfg.init_scale, self.seed)
         self.admission = Admission(cfg.admission, cfg.capacity, self.seed)
         c = cfg.capacity
@@ -312,9 +320,15 @@ class EmbeddingTable:
         parts = intra_op.run(int(ids.numel()), lambda lo, hi: self.id_map.lookup(ids[lo:hi]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def check_push(self, ids: object, grads: object) -> tuple[np.ndarray, np.ndarray]:
-        """Validate a push (raises BadRequest naming the problem); returns (ids, grads[n, dim])."""
-        ids = check_ids(self.name, ids)
+    def check_push(self, ids: object, grads: object, pad: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Validate a push (raises BadRequest naming the problem); returns (ids, grads[n, dim]).
+
+        Args:
+            ids: int64 [n].
+            grads: float32 [n, dim] or [n * dim].
+            pad: also refuse id -1 (:func:`check_ids`).
+        """
+        ids = check_ids(self.name, ids, pad=pad)
         n = ids.shape[0]
         if not isinstance(grads, np.ndarray):
             raise BadRequest(f"table '{self.name}': grads must be a numpy float32 array, got {type(grads).__name__}")

@@ -16,6 +16,13 @@ used slots (live + tombstones) could fill it.
 
 Id -1 is the map's empty-slot marker and the schema's padding id; it is refused.
 
+Every change of the map (insert, remove, rebuild, clear, and a caller's
+:meth:`IdMap.reserve` before it writes :attr:`IdMap.slots` itself) adds one to
+:attr:`IdMap.generation`, a counter the tables of one storage group share
+(``ps.table_storage``), so a lookup result taken at generation g is still the
+map's answer while the counter reads g (``ps.table_group``: a push reuses its
+pull's lookup).
+
 Example::
 
     m = IdMap(capacity=4)
@@ -59,10 +66,12 @@ class IdMap:
         rebuild_at: fraction of slots in use (live + tombstones) that triggers a rebuild.
         slots: int64 [slots_for(capacity, load_factor), 2] filled with -1 to hold the map (a view
             into a group's slot array, ``ps.table_storage``); None: allocated here.
+        generation: int64 [1] change counter to share (a group's, ``GroupStorage.map_generation``);
+            None: one of its own.
     """
 
     def __init__(self, capacity: int, load_factor: float = LOAD_FACTOR, rebuild_at: float = 0.85,
-                 slots: torch.Tensor | None = None) -> None:
+                 slots: torch.Tensor | None = None, generation: np.ndarray | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"IdMap capacity must be >= 1, got {capacity}")
         if load_factor < 1.2:
@@ -81,6 +90,12 @@ class IdMap:
         self._size = 0
         self._used_slots = 0  # live + tombstones (slots whose key != -1)
         self.rebuilds = 0
+        if generation is None:
+            generation = np.zeros(1, dtype=np.int64)
+        elif generation.shape != (1,) or generation.dtype != np.int64:
+            raise ValueError(f"IdMap generation must be int64 [1], got {generation.dtype} {list(generation.shape)}")
+        self.generation = generation
+        """int64 [1]: +1 at every change of the map (shared by a storage group's tables)."""
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -176,6 +191,7 @@ class IdMap:
             self._rebuild()
         self._size += n_new
         self._used_slots += n_new
+        self.generation[0] += 1  # the caller inserts next
 
     @property
     def slots(self) -> torch.Tensor:
@@ -196,16 +212,19 @@ class IdMap:
         return n
 
     def clear(self) -> None:
+        self.generation[0] += 1
         self._table.fill_(EMPTY_KEY)
         self._size = 0
         self._used_slots = 0
 
     # -- internals -----------------------------------------------------------------
     def _raw_insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.generation[0] += 1
         offsets = torch.tensor([0, ids.numel()], dtype=torch.int64)
         torch.ops.fbgemm.pruned_hashmap_insert(ids, rows, offsets, self._table, self._table_offsets)
 
     def _rebuild(self) -> None:
+        self.generation[0] += 1
         ids, rows = self.items()
         self._table.fill_(EMPTY_KEY)
         if ids.size:

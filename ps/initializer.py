@@ -16,9 +16,14 @@ Box-Muller, see docs/design/ps_storage.md)::
     uniform  = ((((U1[i1, :w] + U2[i2, :w] + U3[i3, :w]) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * float32(scale)
 
 ``N1..N3`` (float32 [65536, 64]) and ``U1..U3`` (uint32 [65536, 64]) are
-process-wide constants built once, lazily, from integer hashes and IEEE-exact
-float64 arithmetic only (:func:`_normal_tables`, :func:`_uniform_tables`), so
-they are bit-identical everywhere:
+process-wide constants built once, from integer hashes and IEEE-exact float64
+arithmetic only (:func:`_normal_tables`, :func:`_uniform_tables`), so they are
+bit-identical everywhere. Columns are independent, so a process builds only the
+columns its tables' widths need (dim 16: a quarter), and a store builds them
+when it is constructed (:meth:`RowInitializer.warm`, called by
+``ps.table_group.TableGroup``), not inside its first pull (issue 36 item 4: the
+whole 64-column build was ~0.4 s of CPU in a PS's first pull, most of the first
+epoch's store time of a short fleet run):
 
 * every column of ``N1`` / ``N2`` is a permutation (a keyed 16-bit bijection
   of the row index) of the 65536 standard-normal quantiles
@@ -164,20 +169,29 @@ def _round_keys(salt: int, tables: int) -> np.ndarray:
     return (h & np.uint64(0xFFFF)).astype(np.uint32).reshape(tables, 3, 3, WIDTH)
 
 
-def _normal_tables() -> np.ndarray:
-    """float32 [3, TABLE_ROWS, WIDTH] (read-only view): each column a keyed permutation of
-    the unit-RMS normal quantiles."""
+def _normal_tables(w: int = WIDTH) -> np.ndarray:
+    """float32 [3, TABLE_ROWS, w] (read-only view): each column a keyed permutation of the
+    unit-RMS normal quantiles.
+
+    Columns are independent (column ``j`` depends only on ``j``'s round keys), so only the
+    first ``w`` are built: a process whose tables are all dim 16 builds a quarter of the
+    64 (issue 36 item 4: the full build was ~0.4 s of CPU at a PS's first pull). A wider
+    request rebuilds at that width; the columns already built come out the same.
+
+    Args:
+        w: columns wanted (1 .. WIDTH).
+    """
     with _tables_lock:
         got = _tables.get("normal")
-        if got is None:
+        if got is None or got.shape[2] < w:
             q = normal_quantiles(TABLE_ROWS)
             rms = math.sqrt(math.fsum((q * q).tolist()) / TABLE_ROWS)  # fsum: exact, order-free
             q32 = (q / rms).astype(np.float32)
             k = np.arange(TABLE_ROWS, dtype=np.uint32)[:, None]
-            keys = _round_keys(_BIJ_SALT, _N_TABLES)
+            keys = _round_keys(_BIJ_SALT, _N_TABLES)[..., :w]
             got = np.stack([q32[_bijection16(k, keys[t])] for t in range(_N_TABLES)])
-            _tables["normal"] = got  # writable base, shared with the torch weight of width 64
-    view = got.view()
+            _tables["normal"] = got  # writable base (the unfused path's torch view)
+    view = got[:, :, :w]
     view.setflags(write=False)
     return view
 
@@ -195,8 +209,8 @@ def _scaled_weight(w: int, mul: np.float32) -> torch.Tensor | None:
     key = (w, float(mul))
     got = _weights.get(key)
     if got is None:
-        base = _normal_tables()
-        scaled = np.multiply(base[:, :, :w], mul).reshape(-1, w)  # float32 * float32: one IEEE rounding
+        base = _normal_tables(w)
+        scaled = np.multiply(base, mul).reshape(-1, w)  # float32 * float32: one IEEE rounding
         with _tables_lock:
             got = _weights.get(key)
             if got is None:
@@ -206,18 +220,30 @@ def _scaled_weight(w: int, mul: np.float32) -> torch.Tensor | None:
     return got
 
 
-def _uniform_tables() -> np.ndarray:
-    """uint32 [3, TABLE_ROWS, WIDTH] of hash bits (3 x 32 of 2 x 64 hash bits per element pair)."""
+def _uniform_tables(w: int = WIDTH) -> np.ndarray:
+    """uint32 [3, TABLE_ROWS, w] (read-only view) of hash bits.
+
+    Element (t, r, c) of the full tables is word ``t * TABLE_ROWS * WIDTH + r * WIDTH + c`` of
+    ``lo(h) ++ hi(h)``, ``h = mix64(arange(2 * TABLE_ROWS * WIDTH), salt=_UNI_SALT)``: tables 0 and 1
+    are the low halves of the hashes of the flat indices, table 2 the high halves of table 0's
+    hashes. Only the first ``w`` columns are hashed (as :func:`_normal_tables`).
+
+    Args:
+        w: columns wanted (1 .. WIDTH).
+    """
     with _tables_lock:
         got = _tables.get("uniform")
-        if got is None:
-            h = mix64(np.arange(2 * TABLE_ROWS * WIDTH, dtype=np.uint64), salt=_UNI_SALT)
-            lo = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-            hi = (h >> np.uint64(32)).astype(np.uint32)
-            got = np.concatenate([lo, hi])[: _N_TABLES * TABLE_ROWS * WIDTH].reshape(_N_TABLES, TABLE_ROWS, WIDTH)
+        if got is None or got.shape[2] < w:
+            flat = (np.arange(TABLE_ROWS, dtype=np.uint64)[:, None] * np.uint64(WIDTH)
+                    + np.arange(w, dtype=np.uint64)[None, :])  # r * WIDTH + c, [TABLE_ROWS, w]
+            h0 = mix64(flat, salt=_UNI_SALT)
+            h1 = mix64(flat + np.uint64(TABLE_ROWS * WIDTH), salt=_UNI_SALT)
+            got = np.stack([(h0 & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+                            (h1 & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+                            (h0 >> np.uint64(32)).astype(np.uint32)])
             got.setflags(write=False)
             _tables["uniform"] = got
-        return got
+    return got[:, :, :w]
 
 
 _MASK16 = np.uint64(0xFFFF)
@@ -251,6 +277,11 @@ class TablesInitializer:
             fams.setdefault(init.family, []).append(i)
         self.families = [(self.inits[m[0]], np.asarray(m, dtype=np.int64)) for m in fams.values()]
         self.salts = np.array([init._salt for init in self.inits], dtype=np.uint64)
+
+    def warm(self) -> None:
+        """Build the process-wide tables every family reads (:meth:`RowInitializer.warm`)."""
+        for first, _ in self.families:
+            first.warm()
 
     def __call__(self, owner: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """float32 [n, dim]: the initial row of each ``ids[i]`` in table ``owner[i]``.
@@ -310,6 +341,18 @@ class RowInitializer:
             return np.zeros((n, self.dim), dtype=np.float32)
         return self._rows_of_keys(mix64(ids, salt=self._salt))
 
+    def warm(self) -> None:
+        """Build the process-wide tables this table's rows read (the scaled normal tables of each
+        chunk width, or the uniform tables), so a store pays for them when it is built, not inside
+        its first pull. Values do not depend on whether, or when, this ran."""
+        if self.kind == InitKind.ZEROS or self.scale == 0.0:
+            return
+        for w in sorted({min(WIDTH, self.dim - c * WIDTH) for c in range(self._chunks)}, reverse=True):
+            if self.kind == InitKind.NORMAL:
+                _scaled_weight(w, self._mul)
+            else:
+                _uniform_tables(w)
+
     @property
     def family(self) -> tuple[int, InitKind, float, float]:
         """What initializers must share to compute rows of several tables in one call
@@ -340,8 +383,11 @@ class RowInitializer:
 
     def _normal_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
         """float32 [n, w]: ``(S1[i1, :w] + S2[i2, :w]) + S3[i3, :w]``, ``S_t = float32(N_t * mul)``."""
-        with np.errstate(over="ignore"):
-            h = mix64(key + np.uint64(c)) if c else key  # h_0 = key: one hash per row
+        if c:
+            with np.errstate(over="ignore"):
+                h = mix64(key + np.uint64(c))
+        else:
+            h = key  # h_0 = key: one hash per row
         bags = np.empty((key.shape[0], 3), dtype=np.uint64)  # row r of N_t is row t * 2^16 + r
         np.bitwise_and(h, _MASK16, out=bags[:, 0])
         bags[:, 1] = ((h >> _S16) & _MASK16) + np.uint64(TABLE_ROWS)
@@ -353,7 +399,9 @@ class RowInitializer:
             # acc += S2[i2]; acc += S3[i3] (float32, this order; 0 + x == x for x != -0.0)
             out = F.embedding_bag(idx, weight, mode="sum")
         else:  # the same IEEE operations, unfused: scale each gathered row, then sum in order
-            base = torch.from_numpy(_tables["normal"].reshape(-1, WIDTH)[:, :w])
+            _normal_tables(w)
+            full = _tables["normal"]
+            base = torch.from_numpy(full.reshape(-1, full.shape[2])[:, :w])
             m = float(self._mul)
             out = base.index_select(0, idx[:, 0]).mul_(m)
             out += base.index_select(0, idx[:, 1]).mul_(m)
@@ -363,12 +411,12 @@ class RowInitializer:
     def _uniform_chunk(self, key: np.ndarray, c: int, w: int) -> np.ndarray:
         """float32 [n, w]: ``((((U1 + U2 + U3) mod 2^32 >> 9) + 0.5) * 2^-22 - 1) * float32(scale)``."""
         i1, i2, i3 = self._fields(key, c)
-        tabs = _uniform_tables()
-        s = tabs[0, :, :w].take(i1, axis=0)
-        s += tabs[1, :, :w].take(i2, axis=0)  # uint32: wraps mod 2^32
-        s += tabs[2, :, :w].take(i3, axis=0)
+        tabs = _uniform_tables(w)
+        s: np.ndarray = tabs[0].take(i1, axis=0)
+        s += tabs[1].take(i2, axis=0)  # uint32: wraps mod 2^32
+        s += tabs[2].take(i3, axis=0)
         s >>= _S9  # 23 bits: (k + 0.5) * 2^-22 - 1 is exact in float32
-        f = s.astype(np.float32)
+        f: np.ndarray = s.astype(np.float32)
         f += np.float32(0.5)
         f *= _TWO_M22
         f -= np.float32(1.0)

@@ -347,28 +347,36 @@ class ShardStore:
         Raises:
             BadRequest: unknown table, wrong dtype/shape, NaN/Inf under "reject" (nothing applied).
         """
-        checked = [(t, *self.table(t).check_push(ids, grads)) for t, ids, grads in items]
         plan = self._plan([t for t, _, _ in items])
         if plan is None:
+            checked = [(t, *self.table(t).check_push(ids, grads)) for t, ids, grads in items]
             return [self.push(t, ids, g) for t, ids, g in checked]
         result: list[PushResult] = [PushResult() for _ in items]
-        for gi, ks in plan:
+        staged: list[tuple[TableGroup, np.ndarray, list[int], torch.Tensor, torch.Tensor]] = []
+        for gi, ks in plan:  # every item checked (all groups) before any group is pushed
             g = self.groups[gi]
             counts = np.zeros(len(g.tables), dtype=np.int64)
-            present = []
+            present, ids_parts, g_parts = [], [], []
             for k in ks:
-                t, ids, _ = checked[k]
+                t, ids, grads = items[k]
+                ti = self._where[t][1]
+                ids, gr = g.tables[ti].check_push(ids, grads, pad=False)  # -1: once per group, below
                 if ids.shape[0] == 0:  # as push(): nothing applied, nothing counted
                     continue
                 present.append(k)
-                counts[self._where[t][1]] = ids.shape[0]
+                ids_parts.append(ids)
+                g_parts.append(gr)
+                counts[ti] = ids.shape[0]
             if not present:
                 continue
-            ks = present
-            flat_ids = torch.from_numpy(_one_array([checked[k][1] for k in ks]))
-            flat_g = torch.from_numpy(_one_array([checked[k][2] for k in ks]))
+            flat_ids = _one_array(ids_parts)
+            if bool((flat_ids == -1).any()):
+                for k, ids in zip(present, ids_parts):
+                    check_ids(items[k][0], ids)  # raises for the first table holding -1
+            staged.append((g, counts, present, torch.from_numpy(flat_ids), torch.from_numpy(_one_array(g_parts))))
+        for g, counts, ks, flat_ids_t, flat_g in staged:
             with g.lock:
-                res = g.push(counts, flat_ids, flat_g, trusted=False, nonfinite=self.nonfinite_grads)
+                res = g.push(counts, flat_ids_t, flat_g, trusted=False, nonfinite=self.nonfinite_grads)
             for k, r in zip(ks, res):
                 result[k] = r
         return result
@@ -399,20 +407,26 @@ class ShardStore:
         with g.lock:
             return g.pull(counts, ids, out)
 
-    def push_group(self, group: int, counts: np.ndarray, ids: torch.Tensor, grads: torch.Tensor) -> list[PushResult]:
-        """In-process push of one storage group (trusted: each table's ids unique, as the reader's are).
+    def push_group(self, group: int, counts: np.ndarray, ids: torch.Tensor, grads: torch.Tensor, *,
+                   trusted: bool = True) -> list[PushResult]:
+        """Push of one storage group (trusted: each table's ids unique, as the reader's are).
 
         The gradients' finiteness is checked once (NaN/Inf: the store's ``nonfinite_grads`` rules).
 
         Args:
             group: the group's index (:meth:`group_of`).
             counts: int64 [tables of the group]: ids per table, storage order.
-            ids: int64 [N] CPU, table by table, unique within each table.
+            ids: int64 [N] CPU, table by table, >= 0 (unique within each table when ``trusted``).
             grads: float32 [N, dim] CPU.
+            trusted: False for a remote caller (a StepFrame): repeated ids of a table are found
+                and summed, as :meth:`push` does.
+
+        Returns:
+            one PushResult per table with ids (count > 0), in storage order.
         """
         g = self.groups[group]
         with g.lock:
-            return g.push(counts, ids, grads, trusted=True, nonfinite=self.nonfinite_grads)
+            return g.push(counts, ids, grads, trusted=trusted, nonfinite=self.nonfinite_grads)
 
     # -- migration -----------------------------------------------------------------
     def _vshard_rows(self, t: EmbeddingTable, vshards: Sequence[int]) -> np.ndarray:

@@ -22,6 +22,12 @@ inputs take that per-table path itself: a non-finite gradient (its
 ``nonfinite_grads`` rules), or, on an ``untrusted`` push, ids repeated inside a
 table (they are summed there).
 
+One lookup per step: a pull remembers its lookup (counts, ids, storage rows and the group's id-map
+generation, ``GroupStorage.map_generation``); the next push of exactly those ids uses those rows
+when no id map of the group changed in between (an insert, an eviction, a removal, a rebuild
+moves the generation on), else looks up again. A fleet step's push of batch t follows its pull
+of batch t (the message before), so a 1-worker fleet and the in-process loop look up once.
+
 ``trusted`` callers (an in-process worker: its ids come from the Meta-IO
 reader's sorted unique ids and its gradients from its own backward) skip the
 duplicate check; the gradients' finiteness is checked once for the whole step
@@ -87,6 +93,9 @@ class TableGroup:
         self._bases = torch.from_numpy(self.storage.bases[:-1].copy())
         self._table_ids = torch.arange(len(self.tables), dtype=torch.int64)
         self._init = TablesInitializer([t.init for t in self.tables])
+        self._init.warm()  # the initializer's tables: built now (once per process), not in the first pull
+        self._memo: tuple[np.ndarray, torch.Tensor, torch.Tensor, int] | None = None
+        """The last pull's (counts, ids, storage rows, map generation): its push reuses the rows."""
 
     # -- lookup ---------------------------------------------------------------------
     def _offsets(self, counts: np.ndarray) -> torch.Tensor:
@@ -152,6 +161,7 @@ class TableGroup:
         if n == 0:
             return out
         rows = self.lookup(counts, ids)
+        self._memo = (counts.copy(), ids.clone(), rows, int(self.storage.map_generation[0]))
         if int(rows.min()) >= 0:  # every id known (the common case)
             self._gather(rows, out)
             return out
@@ -163,6 +173,18 @@ class TableGroup:
         owner = self._owners(counts, n).numpy()[unknown]
         out[torch.from_numpy(unknown)] = torch.from_numpy(self._init(owner, ids.numpy()[unknown]))
         return out
+
+    def _pulled_rows(self, counts: np.ndarray, ids: torch.Tensor) -> torch.Tensor | None:
+        """The rows the last pull looked up for exactly these ``counts`` and ``ids``, when no id map of
+        the group changed since (its generation is the same); None otherwise. Used once: a fleet
+        step pulls a batch's ids, then pushes their gradients (one lookup instead of two)."""
+        memo, self._memo = self._memo, None
+        if memo is None or memo[3] != int(self.storage.map_generation[0]):
+            return None
+        m_counts, m_ids, rows, _ = memo
+        if not (np.array_equal(m_counts, counts) and torch.equal(m_ids, ids)):
+            return None
+        return rows
 
     def _gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of storage ``rows`` (CPU float32), span by span under ``[ps] intra_op_threads``."""
@@ -206,7 +228,9 @@ class TableGroup:
         if not (bool(torch.isfinite(lo_g)) and bool(torch.isfinite(hi_g))):
             return self._push_each(spans, ids, grads, nonfinite)
         gmax = float(torch.maximum(-lo_g, hi_g))
-        rows = self.lookup(counts, ids)
+        rows = self._pulled_rows(counts, ids)
+        if rows is None:
+            rows = self.lookup(counts, ids)
         new_pos: dict[int, np.ndarray | None] = {}
         if not trusted:
             found = self._unique_request(spans, ids, rows)
@@ -359,6 +383,7 @@ class TableGroup:
         counts = np.zeros(len(self.tables), dtype=np.int64)
         for i, _, pos, _ in batch:
             counts[i] = pos.size
+        st.map_generation[0] += 1
         torch.ops.fbgemm.pruned_hashmap_insert(torch.from_numpy(new_ids), torch.from_numpy(local), self._offsets(counts),
                                                st.map_slots, st.map_offsets)
         r[at] = g

@@ -154,6 +154,9 @@ class GroupStorage:
         """Id-map slot offsets per table (fbgemm's ``hash_table_offsets``)."""
         # random probes and random row writes: 2 MiB pages when big
         self.map_slots = hugepages.full((int(sum(slots)), 2), EMPTY_KEY, torch.int64)
+        self.map_generation = np.zeros(1, dtype=np.int64)
+        """+1 at every change of any table's id map (``IdMap.generation``, shared): a lookup taken at
+        generation g still holds while this reads g."""
         self.row_ids = hugepages.numpy_full(total, -1, torch.int64)
         self.freq = hugepages.numpy_full(total, 0, torch.int32)
         self.last_step = hugepages.numpy_full(total, 0, torch.int32)

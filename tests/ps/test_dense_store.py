@@ -125,3 +125,49 @@ def test_fused_push_equals_per_parameter_push(kind: OptimizerKind) -> None:
             for k, arr in v.items():
                 np.testing.assert_array_equal(fused.state()[n][k], arr, err_msg=f"{item} {n} {k}")
     assert fused.memory_bytes() == ref.memory_bytes()
+
+
+@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
+def test_fused_kernel_on_odd_sizes(kind: OptimizerKind) -> None:
+    """Sizes that are not multiples of the kernel's vector width: a push of every parameter (one
+    call over the flat buffers) and pushes of one parameter at a time give the same bits, and both
+    match torch.optim (its default, unfused update) to the same tolerance as above."""
+    cfg = OptimizerConfig(kind=kind, lr=0.01, weight_decay=0.01)
+    rng = np.random.default_rng(11)
+    shapes = {"a": (37, 29), "b": (1000,), "c": (3,), "d": (17,)}
+    init = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+    fused, each = DenseStore(cfg), DenseStore(cfg)
+    for n, v in init.items():
+        fused.register(n, v)
+        each.register(n, v)
+    params = {n: torch.nn.Parameter(torch.tensor(v)) for n, v in init.items()}
+    ref = {OptimizerKind.ADAM: lambda: torch.optim.Adam(params.values(), lr=0.01, eps=cfg.eps, weight_decay=0.01),
+           OptimizerKind.ADAGRAD: lambda: torch.optim.Adagrad(params.values(), lr=0.01, eps=cfg.eps,
+                                                              weight_decay=0.01),
+           OptimizerKind.SGD: lambda: torch.optim.SGD(params.values(), lr=0.01, weight_decay=0.01)}[kind]()
+    for _ in range(4):
+        g = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+        fused.push(g)
+        for n, v in g.items():
+            each.push({n: v})
+        for n, p in params.items():
+            p.grad = torch.tensor(g[n])
+        ref.step()
+    got, per = fused.state(), each.state()
+    for n in shapes:
+        for k, arr in per[n].items():
+            np.testing.assert_array_equal(got[n][k], arr, err_msg=f"{n} {k}")
+        np.testing.assert_allclose(got[n]["value"], params[n].detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_pull_of_every_parameter_is_a_copy() -> None:
+    """The one-copy pull of every parameter returns arrays the store does not share."""
+    d = DenseStore(OptimizerConfig(kind=OptimizerKind.SGD, lr=1.0))
+    d.register("a", np.ones((2, 3), np.float32))
+    d.register("b", np.full(5, 2.0, np.float32))
+    got = d.pull()
+    assert got["a"].shape == (2, 3) and got["b"].shape == (5,)
+    got["a"][...] = 7.0
+    d.push({"a": np.ones((2, 3), np.float32), "b": np.ones(5, np.float32)})
+    np.testing.assert_array_equal(d.pull(["a"])["a"], np.zeros((2, 3), np.float32))
+    np.testing.assert_array_equal(d.pull()["b"], np.ones(5, np.float32))

@@ -211,6 +211,44 @@ def test_values_do_not_depend_on_the_scaled_table_cache(dim: int, monkeypatch: p
     assert np.array_equal(fused.view(np.uint32), unfused.view(np.uint32))
 
 
+def test_tables_built_by_columns_equal_the_full_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the columns a process needs are built (issue 36 item 4); narrow first, then wider, the
+    bits equal the 64-column build, for the normal and the uniform tables."""
+    import ps.initializer as pi
+
+    full_n, full_u = _normal_tables().copy(), pi._uniform_tables().copy()
+    monkeypatch.setattr(pi, "_tables", {})
+    monkeypatch.setattr(pi, "_weights", {})
+    for w in (8, 16, 4, 40, 64):
+        n, u = _normal_tables(w), pi._uniform_tables(w)
+        assert n.shape == u.shape == (3, TABLE_ROWS, w) and not n.flags.writeable and not u.flags.writeable
+        assert np.array_equal(n.view(np.uint32), full_n[:, :, :w].view(np.uint32))
+        assert np.array_equal(u, full_u[:, :, :w])
+    assert pi._tables["normal"].shape[2] == 64  # widened on demand, never narrowed
+
+
+@pytest.mark.parametrize("kind", [InitKind.NORMAL, InitKind.UNIFORM])
+def test_a_store_builds_the_tables_before_its_first_pull(kind: InitKind, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TableGroup`` warms the initializer at construction (dim 16: 16 columns), so a first pull
+    builds nothing; the rows are the same as a cold initializer's."""
+    import ps.initializer as pi
+    from ps.table_group import TableGroup
+
+    ids = _ids(500, 12)
+    cold = RowInitializer("user", 16, kind, 0.05, 4)(ids)
+    monkeypatch.setattr(pi, "_tables", {})
+    monkeypatch.setattr(pi, "_weights", {})
+    g = TableGroup([TableConfig("user", dim=16, capacity=64, init=kind, init_scale=0.05),
+                    TableConfig("item", dim=16, capacity=64, init=kind, init_scale=0.05)], seed=4)
+    built = dict(pi._tables), dict(pi._weights)
+    assert pi._tables[kind.value].shape[2] == 16
+    if kind == InitKind.NORMAL:
+        assert list(pi._weights) == [(16, float(np.float32(0.05 / math.sqrt(3.0))))]
+    rows = g.pull(np.array([ids.size, 0], dtype=np.int64), torch.from_numpy(ids)).numpy()
+    assert (dict(pi._tables), dict(pi._weights)) == built  # the pull built nothing
+    assert np.array_equal(rows.view(np.uint32), cold.view(np.uint32))
+
+
 def test_restored_rows_and_never_pushed_rows_agree(tmp_path: Path) -> None:
     """Rows admitted with a zero gradient (their initial value), checkpointed on 2 shards and
     restored on 3 with another vshard count, read exactly as never-pushed ids do, and as

@@ -109,6 +109,56 @@ def test_group_push_equals_table_by_table(kind: OptimizerKind, api: str) -> None
 
 
 @pytest.mark.parametrize("kind", [OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAM], ids=lambda k: k.value)
+@pytest.mark.parametrize("between", [False, True], ids=["pull-push", "pull-other-push"])
+def test_push_reuses_its_pulls_lookup_only_while_the_maps_are_unchanged(
+        kind: OptimizerKind, between: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet step pulls a batch then pushes its gradients: the push reuses the pull's lookup (one
+    hash-map lookup per group per step). Another push in between (new ids inserted, rows evicted,
+    ids admitted late; table by table, so only the maps' generation tells) changes the maps: the
+    push looks up again. Either way every table ends as
+    its own pushes and pulls leave it."""
+    from ps.table_group import TableGroup
+
+    lookups = [0]
+    real = TableGroup.lookup
+
+    def counted(self: TableGroup, counts: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
+        lookups[0] += 1
+        return real(self, counts, ids)
+
+    monkeypatch.setattr(TableGroup, "lookup", counted)
+    cfgs = _cfgs(kind)
+    store = ShardStore(cfgs, shard_id=0, num_vshards=8, seed=3)
+    ref = {c.name: EmbeddingTable(c, seed=3) for c in cfgs}
+    rng = np.random.default_rng(5)
+    batches = list(_steps(rng, 30, ["a", "b", "c"]))
+    reused = relooked = 0
+    for k, items in enumerate(batches):
+        items = [it for it in items if it[1].size]
+        if not items:
+            continue
+        got_rows = store.pull_many([(t, ids) for t, ids, _ in items])
+        for (t, ids, _), rows in zip(items, got_rows):
+            np.testing.assert_array_equal(rows, ref[t].pull(ids))
+        if between:  # another worker's push of other ids, table by table (it leaves the group's memo alone)
+            for t, ids, g in batches[(k + 7) % len(batches)]:
+                assert store.push(t, ids, g) == ref[t].push(ids, g)
+        before = lookups[0]
+        assert store.push_many(items) == [ref[t].push(ids, g) for t, ids, g in items]
+        if lookups[0] == before:
+            reused += 1
+        else:
+            relooked += 1
+        _assert_same(store, ref)
+    total = {k: sum(t.counters[k] for t in ref.values()) for k in ("unadmitted_dropped", "evictions", "admissions")}
+    assert all(v > 0 for v in total.values()), total
+    if between:
+        assert relooked > 0  # the other push changed a map
+    else:
+        assert relooked == 0 and reused > 0
+
+
+@pytest.mark.parametrize("kind", [OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAM], ids=lambda k: k.value)
 def test_untrusted_repeats_and_out_of_order_ids_are_summed(kind: OptimizerKind) -> None:
     """Wire requests may repeat ids inside a table (summed) and send them unsorted."""
     cfgs = _cfgs(kind)
