@@ -71,7 +71,7 @@ import torch
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, make_channel
-from ps import frame, routing, step_frame, wire
+from ps import frame, group_frame, routing, step_frame, wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.types import (
     StepResult,
@@ -678,16 +678,24 @@ class PsClient:
             late_clock = set(push_plan) if clock else set()
             late_dense, late_pull = sorted(parts), [pc for p in pull_plan.values() for pc in p.pieces]
         else:
-            push_req, pull_req = self._push_groups_request(push_jobs, step), self._pull_groups_request(pull_jobs, pull_step)
+            fp16 = self.value_dtype == wire.DType.FP16
             reqs = []
             for s in shards:
                 part = parts.get(s)
                 msg = step_frame.encode_step(
                     step_frame.REQUEST,
-                    push=push_req(push_plan[s].pieces, pmap) if s in push_plan else None,
+                    push=group_frame.encode_push(
+                        [(_names_of(push_jobs[j]), _counts_of(push_jobs[j], pos), push_jobs[j].ids, _grads(push_jobs[j]),
+                          _positions(push_jobs[j], pos)) for j, pos in push_plan[s].pieces],
+                        grad_dtype=self.grad_dtype, map_version=pmap.version, worker_id=self.worker_id, step=step)
+                    if s in push_plan else None,
                     dense=step_frame.encode_dense(part.names, flat if part.pos is None else flat[part.pos], part.sizes)
                     if part is not None else None,
-                    pull=pull_req(pull_plan[s].pieces, pmap) if s in pull_plan else None,
+                    pull=group_frame.encode_pull(
+                        [(_names_of(pull_jobs[j]), _counts_of(pull_jobs[j], pos), pull_jobs[j].ids,
+                          _positions(pull_jobs[j], pos)) for j, pos in pull_plan[s].pieces],
+                        fp16=fp16, map_version=pmap.version, worker_id=self.worker_id, step=pull_step)
+                    if s in pull_plan else None,
                     flags=step_frame.FLAG_WANT_VALUES if values is not None and part is not None else 0)
                 reqs.append((s, msg))
             if len(reqs) == 1:
@@ -716,7 +724,8 @@ class PsClient:
                     continue
                 self._note_up(s)
                 if s in push_plan and reply.push is not None:
-                    routing.add_push_counts(counts_out, frame.decode_push_reply(reply.push))
+                    _add_group_counts(counts_out, push_jobs, push_plan[s].pieces,
+                                      group_frame.decode(reply.push, group_frame.PUSH_REPLY))
                 if values is not None and s in parts:
                     self._take_dense(parts[s], reply.dense, values, s)
                 if s in pull_plan:
@@ -724,7 +733,8 @@ class PsClient:
                         log.debug("step pull deferred", extra=kv(shard=s, reason=reply.deferred_reason))
                         late_pull += pull_plan[s].pieces
                     else:
-                        _scatter_groups(pull_jobs, pull_plan[s].pieces, frame.decode_pull_reply(reply.pull), self._dims)
+                        _scatter_group_rows(pull_jobs, pull_plan[s].pieces,
+                                            group_frame.decode(reply.pull, group_frame.PULL_REPLY))
         if late_push or late_clock:
             self._fan_out("push", push_jobs, self._push_groups_request(push_jobs, step),
                           lambda pieces, resp: routing.add_push_counts(counts_out, resp),
@@ -1116,6 +1126,64 @@ class _DensePart:
             out.append((n, at, at + k))
             at += k
         return out
+
+
+def _names_of(job: routing.Job) -> tuple[str, ...]:
+    """A group job's tables."""
+    assert job.sections is not None
+    return job.sections[0]
+
+
+def _counts_of(job: routing.Job, pos: np.ndarray) -> np.ndarray:
+    """Ids per table of a group job's piece (``pos`` increasing: each table's positions one run)."""
+    assert job.sections is not None
+    if pos.size == job.ids.size:
+        return np.asarray(job.sections[1], dtype=np.int64)
+    return np.diff(np.searchsorted(pos, job.table_starts())).astype(np.int64)
+
+
+def _add_group_counts(counts: dict[str, dict[str, int]], jobs: list[routing.Job], pieces: list[routing.Piece],
+                      reply: group_frame.GroupFrame) -> None:
+    """A group push reply's counts (per group: [tables, COUNT_FIELDS]) added into ``counts`` per table.
+
+    Raises:
+        ps.wire.WireError: the reply's groups do not match the request's.
+    """
+    if len(reply.groups) != len(pieces):
+        raise wire.WireError(f"step reply: {len(reply.groups)} push groups, the request sent {len(pieces)}")
+    for (j, _), g in zip(pieces, reply.groups):
+        names = _names_of(jobs[j])
+        vals = g.values
+        if vals is None or vals.shape != (len(names), len(group_frame.COUNT_FIELDS)):
+            raise wire.WireError(f"step reply: push counts of shape {None if vals is None else vals.shape} for group "
+                                 f"{list(names)}")
+        for name, row in zip(names, vals.tolist()):
+            c = counts[name]
+            for f, v in zip(group_frame.COUNT_FIELDS, row):
+                c[f] += v
+
+
+def _scatter_group_rows(jobs: list[routing.Job], pieces: list[routing.Piece], reply: group_frame.GroupFrame) -> None:
+    """A group pull reply's rows into the jobs' ``out`` (the whole group in order: kept as a view).
+
+    Raises:
+        ps.wire.WireError: the reply's groups do not match the request's.
+    """
+    if len(reply.groups) != len(pieces):
+        raise wire.WireError(f"step reply: {len(reply.groups)} pull groups, the request asked for {len(pieces)}")
+    for (j, pos), g in zip(pieces, reply.groups):
+        job = jobs[j]
+        vals = g.values
+        if vals is None or vals.shape[0] != pos.size:
+            raise wire.WireError(f"step reply: {0 if vals is None else vals.shape[0]} rows for group '{job.table}', "
+                                 f"asked for {pos.size}")
+        rows = wire.to_float32(vals)
+        if job.out is None and pos.size == job.ids.size and routing.is_identity(pos):
+            job.out = rows
+            continue
+        if job.out is None:
+            job.out = np.empty((job.ids.size, rows.shape[1]), dtype=np.float32)
+        routing.as_tensor(job.out).index_copy_(0, torch.from_numpy(pos), routing.as_tensor(rows))
 
 
 def _push_group_jobs(tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],

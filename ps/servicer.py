@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import grpc
 import lmdb
 import numpy as np
+import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
@@ -99,7 +100,7 @@ from metaps.core.hashing import vshard_of
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
-from ps import frame, step_frame, wire
+from ps import frame, group_frame, step_frame, wire
 from ps.codec import checked_lease, dense_tensors, rows_from_chunk, rows_to_chunks
 from ps.config import NonfiniteMode
 from ps.errors import BadRequest, CheckpointError, CheckpointNoSpace, CheckpointNotFound, CheckpointWriteError
@@ -341,6 +342,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         self.load = LoadTotals()
         self._gate = Gate()
         self._touched = threading.local()  # .tables: the tables of this thread's data request (metrics)
+        self._group_cache: dict[tuple[str, ...], int] = {}
+        """StepFrame: table names of a storage group -> its index in the store."""
         self._frozen = np.zeros(pmap.num_vshards, dtype=bool)
         self._frozen_until = 0.0
         self.adopt_map(pmap)
@@ -658,18 +661,21 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
 
     @_rpc(data=True)
     def StepFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        """One worker step with this shard (``ps/step_frame.py``): push, dense, then pull.
+        """One worker step with this shard (``ps/step_frame.py``): push, dense, then pull, each
+        storage group as one run (``ps/group_frame.py``) handed to the group's store call.
 
         Everything that can refuse the push or dense part is checked before either is applied
-        (frames, dims, ids, NaN, dense names and sizes, the owner inside the gate); a pull that
-        cannot be served once they are applied is answered "deferred" with the reason.
+        (frames, groups, dims, ids, NaN, dense names and sizes, the owner inside the gate); a pull
+        that cannot be served once they are applied is answered "deferred" with the reason.
         """
         parts = step_frame.decode_step(request, step_frame.REQUEST, writable=True)  # the received bytes are ours
-        push = frame.decode_push_request(parts.push) if parts.push is not None else None
-        pushed = self._parse_push_frame(push) if push is not None else []
+        push = group_frame.decode(parts.push, group_frame.PUSH_REQUEST) if parts.push is not None else None
+        pushed = self._check_groups(push) if push is not None else []
         dense = self._dense_grads(parts.dense) if parts.dense is not None else None
-        pull = frame.decode_pull_request(parts.pull) if parts.pull is not None else None
-        pulled = self._parse_pull([(t.name, t.ids if t.ids is not None else b"") for t in pull.tables]) if pull else []
+        pull = group_frame.decode(parts.pull, group_frame.PULL_REQUEST) if parts.pull is not None else None
+        pulled = self._check_groups(pull) if pull is not None else []
+        if pull is not None:
+            self._touched.tables = tuple(t for g in pull.groups for t in g.names)
         values: dict[str, np.ndarray] = {}
 
         def dense_step() -> None:  # inside the push's gate entry: both applied, or neither
@@ -680,8 +686,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
 
         push_reply = None
         if push is not None:
-            results = self._push(pushed, push.map_version, push.worker_id, push.step, then=dense_step)
-            push_reply = frame.encode_push_reply([(p.table, int(p.ids.size), r) for p, r in zip(pushed, results)])
+            push_reply = group_frame.encode_push_reply(self._push_groups(push, pushed, then=dense_step))
         elif dense is not None:
             with self._gate.data(self.wait_timeout_s):
                 dense_step()
@@ -694,9 +699,10 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         flags = 0
         if pull is not None:
             try:
-                self._check_reply_size(pulled, pull.fp16, context)
+                self._check_reply_size([_Parsed(g.names[0], g.ids) for g in pull.groups if g.ids is not None and g.names],
+                                       pull.fp16, context)
                 self._check_staleness(pull.worker_id, pull.step)
-                pull_reply = self._pull_reply(pulled, pull.map_version, pull.fp16, framed=True)
+                pull_reply = self._pull_groups(pull, pulled)
             except (RpcAbort, ClockExpired, StalenessTimeout) as exc:  # the push and dense are applied: the
                 # client pulls by the ordinary path (it waits, rejoins, refreshes the map or splits there)
                 reason = (dict(exc.metadata).get(ERROR_KEY, "") or exc.code.name) if isinstance(exc, RpcAbort) \
@@ -704,6 +710,100 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
                 self.metrics.wait_answers.labels(str(self.shard_id), "StepFrame", f"pull_deferred:{reason}").inc()
                 pull_reply, flags = f"{reason}: {exc}".encode("utf-8"), step_frame.FLAG_PULL_DEFERRED
         return step_frame.encode_step(step_frame.REPLY, push=push_reply, dense=dense_reply, pull=pull_reply, flags=flags)
+
+    def _group_index(self, names: tuple[str, ...]) -> int:
+        """The store's group holding exactly ``names`` (cached), refused in one line otherwise."""
+        gi = self._group_cache.get(names)
+        if gi is None:
+            try:
+                gi = self._group_cache[names] = self.store.group_of(names)
+            except ValueError as exc:
+                raise bad(f"step frame: {exc}") from None
+        return gi
+
+    def _check_groups(self, fr: group_frame.GroupFrame) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """A group frame's groups checked whole (nothing applied yet): each a storage group of this
+        shard at its dim, ids >= 0, the row limit, finite gradients under ``nonfinite_grads =
+        "reject"``. Per group: (store group index, ids, grads or None) as tensors over the frame."""
+        out = []
+        total = 0
+        for g in fr.groups:
+            gi = self._group_index(g.names)
+            ids = g.ids if g.ids is not None else np.zeros(0, np.int64)
+            total += int(ids.size)
+            if ids.size and int(ids.min()) < 0:
+                row = int(np.argmax(ids < 0))
+                table = g.names[int(np.searchsorted(np.cumsum(g.counts), row, side="right"))]
+                raise bad(f"table '{table}': ids must be >= 0, got {int(ids[row])} at position {row} of its group")
+            grads = None
+            if fr.kind == group_frame.PUSH_REQUEST:
+                dim = self.store.groups[gi].dim
+                assert g.values is not None
+                if g.dim != dim:
+                    raise bad(f"group {list(g.names)}: push frame says grads dim {g.dim}, the tables' dim is {dim}")
+                vals = wire.to_float32(g.values)
+                if self.nonfinite_grads is NonfiniteMode.REJECT and vals.size:
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        finite = bool(np.isfinite(vals.sum(dtype=np.float32))) or bool(np.isfinite(vals).all())
+                    if not finite:
+                        rows = np.nonzero(~np.isfinite(vals).all(axis=1))[0]
+                        table = g.names[int(np.searchsorted(np.cumsum(g.counts), rows[0], side="right"))]
+                        self.metrics.nonfinite.labels(str(self.shard_id), table, "reject").inc(int(rows.size))
+                        raise bad(f"table '{table}': {rows.size} gradient row(s) of its group contain NaN/Inf "
+                                  f"(first: id {int(ids[rows[0]])}); nonfinite_grads='reject'")
+                grads = torch.from_numpy(vals)
+            out.append((gi, torch.from_numpy(ids), grads))
+        self._check_rows(total)
+        self._touched.tables = tuple(t for g in fr.groups for t in g.names)
+        return out
+
+    def _push_groups(self, fr: group_frame.GroupFrame, checked: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+                     then: Callable[[], None]) -> list[np.ndarray]:
+        """Apply a checked group push (and ``then``, in the same gate entry); per group its counts
+        int64 [tables, len(group_frame.COUNT_FIELDS)] for the reply."""
+        worker, step = fr.worker_id, fr.step
+        if step is not None and step < 0:
+            raise bad(f"step must be >= 0, got {step}")
+        if worker and step is not None:
+            self.clock.touch(worker)  # an expired worker rejoins before its push is applied
+        with self._gate.data(self.wait_timeout_s):
+            self._check_owner(fr.map_version, [_Parsed(g.names[0], g.ids) for g in fr.groups if g.ids is not None])
+            results = [self.store.push_group(gi, g.counts, ids, grads, trusted=False)
+                       for g, (gi, ids, grads) in zip(fr.groups, checked) if grads is not None]
+            then()
+        out = []
+        m = self.metrics.tables
+        shard = str(self.shard_id)
+        for g, res in zip(fr.groups, results):
+            counts = np.zeros((len(g.names), len(group_frame.COUNT_FIELDS)), dtype=np.int64)
+            counts[:, 0] = g.counts
+            present = np.flatnonzero(g.counts)
+            counts[present, 1:] = [[int(getattr(r, f) or 0) for f in PUSH_COUNT_FIELDS] for r in res]
+            col = 1 + PUSH_COUNT_FIELDS.index("nonfinite_dropped")
+            for k in np.flatnonzero(counts[:, col]):
+                self.metrics.nonfinite.labels(shard, g.names[k], "drop").inc(int(counts[k, col]))
+            m.rows("pushed", m.index(g.names), np.asarray(g.counts))
+            out.append(counts)
+        if worker and step is not None:
+            self.clock.advance(worker, step)
+        return out
+
+    def _pull_groups(self, fr: group_frame.GroupFrame, checked: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> bytes:
+        """A checked group pull: each group's rows gathered straight into the reply buffer."""
+        dtype = wire.DType.FP16 if fr.fp16 else wire.DType.FP32
+        buf = group_frame.PullReplyBuffer([(g.counts, int(g.counts.sum()), self.store.groups[gi].dim, dtype)
+                                           for g, (gi, _, _) in zip(fr.groups, checked)])
+        with self._gate.data(self.wait_timeout_s):
+            self._check_owner(fr.map_version, [_Parsed(g.names[0], g.ids) for g in fr.groups if g.ids is not None])
+            for i, (g, (gi, ids, _)) in enumerate(zip(fr.groups, checked)):
+                if dtype == wire.DType.FP32:
+                    self.store.pull_group(gi, g.counts, ids, out=torch.from_numpy(buf.rows(i)))
+                else:
+                    buf.rows(i)[...] = wire.wire_rows(self.store.pull_group(gi, g.counts, ids).numpy(), dtype)
+        m = self.metrics.tables
+        for g in fr.groups:
+            m.rows("pulled", m.index(g.names), np.asarray(g.counts))
+        return buf.bytes()
 
     def _dense_grads(self, data: memoryview) -> step_frame.DenseSection:
         """A step's dense part, checked before anything of the step is applied: known names, each

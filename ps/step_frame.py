@@ -4,9 +4,10 @@ A worker step used to cost three RPCs to every shard (PullFrame, PushFrame, Push
 StepFrame carries all three parts a shard needs from one step, and the shard applies them in
 this order inside one handler call::
 
-    push    the rows' gradients of step t (a push frame, ``ps/frame.py``; its step advances the clock)
+    push    the rows' gradients of step t (a group push frame, ``ps/group_frame.py``: per storage group
+            one run of ids and gradients; its step advances the clock)
     dense   the dense gradients of the parameters this shard owns, and their new values back
-    pull    the rows of the next batch (a pull frame), read after the push: a serial worker's
+    pull    the rows of the next batch (a group pull frame), read after the push: a serial worker's
             next rows include its own last update, as with separate calls
 
 Every part is optional. Every refusal of the push or dense part (a malformed frame, a wrong
@@ -24,8 +25,8 @@ Layout (little-endian, every part at an 8-aligned offset, zero-padded to 8)::
     kind      1 request, 2 reply
     flags     request: bit 0 dense values wanted back; reply: bit 1 pull deferred (the pull
               part is then the reason, UTF-8)
-    request   push = a push request frame, pull = a pull request frame
-    reply     push = a push reply frame, pull = a pull reply frame
+    request   push = a group push request, pull = a group pull request (``ps/group_frame.py``)
+    reply     push = a group push reply, pull = a group pull reply
 
     dense     16 B  magic "MPSD" | count u32 | floats u64
               per parameter 8 B: numel u32 | name_len u16 | 0 u16, then the names (UTF-8) zero-padded

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ps.dense_store import DenseStore
     from ps.embedding_table import EmbeddingTable, PushResult, TableRows
     from ps.partition_map import PartitionMap
+    from ps.table_group import TableGroup
 
 @dataclasses.dataclass
 class StepResult:
@@ -109,6 +110,25 @@ class RowStore(Protocol):
 
     def push_many(self, items: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> list[PushResult]:
         """:meth:`push` of several tables at once, every item checked before any is applied."""
+        ...
+
+    @property
+    def groups(self) -> Sequence[TableGroup]:
+        """The storage groups (tables of one dim and optimizer stored and updated together)."""
+        ...
+
+    def group_of(self, names: Sequence[str]) -> int:
+        """The index of the group holding exactly ``names`` (storage order); ValueError otherwise."""
+        ...
+
+    def pull_group(self, group: int, counts: np.ndarray, ids: "torch.Tensor",
+                   out: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """Rows of one group's ids (counts per table, ids table by table, >= 0), into ``out`` if given."""
+        ...
+
+    def push_group(self, group: int, counts: np.ndarray, ids: "torch.Tensor", grads: "torch.Tensor", *,
+                   trusted: bool = True) -> list[PushResult]:
+        """One group's gradients in one pass; ``trusted=False`` finds repeated ids (a remote caller)."""
         ...
 
     def export_vshards(self, vshards: Sequence[int]) -> dict[str, TableRows]:

@@ -72,6 +72,8 @@ SMOKES: dict[str, Smoke] = {
     "ps_scale": Smoke(("--smoke",), ("pull_50m_vs_1m", "push_50m_vs_1m", "bytes_per_row_ratio", "restore_rows_per_s")),
     "ps_storage": Smoke(("--smoke",), ("pull_vs_floor", "push_vs_floor_rowwise_adagrad", "insert_vs_hashmap",
                                        "stream_vs_known", "steady_new10_vs_known")),
+    "ps_step": Smoke(("--smoke",), ("ps_nonstore_cpu_per_rpc_vs_echo", "ps_cpu_ms_per_call", "echo_cpu_ms_per_call",
+                                    "store_cpu_ms_per_step")),
     "ps_throughput": Smoke(("--smoke",), ("pull_vs_echo", "push_vs_echo", "bytes_per_row_ratio")),
     "quality": Smoke(("--smoke",), ("dnn_click_norm_auc", "esmm_conversion_norm_auc", "logreg_click_norm_auc",
                                     "cold_click_adapted_minus_base_auc")),

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from ps import frame, step_frame
+from ps import group_frame, step_frame
 from ps.config import NonfiniteMode, OptimizerConfig, OptimizerKind, TableConfig
 from ps.partition_map import dense_owner
-from ps.wire import WireError
+from ps.wire import DType, WireError
 
 DIM = 8
 TABLES = [TableConfig(name=n, dim=DIM, capacity=4096, optimizer=OptimizerConfig(kind=OptimizerKind.ROWWISE_ADAGRAD))
@@ -93,11 +93,10 @@ def test_a_step_message_equals_the_ordinary_calls(ps_fleet, shards: int) -> None
 def _message(client, counts: np.ndarray, ids: torch.Tensor, grads: torch.Tensor, dense: np.ndarray | None,
              names: list[str] | None = None, pull_step: int = 1) -> bytes:
     pmap = client.pmap
-    push = frame.encode_push_request([(t, part.numpy(), g.numpy(), None) for t, part, g in
-                                      zip(NAMES, torch.split(ids, counts.tolist()), torch.split(grads, counts.tolist()))],
-                                     grad_dtype=client.grad_dtype, map_version=pmap.version, worker_id="w0", step=0)
-    pull = frame.encode_pull_request([(t, part.numpy(), None) for t, part in zip(NAMES, torch.split(ids, counts.tolist()))],
-                                     map_version=pmap.version, fp16=False, worker_id="w0", step=pull_step)
+    push = group_frame.encode_push([(NAMES, counts, ids.numpy(), grads.numpy(), None)], grad_dtype=client.grad_dtype,
+                                   map_version=pmap.version, worker_id="w0", step=0)
+    pull = group_frame.encode_pull([(NAMES, counts, ids.numpy(), None)], fp16=False, map_version=pmap.version,
+                                   worker_id="w0", step=pull_step)
     d = step_frame.encode_dense(names or list(DENSE), dense, SIZES) if dense is not None else None
     return step_frame.encode_step(step_frame.REQUEST, push=push, dense=d, pull=pull, flags=step_frame.FLAG_WANT_VALUES)
 
@@ -208,3 +207,56 @@ def test_dense_owners_split_the_message(ps_fleet) -> None:
     got = client.step_groups(dense=(list(DENSE), np.zeros_like(flat), SIZES))
     assert got.dense is not None
     np.testing.assert_allclose(got.dense, flat)  # a zero gradient leaves Adam's parameters where they were
+
+
+def test_the_group_codec_refuses_malformed_frames() -> None:
+    ids = np.array([5, 6, 7, 1, 2], np.int64)
+    counts = np.array([3, 0, 2], np.int64)
+    grads = np.arange(10, dtype=np.float32).reshape(5, 2)
+    data = group_frame.encode_push([(("a", "b", "c"), counts, ids, grads, np.array([0, 1, 2, 3, 4]))],
+                                   grad_dtype=DType.FP32, map_version=3, worker_id="w", step=4)
+    fr = group_frame.decode(data, group_frame.PUSH_REQUEST)
+    g = fr.groups[0]
+    assert (fr.map_version, fr.step, fr.worker_id, g.names) == (3, 4, "w", ("a", "b", "c"))
+    np.testing.assert_array_equal(g.counts, counts)
+    np.testing.assert_array_equal(g.ids, ids)
+    np.testing.assert_array_equal(g.values, grads)
+    part = group_frame.decode(group_frame.encode_pull([(("a", "b", "c"), np.array([1, 0, 1]), ids, np.array([0, 4]))],
+                                                      fp16=True, map_version=1, worker_id="", step=None),
+                              group_frame.PULL_REQUEST)
+    assert part.fp16 and part.step is None
+    np.testing.assert_array_equal(part.groups[0].ids, [5, 2])
+    with pytest.raises(WireError, match="group push request: short header"):
+        group_frame.decode(data[:20], group_frame.PUSH_REQUEST)
+    with pytest.raises(WireError, match="kind 1 .*expected 2"):
+        group_frame.decode(data, group_frame.PULL_REQUEST)
+    with pytest.raises(WireError, match=r"grads \(5 x dim 2\) needs 40 bytes"):
+        group_frame.decode(data[:-8], group_frame.PUSH_REQUEST)
+    with pytest.raises(WireError, match="bytes, its header and groups say"):
+        group_frame.decode(data + b"\0" * 8, group_frame.PUSH_REQUEST)
+    bad = bytearray(data)
+    off = 32 + 8 + 24 + 8  # header, worker id, descriptor, names: the counts vector
+    bad[off:off + 8] = np.array([4], np.int64).tobytes()
+    with pytest.raises(WireError, match=r"counts \[4, 0, 2\] do not add up to its 5 rows"):
+        group_frame.decode(bytes(bad), group_frame.PUSH_REQUEST)
+    with pytest.raises(WireError, match="table names must be non-empty without newlines"):
+        group_frame.encode_pull([(("a\nb",), np.array([1]), ids[:1], None)], fp16=False, map_version=1,
+                                worker_id="", step=None)
+
+
+def test_a_remote_step_push_sums_repeated_ids_as_a_push_does(ps_fleet) -> None:
+    """A StepFrame is untrusted: a table's repeated ids are summed, as PushFrame sums them."""
+    stepped, ref = ps_fleet(1, tables=TABLES), ps_fleet(1, tables=TABLES)
+    cs, cr = stepped.client(), ref.client()
+    ids = np.array([3, 3, 9, 4, 4, 4, 11], np.int64)
+    counts = np.array([3, 3, 1], np.int64)
+    grads = np.random.default_rng(2).standard_normal((7, DIM)).astype(np.float32)
+    msg = step_frame.encode_step(step_frame.REQUEST, push=group_frame.encode_push(
+        [(NAMES, counts, ids, grads, None)], grad_dtype=DType.FP32, map_version=cs.pmap.version, worker_id="", step=None))
+    step_frame.decode_step(cs._step_frame[0](msg, timeout=10), step_frame.REPLY)
+    parts = np.split(np.arange(7), np.cumsum(counts)[:-1])
+    cr.push({t: (ids[p], grads[p]) for t, p in zip(NAMES, parts)})
+    a, b = _held(stepped.servers), _held(ref.servers)
+    for t in NAMES:
+        np.testing.assert_array_equal(a[0][t][0], b[0][t][0])
+        np.testing.assert_array_equal(a[0][t][1], b[0][t][1])
