@@ -49,7 +49,7 @@ from protos import ps_pb2
 from ps import wire
 from ps.reply_buffer import RowsBuffer, writable_bytes, writable_view
 from ps.types import PUSH_COUNT_FIELDS
-from ps.wire import DType, WireError
+from ps.wire import Buffer, DType, WireError, pad8
 
 __all__ = [
     "MAGIC", "VERSION", "FrameTable", "Frame", "PullFrameBuffer", "encode_pull_request", "encode_push_request",
@@ -81,12 +81,7 @@ _ID = np.dtype("<i8")
 _COUNT_NAMES = ("rows",) + PUSH_COUNT_FIELDS
 
 
-Buffer = bytes | memoryview
-"""What a decoder reads: received bytes, or a part of them (a StepFrame's push or pull frame)."""
 
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 @dataclasses.dataclass
@@ -125,11 +120,11 @@ class Frame:
 # -- encoding ------------------------------------------------------------------------------------
 def _layout(worker: bytes, names: list[bytes]) -> tuple[int, list[int]]:
     """(offset where the payload starts, offset of each table descriptor)."""
-    pos = HEADER_BYTES + _pad8(len(worker))
+    pos = HEADER_BYTES + pad8(len(worker))
     offs = []
     for name in names:
         offs.append(pos)
-        pos += _TABLE.size + _pad8(len(name))
+        pos += _TABLE.size + pad8(len(name))
     return pos, offs
 
 
@@ -148,13 +143,13 @@ def _names(tables: Sequence[str]) -> list[bytes]:
 def _write_head(view: np.ndarray, kind: int, flags: int, map_version: int, step: int | None, worker: bytes,
                 names: list[bytes], descs: list[tuple[int, int, int]], offs: list[int]) -> None:
     """Header, worker id and table descriptors into ``view`` (zero padding included)."""
-    start = offs[0] if offs else HEADER_BYTES + _pad8(len(worker))
+    start = offs[0] if offs else HEADER_BYTES + pad8(len(worker))
     view[:start] = 0
     _HEADER.pack_into(view.data, 0, MAGIC, VERSION, kind, flags, 0, map_version, 0 if step is None else step,
                       len(worker), len(names), 0)
     view[HEADER_BYTES:HEADER_BYTES + len(worker)] = np.frombuffer(worker, dtype=np.uint8)
     for name, (n, dim, code), off in zip(names, descs, offs):
-        end = off + _TABLE.size + _pad8(len(name))
+        end = off + _TABLE.size + pad8(len(name))
         view[off:end] = 0
         _TABLE.pack_into(view.data, off, n, dim, len(name), code, 0)
         view[off + _TABLE.size:off + _TABLE.size + len(name)] = np.frombuffer(name, dtype=np.uint8)
@@ -171,7 +166,7 @@ def _flags(fp16: bool, step: int | None) -> int:
 
 def _region(view: np.ndarray, off: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """A writable typed region of ``view``; its padding to 8 zeroed."""
-    view[off + nbytes:off + _pad8(nbytes)] = 0
+    view[off + nbytes:off + pad8(nbytes)] = 0
     return view[off:off + nbytes].view(dtype).reshape(shape)
 
 
@@ -224,7 +219,7 @@ def encode_push_request(tables: Sequence[tuple[str, np.ndarray, np.ndarray, np.n
     item = grad_dtype.numpy.itemsize
     shapes = [(int(ids.size if pos is None else pos.size), int(g.shape[1])) for _, ids, g, pos in tables]
     payload, offs = _layout(worker, names)
-    total = payload + sum(8 * n + _pad8(n * d * item) for n, d in shapes)
+    total = payload + sum(8 * n + pad8(n * d * item) for n, d in shapes)
     data, view = writable_bytes(total)
     _write_head(view, PUSH_REQUEST, _flags(False, step), map_version, step, worker, names,
                 [(n, d, _CODE[grad_dtype]) for n, d in shapes], offs)
@@ -233,7 +228,7 @@ def encode_push_request(tables: Sequence[tuple[str, np.ndarray, np.ndarray, np.n
         _put_ids(_region(view, at, 8 * n, _ID, (n,)), ids, pos)
         at += 8 * n
         dst = _region(view, at, n * d * item, grad_dtype.numpy, (n, d))
-        at += _pad8(n * d * item)
+        at += pad8(n * d * item)
         if not n * d:
             continue
         if grad_dtype == DType.FP32 and grads.dtype == np.float32:
@@ -263,12 +258,12 @@ class PullFrameBuffer(RowsBuffer):
         for _, dt, n, dim in tables:
             nbytes = int(n) * int(dim) * dt.numpy.itemsize
             self._spans.append((at, nbytes, dt, int(n), int(dim)))
-            at += _pad8(nbytes)
+            at += pad8(nbytes)
         self._bytes, self._view = writable_bytes(at)
         _write_head(self._view, PULL_REPLY, _flags(fp16, None), 0, None, b"", names,
                     [(int(n), int(dim), _CODE[dt]) for _, dt, n, dim in tables], offs)
         for off, nbytes, _, _, _ in self._spans:
-            self._view[off + nbytes:off + _pad8(nbytes)] = 0
+            self._view[off + nbytes:off + pad8(nbytes)] = 0
 
 
 def encode_pull_reply(tables: Sequence[tuple[str, DType, np.ndarray]]) -> bytes:
@@ -325,7 +320,7 @@ def _parse(data: Buffer, kind: int) -> tuple[Frame, list[tuple[int, int, int]], 
         raise WireError(f"{what} frame: unknown flag bits {flags & ~_FLAGS:#x} (known: fp16 {FLAG_FP16}, step {FLAG_STEP})")
     pos = HEADER_BYTES
     worker = _utf8(data, pos, wlen, f"{what} frame: worker id")
-    pos += _pad8(wlen)
+    pos += pad8(wlen)
     tables: list[FrameTable] = []
     descs: list[tuple[int, int, int]] = []
     for i in range(ntables):
@@ -335,7 +330,7 @@ def _parse(data: Buffer, kind: int) -> tuple[Frame, list[tuple[int, int, int]], 
         n, dim, nlen, code, _ = _TABLE.unpack_from(data, pos)
         pos += _TABLE.size
         name = _utf8(data, pos, nlen, f"{what} frame: table {i} of {ntables}: name")
-        pos += _pad8(nlen)
+        pos += pad8(nlen)
         if n < 0:
             raise WireError(f"{what} frame: table '{name}': n must be >= 0, got {n}")
         tables.append(FrameTable(name=name, n=n, dim=dim, dtype=_FROM_CODE.get(code)))
@@ -360,7 +355,7 @@ def _take(data: Buffer, pos: int, nbytes: int, what: str, table: str, field: str
     if pos + nbytes > len(data):
         raise WireError(f"{what} frame: table '{table}': {field} need {nbytes} bytes ({detail}) at offset {pos}, "
                         f"the frame has {max(0, len(data) - pos)} left")
-    return pos + _pad8(nbytes)
+    return pos + pad8(nbytes)
 
 
 def _check_end(data: Buffer, pos: int, what: str) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from ps.reply_buffer import writable_bytes
 from ps.types import PUSH_COUNT_FIELDS
-from ps.wire import DType, WireError
+from ps.wire import Buffer, DType, WireError, pad8
 
 __all__ = ["PUSH_REQUEST", "PULL_REQUEST", "PULL_REPLY", "PUSH_REPLY", "GroupPart", "GroupFrame", "encode", "decode",
            "PullReplyBuffer", "COUNT_FIELDS"]
@@ -62,11 +62,7 @@ _ID = np.dtype("<i8")
 COUNT_FIELDS = ("rows",) + PUSH_COUNT_FIELDS
 """The columns of a push reply's counts: rows sent, then the store's PushResult fields."""
 
-Buffer = bytes | memoryview
 
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 @dataclasses.dataclass
@@ -104,16 +100,16 @@ class GroupFrame:
 
 def _layout(kind: int, worker: bytes, parts: Sequence[tuple[bytes, int, int, int, int]]) -> tuple[int, list[int]]:
     """(total size, offset of each group's descriptor); parts: (names blob, tables, n, dim, itemsize)."""
-    at = _HEADER.size + _pad8(len(worker))
+    at = _HEADER.size + pad8(len(worker))
     offs = []
     for blob, tables, _, _, _ in parts:
         offs.append(at)
-        at += _GROUP.size + _pad8(len(blob)) + 8 * tables
+        at += _GROUP.size + pad8(len(blob)) + 8 * tables
     for _, tables, n, dim, item in parts:
         if kind in (PUSH_REQUEST, PULL_REQUEST):
             at += 8 * n
         if kind == PUSH_REQUEST or kind == PULL_REPLY:
-            at += _pad8(n * dim * item)
+            at += pad8(n * dim * item)
         if kind == PUSH_REPLY:
             at += 8 * tables * len(COUNT_FIELDS)
     return at, offs
@@ -151,16 +147,16 @@ class _Writer:
             _GROUP.pack_into(v.data, off, n, dim, len(blob), tables, code, 0, 0)
             at = off + _GROUP.size
             v[at:at + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-            at += _pad8(len(blob))
+            at += pad8(len(blob))
             v[at:at + 8 * tables].view(_ID)[:] = counts
-        self.at = offs[-1] + _GROUP.size + _pad8(len(shapes[-1][0])) + 8 * shapes[-1][1] if offs else \
-            _HEADER.size + _pad8(len(worker))
+        self.at = offs[-1] + _GROUP.size + pad8(len(shapes[-1][0])) + 8 * shapes[-1][1] if offs else \
+            _HEADER.size + pad8(len(worker))
         self.total = total
 
     def region(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """The next ``nbytes`` of payload as a writable array (advances past its padding)."""
         out = self.view[self.at:self.at + nbytes].view(dtype).reshape(shape)
-        self.at += _pad8(nbytes)
+        self.at += pad8(nbytes)
         return out
 
     def bytes(self) -> bytes:
@@ -270,7 +266,7 @@ def decode(data: Buffer, kind: int) -> GroupFrame:
         worker = bytes(data[at:at + wlen]).decode("utf-8")
     except UnicodeDecodeError:
         raise WireError(f"{what}: worker id is not UTF-8") from None
-    at += _pad8(wlen)
+    at += pad8(wlen)
     groups: list[GroupPart] = []
     descs = []
     for gi in range(ngroups):
@@ -282,7 +278,7 @@ def decode(data: Buffer, kind: int) -> GroupFrame:
             names = tuple(bytes(data[at:at + blen]).decode("utf-8").split("\n")) if blen else ()
         except UnicodeDecodeError:
             raise WireError(f"{what}: group {gi}: table names are not UTF-8") from None
-        at += _pad8(blen)
+        at += pad8(blen)
         if kind in (PUSH_REQUEST, PULL_REQUEST) and len(names) != tables:
             raise WireError(f"{what}: group {gi}: {len(names)} table names for {tables} tables")
         need(8 * tables, f"group {gi} {list(names)}: counts")
@@ -307,7 +303,7 @@ def decode(data: Buffer, kind: int) -> GroupFrame:
             need(nbytes, f"group {gi} {list(g.names)}: {'grads' if kind == PUSH_REQUEST else 'rows'} ({n} x dim {dim})")
             g.values = np.frombuffer(data, dtype=_DT[code], count=n * dim, offset=at).reshape(n, dim) if n * dim else \
                 np.zeros((n, dim), _DT[code])
-            at += _pad8(nbytes)
+            at += pad8(nbytes)
         if kind == PUSH_REPLY:
             need(8 * tables * dim, f"group {gi}: counts")
             g.values = np.frombuffer(data, dtype=_ID, count=tables * dim, offset=at).reshape(tables, dim)

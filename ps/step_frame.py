@@ -52,7 +52,7 @@ from typing import Sequence
 import numpy as np
 
 from ps.reply_buffer import writable_bytes, writable_view
-from ps.wire import WireError
+from ps.wire import Buffer, WireError, pad8
 
 __all__ = [
     "STEP_METHOD", "STEP_PATH", "REQUEST", "REPLY", "StepParts", "DenseSection", "encode_step", "decode_step",
@@ -73,11 +73,7 @@ _DENSE_HEAD = struct.Struct("<4sIQ")
 _DENSE_PARAM = struct.Struct("<IHH")
 _KINDS = {REQUEST: "step request", REPLY: "step reply"}
 
-Buffer = bytes | memoryview
 
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
 
 
 @dataclasses.dataclass
@@ -117,15 +113,15 @@ def encode_step(kind: int, *, push: Buffer | None = None, dense: Buffer | None =
     """
     parts = [p if p is not None else b"" for p in (push, dense, pull)]
     sizes = [len(p) for p in parts]
-    total = _ENVELOPE.size + sum(_pad8(n) for n in sizes)
+    total = _ENVELOPE.size + sum(pad8(n) for n in sizes)
     data, view = writable_bytes(total)
     _ENVELOPE.pack_into(view.data, 0, MAGIC, VERSION, kind, flags, 0, *sizes)
     at = _ENVELOPE.size
     for part, n in zip(parts, sizes):
         if n:
             view[at:at + n] = np.frombuffer(part, dtype=np.uint8)
-        view[at + n:at + _pad8(n)] = 0
-        at += _pad8(n)
+        view[at + n:at + pad8(n)] = 0
+        at += pad8(n)
     return data if data is not None else view.tobytes()
 
 
@@ -155,7 +151,7 @@ def decode_step(data: bytes, kind: int, *, writable: bool = False) -> StepParts:
     known = FLAG_WANT_VALUES if kind == REQUEST else FLAG_PULL_DEFERRED
     if flags & ~known:
         raise WireError(f"{what}: unknown flag bits {flags & ~known:#x}")
-    need = _ENVELOPE.size + sum(_pad8(n) for n in sizes)
+    need = _ENVELOPE.size + sum(pad8(n) for n in sizes)
     if need != size:
         raise WireError(f"{what}: {size} bytes, its envelope says {need} (push {sizes[0]}, dense {sizes[1]}, "
                         f"pull {sizes[2]})")
@@ -165,7 +161,7 @@ def decode_step(data: bytes, kind: int, *, writable: bool = False) -> StepParts:
     at = _ENVELOPE.size
     for n in sizes:
         out.append(mv[at:at + n] if n else None)
-        at += _pad8(n)
+        at += pad8(n)
     return StepParts(kind, out[0], out[1], out[2], want_values=bool(flags & FLAG_WANT_VALUES) and kind == REQUEST,
                      pull_deferred=bool(flags & FLAG_PULL_DEFERRED) and kind == REPLY)
 
@@ -216,7 +212,7 @@ def encode_dense(names: Sequence[str], flat: np.ndarray, sizes: Sequence[int]) -
         raise WireError(f"dense part: {flat.size} floats for parameters of {total}")
     blob = b"".join(enc)
     head = _DENSE_HEAD.size + _DENSE_PARAM.size * len(enc)
-    nbytes = head + _pad8(len(blob)) + 4 * total
+    nbytes = head + pad8(len(blob)) + 4 * total
     data, view = writable_bytes(nbytes)
     _DENSE_HEAD.pack_into(view.data, 0, DENSE_MAGIC, len(enc), total)
     at = _DENSE_HEAD.size
@@ -224,8 +220,8 @@ def encode_dense(names: Sequence[str], flat: np.ndarray, sizes: Sequence[int]) -
         _DENSE_PARAM.pack_into(view.data, at, int(k), len(b), 0)
         at += _DENSE_PARAM.size
     view[at:at + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-    view[at + len(blob):at + _pad8(len(blob))] = 0
-    at += _pad8(len(blob))
+    view[at + len(blob):at + pad8(len(blob))] = 0
+    at += pad8(len(blob))
     view[at:].view(np.float32)[:] = flat
     return data if data is not None else view.tobytes()
 
@@ -255,8 +251,8 @@ def decode_dense(data: Buffer) -> DenseSection:
     if sum(sizes) != total:
         raise WireError(f"dense part: parameter sizes add up to {sum(sizes)}, the header says {total}")
     blob_len = sum(lens)
-    if at + _pad8(blob_len) + 4 * total != size:
-        raise WireError(f"dense part: {size} bytes, its header and descriptors say {at + _pad8(blob_len) + 4 * total}")
+    if at + pad8(blob_len) + 4 * total != size:
+        raise WireError(f"dense part: {size} bytes, its header and descriptors say {at + pad8(blob_len) + 4 * total}")
     names = []
     pos = at
     for nlen in lens:
@@ -267,6 +263,6 @@ def decode_dense(data: Buffer) -> DenseSection:
         if not nlen:
             raise WireError("dense part: a parameter name is empty")
         pos += nlen
-    flat = np.frombuffer(data, dtype=np.float32, count=total, offset=at + _pad8(blob_len)) if total else \
+    flat = np.frombuffer(data, dtype=np.float32, count=total, offset=at + pad8(blob_len)) if total else \
         np.empty(0, dtype=np.float32)
     return DenseSection(names, sizes, flat)

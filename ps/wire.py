@@ -64,6 +64,14 @@ _PROTO: dict[DType, int] = {DType.FP32: int(ps_pb2.DTYPE_FP32), DType.FP16: int(
 _FROM_PROTO: dict[int, DType] = {v: k for k, v in _PROTO.items()}
 _ID_DTYPE = np.dtype("<i8")
 
+Buffer = bytes | memoryview
+"""What a frame decoder reads: received bytes, or a part of them (a StepFrame's push or pull)."""
+
+
+def pad8(n: int) -> int:
+    """``n`` rounded up to a multiple of 8 (every frame part starts 8-aligned)."""
+    return (n + 7) & ~7
+
 
 def encode_ids(ids: np.ndarray) -> bytes:
     """int64 ids as little-endian bytes."""
