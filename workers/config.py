@@ -64,8 +64,9 @@ class TrainConfig:
         workers: worker processes in the fleet.
         epochs: passes over the train dataset.
         dense_sync: where dense parameters are kept in step.
-        overlap: pull the next batch's rows (and push this step's) while the current step
-            computes; rows are then one step stale for this worker. ``"auto"`` (default): the
+        overlap: send the last step's push and dense gradients with the next batch's pull
+            while the current step computes; rows and (``dense_sync = "ps"``) dense parameters
+            are then exactly one step stale for this worker. ``"auto"`` (default): the
             worker times its first steps both ways and keeps the faster (``workers.overlap``;
             logged, and in the worker's report); ``true`` / ``false``: always / never, a fixed
             schedule (reproducible runs).
