@@ -1,7 +1,7 @@
 """bench.chaos's judge can fail: fleets of deliberately broken builds fail it, a correct one passes.
 
 Each case is a real ``metaps launch`` (controller, PS, worker, agents as processes, gRPC on
-127.0.0.1; 1 PS, 1 worker, 2 epochs) with the ``kill_ps`` fault struck at its state (the
+127.0.0.1; 1 PS, 1 worker, 3 epochs) with the ``kill_ps`` fault struck at its state (the
 bench's cut committed, a shard done after it). The broken builds are applied from outside
 the product by ``metaps.core.faults.install_test_breaks`` (a ``sitecustomize`` on the
 fleet's ``PYTHONPATH``):
@@ -40,8 +40,9 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
 
     def one(build: str) -> dict[str, Any]:
         breaks = "" if build == "correct" else build
-        # 2 epochs: room after the cut for training it cannot hold (bench/chaos.py, "strike at states")
-        res = chaos.run_fleet(f, data, root / build, breaks=breaks, workers=1, ps=1, epochs=2)
+        # 3 epochs: room after the cut for training it cannot hold (bench/chaos.py, "strike at states"); with
+        # one message per step 2 epochs could end before a shard was leased after the cut ("not exercised")
+        res = chaos.run_fleet(f, data, root / build, breaks=breaks, workers=1, ps=1, epochs=3)
         row = chaos.judge(f, res, specs, ids)
         row["launch_tail"] = res["tail"]
         return row

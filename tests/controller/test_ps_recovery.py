@@ -79,7 +79,7 @@ def test_killed_ps_is_restarted_restored_and_the_job_completes(tmp_path: Path) -
     # ps.max_staleness effectively unbounded: with a small bound, a worker idle in DDS WAIT holds back a worker that is
     # ahead and holds the last shard (a deadlock that is not about PS recovery; reported separately)
     mapping = job_mapping(data, tmp_path, workers=2, ps=2,
-                         train={"mode": "meta", "workers": 2, "overlap": False, "log_every": 2, "epochs": 3},
+                         train={"mode": "meta", "workers": 2, "overlap": False, "log_every": 2, "epochs": 6},
                          controller={"heartbeat_timeout_s": 30.0, "tick_s": 0.1, "checkpoint_interval_s": 1.0,
                                      "dds": {"batches_per_shard": 2}, "monitor": {"window_s": 1.0},
                                      "agent": agent})
