@@ -100,6 +100,19 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _check_figures(method: str, values: list[tuple[str, float]], *, signed: tuple[str, ...] = ()) -> None:
+    """Refuse figures a report cannot carry (NaN, inf; negative unless named in ``signed``), naming
+    the field: one would poison a median window, a progress figure or the run report.
+
+    Raises:
+        ValueError: the first bad figure (the RPC answers INVALID_ARGUMENT, nothing recorded).
+    """
+    for name, v in values:
+        if not math.isfinite(v) or (v < 0 and name not in signed):
+            kind = "a finite number" if name in signed else "a finite number >= 0"
+            raise ValueError(f"{method}: {name} must be {kind}, got {v}")
+
+
 def _check_metrics(request: pb.ReportMetricsRequest) -> None:
     """Refuse timings the Monitor cannot use (NaN, inf, negative): one would poison a median window."""
     values: list[tuple[str, float]] = [(f"batch_times_s[{i}]", float(v)) for i, v in enumerate(request.batch_times_s)]
@@ -107,9 +120,19 @@ def _check_metrics(request: pb.ReportMetricsRequest) -> None:
                ("queue_depth", request.queue_depth), ("samples", float(request.samples))]
     values += [(f"ps_pull_latency_s[{k}]", v) for k, v in request.ps_pull_latency_s.items()]
     values += [(f"ps_push_latency_s[{k}]", v) for k, v in request.ps_push_latency_s.items()]
-    for name, v in values:
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"ReportMetrics: {name} must be a finite number >= 0, got {v}")
+    _check_figures("ReportMetrics", values)
+
+
+def _check_heartbeat(request: pb.HeartbeatRequest) -> None:
+    """A heartbeat's figures: memory and CPU finite and >= 0, the free-form metrics finite."""
+    metrics = [(f"metrics[{k!r}]", float(v)) for k, v in request.metrics.items()]
+    _check_figures("Heartbeat", [("rss_bytes", request.rss_bytes), ("cpu_percent", request.cpu_percent)] + metrics,
+                   signed=tuple(name for name, _ in metrics))
+
+
+def _check_report(method: str, samples: int, elapsed_s: float) -> None:
+    """A shard report's figures (the ledger keeps them): samples and seconds finite and >= 0."""
+    _check_figures(method, [("samples", float(samples)), ("elapsed_s", elapsed_s)])
 
 
 def _node(ref: pb.NodeRef) -> tuple[str, int, str]:
@@ -141,6 +164,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         role, index, source = _node(request.node)
+        _check_heartbeat(request)
         got = self.s.registry.heartbeat(role, index, source, request.step, request.rss_bytes, request.cpu_percent,
                                         dict(request.metrics), request.child_restarts if source == "agent" else -1,
                                         request.incarnation_id, request.stopped)
@@ -171,6 +195,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         report = None
         if request.HasField("done"):  # report + lease in one transaction (dds.report_and_get)
             d = request.done
+            _check_report("GetShard: done", d.samples, d.elapsed_s)
             if d.worker != request.worker:
                 raise ValueError(f"GetShard: done.worker must be the requesting worker {request.worker}, "
                                  f"got {d.worker} (shard {d.shard_id})")
@@ -202,6 +227,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @_guard
     def ReportShard(self, request: pb.ReportShardRequest, context: grpc.ServicerContext) -> pb.ReportShardResponse:
         self._require_worker(request.worker)
+        _check_report("ReportShard", request.samples, request.elapsed_s)
         if self.s.liveness is not None:  # done with it, whatever the DDS makes of the report
             self.s.liveness.reported(request.worker, request.shard_id)
         r = self.s.dds.report(request.worker, request.shard_id, request.attempt, request.status,

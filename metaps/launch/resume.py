@@ -10,8 +10,10 @@ ledger and the committed checkpoint cuts) and the checkpoints. Continuing means:
     every PS shard restored from that cut's checkpoint (rows and dense state of the cut)
     workers numbering steps from the cut's step    (LR schedule, step limit and logs go on)
 
-so no sample is trained twice into the model beyond the cut: work after the cut is
-rolled back in the PS and in the DDS alike (the ledger marks it replayed). A warm
+so work after the cut is rolled back in the PS and in the DDS alike (the ledger marks it
+replayed) and trained again. One thing is trained twice into the model: a shard in flight at
+the cut is redone from its first batch, so its batches trained before the cut (they are in the
+cut's rows) are trained again after it; the report counts them as replayed. A warm
 start (``--resume-from``) is something else: a new run, fresh data accounting, the
 model of a checkpoint.
 
