@@ -57,7 +57,7 @@ from controller.ps_mover import NothingToMove
 from controller.ps_recovery import PsRecovery
 from controller.run_outcome import RUN_FAILED, RunOutcome
 from controller.servicer import ControllerServicer
-from controller.state import Event, EventLog, StateStore
+from controller.state import Event, EventLog, StateDirLock, StateStore
 from controller.types import NODE_FINISHED, DatasetSpec
 from metaps.core.atomic_write import write_text_atomic
 from metaps.core.log import kv
@@ -96,27 +96,34 @@ class ControllerServer:
         self.rpc_cfg = rpc_cfg or RpcConfig()
         self.state_dir = Path(state_dir)
         self.clock = clock
-        self.store = StateStore(self.state_dir, fsync=cfg.fsync)
-        self.events = EventLog(self.store)
-        self.dds = DynamicDataSharding(self.store, cfg.dds, datasets, self.events, clock)
-        self.monitor = Monitor(cfg.monitor, clock)
-        self.registry = NodeRegistry(self.store, clock)
-        self.worker_claims = WorkerClaims(self.store, self.registry, clock)  # pods of a work-queue Job
-        self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
-        self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
-        self.policy = policy or make_policy(cfg)
-        self.ps_mover = ps_mover
-        self._server: Any = None
-        self._stop = threading.Event()
-        self.shutdown_requested = threading.Event()
-        self._loop: threading.Thread | None = None
-        self._last_ckpt = clock()
-        self._movers: list[threading.Thread] = []
-        self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
-        self.recovery = PsRecovery(self, ps_fleet, pause_lease_s=cfg.heartbeat_timeout_s)
-        self.outcome = RunOutcome(self, end_fleet=end_fleet, expected_workers=expected_workers)
-        self.address = ""
-        self._truncates: set[tuple[str, int]] = set()  # truncate commands sent by this process
+        self._dir_lock = StateDirLock(self.state_dir)  # one controller per state directory, before any read
+        try:
+            self.store = StateStore(self.state_dir, fsync=cfg.fsync)
+            self.events = EventLog(self.store)
+            self.dds = DynamicDataSharding(self.store, cfg.dds, datasets, self.events, clock)
+            self.monitor = Monitor(cfg.monitor, clock)
+            self.registry = NodeRegistry(self.store, clock)
+            self.worker_claims = WorkerClaims(self.store, self.registry, clock)  # pods of a work-queue Job
+            self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
+            self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
+            self.policy = policy or make_policy(cfg)
+            self.ps_mover = ps_mover
+            self._server: Any = None
+            self._stop = threading.Event()
+            self.shutdown_requested = threading.Event()
+            self._loop: threading.Thread | None = None
+            self._last_ckpt = clock()
+            self._movers: list[threading.Thread] = []
+            self.fleet_lock = threading.Lock()  # one fleet change at a time: a vshard move or a PS recovery
+            self.recovery = PsRecovery(self, ps_fleet, pause_lease_s=cfg.heartbeat_timeout_s)
+            self.outcome = RunOutcome(self, end_fleet=end_fleet, expected_workers=expected_workers)
+            self.address = ""
+            self._truncates: set[tuple[str, int]] = set()  # truncate commands sent by this process
+        except BaseException:
+            if hasattr(self, "store"):
+                self.store.close()
+            self._dir_lock.release()
+            raise
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -150,6 +157,7 @@ class ControllerServer:
             self._server.stop(grace).wait()
             self._server = None
         self.store.close()
+        self._dir_lock.release()
         log.info("controller stopped", extra=kv(address=self.address))
 
     def continue_from_latest_cut(self) -> dict[str, Any]:

@@ -15,8 +15,11 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
+import socket
 import struct
 import threading
 import time
@@ -123,6 +126,60 @@ class StateCorrupt(MetapsError):
     """
 
     code = "data_loss"
+
+
+class StateLocked(MetapsError):
+    """Another controller holds this state directory: one controller per state directory.
+
+    The message names the directory and the holder (pid, host, since when), in one line.
+    """
+
+    code = "failed_precondition"
+
+
+class StateDirLock:
+    """The exclusive lock a serving controller holds on its state directory.
+
+    An ``flock`` on ``DIR/controller.lock`` (released by the kernel when the holder's process
+    ends, whatever the way), with the holder's pid, host and start time written into the file
+    for the refusal message. A second controller on the same directory (by mistake, or a
+    replacement started before the old one is gone) is refused before it opens the LMDB state,
+    so it cannot open checkpoint cuts or requeue shards in a live run's state. Readers (the run
+    report, ``--resume`` planning) open the state without it.
+
+    Args:
+        path: the state directory (created if missing).
+
+    Raises:
+        StateLocked: another process (or another open lock in this one) holds it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path) / "controller.lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "{}")
+            except (ValueError, UnicodeDecodeError):
+                holder = {}
+            os.close(fd)
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(holder["since"])) if "since" in holder else "?"
+            raise StateLocked(
+                f"controller state {self.path.parent} is in use by another controller (pid {holder.get('pid', '?')} "
+                f"on {holder.get('host', '?')} since {since}): one controller per state directory; stop that one "
+                f"first, or give this one another state directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Let another controller have the directory (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
 
 
 class StateStore:
