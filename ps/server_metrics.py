@@ -120,6 +120,8 @@ class TableCounters:
         self._lock = threading.Lock()
         self._names: list[str] = []
         self._index: dict[str, int] = {}
+        self._by_tuple: dict[tuple[str, ...], np.ndarray] = {}
+        """Row numbers per table tuple already seen (read-only arrays; rows never move)."""
         self._rows: dict[str, np.ndarray] = {"pulled": np.zeros(0, np.int64), "pushed": np.zeros(0, np.int64)}
         self._hist: dict[str, np.ndarray] = {}  # method -> int64 [tables, buckets + 1] (non-cumulative)
         self._sums: dict[str, np.ndarray] = {}  # method -> float64 [tables]
@@ -127,9 +129,16 @@ class TableCounters:
 
     def index(self, tables: tuple[str, ...]) -> np.ndarray:
         """Row numbers of ``tables`` (new names get rows): what :meth:`rows` and :meth:`observe` take."""
+        got = self._by_tuple.get(tables)  # a request's table tuple repeats every step: one dict hit
+        if got is not None:
+            return got
         idx = self._index
         if all(t in idx for t in tables):
-            return np.fromiter((idx[t] for t in tables), dtype=np.int64, count=len(tables))
+            got = np.fromiter((idx[t] for t in tables), dtype=np.int64, count=len(tables))
+            got.setflags(write=False)
+            if len(self._by_tuple) < 4096:  # bounded: clients choose the tuples
+                self._by_tuple[tables] = got
+            return got
         with self._lock:
             for t in tables:
                 if t not in idx:

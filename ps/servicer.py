@@ -84,6 +84,7 @@ import functools
 import json
 import logging
 import math
+import operator
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -224,6 +225,8 @@ def _rpc(data: bool, name: str | None = None) -> Callable[[Handler], Handler]:
 
 
 _NO_GRADS = np.zeros((0, 0), dtype=np.float32)
+_RESULT_FIELDS = operator.attrgetter(*PUSH_COUNT_FIELDS)
+"""A PushResult's counts as a tuple, in PUSH_COUNT_FIELDS order (one C call a table)."""
 
 
 class _Handlers:
@@ -778,7 +781,8 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
             counts = np.zeros((len(g.names), len(group_frame.COUNT_FIELDS)), dtype=np.int64)
             counts[:, 0] = g.counts
             present = np.flatnonzero(g.counts)
-            counts[present, 1:] = [[int(getattr(r, f) or 0) for f in PUSH_COUNT_FIELDS] for r in res]
+            if present.size:
+                counts[present, 1:] = list(map(_RESULT_FIELDS, res))
             col = 1 + PUSH_COUNT_FIELDS.index("nonfinite_dropped")
             for k in np.flatnonzero(counts[:, col]):
                 self.metrics.nonfinite.labels(shard, g.names[k], "drop").inc(int(counts[k, col]))

@@ -412,7 +412,20 @@ class TableGroup:
         if n_known == r.size:
             return out
         ids_np = ids.numpy()
-        for i, lo, hi in spans:
+        # One pass over every table's unknown ids: when each table's run is strictly increasing (a
+        # reader's unique ids are sorted), they are unique and already in insertion order.
+        miss_all = np.flatnonzero(~known)
+        starts = np.fromiter((lo for _, lo, _ in spans), dtype=np.int64, count=len(spans))
+        owner = np.searchsorted(starts, miss_all, side="right") - 1
+        new_ids = ids_np[miss_all]
+        same = owner[1:] == owner[:-1]
+        if bool((new_ids[1:][same] > new_ids[:-1][same]).all()):
+            cuts = np.flatnonzero(~same) + 1
+            for k, pos in zip(owner[np.concatenate(([0], cuts))].tolist(), np.split(miss_all, cuts)):
+                i, lo, _ = spans[k]
+                out[i] = pos - lo
+            return out
+        for i, lo, hi in spans:  # some table's unknown ids are out of order (or repeat): table by table
             miss = np.flatnonzero(~known[lo:hi])
             if not miss.size:
                 continue

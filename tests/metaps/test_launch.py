@@ -57,8 +57,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def e2e(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One full launch: 1 PS, 2 workers, meta mode, train + held-out eval."""
     root = tmp_path_factory.mktemp("launch-e2e")
+    # 3 epochs (15 shards of 4 batches): a fleet trains a step per message now, and with one epoch (5 shards)
+    # the first worker could take them all before the second one had started
     cfg = write_job_file(root / "job.toml", data, workers=3, ps=2,  # the flags below override both counts
-                         run={"plots": True})
+                         run={"plots": True}, train={"epochs": 3})
     run = root / "run"
     try:
         proc = subprocess.run(_launch_cmd("--config", str(cfg), "--workers", "2", "--ps", "1", "--run-dir", str(run),
@@ -102,9 +104,11 @@ def test_launch_end_to_end_report(e2e: dict[str, Any]) -> None:
     assert cov["complete"], cov["problems"]
     assert rep["controller"]["finished"] is True
     train = [e for e in rep["shards"] if e["dataset"] == "train" and e["kind"] == "done"]
-    batches = sorted((e["start"], e["stop"]) for e in train)
-    assert batches[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(batches))
-    assert batches[-1][1] == 17  # the fixture's 17 meta-batches
+    assert sorted({e["epoch"] for e in train}) == [0, 1, 2]
+    for epoch in range(3):  # each epoch's done shards tile the fixture's 17 meta-batches
+        batches = sorted((e["start"], e["stop"]) for e in train if e["epoch"] == epoch)
+        assert batches[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(batches)), (epoch, batches)
+        assert batches[-1][1] == 17, (epoch, batches)
     assert sum(e["samples"] for e in train) == sum(w["samples"] for w in rep["workers"])
     assert {e["worker"] for e in rep["shards"]} <= {0, 1}
     kinds = {e["kind"] for e in rep["controller"]["events"]}
