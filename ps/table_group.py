@@ -421,9 +421,9 @@ class TableGroup:
         same = owner[1:] == owner[:-1]
         if bool((new_ids[1:][same] > new_ids[:-1][same]).all()):
             cuts = np.flatnonzero(~same) + 1
-            for k, pos in zip(owner[np.concatenate(([0], cuts))].tolist(), np.split(miss_all, cuts)):
+            for k, run in zip(owner[np.concatenate(([0], cuts))].tolist(), np.split(miss_all, cuts)):
                 i, lo, _ = spans[k]
-                out[i] = pos - lo
+                out[i] = run - lo
             return out
         for i, lo, hi in spans:  # some table's unknown ids are out of order (or repeat): table by table
             miss = np.flatnonzero(~known[lo:hi])
