@@ -18,7 +18,9 @@ skip ``np.unique``: they travel in request order, and a pull's reply needs no
 gather back, a push's gradients no reordering. The routing itself (owner split, chunking, request
 building, scatter) is pure and lives in ``ps/routing.py``; :meth:`PsClient.pull`
 and :meth:`PsClient.push` are short methods over one fan-out/retry loop
-(``PsClient._fan_out``). Failures are handled per shard sub-request:
+(``PsClient._fan_out``). A worker's step goes as one message per shard
+(:meth:`PsClient.step_groups`, ``ps/step_frame.py``: push, dense, next pull), with the
+ordinary calls as its fallback. Failures are handled per shard sub-request:
 
 * ``UNAVAILABLE`` (a PS restarting): back off exponentially and resend, up to
   ``retry_timeout_s``, with a log line when it starts and when it recovers;
@@ -656,7 +658,8 @@ class PsClient:
         push_jobs = _push_group_jobs(*push) if push is not None else []
         pull_jobs = [routing.Job(names[0], _as_ids(g, names[0]), sections=(names, c))
                      for names, c, g in zip(pull[0], pull[1], pull[2])] if pull is not None else []
-        counts_out = _group_counts(push[0]) if push is not None else {}
+        counts_out = _group_counts(push[0]) if push is not None else {}  # what goes by the ordinary calls
+        totals: dict[int, np.ndarray] = {}  # push job -> its counts from step replies, summed over shards
         names, flat, sizes = dense if dense is not None else ([], np.empty(0, dtype=np.float32), [])
         values = np.empty(flat.size, dtype=np.float32) if dense is not None and want_values else None
         clock = push is not None and step is not None and bool(self.worker_id)
@@ -671,8 +674,8 @@ class PsClient:
                                                       every_shard=range(pmap.num_shards) if clock else ())}
         pull_plan = {p.shard: p for p in routing.plan(pull_jobs, routing.everything(pull_jobs), pmap, 1 << 62)}
         shards = sorted(set(push_plan) | set(pull_plan) | set(parts))
-        rows_cap = max(self._rows_per_call(push_jobs or pull_jobs or [routing.Job("", np.empty(0, np.int64))], "push"), 1)
-        too_big = any(sum(int(pos.size) for _, pos in p.pieces) > rows_cap for p in (*push_plan.values(), *pull_plan.values()))
+        too_big = any(p.rows > self._rows_per_call(jobs, kind) for plan, jobs, kind in
+                      ((push_plan, push_jobs, "push"), (pull_plan, pull_jobs, "pull")) for p in plan.values())
         if not self.framed or not self.step_frames or too_big:
             late_push = [pc for p in push_plan.values() for pc in p.pieces]
             late_clock = set(push_plan) if clock else set()
@@ -724,7 +727,7 @@ class PsClient:
                     continue
                 self._note_up(s)
                 if s in push_plan and reply.push is not None:
-                    _add_group_counts(counts_out, push_jobs, push_plan[s].pieces,
+                    _add_group_counts(totals, push_jobs, push_plan[s].pieces,
                                       group_frame.decode(reply.push, group_frame.PUSH_REPLY))
                 if values is not None and s in parts:
                     self._take_dense(parts[s], reply.dense, values, s)
@@ -760,7 +763,8 @@ class PsClient:
             for job, dim in zip(pull_jobs, pull[3]):
                 got_rows = job.out if job.out is not None else np.empty((job.ids.size, dim), dtype=np.float32)
                 rows.append(torch.from_numpy(_writable(got_rows)))
-        return StepResult(rows=rows, dense=values, counts=counts_out)
+        return StepResult(rows=rows, dense=values, other_counts=counts_out,
+                          group_counts=[(_names_of(push_jobs[j]), t) for j, t in sorted(totals.items())])
 
     def _dense_parts(self, names: list[str], sizes: list[int]) -> dict[int, "_DensePart"]:
         """Per shard, the dense parameters it owns among ``names`` (cached per name list)."""
@@ -1142,9 +1146,10 @@ def _counts_of(job: routing.Job, pos: np.ndarray) -> np.ndarray:
     return np.diff(np.searchsorted(pos, job.table_starts())).astype(np.int64)
 
 
-def _add_group_counts(counts: dict[str, dict[str, int]], jobs: list[routing.Job], pieces: list[routing.Piece],
+def _add_group_counts(totals: dict[int, np.ndarray], jobs: list[routing.Job], pieces: list[routing.Piece],
                       reply: group_frame.GroupFrame) -> None:
-    """A group push reply's counts (per group: [tables, COUNT_FIELDS]) added into ``counts`` per table.
+    """A group push reply's counts (per group: int64 [tables, COUNT_FIELDS]) added into ``totals``
+    per job: one array add a group, no per-table work (``StepResult.counts`` splits them when read).
 
     Raises:
         ps.wire.WireError: the reply's groups do not match the request's.
@@ -1157,10 +1162,10 @@ def _add_group_counts(counts: dict[str, dict[str, int]], jobs: list[routing.Job]
         if vals is None or vals.shape != (len(names), len(group_frame.COUNT_FIELDS)):
             raise wire.WireError(f"step reply: push counts of shape {None if vals is None else vals.shape} for group "
                                  f"{list(names)}")
-        for name, row in zip(names, vals.tolist()):
-            c = counts[name]
-            for f, v in zip(group_frame.COUNT_FIELDS, row):
-                c[f] += v
+        if j in totals:
+            totals[j] += vals
+        else:
+            totals[j] = vals.astype(np.int64, copy=True)
 
 
 def _scatter_group_rows(jobs: list[routing.Job], pieces: list[routing.Piece], reply: group_frame.GroupFrame) -> None:
@@ -1177,13 +1182,18 @@ def _scatter_group_rows(jobs: list[routing.Job], pieces: list[routing.Piece], re
         if vals is None or vals.shape[0] != pos.size:
             raise wire.WireError(f"step reply: {0 if vals is None else vals.shape[0]} rows for group '{job.table}', "
                                  f"asked for {pos.size}")
-        rows = wire.to_float32(vals)
-        if job.out is None and pos.size == job.ids.size and routing.is_identity(pos):
-            job.out = rows
-            continue
-        if job.out is None:
-            job.out = np.empty((job.ids.size, rows.shape[1]), dtype=np.float32)
-        routing.as_tensor(job.out).index_copy_(0, torch.from_numpy(pos), routing.as_tensor(rows))
+        _place_rows(job, pos, wire.to_float32(vals))
+
+
+def _place_rows(job: routing.Job, pos: np.ndarray, rows: np.ndarray) -> None:
+    """A reply's float32 rows of a group job's piece into ``job.out``: the whole group in order is
+    kept as it is (a view of the reply, no copy), a part is scattered with one ``index_copy_``."""
+    if job.out is None and pos.size == job.ids.size:  # pieces keep their order: all positions = in order
+        job.out = rows
+        return
+    if job.out is None:
+        job.out = np.empty((job.ids.size, rows.shape[1]), dtype=np.float32)
+    routing.as_tensor(job.out).index_copy_(0, torch.from_numpy(pos), routing.as_tensor(rows))
 
 
 def _push_group_jobs(tables: list[tuple[str, ...]], counts: list[np.ndarray], ids: list[torch.Tensor],
@@ -1265,13 +1275,7 @@ def _scatter_groups(jobs: list[routing.Job], pieces: list[routing.Piece], resp: 
         dims[job.table] = int(tv0.dim)
         if span is None:
             raise wire.WireError(f"pull reply: the tables of group '{job.table}' are not one run of rows")
-        vals = wire.to_float32(wire.decode_rows(span, dtype, int(pos.size), tv0.dim, table=tv0.table))
-        if job.out is None and pos.size == job.ids.size:
-            job.out = vals  # the whole group in one reply, in order: no copy
-            continue
-        if job.out is None:
-            job.out = np.empty((job.ids.size, tv0.dim), dtype=np.float32)
-        routing.as_tensor(job.out).index_copy_(0, torch.from_numpy(pos), routing.as_tensor(vals))
+        _place_rows(job, pos, wire.to_float32(wire.decode_rows(span, dtype, int(pos.size), tv0.dim, table=tv0.table)))
     if k != len(resp.tables):
         raise wire.WireError(f"pull reply has {len(resp.tables)} tables, the request asked for {k}")
 

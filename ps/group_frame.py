@@ -26,7 +26,8 @@ no names (the request's order); their descriptors repeat n, dim and the table co
 
 Example::
 
-    data = encode(PUSH_REQUEST, [GroupPart(("a", "b"), counts, ids, grads)], map_version=1, worker_id="w0", step=3)
+    data = encode_push([(("a", "b"), counts, ids, grads, None)], grad_dtype=DType.FP32, map_version=1,
+                       worker_id="w0", step=3)
     frame = decode(data, PUSH_REQUEST)   # frame.groups[0].ids / .values: views of data
 """
 
@@ -43,8 +44,8 @@ from ps.reply_buffer import writable_bytes
 from ps.types import PUSH_COUNT_FIELDS
 from ps.wire import Buffer, DType, WireError, pad8
 
-__all__ = ["PUSH_REQUEST", "PULL_REQUEST", "PULL_REPLY", "PUSH_REPLY", "GroupPart", "GroupFrame", "encode", "decode",
-           "PullReplyBuffer", "COUNT_FIELDS"]
+__all__ = ["PUSH_REQUEST", "PULL_REQUEST", "PULL_REPLY", "PUSH_REPLY", "GroupPart", "GroupFrame", "encode_push",
+           "encode_pull", "encode_push_reply", "decode", "PullReplyBuffer", "COUNT_FIELDS"]
 
 MAGIC = b"MPSG"
 VERSION = 1

@@ -677,8 +677,6 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         dense = self._dense_grads(parts.dense) if parts.dense is not None else None
         pull = group_frame.decode(parts.pull, group_frame.PULL_REQUEST) if parts.pull is not None else None
         pulled = self._check_groups(pull) if pull is not None else []
-        if pull is not None:
-            self._touched.tables = tuple(t for g in pull.groups for t in g.names)
         values: dict[str, np.ndarray] = {}
 
         def dense_step() -> None:  # inside the push's gate entry: both applied, or neither

@@ -38,8 +38,8 @@ reply's values as one flat tensor; no per-parameter message.
 
 Example::
 
-    req = encode_step_request(push=push_frame, dense=encode_dense(["w"], np.ones(3, np.float32), [3]),
-                              pull=pull_frame, want_values=True)
+    req = encode_step(REQUEST, push=group_push, dense=encode_dense(["w"], np.ones(3, np.float32), [3]),
+                      pull=group_pull, flags=FLAG_WANT_VALUES)
     parts = decode_step(req, REQUEST)   # parts.push, parts.dense, parts.pull: views of req
 """
 

@@ -36,27 +36,47 @@ if TYPE_CHECKING:
     from ps.partition_map import PartitionMap
     from ps.table_group import TableGroup
 
-@dataclasses.dataclass
-class StepResult:
-    """What a step's exchange got back (``PsClient.step_groups``, ``RowSource.exchange``).
-
-    Attributes:
-        rows: the next batch's rows per storage group (float32 [N_g, dim]); None without a pull.
-        dense: the dense parameters' new values, flat in the asked order; None without.
-        counts: the push's counts per table (summed over shards; empty in-process).
-    """
-
-    rows: "list[torch.Tensor] | None"
-    dense: np.ndarray | None
-    counts: dict[str, dict[str, int]]
-
-
 WRONG_OWNER = "wrong_owner"
 """ERROR_KEY value (FAILED_PRECONDITION): the request was routed with another map, or a vshard moved."""
 PUSH_COUNT_FIELDS = (
     "applied", "nonfinite_dropped", "unadmitted_dropped", "admitted", "evicted", "full_dropped", "update_nonfinite_dropped",
 )
 """ps.embedding_table.PushResult fields carried back in PushCounts (summed by the client)."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What a step's exchange got back (``PsClient.step_groups``, ``RowSource.exchange``).
+
+    The push's counts stay as the shards sent them (one int64 matrix per storage group, summed
+    over shards with one add each) until :attr:`counts` is read: a step pays no per-table work
+    for counts nobody reads.
+
+    Attributes:
+        rows: the next batch's rows per storage group (float32 [N_g, dim]); None without a pull.
+        dense: the dense parameters' new values, flat in the asked order; None without.
+        group_counts: per push group, its tables and int64 [tables, 1 + len(PUSH_COUNT_FIELDS)]
+            counts (rows, then the PushResult fields), summed over shards.
+        other_counts: per table, the counts of what went by the ordinary calls (a fallback).
+    """
+
+    rows: "list[torch.Tensor] | None"
+    dense: np.ndarray | None
+    group_counts: list[tuple[tuple[str, ...], np.ndarray]] = dataclasses.field(default_factory=list)
+    other_counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        """table -> its push counts (``rows`` and the PushResult fields), every shard and path summed."""
+        columns = ("rows",) + PUSH_COUNT_FIELDS
+        out = {t: dict(c) for t, c in self.other_counts.items()}
+        for names, arr in self.group_counts:
+            for name, row in zip(names, arr.tolist()):
+                c = out.setdefault(name, dict.fromkeys(columns, 0))
+                for f, v in zip(columns, row):
+                    c[f] += v
+        return out
+
 ERROR_KEY = "metaps-error"
 MAP_VERSION_KEY = "metaps-map-version"
 STALE_WAIT = "stale_wait"

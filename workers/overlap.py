@@ -1,7 +1,8 @@
 """``[train] overlap = "auto"``: overlap row traffic with compute only where it is faster.
 
-With overlap a step's row pull and push run on a background lane while the
-previous / next step computes (``workers/trainer.py``). On free cores that hides
+With overlap a step's traffic (one message per shard: push t-1, dense t-1, pull t+1; or,
+off the one-message path, the row pull and push on a background lane) travels while the
+step computes (``workers/trainer.py``). On free cores that hides
 the network and the PS-side work; on a box whose cores are all busy (the PS
 process, the prefetch thread and gRPC's threads beside the worker) the lane's
 work competes with the step instead, and overlapping can be slower than not.

@@ -196,12 +196,13 @@ class LocalRowSource:
             self.push_groups(push[0], push[1], step if step is not None else 0)
         values = None
         if dense is not None:
+            from ps.step_frame import DenseSection
+
             names, flat, sizes = dense
-            offs = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
-            self.store.dense.push({n: flat[offs[i]:offs[i + 1]] for i, n in enumerate(names)})
+            self.store.dense.push(DenseSection(names, sizes, flat).split())  # as the shard splits a step's
             got = self.store.dense.pull(names)
             values = np.concatenate([got[n].reshape(-1) for n in names]) if names else np.empty(0, np.float32)
-        return StepResult(rows=self.pull_groups(pull) if pull is not None else None, dense=values, counts={})
+        return StepResult(rows=self.pull_groups(pull) if pull is not None else None, dense=values)
 
     def exchange_async(self, push: tuple[GroupedIds, list[torch.Tensor]] | None, dense: DenseGrads | None,
                        pull: GroupedIds | None, step: int | None) -> "Future[StepResult]":

@@ -13,6 +13,9 @@ every series is labelled ``rank``)::
                                                         ...) and "all" (their sum), kind total / query /
                                                         support_before / support_after (meta mode)
     metaps_worker_step_seconds{phase}         histogram data_wait, pull, compute, push, dense_sync, total
+                                                        (with one message per shard per step the dense
+                                                        exchange travels with the push: counted in push,
+                                                        dense_sync stays 0)
     metaps_worker_row_staleness_steps         gauge     steps between the rows a step used and the step
                                                         (1 with [train] overlap, else 0); the fleet
                                                         clock lag is max(metaps_worker_step) - metaps_worker_step

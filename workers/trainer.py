@@ -8,9 +8,12 @@ One step, for a plain or a meta batch::
     dense grads --push--> PS dense store, params --pull-->  (dense_sync = ps)
              or --all-reduce--> local optimizer step         (dense_sync = allreduce)
 
-With ``overlap`` the pull of batch t+1 and the push of step t run on a
-background lane (in that order) while the steps compute, so the network and
-the PS-side update hide behind compute; rows are then exactly one step stale.
+Against a remote PS holding the dense parameters the push, the dense exchange and the
+next batch's pull go as one message per shard (:meth:`Trainer._run_exchanged`); with
+``overlap`` that message (push t-1, dense t-1, pull t+1) travels while step t computes,
+so rows and dense parameters are exactly one step stale. Elsewhere (all-reduce, sync
+barriers, the per-table path) ``overlap`` runs the pull of batch t+1 and the push of
+step t on a background lane, in that order; rows are then exactly one step stale.
 """
 
 from __future__ import annotations
@@ -154,10 +157,12 @@ class Trainer:
         self._held: tuple[Any, list[torch.Tensor], Any, int] | None = None
         """One message per shard per step, overlapped: the last step's push (grouped ids, row grads,
         dense grads, step), sent with the next pull."""
-        self._x_inflight: Future | None = None
+        self._x_inflight: tuple[Future, list[str]] | None = None
         """One message per shard per step, overlapped: the exchange in flight (its reply holds the
-        next batch's rows and the dense values)."""
+        next batch's rows and the dense values) and the dense names it answers."""
         self._x_ready: list[torch.Tensor] | None = None
+        self._params: dict[str, torch.nn.Parameter] | None = None
+        """name -> dense parameter (models and the meta learner keep theirs), for :meth:`_load_flat`."""
         """Rows of the next batch taken from an exchange that :meth:`flush` landed."""
         self.learner: Any = None
         """Meta mode: the models.meta_learner.MetaLearner (learned inner rates, if any); its
@@ -488,7 +493,9 @@ class Trainer:
         gradient (so were not exchanged) are read too."""
         if flat is None:
             return
-        params = dict(self._named_parameters())
+        if self._params is None:  # the same Parameter objects all run: look them up once
+            self._params = dict(self._named_parameters())
+        params = self._params
         values = torch.from_numpy(flat)
         at = 0
         for n in names:
@@ -502,9 +509,10 @@ class Trainer:
 
     def _land_exchange(self) -> list[torch.Tensor] | None:
         """Wait for the exchange in flight; load its dense values; its rows (the next batch's)."""
-        fut, self._x_inflight = self._x_inflight, None
-        assert fut is not None
-        reply, names = fut.result()
+        inflight, self._x_inflight = self._x_inflight, None
+        assert inflight is not None
+        fut, names = inflight
+        reply = fut.result()
         self._load_flat(names, reply.dense)
         rows: list[torch.Tensor] | None = reply.rows
         return rows
@@ -549,8 +557,7 @@ class Trainer:
                 push, dense, pstep = ((held[0], held[1]), held[2], held[3]) if held else (None, None, step - 1)
                 names = dense[0] if dense else []
                 if push is not None or nxt_index is not None:
-                    fut = self.rows.exchange_async(push, dense, nxt_index, pstep)
-                    self._x_inflight = _paired(fut, names)
+                    self._x_inflight = (self.rows.exchange_async(push, dense, nxt_index, pstep), names)
                 result = self.compute(cur, rows)
                 t2 = time.perf_counter()
                 self._held = (index, [g.detach() for g in result.group_grads], self._dense_flat(result.dense_grads), step)
@@ -688,21 +695,6 @@ class Trainer:
 
     def _at_limit(self) -> bool:
         return bool(self.cfg.max_steps) and self.step_no >= self.cfg.max_steps
-
-
-def _paired(fut: "Future[Any]", names: list[str]) -> "Future[Any]":
-    """``fut``'s result with the dense names it answers: a Future of (result, names)."""
-    out: Future = Future()
-
-    def done(f: "Future[Any]") -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result((f.result(), names))
-
-    fut.add_done_callback(done)
-    return out
 
 
 def initial_rows(ps_cfg: Any, dims: dict[str, int]) -> dict[str, Any]:
