@@ -52,8 +52,8 @@ MUTANTS ?= 'controller.ledger.*' 'controller.dds.*' 'controller.ps_recovery.*' '
 	'ps.checkpoint.x__expected_counts*' 'ps.servicer.*_check_owner*' 'ps.servicer.*_vshards__*' \
 	'ps.servicer.*awaiting*' 'ps.servicer.*mark_recovered*' 'ps.servicer.*adopt_map*'
 
-$(MUTATION_STAMP): $(STAMP) requirements/mutation.txt
-	$(BIN)/pip install -q -r requirements/mutation.txt
+$(MUTATION_STAMP): $(STAMP) requirements/lock-mutation.txt
+	$(BIN)/pip install -q --require-hashes --no-deps -r requirements/lock-mutation.txt
 	touch $@
 
 mutation: $(MUTATION_STAMP)

@@ -13,6 +13,7 @@ Outputs (each resolved by pip's own resolver, ``pip install --dry-run --report``
     requirements/lock.txt       the runtime set except torch and fbgemm (shared by both variants)
     requirements/lock-cpu.txt   torch and fbgemm-gpu-cpu, the CPU kernel set
     requirements/lock-test.txt  what the ``test`` extra adds (pytest, mypy, grpcio-tools, ...)
+    requirements/lock-mutation.txt  what ``make mutation`` adds on top (requirements/mutation.txt)
 
 The GPU variant installs ``lock.txt`` and then ``requirements/gpu.txt`` by exact version
 (torch pins its CUDA libraries exactly in its own metadata); its CUDA wheels cannot be resolved
@@ -96,10 +97,14 @@ def build(pip: list[str]) -> dict[Path, str]:
     base = resolve(runtime + kernels, [], pip)
     pins = [f"{n}=={v}" for n, v, _ in base]
     extra = [r for r in resolve(runtime + kernels + test, pins, pip) if r not in base]
+    mutation = _lines(REQ / "mutation.txt")
+    tested = pins + [f"{n}=={v}" for n, v, _ in extra]
+    more = [r for r in resolve(runtime + kernels + test + mutation, tested, pip) if r not in base and r not in extra]
     return {
         REQ / "lock.txt": render([r for r in base if r[0] not in KERNELS], "setup.cfg install_requires + requirements/cpu.txt"),
         REQ / "lock-cpu.txt": render([r for r in base if r[0] in KERNELS], "requirements/cpu.txt"),
         REQ / "lock-test.txt": render(extra, "setup.cfg [test] over lock.txt + lock-cpu.txt"),
+        REQ / "lock-mutation.txt": render(more, "requirements/mutation.txt over the three other locks"),
     }
 
 

@@ -19,6 +19,7 @@ from packaging.version import Version
 REPO = Path(__file__).resolve().parents[2]
 REQ = REPO / "requirements"
 LOCKS = ("lock.txt", "lock-cpu.txt", "lock-test.txt")
+"""What `make install` installs (the test environment); `lock-mutation.txt` goes on top only for `make mutation`."""
 _PIN = re.compile(r"^([a-z0-9][a-z0-9-]*)==(\S+) \\\n    --hash=sha256:([0-9a-f]{64})$", re.M)
 
 
@@ -26,9 +27,9 @@ def _canon(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def locked() -> dict[str, str]:
+def locked(names: tuple[str, ...] = LOCKS) -> dict[str, str]:
     out: dict[str, str] = {}
-    for name in LOCKS:
+    for name in names:
         text = (REQ / name).read_text()
         body = "\n".join(l for l in text.splitlines() if not l.startswith("#"))
         pins = _PIN.findall(body + "\n")
@@ -53,6 +54,16 @@ def test_every_declared_requirement_is_locked_inside_its_range() -> None:
         name = _canon(req.name)
         assert name in pins, f"{req} is declared but not locked: run python scripts/lock.py"
         assert req.specifier.contains(Version(pins[name]), prereleases=True), f"{req}: locked {pins[name]}"
+
+
+def test_the_mutation_tools_are_locked_on_top_of_the_rest() -> None:
+    every = locked(LOCKS + ("lock-mutation.txt",))  # a package locked twice fails here
+    assert _canon("mutmut") in every
+    for line in (REQ / "mutation.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            assert req.specifier.contains(Version(every[_canon(req.name)]), prereleases=True), req
 
 
 def test_the_lock_holds_one_fbgemm_build_per_variant() -> None:
