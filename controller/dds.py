@@ -8,7 +8,8 @@ an epoch every shard goes through::
      TODO  ----------------------------------------------->  DOING(worker, attempt, deadline)
       ^  ^                                                      |   |
       |  +---- worker died / lease expired / hang / failed -----+   | report done
-      |        (back to the HEAD of TODO, never dropped)            v
+      |        (back to the HEAD of TODO, never dropped;            v
+      |         ledger ``abandoned``: the holder may have pushed some of it)
       +------------- rollback_to(cut) <----------------------    DONE
                                                 (ledger entry replayed)
 
@@ -129,6 +130,10 @@ class _Shard:
     @staticmethod
     def from_json(d: dict[str, Any]) -> "_Shard":
         return _Shard(**{"stop_at": 0, **d, "state": ShardState(d["state"])})
+
+
+def _abandoned_key(shard_id: str, worker: int, attempt: int) -> bytes:
+    return f"abandoned/{shard_id}#{worker}#{attempt}".encode()
 
 
 def shard_key(dataset: str, epoch: int, file: int, start: int, stop: int) -> bytes:
@@ -441,7 +446,7 @@ class DynamicDataSharding:
             # a lease of an epoch a rollback discarded (the worker held it across the fleet's recovery):
             # its samples trained a model state that was rolled back, so they count as replays
             with self._txn() as txn:
-                self.ledger.append(txn, kind=EntryKind.STALE, **entry)
+                self._stale(txn, shard_id, worker, attempt, entry)
             return ReportResult(False, False, "stale",
                                 f"shard {shard_id}: epoch {epoch} was discarded by a rollback to epoch {live.epoch}; "
                                 f"the report counts as a replay"), _Shard(ds, epoch, f, start, stop)
@@ -480,11 +485,11 @@ class DynamicDataSharding:
             if rec.done_worker == worker and rec.done_attempt == attempt:
                 return ReportResult(True, True, "retry", f"shard {shard_id} already recorded for this attempt"), rec
             with self._txn() as txn:
-                self.ledger.append(txn, kind=EntryKind.DUPLICATE, **entry)
+                self._stale(txn, shard_id, worker, attempt, entry, EntryKind.DUPLICATE)
             return ReportResult(False, True, "duplicate", f"shard {shard_id} was already done by worker {rec.done_worker}"), rec
         if not holder:
             with self._txn() as txn:
-                self.ledger.append(txn, kind=EntryKind.STALE, **entry)
+                self._stale(txn, shard_id, worker, attempt, entry)
             return ReportResult(False, False, "stale",
                                 f"worker {worker} attempt {attempt} lost the lease on {shard_id} "
                                 f"(now {rec.state.value}{' by worker %d' % rec.worker if rec.state is ShardState.DOING else ''})"), rec
@@ -676,7 +681,32 @@ class DynamicDataSharding:
         self._event(txn, f"dataset:{live.spec.name}", "epoch_done",
                     {"epoch": done_epoch, "finished": live.finished})
 
+    def _stale(self, txn: lmdb.Transaction, shard_id: str, worker: int, attempt: int, entry: dict[str, Any],
+               kind: EntryKind = EntryKind.STALE) -> None:
+        """Ledger a report by a worker that lost the lease: it replaces the ``abandoned`` entry
+        its lease left (same worker and attempt) by ``kind``, else appends a ``kind`` entry."""
+        key = _abandoned_key(shard_id, worker, attempt)
+        meta = self._store.db("meta")
+        raw = txn.get(key, db=meta)
+        if raw is not None and self.ledger.supersede(txn, int(loads(raw)), kind, **entry) is not None:
+            txn.delete(key, db=meta)
+            return
+        self.ledger.append(txn, kind=kind, **entry)
+
+    def _abandon(self, txn: lmdb.Transaction, spec: DatasetSpec, rec: _Shard, worker: int, attempt: int) -> None:
+        """Ledger a train lease taken from ``worker`` mid-way (``abandoned``: its pushes may be in
+        the model) and remember the entry (meta ``abandoned/<shard>#<worker>#<attempt>``) for the
+        holder's late report."""
+        if spec.kind != DatasetKind.TRAIN or worker < 0:
+            return  # an eval lease updates nothing
+        got = self.ledger.append(txn, kind=EntryKind.ABANDONED, time=self._clock(), dataset=rec.dataset,
+                                 epoch=rec.epoch, file=rec.file, start=rec.start, stop=rec.stop, worker=worker,
+                                 attempt=attempt, samples=0, elapsed_s=0.0)
+        txn.put(_abandoned_key(rec.id, worker, attempt), dumps(got.seq), db=self._store.db("meta"))
+
     def _requeue(self, txn: lmdb.Transaction, live: _Live, rec: _Shard) -> None:
+        """A DOING lease back to the head of TODO; its holder may have pushed some of it (``abandoned``)."""
+        self._abandon(txn, live.spec, rec, rec.worker, rec.attempt)
         live.doing.pop(rec.id, None)
         live.order_head -= 1
         rec.state, rec.worker, rec.order = ShardState.TODO, -1, live.order_head
@@ -794,10 +824,13 @@ class DynamicDataSharding:
                             cur = txn.cursor(shards_db)
                             keys = []
                             if cur.set_range(prefix):
-                                for k in cur.iternext(keys=True, values=False):
+                                for k, v in cur:
                                     if not bytes(k).startswith(prefix):
                                         break
                                     keys.append(bytes(k))
+                                    dropped = _Shard.from_json(loads(v))
+                                    if dropped.state is ShardState.DOING:  # its holder trains on
+                                        self._abandon(txn, live.spec, dropped, dropped.worker, dropped.attempt)
                             for k in keys:
                                 txn.delete(k, db=shards_db)
                         head = live.order_head if cut_epoch == live.epoch else self._min_order(txn, name, cut_epoch)
@@ -819,6 +852,9 @@ class DynamicDataSharding:
                                 raise DdsError(f"rollback of dataset {name!r}: shard {k!r} of epoch {cut_epoch} "
                                                f"is not in the shard table")
                             body = loads(raw)
+                            if body["state"] == ShardState.DOING.value:  # its holder trains on: abandoned
+                                held = _Shard.from_json(body)
+                                self._abandon(txn, live.spec, held, held.worker, held.attempt)
                             head -= 1
                             body.update(state=ShardState.TODO.value, worker=-1, order=head,
                                         done_worker=-1, done_attempt=0, granted_with="")

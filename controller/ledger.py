@@ -7,6 +7,17 @@ completion from a worker that had already lost its lease is ``stale`` (also
 duplicated samples). A rollback to a checkpoint cut marks the ``done`` entries
 after the cut ``replayed``: their samples will be trained again.
 
+A lease taken from a holder that may already have pushed some of its batches (the
+worker died or registered again, its lease expired or looked hung, it reported the
+shard failed, a rollback returned it) leaves an ``abandoned`` entry for the lease's
+range: updates of those batches may be in the model, and the shard is trained again
+by whoever leases it next. Training is at-least-once there, and the ledger says so:
+an ``abandoned`` entry is an upper bound (the holder pushed at most its batches, once).
+When the same holder (worker and attempt) reports the lease after all, its ``stale``
+report replaces the ``abandoned`` entry (:meth:`Ledger.supersede`), so one lease is
+counted once. Per row, the updates in the final model are therefore at least the
+live ``done`` entries' batches holding it and at most those plus every other entry's.
+
 Coverage is checkable from the ledger alone: for every dataset and every
 requested epoch, the live (not replayed) ``done`` entries must tile every file's
 batch range exactly once. Only then is it ``complete``; otherwise it says what
@@ -35,6 +46,7 @@ class EntryKind(str, enum.Enum):
     DONE = "done"            # first accepted completion of the shard
     DUPLICATE = "duplicate"  # shard already done by another attempt
     STALE = "stale"          # the reporter had lost its lease
+    ABANDONED = "abandoned"  # a lease taken from its holder mid-way: its updates may be in the model
 
 
 @dataclass(frozen=True)
@@ -74,8 +86,11 @@ class Coverage:
         by_dataset: name -> [done_batches, total_batches].
         finished: the DDS had handed out and collected every shard (set by the DDS;
             the ledger alone sets it to ``complete``).
-        done_entries / duplicate_entries / stale_entries / replayed_entries: counts.
+        done_entries / duplicate_entries / stale_entries / replayed_entries / abandoned_entries: counts.
         duplicate_samples: samples trained more than once (duplicate + stale + replayed).
+        duplicate_batches: their batches.
+        abandoned_batches: batches of leases taken from holders that may have pushed them
+            (at most this many batches' updates were applied a second time; at-least-once).
         closed: dataset -> why the DDS stopped handing it out before it was done (a request,
             e.g. every worker reached ``[train] max_steps``); set by the DDS.
     """
@@ -86,6 +101,8 @@ class Coverage:
     duplicate_entries: int = 0
     stale_entries: int = 0
     replayed_entries: int = 0
+    abandoned_entries: int = 0
+    abandoned_batches: int = 0
     samples: int = 0
     duplicate_samples: int = 0
     duplicate_batches: int = 0
@@ -120,7 +137,8 @@ class Coverage:
                 "problems": self.problems[:max_problems], "done_entries": self.done_entries,
                 "duplicate_entries": self.duplicate_entries, "stale_entries": self.stale_entries,
                 "replayed_entries": self.replayed_entries, "samples": self.samples,
-                "duplicate_samples": self.duplicate_samples, "duplicate_batches": self.duplicate_batches}
+                "duplicate_samples": self.duplicate_samples, "duplicate_batches": self.duplicate_batches,
+                "abandoned_entries": self.abandoned_entries, "abandoned_batches": self.abandoned_batches}
 
 
 class Ledger:
@@ -159,6 +177,22 @@ class Ledger:
             for _, v in cur:
                 yield _from_json(loads(v))
 
+    def supersede(self, txn: lmdb.Transaction, seq: int, kind: EntryKind, **fields: Any) -> LedgerEntry | None:
+        """Replace entry ``seq`` (an ``abandoned`` one) by ``kind`` with ``fields``, in place.
+
+        Returns the new entry, or None when ``seq`` is not an ``abandoned`` entry (then
+        nothing changes and the caller appends as usual).
+        """
+        raw = txn.get(seq_key(seq), db=self._db)
+        if raw is None:
+            return None
+        old = _from_json(loads(raw))
+        if old.kind is not EntryKind.ABANDONED:
+            return None
+        entry = LedgerEntry(**{**_to_json(old), **fields, "seq": seq, "kind": kind})
+        txn.put(seq_key(seq), dumps(_to_json(entry)), db=self._db)
+        return entry
+
     def mark_replayed_after(self, txn: lmdb.Transaction, seq: int) -> list[LedgerEntry]:
         """Mark live ``done`` entries newer than ``seq`` replayed; return them (pre-mark)."""
         marked = []
@@ -187,6 +221,10 @@ class Ledger:
             if e.kind is EntryKind.DONE and not e.replayed:
                 cov.done_entries += 1
                 ranges.setdefault((e.dataset, e.epoch, e.file), []).append((e.start, e.stop))
+                continue
+            if e.kind is EntryKind.ABANDONED:
+                cov.abandoned_entries += 1
+                cov.abandoned_batches += e.batches
                 continue
             if e.kind is EntryKind.DONE:
                 cov.replayed_entries += 1

@@ -272,6 +272,10 @@ def run_failure(controller_status: Mapping[str, Any] | None) -> str:
 def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str = "") -> str:
     """One line: ``complete``, ``in progress: 40%`` (status ``running``), or
     ``62% (stopped: launcher SIGTERM)`` -- never "complete" for a run stopped mid-epoch.
+    Batches trained more than once are said after it: replays (duplicate, stale and replayed
+    entries) exactly, and abandoned leases (taken from a holder that may have pushed them) as
+    "at most": ``complete; 3 batches trained twice; at most 4 more batches of abandoned leases trained twice
+    (at-least-once)``.
 
     Args:
         coverage: the controller status' ``coverage`` (``Coverage.to_status()``); empty: unknown.
@@ -280,8 +284,14 @@ def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str =
     """
     if not coverage:
         return "unknown (no controller status)"
+    again = []
+    if int(coverage.get("duplicate_batches") or 0):
+        again.append(f"{int(coverage['duplicate_batches'])} batches trained twice")
+    if int(coverage.get("abandoned_batches") or 0):
+        again.append(f"at most {int(coverage['abandoned_batches'])} {'more ' if again else ''}batches of "
+                     f"abandoned leases trained twice (at-least-once)")
     if coverage.get("complete"):
-        return "complete"
+        return "; ".join(["complete", *again])
     frac = coverage.get("fraction")
     pct = f"{100.0 * float(frac):.0f}%" if isinstance(frac, (int, float)) else "?%"
     problems = list(coverage.get("problems") or [])

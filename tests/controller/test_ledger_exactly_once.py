@@ -163,6 +163,7 @@ def test_to_status_is_the_whole_coverage_as_plain_data(ledger: Ledger) -> None:
     _add(ledger, 0, 0, 1)
     _add(ledger, 0, 0, 1, kind=EntryKind.DUPLICATE, samples=7)
     _add(ledger, 0, 1, 2, kind=EntryKind.STALE, samples=5)
+    _add(ledger, 0, 1, 3, kind=EntryKind.ABANDONED, samples=0)
     cov = ledger.coverage({"train": spec})
     cov.finished, cov.closed = False, {"eval": "max_steps"}
     assert cov.to_status() == {
@@ -170,7 +171,7 @@ def test_to_status_is_the_whole_coverage_as_plain_data(ledger: Ledger) -> None:
         "by_dataset": {"train": [1, 3]}, "finished": False, "closed": {"eval": "max_steps"},
         "problems": ["dataset train epoch 0 file 0: batches [1, 3) never done"], "done_entries": 1,
         "duplicate_entries": 1, "stale_entries": 1, "replayed_entries": 0, "samples": 22,
-        "duplicate_samples": 12, "duplicate_batches": 2,
+        "duplicate_samples": 12, "duplicate_batches": 2, "abandoned_entries": 1, "abandoned_batches": 2,
     }
 
 

@@ -50,6 +50,11 @@ def test_a_run_stopped_mid_epoch_is_not_complete(tmp_path: Path) -> None:
     cov = dds.coverage()
     assert cov.complete and cov.state == "complete" and cov.fraction == 1.0
     assert coverage_text(cov.to_status(), "succeeded") == "complete"
+    # batches trained twice are said, abandoned leases as an upper bound
+    assert coverage_text({**cov.to_status(), "duplicate_batches": 3, "abandoned_batches": 4}, "succeeded") == \
+        "complete; 3 batches trained twice; at most 4 more batches of abandoned leases trained twice (at-least-once)"
+    assert coverage_text({**cov.to_status(), "abandoned_batches": 2}, "succeeded") == \
+        "complete; at most 2 batches of abandoned leases trained twice (at-least-once)"
     store.close()
 
 
