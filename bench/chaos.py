@@ -8,6 +8,10 @@ killed from outside past a hard limit. Faults:
     kill_<role>       SIGKILL of the controller, PS 0, worker 1, worker 1's agent, PS 0's agent
     stop_<role>       SIGSTOP of the same for STOP_S (> the heartbeat timeout), then SIGCONT
     corrupt_ckpt_kill_ps  the newest committed checkpoint's bytes overwritten, then PS 0 SIGKILLed
+    kill_worker_mid_shard  SIGKILL of the only worker with >= 2 steps of a lease trained and not reported
+    freeze_ps         SIGSTOP of PS 0 at that state until a worker crashed (its RPC to the frozen PS
+                      expired: ``[rpc] timeout_s`` 5), then SIGCONT
+    kill_allreduce_rank   ``dense_sync = "allreduce"``, 2 ranks: SIGKILL of rank 1 after the bench's cut
     disk_full         the checkpoint root is a tiny tmpfs (``unshare --mount``; room for ~1 checkpoint)
     slow_ps           PS 1 answers every request +50 ms late (``[faults]`` latency)
     many_workers      32 simulated workers (threads here) against one ``metaps ps`` with bounded
@@ -22,8 +26,11 @@ commit -> (corrupt: requests cut B, waits for its commit, corrupts it) -> waits 
 leased after A's commit to be done (more train batches done than the shards in flight at
 the commit can hold: a shard in flight may have pushed into A's rows before it was reported
 done, and then a broken rollback loses nothing) -> strikes. A PS recovery must then restore
-A and roll the DDS back to it, with training the cut lacks to lose. A fault that did not reach its
-state is **not exercised** (never survived).
+A and roll the DDS back to it, with training the cut lacks to lose. ``kill_worker_mid_shard`` and
+``freeze_ps`` run one worker with 8-batch leases and strike when its last heartbeat's step count is at
+least 2 above the train batches the ledger has done (``unreported_steps``: its second step's pull
+waited for its first step's push, so a push of a lease it never reports is in the model), read again
+once it died. A fault that did not reach its state is **not exercised** (never survived).
 
 **The judge reads the model, not row counts.** Every table runs Adam, whose per-row
 state counts the row's updates (checkpointed with the row); one training step pushes
@@ -33,23 +40,44 @@ report.json: the ledger, the cuts, the recovery events; the checkpoints):
 
     model         final checkpoint, row by row: count >= the batches of the ledger's live done
                   entries holding the id (else: updates the ledger claims and the model lacks)
-                  and <= those plus the replayed / stale / duplicate entries' batches (else:
-                  replays the run did not report)
+                  and <= those plus the replayed / stale / duplicate / abandoned entries' batches
+                  (``abandoned``: a lease taken from a holder that may have pushed some of it).
+                  ``unreported_updates``: the sum over rows of what exceeds that bound (updates
+                  in the model that no ledger entry reports)
     restored      each cut a PS recovery restored: its checkpoint holds the updates of every
-                  shard done at the cut, and the fleet held every row of it once restored
-                  (the shards' Restore replies; a dropped row can be masked in the final
-                  model when the shard in flight at the strike repeats the cut's batches
-                  and its pushes land after the restore)
+                  shard done at the cut, and what every shard *served* once restored is the cut
+                  on disk, by content: the digest of its live store after the restore (ids,
+                  weights, optimizer state in id order, ``ps/digest.py``; in its Restore reply,
+                  recorded in the ``ps_recovery`` event) against the same digest of its part of
+                  the cut read from the checkpoint files (``ps.digest.checkpoint_digests``), per
+                  shard and table. The replies' row counts are only compared with what the shards
+                  served. Missing evidence (no digests, a shard or table without one, no row
+                  count) fails. Only this check sees a restore that dropped rows (the final model
+                  can mask it: the shard in flight at the strike repeats the cut's batches and its
+                  pushes land after the restore) or never replaced a live shard's rows (its updates
+                  after the cut are within the replayed entries' bound). Its limit: it trusts that
+                  a shard computes the digest from the store it serves from
     exercised     the armed cut is the one restored, with shards done before it and after it
     survived      exercised, exit 0, "succeeded", the ledger covering every batch of every
                   epoch exactly once, and the model checks clean. A failed run never survives
                   (``failed_clearly``: it failed naming the fault's cause, lost nothing)
     false_claim   "succeeded" / coverage complete while the ledger has batches not done,
-                  "succeeded" after a failed PS recovery, or replays not reported
+                  "succeeded" after a failed PS recovery, updates not reported, a restore whose
+                  shards serve other content than the cut, or its evidence missing
+
+The judge reads sparse rows only: a dense parameter reset (an all-reduce group re-formed from
+fresh weights) is not seen by it.
 
 The judge is mutation-tested (tests/bench/test_chaos_judge.py): fleets of builds broken
 on purpose (``metaps.core.faults.TEST_BREAKS``: no DDS rollback; a restore that keeps
-zero rows) must fail it, and a correct one pass.
+zero rows; a restore that never swaps the cut in; one that keeps 7 rows of 8, each replying
+the rows loaded) must fail it, and a correct one pass; the correct run with its recovery
+evidence taken away must fail it too.
+
+The last line's figures: ``faults_survived`` of ``faults_tried``, ``faults_not_exercised``,
+``runs_losing_updates``, ``false_coverage_claims``, ``unreported_updates`` (summed over the
+fleet faults; per fault in ``faults``), ``runs_unjudged`` (fleet runs without a final model to
+read).
 
 Run: ``python -m bench.chaos [--quick] [--keep DIR]``; the last line is one JSON object.
 ``--smoke``: bad inputs and many_workers (4 threads, 2 s) only, no fleet fault unless ``--only`` names some: seconds.
@@ -78,6 +106,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "chaos-token"
 STOP_S = 14.0            # SIGSTOP length: longer than HEARTBEAT_TIMEOUT_S
+FREEZE_MAX_S = 40.0      # freeze_ps: the PS stays stopped until a worker crashed, at most this long
+FREEZE_RPC_TIMEOUT_S = 5.0  # freeze_ps: the fleet's [rpc] timeout_s (a worker's call to the frozen PS expires)
 HEARTBEAT_TIMEOUT_S = 10.0
 RUN_TIMEOUT_S = 240.0    # metaps launch --timeout
 HARD_LIMIT_S = 330.0     # killed from outside past this
@@ -186,9 +216,17 @@ def job_mapping(data: dict[str, Path], root: Path, *, workers: int = 2, ps: int 
     job["controller"]["heartbeat_timeout_s"] = HEARTBEAT_TIMEOUT_S
     job["controller"]["agent"]["restart_limit"] = 2
     job["ps"]["table_defaults"]["optimizer"] = dict(ADAM)
-    for name, values in sections.items():
-        job.setdefault(name, {}).update(values)
+    _merge(job, sections)
     return job
+
+
+def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    """``src`` into ``dst``, nested tables merged key by key (``{"controller": {"dds": {...}}}`` keeps the rest)."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
 
 
 def write_job(path: Path, job: dict[str, Any]) -> Path:
@@ -223,6 +261,11 @@ class FleetFault:
         epochs: the fleet's epochs (0: :func:`run_fleet`'s). ``corrupt_ckpt_kill_ps`` takes two cuts
             before it strikes; at 2 epochs the run often ended first ("not exercised" in 2 of 5 quick
             runs), at 3 there is training left after both.
+        strike: the state it strikes at: "cut" (the bench's cut committed, training after it done),
+            "mid_shard" (worker 0 has trained >= 2 steps of a lease it has not reported: its pushes
+            are in the PS) or "freeze" (that state, then ``target`` SIGSTOPped until a worker
+            crashed, then SIGCONT).
+        workers, ps: the fleet's size (0: :func:`run_fleet`'s).
     """
 
     name: str
@@ -232,6 +275,9 @@ class FleetFault:
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     special: str = ""
     epochs: int = 0
+    strike: str = "cut"
+    workers: int = 0
+    ps: int = 0
 
     @property
     def armed(self) -> bool:
@@ -308,7 +354,25 @@ def train_done(st: dict[str, Any]) -> int:
 def ledger_head(st: dict[str, Any]) -> int:
     """The seq of the ledger's newest entry (-1: none), from a status's coverage counts."""
     cov = st.get("coverage", {})
-    return int(cov.get("done_entries", 0)) + int(cov.get("duplicate_entries", 0)) + int(cov.get("stale_entries", 0)) - 1
+    return (int(cov.get("done_entries", 0)) + int(cov.get("duplicate_entries", 0)) + int(cov.get("stale_entries", 0))
+            + int(cov.get("abandoned_entries", 0)) - 1)
+
+
+def _node(st: dict[str, Any], role: str, index: int) -> dict[str, Any] | None:
+    return next((n for n in st.get("nodes", []) if n.get("role") == role and int(n.get("index", -1)) == index), None)
+
+
+def unreported_steps(st: dict[str, Any]) -> int | None:
+    """Train steps worker 0 has taken (its last heartbeat) beyond the train batches the ledger has done.
+
+    The fleet's only worker, in its first incarnation (its step count starts at 0 and counts
+    train steps: one per batch), so this many steps of its current lease were trained and not
+    reported. A heartbeat lags, so it is a lower bound. None: no such worker in ``st``.
+    """
+    node = _node(st, "worker", 0)
+    if node is None or int(node.get("restarts", 0)) != 0:
+        return None
+    return int(node.get("step", 0)) - train_done(st)
 
 
 def _cut(st: dict[str, Any], cut_id: int) -> dict[str, Any] | None:
@@ -350,6 +414,9 @@ def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[s
             return
         if w.until(lambda s: ledger_head(s) >= 0) is None:
             notes["not_exercised"] = "the run ended before any shard was done"
+            return
+        if f.strike in ("mid_shard", "freeze"):
+            _strike_mid_shard(f, w, run, notes)
             return
         cut = _arm_cut(w, notes, "cut")
         if cut is None:
@@ -396,6 +463,51 @@ def _inject(f: FleetFault, run: Path, proc: subprocess.Popen[Any], notes: dict[s
         w.close()
 
 
+def _strike_mid_shard(f: FleetFault, w: _Watch, run: Path, notes: dict[str, Any]) -> None:
+    """Strike while worker 0 holds pushed, unreported steps of a lease (``unreported_steps`` >= 2).
+
+    ``mid_shard``: SIGKILL ``f.target`` (worker 0). ``freeze``: SIGSTOP ``f.target`` (a PS) until a
+    worker process of the fleet is gone (its RPCs to the frozen PS ran past their deadline and
+    it crashed; the agent may already have started its next incarnation), at most FREEZE_MAX_S,
+    then SIGCONT. Worker 0 trains at least 2 steps of the lease before the strike (the second
+    step's pull waited for the first step's push to be applied), and the ledger read after the
+    worker died has no report of them: its pushes are in the model, the lease was not reported.
+    """
+    st = w.until(lambda s: (unreported_steps(s) or 0) >= 2)
+    procs = fleet_procs(str(run))
+    pid = procs.get(f.target)
+    if st is None or pid is None:
+        notes["not_exercised"] = ("worker 0 was never seen 2 steps into a lease it had not reported (the run ended)"
+                                  if st is None else f"{f.target} not found")
+        return
+    seen = int((_node(st, "worker", 0) or {}).get("step", 0))
+    workers = {n: p for n, p in procs.items() if n.startswith("worker-")}
+    notes["strike_time"] = time.time()
+    if f.sig == "kill":
+        _signal(pid, signal.SIGKILL)
+        notes["injected"] = f"kill {f.target} pid {pid} at its step {seen}, train batches done {train_done(st)}"
+    else:
+        _signal(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        crashed: list[str] = []
+        while time.monotonic() - t0 < FREEZE_MAX_S and not crashed:
+            now = fleet_procs(str(run))
+            crashed = sorted(n for n, p in workers.items() if now.get(n) != p)
+            time.sleep(0.1)
+        frozen_s = time.monotonic() - t0
+        _signal(pid, signal.SIGCONT)
+        notes["crashed"] = crashed
+        notes["injected"] = (f"stop {f.target} pid {pid} for {frozen_s:.1f}s (until {crashed or 'no worker'} "
+                             f"crashed) at worker 0's step {seen}")
+    after = None
+    for _ in range(50):  # the controller answers while the worker is dead: nothing it trained is reported now
+        after = w.status()
+        if after is not None:
+            break
+        time.sleep(0.2)
+    notes["unreported_steps_at_strike"] = None if after is None else seen - train_done(after)
+
+
 def _launch_cmd(f: FleetFault, cfg: Path, run: Path) -> tuple[list[str], str]:
     base = _metaps("--log-level", "INFO", "launch", "--config", str(cfg), "--run-dir", str(run), "--no-progress",
                    "--timeout", str(RUN_TIMEOUT_S))
@@ -421,7 +533,7 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str =
             the run is of a deliberately broken build, for the judge's mutation tests.
         workers, ps, epochs: the fleet's size (the tests run smaller ones).
     """
-    job = job_mapping(data, root / f.name, workers=workers, ps=ps, **f.sections)
+    job = job_mapping(data, root / f.name, workers=f.workers or workers, ps=f.ps or ps, **f.sections)
     job["train"]["epochs"] = f.epochs or epochs
     if f.armed:  # the bench takes the cuts (_inject): none commits behind its back
         job["controller"]["checkpoint_interval_s"] = ARMED_INTERVAL_S
@@ -430,6 +542,7 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str =
     cmd, method = _launch_cmd(f, cfg, run)
     notes: dict[str, Any] = {"method": method} if method else {}
     notes["recovers_ps"] = f.recovers_ps
+    notes["strike"] = f.strike
     env = _env()
     if breaks:
         from metaps.core.faults import TEST_BREAK_ENV, write_break_sitecustomize
@@ -570,59 +683,139 @@ def model_check(res: dict[str, Any], ids: BatchIds) -> dict[str, Any]:
     """The final model and every restored cut against the ledger (see the module docstring).
 
     Keys: ``final`` (compare_counts of the final checkpoint: low = live done entries, high = those
-    plus every replayed / stale / duplicate entry), ``restored`` (one per PS recovery: the cut's
-    checkpoint against the done entries at the cut), ``exercised`` (None, or why the fault did not
-    reach its state), ``problems``.
+    plus every other train entry: replayed done, duplicate, stale, abandoned), ``restored`` (one per
+    PS recovery: the cut's checkpoint against the done entries at the cut, and what every shard
+    served once restored against the cut on disk: :func:`restored_check`), ``exercised`` (None, or
+    why the fault did not reach its state), ``lost`` (updates the model lacks), ``claims`` (what the
+    run says and its model or evidence contradicts, or evidence missing), ``problems`` (both).
     """
     rep = res["report"] or {}
     train = [e for e in rep.get("shards", []) if e.get("dataset") == "train"]
     live = [e for e in train if e.get("kind") == "done" and not e.get("replayed")]
     replays = [e for e in train if e not in live]
-    out: dict[str, Any] = {"problems": [], "restored": []}
+    out: dict[str, Any] = {"lost": [], "claims": [], "restored": []}
+    lost, claims = out["lost"], out["claims"]
     final = rep.get("checkpoint") or ""
     if final and (Path(final) / "manifest.json").is_file():
         fc = compare_counts(model_counts(Path(final)), expected_counts(live, ids), expected_counts(live + replays, ids))
         out["final"] = fc
         if fc["updates_missing"]:
-            out["problems"].append(f"the final model lacks {fc['updates_missing']} row updates of {fc['rows_short']} "
-                                   f"rows that the ledger says were trained")
+            lost.append(f"the final model lacks {fc['updates_missing']} row updates of {fc['rows_short']} "
+                        f"rows that the ledger says were trained")
         if fc["updates_unaccounted"]:
-            out["problems"].append(f"the final model holds {fc['updates_unaccounted']} row updates ({fc['rows_over']} "
-                                   f"rows) more than the ledger's done + replayed + stale entries: "
-                                   f"replays not reported")
+            claims.append(f"the final model holds {fc['updates_unaccounted']} row updates ({fc['rows_over']} rows) "
+                          f"more than the ledger's done + replayed + stale + duplicate + abandoned entries: "
+                          f"updates not reported")
     elif rep.get("status") == "succeeded":
-        out["problems"].append("succeeded without a final checkpoint to check")
+        claims.append("succeeded without a final checkpoint to check")
     cuts = {int(c["cut_id"]): c for c in rep.get("controller", {}).get("checkpoints", [])}
     recoveries = [e for e in rep.get("controller", {}).get("events", []) if e.get("kind") == "ps_recovery"]
+    num_ps = int((rep.get("counts") or {}).get("ps") or (rep.get("config", {}).get("ps", {}) or {}).get("shards") or 0)
     for ev in recoveries:
-        cut = cuts.get(int((ev.get("evidence") or {}).get("cut_id", -1)))
+        evd = ev.get("evidence") or {}
+        cut = cuts.get(int(evd["cut_id"])) if isinstance(evd.get("cut_id"), int) else None
         if cut is None:
-            out["problems"].append(f"a PS recovery restored a cut the report does not list: {ev.get('evidence')}")
+            claims.append(f"a PS recovery restored a cut the report does not list: {evd}")
             continue
         seq = int(cut["dds"]["ledger_seq"])
         row: dict[str, Any] = {"cut_id": int(cut["cut_id"]), "ledger_seq": seq}
         if Path(cut.get("dir", ""), "manifest.json").is_file():
             at_cut = [e for e in train if e.get("kind") == "done" and int(e["seq"]) <= seq]
-            held = model_counts(Path(cut["dir"]))
-            row.update(compare_counts(held, expected_counts(at_cut, ids)))
+            row.update(compare_counts(model_counts(Path(cut["dir"])), expected_counts(at_cut, ids)))
             if row["updates_missing"]:
-                out["problems"].append(f"cut {cut['cut_id']}'s checkpoint lacks {row['updates_missing']} row updates "
-                                       f"of the shards done at the cut")
-            # what the fleet held once restored (every shard's Restore reply, summed) against the cut's rows:
-            # a restore that drops rows can be masked in the final model by a stale shard's pushes landing
-            # after it on the same batches (in flight at the strike, reported stale, counted as a replay)
-            in_cut = sum(len(t) for t in held.values())
-            restored = int((ev.get("evidence") or {}).get("rows", -1))
-            row.update(rows_in_cut=in_cut, rows_restored=restored, rows_missing=max(0, in_cut - restored))
-            if restored >= 0 and restored < in_cut:
-                out["problems"].append(f"the PS recovery from cut {cut['cut_id']} left the fleet holding {restored} "
-                                       f"rows of the {in_cut} in its checkpoint: the restored model lacks "
-                                       f"{in_cut - restored} rows")
+                lost.append(f"cut {cut['cut_id']}'s checkpoint lacks {row['updates_missing']} row updates "
+                            f"of the shards done at the cut")
+            rc = restored_check(evd, Path(cut["dir"]), num_ps)
+            row.update(rc["row"])
+            lost.extend(rc["lost"])
+            claims.extend(rc["claims"])
         else:
             row["checked"] = "its checkpoint was pruned"
         out["restored"].append(row)
+    out["problems"] = lost + claims
     out["exercised"] = _exercised(res, train, cuts, recoveries)
     return out
+
+
+def restored_check(evd: dict[str, Any], ckpt: Path, num_ps: int) -> dict[str, Any]:
+    """What each shard served once a PS recovery restored it, against the cut on disk, by content.
+
+    ``evd``: the ``ps_recovery`` event's evidence; ``digests`` (shard -> table -> ``{"rows",
+    "sha256"}``, each shard's Restore reply: what its live store served after the restore,
+    ``ps.digest``) is compared with :func:`ps.digest.checkpoint_digests` of ``ckpt`` read from disk,
+    shard by shard and table by table; the Restore replies' ``rows`` only with what the shards
+    serve. Missing evidence (no digests, a shard or table without one, no rows) fails: nothing
+    defaults to a value that passes. A dropped row can be masked in the final model (the shard in
+    flight at the strike repeats the cut's batches and its pushes land after the restore), and rows
+    a restore failed to replace are covered there by the replayed entries' bound: only this check
+    sees either.
+
+    Returns ``row`` (rows_in_cut, rows_restored: rows the shards served, rows_reply: what their
+    replies said, rows_missing, digest_mismatches: per shard whose content differs, its tables and
+    their rows served / in the cut / short), ``lost`` and ``claims`` (problem lines).
+    """
+    from ps.digest import checkpoint_digests
+
+    cut = f"the PS recovery from {ckpt.name}"
+    lost: list[str] = []
+    claims: list[str] = []
+    want = checkpoint_digests(ckpt, num_ps) if num_ps > 0 else {}
+    in_cut = sum(int(d["rows"]) for tables in want.values() for d in tables.values())
+    row: dict[str, Any] = {"rows_in_cut": in_cut, "rows_restored": None, "rows_reply": None, "rows_missing": None,
+                           "digest_mismatches": []}
+    if not want:
+        claims.append(f"{cut}: the report names no PS shard count: nothing restored can be checked")
+    got = evd.get("digests")
+    if not isinstance(got, dict) or not got:
+        claims.append(f"{cut}: its event has no digests of what the shards served (missing evidence): "
+                      f"the restore cannot be checked")
+        got = {}
+    reply = evd.get("rows")
+    if not isinstance(reply, int):
+        claims.append(f"{cut}: its event has no restored row count (missing evidence)")
+    else:
+        row["rows_reply"] = reply
+    served = 0
+    missing = 0
+    complete = True
+    for k, tables in sorted(want.items()):
+        have = got.get(str(k))
+        if not isinstance(have, dict):
+            complete = False
+            if got:
+                claims.append(f"{cut}: no digest of what shard {k} served (missing evidence)")
+            continue
+        bad: dict[str, Any] = {"shard": k, "tables": [], "served_rows": 0, "cut_rows": 0, "rows_short": 0}
+        for t, d in sorted(tables.items()):
+            h = have.get(t)
+            if not isinstance(h, dict) or not isinstance(h.get("rows"), int) or not h.get("sha256"):
+                complete = False
+                claims.append(f"{cut}: no digest of table {t} on shard {k} (missing evidence)")
+                continue
+            served += h["rows"]
+            if h["rows"] == d["rows"] and h["sha256"] == d["sha256"]:
+                continue
+            bad["tables"].append(t)
+            bad["served_rows"] += h["rows"]
+            bad["cut_rows"] += d["rows"]
+            bad["rows_short"] += max(0, d["rows"] - h["rows"])
+        if not bad["tables"]:
+            continue
+        row["digest_mismatches"].append(bad)
+        n = len(bad["tables"])
+        if bad["rows_short"]:
+            missing += bad["rows_short"]
+            lost.append(f"{cut} left shard {k} serving {bad['served_rows']} rows of {n} table(s) where the cut on "
+                        f"disk holds {bad['cut_rows']}: the restored model lacks {bad['rows_short']} rows")
+        else:
+            claims.append(f"after {cut} shard {k} served content other than the cut's in {n} table(s) "
+                          f"({bad['served_rows']} rows served, {bad['cut_rows']} on disk): the fleet does not hold "
+                          f"the cut it restored")
+    if complete and want:
+        row.update(rows_restored=served, rows_missing=missing)
+        if isinstance(reply, int) and reply != served:
+            claims.append(f"{cut}: the shards' Restore replies say {reply} rows, the shards served {served}")
+    return {"row": row, "lost": lost, "claims": claims}
 
 
 def _exercised(res: dict[str, Any], train: list[dict[str, Any]], cuts: dict[int, dict[str, Any]],
@@ -634,6 +827,13 @@ def _exercised(res: dict[str, Any], train: list[dict[str, Any]], cuts: dict[int,
     f_armed = "strike_time" in notes
     if not f_armed:
         return None if notes.get("injected") else "never injected"
+    if notes.get("strike") in ("mid_shard", "freeze"):
+        n = notes.get("unreported_steps_at_strike")
+        if n is None or n < 2:
+            return f"worker 0 had {n} trained steps of its lease unreported when struck (2 needed: one pushed)"
+        if notes.get("strike") == "freeze" and not notes.get("crashed"):
+            return f"no worker crashed while the PS was frozen ({FREEZE_MAX_S:.0f}s at most)"
+        return None
     if notes.get("recovers_ps"):
         if not recoveries:
             return "no PS recovery ran"
@@ -666,8 +866,8 @@ def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], ids: 
     events = rep.get("controller", {}).get("events", [])
     failed_recovery = [e for e in events if e.get("kind") == "ps_recovery_failed"
                        or (e.get("kind") == "ps_recovery" and "error" in (e.get("evidence") or {}))]
-    lost = [p for p in mc["problems"] if "lacks" in p]
-    claims = [p for p in mc["problems"] if "lacks" not in p]
+    lost = list(mc["lost"])
+    claims = list(mc["claims"])
     cov_claim = bool(rep.get("controller", {}).get("coverage", {}).get("complete"))
     if (status == "succeeded" or cov_claim) and problems:
         claims.append(f"says {'succeeded' if status == 'succeeded' else 'coverage complete'} but the ledger: {problems[:3]}")
@@ -681,6 +881,7 @@ def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], ids: 
                lost_updates=bool(lost), false_claim=bool(claims), coverage_problems=len(problems),
                failed_clearly=not succeeded and status == "failed" and true_reason and not lost and not claims,
                model=mc.get("final"), restored=mc["restored"],
+               unreported_updates=(mc.get("final") or {}).get("updates_unaccounted"),
                ps_recoveries=len([e for e in events if e.get("kind") == "ps_recovery"]),
                failed_recoveries=len(failed_recovery))
     why = ([f"not exercised: {not_ex}"] if not_ex else []) + lost + claims
@@ -699,6 +900,17 @@ def fleet_faults(quick: bool) -> list[FleetFault]:
         FleetFault("kill_ps", "ps-0", "kill", ps),
         FleetFault("corrupt_ckpt_kill_ps", "ps-0", "kill", ("checkpoint", "checksum", "sha256", "corrupt", "recovery"),
                    special="corrupt", epochs=3),
+        # one worker (its step count against the ledger's done batches shows a lease in progress),
+        # 8-batch leases: it dies with pushed steps of a lease it never reports
+        FleetFault("kill_worker_mid_shard", "worker-0", "kill", wk, strike="mid_shard", workers=1,
+                   sections={"controller": {"dds": {"batches_per_shard": 8}}}),
+        # the worker's RPC to the frozen PS expires (DEADLINE_EXCEEDED) and it crashes mid-lease
+        FleetFault("freeze_ps", "ps-0", "stop", wk + ps + ("deadline",), strike="freeze", workers=1,
+                   sections={"controller": {"dds": {"batches_per_shard": 8}},
+                             "rpc": {"timeout_s": FREEZE_RPC_TIMEOUT_S}}),
+        # all-reduce ranks: one dies after the bench's cut with training on both sides of it
+        FleetFault("kill_allreduce_rank", "worker-1", "kill", wk + ("all-reduce", "allreduce", "gloo", "rank"),
+                   sections={"train": {"dense_sync": "allreduce"}}, epochs=3),
     ]
     if quick:
         return quick_set
@@ -939,7 +1151,7 @@ def write_raw(path: Path, job: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a subset: bad inputs, many workers, 2 fleet faults")
+                    help="a subset: bad inputs, many workers, 5 fleet faults")
     ap.add_argument("--keep", default="", help="keep run dirs under this directory (default: a temp dir, removed)")
     ap.add_argument("--only", default="", help="comma-separated fleet fault names to run (default: all of the mode)")
     ap.add_argument("--smoke", action="store_true",
@@ -1000,6 +1212,9 @@ def main(argv: list[str] | None = None) -> int:
             "faults_not_exercised": sum(1 for r in rows if not r.get("exercised", True)),
             "faults_failed_clearly": sum(1 for r in rows if r.get("failed_clearly")),
             "runs_losing_updates": sum(1 for r in rows if r["lost_updates"]),
+            "unreported_updates": sum(int(r.get("unreported_updates") or 0) for r in rows),
+            "runs_unjudged": sum(1 for r in rows if r["fault"] != "many_workers_one_slow"
+                                 and r.get("unreported_updates") is None),
             "false_coverage_claims": sum(1 for r in rows if r["false_claim"]),
             "bad_inputs_tried": len(bad),
             "bad_inputs_clear_error": sum(1 for r in bad if r["clear"]),
@@ -1008,7 +1223,8 @@ def main(argv: list[str] | None = None) -> int:
             "slow_worker_steps_failed": mw["slow_failed"],
             "slow_worker_pushes_failed": mw["slow_push_failed"],
             "wall_s": round(time.monotonic() - t0, 1),
-            "faults": [{k: r[k] for k in ("fault", "survived", "exercised", "lost_updates", "false_claim") if k in r}
+            "faults": [{k: r[k] for k in ("fault", "survived", "exercised", "lost_updates", "false_claim",
+                                          "unreported_updates") if k in r}
                        | {k: r[k] for k in ("status", "exit_code", "reason", "why", "model") if r.get(k)}
                        for r in rows],
             "bad_inputs": [{k: r[k] for k in ("target", "name", "clear", "code")} for r in bad],

@@ -19,7 +19,8 @@ then, off the RPC thread (:class:`PsRecovery`)::
                           ledger entries after it marked replayed
     pending (uncommitted) cuts -> aborted      (a late CheckpointDone for one is ignored)
     PauseWrites(false) on every shard
-    event ps_recovery {node, incarnation, cut_id, dir, step, rows, requeued, seconds}
+    event ps_recovery {node, incarnation, cut_id, dir, step, rows, digests, requeued, seconds}
+                          (digests: shard -> what it served once restored, ps.digest)
     (+ event ps_recovery_fallback {newest_dir, dir, rejected} when an older cut was used)
 
 **Durable.** Every step is recorded in the controller's LMDB state (``meta`` key
@@ -308,7 +309,11 @@ class PsRecovery:
                     r.update(dir=detail["dir"], restored={})
             self._update(fn)
         elif what == "restored":
-            self._update(lambda r: r["restored"].__setitem__(str(detail["shard"]), int(detail["rows"])))
+            def done(r: dict[str, Any]) -> None:
+                r["restored"][str(detail["shard"])] = int(detail["rows"])
+                if "digest" in detail:  # what the shard serves now (ps.digest): the event's evidence
+                    r.setdefault("digests", {})[str(detail["shard"])] = detail["digest"]
+            self._update(done)
         self._hook(what, detail)
 
     # ------------------------------------------------------------ one run
@@ -421,6 +426,8 @@ class PsRecovery:
             self.s.record_event(node, "ps_recovery",
                                 {"incarnations": nodes, "cut_id": cut_id, "dir": cut["dir"], "step": cut.get("step"),
                                  "rows": rows, "map_version": out.map_version, "healed": list(out.healed),
+                                 "digests": {k: v for k, v in (rec.get("digests") or {}).items()
+                                             if k in rec["restored"]},
                                  "requeued": int(rec.get("requeued", 0)), "aborted_cuts": list(rec["aborted"]),
                                  "seconds": seconds, "fallback": bool(out.rejected)},
                                 "restore_fleet+rollback", txn=txn)

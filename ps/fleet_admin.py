@@ -64,6 +64,9 @@ class FleetRestore:
         map_version: the partition map version every shard has.
         healed: shards whose map lagged and were updated.
         rejected: ``{"dir", "shard", "error"}`` for each directory refused before ``dir``.
+        digests: shard -> table -> ``{"rows", "sha256"}``: what each shard restored here serves
+            once its restore returned (its Restore reply, read from its live store: ``ps.digest``);
+            shards in ``skip`` are not in it.
     """
 
     dir: str
@@ -71,6 +74,7 @@ class FleetRestore:
     map_version: int
     healed: list[int] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
+    digests: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
 
 def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str | Sequence[str], *,
@@ -93,7 +97,8 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
         pause_lease_s: the write pause ends by itself after this long.
         while_paused: called with the restored directory before the shards resume.
         on_step: called before each step acts (``pause`` {shards}, ``restore`` {dir, shard},
-            ``resume`` {shards}), after each shard's restore (``restored`` {dir, shard, rows}) and
+            ``resume`` {shards}), after each shard's restore (``restored`` {dir, shard, rows, digest}:
+            rows as the shard replied, digest what it serves now, table -> ``{"rows", "sha256"}``) and
             after each pause renewal (``renewed`` {lease_s}): the controller records its progress
             durably there (an exception aborts the restore; the pause ends with its lease).
         skip: directory -> shards already restored to it by an earlier, interrupted restore
@@ -136,15 +141,19 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
             for ckpt_dir in dirs:
                 rows = 0
                 k = 0
+                digests: dict[int, dict[str, dict[str, Any]]] = {}
                 already = set((skip or {}).get(ckpt_dir, ()))
                 try:
                     for k, s in enumerate(stubs):
                         if k in already:
                             continue
                         step("restore", {"dir": ckpt_dir, "shard": k})
-                        n = int(s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10).rows)
+                        reply = s.Restore(ps_pb2.RestoreRequest(dir=ckpt_dir), timeout=timeout * 10)
+                        n = int(reply.rows)
                         rows += n
-                        step("restored", {"dir": ckpt_dir, "shard": k, "rows": n})
+                        served = {d.table: {"rows": int(d.rows), "sha256": d.sha256} for d in reply.served}
+                        digests[k] = served
+                        step("restored", {"dir": ckpt_dir, "shard": k, "rows": n, "digest": served})
                 except grpc.RpcError as exc:
                     if exc.code() not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
                         raise  # corrupt or vanished cuts fall back to the previous one; anything else fails
@@ -154,7 +163,7 @@ def restore_fleet(addresses: Sequence[str], rpc_cfg: RpcConfig, ckpt_dirs: str |
                     continue
                 if while_paused is not None:
                     while_paused(ckpt_dir)
-                return FleetRestore(ckpt_dir, rows, int(newest.version), healed, rejected)
+                return FleetRestore(ckpt_dir, rows, int(newest.version), healed, rejected, digests)
         except grpc.RpcError as exc:
             raise FleetRestoreError(f"restoring the PS fleet {list(addresses)} failed: "
                                     f"{exc.code().name}: {exc.details()}") from None

@@ -995,15 +995,20 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
     @_rpc(data=False)
     def Restore(self, request: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         from ps.coordinator import restore_shard_checkpoint
+        from ps.digest import served_digest
 
         if not request.dir:
             raise bad("Restore needs a directory")
         directory = self._confined(request.dir, "Restore")
         with self._gate.exclusive():
             rows, step = restore_shard_checkpoint(self, directory)
+            # what the shard serves now, read from its live store (not the restore's own count): a
+            # judge compares it with the cut on disk (ps/digest.py, bench/chaos.py)
+            served = served_digest(self.store)
             self.restores += 1
             self.mark_recovered(f"restored {directory}")
-        return ps_pb2.RestoreResponse(rows=rows, step=step)
+        return ps_pb2.RestoreResponse(rows=rows, step=step, served=[
+            ps_pb2.TableDigest(table=t, rows=int(d["rows"]), sha256=str(d["sha256"])) for t, d in served.items()])
 
     def _confined(self, directory: str, method: str) -> str:
         """``directory`` resolved under :attr:`checkpoint_root`, else PERMISSION_DENIED (nothing touched)."""

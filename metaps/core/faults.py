@@ -246,7 +246,16 @@ TEST_BREAK_ENV = "METAPS_TEST_BREAK"
 TEST_BREAKS = {
     "no_rollback": "a PS recovery does not roll the DDS back to the restored cut (its record still commits)",
     "restore_empty": "a PS Restore verifies and loads the checkpoint, then keeps zero rows (dense params kept)",
+    "restore_never_swaps": "a PS Restore verifies and loads the checkpoint aside and never swaps it in: the live "
+                           "shard keeps serving what it held; the reply says the cut's row count",
+    "restore_partial": "a PS Restore swaps the checkpoint in, then keeps only 7 of every 8 rows; the reply says the "
+                       "rows loaded",
 }
+"""Each break fakes only what its name says: the Restore reply's ``rows`` lie, while the digest of
+what the shard serves (``ps.digest``, in the Restore reply) is computed by the unbroken handler
+from the live store, as the honest build does. A build that also lied in its digest (computed
+from the checkpoint instead of the store it serves from) would pass ``bench.chaos``'s restored
+check: the judge trusts that the digest is read from the live store."""
 
 
 class UnknownTestBreak(MetapsError):
@@ -288,9 +297,53 @@ def _break_restore_empty(mod: Any) -> None:
     mod.restore_shard_checkpoint = restore_shard_checkpoint
 
 
+def _break_restore_never_swaps(mod: Any) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    from metaps.core.log import kv
+
+    orig = mod.restore_shard_checkpoint
+
+    def restore_shard_checkpoint(server: Any, ckpt_dir: Any) -> tuple[int, int]:
+        # verified and loaded into a store aside, which is then dropped: the live store (and map) stay
+        aside = SimpleNamespace(store=server.store.empty_like(), shard_id=server.shard_id, pmap=server.pmap,
+                                adopt_map=lambda pmap: None)
+        rows, step = orig(aside, ckpt_dir)
+        logging.getLogger(__name__).warning("TEST BREAK restore_never_swaps: the cut was loaded aside, never "
+                                            "swapped in", extra=kv(dir=str(ckpt_dir), rows=rows))
+        return rows, step
+
+    mod.restore_shard_checkpoint = restore_shard_checkpoint
+
+
+def _break_restore_partial(mod: Any) -> None:
+    import logging
+
+    import numpy as np
+
+    from metaps.core.log import kv
+
+    orig = mod.restore_shard_checkpoint
+
+    def restore_shard_checkpoint(server: Any, ckpt_dir: Any) -> tuple[int, int]:
+        rows, step = orig(server, ckpt_dir)
+        dropped = 0
+        for name, t in server.store.tables.items():
+            ids = np.sort(t.row_ids[t.used_rows()])
+            dropped += server.store.remove_ids(name, ids[::8])
+        logging.getLogger(__name__).warning("TEST BREAK restore_partial: restored rows dropped",
+                                            extra=kv(dir=str(ckpt_dir), rows=rows, dropped=dropped))
+        return rows, step
+
+    mod.restore_shard_checkpoint = restore_shard_checkpoint
+
+
 _BREAK_TARGETS: dict[str, tuple[str, Callable[[Any], None]]] = {
     "no_rollback": ("controller.checkpoint", _break_no_rollback),
     "restore_empty": ("ps.coordinator", _break_restore_empty),
+    "restore_never_swaps": ("ps.coordinator", _break_restore_never_swaps),
+    "restore_partial": ("ps.coordinator", _break_restore_partial),
 }
 
 
