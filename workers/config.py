@@ -76,6 +76,10 @@ class TrainConfig:
         threads: torch intra-op threads per worker process.
         seed: seed of the dense model initialisation (same on every worker).
         allreduce_port: rendezvous port of the gloo process group (0: launcher picks).
+        dense_publish_steps: all-reduce mode: rank 0 stores the group's dense parameters on the
+            PS every this many steps (and before every checkpoint); a group that re-forms after a
+            rank failure, or a warm start, continues from that copy, so a rank restart loses at
+            most this many steps of dense updates, never the model (0: only before checkpoints).
         device: device of the worker process (``cpu``, ``cuda``, ``cuda:N``, ``auto`` = cuda when
             available): where ``train-local`` keeps its in-process tables; a fleet worker checks it
             at start-up. The dense model computes on CPU in this version.
@@ -119,6 +123,7 @@ class TrainConfig:
     threads: int = 1
     seed: int = 0
     allreduce_port: int = 0
+    dense_publish_steps: int = 50
     device: str = "cpu"
     tb_every_steps: int = 10
     eval_every_steps: int = 0
@@ -148,6 +153,8 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.dense_publish_steps < 0:
+            raise ValueError(f"dense_publish_steps must be >= 0 (0: only before checkpoints), got {self.dense_publish_steps}")
         if self.tb_every_steps < 0:
             raise ValueError(f"tb_every_steps must be >= 0 (0: no live scalars), got {self.tb_every_steps}")
         if self.eval_every_steps < 0:

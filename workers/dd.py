@@ -476,5 +476,5 @@ class DdLoop:
         if total > 0:
             tr._apply_local(flat)
         self._last_apply_s = time.perf_counter() - t_apply
-        tr.step_no += 1
+        tr.collective_step_done()
         return StepStats(tr.step_no, loss, samples, tasks, pull_s, compute_s, push_s, busy, metrics)

@@ -183,6 +183,13 @@ class Trainer:
         else:
             from ps.dense_store import DenseStore
 
+            # The PS keeps the group's dense copy (rank 0 publishes it every [train]
+            # dense_publish_steps and before every checkpoint; a checkpoint restores it): a group
+            # that re-forms after a rank failure, or a warm start, goes on from it, not from the
+            # freshly built model. Registering is idempotent (same seed on every worker), so a
+            # first start reads back its own initial values.
+            self.rows.register_dense(self._dense_numpy())
+            self._load_dense(self._group_agree(self.rows.pull_dense(self._names)))
             self._local_dense = DenseStore(dense_optimizer)
             for name, value in self._dense_numpy().items():
                 self._local_dense.register(name, value)
@@ -287,6 +294,31 @@ class Trainer:
     def _load_dense(self, values: dict[str, np.ndarray]) -> None:
         for name, p in self._named_parameters():
             p.copy_(torch.from_numpy(np.asarray(values[name]).reshape(p.shape)))
+
+    def collective_step_done(self) -> None:
+        """All-reduce mode: count a collective step; rank 0 publishes the group's dense copy on
+        the PS every ``[train] dense_publish_steps`` (what a re-formed group goes on from)."""
+        self.step_no += 1
+        every = self.cfg.dense_publish_steps
+        if self.rank == 0 and every and self.step_no % every == 0:
+            self.rows.set_dense(self._dense_numpy())
+
+    def _group_agree(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """All-reduce mode: rank 0's ``values`` on every rank of the process group (a broadcast),
+        so the group starts bitwise identical whatever each rank read; as is without a group."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return values
+        flat = torch.cat([torch.from_numpy(np.ascontiguousarray(values[n], dtype=np.float32)).reshape(-1)
+                          for n in self._names])
+        dist.broadcast(flat, src=0)
+        out, offset = {}, 0
+        for n in self._names:
+            size = int(np.prod(values[n].shape))
+            out[n] = flat[offset:offset + size].numpy().reshape(values[n].shape)
+            offset += size
+        return out
 
     def _sync_dense(self, grads: dict[str, torch.Tensor]) -> None:
         if self.cfg.dense_sync == DenseSync.PS:
@@ -688,7 +720,7 @@ class Trainer:
             self.barrier(2 * self.step_no + 1)
         if total > 0:
             self._apply_local(packed[:-3] / total)
-        self.step_no += 1
+        self.collective_step_done()
         t1 = time.perf_counter()
         return StepStats(self.step_no, loss, samples, tasks, pull_s, compute_s, t1 - t0 - pull_s - compute_s,
                          t1 - t0, metrics)

@@ -1,0 +1,123 @@
+"""An all-reduce rank killed mid-run: the re-formed group keeps the dense model.
+
+``[train] dense_sync = "allreduce"``: the dense parameters live in the workers, in step by a
+collective every step. When one rank dies, gloo fails its peers, every worker exits and its
+agent restarts it, and the group forms again. Each new incarnation used to start from its
+freshly built model: the dense weights went back to the initial ones while the ledger said
+every batch was trained. Now rank 0 publishes the group's dense copy on the PS every
+``dense_publish_steps`` (and before every checkpoint) and a re-formed group goes on from it.
+
+Judged on the model: two real ``metaps launch`` fleets (1 PS, 2 all-reduce workers) on the
+same data, one fault-free (the reference) and one whose worker 1 is SIGKILLed after shards
+were done (a state, not a time). Both must succeed with complete coverage, and the faulty
+run's final dense weights must be near the reference's: much nearer than the reference is to
+the initial weights (a reset group ends about as far as the training it redid).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controller.state import StateStore
+from tests.metaps.fleet_data import (fleet_pids, finish_launch, kill_leftovers, make_data, start_launch, wait_for,
+                                     write_job_file)
+
+SECTIONS = dict(
+    train={"dense_sync": "allreduce", "epochs": 2, "dense_publish_steps": 1, "log_every": 1},
+    controller={"checkpoint_interval_s": 0.0, "dds": {"batches_per_shard": 2},
+                "agent": {"heartbeat_s": 0.5, "restart_limit": 2, "backoff_s": 0.2, "stop_grace_s": 5.0}},
+    # slowed: the faulty run is still going when the strike comes
+    faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0},
+                       {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]},
+)
+
+
+def _done_train(state: Path) -> int:
+    if not (state / "data.mdb").exists():
+        return 0
+    store = StateStore(state)
+    try:
+        return sum(1 for _, e in store.items("ledger") if e["kind"] == "done" and e["dataset"] == "train")
+    finally:
+        store.close()
+
+
+def _worker_pid(run: Path, rank: int) -> int | None:
+    for pid in fleet_pids(str(run)):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "metaps" in argv and "agent" not in argv and "worker" in argv and "--rank" in argv \
+                and argv[argv.index("--rank") + 1] == str(rank):
+            return pid
+    return None
+
+
+def _final_dense(job, report: dict, names: list[str]) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def, type-arg]
+    from ps.checkpoint import load_dense
+    from workers.local import local_store
+
+    store = local_store(job)
+    assert sorted(load_dense(store, report["checkpoint"], names)) == sorted(names), report["checkpoint"]
+    return store.dense.pull(names)
+
+
+def _launch(tmp: Path, name: str, data: dict[str, Path], strike: bool) -> tuple[dict, str]:  # type: ignore[type-arg]
+    cfg = write_job_file(tmp / f"{name}.toml", data, workers=2, ps=1, **SECTIONS)
+    run = tmp / name
+    log = tmp / f"{name}-launcher.log"
+    proc = start_launch(["--no-progress", "--config", str(cfg), "--run-dir", str(run)], log)
+    try:
+        if strike:
+            # most shards done (2-batch shards, 17 batches, 2 epochs: 18 shards), then kill rank 1
+            wait_for(lambda: _done_train(run / "controller") >= 13 or proc.poll() is not None, 300,
+                     "13 train shards done")
+            assert proc.poll() is None, "the run ended before the strike"
+            pid = _worker_pid(run, 1)
+            assert pid is not None, "worker 1 not found"
+            os.kill(pid, signal.SIGKILL)
+        out = finish_launch(proc, log, 400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_leftovers(str(run))
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads((run / "report.json").read_text()), out
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_allreduce_rank_keeps_the_dense_model(tmp_path: Path) -> None:
+    data = make_data(tmp_path / "data")
+    ref, _ = _launch(tmp_path, "reference", data, strike=False)
+    got, out = _launch(tmp_path, "faulty", data, strike=True)
+    for rep in (ref, got):
+        assert rep["status"] == "succeeded" and rep["controller"]["coverage"]["complete"], rep["controller"]["coverage"]
+    # the strike happened: worker 1 had a second incarnation
+    restarts = {n["index"]: n["restarts"] for n in got["controller"]["nodes"] if n["role"] == "worker"}
+    assert restarts[1] >= 1, restarts
+    # its leases in flight are ledgered abandoned (their updates may be in the model twice)
+    assert got["controller"]["coverage"]["abandoned_entries"] >= 1, got["controller"]["coverage"]
+    from metaps.job import load_job
+    from workers.worker import build_model
+
+    job = load_job(tmp_path / "reference.toml")
+    init = {n: p.detach().numpy() for n, p in build_model(job).named_parameters()}
+    names = sorted(init)
+    a, b = _final_dense(job, ref, names), _final_dense(job, got, names)
+
+    def dist(x: dict[str, np.ndarray], y: dict[str, np.ndarray]) -> float:
+        return float(np.sqrt(sum(float(((x[n].reshape(-1) - y[n].reshape(-1)) ** 2).sum()) for n in names)))
+
+    trained, off = dist(a, init), dist(b, a)
+    assert trained > 0.05, trained
+    print(f"off {off:.4f} trained {trained:.4f}")
+    assert off < 0.3 * trained, (f"faulty run's dense weights {off:.4f} from the reference's; the reference "
+                                 f"moved {trained:.4f} from the initial weights")
