@@ -30,7 +30,10 @@ A and roll the DDS back to it, with training the cut lacks to lose. ``kill_worke
 ``freeze_ps`` run one worker with 8-batch leases and strike when its last heartbeat's step count is at
 least 2 above the train batches the ledger has done (``unreported_steps``: its second step's pull
 waited for its first step's push, so a push of a lease it never reports is in the model), read again
-once it died. A fault that did not reach its state is **not exercised** (never survived).
+once it died; it is exercised only when the final model shows those pushes: updates beyond the
+ledger's done / replayed / stale / duplicate entries (``model.updates_abandoned``: the ones only the
+``abandoned`` entry of the dead lease accounts for, plus ``unreported_updates``). A fault that did not
+reach its state is **not exercised** (never survived).
 
 **The judge reads the model, not row counts.** Every table runs Adam, whose per-row
 state counts the row's updates (checkpointed with the row); one training step pushes
@@ -697,7 +700,12 @@ def model_check(res: dict[str, Any], ids: BatchIds) -> dict[str, Any]:
     lost, claims = out["lost"], out["claims"]
     final = rep.get("checkpoint") or ""
     if final and (Path(final) / "manifest.json").is_file():
-        fc = compare_counts(model_counts(Path(final)), expected_counts(live, ids), expected_counts(live + replays, ids))
+        held = model_counts(Path(final))
+        fc = compare_counts(held, expected_counts(live, ids), expected_counts(live + replays, ids))
+        # updates only the ``abandoned`` entries account for: a dead holder's pushes of a lease trained again
+        reported = [e for e in replays if e.get("kind") != "abandoned"]
+        fc["updates_abandoned"] = (compare_counts(held, {}, expected_counts(live + reported, ids))["updates_unaccounted"]
+                                   - fc["updates_unaccounted"])
         out["final"] = fc
         if fc["updates_missing"]:
             lost.append(f"the final model lacks {fc['updates_missing']} row updates of {fc['rows_short']} "
@@ -733,7 +741,7 @@ def model_check(res: dict[str, Any], ids: BatchIds) -> dict[str, Any]:
             row["checked"] = "its checkpoint was pruned"
         out["restored"].append(row)
     out["problems"] = lost + claims
-    out["exercised"] = _exercised(res, train, cuts, recoveries)
+    out["exercised"] = _exercised(res, train, cuts, recoveries, out.get("final"))
     return out
 
 
@@ -819,8 +827,13 @@ def restored_check(evd: dict[str, Any], ckpt: Path, num_ps: int) -> dict[str, An
 
 
 def _exercised(res: dict[str, Any], train: list[dict[str, Any]], cuts: dict[int, dict[str, Any]],
-               recoveries: list[dict[str, Any]]) -> str | None:
-    """None when the fault reached the state it was meant for; else why not (from the run's own record)."""
+               recoveries: list[dict[str, Any]], final: dict[str, int] | None = None) -> str | None:
+    """None when the fault reached the state it was meant for; else why not (from the run's own record).
+
+    A worker struck mid-lease (``mid_shard``, ``freeze``) must also have left its pushes in the model:
+    the final model holds updates beyond the ledger's done / replayed / stale / duplicate entries
+    (reported by ``abandoned`` entries, or by none: ``unreported_updates``).
+    """
     notes = res["notes"]
     if notes.get("not_exercised"):
         return str(notes["not_exercised"])
@@ -833,6 +846,10 @@ def _exercised(res: dict[str, Any], train: list[dict[str, Any]], cuts: dict[int,
             return f"worker 0 had {n} trained steps of its lease unreported when struck (2 needed: one pushed)"
         if notes.get("strike") == "freeze" and not notes.get("crashed"):
             return f"no worker crashed while the PS was frozen ({FREEZE_MAX_S:.0f}s at most)"
+        if final is None:
+            return "no final model to read the struck worker's pushes in"
+        if final["updates_abandoned"] + final["updates_unaccounted"] == 0:
+            return "the final model holds no update of the struck worker's lease beyond what was reported"
         return None
     if notes.get("recovers_ps"):
         if not recoveries:
