@@ -12,6 +12,13 @@ entries are marked replayed.
                     |
                     +--fleet restored to an earlier cut (PS restart)--> ABORTED (a late commit is ignored)
 
+**The final checkpoint is a cut too.** Its writer (the leader, once every dataset is done)
+calls ``CheckpointDone`` with ``cut_id`` :data:`FINAL_CUT` (0): the controller records it as a
+committed cut of the DDS at that moment (:meth:`CheckpointCoordinator.commit_final`), and
+refuses it (FAILED_PRECONDITION) while any dataset is unfinished. A PS restarted after the run
+finished is therefore restored to the final checkpoint and the rollback to its cut requeues
+nothing: a finished run stays finished (not rolled back to an older interval cut).
+
 Samples of shards that were DOING at the cut were partly trained before the
 checkpoint was taken; they are replayed after a rollback (counted in the ledger
 as replayed, never lost).
@@ -40,8 +47,18 @@ from metaps.core.log import kv
 log = logging.getLogger(__name__)
 
 
+FINAL_CUT = 0
+"""``CheckpointDone`` cut id of the run's final checkpoint (cut ids the controller opens start at 1)."""
+
+
 class UnknownCut(MetapsError):
     code = "not_found"
+
+
+class RunNotFinished(MetapsError):
+    """A final checkpoint reported while a dataset is still being trained."""
+
+    code = "failed_precondition"
 
 
 class CheckpointCoordinator:
@@ -90,6 +107,32 @@ class CheckpointCoordinator:
             log.info("checkpoint cut committed", extra=kv(cut_id=cut_id, step=step, dir=directory))
             return body
 
+    def commit_final(self, step: int, directory: str) -> dict[str, Any]:
+        """Record the run's final checkpoint as a committed cut of the DDS now.
+
+        The caller has checked that every dataset is done (the DDS snapshot then holds every
+        ledger entry, so a rollback to this cut requeues nothing). The same report again (its
+        reply was lost) returns the cut already recorded.
+
+        Args:
+            step: the checkpoint's step.
+            directory: where it was written.
+        """
+        with self._lock:
+            for body in self.cuts():
+                if body.get("final") and body["dir"] == directory and body["state"] == "committed":
+                    return body
+            cut = self._dds.snapshot()
+            now = self._clock()
+            with self._store.begin(write=True) as txn:
+                cut_id = max(1, self._store.next_seq(txn, "cuts"))
+                body = {"cut_id": cut_id, "state": "committed", "dds": cut.to_json(), "opened": now,
+                        "step": int(step), "dir": directory, "committed": now, "final": True}
+                txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
+            log.info("final checkpoint committed as a cut", extra=kv(cut_id=cut_id, step=step, dir=directory,
+                                                                     ledger_seq=cut.ledger_seq))
+            return body
+
     def abort_pending(self, reason: str) -> list[int]:
         """Mark every pending cut aborted (a later commit of one is ignored); returns their ids."""
         with self._lock:
@@ -132,4 +175,4 @@ class CheckpointCoordinator:
         return self.rollback_to(int(latest["cut_id"]))
 
 
-__all__ = ["CheckpointCoordinator", "UnknownCut", "key_seq"]
+__all__ = ["FINAL_CUT", "CheckpointCoordinator", "RunNotFinished", "UnknownCut", "key_seq"]

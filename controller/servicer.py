@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 import grpc
 from prometheus_client import Counter
 
-from controller.checkpoint import CheckpointCoordinator
+from controller.checkpoint import FINAL_CUT, CheckpointCoordinator, RunNotFinished
 from controller.config import ControllerConfig
 from controller.dds import DynamicDataSharding
 from controller.liveness import WorkerLiveness
@@ -78,6 +78,7 @@ class ServedController(Protocol):
 
     def status(self, events_since: int = 0, brief: bool = False) -> dict[str, Any]: ...
     def recovery_pending(self) -> bool: ...
+    def run_finished(self) -> bool: ...
     def trigger_checkpoint(self, reason: str = "interval") -> int: ...
     @property
     def outcome(self) -> RunOutcome: ...
@@ -296,7 +297,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             except PathNotAllowed as exc:
                 log.warning("CheckpointDone refused: %s", exc)
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, f"CheckpointDone: {exc}")
-        self.s.checkpoints.commit(request.cut_id, request.step, request.dir)
+        if request.cut_id == FINAL_CUT:  # the run's final checkpoint: a cut of the finished DDS
+            if not self.s.run_finished():
+                raise RunNotFinished(f"CheckpointDone: final checkpoint {request.dir} reported while the run is "
+                                     f"not finished (a dataset is still trained, or a PS recovery is pending)")
+            self.s.checkpoints.commit_final(request.step, request.dir)
+        else:
+            self.s.checkpoints.commit(request.cut_id, request.step, request.dir)
         return pb.CheckpointDoneResponse()
 
     @_guard
