@@ -10,6 +10,8 @@
         |   backoff          |  child crashes: NodeDown (its shards are requeued) right away
         +-- min(b*2^k, max) -+
                              +--crashes > restart_limit--> GAVE_UP (NodeDown "gave up", exit 1)
+                             +--child exits 4 (run failed, or its final checkpoint could not be
+                                written) or 5 (superseded)--> exit with that code, no restart
 
 Every ``heartbeat_s`` the agent heartbeats as ``source=agent`` with the
 child's RSS and CPU (from ``/proc``) and its restart count, and carries out the
@@ -189,8 +191,10 @@ class Agent:
                         log.info("child finished", extra=kv(node=self.node))
                         return 0
                     if rc in (exit_codes.RUN_FAILED, exit_codes.SUPERSEDED):
-                        # the controller failed the run or fenced the child off: a restart cannot help
-                        log.error("child stopped by the controller; not restarting",
+                        # the controller failed the run (or the child's final checkpoint could not be
+                        # written: it told the controller, which failed the run) or fenced the child
+                        # off: a restart cannot help
+                        log.error("child ended the run or was stopped by the controller; not restarting",
                                   extra=kv(node=self.node, code=rc))
                         return rc
                     self.crashes += 1

@@ -10,6 +10,8 @@ its heartbeats; once every live worker has, the train datasets are closed (the D
 out no more; coverage ``partial_by_request``), so the run ends instead of waiting for
 shards no worker will take.
     running --(a run_failed event: e.g. a PS recovery with nothing to restore)--> failed
+    running --(the leader's final checkpoint could not be written: a run_failed event with
+               cause "final_checkpoint"; training finished)--> failed
 
 A worker process reports itself finished (``NodeDown`` with reason
 :data:`~controller.types.NODE_FINISHED`, exit code 0) after its last duty; the
@@ -21,6 +23,14 @@ done, writes the final checkpoint and finishes (``final_checkpoint``, durable as
 event). The other workers wait for that before they finish. When the leader leaves
 (deleted on a scale-down, crashed) the next live worker is the leader at once, so no
 worker index has duties another cannot take over.
+
+**The final checkpoint fails** (the leader could not write it: a full disk, an I/O error,
+no permission): the leader reports ``NodeDown`` with reason
+``final_checkpoint_failed: <path and OS error>`` and exits 4. That is deterministic (a
+restart would write the same checkpoint to the same disk), so the run fails at once, with
+the reason ``training finished (...); the final checkpoint failed: ...`` and the event's
+``cause`` ``final_checkpoint`` (the run report says training finished and the checkpoint
+failed); a failed run has no leader (-1), so no other worker retries it.
 
 **Failed.** Every live process (worker and PS) is sent ``stop`` with the reason
 ``run_failed: <why>``, once per incarnation (a crash-looping worker that registers
@@ -64,6 +74,8 @@ RUN_FAILED = "run_failed"
 """Event kind: the run cannot go on (evidence ``reason``)."""
 FINAL_CHECKPOINT = "final_checkpoint"
 """Event kind: the leader wrote the run's final checkpoint and finished (evidence ``worker``)."""
+CAUSE_FINAL_CHECKPOINT = "final_checkpoint"
+"""``cause`` in a ``run_failed`` event's evidence: training finished, the final checkpoint could not be written."""
 
 
 class RunState(str, enum.Enum):
@@ -130,7 +142,11 @@ class RunOutcome:
                 self._failed = reason
 
     def leader(self) -> int:
-        """The checkpoint leader: the live worker with the lowest index (-1: none)."""
+        """The checkpoint leader: the live worker with the lowest index (-1: none, or the run failed:
+        nobody takes a cut or the final checkpoint of a failed run)."""
+        with self._lock:
+            if self._failed:
+                return -1
         live = [i.index for i in self.h.registry.alive("worker")]
         return min(live) if live else -1
 
@@ -139,6 +155,28 @@ class RunOutcome:
         if not self.final_done and self.h.run_finished() and index == self.leader():
             self.final_done = True
             self.h.events.record(Event.now(f"worker:{index}", FINAL_CHECKPOINT, {"worker": index}, ""))
+
+    def final_checkpoint_failed(self, index: int, why: str) -> None:
+        """Worker ``index`` (the leader) could not write the final checkpoint: fail the run once,
+        durably (a ``run_failed`` event with ``cause`` ``final_checkpoint``), saying training finished.
+
+        Args:
+            index: the worker that tried.
+            why: one line naming the checkpoint path and the OS error.
+        """
+        with self._lock:
+            if self._failed:
+                return
+        train = [d for d in self.h.dds.progress() if d.get("kind") == "train"]
+        done = ", ".join(f"{d['dataset']} {d['batches_done']}/{d['batches_total']} batches" for d in train)
+        trained = f"training finished ({done})" if self.h.run_finished() else "training not finished"
+        reason = f"{trained}; the final checkpoint failed: {why}"
+        self.h.events.record(Event.now(f"worker:{index}", RUN_FAILED,
+                                       {"reason": reason, "cause": CAUSE_FINAL_CHECKPOINT, "worker": index,
+                                        "error": why, "training_finished": self.h.run_finished()},
+                                       "fail the run (a write failure: a restart would fail the same way)"))
+        self.note_failed(reason)
+        log.error("final checkpoint failed; run failed", extra=kv(worker=index, reason=reason))
 
     def state(self) -> tuple[RunState, str]:
         """(state, reason): failed wins over complete; complete needs the final checkpoint and

@@ -58,7 +58,7 @@ from controller.ps_recovery import PsRecovery
 from controller.run_outcome import RUN_FAILED, RunOutcome
 from controller.servicer import ControllerServicer
 from controller.state import Event, EventLog, StateDirLock, StateStore
-from controller.types import NODE_FINISHED, DatasetSpec
+from controller.types import NODE_CHECKPOINT_FAILED, NODE_FINISHED, DatasetSpec
 from metaps.core.atomic_write import write_text_atomic
 from metaps.core.log import kv
 from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
@@ -285,6 +285,8 @@ class ControllerServer:
             requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []  # holds none: a guard
             self.events.record(Event.now(f"{role}:{index}", "node_finished", {"requeued": requeued}, ""))
             return requeued
+        if role == "worker" and reason.startswith(NODE_CHECKPOINT_FAILED + ":"):  # before it leaves: no new leader
+            self.outcome.final_checkpoint_failed(index, reason.partition(":")[2].strip())
         self.registry.mark_dead(role, index)
         requeued = self.dds.requeue_worker(index, reason) if role == "worker" else []
         if role == "worker" and self.liveness is not None:

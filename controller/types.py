@@ -34,6 +34,10 @@ _ID_RE = re.compile(r"^(?P<ds>[A-Za-z0-9_.\-]+):(?P<epoch>\d+):(?P<file>\d+):(?P
 ROLES = ("worker", "ps")
 NODE_FINISHED = "finished"
 """``NodeDown`` reason (exit code 0) of a worker process that finished its part of the run."""
+NODE_CHECKPOINT_FAILED = "final_checkpoint_failed"
+"""``NodeDown`` reason prefix (``final_checkpoint_failed: <why>``, exit code 4) of the checkpoint
+leader whose final checkpoint could not be written (a full disk, an I/O error): training
+finished, the run fails once (``RunOutcome.final_checkpoint_failed``), nothing restarts it."""
 SOURCES = ("process", "agent")
 
 

@@ -118,7 +118,8 @@ def error_line(command: str, exc: BaseException) -> str:
 
 def run_command(command: str, func: Callable[[argparse.Namespace], int | None],
                 args: argparse.Namespace) -> int:
-    """Run one subcommand: a deliberate error (any ``MetapsError``) is one stderr line and exit 1.
+    """Run one subcommand: a deliberate error (any ``MetapsError``) is one stderr line and exit 1
+    (or the error's own ``exit_code``, e.g. 4 for a final checkpoint that could not be written).
 
     Args:
         command: the subcommand name, used in the error line.
@@ -129,7 +130,7 @@ def run_command(command: str, func: Callable[[argparse.Namespace], int | None],
         rc = func(args)
     except MetapsError as exc:
         print(error_line(command, exc), file=sys.stderr)
-        return 1
+        return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)

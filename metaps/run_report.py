@@ -269,6 +269,28 @@ def run_failure(controller_status: Mapping[str, Any] | None) -> str:
     return ""
 
 
+FINAL_CHECKPOINT_CAUSE = "final_checkpoint"  # controller.run_outcome.CAUSE_FINAL_CHECKPOINT
+
+
+def final_checkpoint_failure(controller_status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The evidence of a ``run_failed`` event for a final checkpoint that could not be written
+    (``cause`` ``final_checkpoint``: ``worker``, ``error``, ``training_finished``); {} when none."""
+    for e in (controller_status or {}).get("events", []) or []:
+        ev = e.get("evidence") or {}
+        if e.get("kind") == RUN_FAILED_EVENT and ev.get("cause") == FINAL_CHECKPOINT_CAUSE:
+            return dict(ev)
+    return {}
+
+
+def final_checkpoint_entry(checkpoint: str, controller_status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The report's ``final_checkpoint``: ``state`` written | failed | none, ``path``, ``error``."""
+    failed = final_checkpoint_failure(controller_status)
+    if failed:
+        return {"state": "failed", "path": "", "error": str(failed.get("error") or ""),
+                "worker": failed.get("worker")}
+    return {"state": "written" if checkpoint else "none", "path": checkpoint, "error": ""}
+
+
 def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str = "") -> str:
     """One line: ``complete``, ``in progress: 40%`` (status ``running``), or
     ``62% (stopped: launcher SIGTERM)`` -- never "complete" for a run stopped mid-epoch.
@@ -356,6 +378,7 @@ def build_report(
     now = time.time()
     cov = dict(st.get("coverage", {}) or {})
     events = list(st.get("events", []) or [])
+    final_ckpt = final_checkpoint_entry(ckpt, st)
     return {
         "run_dir": str(run_dir),
         "name": job.run.name,
@@ -395,6 +418,9 @@ def build_report(
         "final_auc": flat_auc(final_metrics),
         "cold_start": cold_start(final_metrics),
         "checkpoint": ckpt,
+        # training itself: "finished" when every dataset was done (whatever became of the final checkpoint)
+        "training": "finished" if cov.get("complete") and st.get("finished") else "not finished",
+        "final_checkpoint": final_ckpt,
         "resumed_from": resumed_from,
         "metrics_ports": dict(metrics_ports or {}),
         "processes": dict(processes or {}),
@@ -546,7 +572,10 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     for k, v in sorted(report["final_auc"].items()):
         ct.add_row(k, f"{v:.4f}")
     ct.add_row("samples/s (sum)", f"{report['totals']['samples_per_s']:,.1f}")
-    ct.add_row("checkpoint", report["checkpoint"] or "-")
+    fc = report.get("final_checkpoint") or {}
+    ct.add_row("training", str(report.get("training") or "-"))
+    ct.add_row("checkpoint", escape(f"failed: {fc.get('error')}") if fc.get("state") == "failed"
+               else report["checkpoint"] or "-")
     ct.add_row("run dir", report["run_dir"])
     console.print(ct)
     lines = cold_start_text(report.get("cold_start") or {})

@@ -55,6 +55,27 @@ class CheckpointCoordinationError(MetapsError, RuntimeError):
     """A coordinated checkpoint failed; nothing was committed."""
 
 
+class CheckpointWriteFailed(CheckpointCoordinationError):
+    """A checkpoint's files could not be written (a full disk, an I/O error, no permission) by
+    the coordinator or by a shard; every partial file was removed and nothing was committed.
+
+    Deterministic, unlike a shard that died or restarted during the checkpoint: taking the
+    same checkpoint again fails the same way. A periodic cut is skipped (as any
+    :class:`CheckpointCoordinationError`); the run's final checkpoint fails the run once
+    (``workers.worker.FinalCheckpointFailed``) instead of being retried by a restart.
+
+    Args:
+        message: the one-line reason (names the file and the OS error).
+        path: the checkpoint directory that was not committed (``<root>/ckpt-<step>``).
+        cause: the write error alone (file, OS error), without the step and "nothing committed".
+    """
+
+    def __init__(self, message: str, path: Path, cause: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.cause = cause
+
+
 def checkpoint_all(
     addresses: list[str],
     root: str | Path,
@@ -85,14 +106,17 @@ def checkpoint_all(
     from ps.checkpoint import abort_checkpoint, begin_checkpoint
     from ps.errors import CheckpointWriteError
 
+    final = Path(root) / f"ckpt-{int(step)}"
     try:
         tmp, plan = begin_checkpoint(root, step, full_every)
     except CheckpointWriteError as exc:  # a full disk before any shard wrote: one line, nothing left
-        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
+        raise CheckpointWriteFailed(f"checkpoint of step {step} failed: {exc}; nothing committed", final,
+                                    str(exc)) from None
     try:
         return _checkpoint_all(addresses, tmp, plan, step, rpc_cfg, extra_info, pause_lease_s)
     except CheckpointWriteError as exc:  # the commit hit a full disk (tmp dir already removed)
-        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
+        raise CheckpointWriteFailed(f"checkpoint of step {step} failed: {exc}; nothing committed", final,
+                                    str(exc)) from None
     except BaseException:
         abort_checkpoint(tmp)  # no committed checkpoint: its tmp dir (plan, partial shard files) goes
         raise
@@ -112,6 +136,12 @@ def _checkpoint_all(addresses: list[str], tmp: Path, plan: Any, step: int, rpc_c
     try:
         def each(method: str, make: Any, t: float = timeout) -> list[Any]:
             futs = [pool.submit(getattr(s, method), make(i), timeout=t) for i, s in enumerate(stubs)]
+            # every shard answers before one's error is raised: a shard still writing into the tmp
+            # dir while the abort removes it would leave a partial file (or the dir) behind
+            concurrent.futures.wait(futs)
+            errors = [e for e in (f.exception() for f in futs) if e is not None]
+            if errors:  # a write failure (deterministic) first: it decides what the failure means
+                raise next((e for e in errors if _not_written(e)), errors[0])
             return [f.result() for f in futs]
 
         try:
@@ -129,9 +159,11 @@ def _checkpoint_all(addresses: list[str], tmp: Path, plan: Any, step: int, rpc_c
                 write_plan(tmp, plan)
                 replies = each("Checkpoint", save, timeout * 10)
         except grpc.RpcError as exc:
-            raise CheckpointCoordinationError(
-                f"checkpoint of step {step} into {tmp} failed: {exc.code().name}: {exc.details()}; nothing committed"
-            ) from None
+            msg = f"checkpoint of step {step} into {tmp} failed: {exc.code().name}: {exc.details()}; nothing committed"
+            if _not_written(exc):
+                raise CheckpointWriteFailed(msg, tmp.with_name(f"ckpt-{int(step)}"),
+                                            f"{exc.code().name}: {exc.details()}") from None
+            raise CheckpointCoordinationError(msg) from None
         finally:
             try:
                 each("PauseWrites", lambda i: ps_pb2.PauseRequest(paused=False))
@@ -159,12 +191,21 @@ def _checkpoint_all(addresses: list[str], tmp: Path, plan: Any, step: int, rpc_c
     return final
 
 
+def _not_written(exc: BaseException) -> bool:
+    """A shard's Checkpoint reply saying its file could not be written (``CHECKPOINT_NOT_WRITTEN``)."""
+    from ps.types import CHECKPOINT_NOT_WRITTEN, ERROR_KEY
+
+    if not isinstance(exc, grpc.RpcError) or not hasattr(exc, "trailing_metadata"):
+        return False
+    return dict(exc.trailing_metadata() or ()).get(ERROR_KEY) == CHECKPOINT_NOT_WRITTEN
+
+
 def checkpoint_local(store: ShardStore, root: str | Path, step: int, info: dict[str, Any],
                      full_every: int = 1) -> Path:
     """One store's whole checkpoint (plan, save, commit), all or nothing.
 
     Any failure removes ``ckpt-<step>.tmp``; a write failure (full disk, I/O error)
-    is raised as :class:`CheckpointCoordinationError` -- what a worker's
+    is raised as :class:`CheckpointWriteFailed` (a :class:`CheckpointCoordinationError`) -- what a worker's
     periodic checkpoint treats as "skip this cut, keep training" -- with the one-line
     reason of :class:`~ps.errors.CheckpointWriteError`.
 
@@ -185,7 +226,8 @@ def checkpoint_local(store: ShardStore, root: str | Path, step: int, info: dict[
         return commit_checkpoint(tmp, info)
     except CheckpointWriteError as exc:
         abort_checkpoint(tmp)
-        raise CheckpointCoordinationError(f"checkpoint of step {step} failed: {exc}; nothing committed") from None
+        raise CheckpointWriteFailed(f"checkpoint of step {step} failed: {exc}; nothing committed",
+                                    tmp.with_name(f"ckpt-{int(step)}"), str(exc)) from None
     except BaseException:
         abort_checkpoint(tmp)
         raise
@@ -204,11 +246,29 @@ def _shard_store(server: ShardHost) -> ShardStore:
 
 
 def save_shard_checkpoint(server: ShardHost, ckpt_dir: str, step: int) -> dict[str, Any]:
-    """Write ``server``'s store into ``ckpt_dir`` (called under the server's exclusive gate)."""
-    from ps.checkpoint import save_shard
+    """Write ``server``'s store into ``ckpt_dir`` (called under the server's exclusive gate).
+
+    ``ckpt_dir`` is the coordinator's ``ckpt-<step>.tmp``, made with its plan before any shard is
+    asked: a missing one was removed by an aborted attempt and is not made again (a partial
+    file of this shard would be left in it). An OS error on the shard file (a full disk, no
+    permission) is a :class:`~ps.errors.CheckpointWriteError` naming it; the file is removed.
+
+    Raises:
+        CheckpointWriteError: the directory is missing or the shard file could not be written.
+    """
+    from ps.checkpoint import save_shard, shard_path, write_failed
+    from ps.errors import CheckpointWriteError
 
     store = _shard_store(server)
-    summary = save_shard(store, ckpt_dir, server.shard_id)
+    if not Path(ckpt_dir).is_dir():
+        raise CheckpointWriteError(f"{ckpt_dir}: no such checkpoint directory (the coordinator makes it before "
+                                   "asking the shards; an aborted attempt removed it); nothing written")
+    try:
+        summary = save_shard(store, ckpt_dir, server.shard_id)
+    except CheckpointWriteError:
+        raise
+    except OSError as exc:  # outside the shard file's write (removing a stale file: no permission)
+        raise write_failed(shard_path(ckpt_dir, server.shard_id), exc, "writing checkpoint shard file") from None
     summary["dense_names"] = store.dense.names()
     summary["map_version"] = server.pmap.version
     summary["step"] = step

@@ -111,7 +111,7 @@ from ps.reply_buffer import PullReplyBuffer
 from ps.server_metrics import LoadTotals, PsMetrics
 from ps.staleness import Behind, ClockExpired, StalenessTimeout, StepClock
 from ps.types import (
-    AWAITING_RECOVERY, CLOCK_EXPIRED, ERROR_KEY, MAP_VERSION_KEY, MAX_ROWS_KEY, MIN_CLOCK_KEY, PAUSED, PUSH_COUNT_FIELDS,
+    AWAITING_RECOVERY, CHECKPOINT_NOT_WRITTEN, CLOCK_EXPIRED, ERROR_KEY, MAP_VERSION_KEY, MAX_ROWS_KEY, MIN_CLOCK_KEY, PAUSED, PUSH_COUNT_FIELDS,
     REPLY_LIMIT_KEY, STALE_WAIT, WAIT_TIMEOUT_KEY, WRONG_OWNER, RowStore,
 )
 
@@ -180,10 +180,12 @@ def _rpc(data: bool, name: str | None = None) -> Callable[[Handler], Handler]:
             except CheckpointNoSpace as exc:  # a checkpoint hit a full disk: partial files removed, nothing committed
                 self.metrics.errors.labels(shard, method, "RESOURCE_EXHAUSTED").inc()
                 log.error("checkpoint not written: no space", extra=kv(shard=self.shard_id, method=method, error=str(exc)))
+                context.set_trailing_metadata(((ERROR_KEY, CHECKPOINT_NOT_WRITTEN),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
             except CheckpointWriteError as exc:  # an I/O error writing a checkpoint: partial files removed
                 self.metrics.errors.labels(shard, method, "FAILED_PRECONDITION").inc()
                 log.error("checkpoint not written", extra=kv(shard=self.shard_id, method=method, error=str(exc)))
+                context.set_trailing_metadata(((ERROR_KEY, CHECKPOINT_NOT_WRITTEN),))
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: {exc}")
             except CheckpointError as exc:  # a corrupt/incomplete checkpoint: the shard is unchanged
                 self.metrics.errors.labels(shard, method, "DATA_LOSS").inc()

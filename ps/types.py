@@ -88,6 +88,10 @@ CLOCK_EXPIRED = "clock_expired"
 AWAITING_RECOVERY = "awaiting_recovery"
 """ERROR_KEY value: a restarted shard not yet recovered by the controller (data RPCs: UNAVAILABLE,
 the client retries; Checkpoint: FAILED_PRECONDITION)."""
+CHECKPOINT_NOT_WRITTEN = "checkpoint_not_written"
+"""ERROR_KEY value (Checkpoint: RESOURCE_EXHAUSTED or FAILED_PRECONDITION): the shard file could not
+be written (full disk, I/O error, permission); its partial file was removed. Deterministic: the
+same write fails again (unlike a restarted shard's FAILED_PRECONDITION, AWAITING_RECOVERY)."""
 MIN_CLOCK_KEY = "metaps-min-clock"
 WAIT_TIMEOUT_KEY = "metaps-wait-timeout"
 MAX_ROWS_KEY = "metaps-max-rows"

@@ -34,6 +34,7 @@ from meta_io.reader import MetaIODataset
 from metaps.core.atomic_write import write_json_atomic
 from metaps.core import exit_codes
 from metaps.core.config import to_dict
+from metaps.core.errors import MetapsError
 from metaps.core.eta import JobEta
 from metaps.core.log import kv
 from metaps.core.shard_order import shard_order
@@ -51,6 +52,24 @@ log = logging.getLogger(__name__)
 
 _WAIT_POLL_S = 0.2
 """How often an all-reduce worker told to WAIT asks the DDS again (it joins every step meanwhile)."""
+
+
+class FinalCheckpointFailed(MetapsError):
+    """Training finished but the run's final checkpoint could not be written (a full disk, an
+    I/O error, no permission: ``ps.coordinator.CheckpointWriteFailed``); its partial files were
+    removed. Deterministic, so the worker tells the controller (which fails the run once) and
+    exits with :data:`~metaps.core.exit_codes.RUN_FAILED`, which its agent does not restart.
+
+    Args:
+        message: one line naming the checkpoint path and the OS error.
+        path: the checkpoint directory that was not written.
+    """
+
+    exit_code = exit_codes.RUN_FAILED
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def checkpoint_info(job: Any, step: int, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -164,6 +183,8 @@ class Worker:
         self.shards_done = 0
         self._hb: _Heartbeat | None = None
         self.final = False  # this worker wrote the run's final checkpoint (finish_run)
+        self.final_metrics: dict[str, Any] | None = None  # the merged eval metrics of the final checkpoint
+        self.checkpoint_error = ""  # the final checkpoint could not be written (FinalCheckpointFailed)
         self.stopped_reason = ""  # why it stopped training early ("max_steps"), for the controller
         self._draining = False
         self._stale_wait_seen = 0.0  # PsClient.stale_wait_s when _step_waits last read it
@@ -703,8 +724,20 @@ class Worker:
             time.sleep(poll_s)
 
     def _final_checkpoint(self) -> tuple[dict[str, Any] | None, Path]:
+        """Merge the eval scores and write the run's final checkpoint.
+
+        Raises:
+            FinalCheckpointFailed: it could not be written (its partial files are removed);
+                ``self.final_metrics`` keeps the eval metrics for the report.
+        """
+        from ps.coordinator import CheckpointWriteFailed
+
         metrics = merge_eval_files(self.run_dir / "eval") if self.job.data.eval else None
-        ckpt = self.checkpoint(metrics=metrics)
+        self.final_metrics = metrics
+        try:
+            ckpt = self.checkpoint(metrics=metrics)
+        except CheckpointWriteFailed as exc:
+            raise FinalCheckpointFailed(f"{exc.path} not written: {exc.cause}", exc.path) from None
         self.final = True
         return metrics, ckpt
 
@@ -738,6 +771,7 @@ class Worker:
             "eval": eval_metrics or {},
             "checkpoint": str(checkpoint) if checkpoint else "",
             "final": self.final,  # this worker wrote the run's final checkpoint
+            "checkpoint_error": self.checkpoint_error,  # why this worker's final checkpoint was not written
             "dense_sha256": dense_digest(self.model) if state == "finished" else "",
             "overlap": self.trainer.overlap.report(),
         }
@@ -814,13 +848,18 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
     if start_step * worker.trainer.clock_scale > clock:  # a continued run: the restored PS knows no clocks
         clock = client.join_clock(start_step * worker.trainer.clock_scale)
     worker.trainer.resume(clock)
-    finished = False
+    finished = left = False
     try:
         while True:  # more than once only when a rollback reopened the data after training finished
             worker.train()
             if not worker.evaluate():
                 continue
-            done = worker.finish_run()
+            try:
+                done = worker.finish_run()
+            except FinalCheckpointFailed as exc:
+                _final_checkpoint_failed(worker, client, ctl, exc)
+                left = True
+                raise
             if done is not None:
                 break
         metrics, ckpt = done
@@ -828,12 +867,48 @@ def run_worker(job: Any, rank: int, ps_addresses: list[str], controller_addr: st
         finished = True
         return rep
     finally:
-        worker.close()
-        client.close(leave=True)
+        if not left:
+            worker.close()
+            client.close(leave=True)
         if ctl is not None:
             if finished:  # the controller's run outcome: complete once every worker finished
                 _report_finished(ctl, rank)
             ctl.close()
+
+
+def _final_checkpoint_failed(worker: Worker, client: Any, ctl: Any, exc: FinalCheckpointFailed) -> None:
+    """Training finished, the final checkpoint could not be written: one error line, this
+    worker's report (training finished, ``checkpoint_error``), the PS fleet left (before the
+    controller stops it: leaving a stopped fleet would wait out the client's retries), and the
+    controller told (``NodeDown`` ``final_checkpoint_failed: ...``, exit code 4) so it fails the
+    run once; the caller re-raises and the process exits 4, which its agent does not restart.
+
+    Args:
+        worker: this worker (closed here).
+        client: its PS client (closed here, leaving the fleet).
+        ctl: its controller client (None: no controller).
+        exc: the failure.
+    """
+    from controller.client import ControllerError
+    from controller.types import NODE_CHECKPOINT_FAILED
+
+    why = " ".join(str(exc).split())
+    log.error("final checkpoint failed; training finished, the run fails",
+              extra=kv(rank=worker.rank, dir=str(exc.path), error=why))
+    worker.checkpoint_error = why
+    try:
+        worker.report(worker.final_metrics, None)
+    except OSError as err:  # the report shares the full disk: the controller still hears of it
+        log.warning("could not write this worker's report", extra=kv(rank=worker.rank, error=str(err)[:200]))
+    worker.close()
+    client.close(leave=True)
+    if ctl is None:
+        return
+    try:
+        ctl.node_down("worker", worker.rank, f"{NODE_CHECKPOINT_FAILED}: {why}", exit_codes.RUN_FAILED)
+    except ControllerError as err:  # its agent reports the exit; the run fails on the restart limit instead
+        log.error("could not tell the controller the final checkpoint failed",
+                  extra=kv(rank=worker.rank, error=str(err)[:200]))
 
 
 def _report_finished(ctl: Any, rank: int) -> None:

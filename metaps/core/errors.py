@@ -7,7 +7,13 @@ from __future__ import annotations
 
 
 class MetapsError(Exception):
-    """Base class of every error metaps raises on purpose."""
+    """Base class of every error metaps raises on purpose.
+
+    ``exit_code`` is what a ``metaps`` command exits with when it ends on this error
+    (:mod:`metaps.core.exit_codes`: 1, FAILED, unless a subclass says a retry cannot help).
+    """
+
+    exit_code: int = 1
 
 
 class ConfigError(MetapsError):

@@ -8,8 +8,11 @@ code  name            meaning
 1     FAILED          an error (a bad input says what in one line; a crash in a traceback)
 2     USAGE           the command line was wrong (argparse)
 3     REFUSED         ``deliver``: the gate refused the candidate (nothing published)
-4     RUN_FAILED      the controller failed the run (``run_failed``): retrying the pod cannot
-                      help; the worker Job's podFailurePolicy fails the Job on it
+4     RUN_FAILED      the controller failed the run (``run_failed``), or the run's final
+                      checkpoint could not be written (a full disk, an I/O error: the worker
+                      told the controller, which failed the run): retrying the pod cannot
+                      help; the agent does not restart it; the worker Job's podFailurePolicy
+                      fails the Job on it
 5     SUPERSEDED      the controller fenced this process off: a newer incarnation of its
                       node registered (a replaced pod); it stops without touching state
 130   SIGINT          stopped by Ctrl-C

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metaps.core import exit_codes
 from metaps.core.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
 from metaps.core.log import kv
@@ -43,13 +44,18 @@ class Outcome:
     reason: str = ""
     code: int = EXIT_OK
     final_checkpoint: bool = True
+    no_checkpoint_note: str = "no final checkpoint: the PS fleet is in no consistent state"
+    """The report's note when ``final_checkpoint`` is False."""
 
 
 def controller_failed(status: dict[str, Any] | None) -> Outcome | None:
     """A failed Outcome when the controller failed the run (``run_failed`` event), else None."""
-    from metaps.run_report import run_failure
+    from metaps.run_report import final_checkpoint_failure, run_failure
 
     why = run_failure(status)
+    if why and final_checkpoint_failure(status):  # a write failure: the launcher's own try would fail the same way
+        return Outcome("failed", why, EXIT_FAILED, final_checkpoint=False,
+                       no_checkpoint_note="no final checkpoint: it could not be written (see the reason); not retried")
     return Outcome("failed", why, EXIT_FAILED, final_checkpoint=False) if why else None
 
 
@@ -300,6 +306,10 @@ class Launcher:
             m = self.fleet.members[name]
             if m.role not in ("ps", "worker") or (m.role == "worker" and rc == 0):
                 continue
+            if rc == exit_codes.RUN_FAILED:  # the run failed (e.g. a final checkpoint not written): no restart
+                self._final_status()
+                return controller_failed(self.status) or Outcome(
+                    "failed", f"{name} exited with code {rc} (the run failed); see logs/{name}.log", EXIT_FAILED)
             if rc == 1 and "restart limit reached" in tail(m.log_path, 200):
                 cause = last_error(m.log_path)
                 return Outcome("failed", f"{name}'s agent exited with code 1 (its {m.role} failed beyond its "
@@ -386,7 +396,7 @@ class Launcher:
                 if not self.ckpt:
                     notes.append("no final checkpoint: the PS fleet was not all up, or the checkpoint failed")
             else:
-                notes.append("no final checkpoint: the PS fleet is in no consistent state")
+                notes.append(outcome.no_checkpoint_note)
         self._final_status()
         stats = self._ps_stats()
         self.fleet.stop([n for n, m in self.fleet.members.items() if m.role == "ps"], grace)
