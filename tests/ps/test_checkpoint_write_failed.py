@@ -63,6 +63,26 @@ def test_a_write_failure_is_checkpoint_write_failed(ps_fleet: Callable[..., Flee
     assert list(root.iterdir()) == []
 
 
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EIO, errno.EACCES])
+def test_any_os_error_on_a_shard_file_is_a_write_failure(ps_fleet: Callable[..., Fleet], tmp_path: Path,
+                                                        code: int) -> None:
+    fleet = ps_fleet(2)
+    _push(fleet)
+    root = tmp_path / "ckpt"
+
+    def refuse(path: Path, key: str, data: bytes) -> bytes:
+        if path.name == "shard-0.lmdb":
+            raise OSError(code, os.strerror(code), str(path))
+        return data
+
+    with write_fault(refuse), pytest.raises(CheckpointWriteFailed) as err:
+        checkpoint_all(fleet.addresses, root, 5, rpc_cfg=fleet.rpc)
+    cause = err.value.cause
+    assert cause.startswith("FAILED_PRECONDITION: ") and "ckpt-5.tmp/shard-0.lmdb: I/O error" in cause, cause
+    assert os.strerror(code) in cause, cause
+    assert list(root.iterdir()) == []
+
+
 def test_a_shard_that_is_gone_is_no_write_failure(ps_fleet: Callable[..., Fleet], tmp_path: Path) -> None:
     fleet = ps_fleet(2)
     fleet.servers[1].stop(0)
