@@ -9,6 +9,7 @@ killed from outside past a hard limit. Faults:
     stop_<role>       SIGSTOP of the same for STOP_S (> the heartbeat timeout), then SIGCONT
     corrupt_ckpt_kill_ps  the newest committed checkpoint's bytes overwritten, then PS 0 SIGKILLed
     kill_worker_mid_shard  SIGKILL of the only worker with >= 2 steps of a lease trained and not reported
+                      (16-batch leases, every PS request +30 ms: a lease outlasts its heartbeats)
     freeze_ps         SIGSTOP of PS 0 at that state until a worker crashed (its RPC to the frozen PS
                       expired: ``[rpc] timeout_s`` 5), then SIGCONT
     kill_allreduce_rank   ``dense_sync = "allreduce"``, 2 ranks: SIGKILL of rank 1 after the bench's cut
@@ -27,7 +28,7 @@ leased after A's commit to be done (more train batches done than the shards in f
 the commit can hold: a shard in flight may have pushed into A's rows before it was reported
 done, and then a broken rollback loses nothing) -> strikes. A PS recovery must then restore
 A and roll the DDS back to it, with training the cut lacks to lose. ``kill_worker_mid_shard`` and
-``freeze_ps`` run one worker with 8-batch leases and strike when its last heartbeat's step count is at
+``freeze_ps`` run one worker with 16-batch leases (PS requests +30 ms) and strike when its last heartbeat's step count is at
 least 2 above the train batches the ledger has done (``unreported_steps``: its second step's pull
 waited for its first step's push, so a push of a lease it never reports is in the model), read again
 once it died; it is exercised only when the final model shows those pushes: updates beyond the
@@ -913,21 +914,25 @@ def judge(f: FleetFault, res: dict[str, Any], specs: dict[str, list[int]], ids: 
 def fleet_faults(quick: bool) -> list[FleetFault]:
     """The fleet faults, quick subset first."""
     ctl, ps, wk, ag = ("controller",), ("ps", "parameter server", "shard"), ("worker",), ("agent",)
+    # One worker whose leases outlast its heartbeats (its step count against the ledger's done batches
+    # shows a lease in progress): 16-batch leases, every PS request +30 ms, heartbeats every 0.2 s.
+    # Without the latency an idle box trained the 34 batches in about a second and no heartbeat
+    # showed a lease in progress ("not exercised").
+    mid = {"controller": {"dds": {"batches_per_shard": 16}, "agent": {"heartbeat_s": 0.2}},
+           "faults": {"faults": [{"target": "ps", "index": k, "kind": "latency", "latency_s": 0.03} for k in (0, 1)]}}
     quick_set = [
-        FleetFault("kill_ps", "ps-0", "kill", ps),
+        # 6 epochs: on an idle box 2 epochs were trained before the bench's cut committed ("not exercised")
+        FleetFault("kill_ps", "ps-0", "kill", ps, epochs=6),
         FleetFault("corrupt_ckpt_kill_ps", "ps-0", "kill", ("checkpoint", "checksum", "sha256", "corrupt", "recovery"),
-                   special="corrupt", epochs=3),
-        # one worker (its step count against the ledger's done batches shows a lease in progress),
-        # 8-batch leases: it dies with pushed steps of a lease it never reports
-        FleetFault("kill_worker_mid_shard", "worker-0", "kill", wk, strike="mid_shard", workers=1,
-                   sections={"controller": {"dds": {"batches_per_shard": 8}}}),
+                   special="corrupt", epochs=8),
+        FleetFault("kill_worker_mid_shard", "worker-0", "kill", wk, strike="mid_shard", workers=1, epochs=3,
+                   sections=mid),
         # the worker's RPC to the frozen PS expires (DEADLINE_EXCEEDED) and it crashes mid-lease
-        FleetFault("freeze_ps", "ps-0", "stop", wk + ps + ("deadline",), strike="freeze", workers=1,
-                   sections={"controller": {"dds": {"batches_per_shard": 8}},
-                             "rpc": {"timeout_s": FREEZE_RPC_TIMEOUT_S}}),
+        FleetFault("freeze_ps", "ps-0", "stop", wk + ps + ("deadline",), strike="freeze", workers=1, epochs=3,
+                   sections={**mid, "rpc": {"timeout_s": FREEZE_RPC_TIMEOUT_S}}),
         # all-reduce ranks: one dies after the bench's cut with training on both sides of it
         FleetFault("kill_allreduce_rank", "worker-1", "kill", wk + ("all-reduce", "allreduce", "gloo", "rank"),
-                   sections={"train": {"dense_sync": "allreduce"}}, epochs=3),
+                   sections={"train": {"dense_sync": "allreduce"}}, epochs=6),
     ]
     if quick:
         return quick_set
