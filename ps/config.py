@@ -319,7 +319,8 @@ class PsConfig:
     Args:
         shards: number of PS processes.
         num_vshards: virtual shards (``vshard = mix64(id) % num_vshards``), fixed per job.
-        host, base_port: where shards listen (base_port 0 = pick free ports).
+        host, base_port: where shards listen: shard K binds base_port + K (``metaps launch`` refuses one
+            in use); base_port 0: each shard binds a port of its own and publishes it.
         seed: seeds initial rows and probabilistic admission.
         device: where tables live (auto = cuda when available).
         table_defaults, tables: table settings (see :meth:`table_configs`).

@@ -26,3 +26,8 @@ class SchemaError(MetapsError):
 
 class DataError(MetapsError):
     """Input data is bad: missing column, wrong type, NaN label, corrupt file."""
+
+
+class BindError(MetapsError, OSError):
+    """A server could not bind its address: the port is in use, the host is not this machine's,
+    or (gRPC) the TLS key and cert do not match. The message names the address and the role."""

@@ -32,15 +32,11 @@ from typing import Any, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from metaps.core.errors import ConfigError, MetapsError
+from metaps.core.errors import BindError, ConfigError
 from metaps.core.security import REDACTED, TOKEN_ENV, read_token_file
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _AUTH_KEY = "authorization"
-
-
-class BindError(MetapsError, OSError):
-    """A gRPC server could not bind its address (in use, not a local address, bad TLS key/cert)."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +185,8 @@ def make_server(cfg: RpcConfig, max_workers: int = 8) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=interceptors,
-        options=channel_options(cfg),
+        # no SO_REUSEPORT: a port another server holds is refused (BindError), never shared with it
+        options=[*channel_options(cfg), ("grpc.so_reuseport", 0)],
     )
 
 

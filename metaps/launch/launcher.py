@@ -18,6 +18,7 @@ from metaps.core import exit_codes
 from metaps.core.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
 from metaps.core.log import kv
+from metaps.core.ports import PortReservation, reserve_port
 from metaps.roles.overrides import apply_overrides, describe, parse_sets
 from metaps.launch.config import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, LaunchConfig, _connect_host, _metaps, _new_run_dir, find_resume_checkpoint, write_job, _absolute_data_paths
 from metaps.launch.latest import mark_latest, settle_latest
@@ -97,22 +98,27 @@ class Launcher:
         dataclasses.replace(base.rpc, token_file="").check_files()  # TLS files: one line, before preflight's torch import
         from metaps.roles.launch_checks import check_launch
 
-        check_launch(base, self.run_dir, self.resume)  # every deterministic error: one line, before anything starts
-        token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
+        check_launch(base, self.run_dir, self.resume, ps_shards=n_ps)  # every deterministic error: one line
+        token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
         if self.continued is not None:
             set_aside_previous_attempt(self.continued)
-        for sub in ("", "logs", "ps", "workers", "checkpoints"):
+        for sub in ("", "logs", "ps", "workers", "checkpoints", "metrics", "metrics/ports"):
             make_private_dir(self.run_dir / sub)  # 0700
+        for old in (self.run_dir / "metrics" / "ports").glob("*.json"):
+            old.unlink()  # a previous attempt's (--resume): a port is read only from its process's own file
         _absolute_data_paths(raw)
         overrides = [(["ps", "shards"], n_ps), (["train", "workers"], n_workers),
                      (["run", "dir"], str(self.run_dir)),
                      (["controller", "state_dir"], str(self.run_dir / "controller"))]
+        self.reservations: list[PortReservation] = []
         if base.train.dense_sync.value == "allreduce" and not base.train.allreduce_port:
-            from metaps.core.metrics import free_port
-
-            overrides.append((["train", "allreduce_port"], free_port()))
+            # rank 0's gloo TCPStore binds it inside torch.distributed: the launcher holds the port for the
+            # run (bound, not listening; metaps.core.ports) so no other process can take it, before rank 0
+            # binds it or between two of its incarnations
+            self.reservations.append(reserve_port("127.0.0.1"))
+            overrides.append((["train", "allreduce_port"], self.reservations[-1].port))
         self.job_path = self.run_dir / "job.toml"
         self.job = write_job(self.job_path, apply_overrides(raw, overrides))
         self.job = self.job.with_overrides(rpc=dataclasses.replace(self.job.rpc, token=token))  # in memory only
@@ -152,73 +158,98 @@ class Launcher:
         """A fleet process's command line: it logs at ``--file-log-level`` (INFO), whatever the console's level."""
         return _metaps(*args, level=self.lc.file_log_level)
 
-    def _start_controller(self) -> None:
-        from metaps.core.metrics import free_port
+    # Ports: every server of the fleet binds its own port -- the one the job file configures, else 0 (the
+    # kernel picks) -- and publishes what it got: the controller in RUN/controller/address, a PS shard in
+    # its ready file, every /metrics endpoint in RUN/metrics/ports/NAME.json (--metrics-file). The launcher
+    # reads them; it picks no port for a role and lets it go first (docs/design/launch.md, "Ports").
 
-        host = self.job.controller.address.rsplit(":", 1)[0]
-        port = free_port(_connect_host(host))
+    def _metrics_file(self, name: str) -> Path:
+        return self.run_dir / "metrics" / "ports" / f"{name}.json"
+
+    def _metrics_args(self, name: str) -> list[str]:
+        """``--metrics-port 0 --metrics-file RUN/metrics/ports/NAME.json`` (a stale file removed first)."""
+        f = self._metrics_file(name)
+        f.unlink(missing_ok=True)
+        return ["--metrics-port", "0", "--metrics-file", str(f)]
+
+    def _read_published_ports(self) -> bool:
+        """Take every ``/metrics`` port the fleet published (a restarted process publishes its new one);
+        True when one changed."""
+        found: dict[str, tuple[str, int]] = {}
+        for f in (self.run_dir / "metrics" / "ports").glob("*.json"):
+            try:
+                info = json.loads(f.read_text())
+                found[f.stem] = (_connect_host(str(info["host"])), int(info["port"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced (written atomically, but read between a restart's unlink and write)
+        for k in range(len(self.ps_addrs)):
+            try:
+                info = json.loads((self.run_dir / "ps" / f"ps-{k}.ready").read_text())
+                found[f"ps-{k}"] = (self.metrics_hosts.get(f"ps-{k}", "127.0.0.1"), int(info["metrics_port"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        changed = False
+        for name, (host, port) in found.items():
+            if self.metrics_ports.get(name) != port or self.metrics_hosts.get(name) != host:
+                self.metrics_ports[name], self.metrics_hosts[name] = port, host
+                changed = True
+        return changed
+
+    def _start_controller(self) -> None:
+        host, _, port = self.job.controller.address.rpartition(":")
         addr_file = self.run_dir / "controller" / "address"
         addr_file.unlink(missing_ok=True)
-        mport = free_port(_connect_host(host))
         m = self.fleet.start("controller", self._cmd(
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
-            "--state-dir", str(self.run_dir / "controller"), "--metrics-port", str(mport),
+            "--state-dir", str(self.run_dir / "controller"), *self._metrics_args("controller"),
             "--checkpoint-root", str(self.run_dir / "checkpoints"),
             *(["--continue-from-cut"] if self.continued is not None else [])), role="controller")
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
-        self.ctl_addr = f"{_connect_host(host)}:{port}"
-        self.metrics_ports["controller"] = mport
-        self.metrics_hosts["controller"] = _connect_host(host)
+        bound = addr_file.read_text().strip().rpartition(":")[2]  # written atomically once gRPC serves
+        self.ctl_addr = f"{_connect_host(host)}:{bound}"
+        self._read_published_ports()  # its /metrics file is written before the address file
         self._write_targets()
         log.info("controller up", extra=kv(address=self.ctl_addr))
 
     def _start_ps(self) -> None:
-        from metaps.core.metrics import free_port
-
-        host = self.job.ps.host
         for k in range(self.job.ps.shards):
-            port, mport = free_port(_connect_host(host)), free_port(_connect_host(host))
-            child = ["ps", "--config", str(self.job_path), "--shard", str(k), "--port", str(port),
-                     "--metrics-port", str(mport), "--ready-file", str(self.run_dir / "ps" / f"ps-{k}.ready"),
-                     "--checkpoint-root", str(self.run_dir / "checkpoints")]
+            ready = self.run_dir / "ps" / f"ps-{k}.ready"
+            ready.unlink(missing_ok=True)  # a ready file there is its earlier process's: a restart binds its port
+            # no --port: the shard binds [ps] base_port + k from job.toml, or (base_port 0) a port of its own
+            child = ["ps", "--config", str(self.job_path), "--shard", str(k), "--metrics-port", "0",
+                     "--ready-file", str(ready), "--checkpoint-root", str(self.run_dir / "checkpoints")]
             if self.resume:
                 child += ["--restore", self.resume]
-            aport = free_port(_connect_host(host))
             self.fleet.start(f"ps-{k}", self._cmd("agent", "--config", str(self.job_path), "--role", "ps",
                                                   "--index", str(k), "--controller", self.ctl_addr,
-                                                  "--metrics-port", str(aport), "--",
+                                                  *self._metrics_args(f"agent-ps-{k}"), "--",
                                                   *self._cmd(*child)), role="ps", index=k)
-            self.metrics_ports[f"agent-ps-{k}"] = aport
-            self.ps_addrs.append(f"{_connect_host(host)}:{port}")
-            self.metrics_ports[f"ps-{k}"] = mport
-            self.metrics_hosts[f"ps-{k}"] = _connect_host(host)
+            self.metrics_hosts[f"ps-{k}"] = _connect_host(self.job.ps.host)
 
     def _wait_ps(self) -> None:
+        host = _connect_host(self.job.ps.host)
         for k in range(self.job.ps.shards):
             ready = self.run_dir / "ps" / f"ps-{k}.ready"
             self.fleet.wait_file(ready, self.fleet.members[f"ps-{k}"], self.lc.ready_timeout_s, self.stop_event.is_set)
             info = json.loads(ready.read_text())
+            self.ps_addrs.append(f"{host}:{int(info['port'])}")  # the port the shard bound
             self.metrics_ports[f"ps-{k}"] = int(info["metrics_port"])
+        self._read_published_ports()
         self._write_targets()
         self.ps_ready = True
         log.info("PS fleet ready", extra=kv(addresses=",".join(self.ps_addrs)))
 
     def _start_workers(self) -> None:
-        from metaps.core.metrics import free_port
-
         for r in range(self.job.train.workers):
-            mport = free_port()
             child = ["worker", "--config", str(self.job_path), "--rank", str(r), "--ps", ",".join(self.ps_addrs),
-                     "--controller", self.ctl_addr, "--run-dir", str(self.run_dir), "--metrics-port", str(mport)]
+                     "--controller", self.ctl_addr, "--run-dir", str(self.run_dir), *self._metrics_args(f"worker-{r}")]
             if self.continued is not None:
                 child += ["--start-step", str(self.continued.step)]
-            aport = free_port()
             self.fleet.start(f"worker-{r}", self._cmd("agent", "--config", str(self.job_path), "--role", "worker",
                                                       "--index", str(r), "--controller", self.ctl_addr,
-                                                      "--metrics-port", str(aport), "--",
+                                                      *self._metrics_args(f"agent-worker-{r}"), "--",
                                                       *self._cmd(*child)), role="worker", index=r)
-            self.metrics_ports[f"agent-worker-{r}"] = aport
-            self.metrics_ports[f"worker-{r}"] = mport
+        self._read_published_ports()
         self._write_targets()
 
     def _write_targets(self) -> None:
@@ -269,6 +300,8 @@ class Launcher:
                     next_status = now + self.lc.status_every_s
                     self._poll_status(client)
                     self.tail.poll()
+                    if self._read_published_ports():  # a process that started (or restarted) since
+                        self._write_targets()
                     self.live.ports = {r: self.metrics_ports.get(f"worker-{r}") for r in range(self.job.train.workers)}
                     self.live.poll()
                     display.update(self.status, self.live.latest(fallback=self.tail.latest()), elapsed)
@@ -399,6 +432,7 @@ class Launcher:
                 notes.append(outcome.no_checkpoint_note)
         self._final_status()
         stats = self._ps_stats()
+        self._read_published_ports()  # for the report: every endpoint the fleet had
         self.fleet.stop([n for n, m in self.fleet.members.items() if m.role == "ps"], grace)
         self.fleet.stop(["controller"], grace)
         self.fleet.kill_all()
@@ -487,6 +521,8 @@ class Launcher:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            for r in self.reservations:
+                r.close()  # the fleet is gone: the all-reduce port goes back
         self._report(outcome, stats, notes)
         self.console.print(f"run directory: {self.run_dir}")
         return outcome.code

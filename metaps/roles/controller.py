@@ -51,6 +51,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--state-dir", default="", help="LMDB state dir (default [controller] state_dir or <run.dir>/controller)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0 in a pod)")
+    p.add_argument("--metrics-file", default="",
+                   help="write {host, port, pid} of /metrics here (JSON) once it serves, before the address file")
     p.add_argument("--exit-when-done", action="store_true",
                    help="when the run ends, stop the PS processes and exit: 0 complete, 4 failed "
                         "(the Kubernetes manifests use it; `metaps launch` stops the fleet itself)")
@@ -80,6 +82,7 @@ def register(subparsers: Any) -> None:
     a.add_argument("--index", required=True, type=int, help="its index: worker rank or PS shard")
     a.add_argument("--controller", default="", help="controller host:port")
     a.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port, -1 = none)")
+    a.add_argument("--metrics-file", default="", help="write {host, port, pid} of /metrics here (JSON) once it serves")
     add_cli_args(a)
     a.add_argument("child", nargs=argparse.REMAINDER, help="child command after '--' (default: metaps ROLE ...)")
     a.set_defaults(func=run_agent)
@@ -149,17 +152,24 @@ def run_controller(args: argparse.Namespace) -> int:
         server.continue_from_latest_cut()
     server.ps_mover = MigrationPsMover(server.ps_addresses, fleet,  # PS register their addresses
                                        keep=job.controller.nd.keep)
-    server.start(address)
+    try:
+        if args.metrics_port >= 0:
+            # /metrics binds first: a port in use is one line, and no address file names a controller
+            # that never served (the address file is written once gRPC serves)
+            from prometheus_client import REGISTRY
+
+            from controller.metrics import ControllerCollector
+            from metaps.core.metrics import serve_metrics
+
+            REGISTRY.register(ControllerCollector(server))
+            mport = serve_metrics(args.metrics_port, args.metrics_host, what="metaps controller",
+                                  publish=args.metrics_file or None)
+            log.info("controller metrics", extra=kv(metrics_port=mport))
+        server.start(address)
+    except BaseException:
+        server.stop()  # LMDB and the state dir's lock, whatever failed
+        raise
     log.info("controller serving", extra=kv(address=server.address, checkpoint_root=server.checkpoint_root))
-    if args.metrics_port >= 0:
-        from prometheus_client import REGISTRY
-
-        from controller.metrics import ControllerCollector
-        from metaps.core.metrics import serve_metrics
-
-        REGISTRY.register(ControllerCollector(server))
-        mport = serve_metrics(args.metrics_port, args.metrics_host)
-        log.info("controller metrics", extra=kv(metrics_port=mport))
     signalled = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -296,7 +306,8 @@ def run_agent(args: argparse.Namespace) -> int:
         from metaps.core.metrics import serve_metrics
 
         REGISTRY.register(AgentCollector(agent))
-        serve_metrics(args.metrics_port)
+        serve_metrics(args.metrics_port, what=f"metaps agent {args.role}:{args.index}",
+                      publish=args.metrics_file or None)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     return agent.run()

@@ -6,8 +6,9 @@ Each problem is collected and reported together in one line (a
     run dir      the run directory (and its checkpoints/) can be created: the nearest
                  existing parent is a writable directory
     hosts        [ps] host and the controller's host can be bound on this machine
-                 (the launcher picks free ports on them)
-    ports        a fixed [train] allreduce_port is free
+    ports        every configured port is free: [ps] base_port + k for each shard k,
+                 the port of [controller] address, a fixed [train] allreduce_port
+                 (port 0: the server binds one the kernel picks, nothing to check)
 
 Example::
 
@@ -43,8 +44,14 @@ def _writable_parent(d: Path) -> str:
 
 
 def _bind_problem(host: str, port: int, what: str) -> str:
-    """'' when ``host:port`` can be bound (port 0: any free port), else why not."""
+    """'' when ``host:port`` can be bound (port 0: any free port), else why not.
+
+    ``SO_REUSEADDR`` as the servers set it: a port only in TIME_WAIT (a run that just ended) is free
+    to them; one that a process listens on, or holds bound without it, is not.
+    """
     bind = "127.0.0.1" if host in _WILDCARD else host.strip("[]")
+    if not 0 <= port <= 65535:
+        return f"{what} {host}:{port}: not a TCP port (0-65535)"
     try:
         infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -52,6 +59,7 @@ def _bind_problem(host: str, port: int, what: str) -> str:
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(addr)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
@@ -60,23 +68,38 @@ def _bind_problem(host: str, port: int, what: str) -> str:
     return ""
 
 
-def launch_problems(job: "JobConfig", run_dir: Path) -> list[str]:
+def _port_problems(job: "JobConfig", ps_shards: int) -> list[str]:
+    """A configured port that is in use (or out of range): [ps] base_port + k, [controller] address."""
+    problems = []
+    base = job.ps.base_port
+    if base:
+        for k in range(ps_shards):
+            problems.append(_bind_problem(job.ps.host, base + k, f"[ps] base_port {base}: PS shard {k} binds"))
+    host, _, cport = job.controller.address.rpartition(":")
+    if cport.isdigit() and int(cport):
+        problems.append(_bind_problem(host, int(cport), "[controller] address"))
+    return problems
+
+
+def launch_problems(job: "JobConfig", run_dir: Path, ps_shards: int | None = None) -> list[str]:
     """Every problem :func:`check_launch` would report (empty: fine).
 
     Args:
         job: the parsed job (overrides applied).
         run_dir: the run directory the launch will create.
+        ps_shards: the number of PS shards the launch starts (default ``[ps] shards``).
     """
     problems = [_writable_parent(run_dir)]
     problems.append(_bind_problem(job.ps.host, 0, "[ps] host"))
     problems.append(_bind_problem(job.controller.address.rsplit(":", 1)[0], 0, "[controller] address host"))
+    problems += _port_problems(job, job.ps.shards if ps_shards is None else ps_shards)
     port = int(getattr(job.train, "allreduce_port", 0) or 0)
     if port:
         problems.append(_bind_problem("127.0.0.1", port, "[train] allreduce_port"))
     return [p for p in problems if p]
 
 
-def check_launch(job: "JobConfig", run_dir: Path, resume: str = "") -> None:
+def check_launch(job: "JobConfig", run_dir: Path, resume: str = "", ps_shards: int | None = None) -> None:
     """Preflight plus the launch checks: raise one PreflightError listing every problem.
 
     Nothing is created or started; the caller does that only after this returns.
@@ -85,13 +108,14 @@ def check_launch(job: "JobConfig", run_dir: Path, resume: str = "") -> None:
         job: the parsed job (overrides applied).
         run_dir: the run directory the launch will create.
         resume: the resolved checkpoint to warm-start from ('' = cold).
+        ps_shards: the number of PS shards the launch starts (default ``[ps] shards``).
 
     Raises:
         metaps.preflight.PreflightError: the problems, in one line.
     """
     from metaps.preflight import PreflightError, preflight
 
-    problems = launch_problems(job, run_dir)
+    problems = launch_problems(job, run_dir, ps_shards)
     try:
         preflight(job, resume=resume)
     except PreflightError as exc:

@@ -7,14 +7,17 @@ Example::
     metaps ps --config job.toml --shard 1 --restore-latest runs/x/checkpoints --controller 127.0.0.1:7070
 
 The process serves gRPC on ``[ps] host`` and ``--port`` (default
-``base_port + shard``, or a free port when base_port is 0), Prometheus
-``/metrics`` on ``--metrics-port`` and, with ``--ready-file``, writes
-``{"port", "metrics_port", "pid"}`` there once serving (launchers and tests
-wait for it). SIGTERM/SIGINT: stop accepting calls, finish in-flight ones
-(up to ``--grace`` seconds), exit 0 (``--signal-exit-code``: 143 in a Kubernetes Job,
-where 0 would mark the shard's index complete). A ``stop`` from the controller ends it the same
-way, with the code :mod:`metaps.core.exit_codes` gives its reason (0 the run ended,
-4 the run failed, 5 superseded by a newer process of this shard).
+``base_port + shard``, or a port the kernel picks when base_port is 0), Prometheus
+``/metrics`` on ``--metrics-port`` (0: a port the kernel picks) and, with ``--ready-file``,
+writes ``{"port", "metrics_port", "pid"}`` there once serving (launchers and tests
+wait for it and read the ports from it). With port 0 and a ready file an earlier
+process of the shard wrote, it binds that file's port again: a restarted shard keeps
+the address its clients know (the port in use by then: one line, exit 1).
+SIGTERM/SIGINT: stop accepting calls, finish in-flight ones (up to ``--grace`` seconds),
+exit 0 (``--signal-exit-code``: 143 in a Kubernetes Job, where 0 would mark the shard's
+index complete). A ``stop`` from the controller ends it the same way, with the code
+:mod:`metaps.core.exit_codes` gives its reason (0 the run ended, 4 the run failed,
+5 superseded by a newer process of this shard).
 
 With ``--controller`` (or ``$METAPS_CONTROLLER``, set by ``metaps agent``) the
 shard registers as ``ps:<shard>`` with its address, heartbeats and reports its
@@ -102,6 +105,23 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_ps)
 
 
+def _earlier_port(ready_file: str) -> int:
+    """The gRPC port an earlier process of this shard wrote to ``ready_file`` (0: none).
+
+    The launcher removes the ready files before it starts a shard the first time, so one
+    that is there was written by this shard's previous process in the same run.
+    """
+    import json
+
+    if not ready_file:
+        return 0
+    try:
+        info = json.loads(Path(ready_file).read_text())
+        return int(info.get("port", 0)) if int(info.get("pid", 0)) != os.getpid() else 0
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def _restarted_by_agent() -> bool:
     """True when ``metaps agent`` started this process as a restart (``$METAPS_RESTARTS`` > 0)."""
     try:
@@ -132,9 +152,22 @@ def run_ps(args: argparse.Namespace) -> int:
 
     args.shard = resolve_shard(str(args.shard), job.ps.shards)
     port = args.port if args.port is not None else (job.ps.base_port + args.shard if job.ps.base_port else 0)
+    earlier = _earlier_port(args.ready_file) if port == 0 else 0
+    if earlier:
+        # a restart of this shard (its agent's, or a relaunched agent's): clients know the address
+        # its earlier process published, so it comes back on that port
+        log.info("binding the port an earlier process of this shard published",
+                 extra=kv(shard=args.shard, port=earlier, ready_file=args.ready_file))
+        port = earlier
+    from metaps.core.errors import BindError
     from metaps.core.rpc import check_bindable
 
-    check_bindable(f"{job.ps.host}:{port}")  # a busy port or a foreign host: one line, before torch
+    try:
+        check_bindable(f"{job.ps.host}:{port}")  # a busy port or a foreign host: one line, before torch
+    except BindError as exc:
+        whence = (f" (the port its earlier process published in {args.ready_file})" if earlier
+                  else " ([ps] base_port + shard)" if args.port is None and port else "")
+        raise BindError(f"metaps ps shard {args.shard}: {exc}{whence}") from None
     # torch/fbgemm only once the config and bind checks passed: a bad invocation fails in a second
     import torch
     from prometheus_client import REGISTRY
@@ -187,11 +220,15 @@ def run_ps(args: argparse.Namespace) -> int:
                      extra=kv(shard=args.shard, warm_start=args.restore_latest, own=str(own)))
         elif not restore:
             log.info("no committed checkpoint to restore; starting empty", extra=kv(shard=args.shard, root=args.restore_latest))
+    # /metrics binds before gRPC serves: a port in use is one line, and no ready file is written
+    metrics_port = serve_metrics(args.metrics_port, ps_cfg.host, what=f"metaps ps shard {args.shard}")
     if restore:
         rows, step = restore_shard_checkpoint(server, restore)
         log.info("restored", extra=kv(shard=args.shard, dir=restore, rows=rows, step=step))
-    port = server.start(f"{ps_cfg.host}:{port}")
-    metrics_port = serve_metrics(args.metrics_port, ps_cfg.host)
+    try:
+        port = server.start(f"{ps_cfg.host}:{port}")
+    except BindError as exc:
+        raise BindError(f"metaps ps shard {args.shard}: {exc}") from None
     log.info("ps ready", extra=kv(shard=args.shard, port=port, metrics_port=metrics_port, pid=os.getpid(),
                                   checkpoint_root=server.checkpoint_root))
 

@@ -33,6 +33,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run-dir", default="", help="run directory (default [run].dir)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (0 = free port; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds")
+    p.add_argument("--metrics-file", default="", help="write {host, port, pid} of /metrics here (JSON) once it serves")
     p.add_argument("--start-step", type=int, default=0,
                    help="number steps from at least this one (a continued run: its checkpoint cut's step)")
     add_cli_args(p)
@@ -79,7 +80,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     if args.metrics_port >= 0:
         from metaps.core.metrics import serve_metrics
 
-        serve_metrics(args.metrics_port, args.metrics_host)
+        serve_metrics(args.metrics_port, args.metrics_host, what=f"metaps worker {args.rank}",
+                      publish=args.metrics_file or None)
     from workers.worker import run_worker  # torch: only once the command line passed its checks
 
     try:

@@ -6,13 +6,22 @@ A real launch (controller, agents, PS, workers on 127.0.0.1), judged on the cont
 ledger and the workers' own step counts. It goes through the Python API (``metaps.api.launch``,
 the Launcher ``metaps launch`` runs, with ``overrides`` as ``--set``), so the same fleet also
 checks the API's result: the report it returns is report.json, the checkpoint, the umask kept.
+
+The same fleet checks the launch's ports (issue 37, item 6; tests/metaps/test_launch_ports.py
+has the refusals): it runs on a busy box where every port picked with
+``metaps.core.metrics.free_port`` is taken by another process right after the pick (the race
+that failed ``test_launch_continue``: "cannot bind gRPC to 127.0.0.1:58561: the port is in
+use"), with ``ps.base_port`` set: the shard listens there, and every other server binds a port
+of its own and publishes it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -20,19 +29,50 @@ from metaps import api
 from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, write_job_file
 
 
-@pytest.mark.timeout(600)
-def test_max_steps_ends_the_fleet_with_partial_coverage_by_request(tmp_path: Path) -> None:
-    data = make_data(tmp_path / "data")
-    cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=1, train={"epochs": 3},
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import metaps.core.metrics
+
+    tmp = tmp_path_factory.mktemp("max-steps")
+    data = make_data(tmp / "data")
+    cfg = write_job_file(tmp / "job.toml", data, workers=2, ps=1, train={"epochs": 3},
                          controller={"dds": {"batches_per_shard": 2}})
-    run = tmp_path / "run"
+    run = tmp / "run"
     umask = os.umask(0o022)
     os.umask(umask)
+    stolen: list[socket.socket] = []
+
+    def pick_then_taken(host: str = "127.0.0.1") -> int:
+        """free_port on a busy box: another process takes the port between the pick and the bind."""
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((host, 0))
+        s.listen()
+        stolen.append(s)
+        return int(s.getsockname()[1])
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(metaps.core.metrics, "free_port", pick_then_taken)
+    # held bound (SO_REUSEADDR, not listening: metaps.core.ports) so no other process takes it; gRPC can bind it
+    base = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    base.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    base.bind(("127.0.0.1", 0))
+    base_port = int(base.getsockname()[1])
     try:
-        res = api.launch(cfg, overrides={"train.max_steps": 5}, run_dir=run, timeout_s=400)
+        res = api.launch(cfg, overrides={"train.max_steps": 5, "ps.base_port": base_port}, run_dir=run, timeout_s=400)
         left = fleet_pids(str(run))
     finally:
+        mp.undo()
+        base.close()
+        for s in stolen:
+            s.close()
         kill_leftovers(str(run))
+    yield {"res": res, "run": run, "left": left, "umask": umask, "base_port": base_port,
+           "stolen": len(stolen)}
+
+
+@pytest.mark.timeout(600)
+def test_max_steps_ends_the_fleet_with_partial_coverage_by_request(fleet: dict[str, Any]) -> None:
+    res, run, left, umask = fleet["res"], fleet["run"], fleet["left"], fleet["umask"]
     assert res.ok and res.status == "succeeded" and res.exit_code == 0, res.reason
     assert left == []
     assert os.umask(umask) == umask  # the run's 0600/0700 rule was for the call only
@@ -55,3 +95,32 @@ def test_max_steps_ends_the_fleet_with_partial_coverage_by_request(tmp_path: Pat
     assert cov["by_dataset"]["eval"][0] == cov["by_dataset"]["eval"][1]  # evaluation still covered everything
     assert "train closed: every worker stopped training early: max_steps" in rep["coverage_summary"]
     assert rep["checkpoint"]  # the leader's final checkpoint
+
+
+@pytest.mark.timeout(600)
+def test_every_server_binds_its_own_port_and_a_base_port_is_honoured(fleet: dict[str, Any]) -> None:
+    res, run, base_port = fleet["res"], fleet["run"], fleet["base_port"]
+    # ports picked up front were taken before the roles bound them: the run did not notice
+    assert res.ok, f"{res.reason} (ports taken after a free_port pick: {fleet['stolen']})"
+    rep = json.loads((run / "report.json").read_text())
+    # [ps] base_port honoured, and job.toml says what was used
+    assert rep["config"]["ps"]["base_port"] == base_port
+    assert json.loads((run / "ps" / "ps-0.ready").read_text())["port"] == base_port
+    ps_nodes = [n for n in rep["controller"]["nodes"] if n["role"] == "ps"]
+    assert [n["address"] for n in ps_nodes] == [f"127.0.0.1:{base_port}"], ps_nodes  # what the shard registered
+    from metaps.job import load_job
+
+    assert load_job(run / "job.toml").ps.base_port == base_port
+    # the controller published the port it bound, and the launcher used it
+    ctl = (run / "controller" / "address").read_text().strip()
+    assert ctl.startswith("127.0.0.1:") and int(ctl.rpartition(":")[2]) > 0
+    # every /metrics endpoint: bound by its process, published, in the report
+    ports = rep["metrics_ports"]
+    names = {"controller", "ps-0", "agent-ps-0", "worker-0", "worker-1", "agent-worker-0", "agent-worker-1"}
+    assert names <= set(ports), ports
+    published = {f.stem: json.loads(f.read_text())["port"] for f in (run / "metrics" / "ports").glob("*.json")}
+    published["ps-0"] = json.loads((run / "ps" / "ps-0.ready").read_text())["metrics_port"]
+    assert {n: ports[n] for n in names} == {n: published[n] for n in names}
+    assert len({ports[n] for n in names}) == len(names) and all(ports[n] > 0 for n in names)
+    targets = json.loads((run / "metrics" / "targets.json").read_text())
+    assert {g["labels"]["process"]: g["targets"][0] for g in targets} == {n: f"127.0.0.1:{ports[n]}" for n in names}
