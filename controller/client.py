@@ -38,6 +38,7 @@ from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 import grpc
 
 from controller.types import Command, GetResult, GetStatus, ReportResult, ShardLease
+from metaps.core import exit_codes
 from metaps.core.errors import MetapsError
 from metaps.core.rpc import RpcConfig, make_channel
 from protos import controller_pb2 as pb
@@ -51,12 +52,20 @@ _STATUS = {pb.GetShardResponse.SHARD: GetStatus.SHARD, pb.GetShardResponse.WAIT:
 
 
 class ControllerError(MetapsError):
-    """The controller refused a call; ``code`` is the gRPC status."""
+    """The controller refused a call; ``code`` is the gRPC status.
+
+    A refusal because the run failed (FAILED_PRECONDITION ``run_failed: <why>``: a process that
+    registers or claims into a failed run) carries ``exit_code`` RUN_FAILED (4), so the command
+    exits as a process told to stop would: its agent does not restart it and a worker Job's
+    podFailurePolicy fails the Job at once.
+    """
 
     def __init__(self, code: grpc.StatusCode, message: str, method: str) -> None:
         super().__init__(f"controller {method}: {code.name}: {message}")
         self.code = code
         self.details = message
+        if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(exit_codes.STOP_RUN_FAILED + ":"):
+            self.exit_code = exit_codes.RUN_FAILED
 
 
 @dataclass(frozen=True)

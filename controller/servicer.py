@@ -31,6 +31,7 @@ from controller.node_registry import NodeInfo, NodeRegistry
 from controller.run_outcome import RunOutcome
 from controller.types import GetStatus, UnknownNode, check_node
 from controller.worker_claims import WorkerClaims
+from metaps.core import exit_codes
 from metaps.core.errors import MetapsError
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
@@ -47,6 +48,12 @@ _CODES = {
 }
 _GET = {GetStatus.SHARD: pb.GetShardResponse.SHARD, GetStatus.WAIT: pb.GetShardResponse.WAIT,
         GetStatus.DONE: pb.GetShardResponse.DONE}
+
+
+class RunFailedRefusal(MetapsError):
+    """A process registers (or a pod claims a worker index) in a run the controller failed."""
+
+    code = "failed_precondition"
 
 
 class ServedController(Protocol):
@@ -152,9 +159,22 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if not self.s.registry.known("worker", worker):
             raise UnknownNode(f"worker {worker} is not registered; call RegisterNode(role='worker', index={worker}) first")
 
+    def _refuse_if_failed(self, method: str, who: str) -> None:
+        """A process joining a failed run is told so at once (FAILED_PRECONDITION ``run_failed: <why>``:
+        the client exits :data:`~metaps.core.exit_codes.RUN_FAILED`), instead of registering into a run
+        nothing will end for it (a re-applied failed day's late pods crash-looped until backoffLimit)."""
+        from controller.run_outcome import RunState
+
+        state, why = self.s.outcome.state()
+        if state is RunState.FAILED:
+            raise RunFailedRefusal(f"{exit_codes.STOP_RUN_FAILED}: {why} ({method} of {who} refused: this run failed; "
+                                   f"relaunch under a new run name)")
+
     @_guard
     def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
         role, index, source = _node(request.node)
+        if source == "process":
+            self._refuse_if_failed("RegisterNode", f"{role} {index}")
         info, restarted = self.s.register_node(role, index, request.address, request.metrics_port, request.pid,
                                                source, request.incarnation_id, request.pod_uid)
         self.s.monitor.heartbeat(info.name)
@@ -308,6 +328,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @_guard
     def ClaimWorker(self, request: pb.ClaimWorkerRequest, context: grpc.ServicerContext) -> pb.ClaimWorkerResponse:
+        self._refuse_if_failed("ClaimWorker", f"pod {request.name!r}")
         return pb.ClaimWorkerResponse(index=self.s.worker_claims.claim(request.name))
 
     @_guard

@@ -2,7 +2,7 @@
 
 A failed run tells every live process to stop with ``run_failed`` (so a Kubernetes Job
 can fail on the exit code instead of crash-looping to ``backoffLimit``), durably across a
-controller restart; a complete run, with ``end_fleet``, stops the PS processes and shuts
+controller restart, and refuses a process that registers into it (the same exit code); a complete run, with ``end_fleet``, stops the PS processes and shuts
 the controller down once the stops were handed out.
 """
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from controller.client import ControllerClient
+import pytest
+
+from controller.client import ControllerClient, ControllerError
 from controller.run_outcome import RUN_FAILED
 from controller.server import ControllerServer
 from controller.types import NODE_FINISHED
@@ -26,22 +28,29 @@ def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
         time.sleep(0.02)
 
 
-def _fail_the_run(srv: ControllerServer) -> str:
-    """A PS restart with no fleet wired in: the recovery cannot restore anything, the run fails."""
+def _fail_the_run(srv: ControllerServer) -> tuple[str, ControllerClient]:
+    """A PS restart with no fleet wired in: the recovery cannot restore anything, the run fails.
+    Returns the reason and the PS's current incarnation's client."""
     srv.recovery.settle_s = 0.0
     ControllerClient(srv.address, RPC, role="ps", index=0).register(pid=5, incarnation="a")
-    ControllerClient(srv.address, RPC, role="ps", index=0).register(pid=5, incarnation="b")
+    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
+    ps.register(pid=5, incarnation="b")
     _wait(lambda: srv.outcome.state()[0].value == "failed", 30, "the run to fail")
-    return srv.outcome.state()[1]
+    return srv.outcome.state()[1], ps
+
+
+def _refused(c: ControllerClient, reason: str, **kw: str) -> None:
+    """``c`` registering into the failed run is refused: exit code RUN_FAILED, the reason named."""
+    with pytest.raises(ControllerError) as refused:
+        c.register(**kw)
+    assert refused.value.exit_code == exit_codes.RUN_FAILED and reason in str(refused.value), refused.value
 
 
 def test_a_failed_run_tells_every_live_process_to_stop_with_run_failed(controller) -> None:  # type: ignore[no-untyped-def]
     srv = controller(ps_fleet=None)
     w0, w1 = client(srv, 0), client(srv, 1)
-    reason = _fail_the_run(srv)
+    reason, ps = _fail_the_run(srv)  # ps: the current PS incarnation (the one that is told)
     assert "ps:0" in reason
-    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
-    ps.register(pid=5, incarnation="b")  # the current PS incarnation (the one that is told)
     srv.tick()
     for c in (w0, w1, ps):
         cmds = c.heartbeat().commands
@@ -50,11 +59,9 @@ def test_a_failed_run_tells_every_live_process_to_stop_with_run_failed(controlle
         assert exit_codes.for_stop(cmds[0].reason) == exit_codes.RUN_FAILED
     srv.tick()
     assert all(not c.heartbeat().commands for c in (w0, w1, ps))  # once per incarnation
-    # a crash-looping worker comes back as a new incarnation: it is told again
+    # a crash-looping worker comes back as a new incarnation: refused at once, with the same exit code
     again = ControllerClient(srv.address, RPC, role="worker", index=1)
-    again.register(incarnation="w1-second")
-    srv.tick()
-    assert [x.kind for x in again.heartbeat().commands] == ["stop"]
+    _refused(again, reason, incarnation="w1-second")
     st = again.status()
     assert (st["run"]["state"], st["run"]["reason"]) == ("failed", reason)
     assert not srv.shutdown_requested.is_set()  # without end_fleet the launcher ends the fleet
@@ -62,14 +69,12 @@ def test_a_failed_run_tells_every_live_process_to_stop_with_run_failed(controlle
 
 def test_the_failure_survives_a_controller_restart(controller, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     srv = controller(ps_fleet=None, state_dir=tmp_path / "s")
-    reason = _fail_the_run(srv)
+    reason, _ = _fail_the_run(srv)
     srv.recovery.join(timeout=30)
     srv.stop(grace=0)
     back = controller(ps_fleet=None, state_dir=tmp_path / "s")
     assert back.outcome.state() == (back.outcome.state()[0].FAILED, reason)
-    w = client(back, 0)
-    back.tick()
-    assert [c.kind for c in w.heartbeat().commands] == ["stop"]
+    _refused(ControllerClient(back.address, RPC, role="worker", index=0), reason)
 
 
 def test_a_complete_run_with_end_fleet_stops_the_ps_and_shuts_down(controller) -> None:  # type: ignore[no-untyped-def]
@@ -112,9 +117,7 @@ def test_without_end_fleet_a_complete_run_sends_no_stop(controller) -> None:  # 
 def test_a_failed_run_with_end_fleet_exits_run_failed(controller) -> None:  # type: ignore[no-untyped-def]
     srv = controller(ps_fleet=None, end_fleet=True)
     w0 = client(srv, 0)
-    _fail_the_run(srv)
-    ps = ControllerClient(srv.address, RPC, role="ps", index=0)
-    ps.register(pid=5, incarnation="b")
+    _, ps = _fail_the_run(srv)
     srv.tick()
     assert not srv.shutdown_requested.is_set()
     w0.heartbeat()
