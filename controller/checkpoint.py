@@ -19,6 +19,13 @@ refuses it (FAILED_PRECONDITION) while any dataset is unfinished. A PS restarted
 finished is therefore restored to the final checkpoint and the rollback to its cut requeues
 nothing: a finished run stays finished (not rolled back to an older interval cut).
 
+**A warm start is cut 0.** A run that begins from another run's checkpoint (``metaps
+controller --warm-start DIR``: every PS restored that checkpoint before training) records it,
+once, as its first committed cut with the DDS at its start (:meth:`CheckpointCoordinator.
+commit_warm_start`). A PS lost before the run's own first cut is then restored to the
+warm-start checkpoint and the DDS rolled back to the beginning, instead of failing the run
+for want of a committed cut.
+
 Samples of shards that were DOING at the cut were partly trained before the
 checkpoint was taken; they are replayed after a rollback (counted in the ledger
 as replayed, never lost).
@@ -131,6 +138,29 @@ class CheckpointCoordinator:
                 txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
             log.info("final checkpoint committed as a cut", extra=kv(cut_id=cut_id, step=step, dir=directory,
                                                                      ledger_seq=cut.ledger_seq))
+            return body
+
+    def commit_warm_start(self, directory: str) -> dict[str, Any] | None:
+        """Record the warm-start checkpoint as the run's first committed cut (cut 0 of the run).
+
+        Only on a state with no cut at all (the run's first start): a restarted controller, or a
+        run that already cut, keeps its cuts. The DDS snapshot is the run's start, so a rollback to
+        it replays everything the run trained. Returns the cut recorded, or None.
+
+        Args:
+            directory: the checkpoint every PS restored before training.
+        """
+        with self._lock:
+            if self.cuts():
+                return None
+            cut = self._dds.snapshot()
+            now = self._clock()
+            with self._store.begin(write=True) as txn:
+                cut_id = max(1, self._store.next_seq(txn, "cuts"))
+                body = {"cut_id": cut_id, "state": "committed", "dds": cut.to_json(), "opened": now,
+                        "step": 0, "dir": directory, "committed": now, "warm_start": True}
+                txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
+            log.info("warm-start checkpoint recorded as the run's first cut", extra=kv(cut_id=cut_id, dir=directory))
             return body
 
     def abort_pending(self, reason: str) -> list[int]:

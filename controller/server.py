@@ -82,6 +82,8 @@ class ControllerServer:
         clock: ``time.time``-like.
         end_fleet: when the run ends, stop the PS processes and shut down (controller/run_outcome.py).
         expected_workers: ``[train] workers`` (closing the data on request waits for that many).
+        warm_start: the checkpoint every PS restored before training (a warm start), recorded as
+            the run's first committed cut on its first start (``CheckpointCoordinator.commit_warm_start``).
     """
 
     checkpoint_root: str | None = None
@@ -90,7 +92,7 @@ class ControllerServer:
     def __init__(self, cfg: ControllerConfig, state_dir: str | Path, datasets: Sequence[DatasetSpec] = (),
                  rpc_cfg: RpcConfig | None = None, policy: Policy | None = None, ps_mover: PsMover | None = None,
                  clock: Callable[[], float] = time.time, ps_fleet: PsFleet | None = None,
-                 end_fleet: bool = False, expected_workers: int = 0) -> None:
+                 end_fleet: bool = False, expected_workers: int = 0, warm_start: str = "") -> None:
         cfg.validate()
         self.cfg = cfg
         self.rpc_cfg = rpc_cfg or RpcConfig()
@@ -106,6 +108,8 @@ class ControllerServer:
             self.worker_claims = WorkerClaims(self.store, self.registry, clock)  # pods of a work-queue Job
             self.liveness = WorkerLiveness(cfg.worker_stall_timeout_s, clock) if cfg.worker_stall_timeout_s > 0 else None
             self.checkpoints = CheckpointCoordinator(self.store, self.dds, clock)
+            if warm_start:  # the checkpoint every PS restored before training: the run's cut 0
+                self.checkpoints.commit_warm_start(warm_start)
             self.policy = policy or make_policy(cfg)
             self.ps_mover = ps_mover
             self._server: Any = None

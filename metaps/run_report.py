@@ -294,10 +294,7 @@ def final_checkpoint_entry(checkpoint: str, controller_status: Mapping[str, Any]
 def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str = "") -> str:
     """One line: ``complete``, ``in progress: 40%`` (status ``running``), or
     ``62% (stopped: launcher SIGTERM)`` -- never "complete" for a run stopped mid-epoch.
-    Batches trained more than once are said after it: replays (duplicate, stale and replayed
-    entries) exactly, and abandoned leases (taken from a holder that may have pushed them) as
-    "at most": ``complete; 3 batches trained twice; at most 4 more batches of abandoned leases trained twice
-    (at-least-once)``.
+    Batches trained more than once are :func:`replay_text`'s.
 
     Args:
         coverage: the controller status' ``coverage`` (``Coverage.to_status()``); empty: unknown.
@@ -306,14 +303,8 @@ def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str =
     """
     if not coverage:
         return "unknown (no controller status)"
-    again = []
-    if int(coverage.get("duplicate_batches") or 0):
-        again.append(f"{int(coverage['duplicate_batches'])} batches trained twice")
-    if int(coverage.get("abandoned_batches") or 0):
-        again.append(f"at most {int(coverage['abandoned_batches'])} {'more ' if again else ''}batches of "
-                     f"abandoned leases trained twice (at-least-once)")
     if coverage.get("complete"):
-        return "; ".join(["complete", *again])
+        return "complete"
     frac = coverage.get("fraction")
     pct = f"{100.0 * float(frac):.0f}%" if isinstance(frac, (int, float)) else "?%"
     problems = list(coverage.get("problems") or [])
@@ -327,6 +318,26 @@ def coverage_text(coverage: Mapping[str, Any] | None, status: str, reason: str =
         reason = "; ".join(f"{ds} closed: {why}" for ds, why in sorted(closed.items()))
     why = reason or ("every worker exited before every shard was done" if status == "succeeded" else status)
     return f"{pct} (stopped: {why}){tail}"
+
+
+def replay_text(coverage: Mapping[str, Any] | None) -> str:
+    """One line: batches trained more than once, or ``none``. Replays (duplicate, stale and
+    replayed ledger entries) exactly; abandoned leases (taken from a holder that may have pushed
+    them: at-least-once) as an upper bound, e.g. ``3 batches trained twice; at most 4 more
+    batches of abandoned leases trained twice (at-least-once)``.
+
+    Args:
+        coverage: the controller status' ``coverage`` (``Coverage.to_status()``); empty: unknown.
+    """
+    if not coverage:
+        return "unknown (no controller status)"
+    again = []
+    if int(coverage.get("duplicate_batches") or 0):
+        again.append(f"{int(coverage['duplicate_batches'])} batches trained twice")
+    if int(coverage.get("abandoned_batches") or 0):
+        again.append(f"at most {int(coverage['abandoned_batches'])} {'more ' if again else ''}batches of "
+                     f"abandoned leases trained twice (at-least-once)")
+    return "; ".join(again) or "none"
 
 
 def build_report(
@@ -413,6 +424,7 @@ def build_report(
             "finished": bool(st.get("finished", False)),
         },
         "coverage_summary": coverage_text(cov, status, reason),
+        "replays_summary": replay_text(cov),
         "shards": list(ledger),
         "final_metrics": final_metrics,
         "final_auc": flat_auc(final_metrics),
@@ -529,6 +541,7 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     colour = {"succeeded": "green", "failed": "red", "interrupted": "yellow"}.get(report["status"], "white")
     console.print(f"[bold {colour}]run {report['status']}[/]" + (f": {report['reason']}" if report["reason"] else ""))
     console.print(f"coverage: {report.get('coverage_summary') or '-'}", markup=False)
+    console.print(f"trained more than once: {report.get('replays_summary') or '-'}", markup=False)
 
     wt = Table(title="workers (every incarnation counted)")
     for col in ("rank", "inc", "steps", "last step", "samples", "samples/s", "wall s", "final loss", "source"):
@@ -568,6 +581,7 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     ct.add_column("value", overflow="fold")
     ct.add_row("coverage", escape(report.get("coverage_summary")
                                   or coverage_text(report["controller"]["coverage"], report["status"], report["reason"])))
+    ct.add_row("trained more than once", escape(report.get("replays_summary") or "-"))
     ct.add_row("events", str(len(report["controller"]["events"])))
     for k, v in sorted(report["final_auc"].items()):
         ct.add_row(k, f"{v:.4f}")

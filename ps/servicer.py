@@ -85,6 +85,7 @@ import json
 import logging
 import math
 import operator
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -304,6 +305,11 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
     checkpoint_root: str | None = None
     """Checkpoint/Restore accept only directories under this root (``metaps ps`` always sets
     it: ``--checkpoint-root``); None, for servers built in-process, accepts any directory."""
+
+    warm_start_dir: str | None = None
+    """The checkpoint this run warm-started from (``metaps ps --restore`` / ``--restore-latest``),
+    outside the run's root: Restore accepts exactly it too (the run's cut 0, a fleet recovery
+    before the run's own first cut). Checkpoint never writes there."""
 
     def __init__(
         self,
@@ -1001,7 +1007,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
 
         if not request.dir:
             raise bad("Restore needs a directory")
-        directory = self._confined(request.dir, "Restore")
+        directory = self._confined(request.dir, "Restore", also=self.warm_start_dir)
         with self._gate.exclusive():
             rows, step = restore_shard_checkpoint(self, directory)
             # what the shard serves now, read from its live store (not the restore's own count): a
@@ -1012,12 +1018,15 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         return ps_pb2.RestoreResponse(rows=rows, step=step, served=[
             ps_pb2.TableDigest(table=t, rows=int(d["rows"]), sha256=str(d["sha256"])) for t, d in served.items()])
 
-    def _confined(self, directory: str, method: str) -> str:
-        """``directory`` resolved under :attr:`checkpoint_root`, else PERMISSION_DENIED (nothing touched)."""
+    def _confined(self, directory: str, method: str, also: str | None = None) -> str:
+        """``directory`` resolved under :attr:`checkpoint_root` (or exactly ``also``), else
+        PERMISSION_DENIED (nothing touched)."""
         if self.checkpoint_root is None:
             return directory
         from metaps.core.paths import PathNotAllowed, confine
 
+        if also and os.path.realpath(directory) == os.path.realpath(also):
+            return os.path.realpath(also)
         try:
             return str(confine(directory, self.checkpoint_root))
         except PathNotAllowed as exc:

@@ -359,6 +359,8 @@ class _Gen:
                 f"{STATE_DIR}/runs/{self.job.run.name}", "--metrics-port", str(mport), "--metrics-host", "0.0.0.0",
                 "--checkpoint-root", self.ckpt_root, "--exit-when-done",
                 "--termination-log", "/dev/termination-log", "--signal-exit-code", str(exit_codes.SIGTERM)]
+        if self.d.restore_from:  # the warm start is the run's first cut (what the PS pods restore)
+            args += ["--warm-start-latest", self.d.restore_from]
         c = self.container("controller", args, "controller", {"grpc": port, "metrics": mport},
                            self.train_mounts() + [{"name": "state", "mountPath": STATE_DIR}] + self.stage_mounts(),
                            self.pod_env(), probe_port=port)

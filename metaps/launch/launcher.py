@@ -203,7 +203,9 @@ class Launcher:
             "controller", "--config", str(self.job_path), "--address", f"{host}:{port}",
             "--state-dir", str(self.run_dir / "controller"), *self._metrics_args("controller"),
             "--checkpoint-root", str(self.run_dir / "checkpoints"),
-            *(["--continue-from-cut"] if self.continued is not None else [])), role="controller")
+            *(["--continue-from-cut"] if self.continued is not None else []),
+            # a warm start is the run's first cut: a PS lost before the run's own first cut is recovered to it
+            *(["--warm-start", self.resume] if self.resume and self.continued is None else [])), role="controller")
         self.fleet.wait_file(addr_file, m, self.lc.ready_timeout_s, self.stop_event.is_set)
         bound = addr_file.read_text().strip().rpartition(":")[2]  # written atomically once gRPC serves
         self.ctl_addr = f"{_connect_host(host)}:{bound}"

@@ -59,6 +59,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--continue-from-cut", action="store_true",
                    help="continue an interrupted run: roll the data accounting back to the latest committed "
                         "checkpoint cut before serving (`metaps launch --resume`)")
+    p.add_argument("--warm-start", default="",
+                   help="the checkpoint every PS restores before training (metaps ps --restore): recorded as "
+                        "the run's first committed cut, so a PS lost before the run's own first cut is "
+                        "recovered to it")
+    p.add_argument("--warm-start-latest", default="",
+                   help="as --warm-start, the newest committed checkpoint under this root (metaps ps "
+                        "--restore-latest, as the Kubernetes manifests run it)")
     p.add_argument("--signal-exit-code", type=int, default=0,
                    help="exit code after a stop by SIGTERM/SIGINT before the run ended (143 in a Kubernetes "
                         "Job: a drained controller pod is then replaced, not counted complete)")
@@ -129,6 +136,19 @@ def job_datasets(job: Any) -> list[Any]:
     return out
 
 
+def _warm_start(args: argparse.Namespace) -> str:
+    """The warm-start checkpoint the PS fleet restores (``--warm-start``, or the newest committed
+    one under ``--warm-start-latest``, found as ``metaps ps --restore-latest`` finds it); ''."""
+    if args.warm_start and args.warm_start_latest:
+        raise ConfigError("metaps controller: pass --warm-start DIR or --warm-start-latest ROOT, not both")
+    if not args.warm_start_latest:
+        return str(args.warm_start)
+    from ps.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(args.warm_start_latest)
+    return str(found) if found is not None else ""
+
+
 def run_controller(args: argparse.Namespace) -> int:
     from controller.server import ControllerServer
     from metaps.job import load_job
@@ -146,7 +166,8 @@ def run_controller(args: argparse.Namespace) -> int:
     state_dir = _state_dir(job, args.state_dir)
     fleet = GrpcPsFleet(job.rpc)
     server = ControllerServer(job.controller, state_dir, job_datasets(job), job.rpc, ps_fleet=fleet,
-                              end_fleet=args.exit_when_done, expected_workers=job.train.workers)
+                              end_fleet=args.exit_when_done, expected_workers=job.train.workers,
+                              warm_start=_warm_start(args))
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, state_dir.resolve().parent))
     if args.continue_from_cut:
         server.continue_from_latest_cut()
@@ -193,7 +214,11 @@ def _write_termination_log(path: Path, summary: dict[str, Any]) -> None:
     """The pod's termination message (``kubectl describe pod``): the outcome, one JSON line, < 4 KiB."""
     import json
 
-    line = json.dumps({k: summary[k] for k in ("run", "reason", "coverage", "checkpoint")}, default=str)[:4000]
+    out = {k: summary[k] for k in ("run", "reason", "coverage", "checkpoint")}
+    if summary["run"] == "failed":  # its state is never reused (a process joining it is refused)
+        out["relaunch"] = ("relaunch under a new run name (metaps deploy k8s --run-name NEW, --warm-start-from "
+                           "the last good checkpoints to keep the model), after deleting this run's Jobs")
+    line = json.dumps(out, default=str)[:4000]
     try:
         path.write_text(line + "\n")
     except OSError as exc:

@@ -222,6 +222,12 @@ def run_ps(args: argparse.Namespace) -> int:
             log.info("no committed checkpoint to restore; starting empty", extra=kv(shard=args.shard, root=args.restore_latest))
     # /metrics binds before gRPC serves: a port in use is one line, and no ready file is written
     metrics_port = serve_metrics(args.metrics_port, ps_cfg.host, what=f"metaps ps shard {args.shard}")
+    # the warm start stays restorable: it is the run's first cut (metaps controller --warm-start),
+    # which a fleet recovery before the run's own first cut restores (outside the run's root)
+    from ps.checkpoint import latest_checkpoint
+
+    warm = args.restore or (str(latest_checkpoint(args.restore_latest) or "") if args.restore_latest else "")
+    server.warm_start_dir = warm or None
     if restore:
         rows, step = restore_shard_checkpoint(server, restore)
         log.info("restored", extra=kv(shard=args.shard, dir=restore, rows=rows, step=step))

@@ -4,6 +4,8 @@
   section, TensorBoard logs, non-blank plots, the final checkpoint, nothing left running;
 * warm start + SIGINT: resume from that run's checkpoint (the PS restores its rows),
   SIGINT mid-training -> exit 130, a coordinated checkpoint, no process left;
+* warm start + a PS lost before the run's own first cut: the warm start is the run's first
+  cut, so the fleet is recovered to it (it used to fail the run: no committed cut);
 * bad input: clear errors before anything starts.
 """
 
@@ -197,6 +199,63 @@ def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
     assert rep["workers"][0]["source"] in ("log", "report") and rep["workers"][0]["steps"] >= 1
     for name in PLOTS:
         assert (run / "plots" / name).is_file()
+
+
+def _train_done(state: Path) -> int:
+    from controller.state import StateStore
+
+    if not (state / "data.mdb").exists():
+        return 0
+    store = StateStore(state)
+    try:
+        return sum(1 for _, e in store.items("ledger") if e["kind"] == "done" and e["dataset"] == "train")
+    finally:
+        store.close()
+
+
+def _role_pid(run: Path, role: str, flag: str, index: int) -> int | None:
+    """The pid of ``metaps ROLE ... FLAG INDEX`` of ``run`` (the supervised process, not its agent)."""
+    for pid in fleet_pids(str(run)):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "agent" not in argv and role in argv and flag in argv and argv[argv.index(flag) + 1] == str(index):
+            return pid
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_a_ps_lost_before_a_warm_started_runs_first_cut_is_recovered_to_the_warm_start(
+        e2e: dict[str, Any], data: dict[str, Path], tmp_path: Path) -> None:
+    assert e2e["proc"].returncode == 0, e2e["proc"].stderr[-3000:]
+    source = latest_checkpoint(e2e["run"] / "checkpoints")
+    cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=1, train={"epochs": 2},
+                         controller={"checkpoint_interval_s": 0.0},  # no cut of its own: the warm start is the only one
+                         faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0},
+                                            {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]})
+    run = tmp_path / "run"
+    log = tmp_path / "launcher.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(_launch_cmd("--config", str(cfg), "--run-dir", str(run), "--resume-from",
+                                            str(e2e["run"]), "--no-progress"), cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    with reaping(proc, run):
+        wait_for(lambda: _train_done(run / "controller") >= 2 or proc.poll() is not None, 400, "2 train shards done")
+        assert proc.poll() is None, "the run ended before the strike"
+        pid = _role_pid(run, "ps", "--shard", 0)
+        assert pid is not None, "PS 0 not found"
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=400)
+    out_text = log.read_text(errors="replace")
+    assert proc.returncode == 0, out_text[-5000:]
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["status"] == "succeeded" and rep["controller"]["coverage"]["complete"], rep["controller"]["coverage"]
+    rec = [e for e in rep["controller"]["events"] if e["kind"] == "ps_recovery"]
+    assert len(rec) == 1 and rec[0]["evidence"]["dir"] == str(source), rec
+    assert rep["controller"]["coverage"]["replayed_entries"] >= 2, rep["controller"]["coverage"]
+    cut0 = [c for c in rep["controller"]["checkpoints"] if c.get("warm_start")]
+    assert len(cut0) == 1 and cut0[0]["dir"] == str(source) and cut0[0]["state"] == "committed", cut0
 
 
 def _read(path: Path) -> str:
