@@ -47,15 +47,11 @@ from typing import Any, Callable
 
 from controller.dds import DynamicDataSharding
 from controller.state import StateStore, key_seq, seq_key, dumps, loads
-from controller.types import DdsCut
+from controller.types import FINAL_CUT, DdsCut
 from metaps.core.errors import MetapsError
 from metaps.core.log import kv
 
 log = logging.getLogger(__name__)
-
-
-FINAL_CUT = 0
-"""``CheckpointDone`` cut id of the run's final checkpoint (cut ids the controller opens start at 1)."""
 
 
 class UnknownCut(MetapsError):

@@ -34,6 +34,10 @@ _ID_RE = re.compile(r"^(?P<ds>[A-Za-z0-9_.\-]+):(?P<epoch>\d+):(?P<file>\d+):(?P
 ROLES = ("worker", "ps")
 NODE_FINISHED = "finished"
 """``NodeDown`` reason (exit code 0) of a worker process that finished its part of the run."""
+FINAL_CUT = 0
+"""``CheckpointDone`` cut id of the run's final checkpoint (cut ids the controller opens start at 1):
+the controller records it as a committed cut of the finished run (controller/checkpoint.py)."""
+
 NODE_CHECKPOINT_FAILED = "final_checkpoint_failed"
 """``NodeDown`` reason prefix (``final_checkpoint_failed: <why>``, exit code 4) of the checkpoint
 leader whose final checkpoint could not be written (a full disk, an I/O error): training
@@ -260,7 +264,7 @@ def check_node(role: str, index: int, source: str = "process") -> None:
 
 
 __all__ = [
-    "BadNode", "Command", "DatasetKind", "DatasetSpec", "DdsCut", "DdsError", "GetResult", "GetStatus",
+    "FINAL_CUT", "BadNode", "Command", "DatasetKind", "DatasetSpec", "DdsCut", "DdsError", "GetResult", "GetStatus",
     "ReportResult", "ReportStatus", "ShardLease", "StateMismatch", "UnknownDataset", "UnknownNode",
     "UnknownShard", "check_node", "parse_shard_id",
 ]

@@ -739,7 +739,23 @@ class Worker:
         except CheckpointWriteFailed as exc:
             raise FinalCheckpointFailed(f"{exc.path} not written: {exc.cause}", exc.path) from None
         self.final = True
+        if self.ctl is not None:
+            self._record_final_cut(ckpt)
         return metrics, ckpt
+
+    def _record_final_cut(self, ckpt: Path) -> None:
+        """Tell the controller the final checkpoint (``CheckpointDone`` with cut id 0): it becomes a
+        committed cut of the finished run, so a PS restarted afterwards is restored to it, not to an
+        older cut whose rollback would reopen finished training. A refusal (a PS recovery became
+        pending meanwhile: its rollback reopens work, which :meth:`finish_run` then trains) is logged."""
+        from controller.client import ControllerError
+        from controller.types import FINAL_CUT
+
+        try:
+            self.ctl.checkpoint_done(FINAL_CUT, int(ckpt.name.rsplit("-", 1)[1]), str(ckpt))
+        except ControllerError as exc:
+            log.warning("final checkpoint not recorded as a cut", extra=kv(rank=self.rank, dir=str(ckpt),
+                                                                           error=str(exc)[:300]))
 
     def _eta_fields(self, step: int) -> dict[str, Any]:
         """``pct`` and ``eta_s`` of a run whose length this process knows (train-local: ``total_steps``);

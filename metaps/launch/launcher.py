@@ -60,6 +60,19 @@ def controller_failed(status: dict[str, Any] | None) -> Outcome | None:
     return Outcome("failed", why, EXIT_FAILED, final_checkpoint=False) if why else None
 
 
+def coverage_short(status: dict[str, Any] | None) -> Outcome | None:
+    """A failed Outcome when every worker exited but the controller's coverage is neither
+    ``complete`` nor ``partial_by_request`` (a run never ends "succeeded" below full coverage:
+    e.g. a rollback that reopened finished training after the workers had gone), else None."""
+    cov = (status or {}).get("coverage") or {}
+    if not cov or cov.get("state") in ("complete", "partial_by_request"):
+        return None
+    problems = list(cov.get("problems") or [])
+    return Outcome("failed", f"every worker exited with the coverage {cov.get('state')} at "
+                             f"{100.0 * float(cov.get('fraction') or 0.0):.0f}%"
+                             + (f": {problems[:3]}" if problems else ""), EXIT_FAILED)
+
+
 class Launcher:
     """One ``metaps launch``: see the module docstring.
 
@@ -514,7 +527,7 @@ class Launcher:
             log.info("run ending", extra=kv(status=outcome.status, reason=outcome.reason or "-"))
             stats, notes = self._teardown(outcome)
             if outcome.status == "succeeded":  # a recovery may have failed after the last poll
-                outcome = controller_failed(self.status) or outcome
+                outcome = controller_failed(self.status) or coverage_short(self.status) or outcome
         except BaseException:
             self.fleet.kill_all()
             if self.auto_named:

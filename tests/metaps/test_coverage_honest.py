@@ -144,3 +144,21 @@ def test_the_launcher_reads_the_controllers_run_failed_event() -> None:
     from metaps.run_report import RUN_FAILED_EVENT
 
     assert RUN_FAILED == RUN_FAILED_EVENT  # the controller's event kind and what the launcher looks for
+
+
+def test_the_launcher_never_says_succeeded_below_full_coverage() -> None:
+    """Every worker exited, but the controller's coverage is short (a rollback reopened finished
+    training after the workers had gone): the launch fails, naming the coverage; complete and
+    closed-on-request coverage stay a success."""
+    from metaps.launch.launcher import coverage_short
+
+    short = {"coverage": {"complete": False, "state": "incomplete", "fraction": 0.18,
+                          "problems": ["dataset train epoch 0 file 0: batches [4, 17) never done"]}}
+    out = coverage_short(short)
+    assert out is not None and out.status == "failed" and out.code != 0
+    assert out.reason == ("every worker exited with the coverage incomplete at 18%: "
+                          "['dataset train epoch 0 file 0: batches [4, 17) never done']")
+    assert coverage_short({"coverage": {**short["coverage"], "state": "in_progress", "problems": []}}) is not None
+    for ok in ("complete", "partial_by_request"):
+        assert coverage_short({"coverage": {"state": ok, "fraction": 1.0}}) is None
+    assert coverage_short({}) is None  # no status: the controller's failure is said elsewhere

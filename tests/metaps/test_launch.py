@@ -115,6 +115,11 @@ def test_launch_end_to_end_report(e2e: dict[str, Any]) -> None:
     assert {e["worker"] for e in rep["shards"]} <= {0, 1}
     kinds = {e["kind"] for e in rep["controller"]["events"]}
     assert "epoch_done" in kinds
+    # the final checkpoint is the newest committed cut, of the finished run (a PS restarted now
+    # would be restored to it, and the rollback would requeue nothing)
+    cuts = [c for c in rep["controller"]["checkpoints"] if c["state"] == "committed"]
+    assert cuts and cuts[-1].get("final") and cuts[-1]["dir"] == rep["checkpoint"], cuts
+    assert cuts[-1]["dds"]["ledger_seq"] == max(e["seq"] for e in rep["shards"]), (cuts[-1], len(rep["shards"]))
 
     # per-PS figures, taken before the PS stopped
     assert len(rep["ps"]) == 1 and rep["ps"][0]["shard"] == 0
