@@ -17,8 +17,9 @@ the initial weights (a reset group ends about as far as the training it redid).
 from __future__ import annotations
 
 import json
-import signal
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -69,35 +70,39 @@ def _final_dense(job, report: dict, names: list[str]) -> dict[str, np.ndarray]: 
     return store.dense.pull(names)
 
 
-def _launch(tmp: Path, name: str, data: dict[str, Path], strike: bool) -> tuple[dict, str]:  # type: ignore[type-arg]
+def _start(tmp: Path, name: str, data: dict[str, Path]) -> tuple[subprocess.Popen[bytes], Path, Path]:
     cfg = write_job_file(tmp / f"{name}.toml", data, workers=2, ps=1, **SECTIONS)
-    run = tmp / name
-    log = tmp / f"{name}-launcher.log"
-    proc = start_launch(["--no-progress", "--config", str(cfg), "--run-dir", str(run)], log)
-    try:
-        if strike:
-            # most shards done (2-batch shards, 17 batches, 2 epochs: 18 shards), then kill rank 1
-            wait_for(lambda: _done_train(run / "controller") >= 13 or proc.poll() is not None, 300,
-                     "13 train shards done")
-            assert proc.poll() is None, "the run ended before the strike"
-            pid = _worker_pid(run, 1)
-            assert pid is not None, "worker 1 not found"
-            os.kill(pid, signal.SIGKILL)
-        out = finish_launch(proc, log, 400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        kill_leftovers(str(run))
+    run, log = tmp / name, tmp / f"{name}-launcher.log"
+    return start_launch(["--no-progress", "--config", str(cfg), "--run-dir", str(run)], log), run, log
+
+
+def _finish(proc: subprocess.Popen[bytes], run: Path, log: Path) -> dict:  # type: ignore[type-arg]
+    out = finish_launch(proc, log, 400)
     assert proc.returncode == 0, out[-4000:]
-    return json.loads((run / "report.json").read_text()), out
+    return json.loads((run / "report.json").read_text())
 
 
 @pytest.mark.timeout(900)
 def test_a_killed_allreduce_rank_keeps_the_dense_model(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
-    ref, _ = _launch(tmp_path, "reference", data, strike=False)
-    got, out = _launch(tmp_path, "faulty", data, strike=True)
+    # the fault-free reference and the faulty fleet run side by side (same data, same job)
+    started = [_start(tmp_path, name, data) for name in ("reference", "faulty")]
+    try:
+        proc, run, _ = started[1]
+        # most shards done (2-batch shards, 17 batches, 2 epochs: 18 shards), then kill rank 1
+        wait_for(lambda: _done_train(run / "controller") >= 13 or proc.poll() is not None, 300,
+                 "13 train shards done")
+        assert proc.poll() is None, "the run ended before the strike"
+        pid = _worker_pid(run, 1)
+        assert pid is not None, "worker 1 not found"
+        os.kill(pid, signal.SIGKILL)
+        ref, got = (_finish(*s) for s in started)
+    finally:
+        for p, r, _ in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            kill_leftovers(str(r))
     for rep in (ref, got):
         assert rep["status"] == "succeeded" and rep["controller"]["coverage"]["complete"], rep["controller"]["coverage"]
     # the strike happened: worker 1 had a second incarnation
