@@ -1065,13 +1065,12 @@ def _start_ps(cfg: Path, where: Path, timeout_s: float = 180.0) -> tuple[subproc
 def rpc_bad_inputs(data: dict[str, Path], root: Path) -> list[dict[str, Any]]:
     """The hostile-RPC battery against a live ``metaps ps`` and ``metaps controller``."""
     from bench.chaos_inputs import controller_battery, ps_battery
-    from metaps.core.metrics import free_port
 
     where = root / "rpc"
     cfg = write_job(where / "job.toml", job_mapping(data, where, ps=1))
     state = where / "controller"
-    port = free_port()
-    ctl = subprocess.Popen(_metaps("controller", "--config", str(cfg), "--address", f"127.0.0.1:{port}",
+    # port 0: the controller binds a port of its own and writes it to its address file
+    ctl = subprocess.Popen(_metaps("controller", "--config", str(cfg), "--address", "127.0.0.1:0",
                                    "--state-dir", str(state)), cwd=REPO, env=_env(),
                            stdout=(where / "controller.log").open("wb"), stderr=subprocess.STDOUT)
     ps = None
@@ -1085,7 +1084,7 @@ def rpc_bad_inputs(data: dict[str, Path], root: Path) -> list[dict[str, Any]]:
         outside = root / "outside-the-checkpoint-root"
         outside.mkdir(exist_ok=True)
         rows = ps_battery(addr, TOKEN, str(outside))
-        rows += controller_battery(f"127.0.0.1:{port}", TOKEN)
+        rows += controller_battery((state / "address").read_text().strip(), TOKEN)
         return rows
     finally:
         for p in (ps, ctl):

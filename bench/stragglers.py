@@ -679,7 +679,7 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
     no split can gain more than ~1.1x; the theory's 1.5x needs per-unit work to matter,
     i.e. a global batch above a/b ~ 550 units.
     """
-    from metaps.core.metrics import free_port
+    from metaps.core.ports import reserve_port
 
     g = 1024
     epochs = 8 if quick else 12
@@ -690,8 +690,9 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
             job = _e5_job(tmp, data, seed, epochs, g)
             srv = _real_controller(tmp, job, PolicyKind.DD if mode == "dd" else PolicyKind.NONE)
             try:
-                reps = _real_fleet(tmp, job, REAL_WORKERS_E5, srv.address,
-                                   {"METAPS_ALLREDUCE": f"127.0.0.1:{free_port()}"})
+                with reserve_port() as rdv:  # held for the fleet's life: no other process takes it
+                    reps = _real_fleet(tmp, job, REAL_WORKERS_E5, srv.address,
+                                       {"METAPS_ALLREDUCE": f"127.0.0.1:{rdv.port}"})
                 snap = srv.monitor.snapshot()
                 plans = [e.evidence for e in srv.events.list(kind="set_batch_sizes")]
             finally:
@@ -907,7 +908,7 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
     """
     from controller.config import PolicyKind as _PK
     from controller.policy import make_policy
-    from metaps.core.metrics import free_port
+    from metaps.core.ports import reserve_port
     from metaps.job import load_job
     import dataclasses
 
@@ -928,8 +929,9 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
         srv = ControllerServer(cfg, tmp / "ctl", [spec], RPC, policy=pol)  # type: ignore[arg-type]
         srv.start("127.0.0.1:0")
         try:
-            reps = _real_fleet(tmp, job_path, REAL_WORKERS_E5, srv.address,
-                               {"METAPS_ALLREDUCE": f"127.0.0.1:{free_port()}"})
+            with reserve_port() as rdv:  # held for the fleet's life: no other process takes it
+                reps = _real_fleet(tmp, job_path, REAL_WORKERS_E5, srv.address,
+                                   {"METAPS_ALLREDUCE": f"127.0.0.1:{rdv.port}"})
         finally:
             srv.stop(grace=0)
     recs = reps[0]["dd_steps"]
