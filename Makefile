@@ -41,11 +41,14 @@ clean:
 # mutant names), e.g. make mutation MUTANTS='controller.ledger.* metaps.core.atomic_write.*'.
 # The default covers every guard module; in ps/checkpoint.py and ps/servicer.py only their
 # guard functions (verify, chain and restore checks; the owner/frozen check, vshard checks,
-# awaiting recovery). mutmut 3 does not mutate decorated functions (the @_rpc handlers,
-# @contextmanager gates): tests/ps/test_freeze_drains.py pins the freeze's drain instead.
+# awaiting recovery); in controller/ps_recovery.py all but the RecoveryHost Protocol's stubs
+# (their bodies never run: its one mutant, a default argument, is reached by no test). mutmut 3
+# does not mutate decorated functions (the @_rpc handlers, @contextmanager gates):
+# tests/ps/test_freeze_drains.py pins the freeze's drain instead.
 MUTATION_STAMP := $(VENV)/.mutation-installed
 MUTATION_JOBS ?= 2
-MUTANTS ?= 'controller.ledger.*' 'controller.dds.*' 'controller.ps_recovery.*' 'delivery.gate.*' \
+MUTANTS ?= 'controller.ledger.*' 'controller.dds.*' 'controller.ps_recovery.x*PsRecovery*' \
+	'controller.ps_recovery.x*_Restored*' 'controller.ps_recovery.x_*' 'delivery.gate.*' \
 	'metaps.core.atomic_write.*' 'ps.gate.*' 'ps.migration.*' \
 	'ps.checkpoint.x_*verify*' 'ps.checkpoint.x_checkpoint_chain*' 'ps.checkpoint.x__checked*' \
 	'ps.checkpoint.x__sha256*' 'ps.checkpoint.x__read_meta*' 'ps.checkpoint.x_read_manifest*' \
