@@ -195,6 +195,8 @@ class Worker:
         self._last_step_end = 0.0
         self._last_overlapped: bool | None = None
         self.start_step = 0
+        self.first_step = 0  # the first step this incarnation ran (a rejoined clock can skip numbers)
+        self.steps_run = 0  # steps this incarnation ran (not the span of its step numbers)
         self.wall_s = 0.0
         self._rounds = 0  # train() calls: more than one when a rollback reopened finished training
         self._last_rec: dict[str, Any] | None = None
@@ -414,6 +416,7 @@ class Worker:
         # an incarnation's first step is its warm-up (torch's lazy set-up: seconds of "compute"
         # against milliseconds later), not its speed: slowing it would make a 20x slower worker
         # sleep 20x its warm-up, minutes on a loaded box. A slow fault starts at the second step.
+        first = not self._warmed
         delay = self.faults.step_delay(stats.compute_s, own_step_s) if self._warmed else 0.0
         self._warmed = True
         if delay > 0:
@@ -421,6 +424,9 @@ class Worker:
         self.samples += stats.samples
         self.busy_s += stats.total_s + delay
         step = stats.step
+        self.steps_run += 1
+        if first:
+            self.first_step = step
         now = time.perf_counter()
         # data wait: the time between two steps' ends that the step itself did not use (reading,
         # waiting for a lease); the fault delay is neither
@@ -435,8 +441,9 @@ class Worker:
                                 "push": stats.push_s, "dense_sync": dense_s, "total": stats.total_s + delay},
                                stats.metrics)
         # live figures at the incarnation's first step (so its TensorBoard run and snapshot exist
-        # at once) and every tb_every_steps; report() adds the last step
-        due = self.telemetry.due(step) or (step == self.start_step + 1 and self.telemetry.every > 0)
+        # at once; not start_step + 1: a worker told WAIT leaves the PS clocks and rejoins at the
+        # fleet's, skipping step numbers) and every tb_every_steps; report() adds the last step
+        due = self.telemetry.due(step) or (first and self.telemetry.every > 0)
         rec = {"step": step, "time": time.time(), "loss": stats.loss, "samples": self.samples,
                "samples_per_s": stats.samples / max(stats.total_s + delay, 1e-9),
                "pull_s": stats.pull_s, "compute_s": stats.compute_s, "push_s": stats.push_s,
@@ -775,7 +782,8 @@ class Worker:
             "time": time.time(),
             "steps": self.trainer.step_no,
             "start_step": start,
-            "steps_run": self.trainer.step_no - start,
+            "first_step": getattr(self, "first_step", 0),
+            "steps_run": getattr(self, "steps_run", 0),
             "samples": self.samples,
             "shards": self.shards_done,
             "wall_s": getattr(self, "wall_s", 0.0),
