@@ -259,6 +259,7 @@ def test_a_restarted_ps_is_recovered_to_the_cut_and_the_run_completes(run: Calla
     r.wait_recovered()
     r.assert_recovered()
     assert steps.steps() == ["pause", "restore:0", "restored:0", "restore:1", "restored:1", "rolled_back", "resume"]
+    assert dict(steps.seen)["rolled_back"] == {"dir": r.ckpt, "cut_id": r.cut_id, "requeued": 3}
     restored = {d["shard"]: d for s, d in steps.seen if s == "restored"}
     assert sum(d["rows"] for d in restored.values()) == r.rows_at_cut > 0
     ev = r.event("ps_recovery")
@@ -353,6 +354,8 @@ def test_a_controller_dead_mid_recovery_is_resumed_by_the_next_one(
         assert sorted(rec["restored"]) == (["0", "1"] if crash_at == "restored:1" else ["0"])
         assert sum(rec["restored"].values()) == sum(_n_rows(s) for s in r.fleet.servers[: len(rec["restored"])])
         assert all(s._gate.paused for s in r.fleet.servers)  # a dead controller's pause stays, with its lease
+        left = [s._gate._paused_until - time.monotonic() for s in r.fleet.servers]
+        assert 0 < min(left) and max(left) <= r.srv.cfg.heartbeat_timeout_s + 0.5, left  # the lease: its node timeout
         assert "rollback" not in r.kinds() and r.done() == r.done_cut + 3
     else:
         assert rec["phase"] == "rolled_back" and rec["dir"] == r.ckpt and rec["cut_id"] == r.cut_id
@@ -375,7 +378,7 @@ def test_a_controller_dead_mid_recovery_is_resumed_by_the_next_one(
         "nodes": "ps:1", "phase": rec["phase"], "dir": rec["dir"] or "-",
         "restored": ",".join(sorted(rec["restored"])) or "-"}
     if redone is None:  # after the rollback: nothing restored again, only the pause ended
-        assert second.steps() == ["resume"]
+        assert second.seen == [("resume", {"shards": 2})]
         assert _logged(logs, "INFO", "recovery resumed after its rollback; resuming the shards") == {"nodes": "ps:1"}
     else:
         assert [s for s in second.steps() if s.startswith("restore:")] == redone
@@ -527,7 +530,8 @@ def test_no_fleet_wired_in_fails_the_run(run: Callable[..., Run]) -> None:
     r = run(ps_fleet=None)
     r.restart_ps(1, "ps1-second")
     r.wait_recovered()
-    assert "no PS fleet is wired into the controller" in _failed(r)
+    assert _failed(r).endswith(": no PS fleet is wired into the controller (ControllerServer(ps_fleet=...)): "
+                               "the restarted shard cannot be restored")
     assert r.fleet.servers[1].awaiting_recovery
 
 
@@ -558,7 +562,8 @@ def test_a_pending_cut_is_aborted_by_a_recovery(run: Callable[..., Run]) -> None
     r.wait_recovered()
     r.assert_recovered()
     assert r.event("ps_recovery")["aborted_cuts"] == [pending]
-    assert {c["cut_id"]: c["state"] for c in r.srv.checkpoints.cuts()}[pending] == "aborted"
+    cut = {c["cut_id"]: c for c in r.srv.checkpoints.cuts()}[pending]
+    assert (cut["state"], cut["reason"]) == ("aborted", "ps restart: fleet restored to an earlier cut")
 
 
 def test_a_shard_that_stays_unreachable_fails_the_recovery(run: Callable[..., Run]) -> None:
