@@ -222,10 +222,12 @@ class NodeRegistry:
         """The node's process finished and left; True when it was not already done."""
         return self._set_state(role, index, NodeState.DONE)
 
-    def pending(self, role: str, index: int, target: str = "process") -> bool:
-        """Commands queued for the node's process (or agent) not yet handed out."""
+    def pending(self, role: str, index: int, target: str = "process", kind: str = "") -> bool:
+        """Commands queued for the node's process (or agent) not yet handed out (of ``kind`` only,
+        when given)."""
         with self._lock:
-            return bool(self._queues.get((role, index, target)))
+            queue = self._queues.get((role, index, target)) or []
+            return any(not kind or c.kind == kind for c in queue)
 
     def retire_all(self) -> list[str]:
         """A new attempt of the run (``metaps launch --resume``): every node is marked dead and

@@ -223,7 +223,10 @@ class RunOutcome:
             log.info("run ended; stopping the fleet", extra=kv(state=st.value, reason=reason or "-"))
         # only a live process can still take its commands: a finished or dead one's queue (a cut sent
         # just before it left, a stop for a crashed PS) would hold the shutdown for the whole linger
-        pending = [n for n in self.h.registry.alive() if self.h.registry.pending(n.role, n.index)]
+        # only the stops count: a command the policy queued meanwhile (a clock release, a truncate)
+        # for a process that obeyed its stop and exited is never handed out, and held the shutdown
+        # for the whole linger (a failed k8s run's Jobs failed 60 s late)
+        pending = [n for n in self.h.registry.alive() if self.h.registry.pending(n.role, n.index, kind="stop")]
         if not pending or now - self._ended_at >= self.linger_s:
             self.exit_code = exit_codes.RUN_FAILED if st is RunState.FAILED else exit_codes.OK
             self.ended = True

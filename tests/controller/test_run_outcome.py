@@ -179,3 +179,19 @@ def test_a_finished_workers_unread_command_does_not_hold_the_shutdown(controller
     assert [c.kind for c in ps.heartbeat().commands] == ["stop"]
     srv.tick()
     assert srv.shutdown_requested.is_set() and srv.outcome.exit_code == exit_codes.OK
+
+
+def test_a_command_queued_after_the_stop_does_not_hold_the_shutdown(controller) -> None:  # type: ignore[no-untyped-def]
+    """A failed k8s run's Jobs failed 60 s late: after the stops were handed out, the policy queued
+    other commands (a truncate, a clock release) for workers that had obeyed their stop and exited,
+    and the controller waited out its linger for them. Only the stops count."""
+    srv = controller(ps_fleet=None, end_fleet=True)
+    srv.outcome.linger_s = 600.0  # a wait for the linger would time this test out
+    w0 = client(srv, 0)
+    _, ps = _fail_the_run(srv)
+    srv.tick()
+    assert [c.kind for c in w0.heartbeat().commands] == ["stop"]
+    assert [c.kind for c in ps.heartbeat().commands] == ["stop"]
+    srv.registry.enqueue("worker", 0, "truncate", target="process", shard_id="train:0:0:0-4", stop_batch=2)
+    srv.tick()  # w0 exited on its stop: the truncate is never handed out
+    assert srv.shutdown_requested.is_set() and srv.outcome.exit_code == exit_codes.RUN_FAILED
