@@ -351,8 +351,8 @@ class PsRecovery:
         with self.s.fleet_lock:  # no vshard move while the fleet is restored
             rec = self.record() or rec
             aborted = self.s.checkpoints.abort_pending("ps restart: fleet restored to an earlier cut")
-            if aborted:
-                self._update(lambda r: r.__setitem__("aborted", sorted(set(r["aborted"]) | set(aborted))))
+            if aborted:  # (rec: the record as updated, so the failure below counts these too)
+                rec = self._update(lambda r: r.__setitem__("aborted", sorted(set(r["aborted"]) | set(aborted))))
             committed = [c for c in self.s.checkpoints.cuts() if c.get("state") == "committed" and c.get("dir")]
             committed.sort(key=lambda c: int(c["cut_id"]), reverse=True)  # newest first
             by_dir = {str(c["dir"]): c for c in reversed(committed)}  # a dir committed twice: its newest cut
