@@ -153,8 +153,12 @@ def test_bench_smoke_run_prints_its_figures(name: str, tmp_path: Path) -> None:
 
 def check_smoke(name: str, tmp_path: Path) -> None:
     """Run bench ``name``'s smoke invocation and judge its JSON line (see the module docstring)."""
+    judge_smoke(name, *run_bench(name, SMOKES[name], tmp_path))
+
+
+def judge_smoke(name: str, rc: int | None, out: str, err: str) -> None:
+    """Judge a smoke run of bench ``name`` from its exit code (None: timed out) and output."""
     smoke = SMOKES[name]
-    rc, out, err = run_bench(name, smoke, tmp_path)
     shown = (f"python -m bench.{name} {' '.join(smoke.args)}\n--- stdout (tail) ---\n{_tail(out)}"
              f"\n--- stderr (tail) ---\n{_tail(err)}")
     assert rc is not None, f"timed out after {smoke.timeout_s:.0f} s: {shown}"
