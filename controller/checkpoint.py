@@ -125,15 +125,9 @@ class CheckpointCoordinator:
             for body in self.cuts():
                 if body.get("final") and body["dir"] == directory and body["state"] == "committed":
                     return body
-            cut = self._dds.snapshot()
-            now = self._clock()
-            with self._store.begin(write=True) as txn:
-                cut_id = max(1, self._store.next_seq(txn, "cuts"))
-                body = {"cut_id": cut_id, "state": "committed", "dds": cut.to_json(), "opened": now,
-                        "step": int(step), "dir": directory, "committed": now, "final": True}
-                txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
-            log.info("final checkpoint committed as a cut", extra=kv(cut_id=cut_id, step=step, dir=directory,
-                                                                     ledger_seq=cut.ledger_seq))
+            body = self._put_committed(int(step), directory, "final")
+            log.info("final checkpoint committed as a cut", extra=kv(cut_id=body["cut_id"], step=step, dir=directory,
+                                                                     ledger_seq=body["dds"]["ledger_seq"]))
             return body
 
     def commit_warm_start(self, directory: str) -> dict[str, Any] | None:
@@ -149,15 +143,21 @@ class CheckpointCoordinator:
         with self._lock:
             if self.cuts():
                 return None
-            cut = self._dds.snapshot()
-            now = self._clock()
-            with self._store.begin(write=True) as txn:
-                cut_id = max(1, self._store.next_seq(txn, "cuts"))
-                body = {"cut_id": cut_id, "state": "committed", "dds": cut.to_json(), "opened": now,
-                        "step": 0, "dir": directory, "committed": now, "warm_start": True}
-                txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
-            log.info("warm-start checkpoint recorded as the run's first cut", extra=kv(cut_id=cut_id, dir=directory))
+            body = self._put_committed(0, directory, "warm_start")
+            log.info("warm-start checkpoint recorded as the run's first cut",
+                     extra=kv(cut_id=body["cut_id"], dir=directory))
             return body
+
+    def _put_committed(self, step: int, directory: str, flag: str) -> dict[str, Any]:
+        """A cut of the DDS now, committed at once (no trigger, no command), marked ``flag`` (lock held)."""
+        cut = self._dds.snapshot()
+        now = self._clock()
+        with self._store.begin(write=True) as txn:
+            cut_id = max(1, self._store.next_seq(txn, "cuts"))
+            body = {"cut_id": cut_id, "state": "committed", "dds": cut.to_json(), "opened": now,
+                    "step": step, "dir": directory, "committed": now, flag: True}
+            txn.put(seq_key(cut_id), dumps(body), db=self._store.db("cuts"))
+        return body
 
     def abort_pending(self, reason: str) -> list[int]:
         """Mark every pending cut aborted (a later commit of one is ignored); returns their ids."""

@@ -77,6 +77,32 @@ def fleet_pids(marker: str) -> list[int]:
     return out
 
 
+def role_pid(marker: str, role: str, flag: str, index: int) -> int | None:
+    """The pid of ``metaps ROLE ... FLAG INDEX`` whose command line holds ``marker`` (a run dir):
+    the supervised process, not its agent (e.g. ``role_pid(run, "ps", "--shard", 0)``)."""
+    for pid in fleet_pids(marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "agent" not in argv and role in argv and flag in argv and argv[argv.index(flag) + 1] == str(index):
+            return pid
+    return None
+
+
+def train_shards_done(state: Path) -> int:
+    """Ledger ``done`` entries of the train dataset in a (live) controller's LMDB state dir."""
+    from controller.state import StateStore  # noqa: PLC0415 (only the fleet tests that watch a ledger need it)
+
+    if not (state / "data.mdb").exists():
+        return 0
+    store = StateStore(state)
+    try:
+        return sum(1 for _, e in store.items("ledger") if e["kind"] == "done" and e["dataset"] == "train")
+    finally:
+        store.close()
+
+
 def kill_leftovers(marker: str) -> list[int]:
     """SIGKILL whatever :func:`fleet_pids` finds (test teardown); returns the pids it found."""
     pids = fleet_pids(marker)

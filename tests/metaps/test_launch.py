@@ -38,6 +38,8 @@ from tests.metaps.fleet_data import (
     kill_leftovers,
     make_data,
     reaping,
+    role_pid,
+    train_shards_done,
     wait_for,
     write_job_file,
 )
@@ -207,30 +209,6 @@ def test_sigint_after_warm_start_stops_cleanly_with_checkpoint(
         assert (run / "plots" / name).is_file()
 
 
-def _train_done(state: Path) -> int:
-    from controller.state import StateStore
-
-    if not (state / "data.mdb").exists():
-        return 0
-    store = StateStore(state)
-    try:
-        return sum(1 for _, e in store.items("ledger") if e["kind"] == "done" and e["dataset"] == "train")
-    finally:
-        store.close()
-
-
-def _role_pid(run: Path, role: str, flag: str, index: int) -> int | None:
-    """The pid of ``metaps ROLE ... FLAG INDEX`` of ``run`` (the supervised process, not its agent)."""
-    for pid in fleet_pids(str(run)):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "agent" not in argv and role in argv and flag in argv and argv[argv.index(flag) + 1] == str(index):
-            return pid
-    return None
-
-
 @pytest.mark.timeout(600)
 def test_a_ps_lost_before_a_warm_started_runs_first_cut_is_recovered_to_the_warm_start(
         e2e: dict[str, Any], data: dict[str, Path], tmp_path: Path) -> None:
@@ -247,9 +225,9 @@ def test_a_ps_lost_before_a_warm_started_runs_first_cut_is_recovered_to_the_warm
                                             str(e2e["run"]), "--no-progress"), cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT)
     with reaping(proc, run):
-        wait_for(lambda: _train_done(run / "controller") >= 2 or proc.poll() is not None, 400, "2 train shards done")
+        wait_for(lambda: train_shards_done(run / "controller") >= 2 or proc.poll() is not None, 400, "2 train shards done")
         assert proc.poll() is None, "the run ended before the strike"
-        pid = _role_pid(run, "ps", "--shard", 0)
+        pid = role_pid(str(run), "ps", "--shard", 0)
         assert pid is not None, "PS 0 not found"
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=400)

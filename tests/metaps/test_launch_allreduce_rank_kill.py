@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.state import StateStore
-from tests.metaps.fleet_data import (fleet_pids, finish_launch, kill_leftovers, make_data, start_launch, wait_for,
-                                     write_job_file)
+from tests.metaps.fleet_data import (finish_launch, kill_leftovers, make_data, role_pid, start_launch,
+                                     train_shards_done, wait_for, write_job_file)
 
 SECTIONS = dict(
     train={"dense_sync": "allreduce", "epochs": 2, "dense_publish_steps": 1, "log_every": 1},
@@ -37,28 +36,6 @@ SECTIONS = dict(
     faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0},
                        {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]},
 )
-
-
-def _done_train(state: Path) -> int:
-    if not (state / "data.mdb").exists():
-        return 0
-    store = StateStore(state)
-    try:
-        return sum(1 for _, e in store.items("ledger") if e["kind"] == "done" and e["dataset"] == "train")
-    finally:
-        store.close()
-
-
-def _worker_pid(run: Path, rank: int) -> int | None:
-    for pid in fleet_pids(str(run)):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "metaps" in argv and "agent" not in argv and "worker" in argv and "--rank" in argv \
-                and argv[argv.index("--rank") + 1] == str(rank):
-            return pid
-    return None
 
 
 def _final_dense(job, report: dict, names: list[str]) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def, type-arg]
@@ -90,10 +67,10 @@ def test_a_killed_allreduce_rank_keeps_the_dense_model(tmp_path: Path) -> None:
     try:
         proc, run, _ = started[1]
         # most shards done (2-batch shards, 17 batches, 2 epochs: 18 shards), then kill rank 1
-        wait_for(lambda: _done_train(run / "controller") >= 13 or proc.poll() is not None, 300,
+        wait_for(lambda: train_shards_done(run / "controller") >= 13 or proc.poll() is not None, 300,
                  "13 train shards done")
         assert proc.poll() is None, "the run ended before the strike"
-        pid = _worker_pid(run, 1)
+        pid = role_pid(str(run), "worker", "--rank", 1)
         assert pid is not None, "worker 1 not found"
         os.kill(pid, signal.SIGKILL)
         ref, got = (_finish(*s) for s in started)
