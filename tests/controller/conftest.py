@@ -64,3 +64,15 @@ def drain(c: ControllerClient, dataset: str) -> int:
         assert r.kind == "done", r
         n += 1
     return n
+
+
+def served_rows(server: Any) -> dict[str, bytes]:
+    """What a PS shard (an in-process ``PsServer``) holds: every table's ids and weights, by id."""
+    import numpy as np  # noqa: PLC0415 (the tests that compare rows need it)
+
+    out = {}
+    for name in server.store.tables:
+        r = server.store.all_rows(name)
+        order = np.argsort(r.ids)
+        out[name] = r.ids[order].tobytes() + r.weights[order].tobytes()
+    return out

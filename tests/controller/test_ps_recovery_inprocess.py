@@ -47,7 +47,7 @@ from ps.fleet_admin import GrpcPsFleet
 from tests.metaps.fleet_data import wait_for
 from tests.ps.conftest import Fleet, start_fleet
 
-from .conftest import RPC, TOKEN, TRAIN, client, small_cfg
+from .conftest import RPC, TOKEN, TRAIN, client, small_cfg, served_rows
 
 torch.set_num_threads(1)
 
@@ -94,14 +94,6 @@ class _Steps:
         return [s if "shard" not in d or s in ("pause", "resume") else f"{s}:{d['shard']}" for s, d in self.seen]
 
 
-def _rows(server: Any) -> dict[str, bytes]:
-    """What a shard holds: every table's ids and weights, by id."""
-    out = {}
-    for name in server.store.tables:
-        r = server.store.all_rows(name)
-        order = np.argsort(r.ids)
-        out[name] = r.ids[order].tobytes() + r.weights[order].tobytes()
-    return out
 
 
 def _n_rows(server: Any) -> int:
@@ -189,7 +181,7 @@ class Run:
         """Every shard at the cut's rows and serving, none paused, the DDS back at the cut once."""
         kinds = self.kinds()
         assert "ps_recovery_failed" not in kinds and RUN_FAILED not in kinds, self.srv.events.list()
-        assert [_rows(s) for s in self.fleet.servers] == self.rows_cut
+        assert [served_rows(s) for s in self.fleet.servers] == self.rows_cut
         assert not any(s.awaiting_recovery for s in self.fleet.servers)
         assert not any(s._gate.paused for s in self.fleet.servers)
         assert kinds.count("rollback") == 1, kinds
@@ -234,11 +226,11 @@ def run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
             r.cut_id = r.srv.checkpoints.open_cut()
             r.ckpt = str(checkpoint_all(fleet.addresses, tmp_path / "ckpt", 1, rpc_cfg=fleet.rpc))
             r.srv.checkpoints.commit(r.cut_id, 1, r.ckpt)
-        r.rows_cut = [_rows(s) for s in fleet.servers]
+        r.rows_cut = [served_rows(s) for s in fleet.servers]
         r.rows_at_cut = sum(_n_rows(s) for s in fleet.servers)
         r.done_cut = r.done()
         assert r.train(3) == 3
-        assert r.done() == r.done_cut + 3 and [_rows(s) for s in fleet.servers] != r.rows_cut
+        assert r.done() == r.done_cut + 3 and [served_rows(s) for s in fleet.servers] != r.rows_cut
         return r
 
     yield make
@@ -472,7 +464,7 @@ def test_a_ps_restarting_during_a_recovery_makes_it_run_again(run: Callable[...,
     assert [s for s in steps.steps() if s.startswith("restore:")] == ["restore:0", "restore:1"] * 2
     assert r.srv.recovery.runs == 2
     # the rows and the DDS are back at the cut; the second rollback had nothing left to requeue
-    assert [_rows(s) for s in r.fleet.servers] == r.rows_cut
+    assert [served_rows(s) for s in r.fleet.servers] == r.rows_cut
     assert not any(s.awaiting_recovery or s._gate.paused for s in r.fleet.servers)
     assert r.done() == r.done_cut and r.w.status()["coverage"]["replayed_entries"] == 3
     assert r.srv.recovery.record() is None and r.srv.recovery.failed == ""
@@ -501,7 +493,7 @@ def test_a_request_after_the_rollback_restores_again(run: Callable[..., Run], dy
     assert r.event("ps_recovery")["incarnations"] == {"ps:0": 2, "ps:1": 2}
     assert [e.node for e in r.srv.events.list() if e.kind in ("ps_recovery_resumed", "ps_recovery")] == [
         "ps:0,ps:1", "ps:0,ps:1"]
-    assert [_rows(s) for s in r.fleet.servers] == r.rows_cut
+    assert [served_rows(s) for s in r.fleet.servers] == r.rows_cut
     assert r.kinds().count("rollback") == 2, r.srv.events.list()  # the second rollback: nothing trained since the first
     assert r.done() == r.done_cut and r.srv.recovery.record() is None
 
@@ -586,7 +578,7 @@ def test_recover_called_directly_records_the_request_first(run: Callable[..., Ru
     rec = PsRecovery(r.srv, GrpcPsFleet(RPC), settle_s=0.0, pause_lease_s=30.0)
     out = rec.recover({"ps:1": 2})
     assert out.dir == r.ckpt and out.rows == r.rows_at_cut
-    assert [_rows(s) for s in r.fleet.servers] == r.rows_cut
+    assert [served_rows(s) for s in r.fleet.servers] == r.rows_cut
     assert rec.record() is None and rec.runs == 1
     assert r.event("ps_recovery")["incarnations"] == {"ps:1": 2}
 

@@ -28,18 +28,11 @@ from ps.factory import build_server
 from tests.metaps.fleet_data import wait_for
 from tests.ps.conftest import start_fleet
 
-from .conftest import TRAIN, client
+from .conftest import TRAIN, client, served_rows
 
 torch.set_num_threads(1)
 
 
-def _rows(server: Any) -> dict[str, bytes]:
-    out = {}
-    for name in server.store.tables:
-        r = server.store.all_rows(name)
-        order = np.argsort(r.ids)
-        out[name] = r.ids[order].tobytes() + r.weights[order].tobytes()
-    return out
 
 
 def _flip(ckpt: Path, shard: int) -> None:
@@ -74,12 +67,12 @@ def _scenario(controller: Callable[..., ControllerServer], tmp_path: Path, corru
 
         train(2)
         cut_a, dir_a = cut(1)
-        rows_a = [_rows(s) for s in fleet.servers]
+        rows_a = [served_rows(s) for s in fleet.servers]
         done_a = srv.dds.progress()[0]["shards_done"]
         train(2)
         cut_b, dir_b = cut(2)
         train(1)  # after the newest cut
-        live0 = _rows(fleet.servers[0])
+        live0 = served_rows(fleet.servers[0])
         done_live = srv.dds.progress()[0]["shards_done"]
         assert done_live > done_a
         _flip(dir_b, 0)
@@ -96,7 +89,7 @@ def _scenario(controller: Callable[..., ControllerServer], tmp_path: Path, corru
         srv.recovery.join(30)
         events = {e.kind: e for e in srv.events.list()}
         return {"srv": srv, "events": events, "dir_a": str(dir_a), "dir_b": str(dir_b), "cut_a": cut_a,
-                "cut_b": cut_b, "rows_a": rows_a, "rows_now": [_rows(s) for s in fleet.servers], "live0": live0,
+                "cut_b": cut_b, "rows_a": rows_a, "rows_now": [served_rows(s) for s in fleet.servers], "live0": live0,
                 "done_a": done_a, "done_live": done_live, "done_now": srv.dds.progress()[0]["shards_done"]}
     finally:
         fleet.stop()

@@ -34,18 +34,11 @@ from tests.metaps.fleet_data import wait_for
 from tests.ps.conftest import start_fleet
 from tests.ps.test_restore_verify import _flip_weight, _Once
 
-from .conftest import TRAIN, client
+from .conftest import TRAIN, client, served_rows
 
 torch.set_num_threads(1)
 
 
-def _rows(server: Any) -> dict[str, bytes]:
-    out = {}
-    for name in server.store.tables:
-        r = server.store.all_rows(name)
-        order = np.argsort(r.ids)
-        out[name] = r.ids[order].tobytes() + r.weights[order].tobytes()
-    return out
 
 
 def _bad_lmdb_page(ckpt: Path) -> None:
@@ -91,7 +84,7 @@ def test_newest_checkpoint_with_a_bad_chunk_falls_back(controller: Callable[...,
 
         train(2)
         cut_a, dir_a = cut(1)
-        rows_a = [_rows(s) for s in fleet.servers]
+        rows_a = [served_rows(s) for s in fleet.servers]
         done_a = srv.dds.progress()[0]["shards_done"]
         train(2)
         hook = _Once(_flip_weight) if damage == "weight_changed_on_write" else None
@@ -110,7 +103,7 @@ def test_newest_checkpoint_with_a_bad_chunk_falls_back(controller: Callable[...,
                  60, "the controller's fleet recovery", 0.1)
         srv.recovery.join(30)
         ev = {e.kind: e for e in srv.events.list()}
-        rows_now = [_rows(s) for s in fleet.servers]
+        rows_now = [served_rows(s) for s in fleet.servers]
         done_now = srv.dds.progress()[0]["shards_done"]
     finally:
         fleet.stop()
