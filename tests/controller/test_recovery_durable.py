@@ -29,7 +29,7 @@ from controller.client import ControllerClient
 from metaps.core.rpc import RpcConfig
 from ps.coordinator import checkpoint_all
 from ps.factory import build_server
-from tests.controller.test_recovery_fallback import _rows
+from tests.controller.conftest import served_rows
 from tests.metaps.fleet_data import wait_for
 from tests.ports import pick_port
 from tests.ps.conftest import start_fleet
@@ -95,11 +95,11 @@ def _scenario(tmp_path: Path, crash_at: str) -> None:
         cut_id = w.request_cut("test")
         ckpt = checkpoint_all(fleet.addresses, tmp_path / "ckpt", 1, rpc_cfg=fleet.rpc)
         w.checkpoint_done(cut_id, 1, str(ckpt))
-        rows_cut = [_rows(s) for s in fleet.servers]
+        rows_cut = [served_rows(s) for s in fleet.servers]
         done_cut = train_status()["done"]
         train(3)  # updates the restore will erase: these shards must be replayed
         assert train_status()["done"] == done_cut + 3
-        assert [_rows(s) for s in fleet.servers] != rows_cut
+        assert [served_rows(s) for s in fleet.servers] != rows_cut
 
         # PS 1 crashes; its agent starts it again, empty, awaiting the recovery
         port1 = int(fleet.addresses[1].rsplit(":", 1)[1])
@@ -123,7 +123,7 @@ def _scenario(tmp_path: Path, crash_at: str) -> None:
         assert st["events"].count("rollback") == 1, st["events"]  # the DDS rolled back exactly once
         assert st["done"] == done_cut, st  # the three shards trained after the cut are TODO again
         assert st["coverage"]["replayed_entries"] == 3, st["coverage"]
-        assert [_rows(s) for s in fleet.servers] == rows_cut  # every shard at the cut, the restarted one too
+        assert [served_rows(s) for s in fleet.servers] == rows_cut  # every shard at the cut, the restarted one too
         assert not fleet.servers[1].awaiting_recovery
         assert not any(s._gate.paused for s in fleet.servers)
 
