@@ -206,13 +206,14 @@ def run_ps(args: argparse.Namespace) -> int:
         from metaps.core.errors import ConfigError
 
         raise ConfigError("metaps ps: pass --restore DIR or --restore-latest ROOT, not both")
-    restore = args.restore
+    restore = warm = args.restore
     if args.restore_latest:
         from ps.checkpoint import latest_checkpoint
 
         own = _own_checkpoint(server.checkpoint_root, args.restore_latest)
-        found = None if own is not None else latest_checkpoint(args.restore_latest)
-        restore = str(found) if found is not None else ""
+        found = latest_checkpoint(args.restore_latest)
+        warm = str(found) if found is not None else ""
+        restore = warm if own is None else ""
         if own is not None:
             # the run already has checkpoints of its own: the warm start was applied when it began;
             # a restarted shard gets this run's latest cut from the controller's recovery instead
@@ -222,11 +223,8 @@ def run_ps(args: argparse.Namespace) -> int:
             log.info("no committed checkpoint to restore; starting empty", extra=kv(shard=args.shard, root=args.restore_latest))
     # /metrics binds before gRPC serves: a port in use is one line, and no ready file is written
     metrics_port = serve_metrics(args.metrics_port, ps_cfg.host, what=f"metaps ps shard {args.shard}")
-    # the warm start stays restorable: it is the run's first cut (metaps controller --warm-start),
-    # which a fleet recovery before the run's own first cut restores (outside the run's root)
-    from ps.checkpoint import latest_checkpoint
-
-    warm = args.restore or (str(latest_checkpoint(args.restore_latest) or "") if args.restore_latest else "")
+    # the warm start stays restorable (also when not re-applied): it is the run's first cut (metaps
+    # controller --warm-start), which a recovery before the run's own first cut restores (outside the root)
     server.warm_start_dir = warm or None
     if restore:
         rows, step = restore_shard_checkpoint(server, restore)

@@ -16,17 +16,10 @@ from controller.dds import DynamicDataSharding
 from controller.ledger import EntryKind
 from controller.state import EventLog, StateStore
 from controller.types import DatasetKind, DatasetSpec, GetStatus
+from tests.controller.test_dds import Clock
 
 TRAIN = DatasetSpec("train", (8, 4), DatasetKind.TRAIN, epochs=1)
 EVAL = DatasetSpec("eval", (4,), DatasetKind.EVAL, epochs=1)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(tmp: Path, clock: Clock | None = None, datasets=(TRAIN,)) -> tuple[StateStore, DynamicDataSharding]:
