@@ -38,7 +38,7 @@ clean:
 # Mutation testing of the guard modules (docs/testing.md): mutmut 3 mutates a copy of the
 # source in mutants/ (git-ignored), never the working tree; [mutmut] in setup.cfg lists the
 # modules and the focused tests that guard them. MUTANTS narrows the run (fnmatch patterns of
-# mutant names), e.g. make mutation MUTANTS='controller.ledger.* metaps.core.atomic_write.*'.
+# mutant names), e.g. make mutation MUTANTS='controller.ledger.* common.atomic_write.*'.
 # The default covers every guard module; in ps/checkpoint.py and ps/servicer.py only their
 # guard functions (verify, chain and restore checks; the owner/frozen check, vshard checks,
 # awaiting recovery); in controller/ps_recovery.py all but the RecoveryHost Protocol's stubs
@@ -49,7 +49,7 @@ MUTATION_STAMP := $(VENV)/.mutation-installed
 MUTATION_JOBS ?= 2
 MUTANTS ?= 'controller.ledger.*' 'controller.dds.*' 'controller.ps_recovery.x*PsRecovery*' \
 	'controller.ps_recovery.x*_Restored*' 'controller.ps_recovery.x_*' 'delivery.gate.*' \
-	'metaps.core.atomic_write.*' 'ps.gate.*' 'ps.migration.*' \
+	'common.atomic_write.*' 'ps.gate.*' 'ps.migration.*' \
 	'ps.checkpoint.x_*verify*' 'ps.checkpoint.x_checkpoint_chain*' 'ps.checkpoint.x__checked*' \
 	'ps.checkpoint.x__sha256*' 'ps.checkpoint.x__read_meta*' 'ps.checkpoint.x_read_manifest*' \
 	'ps.checkpoint.x__expected_counts*' 'ps.servicer.*_check_owner*' 'ps.servicer.*_vshards__*' \

@@ -73,7 +73,7 @@ The judge reads sparse rows only: a dense parameter reset (an all-reduce group r
 fresh weights) is not seen by it.
 
 The judge is mutation-tested (tests/bench/test_chaos_judge.py): fleets of builds broken
-on purpose (``metaps.core.faults.TEST_BREAKS``: no DDS rollback; a restore that keeps
+on purpose (``common.faults.TEST_BREAKS``: no DDS rollback; a restore that keeps
 zero rows; a restore that never swaps the cut in; one that keeps 7 rows of 8, each replying
 the rows loaded) must fail it, and a correct one pass; the correct run with its recovery
 evidence taken away must fail it too.
@@ -234,7 +234,7 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 
 def write_job(path: Path, job: dict[str, Any]) -> Path:
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return write(path, job)
@@ -309,7 +309,7 @@ class _Watch:
     def _ctl(self) -> Any:
         if self._client is None:
             from controller.client import ControllerClient
-            from metaps.core.rpc import RpcConfig
+            from common.rpc import RpcConfig
 
             addr = (self.run / "controller" / "address").read_text().strip()
             self._client = ControllerClient(addr, RpcConfig(token=TOKEN, timeout_s=10.0), role="worker", index=0,
@@ -533,7 +533,7 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str =
     """One ``metaps launch`` with fault ``f``; returns the raw outputs for :func:`judge`.
 
     Args:
-        breaks: TEST ONLY: ``$METAPS_TEST_BREAK`` for the fleet (``metaps.core.faults.TEST_BREAKS``):
+        breaks: TEST ONLY: ``$METAPS_TEST_BREAK`` for the fleet (``common.faults.TEST_BREAKS``):
             the run is of a deliberately broken build, for the judge's mutation tests.
         workers, ps, epochs: the fleet's size (the tests run smaller ones).
     """
@@ -549,7 +549,7 @@ def run_fleet(f: FleetFault, data: dict[str, Path], root: Path, *, breaks: str =
     notes["strike"] = f.strike
     env = _env()
     if breaks:
-        from metaps.core.faults import TEST_BREAK_ENV, write_break_sitecustomize
+        from common.faults import TEST_BREAK_ENV, write_break_sitecustomize
 
         env["PYTHONPATH"] = write_break_sitecustomize(root / f.name / "break-site") + ":" + env["PYTHONPATH"]
         env[TEST_BREAK_ENV] = breaks
@@ -963,7 +963,7 @@ def many_workers(data: dict[str, Path], root: Path, n: int = 32, seconds: float 
     """
     import numpy as np
 
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.client import PsClient, PsClientError
 
     job = job_mapping(data, root / "many", ps=1)
@@ -1163,7 +1163,7 @@ def launch_bad_inputs(data: dict[str, Path], root: Path, resume_source: Path | N
 
 def write_raw(path: Path, job: dict[str, Any]) -> Path:
     """Write a job mapping as TOML without validating it (bad configs are the point)."""
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     return write(path, job)
 

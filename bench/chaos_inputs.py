@@ -24,7 +24,7 @@ from typing import Any, Callable
 import grpc
 import numpy as np
 
-from metaps.core.rpc import RpcConfig, make_channel
+from common.rpc import RpcConfig, make_channel
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 
 CALL_TIMEOUT_S = 20.0  # generous: the box is loaded; a refusal takes milliseconds

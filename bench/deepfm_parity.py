@@ -6,11 +6,11 @@ Run (a mode of ``bench.quality``; this module is its helper)::
     python -m bench.quality deepfm-parity --smoke      # 3k rows, 1 seed, 1 epoch: every step once
 
 Issue 29 found metaps's ``deepfm`` 0.012 AUC below a plain DeepFM on the same features.
-Per seed this bench generates AntM2C-like rows (``bench.quality.cold_generator_config``),
-holds out 25% of the users (``bench.quality.cold_split``), builds the training users' rows
+Per seed this bench generates AntM2C-like rows (``bench.quality_setup.cold_generator_config``),
+holds out 25% of the users (``bench.quality_setup.cold_split``), builds the training users' rows
 as a plain Meta-IO layout (256 rows a batch) and trains, on exactly those batches:
 
-* **metaps** ``deepfm`` and ``dnn`` (``train-local`` of ``bench.quality.job_for``'s plain job:
+* **metaps** ``deepfm`` and ``dnn`` (``train-local`` of ``bench.quality_setup.job_for``'s plain job:
   dim-8 rows with rowwise Adagrad 0.1 on the PS side, Adam 0.005 dense, hidden [64, 32]), scored
   by :func:`metaps.evaluate.evaluate_report` (``--protocol plain``) on every held-out row;
 * **plain DeepFM** (:class:`PlainDeepFM`, one model per head, as a team would write it):
@@ -208,7 +208,7 @@ def train_plain(train: Encoded, vocab: Vocab, epochs: int, seed: int, head: int,
 def plain_aucs(train: Encoded, test: Encoded, vocab: Vocab, epochs: int, seed: int, lr: float = 1e-3,
                emb_adagrad_lr: float = 0.0) -> dict[str, float]:
     """AUC per head of a plain DeepFM trained per head on ``train`` (:func:`train_plain`), scored on ``test``."""
-    from metaps.core.evaluation import auc
+    from common.evaluation import auc
 
     out = {}
     for j, h in enumerate(HEADS):
@@ -221,7 +221,7 @@ def plain_aucs(train: Encoded, test: Encoded, vocab: Vocab, epochs: int, seed: i
 
 def job_mapping(train_dir: Path, run_dir: Path, kind: str, epochs: int, seed: int,
                 sets: Sequence[str] = ()) -> dict[str, Any]:
-    """``bench.quality.job_for``'s plain job with model ``kind``, ``[train] seed``, no eval set, ``sets`` applied.
+    """``bench.quality_setup.job_for``'s plain job with model ``kind``, ``[train] seed``, no eval set, ``sets`` applied.
 
     Args:
         sets: ``SECTION.KEY=VALUE`` overrides (a dotted path into the job; a value that parses as
@@ -230,8 +230,8 @@ def job_mapping(train_dir: Path, run_dir: Path, kind: str, epochs: int, seed: in
     Raises:
         ConfigError: an override without ``=`` (one line).
     """
-    from bench.quality import job_for
-    from metaps.core.errors import ConfigError
+    from bench.quality_setup import job_for
+    from common.errors import ConfigError
 
     data: dict[str, Any] = job_for(train_dir, train_dir, run_dir, "plain", kind, epochs).to_dict()
     data["data"]["eval"] = ""
@@ -266,7 +266,7 @@ def metaps_aucs(train_dir: Path, holdout_raw: Path, run_dir: Path, kind: str, ep
 
 def one_seed(seed: int, rows: int, epochs: int, sets: Sequence[str]) -> dict[str, Any]:
     """Data, the metaps arms and the plain DeepFM of one seed (scratch folder, removed after)."""
-    from bench.quality import cold_generator_config, cold_sizes, cold_split
+    from bench.quality_setup import cold_generator_config, cold_sizes, cold_split
     from meta_io.batch import PlainBatch
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.layout import Layout

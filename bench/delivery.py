@@ -57,8 +57,8 @@ from delivery.loader import bundle_chain, load_bundle
 from delivery.publish import Publisher
 from delivery.reuse import ExportCache
 from meta_io.schema import ColumnKind, ColumnSpec, Schema
-from metaps.core.config import to_dict
-from metaps.core.hashing import vshard_of
+from common.config import to_dict
+from common.hashing import vshard_of
 from models.config import ModelConfig
 from models.factory import build_model
 

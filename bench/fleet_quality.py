@@ -9,11 +9,11 @@ Issue 29 item 4 measured, once, a fleet (2 PS, 2 workers) training a worse conve
 model than one process on the same job (0.832 vs 0.838 AUC). This bench repeats that
 comparison over seeds, with nothing but the process layout changed:
 
-* **Data** per seed: the AntM2C-like generator (``bench.quality.cold_generator_config``,
+* **Data** per seed: the AntM2C-like generator (``bench.quality_setup.cold_generator_config``,
   the seed is also the generator's), held-out users split off with
-  ``bench.quality.cold_split`` (25% of users with ``--quick`` / ``--smoke``, 10% at full
+  ``bench.quality_setup.cold_split`` (25% of users with ``--quick`` / ``--smoke``, 10% at full
   size); the training users' rows built as meta episodes (support 8, query 8, 256 rows a batch).
-* **Job**: ``bench.quality.job_for`` (meta mode, ``dnn``, G-Meta first order, one inner step of
+* **Job**: ``bench.quality_setup.job_for`` (meta mode, ``dnn``, G-Meta first order, one inner step of
   lr 0.1 adapting rows and dense, ``overlap = false``), ``[train] seed`` = the seed, no
   ``[data] eval`` (both models are scored below, by the same code). One mapping: ``train-local``
   reads it as is (in this process, :func:`workers.local.train_local`, checkpoint written);
@@ -40,7 +40,7 @@ each is reported under ``variants`` with its own goal.
 **The noise floor**: ``--local-shuffles N`` trains ``train-local`` N times per seed on the same data,
 its ``[controller.dds] seed`` 0..N-1 (seed 0, the job's default, is the compared run). train-local
 reads its batches in the order the DDS would lease them to one worker
-(:func:`metaps.core.shard_order.shard_order`: shards of ``batches_per_shard`` batches, shuffled per
+(:func:`common.shard_order.shard_order`: shards of ``batches_per_shard`` batches, shuffled per
 ``seed + epoch``; a 1 PS x 1 worker fleet reproduces it exactly), so N shuffle seeds show how far
 the data order alone moves one process's AUC. ``local_spread`` per evaluation and head: per seed ``min``,
 ``max``, ``range``, ``std`` and ``mean`` of those N AUCs and the fleet's AUC minus that mean, and
@@ -80,7 +80,7 @@ def _progress(msg: str) -> None:
 
 
 def job_mapping(train: Path, run_dir: Path, epochs: int, seed: int) -> dict[str, Any]:
-    """The job both runs train: ``bench.quality.job_for``'s meta job, ``[train] seed``, no eval set.
+    """The job both runs train: ``bench.quality_setup.job_for``'s meta job, ``[train] seed``, no eval set.
 
     Args:
         train: the meta-episode training set.
@@ -88,7 +88,7 @@ def job_mapping(train: Path, run_dir: Path, epochs: int, seed: int) -> dict[str,
         epochs: ``[train] epochs``.
         seed: ``[train] seed`` (the dense initialisation, the same in both runs).
     """
-    from bench.quality import job_for
+    from bench.quality_setup import job_for
 
     meta = {"inner_steps": 1, "inner_lr": 0.1, "adapt": "both", "first_order": True}
     data: dict[str, Any] = job_for(train, train, run_dir, "meta", "dnn", epochs, meta).to_dict()
@@ -114,7 +114,7 @@ def run_fleet(mapping: dict[str, Any], d: Path, ps: int, workers: int, sets: lis
     Raises:
         RuntimeError: the launch failed (the tail of its output in the message).
     """
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     d.mkdir(parents=True)
     config = write(d / "job.toml", mapping)
@@ -215,7 +215,7 @@ def one_seed(seed: int, rows: int, epochs: int, ps: int, workers: int, sets: lis
     """Data, train-local, the fleet (and each variant fleet) and the scorings of one seed (a scratch
     folder, removed after). ``variants``: (label, ps, workers, overrides) of :func:`parse_variant`, resolved.
     ``local_shuffles`` >= 2: train-local again with ``[controller.dds] seed`` 1..N-1 (``local_runs``)."""
-    from bench.quality import cold_generator_config, cold_sizes, cold_split
+    from bench.quality_setup import cold_generator_config, cold_sizes, cold_split
     from meta_io.build import MetaIOBuildConfig, build
     from meta_io.synth import generate
 
@@ -274,7 +274,7 @@ def local_spread(per_seed: dict[Any, dict[int, dict[str, dict[str, float]]]],
     """
     import statistics
 
-    from metaps.core.errors import MetapsError
+    from common.errors import MetapsError
 
     out: dict[str, Any] = {"per_seed": {}, "summary": {}}
     inside = cells = 0
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     seeds = [int(x) for x in (args.seeds or ("3" if args.smoke else "3,4,5")).split(",") if x.strip()]
     rows = args.rows or (SMOKE_ROWS if args.smoke else 0)
-    from bench.quality import cold_sizes
+    from bench.quality_setup import cold_sizes
 
     n = cold_sizes(args.quick or args.smoke, rows)[0]
     epochs = args.epochs or (1 if args.smoke else 2 if n <= 50_000 else 1)

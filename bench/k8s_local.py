@@ -4,7 +4,7 @@ Both fleets train the same job (2 PS shards, 3 workers, PS mode) on the same Met
 
     launch   ``metaps launch --config job.toml`` (controller, agents, PS, workers on 127.0.0.1)
     k8s      ``metaps deploy k8s`` -> ``kubectl kustomize`` -> every pod run by
-             :class:`metaps.deploy.podsim.PodSim` in its own network + mount namespace
+             :class:`tests.deploy.podsim.PodSim` in its own network + mount namespace
              (the data is already built: no data Job)
 
 Three k8s-side runs per round: a steady one (3 workers throughout: the like-for-like
@@ -117,8 +117,8 @@ class Progress:
 
 def run_launch(root: Path, epochs: int, tag: str = "launch") -> dict[str, Any]:
     from controller.client import ControllerClient
-    from metaps.core.rpc import RpcConfig
-    from metaps.core.toml_writer import write
+    from common.rpc import RpcConfig
+    from common.toml_writer import write
 
     work = root / tag
     work.mkdir()
@@ -156,8 +156,8 @@ def run_launch(root: Path, epochs: int, tag: str = "launch") -> dict[str, Any]:
 
 def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag: str = "k8s") -> dict[str, Any]:
     """One pods-in-namespaces fleet; ``scale``: scale the worker Job 3 -> 4 -> 2 mid-run."""
-    from metaps.deploy.podsim import PodSim
-    from metaps.core.toml_writer import write
+    from tests.deploy.podsim import PodSim
+    from common.toml_writer import write
 
     work = root / tag
     work.mkdir()
@@ -223,7 +223,7 @@ def _lost(cov: dict[str, Any], rows_per_batch: float) -> tuple[int, int]:
 
 def _day_two(root: Path, epochs: int, fleet: Callable[..., Any], wait: Callable[..., bool]) -> dict[str, Any]:
     """Day 2: a new run (its own name and state) warm-started from day 1's checkpoints."""
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     (root / "day2").mkdir()
     cfg = write(root / "day2" / "job.toml", _job(root, epochs, "day1", checkpoint_interval_s=2.0))
@@ -244,7 +244,7 @@ def _day_two(root: Path, epochs: int, fleet: Callable[..., Any], wait: Callable[
 def _day_one(root: Path, epochs: int, rows_per_batch: float, fleet: Callable[..., Any],
              wait: Callable[[Callable[[], bool], float], bool]) -> dict[str, Any]:
     """Day 1 of :func:`run_lifecycle`: PS 1 drained after the first committed cut, then a scale-down."""
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     out: dict[str, Any] = {}
     (root / "day1").mkdir()
@@ -283,8 +283,8 @@ def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, day1: bool = T
     (3) a run that fails (a PS crashes before any cut committed: nothing consistent to
     restore) and must fail its Jobs (``failure``). ``epochs`` are day 1's and the failing
     run's (long enough to act on mid-run). The figures of a part not run are ``None``."""
-    from metaps.deploy.podsim import PodSim
-    from metaps.core.toml_writer import write
+    from tests.deploy.podsim import PodSim
+    from common.toml_writer import write
 
     out: dict[str, Any] = {}
     shared = root / "lifecycle-data"

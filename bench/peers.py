@@ -387,7 +387,7 @@ def _default_logging(src: Path, dst: Path) -> Path:
     """``write_job``'s job without its ``[train] log_every`` / ``tb_every_steps``: the job's own defaults."""
     import tomllib
 
-    from metaps.core.toml_writer import dumps
+    from common.toml_writer import dumps
 
     job = tomllib.loads(src.read_text())
     for key in ("log_every", "tb_every_steps"):

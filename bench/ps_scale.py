@@ -336,7 +336,7 @@ def recover(final: Path, cfg: TableConfig) -> tuple[float, int, int]:
     the checkpoint came from, as in a restarted process. Returns (seconds, peak extra RssAnon
     bytes while it ran, rows the shard then holds).
     """
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.config import PsConfig
     from ps.coordinator import restore_shard_checkpoint
     from ps.factory import build_server

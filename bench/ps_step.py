@@ -16,7 +16,7 @@ PS's reply sizes; the store replay after the rounds):
 * ``ps``: a PS shard process (``ps.factory.build_server``, 8 handler threads, token auth),
   the messages sent as a worker sends them; CPU per call of the shard process (its threads'
   ``schedstat``, nanoseconds): transport, handler and store together.
-* ``echo``: a process built like it (``metaps.core.rpc.make_server``, 8 threads, the token
+* ``echo``: a process built like it (``common.rpc.make_server``, 8 threads, the token
   interceptor) with one raw bytes handler that answers each request with a reply of the PS's
   reply size: the wire's cost of the same bytes.
 * ``store``: the same calls the shard makes on a ``ShardStore`` in this process (thread CPU):
@@ -73,7 +73,7 @@ def _serve_ps(port_file: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.factory import build_server
 
     server = build_server(_ps_cfg(), RpcConfig(token=TOKEN), _tables(), 0, max_workers=8)
@@ -85,7 +85,7 @@ def _serve_ps(port_file: str) -> None:
 def _serve_echo(port_file: str) -> None:
     import grpc
 
-    from metaps.core.rpc import RpcConfig, make_server
+    from common.rpc import RpcConfig, make_server
 
     replies: dict[int, bytes] = {}
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from metaps.core.rpc import RpcConfig, make_channel
+    from common.rpc import RpcConfig, make_channel
     from ps import step_frame
     from ps.client import PsClient
 

@@ -23,7 +23,7 @@ figures, medians and the load average.
 Every server (the PS shards and the echo baseline) runs in its own process,
 started fresh with ``spawn``, like production. The client is this process.
 
-* echo baseline: the same thread-pool gRPC server type (``metaps.core.rpc.make_server``)
+* echo baseline: the same thread-pool gRPC server type (``common.rpc.make_server``)
   with raw ``bytes`` handlers: for pull it receives the ids and returns a
   payload the size of the rows; for push it receives ids + grads and returns 2 bytes.
 * PS: ``PsClient.pull/push`` (dedup, routing, PullMany/PushMany, reassembly)
@@ -65,7 +65,7 @@ def _progress(msg: str) -> None:
 def _serve_echo(port_file: str, dim: int) -> None:
     import grpc
 
-    from metaps.core.rpc import RpcConfig, make_server
+    from common.rpc import RpcConfig, make_server
 
     cfg = RpcConfig(token=TOKEN)
     replies: dict[tuple[int, int], bytes] = {}
@@ -114,7 +114,7 @@ def _serve_ps(port_file: str, shard: int, shards: int, capacity: int, device: st
         from ps import intra_op
 
         intra_op.set_threads(intra_op_threads)
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig
     from ps.factory import build_server
 
@@ -170,7 +170,7 @@ def _id_batches(population: np.ndarray, count: int, seed: int) -> list[np.ndarra
 
 
 def bench_echo(seconds: float) -> dict[str, float]:
-    from metaps.core.rpc import RpcConfig, make_channel
+    from common.rpc import RpcConfig, make_channel
 
     proc, port = _start(_serve_echo, DIM)
     try:
@@ -205,7 +205,7 @@ def bench_echo(seconds: float) -> dict[str, float]:
 
 
 def bench_ps(shards: int, seconds: float, population: int, device: str, fp16: bool = True) -> dict[str, float]:
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.client import PsClient
 
     procs = _start_many([(_serve_ps, (s, shards, population // shards * 2 + 1024, device)) for s in range(shards)])
@@ -243,7 +243,7 @@ def bench_ps(shards: int, seconds: float, population: int, device: str, fp16: bo
 
 def _echo_calls(port: int) -> tuple[Any, Any, Any]:
     """(pull, push, close) against the echo server on ``port`` (16K rows of dim 64 per call)."""
-    from metaps.core.rpc import RpcConfig, make_channel
+    from common.rpc import RpcConfig, make_channel
 
     ch = make_channel(f"127.0.0.1:{port}", RpcConfig(token=TOKEN))
     pull = ch.unary_unary("/bench.Echo/Pull")
@@ -272,7 +272,7 @@ def bench_ab(rounds: int, seconds: float, population: int, device: str, threads:
     Args:
         threads: > 1 adds a shard with ``[ps] intra_op_threads = threads`` and a framed client on it.
     """
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.client import PsClient
 
     specs: list[tuple[Any, tuple]] = [(_serve_echo, (DIM,)), (_serve_ps, (0, 1, population * 2 + 1024, device, 1))]

@@ -65,8 +65,8 @@ import torch.nn.functional as F
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from meta_io.schema import ColumnKind, Pooling, Schema
-from metaps.core.errors import DataError
-from metaps.core.evaluation import auc, logloss
+from common.errors import DataError
+from common.evaluation import auc, logloss
 
 if TYPE_CHECKING:
     from models.base import CtrModel

@@ -82,9 +82,9 @@ from typing import Any
 import numpy as np
 
 from bench.quality import _spread
-from metaps.core.errors import MetapsError
-from metaps.core.evaluation import auc
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.evaluation import auc
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ from controller.config import ControllerConfig, DdConfig, DdsConfig, MonitorConf
 from controller.dds import DatasetKind, DatasetSpec
 from controller.types import ReportResult
 from controller.server import ControllerServer
-from metaps.core.faults import Fault, FaultConfig, FaultInjector
-from metaps.core.rpc import RpcConfig
+from common.faults import Fault, FaultConfig, FaultInjector
+from common.rpc import RpcConfig
 
 RPC = RpcConfig(token="bench")
 BASE_S = 0.010      # one batch at normal speed
@@ -503,7 +503,7 @@ def _real_data(tmp: Path, quick: bool, rows: int | None = None) -> dict[str, Pat
 
 def _real_job(tmp: Path, data: dict[str, Path], workers: int, slow: float, **sections: dict[str, Any]) -> Path:
     from metaps.job import job_from_mapping
-    from metaps.core.toml_writer import dumps
+    from common.toml_writer import dumps
 
     d: dict[str, Any] = {
         "data": {"train": str(data["plain"]), "eval": ""},
@@ -679,7 +679,7 @@ def e5_real(seed: int, data: dict[str, Path], quick: bool) -> dict[str, Any]:
     no split can gain more than ~1.1x; the theory's 1.5x needs per-unit work to matter,
     i.e. a global batch above a/b ~ 550 units.
     """
-    from metaps.core.ports import reserve_port
+    from common.ports import reserve_port
 
     g = 1024
     epochs = 8 if quick else 12
@@ -908,7 +908,7 @@ def e5_real_interleaved(seed: int, data: dict[str, Path], quick: bool, global_ba
     """
     from controller.config import PolicyKind as _PK
     from controller.policy import make_policy
-    from metaps.core.ports import reserve_port
+    from common.ports import reserve_port
     from metaps.job import load_job
     import dataclasses
 

@@ -72,7 +72,7 @@ def make_data(root: Path, rows: int, mode: str) -> Path:
 
 def write_job(path: Path, data: Path, run_dir: Path, *, mode: str, shards: int, workers: int, overlap: bool | str,
               epochs: int) -> Path:
-    from metaps.core.toml_writer import dumps
+    from common.toml_writer import dumps
 
     job = {
         "data": {"train": str(data)},

@@ -2,7 +2,7 @@
 
 Each function takes plain Python arguments (paths, a job file or a job mapping, overrides
 as a ``{"section.key": value}`` dict like the CLI's ``--set``), returns a small frozen
-dataclass instead of printing, and raises a :class:`~metaps.core.errors.MetapsError`
+dataclass instead of printing, and raises a :class:`~common.errors.MetapsError`
 subclass with one clear line on bad input. They call the same functions the CLI
 commands call::
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from metaps.core.errors import ConfigError, MetapsError
+from common.errors import ConfigError, MetapsError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -274,7 +274,7 @@ def _path(value: object, what: str, must_exist: bool = False) -> Path:
 @contextlib.contextmanager
 def _private_umask() -> Iterator[None]:
     """The CLI's 0600/0700 rule for the run's files, for the call only (a notebook keeps its umask)."""
-    from metaps.core.security import set_private_umask
+    from common.security import set_private_umask
 
     old = set_private_umask()
     try:
@@ -285,7 +285,7 @@ def _private_umask() -> Iterator[None]:
 
 def _set_texts(overrides: Overrides | None) -> list[str]:
     """``{"train.max_steps": 20}`` -> ``["train.max_steps=20"]``: the ``--set`` texts the CLI would get."""
-    from metaps.core.toml_writer import dumps
+    from common.toml_writer import dumps
 
     if overrides is None:
         return []
@@ -307,7 +307,7 @@ def _set_texts(overrides: Overrides | None) -> list[str]:
 
 def _job_mapping(config: JobSource, texts: list[str]) -> tuple[dict[str, object], str]:
     """(the job mapping with the overrides applied, how errors name it)."""
-    from metaps.core.config import read_toml
+    from common.config import read_toml
     from metaps.roles.overrides import apply_overrides, describe, parse_sets
 
     if isinstance(config, Mapping):
@@ -529,7 +529,7 @@ def launch(config: JobSource, *, overrides: Overrides | None = None, workers: in
     """
     from rich.console import Console
 
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
     from metaps.launch import LaunchConfig, Launcher
 
     texts = _set_texts(overrides)

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Callable, Iterator
 
 from metaps import __version__
-from metaps.core import log
-from metaps.core.errors import MetapsError
+from common import log
+from common.errors import MetapsError
 
 # Modules that contribute subcommands, in help order.
 COMMAND_MODULES = (

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 PROTOCOLS = ("plain", "episodes", "first-k")
 """The evaluation protocols (:mod:`workers.eval_protocols`)."""
@@ -173,7 +173,7 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         ConfigError: not exactly one source, an unknown protocol, or a bad recipe override.
     """
     from models.meta_config import MetaConfig
-    from metaps.core.config import from_mapping, to_dict
+    from common.config import from_mapping, to_dict
     from workers.eval_protocols import evaluate_protocol, protocol_batches
 
     if (checkpoint is None) == (bundle is None):
@@ -223,7 +223,7 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from metaps.core.atomic_write import write_text_atomic
+    from common.atomic_write import write_text_atomic
 
     report = evaluate_report(args.data, args.protocol, checkpoint=args.checkpoint, bundle=args.bundle, k=args.k,
                              query_slots=args.query_slots, inner_steps=args.inner_steps, inner_lr=args.inner_lr,

@@ -9,8 +9,8 @@ that subsystem::
     [meta]        models.meta.MetaConfig          G-Meta inner/outer loop
     [train]       workers.config.TrainConfig      workers, mode, dense sync
     [controller]  controller.config.ControllerConfig   DDS, monitor, policy
-    [faults]      metaps.core.faults.FaultConfig       injected stragglers/kills
-    [rpc]         metaps.core.rpc.RpcConfig            token, TLS, message limits
+    [faults]      common.faults.FaultConfig       injected stragglers/kills
+    [rpc]         common.rpc.RpcConfig            token, TLS, message limits
     [delivery]    delivery.config.DeliveryConfig  bundles and publishing
     [run]         metaps.job.RunConfig            run directory
     [deploy]      metaps.deploy.config.DeployConfig   Kubernetes manifests (metaps deploy k8s)
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from controller.config import ControllerConfig
 from delivery.config import DeliveryConfig
-from metaps.core.config import from_mapping, read_toml, to_dict
-from metaps.core.errors import ConfigError
-from metaps.core.faults import FaultConfig
-from metaps.core.rpc import RpcConfig
-from metaps.core.security import redact
+from common.config import from_mapping, read_toml, to_dict
+from common.errors import ConfigError
+from common.faults import FaultConfig
+from common.rpc import RpcConfig
+from common.security import redact
 from metaps.deploy.config import DeployConfig
 from models.config import ModelConfig
 from models.meta_config import MetaConfig

@@ -1,7 +1,7 @@
 """Where a run's metrics are, and how to watch them: Prometheus targets, scrape config, alert rules.
 
 Every metaps process serves Prometheus ``/metrics`` on its own port and logs the address
-at start (``msg="metrics endpoint"``, :func:`metaps.core.metrics.serve_metrics`). A
+at start (``msg="metrics endpoint"``, :func:`common.metrics.serve_metrics`). A
 fleet's ports are picked at start, so ``metaps launch`` writes them down:
 
 * ``RUN/metrics/targets.json``: every process's endpoint in Prometheus' ``file_sd``
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metaps.core.atomic_write import write_text_atomic
-from metaps.core.errors import MetapsError
+from common.atomic_write import write_text_atomic
+from common.errors import MetapsError
 from metaps.deploy.yaml_out import dumps
 
 REPO = Path(__file__).resolve().parents[1]

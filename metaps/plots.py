@@ -59,7 +59,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

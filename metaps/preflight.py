@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from metaps.core.errors import ConfigError, MetapsError
-from metaps.core.log import kv
+from common.errors import ConfigError, MetapsError
+from common.log import kv
 
 if TYPE_CHECKING:
     from metaps.job import JobConfig
@@ -94,7 +94,7 @@ def _dataset(path: str, what: str, source: str = "") -> Any:
     A missing dataset says which command builds it (:func:`metaps.job.build_hint`).
     """
     from meta_io.reader import MetaIODataset
-    from metaps.core.errors import DataError
+    from common.errors import DataError
     from metaps.job import build_hint
 
     p = Path(path)
@@ -107,7 +107,7 @@ def _dataset(path: str, what: str, source: str = "") -> Any:
 
 def _same_layout(train: Any, validation: Any) -> None:
     """The validation batches go through the training step: they must be laid out like the train set's."""
-    from metaps.core.errors import DataError
+    from common.errors import DataError
 
     a, b = train.manifest.get("layout", "meta"), validation.manifest.get("layout", "meta")
     if a != b:
@@ -116,7 +116,7 @@ def _same_layout(train: Any, validation: Any) -> None:
 
 
 def _columns(ds: Any, what: str, want: list[str]) -> None:
-    from metaps.core.errors import DataError
+    from common.errors import DataError
 
     if list(ds.manifest.get("columns", [])) != want:
         raise DataError(f"{what} = {ds.path}: columns {ds.manifest.get('columns')} do not match the job's schema "
@@ -126,7 +126,7 @@ def _columns(ds: Any, what: str, want: list[str]) -> None:
 def _support_size(ds: Any, job: "JobConfig") -> None:
     """``[meta] inner_loss_reduction = "sum_per_support"`` divides the inner loss by
     ``inner_support_size``: it must be the training layout's support rows per task."""
-    from metaps.core.errors import ConfigError
+    from common.errors import ConfigError
     from models.meta_config import InnerReduction
 
     meta = job.meta
@@ -141,7 +141,7 @@ def _support_size(ds: Any, job: "JobConfig") -> None:
 def _dd_policy(job: "JobConfig") -> None:
     """``[controller] policy = "dd"`` needs all-reduce workers: only they train controller-set batch sizes."""
     from controller.config import PolicyKind
-    from metaps.core.errors import ConfigError
+    from common.errors import ConfigError
     from workers.config import DenseSync
 
     if job.controller.policy == PolicyKind.DD and job.train.dense_sync != DenseSync.ALLREDUCE:

@@ -63,8 +63,8 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from metaps.core.eta import EtaReading, JobEta, duration_text
-from metaps.core.log import kv
+from common.eta import EtaReading, JobEta, duration_text
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ _TS = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
 
 
 def parse_kv_line(line: str) -> dict[str, Any] | None:
-    """The fields of one ``metaps.core.log`` line (``msg`` unquoted; numbers as float); None if not one.
+    """The fields of one ``common.log`` line (``msg`` unquoted; numbers as float); None if not one.
 
     Example::
 
@@ -86,7 +86,7 @@ def parse_kv_line(line: str) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"time": datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").timestamp()}
     for k, v in _KV.findall(line):
-        if v.startswith('"'):  # quoted by metaps.core.log.quote_value: undo its escapes
+        if v.startswith('"'):  # quoted by common.log.quote_value: undo its escapes
             out[k] = re.sub(r"\\(.)", lambda e: _UNESCAPE.get(e.group(1), e.group(1)), v[1:-1])
             continue
         try:

@@ -37,9 +37,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core.log import kv
-from metaps.core.process import pid_alive
+from common.atomic_write import write_json_atomic
+from common.log import kv
+from common.process import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

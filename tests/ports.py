@@ -1,6 +1,6 @@
 """Ports for test subprocesses that cannot collide across xdist workers.
 
-``metaps.core.metrics.free_port`` asks the kernel for an ephemeral port and lets it go: the
+``common.metrics.free_port`` asks the kernel for an ephemeral port and lets it go: the
 caller binds it later, and in between another process (the other xdist worker picking
 its own port, or any outgoing connection, which also draws from the ephemeral range)
 may take it. Tests that hand a port to a subprocess use :func:`pick_port` instead: each

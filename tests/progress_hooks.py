@@ -1,4 +1,4 @@
-"""A progress hook for tests (``metaps.core.eta.ProgressHook``): records every reading and checks a stage."""
+"""A progress hook for tests (``common.eta.ProgressHook``): records every reading and checks a stage."""
 
 from __future__ import annotations
 

@@ -3,12 +3,12 @@
 Every import counts: top level and function-local (a local import still ties the
 packages together; it only hides the tie from the interpreter). The rules:
 
-1. No import circle between the packages (ps, controller, workers, meta_io, models,
-   delivery, protos, and the two floors of ``metaps``: ``metaps.core`` = the
-   ground-floor package, ``metaps.app`` = the rest of ``metaps``).
-2. Floors: the ground floor imports nothing but itself, the standard library and
-   third-party packages (no subsystem, no top-floor ``metaps`` module); the
-   subsystems import the ground floor, never the top floor (``metaps.app``).
+1. No import circle between the packages (common, ps, controller, workers, meta_io,
+   models, delivery, protos, metaps, bench).
+2. Floors: the ground floor (``common``) imports nothing but itself, ``protos``, the
+   standard library and third-party packages; the subsystems import the ground floor,
+   never the top floor (``metaps``) or the benches (``bench``); nothing but ``bench``
+   itself imports ``bench``.
 3. ``ps`` and ``controller`` do not import each other.
 4. No import circle between *modules* anywhere in the tree (every project module;
    function-local and ``TYPE_CHECKING`` imports count). ``MODULE_CIRCLES_KNOWN`` is the
@@ -28,11 +28,12 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ps", "controller", "workers", "meta_io", "models", "delivery", "metaps", "protos")
+PACKAGES = ("common", "ps", "controller", "workers", "meta_io", "models", "delivery", "metaps", "protos", "bench")
+TOP = ("metaps", "bench")  # the floors above the subsystems
 
 def _is_ground(module: str) -> bool:
-    """The ground floor is the ``metaps.core`` package (and the bare ``metaps`` package)."""
-    return module in ("metaps", "metaps.core") or module.startswith("metaps.core.")
+    """The ground floor is the ``common`` package."""
+    return _pkg(module) == "common"
 
 # (importing module, imported package or module) -> the issue-12 point that removes it.
 KNOWN: dict[tuple[str, str], str] = {
@@ -95,9 +96,7 @@ def _pkg(module: str) -> str:
 
 
 def _node(module: str) -> str:
-    """The unit of the circle rule: a package, or one of the two floors of ``metaps``."""
-    if _pkg(module) == "metaps":
-        return "metaps.core" if _is_ground(module) else "metaps.app"
+    """The unit of the circle rule: a package."""
     return _pkg(module)
 
 
@@ -107,10 +106,11 @@ def violations() -> dict[tuple[str, str], str]:
     for mod, targets in IMPORTS.items():
         for t in targets:
             if _is_ground(mod) and not _is_ground(t) and _pkg(t) != "protos":
-                key = (mod, _pkg(t) if _pkg(t) != "metaps" else t)
-                bad[key] = "ground floor imports a higher floor"
-            if _pkg(mod) != "metaps" and _node(t) == "metaps.app":
-                bad[(mod, t)] = "a subsystem imports the app floor"
+                bad[(mod, _pkg(t))] = "ground floor imports a higher floor"
+            if _pkg(mod) not in TOP and _pkg(t) in TOP:
+                bad[(mod, t)] = f"a lower floor imports the top floor ({_pkg(t)})"
+            if _pkg(mod) == "metaps" and _pkg(t) == "bench":
+                bad[(mod, t)] = "the product imports a bench"
             if {_pkg(mod), _pkg(t)} == {"ps", "controller"}:
                 bad[(mod, _pkg(t))] = "ps and controller import each other"
     return bad
@@ -155,7 +155,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_reader_sees_local_and_relative_imports() -> None:
     # function-local imports count (controller.types imports meta_io only inside DatasetSpec.from_meta_io)
     assert "meta_io.reader" in IMPORTS["controller.types"]
-    assert "metaps.core.errors" in IMPORTS["ps.errors"]
+    assert "common.errors" in IMPORTS["ps.errors"]
+    assert "bench.quality_setup" in IMPORTS["bench.deepfm_parity"]
 
 
 def test_no_new_floor_or_ps_controller_violation() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("metaps", "ps", "controller", "workers", "meta_io", "models", "delivery")
+PACKAGES = ("common", "metaps", "ps", "controller", "workers", "meta_io", "models", "delivery")
 
 
 def test_mypy_passes(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
+from common.errors import ConfigError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_k8s(args: argparse.Namespace) -> int:
-    from metaps.core.config import read_toml
+    from common.config import read_toml
     from metaps.deploy.k8s import Options, render, write
     raw = read_toml(args.config)
     if args.run_name:

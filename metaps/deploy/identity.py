@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 _ORDINAL = re.compile(r"-(\d+)$")
 

@@ -32,7 +32,7 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
 
 **The run's outcome is the Jobs' outcome.** Controller, PS and workers are Jobs with
 ``restartPolicy: Never`` and a ``podFailurePolicy``: exit code 4 (the controller failed
-the run, :mod:`metaps.core.exit_codes`) fails the Job at once; disruptions (a drain, a
+the run, :mod:`common.exit_codes`) fails the Job at once; disruptions (a drain, a
 preemption: ``DisruptionTarget``), SIGTERM exits (143: a deleted or scaled-down pod)
 and fenced-off processes (5) do not count toward ``backoffLimit``; other failures (a
 crash) get a new pod. When the run ends the controller stops the PS and exits
@@ -82,12 +82,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metaps.core import exit_codes
-from metaps.core.errors import ConfigError
+from common import exit_codes
+from common.errors import ConfigError
 from metaps.deploy.yaml_out import dumps_all
-from metaps.core.security import REDACTED, generate_token
-from metaps.core.log import kv
-from metaps.core.toml_writer import dumps as toml_dumps
+from common.security import REDACTED, generate_token
+from common.log import kv
+from common.toml_writer import dumps as toml_dumps
 
 log = logging.getLogger(__name__)
 

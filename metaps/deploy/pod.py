@@ -22,8 +22,8 @@ import signal
 from typing import Any
 
 from metaps.deploy.identity import completion_index, pod_name, ps_addresses, registered_ps_addresses
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
+from common.errors import ConfigError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

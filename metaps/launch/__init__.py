@@ -25,7 +25,7 @@ What it does::
            -> report.json, tb/, plots/, summary table
 
 Auth is always on: the run's token is ``[rpc] token``, a token file or
-``$METAPS_TOKEN``, else a fresh random one (:func:`metaps.core.security.launch_token`);
+``$METAPS_TOKEN``, else a fresh random one (:func:`common.security.launch_token`);
 children get it through ``$METAPS_TOKEN`` or the 0600 token file, never argv;
 ``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
 run dir is 0700, its files 0600; the PS and controller accept checkpoint paths

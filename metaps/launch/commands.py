@@ -9,8 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
+from common.errors import ConfigError
+from common.log import kv
 from metaps.roles.overrides import apply_overrides, describe, parse_sets
 from metaps.launch.config import LaunchConfig, find_resume_checkpoint, write_job, parse_override
 from metaps.launch.launcher import Launcher
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from metaps.core.security import set_private_umask
+    from common.security import set_private_umask
 
     from metaps.roles.output import emit, wants_json
 
@@ -92,9 +92,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_config_write(args: argparse.Namespace) -> int:
     """The source file with the overrides set: comments, blank lines and key order kept."""
-    from metaps.core.atomic_write import write_text_atomic
-    from metaps.core.config import read_toml
-    from metaps.core.toml_writer import set_keys
+    from common.atomic_write import write_text_atomic
+    from common.config import read_toml
+    from common.toml_writer import set_keys
     from metaps.job import job_from_mapping, load_job
     from metaps.roles.output import emit
 
@@ -145,7 +145,7 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
     cfg = Path(args.config) if args.config else run_dir / "job.toml"
     job = load_job(cfg)
     if args.controller or args.ps:
-        from metaps.core.security import role_rpc
+        from common.security import role_rpc
 
         job = job.with_overrides(rpc=role_rpc(job.rpc, run_dir=run_dir))  # the run's rpc.token, if any
     status = None
@@ -179,7 +179,7 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
                        ledger=read_ledger(Path(job.controller.state_dir or run_dir / "controller")),
                        metrics_ports=ports, notes=["assembled by metaps run-report"])
     if args.out:
-        from metaps.core.atomic_write import write_json_atomic
+        from common.atomic_write import write_json_atomic
 
         out_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out_path, rep)

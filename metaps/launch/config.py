@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metaps.core import exit_codes
-from metaps.core.errors import ConfigError
+from common import exit_codes
+from common.errors import ConfigError
 from metaps.roles.overrides import parse_sets
 
 
@@ -97,7 +97,7 @@ def write_job(path: Path, data: dict[str, Any]) -> Any:
     Nothing is written when the mapping is invalid (the ConfigError names ``path``).
     """
     from metaps.job import job_from_mapping, load_job
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     job_from_mapping(data, where=str(path))
     write(path, data)

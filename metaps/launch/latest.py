@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from metaps.core.log import kv
+from common.log import kv
 
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metaps.core import exit_codes
-from metaps.core.errors import ConfigError
+from common import exit_codes
+from common.errors import ConfigError
 from metaps.fleet import Fleet, FleetError, last_error, tail
-from metaps.core.log import kv
-from metaps.core.ports import PortReservation, reserve_port
+from common.log import kv
+from common.ports import PortReservation, reserve_port
 from metaps.roles.overrides import apply_overrides, describe, parse_sets
 from metaps.launch.config import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, LaunchConfig, _connect_host, _metaps, _new_run_dir, find_resume_checkpoint, write_job, _absolute_data_paths
 from metaps.launch.latest import mark_latest, settle_latest
@@ -88,9 +88,9 @@ class Launcher:
     def __init__(self, lc: LaunchConfig, console: Any = None) -> None:
         from rich.console import Console
 
-        from metaps.core.config import read_toml
+        from common.config import read_toml
         from metaps.job import job_from_mapping
-        from metaps.core.security import launch_token, make_private_dir
+        from common.security import launch_token, make_private_dir
 
         lc.validate()
         self.continued: ContinuePoint | None = None
@@ -128,7 +128,7 @@ class Launcher:
         self.reservations: list[PortReservation] = []
         if base.train.dense_sync.value == "allreduce" and not base.train.allreduce_port:
             # rank 0's gloo TCPStore binds it inside torch.distributed: the launcher holds the port for the
-            # run (bound, not listening; metaps.core.ports) so no other process can take it, before rank 0
+            # run (bound, not listening; common.ports) so no other process can take it, before rank 0
             # binds it or between two of its incarnations
             self.reservations.append(reserve_port("127.0.0.1"))
             overrides.append((["train", "allreduce_port"], self.reservations[-1].port))

@@ -30,8 +30,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
+from common.errors import ConfigError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@
 
 The controller serves until a Shutdown RPC or SIGTERM/SIGINT, or, with
 ``--exit-when-done``, until the run ends: then the PS processes are told to stop and
-it exits 0 (complete) or 4 (failed; :mod:`metaps.core.exit_codes`). Its datasets are
+it exits 0 (complete) or 4 (failed; :mod:`common.exit_codes`). Its datasets are
 the job's ``[data] train`` (``[train] epochs`` passes) and ``[data] eval``
 (``[controller] eval_epochs`` passes); it writes its address to
 ``<state_dir>/address``. The agent finds the controller from ``--controller``,
@@ -19,7 +19,7 @@ go through a ``MigrationPsMover`` over the addresses PS processes register
 makes the controller restore the fleet to the last committed cut
 (``controller/ps_recovery.py``).
 
-Security: as ``metaps ps`` (see :mod:`metaps.core.security`): no token -> a loopback
+Security: as ``metaps ps`` (see :mod:`common.security`): no token -> a loopback
 controller generates ``<[run] dir>/rpc.token`` (0600) and requires it; ``status``,
 ``cut`` and ``agent`` read it when they have no other token; a non-loopback
 ``--address`` without a token is refused; ``--insecure`` serves unauthenticated, loudly;
@@ -37,9 +37,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
-from metaps.core.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
+from common.errors import ConfigError
+from common.log import kv
+from common.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def run_controller(args: argparse.Namespace) -> int:
             from prometheus_client import REGISTRY
 
             from controller.metrics import ControllerCollector
-            from metaps.core.metrics import serve_metrics
+            from common.metrics import serve_metrics
 
             REGISTRY.register(ControllerCollector(server))
             mport = serve_metrics(args.metrics_port, args.metrics_host, what="metaps controller",
@@ -277,7 +277,7 @@ def _controller_client(args: argparse.Namespace) -> Any:
 def run_status(args: argparse.Namespace) -> int:
     """``metaps status``: exit 0 while running or complete, 4 when the run failed."""
     from controller.client import ControllerError
-    from metaps.core import exit_codes
+    from common import exit_codes
     from metaps.roles.output import emit
 
     with _controller_client(args) as c:
@@ -328,7 +328,7 @@ def run_agent(args: argparse.Namespace) -> int:
         from prometheus_client import REGISTRY
 
         from controller.metrics import AgentCollector
-        from metaps.core.metrics import serve_metrics
+        from common.metrics import serve_metrics
 
         REGISTRY.register(AgentCollector(agent))
         serve_metrics(args.metrics_port, what=f"metaps agent {args.role}:{args.index}",

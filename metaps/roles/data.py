@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError
+from common.config import from_mapping
+from common.errors import ConfigError
 from metaps.roles.output import emit, summary_replaces, wants_json
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def split_holdout(input_path: str | Path, schema: str | Path, out: str | Path, f
     """
     from meta_io.holdout import read_task_keys, split_by_task, split_by_time
     from meta_io.schema import load_schema
-    from metaps.core.errors import ConfigError
+    from common.errors import ConfigError
 
     if by not in ("task", "time"):
         raise ConfigError(f"split-holdout: --by must be 'task' or 'time', got {by!r}")
@@ -270,7 +270,7 @@ def _build(args: argparse.Namespace) -> int:
                      f"tasks {t['tasks']:,}  episodes {t['episodes']:,}  fill {t['fill_ratio']:.3f} "
                      f"(without buckets {t['fill_ratio_without_buckets']:.3f})")
     if args.done_file:
-        from metaps.core.atomic_write import write_json_atomic
+        from common.atomic_write import write_json_atomic
 
         Path(args.done_file).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.done_file, {"out": str(result.out_dir), "totals": t, "time": time.time()})
@@ -298,7 +298,7 @@ def _stage(args: argparse.Namespace) -> int:
     out = {"src": res.src, "dst": res.dst, "files": res.files, "bytes": res.bytes, "seconds": res.seconds,
            "skipped": res.skipped}
     if args.done_file:
-        from metaps.core.atomic_write import write_json_atomic
+        from common.atomic_write import write_json_atomic
 
         Path(args.done_file).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.done_file, {**out, "metadata_only": args.metadata_only, "time": time.time()})

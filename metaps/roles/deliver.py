@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
-from metaps.core import exit_codes
-from metaps.core.log import kv
+from common import exit_codes
+from common.log import kv
 from metaps.roles.output import emit
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def delivery_config(fields: Mapping[str, Any], no_gate: bool = False, where: str
         ConfigError: a bad field; DeliveryError: no holdout and no ``no_gate``.
     """
     from delivery.bundle import DeliveryError
-    from metaps.core.config import from_mapping
+    from common.config import from_mapping
 
     cfg = from_mapping(DeliveryConfig, dict(fields), where=where)
     if not cfg.holdout and not no_gate:

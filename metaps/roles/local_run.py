@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metaps.core.log import kv
+from common.log import kv
 
 if TYPE_CHECKING:
     from metaps.job import JobConfig
@@ -47,8 +47,8 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None) ->
     Returns:
         (report.json's dict, the run directory)
     """
-    from metaps.core.security import make_private_dir
-    from metaps.core.toml_writer import write
+    from common.security import make_private_dir
+    from common.toml_writer import write
     from metaps.launch import LaunchConfig, _new_run_dir, mark_latest, settle_latest
     from metaps.plots import make_plots
     from metaps.preflight import preflight

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from metaps.core.log import kv
+from common.log import kv
 from metaps.monitoring import write_stack
 from metaps.roles.output import emit
 

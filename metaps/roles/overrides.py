@@ -26,7 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 Override = tuple[list[str], Any]
 

@@ -16,7 +16,7 @@ the address its clients know (the port in use by then: one line, exit 1).
 SIGTERM/SIGINT: stop accepting calls, finish in-flight ones (up to ``--grace`` seconds),
 exit 0 (``--signal-exit-code``: 143 in a Kubernetes Job, where 0 would mark the shard's
 index complete). A ``stop`` from the controller ends it the same way, with the code
-:mod:`metaps.core.exit_codes` gives its reason (0 the run ended, 4 the run failed,
+:mod:`common.exit_codes` gives its reason (0 the run ended, 4 the run failed,
 5 superseded by a newer process of this shard).
 
 With ``--controller`` (or ``$METAPS_CONTROLLER``, set by ``metaps agent``) the
@@ -60,10 +60,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from metaps.core import exit_codes
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core.log import kv
-from metaps.core.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
+from common import exit_codes
+from common.atomic_write import write_json_atomic
+from common.log import kv
+from common.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,9 @@ def _restarted_by_agent() -> bool:
 
 
 def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
-    """The fault injector's per-RPC delay for this shard, when metaps.core.faults provides one."""
+    """The fault injector's per-RPC delay for this shard, when common.faults provides one."""
     try:
-        from metaps.core import faults
+        from common import faults
     except ImportError:
         return None
     make = getattr(faults, "ps_added_latency", None)
@@ -159,8 +159,8 @@ def run_ps(args: argparse.Namespace) -> int:
         log.info("binding the port an earlier process of this shard published",
                  extra=kv(shard=args.shard, port=earlier, ready_file=args.ready_file))
         port = earlier
-    from metaps.core.errors import BindError
-    from metaps.core.rpc import check_bindable
+    from common.errors import BindError
+    from common.rpc import check_bindable
 
     try:
         check_bindable(f"{job.ps.host}:{port}")  # a busy port or a foreign host: one line, before torch
@@ -172,7 +172,7 @@ def run_ps(args: argparse.Namespace) -> int:
     import torch
     from prometheus_client import REGISTRY
 
-    from metaps.core.metrics import serve_metrics
+    from common.metrics import serve_metrics
     from ps.coordinator import restore_shard_checkpoint
     from ps.factory import build_server
 
@@ -187,7 +187,7 @@ def run_ps(args: argparse.Namespace) -> int:
     try:
         resolve_device(ps_cfg.device)
     except ValueError as exc:
-        from metaps.core.errors import ConfigError
+        from common.errors import ConfigError
 
         raise ConfigError(f"{args.config}: [ps] device: {exc}") from None
     server = build_server(
@@ -197,13 +197,13 @@ def run_ps(args: argparse.Namespace) -> int:
     server.checkpoint_root = str(checkpoint_root(args.checkpoint_root, job.run.dir))
     if args.awaiting_recovery:
         if not args.controller:
-            from metaps.core.errors import ConfigError
+            from common.errors import ConfigError
 
             raise ConfigError("metaps ps --awaiting-recovery needs --controller (or $METAPS_CONTROLLER): "
                               "only the controller's fleet recovery ends the wait")
         server.mark_awaiting_recovery("restarted by its agent ($METAPS_RESTARTS / --awaiting-recovery)")
     if args.restore and args.restore_latest:
-        from metaps.core.errors import ConfigError
+        from common.errors import ConfigError
 
         raise ConfigError("metaps ps: pass --restore DIR or --restore-latest ROOT, not both")
     restore = warm = args.restore
@@ -263,7 +263,7 @@ def run_ps(args: argparse.Namespace) -> int:
     if args.ready_file:
         # atomic: the launcher polls for it and must never read half a file
         write_json_atomic(args.ready_file, {"port": port, "metrics_port": metrics_port, "pid": os.getpid()})
-    from metaps.core.faults import FaultInjector
+    from common.faults import FaultInjector
 
     born = time.time()
     killer = FaultInjector(job.faults, "ps", args.shard, t0=float(os.environ.get("METAPS_T0", born)))

@@ -34,8 +34,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig
+from common.log import kv
+from common.rpc import RpcConfig
 
 if TYPE_CHECKING:
     from controller.client import Registration

@@ -7,7 +7,7 @@ JSON object with ``--json``.
 A worker's token is ``[rpc] token``, ``token_file`` (``--token-file``), ``$METAPS_TOKEN``,
 else the run's ``<[run] dir>/rpc.token`` that a hand-started PS or controller generated;
 without one it warns; a non-loopback ``--metrics-host`` without one is refused unless
-``--insecure`` (see :mod:`metaps.core.security`).
+``--insecure`` (see :mod:`common.security`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metaps.core.security import add_cli_args
+from common.security import add_cli_args
 from metaps.roles.output import emit
 
 
@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
-    from metaps.core.config import read_toml
+    from common.config import read_toml
     from metaps.job import job_from_mapping
     from metaps.roles.overrides import apply_overrides, describe, parse_sets
 
@@ -63,7 +63,7 @@ def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from metaps.core.security import check_bind, role_rpc, set_private_umask
+    from common.security import check_bind, role_rpc, set_private_umask
 
     set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
     job = _load(args)
@@ -78,7 +78,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     args.rank, addrs = resolve_worker(job, args.config, args.rank, args.ps or os.environ.get("METAPS_PS", ""), ctl)
     run_dir = Path(args.run_dir or job.run.dir)
     if args.metrics_port >= 0:
-        from metaps.core.metrics import serve_metrics
+        from common.metrics import serve_metrics
 
         serve_metrics(args.metrics_port, args.metrics_host, what=f"metaps worker {args.rank}",
                       publish=args.metrics_file or None)
@@ -99,7 +99,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from metaps.core.security import set_private_umask
+    from common.security import set_private_umask
     from metaps.roles.local_run import run_local
     from metaps.run_report import flat_auc
 

@@ -10,7 +10,7 @@ from bench.chaos_inputs import _judge, controller_battery, ps_battery
 from controller.config import ControllerConfig
 from controller.dds import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from tests.ps.conftest import start_fleet
 
 TOKEN = "chaos-test-token"

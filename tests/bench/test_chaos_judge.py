@@ -3,7 +3,7 @@
 Each case is a real ``metaps launch`` (controller, PS, worker, agents as processes, gRPC on
 127.0.0.1; 1 worker, 3 epochs, 1 PS or 2) with the ``kill_ps`` fault struck at its state (the
 bench's cut committed, a shard done after it). The broken builds are applied from outside
-the product by ``metaps.core.faults.install_test_breaks`` (a ``sitecustomize`` on the
+the product by ``common.faults.install_test_breaks`` (a ``sitecustomize`` on the
 fleet's ``PYTHONPATH``):
 
     no_rollback          the PS recovery restores the cut but the DDS keeps the shards done after it
@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from bench import chaos
-from metaps.core.faults import TEST_BREAK_ENV, TEST_BREAKS, UnknownTestBreak, install_test_breaks
+from common.faults import TEST_BREAK_ENV, TEST_BREAKS, UnknownTestBreak, install_test_breaks
 
 # build -> PS shards of its fleet: the correct build and the never-swapping one run 2 (a live shard
 # restored by swapping a store built aside, beside the restarted one filled in place), the others 1

@@ -95,7 +95,7 @@ def test_local_spread_is_the_range_and_std_over_shuffles_and_places_the_fleet() 
 
 def test_local_spread_of_one_shuffle_is_an_error() -> None:
     from bench.fleet_quality import local_spread
-    from metaps.core.errors import MetapsError
+    from common.errors import MetapsError
 
     with pytest.raises(MetapsError, match="seed 3 has 1 train-local shuffle"):
         local_spread({3: {0: _scores(0.8)}}, {})

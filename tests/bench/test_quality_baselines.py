@@ -18,7 +18,7 @@ from bench.quality_baselines import (
 )
 from meta_io.batch import FeatureBatch
 from meta_io.schema import schema_from_dict
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 def _sig(x: np.ndarray | float) -> Any:

@@ -254,7 +254,7 @@ def test_redrawn_gains_redraw_the_support_labels_too() -> None:
     """Each redraw replaces every label (support included) and rescores: the same as drawing the labels
     with the same generator and running :func:`predictive` on them; not the gain of the original labels."""
     from bench.quality_ceiling import redrawn_gains
-    from metaps.core.evaluation import auc
+    from common.evaluation import auc
 
     k = 8
     rows, prior, ev, pc, pv = _bias_only_case(np.random.default_rng(7), 30, 24)

@@ -12,7 +12,7 @@ import torch
 from bench.deepfm_parity import Encoded, PlainDeepFM, Vocab, job_mapping, train_plain
 from meta_io.batch import FeatureBatch
 from meta_io.schema import schema_from_dict
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 SCHEMA = schema_from_dict({
     "task_key": "user_id", "labels": ["click", "conversion"],

@@ -11,7 +11,7 @@ from controller.client import ControllerClient
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
 from controller.types import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.fleet_admin import GrpcPsFleet
 
 TOKEN = "test-token"

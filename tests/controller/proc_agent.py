@@ -5,7 +5,7 @@ import sys
 
 from controller.agent import Agent
 from controller.config import AgentConfig
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 
 if __name__ == "__main__":
     addr, token, index = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -5,7 +5,7 @@ import sys
 from controller.config import ControllerConfig, DdsConfig
 from controller.types import DatasetKind, DatasetSpec
 from controller.server import ControllerServer
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.fleet_admin import GrpcPsFleet
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 from controller.config import ControllerConfig, DdsConfig
 from controller.server import ControllerServer
 from controller.types import DatasetKind, DatasetSpec
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.fleet_admin import GrpcPsFleet
 
 TRAIN = DatasetSpec("train", (8, 8), DatasetKind.TRAIN, epochs=1)

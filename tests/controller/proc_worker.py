@@ -4,7 +4,7 @@ import sys
 import time
 
 from controller.client import ControllerClient
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 
 if __name__ == "__main__":
     addr, token, index, dataset = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

@@ -20,7 +20,7 @@ from controller.server import ControllerServer
 from controller.types import DatasetKind, DatasetSpec, GetStatus, ShardLease
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
-from metaps.core.rpc import make_channel
+from common.rpc import make_channel
 from tests.controller.conftest import RPC, client, drain
 
 # worker 1 takes shards of 2 batches: the base shards of 4 get split (SPLIT records, TODO heads)

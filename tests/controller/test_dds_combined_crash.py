@@ -19,7 +19,7 @@ from typing import Any
 
 from controller.client import ControllerClient, DoneReport, LeaseReply
 from controller.types import GetStatus
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from tests.ports import pick_port
 
 ROOT = Path(__file__).resolve().parents[2]

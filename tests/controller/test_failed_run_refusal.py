@@ -20,7 +20,7 @@ import pytest
 from controller.client import ControllerError
 from controller.run_outcome import RUN_FAILED
 from controller.state import Event
-from metaps.core import exit_codes
+from common import exit_codes
 from tests.controller.conftest import client
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from controller.config import NdConfig
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 
 def test_keep_defaults_to_one_and_rejects_negative() -> None:

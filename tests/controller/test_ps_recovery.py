@@ -26,8 +26,8 @@ from controller.client import ControllerClient
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.synth import GeneratorConfig, generate
 from tests.ports import pick_port
-from metaps.core.rpc import RpcConfig
-from metaps.core.toml_writer import write
+from common.rpc import RpcConfig
+from common.toml_writer import write
 from tests.metaps.fleet_data import TOKEN, job_mapping, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ from controller.config import AgentConfig
 from controller.ps_recovery import RUN_FAILED
 from metaps.job import load_job
 from tests.ports import pick_port
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.checkpoint import latest_checkpoint
 from ps.client import PsClient, PsUnavailableError
 from ps.coordinator import CheckpointCoordinationError, checkpoint_all

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from controller.client import ControllerClient
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.coordinator import checkpoint_all
 from ps.factory import build_server
 from tests.controller.conftest import served_rows

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from controller.client import ControllerClient
 from tests.ports import pick_port
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "restart-token"

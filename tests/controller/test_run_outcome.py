@@ -17,7 +17,7 @@ from controller.client import ControllerClient, ControllerError
 from controller.run_outcome import RUN_FAILED
 from controller.server import ControllerServer
 from controller.types import NODE_FINISHED
-from metaps.core import exit_codes
+from common import exit_codes
 from tests.controller.conftest import RPC, TRAIN, client, drain, small_cfg
 
 

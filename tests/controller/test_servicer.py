@@ -14,7 +14,7 @@ import pytest
 from controller.client import ControllerClient, ControllerError
 from controller.config import ControllerConfig, DdsConfig, MonitorConfig
 from controller.types import DatasetKind, DatasetSpec, GetStatus
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from tests.controller.conftest import EVAL, RPC, TOKEN, TRAIN, client, drain, small_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from metaps.core.rpc import make_channel
+from common.rpc import make_channel
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
 

@@ -78,7 +78,7 @@ def test_a_corrupt_record_is_refused_at_start_not_served(tmp_path: Path, capsys:
     state = _state(tmp_path / "2")
     _flip(state, (_offset(state, b'"state":"committed"') // PAGE) * PAGE + 16)  # that page's node offsets
     _refused(state)
-    # `metaps controller` reports it in one line and exits 1 (metaps/core/exit_codes.py FAILED); log
+    # `metaps controller` reports it in one line and exits 1 (common/exit_codes.py FAILED); log
     # records on stderr (when an earlier test of this worker installed the CLI's log handler) are not
     # the command's output
     capsys.readouterr()

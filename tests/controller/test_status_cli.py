@@ -11,7 +11,7 @@ from pathlib import Path
 
 from controller.client import ControllerClient
 from controller.types import NODE_FINISHED
-from metaps.core.toml_writer import write
+from common.toml_writer import write
 from tests.controller.conftest import RPC, TOKEN, TRAIN, client, drain
 
 REPO = Path(__file__).resolve().parents[2]

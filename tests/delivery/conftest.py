@@ -15,8 +15,8 @@ from delivery.bundle import (
 from delivery.config import RowDtype
 from delivery.dense import save_scripted, trace_dense
 from meta_io.schema import Schema
-from metaps.core.config import to_dict
-from metaps.core.hashing import vshard_of
+from common.config import to_dict
+from common.hashing import vshard_of
 from models.config import ModelConfig
 from models.factory import build_model
 from models.testing import synthetic_schema

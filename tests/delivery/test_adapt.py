@@ -13,7 +13,7 @@ from delivery.config import DeliveryConfig
 from delivery.job import deliver_once
 from delivery.loader import load_bundle
 from meta_io.batch import FeatureBatch, PlainBatch
-from metaps.core.config import to_dict
+from common.config import to_dict
 from models.meta import adapt_and_predict
 from models.meta_config import AdaptTarget, MetaConfig
 from models.testing import random_features

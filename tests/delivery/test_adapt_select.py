@@ -28,7 +28,7 @@ from delivery.job import deliver_once
 from delivery.loader import load_bundle
 from delivery.predict import predict_to_parquet
 from meta_io.firstk import first_k_layout, read_table
-from metaps.core.evaluation import auc
+from common.evaluation import auc
 
 K = 8
 

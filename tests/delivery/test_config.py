@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from delivery.config import DeliveryConfig, RowDtype, parse_interval
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError
+from common.config import from_mapping
+from common.errors import ConfigError
 
 
 def test_parse_interval_units():

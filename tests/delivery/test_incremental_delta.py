@@ -20,7 +20,7 @@ from delivery.bundle import EMBEDDINGS, REMOVED, EmbeddingReader, read_manifest,
 from delivery.config import DeliveryConfig
 from delivery.job import deliver_once
 from delivery.loader import load_bundle
-from metaps.core.config import to_dict
+from common.config import to_dict
 from models.testing import random_features
 from tests.delivery.conftest import Fleet, TinyModel
 

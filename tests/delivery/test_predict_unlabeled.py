@@ -12,7 +12,7 @@ import pytest
 
 from delivery.loader import load_bundle
 from metaps.cli import main
-from metaps.core.evaluation import auc
+from common.evaluation import auc
 from tests.delivery.conftest import live_features, write_parquet
 
 

@@ -186,7 +186,7 @@ def test_a_parent_state_spent_by_an_export_is_refused(tmp_path: Path, tiny: Tiny
 def test_a_changed_meta_or_ps_config_is_a_new_recipe_not_a_cache_hit(tmp_path: Path, tiny: TinyModel) -> None:
     """The recipe is cached by the text it comes from: another [meta] or [ps] gives another recipe."""
     from delivery.reuse import ExportCache
-    from metaps.core.config import to_dict
+    from common.config import to_dict
 
     fleet = Fleet(tiny, capacity=200)
     cache, out = ExportCache(), tmp_path / "out"

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from metaps.deploy.podsim import PodSim, Pod, tail
+from tests.deploy.podsim import PodSim, Pod, tail
 from tests.metaps.fleet_data import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

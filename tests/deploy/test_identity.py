@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from metaps.deploy.identity import completion_index, pod_name, ps_addresses, registered_ps_addresses, resolve_shard
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 
 def test_shard_auto_is_the_statefulset_ordinal() -> None:
@@ -80,7 +80,7 @@ def test_registered_ps_addresses_from_status() -> None:
 
 def _job(tmp_path: Path, dense_sync: str = "ps") -> Any:
     from metaps.job import load_job
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     p = write(tmp_path / "job.toml", {"data": {"train": "metaio/train"}, "ps": {"shards": 2},
                                        "train": {"workers": 3, "dense_sync": dense_sync}})

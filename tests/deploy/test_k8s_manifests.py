@@ -54,7 +54,7 @@ def pod_templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _variant(tmp_path: Path, name: str, edit: Any) -> Path:
     raw = tomllib.loads((REPO / "configs" / "main_job.toml").read_text())
     edit(raw)
-    from metaps.core.toml_writer import write
+    from common.toml_writer import write
 
     p = tmp_path / f"{name}.toml"
     write(p, raw)

@@ -1,4 +1,4 @@
-"""The generated manifests run, pod by pod, in network namespaces (metaps.deploy.podsim).
+"""The generated manifests run, pod by pod, in network namespaces (tests.deploy.podsim).
 
 One fleet run from ``kubectl kustomize`` output, with nothing taken from the job file
 directly: the data Job builds Meta-IO on the shared volume, the controller Job, the PS
@@ -37,9 +37,9 @@ from typing import Any
 import pytest
 
 from meta_io.synth.generator import GeneratorConfig, generate
-from metaps.deploy.podsim import PodSim, netns_available, tail
+from tests.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
-from metaps.core.toml_writer import write
+from common.toml_writer import write
 from tests.deploy.pods import pod_env, render as render_manifests, show_pods
 from tests.metaps.fleet_data import wait_for
 

@@ -1,4 +1,4 @@
-"""The all-reduce variant of the manifests runs to completion in pods (metaps.deploy.podsim).
+"""The all-reduce variant of the manifests runs to completion in pods (tests.deploy.podsim).
 
 ``[train] dense_sync = "allreduce"`` renders the worker Job as an Indexed Job (completions =
 parallelism = ``[train] workers``) whose pods find rank 0's gloo rendezvous through the
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from meta_io.synth.generator import GeneratorConfig, generate
-from metaps.core.toml_writer import write
-from metaps.deploy.podsim import PodSim, netns_available, tail
+from common.toml_writer import write
+from tests.deploy.podsim import PodSim, netns_available, tail
 from metaps.run_report import read_worker_reports
 from tests.deploy.pods import closing_shown, pod_env, render, train_to_completion
 

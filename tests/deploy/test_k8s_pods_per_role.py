@@ -1,4 +1,4 @@
-"""The per-role-volume variant of the manifests runs to a delivered bundle in pods (metaps.deploy.podsim).
+"""The per-role-volume variant of the manifests runs to a delivered bundle in pods (tests.deploy.podsim).
 
 ``[deploy] storage = "per-role"``: the built datasets live at ``[deploy] data_source`` (here a
 ``file://`` folder outside every volume, which every pod reaches as it would an object store);
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from meta_io.synth.generator import GeneratorConfig, generate
-from metaps.core.toml_writer import write
-from metaps.deploy.podsim import PodSim, netns_available, tail
+from common.toml_writer import write
+from tests.deploy.podsim import PodSim, netns_available, tail
 from tests.deploy.pods import closing_shown, pod_env, render, train_to_completion
 from tests.metaps.fleet_data import wait_for
 

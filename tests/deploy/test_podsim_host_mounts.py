@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from metaps.deploy.podsim import PodSim, _main_pid, netns_available
+from tests.deploy.podsim import PodSim, _main_pid, netns_available
 from tests.metaps.fleet_data import wait_for
 
 

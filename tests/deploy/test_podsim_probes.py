@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from metaps.deploy.podsim import PodSim, netns_available, tail
+from tests.deploy.podsim import PodSim, netns_available, tail
 from tests.deploy.pods import show_pods
 from tests.metaps.fleet_data import wait_for
 

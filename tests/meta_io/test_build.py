@@ -17,7 +17,7 @@ from meta_io.layout import Layout, Split, make_buckets
 from meta_io.reader import MetaIODataset
 from meta_io.schema import Schema
 from meta_io.source import iter_source
-from metaps.core.errors import ConfigError, DataError, SchemaError
+from common.errors import ConfigError, DataError, SchemaError
 
 S, Q, R = 8, 4, 96  # R is a multiple of every bucket capacity (12, 6, 3, 2)
 FP_COLS = ("user_id", "log_time", "item_id", "p_click")

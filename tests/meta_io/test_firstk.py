@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from meta_io.firstk import first_k_batches, first_k_layout, read_table
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 K = 3
 

@@ -15,7 +15,7 @@ import pytest
 from meta_io.synth import SCENES, GeneratedData, GeneratorConfig, generate, generator_schema
 from meta_io.schema import ColumnKind, Schema
 from meta_io.source import iter_source, normalized_arrow_schema
-from metaps.core.evaluation import auc
+from common.evaluation import auc
 
 
 def _read_all(data: GeneratedData) -> pa.Table:

@@ -13,7 +13,7 @@ from meta_io.holdout import holdout_mask, split_by_task
 from meta_io.reader import MetaIODataset
 from meta_io.schema import load_schema
 from meta_io.source import iter_source
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 def _rows(path: Path, schema) -> list[tuple[int, int, int]]:
@@ -103,7 +103,7 @@ def test_seeded_fraction_and_keys_file_reproduce_a_split(generated, tmp_path: Pa
 
 
 def test_keys_file_of_raw_string_keys(user_parquet, example_schema, tmp_path: Path) -> None:
-    from metaps.core.hashing import hash_strings
+    from common.hashing import hash_strings
 
     from meta_io.holdout import read_task_keys
 

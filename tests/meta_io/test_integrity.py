@@ -23,7 +23,7 @@ from meta_io.inspect import inspect_dataset
 from meta_io.integrity import MANIFEST_KEY
 from meta_io.reader import MetaIODataset
 from metaps.cli import main
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 def flip(path: Path, offset: int, n: int = 1) -> None:

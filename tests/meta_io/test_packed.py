@@ -20,7 +20,7 @@ from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.packing import PACKED_FORMAT_VERSION, UNPACKED_FORMAT_VERSION
 from meta_io.reader import MetaIODataset
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 from .conftest import SMALL_QUERY, SMALL_ROWS_PER_BATCH, SMALL_SUPPORT
 

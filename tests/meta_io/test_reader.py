@@ -18,7 +18,7 @@ from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.prefetch import prefetch
 from meta_io.reader import MetaIODataset
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 from .conftest import SMALL_ROWS_PER_BATCH
 

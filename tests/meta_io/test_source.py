@@ -13,8 +13,8 @@ import pytest
 
 from meta_io.schema import PAD_ID, ColumnKind, ColumnSpec, Schema
 from meta_io.source import count_rows, iter_source, normalized_arrow_schema
-from metaps.core.errors import DataError, SchemaError
-from metaps.core.hashing import hash_strings
+from common.errors import DataError, SchemaError
+from common.hashing import hash_strings
 
 from .conftest import USER_ROWS, user_rows, user_table, write_user_csv, write_user_parquet
 

@@ -23,7 +23,7 @@ import pytest
 from meta_io import layout as L
 from meta_io.reader import MetaIODataset
 from meta_io.stage import STAGING_INFIX, stage_dataset
-from metaps.core.errors import ConfigError, DataError
+from common.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[2]
 

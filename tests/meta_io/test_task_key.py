@@ -25,8 +25,8 @@ from meta_io.holdout import read_task_keys, split_by_task
 from meta_io.reader import MetaIODataset
 from meta_io.schema import ColumnKind, ColumnSpec, Schema, load_schema, schema_from_dict
 from meta_io.source import iter_source
-from metaps.core.errors import DataError, SchemaError
-from metaps.core.hashing import hash_strings
+from common.errors import DataError, SchemaError
+from common.hashing import hash_strings
 
 N = 90
 USERS = 9

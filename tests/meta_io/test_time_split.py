@@ -19,7 +19,7 @@ import pytest
 from meta_io.holdout import TIME_CUT_FILE, split_by_time, time_cut
 from meta_io.schema import load_schema
 from meta_io.source import iter_source
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.synth import GeneratorConfig, generate
-from metaps.core.toml_writer import write
+from common.toml_writer import write
 
 TOKEN = "launch-test-token"
 

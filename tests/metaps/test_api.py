@@ -24,7 +24,7 @@ import pytest
 
 from delivery.bundle import DeliveryError
 from metaps import api
-from metaps.core.errors import ConfigError, MetapsError
+from common.errors import ConfigError, MetapsError
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "api.md"

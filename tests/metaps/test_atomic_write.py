@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metaps.core.atomic_write import json_default, write_json_atomic, write_text_atomic
+from common.atomic_write import json_default, write_json_atomic, write_text_atomic
 
 
 @dataclass

@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metaps.core.atomic_write import atomic_output, write_json_atomic, write_text_atomic
+from common.atomic_write import atomic_output, write_json_atomic, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 64 * 1024  # the child's file-size limit: the new content is 16x larger
 
 _CHILD = r"""
 import resource, signal, sys
-from metaps.core.atomic_write import write_text_atomic
+from common.atomic_write import write_text_atomic
 path, mode = sys.argv[1], sys.argv[2]
 # Python ignores SIGXFSZ (a write past the limit fails with EFBIG); "kill" restores the kernel's
 # default: the process dies in the middle of the write, as on a crash

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from metaps.cli import build_parser, error_line, main, walk_parsers
-from metaps.core.errors import ConfigError
-from metaps.core.toml_writer import write
+from common.errors import ConfigError
+from common.toml_writer import write
 from metaps.job import load_job
 from tests.metaps.cli_process import run_metaps
 

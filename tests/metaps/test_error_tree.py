@@ -19,10 +19,10 @@ import grpc
 import pytest
 
 from metaps.cli import run_command
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("metaps", "ps", "controller", "workers", "meta_io", "models", "delivery", "protos")
+PACKAGES = ("common", "metaps", "ps", "controller", "workers", "meta_io", "models", "delivery", "protos")
 
 # Exception classes of the project that are not deliberate errors (internal control flow).
 NOT_ERRORS = {
@@ -34,7 +34,7 @@ NAMED = {
     "ps.migration.MigrationError", "ps.coordinator.CheckpointCoordinationError",
     "controller.ps_recovery.RecoveryError", "metaps.fleet.FleetError", "ps.wire.WireError",
     "ps.staleness.StalenessTimeout", "controller.ps_mover.NothingToMove",
-    "metaps.core.toml_writer.TomlWriteError",
+    "common.toml_writer.TomlWriteError",
 }
 
 

@@ -1,4 +1,4 @@
-"""metaps.core.evaluation against brute-force definitions on small random inputs."""
+"""common.evaluation against brute-force definitions on small random inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from metaps.core.evaluation import StreamingAUC, auc, gauc, grouped_auc, logloss
+from common.evaluation import StreamingAUC, auc, gauc, grouped_auc, logloss
 
 
 def brute_auc(y: np.ndarray, s: np.ndarray) -> float:

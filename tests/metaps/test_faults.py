@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError
-from metaps.core.faults import Fault, FaultConfig, FaultInjector
+from common.config import from_mapping
+from common.errors import ConfigError
+from common.faults import Fault, FaultConfig, FaultInjector
 
 
 def test_toml_shape_and_helpers() -> None:
@@ -40,7 +40,7 @@ def test_bad_faults_are_named() -> None:
 
 
 def test_ps_added_latency_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    from metaps.core.faults import ps_added_latency
+    from common.faults import ps_added_latency
 
     cfg = FaultConfig(faults=[Fault("ps", 1, "latency", latency_s=0.03, start_s=5.0)])
     assert ps_added_latency(cfg, 0) is None  # no fault on shard 0: no hook, no per-request cost

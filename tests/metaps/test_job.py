@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from metaps.core.config import from_mapping, load_toml
-from metaps.core.errors import ConfigError
+from common.config import from_mapping, load_toml
+from common.errors import ConfigError
 from metaps.job import load_job
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

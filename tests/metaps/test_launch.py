@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 from metaps.job import load_job
 from metaps.launch import (
     LaunchConfig,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from metaps.core.toml_writer import write
+from common.toml_writer import write
 from tests.metaps.fleet_data import (fleet_pids, finish_launch, job_mapping, make_data, reaping, start_launch,
                                      wait_for)
 

@@ -9,7 +9,7 @@ checks the API's result: the report it returns is report.json, the checkpoint, t
 
 The same fleet checks the launch's ports (issue 37, item 6; tests/metaps/test_launch_ports.py
 has the refusals): it runs on a busy box where every port picked with
-``metaps.core.metrics.free_port`` is taken by another process right after the pick (the race
+``common.metrics.free_port`` is taken by another process right after the pick (the race
 that failed ``test_launch_continue``: "cannot bind gRPC to 127.0.0.1:58561: the port is in
 use"), with ``ps.base_port`` set: the shard listens there, and every other server binds a port
 of its own and publishes it.
@@ -31,7 +31,7 @@ from tests.metaps.fleet_data import fleet_pids, kill_leftovers, make_data, write
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    import metaps.core.metrics
+    import common.metrics
 
     tmp = tmp_path_factory.mktemp("max-steps")
     data = make_data(tmp / "data")
@@ -51,8 +51,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         return int(s.getsockname()[1])
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(metaps.core.metrics, "free_port", pick_then_taken)
-    # held bound (SO_REUSEADDR, not listening: metaps.core.ports) so no other process takes it; gRPC can bind it
+    mp.setattr(common.metrics, "free_port", pick_then_taken)
+    # held bound (SO_REUSEADDR, not listening: common.ports) so no other process takes it; gRPC can bind it
     base = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     base.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     base.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ The behavioural launch (ports the old launcher pre-picked taken between pick and
 ``base_port`` honoured) shares the fleet of ``test_launch_max_steps.py``.
 
 No test assumes it is alone on the machine: a port a test needs busy is one it listens on
-itself; a port it needs free is one it holds reserved (:mod:`metaps.core.ports`).
+itself; a port it needs free is one it holds reserved (:mod:`common.ports`).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_a_restarted_shard_binds_the_port_its_earlier_process_published(tmp_path
     lines = _error_lines(res)
     assert len(lines) == 1 and f"127.0.0.1:{busy}" in lines[0] and str(ready) in lines[0], _shown(res)
     # free (held reserved here, so no other process takes it meanwhile): the shard serves on it again
-    from metaps.core.ports import reserve_port
+    from common.ports import reserve_port
 
     with reserve_port() as held:
         ready.write_text(json.dumps({"port": held.port, "metrics_port": 0, "pid": 1}))
@@ -155,8 +155,8 @@ def test_a_restarted_shard_binds_the_port_its_earlier_process_published(tmp_path
 def test_the_reserved_allreduce_port_is_kept_from_others_but_not_from_rank_0() -> None:
     import torch.distributed as dist
 
-    from metaps.core.errors import BindError
-    from metaps.core.ports import reserve_port
+    from common.errors import BindError
+    from common.ports import reserve_port
 
     with reserve_port() as r:
         # nobody else gets it: not a plain bind of it ...

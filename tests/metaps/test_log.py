@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from metaps.core.log import KeyValueFormatter, _DropRootInfo, kv
+from common.log import KeyValueFormatter, _DropRootInfo, kv
 
 
 def _record(name: str, level: int, msg: str, **fields) -> logging.LogRecord:
@@ -38,7 +38,7 @@ def test_log_lines_follow_the_current_stderr_after_the_old_one_closed(monkeypatc
     import logging
     import sys
 
-    from metaps.core import log as mlog
+    from common import log as mlog
 
     root = logging.getLogger()
     saved = list(root.handlers)

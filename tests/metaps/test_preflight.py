@@ -19,7 +19,7 @@ from meta_io import layout as L
 from metaps.cli import main
 from metaps.job import load_job
 from metaps.preflight import PreflightError, preflight
-from metaps.core.toml_writer import write
+from common.toml_writer import write
 from tests.metaps.fleet_data import fleet_pids, job_mapping, kill_leftovers, make_data
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from metaps.core.log import KeyValueFormatter, kv
+from common.log import KeyValueFormatter, kv
 from metaps.progress import (
     JobEta,
     ProgressDisplay,
@@ -34,7 +34,7 @@ STATUS = {
 
 
 def _line(**fields: object) -> str:
-    """A real metaps.core.log line, produced by the project's formatter."""
+    """A real common.log line, produced by the project's formatter."""
     rec = logging.LogRecord("workers.worker", logging.INFO, __file__, 1, "step", None, None)
     rec.kv = kv(**fields)["kv"]
     return KeyValueFormatter().format(rec)

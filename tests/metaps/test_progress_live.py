@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from metaps.core.metrics import serve_metrics
+from common.metrics import serve_metrics
 from metaps.progress import LiveWorkers, StepLogTail
 from workers.telemetry import Telemetry
 

@@ -1,4 +1,4 @@
-"""metaps.core.rpc: token auth, message limits, health, TLS on real loopback servers."""
+"""common.rpc: token auth, message limits, health, TLS on real loopback servers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from metaps.core.rpc import RpcConfig, add_health, add_port, make_channel, make_server
+from common.rpc import RpcConfig, add_health, add_port, make_channel, make_server
 
 _IDENTITY = dict(request_deserializer=None, response_serializer=None)
 

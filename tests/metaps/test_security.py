@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import pytest
 
-from metaps.core.atomic_write import json_default
-from metaps.core.errors import ConfigError
+from common.atomic_write import json_default
+from common.errors import ConfigError
 from metaps.launch import LaunchConfig, Launcher
-from metaps.core.rpc import RpcConfig, make_channel
-from metaps.core.security import REDACTED, SecurityError, check_bind, is_loopback, redact
+from common.rpc import RpcConfig, make_channel
+from common.security import REDACTED, SecurityError, check_bind, is_loopback, redact
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 from ps.checkpoint import latest_checkpoint, read_manifest
 from tests.metaps.fleet_data import fleet_pids, make_data, reaping, wait_for, write_job_file
@@ -185,7 +185,7 @@ def test_insecure_serves_without_a_token_loudly(tmp_path) -> None:
             wait_for(lambda: (d / "ready").exists() or proc.poll() is not None, 300, f"the {name} PS to start")
             assert proc.poll() is None, (d / "ps.log").read_text()[-3000:]
             log = (d / "ps.log").read_text()
-            assert 'WARNING metaps.core.security role=ps msg="NO AUTH TOKEN (--insecure)' in log, log[-3000:]
+            assert 'WARNING common.security role=ps msg="NO AUTH TOKEN (--insecure)' in log, log[-3000:]
             assert not (d / "run" / "rpc.token").exists()  # --insecure generates no token
             # unauthenticated, but it does serve
             port = json.loads((d / "ready").read_text())["port"]

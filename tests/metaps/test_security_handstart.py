@@ -25,8 +25,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from metaps.core.rpc import RpcConfig, make_channel
-from metaps.core.security import RUN_TOKEN_FILE, SecurityError, check_bind, read_token_file, role_rpc
+from common.rpc import RpcConfig, make_channel
+from common.security import RUN_TOKEN_FILE, SecurityError, check_bind, read_token_file, role_rpc
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 from tests.metaps.fleet_data import make_data, wait_for, write_job_file
 from tests.ps.conftest import write_job as write_ps_job
@@ -64,7 +64,7 @@ def _stop(*procs: subprocess.Popen[bytes]) -> None:
 def test_role_rpc_generates_a_private_token_file_for_a_loopback_server_only(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.delenv("METAPS_TOKEN", raising=False)
     monkeypatch.delenv("METAPS_RUN_DIR", raising=False)
-    caplog.set_level(logging.INFO, logger="metaps.core.security")
+    caplog.set_level(logging.INFO, logger="common.security")
     run = tmp_path / "run"
     # a client finds nothing and generates nothing
     assert role_rpc(RpcConfig(), run_dir=run).resolved_token() == ""

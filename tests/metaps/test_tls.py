@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from controller.client import ControllerClient
-from metaps.core.rpc import RpcConfig, make_channel
+from common.rpc import RpcConfig, make_channel
 from protos import controller_pb2, controller_pb2_grpc, ps_pb2, ps_pb2_grpc
 from tests.metaps.fleet_data import make_data, wait_for, write_job_file
 

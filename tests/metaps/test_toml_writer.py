@@ -1,4 +1,4 @@
-"""metaps.core.toml_writer: output parses back with tomllib to the same data; no-TOML values are refused."""
+"""common.toml_writer: output parses back with tomllib to the same data; no-TOML values are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from metaps.core.toml_writer import TomlWriteError, dumps, write
+from common.toml_writer import TomlWriteError, dumps, write
 
 
 def test_round_trip_of_a_job_shaped_mapping() -> None:
@@ -43,7 +43,7 @@ def test_write_is_atomic_and_readable(tmp_path: Path) -> None:
 
 
 def test_set_keys_keeps_comments_and_places_new_keys_in_their_table() -> None:
-    from metaps.core.toml_writer import set_keys
+    from common.toml_writer import set_keys
 
     src = "# head\n[ps]  # the PS\nshards = 2   # two\n\n# next section\n[ps.table_defaults]\ndim = 16\n"
     out = set_keys(src, [(["ps", "host"], "h"), (["ps", "table_defaults", "dim"], 8), (["train", "workers"], 3)])

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from metaps.core.config import load_toml
-from metaps.core.errors import ConfigError
+from common.config import load_toml
+from common.errors import ConfigError
 from models.config import BottomKind, ModelConfig, ModelKind
 
 

@@ -5,7 +5,7 @@ import torch
 from torch.func import vmap
 
 from meta_io.schema import PAD_ID, Pooling
-from metaps.core.errors import DataError
+from common.errors import DataError
 from models.embedding import TableLayout, build_index, pool
 from models.testing import random_features, random_rows, synthetic_schema, unique_ids_of
 

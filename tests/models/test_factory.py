@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from metaps.core.errors import DataError
+from common.errors import DataError
 from models import ModelConfig, build_model, loss
 from models.testing import random_features, random_rows, synthetic_schema, unique_ids_of
 

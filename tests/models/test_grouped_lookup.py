@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from metaps.core.errors import ConfigError, DataError
+from common.errors import ConfigError, DataError
 from models import ModelConfig, build_model
 from models.embedding import pool_grouped
 from models.features import GroupedLookup

@@ -7,8 +7,8 @@ import torch
 from torch.func import functional_call
 
 from meta_io.batch import MetaBatch
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError
+from common.config import from_mapping
+from common.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, MetaConfig, adapt_and_predict, assign_grads, meta_step, plain_step
 from models.testing import random_meta_batch, random_plain_batch, random_rows, synthetic_schema

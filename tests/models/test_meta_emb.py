@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 from models import ModelConfig, build_model
 from models.meta import MetaConfig, MetaLearner, adapt_and_predict, meta_step
 from models.meta_emb import unseen_mask

@@ -19,8 +19,8 @@ from torch.func import functional_call
 from delivery.config import DeliveryConfig
 from delivery.loader import load_bundle
 from meta_io.batch import FeatureBatch, MetaBatch
-from metaps.core.config import from_mapping, to_dict
-from metaps.core.errors import ConfigError
+from common.config import from_mapping, to_dict
+from common.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
 from models.meta_offset import fit_offsets

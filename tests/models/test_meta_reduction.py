@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metaps.core.config import from_mapping, to_dict
-from metaps.core.errors import ConfigError
+from common.config import from_mapping, to_dict
+from common.errors import ConfigError
 from models import ModelConfig, build_model
 from models.meta import AdaptTarget, MetaConfig, MetaLearner, _adapt, adapt_and_predict, meta_step
 from models.testing import assert_steps_identical, random_features, random_meta_batch, random_rows, synthetic_schema, unique_ids_of

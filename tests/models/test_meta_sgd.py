@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError
+from common.config import from_mapping
+from common.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, InnerLr, MetaConfig, MetaLearner, adapt_and_predict, meta_step
 from models.meta_learner import PREFIX

@@ -14,8 +14,8 @@ import torch
 from torch.func import functional_call
 
 from meta_io.batch import MetaBatch
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError
+from common.config import from_mapping
+from common.errors import ConfigError
 from models import ModelConfig, build_model, loss
 from models.meta import AdaptTarget, InnerLr, MetaConfig, MetaLearner, meta_step
 from models.meta_learner import PREFIX

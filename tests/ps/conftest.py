@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.client import PsClient
 from ps.config import OptimizerConfig, OptimizerKind, PsConfig, TableConfig, TableDefaults
 from ps.partition_map import PartitionMap

@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
-from metaps.core.rpc import RpcConfig, make_channel
+from common.rpc import RpcConfig, make_channel
 from ps.client import PsClient, PsRequestError
 from ps.partition_map import PartitionMap
 from ps.types import ERROR_KEY, MAP_VERSION_KEY, WRONG_OWNER

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import pytest
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from ps.checkpoint import (
     checkpoint_tmp_dir,
     commit_checkpoint,

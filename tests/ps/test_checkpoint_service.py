@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.checkpoint import read_manifest
 from ps.client import PsClient
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig

@@ -102,7 +102,7 @@ def test_clock_lease_config_is_validated() -> None:
 # -- real worker processes against a real fleet ----------------------------------------------
 _WORKER = """
 import sys, time, numpy as np
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.client import PsClient
 addrs, token, wid, steps = sys.argv[1].split(","), sys.argv[2], sys.argv[3], int(sys.argv[4])
 c = PsClient(addrs, RpcConfig(token=token, timeout_s=20.0), worker_id=wid, register=True, wait_timeout_s=120.0)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from metaps.core.config import load_toml
-from metaps.core.errors import ConfigError
+from common.config import load_toml
+from common.errors import ConfigError
 from ps.config import EvictionPolicy, OptimizerKind, PsConfig
 
 

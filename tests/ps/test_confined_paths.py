@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from controller.client import ControllerError
-from metaps.core.paths import PathNotAllowed, confine
-from metaps.core.rpc import make_channel
+from common.paths import PathNotAllowed, confine
+from common.rpc import make_channel
 from protos import ps_pb2, ps_pb2_grpc
 from ps.coordinator import checkpoint_all
 from tests.controller.conftest import client as ctl_client

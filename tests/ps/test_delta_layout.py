@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ps.checkpoint as ckpt
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from ps.checkpoint import MANIFEST, pack_arrays, read_changes, read_manifest, shard_files, unpack_arrays
 from ps.errors import CheckpointError
 from tests.ps.test_incremental_ckpt import DIMS, V, checkpoint, fleet, restore, state, train

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from ps.checkpoint import checkpoint_tmp_dir, commit_checkpoint, save_shard
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.coordinator import restore_shard_checkpoint

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from metaps.core.rpc import RpcConfig, make_channel
+from common.rpc import RpcConfig, make_channel
 from ps import frame
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.wire import DType, WireError
@@ -318,7 +318,7 @@ def test_push_request_views_are_writable_only_when_asked() -> None:
 def test_a_client_falls_back_to_protobuf_on_a_shard_without_frames(ps_fleet) -> None:
     """A shard of an older build (no PullFrame/PushFrame: UNIMPLEMENTED) is served through
     PullMany/PushMany: the framed client switches once, nothing is applied twice."""
-    from metaps.core.rpc import add_port, make_server
+    from common.rpc import add_port, make_server
     from ps.servicer import _add_servicer, _Handlers
 
     fleet = ps_fleet(1)

@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 import pytest
 
-from metaps.core.hashing import vshard_of
-from metaps.core.rpc import make_channel
+from common.hashing import vshard_of
+from common.rpc import make_channel
 from protos import ps_pb2, ps_pb2_grpc
 from ps.client import PsUnavailableError
 from ps.codec import rows_from_chunk

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from metaps.core.rpc import make_channel
+from common.rpc import make_channel
 from protos import ps_pb2, ps_pb2_grpc
 
 IDS = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from ps.checkpoint import (
     DeltaUnavailable,
     begin_checkpoint,

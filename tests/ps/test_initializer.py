@@ -253,7 +253,7 @@ def test_restored_rows_and_never_pushed_rows_agree(tmp_path: Path) -> None:
     """Rows admitted with a zero gradient (their initial value), checkpointed on 2 shards and
     restored on 3 with another vshard count, read exactly as never-pushed ids do, and as
     RowInitializer computes them."""
-    from metaps.core.hashing import vshard_of
+    from common.hashing import vshard_of
     from ps.checkpoint import load_shard
     from tests.ps.test_checkpoint import fleet, owned, save_all
 

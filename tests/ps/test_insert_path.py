@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import pytest
 
-from metaps.core.hashing import hash_strings, mix64
+from common.hashing import hash_strings, mix64
 from ps.config import (
     AdmissionConfig,
     EvictionConfig,

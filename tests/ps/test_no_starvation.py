@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.client import PsClient, PsStalenessTimeout
 from ps.config import PsConfig
 from ps.factory import build_server

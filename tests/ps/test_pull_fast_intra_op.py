@@ -167,7 +167,7 @@ def test_metaps_ps_applies_the_configured_thread_count(tmp_path) -> None:
         assert 'msg="intra-op threads per request" threads=2' in proc.log()
         ids = np.arange(1, N + 1, dtype=np.int64)
         g = np.random.default_rng(0).standard_normal((N, DIM)).astype(np.float32)
-        from metaps.core.rpc import RpcConfig
+        from common.rpc import RpcConfig
         from tests.ps.conftest import TOKEN
 
         with PsClient([proc.address], RpcConfig(token=TOKEN, timeout_s=20.0)) as c:

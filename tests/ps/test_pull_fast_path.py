@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from protos import ps_pb2
 from ps import frame, routing
 from ps.id_map import IdMap

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.shard_store import ShardStore
 
 from .conftest import TOKEN, sgd_tables
@@ -43,7 +43,7 @@ def test_a_client_with_a_smaller_receive_limit_gets_replies_sized_to_it(ps_fleet
     import grpc
     import pytest
 
-    from metaps.core.rpc import make_channel
+    from common.rpc import make_channel
     from protos import ps_pb2, ps_pb2_grpc
     from ps.types import MAX_ROWS_KEY, REPLY_LIMIT_KEY
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from protos import ps_pb2
 from ps import routing, wire
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import pytest
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from ps.config import (
     AdmissionConfig,
     EvictionConfig,

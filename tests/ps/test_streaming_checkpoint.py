@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ps.checkpoint as ckpt
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from ps.config import OptimizerConfig, OptimizerKind, TableConfig
 from ps.shard_store import ShardStore
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from metaps.core.config import ConfigError, from_mapping
+from common.config import ConfigError, from_mapping
 from ps import wire
 from ps.config import InitKind, OptimizerConfig, OptimizerKind, PsConfig, TableConfig, TableDefaults, TableOverride
 from ps.embedding_table import EmbeddingTable, TableRows

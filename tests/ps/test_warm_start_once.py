@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.client import PsClient
 from ps.coordinator import checkpoint_all
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.ports import pick_port
-from metaps.deploy.podsim import netns_available as podsim_netns_available
+from tests.deploy.podsim import netns_available as podsim_netns_available
 from metaps.plots import PLOTS
 from tests.metaps.fleet_data import (
     fleet_pids,
@@ -47,7 +47,7 @@ def _ip(*args: str) -> None:
 
 
 def netns_available() -> bool:
-    """A namespace can be created here (metaps.deploy.podsim's probe), unless loopback is forced."""
+    """A namespace can be created here (tests.deploy.podsim's probe), unless loopback is forced."""
     return not os.environ.get("METAPS_TEST_FORCE_LOOPBACK") and podsim_netns_available(need_unshare=False)
 
 

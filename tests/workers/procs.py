@@ -4,7 +4,7 @@
 * :func:`start_worker` runs ``metaps worker`` with its log in a file.
 * :func:`wait_for_log` polls a log file for a line (the processes' only shared state with the test).
 * :func:`serve_ps_and_controller` starts one PS shard and a controller in this process (gRPC on 127.0.0.1).
-* (free ports: :func:`metaps.core.metrics.free_port`)
+* (free ports: :func:`common.metrics.free_port`)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from metaps.job import JobConfig
-from metaps.core.toml_writer import dumps
+from common.toml_writer import dumps
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "worker-test-token"  # the PS fixtures (conftest.py) and worker processes share it
@@ -84,7 +84,7 @@ def serve_ps_and_controller(job: JobConfig, state_dir: Path, specs: Sequence[Any
     """
     from controller.config import AgentConfig, ControllerConfig, DdsConfig, PolicyKind
     from controller.server import ControllerServer
-    from metaps.core.rpc import RpcConfig
+    from common.rpc import RpcConfig
     from ps.factory import build_server
 
     ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)

@@ -41,7 +41,7 @@ from controller.server import ControllerServer
 from meta_io.reader import MetaIODataset
 from meta_io.slicer import concat_batches, slice_batch
 from tests.ports import pick_port
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.client import PsClient
 from ps.config import OptimizerKind
 from workers.local import local_store

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.client import PsClient
 from ps.config import InitKind, OptimizerConfig, OptimizerKind, PsConfig, TableConfig
 from tests.ports import pick_port

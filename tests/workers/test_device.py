@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from metaps.core.errors import ConfigError, MetapsError
+from common.errors import ConfigError, MetapsError
 from workers.config import resolve_device
 from workers.local import local_store, train_local
 

@@ -15,7 +15,7 @@ from meta_io.build import MetaIOBuildConfig, build
 from meta_io.firstk import first_k_layout, read_table
 from meta_io.schema import load_schema
 from metaps.cli import main
-from metaps.core.evaluation import auc
+from common.evaluation import auc
 from workers.eval_protocols import gauc
 from workers.local import train_local
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metaps.core.evaluation import auc, logloss
+from common.evaluation import auc, logloss
 from workers.evaluation import head_target, merge_eval_files, score_batches, summarize, write_eval_file
 
 from tests.workers.conftest import make_job

@@ -24,8 +24,8 @@ from pathlib import Path
 from controller.agent import Agent
 from controller.config import AgentConfig
 from controller.types import DatasetSpec
-from metaps.core import exit_codes
-from metaps.core.rpc import RpcConfig
+from common import exit_codes
+from common.rpc import RpcConfig
 from ps.checkpoint import write_fault
 
 from tests.metaps.fleet_data import make_data

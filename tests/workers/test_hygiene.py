@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from meta_io.reader import MetaIODataset
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 from ps.client import PsClient
 from workers.config import LrSchedule
 from workers.evaluation import score_batches

@@ -70,7 +70,7 @@ def test_stopping_on_auc_keeps_the_best_auc_epoch(worker_data, tmp_path: Path) -
 
 def test_meta_mode_validates_on_the_adapted_auc(worker_data, tmp_path: Path) -> None:
     """Meta layout: the held-out batches are whole tasks; their AUC is after adaptation, as their loss is."""
-    from metaps.core.evaluation import auc
+    from common.evaluation import auc
     from workers.evaluation import score_batches
 
     job = make_job(worker_data["meta"], tmp_path, train={"epochs": 2, "val_fraction": 0.2, "early_stop_patience": 0})

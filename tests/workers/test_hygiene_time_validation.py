@@ -19,8 +19,8 @@ from meta_io.holdout import split_by_time
 from meta_io.layout import Layout
 from meta_io.reader import MetaIODataset
 from meta_io.schema import load_schema
-from metaps.core.errors import ConfigError, MetapsError
-from metaps.core.evaluation import auc
+from common.errors import ConfigError, MetapsError
+from common.evaluation import auc
 from workers.local import train_local
 
 from tests.workers.conftest import make_job

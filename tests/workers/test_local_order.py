@@ -1,6 +1,6 @@
 """The shard order train-local reads is the one a one-worker fleet is leased.
 
-:func:`metaps.core.shard_order.shard_order` is the DDS's epoch shuffle, moved to the ground
+:func:`common.shard_order.shard_order` is the DDS's epoch shuffle, moved to the ground
 floor so train-local can read the same order without importing the controller. A real DDS
 (LMDB state in a temp dir) is drained by one worker, epoch after epoch; its lease sequence
 must equal ``shard_order`` for each epoch, concatenated. The order must also be a real
@@ -17,8 +17,8 @@ from controller.config import DdsConfig
 from controller.dds import DynamicDataSharding
 from controller.state import StateStore
 from controller.types import DatasetKind, DatasetSpec, GetStatus
-from metaps.core.errors import ConfigError, MetapsError
-from metaps.core.shard_order import shard_order
+from common.errors import ConfigError, MetapsError
+from common.shard_order import shard_order
 
 FILES = (10, 7, 3)
 BPS, SEED, EPOCHS = 3, 5, 3

@@ -1,6 +1,6 @@
 """train-local trains on a one-worker fleet's batch order (issue 29: fleet vs local parity).
 
-The fleet's DDS leases shuffled shards (:func:`metaps.core.shard_order.shard_order`);
+The fleet's DDS leases shuffled shards (:func:`common.shard_order.shard_order`);
 train-local (a Worker without a controller, world 1) reads the same shards in the same
 order. Judged on the batches themselves: the task keys of every batch train-local's
 training loop reads, over two epochs, equal those of every shard a real DDS (LMDB state,

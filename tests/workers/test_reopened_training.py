@@ -27,7 +27,7 @@ from controller.types import DatasetKind, GetStatus
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.synth import GeneratorConfig, generate
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 
 from tests.workers.conftest import TOKEN, make_job
 from tests.workers.procs import kill_all, serve_ps_and_controller, start_worker, wait_exit, write_job

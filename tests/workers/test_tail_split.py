@@ -23,7 +23,7 @@ from controller.server import ControllerServer
 from meta_io.build import MetaIOBuildConfig, build
 from meta_io.layout import Layout
 from meta_io.synth import GeneratorConfig, generate
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.factory import build_server
 
 from tests.workers.conftest import TOKEN, make_job

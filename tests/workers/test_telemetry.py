@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from metaps.core.metrics import free_port
+from common.metrics import free_port
 from metaps.run_report import build_report, print_summary, read_incarnations
 from tests.workers.conftest import make_job
 from tests.workers.procs import REPO, TOKEN, wait_exit, write_job

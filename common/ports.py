@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 from types import TracebackType
 
-from metaps.core.errors import BindError
+from common.errors import BindError
 
 
 class PortReservation:

@@ -7,7 +7,7 @@
 * optional TLS from PEM files (``[rpc] tls_cert`` + ``tls_key`` on servers,
   ``tls_ca`` on clients): servers bind with ``grpc.ssl_server_credentials``,
   clients use ``grpc.ssl_channel_credentials``; a missing, unreadable or
-  non-PEM file is a one-line :class:`~metaps.core.errors.ConfigError` naming
+  non-PEM file is a one-line :class:`~common.errors.ConfigError` naming
   the key (:meth:`RpcConfig.check_files`);
 * a port that cannot be bound is a one-line :class:`BindError`;
 * the standard gRPC health service on every server.
@@ -32,8 +32,8 @@ from typing import Any, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from metaps.core.errors import BindError, ConfigError
-from metaps.core.security import REDACTED, TOKEN_ENV, read_token_file
+from common.errors import BindError, ConfigError
+from common.security import REDACTED, TOKEN_ENV, read_token_file
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _AUTH_KEY = "authorization"

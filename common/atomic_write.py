@@ -5,7 +5,7 @@ each is written to ``<name>.tmp`` and renamed over the target (atomic on POSIX).
 Files are created mode 0600 unless a caller asks for another ``mode``: run
 files may hold paths, metrics and (redacted) configs that are nobody else's
 business. Dataclasses encoded by :func:`json_default` have their secrets
-blanked (:func:`metaps.core.security.redact`).
+blanked (:func:`common.security.redact`).
 
 Example::
 
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from metaps.core.security import redact
+from common.security import redact
 
 PRIVATE_FILE_MODE = 0o600
 

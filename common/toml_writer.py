@@ -27,8 +27,8 @@ import tomlkit
 import tomlkit.exceptions
 from tomlkit.items import Table
 
-from metaps.core.atomic_write import write_text_atomic
-from metaps.core.errors import MetapsError
+from common.atomic_write import write_text_atomic
+from common.errors import MetapsError
 
 
 class TomlWriteError(MetapsError, ValueError):

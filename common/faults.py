@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 
 
 class FaultTarget(str, enum.Enum):
@@ -265,7 +265,7 @@ class UnknownTestBreak(MetapsError):
 def _break_no_rollback(mod: Any) -> None:
     import logging
 
-    from metaps.core.log import kv
+    from common.log import kv
 
     def rollback_to(self: Any, cut_id: int, also: Callable[[Any, list[str]], None] | None = None) -> list[str]:
         logging.getLogger(__name__).warning("TEST BREAK no_rollback: the DDS is not rolled back",
@@ -281,7 +281,7 @@ def _break_no_rollback(mod: Any) -> None:
 def _break_restore_empty(mod: Any) -> None:
     import logging
 
-    from metaps.core.log import kv
+    from common.log import kv
 
     orig = mod.restore_shard_checkpoint
 
@@ -301,7 +301,7 @@ def _break_restore_never_swaps(mod: Any) -> None:
     import logging
     from types import SimpleNamespace
 
-    from metaps.core.log import kv
+    from common.log import kv
 
     orig = mod.restore_shard_checkpoint
 
@@ -322,7 +322,7 @@ def _break_restore_partial(mod: Any) -> None:
 
     import numpy as np
 
-    from metaps.core.log import kv
+    from common.log import kv
 
     orig = mod.restore_shard_checkpoint
 
@@ -411,5 +411,5 @@ def write_break_sitecustomize(directory: str | os.PathLike[str]) -> str:
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "sitecustomize.py").write_text("from metaps.core.faults import install_test_breaks\n\ninstall_test_breaks()\n")
+    (d / "sitecustomize.py").write_text("from common.faults import install_test_breaks\n\ninstall_test_breaks()\n")
     return str(d)

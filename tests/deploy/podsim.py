@@ -102,8 +102,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
+from common.errors import ConfigError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -1098,7 +1098,7 @@ class _Prober:
         if self._proc is None or self._proc.poll() is not None:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.hub, self.python, "-c",
-                 "from metaps.deploy.podsim import prober_main; prober_main()"],
+                 "from tests.deploy.podsim import prober_main; prober_main()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(self.env),
                 start_new_session=True)
             threading.Thread(target=self._read, args=(proc,), name="podsim-prober", daemon=True).start()
@@ -1175,7 +1175,7 @@ def prober_main() -> None:
                 out = {"serving": r.status == health_pb2.HealthCheckResponse.SERVING}
             elif parts[0] == "status":
                 from controller.client import ControllerClient
-                from metaps.core.rpc import RpcConfig
+                from common.rpc import RpcConfig
 
                 with ControllerClient(parts[1], RpcConfig(token=parts[2], timeout_s=10.0), retry_s=5.0) as c:
                     out = c.status()

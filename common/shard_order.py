@@ -28,7 +28,7 @@ import random
 import zlib
 from typing import Sequence
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 
 def shard_order(batches_per_file: Sequence[int], batches_per_shard: int, seed: int, epoch: int,

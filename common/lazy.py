@@ -7,7 +7,7 @@ dataset (``meta_io.reader``) for its batch counts and checks, never for a
 tensor. In such a module::
 
     from typing import TYPE_CHECKING
-    from metaps.core.lazy import LazyModule
+    from common.lazy import LazyModule
 
     if TYPE_CHECKING:
         import torch

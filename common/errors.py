@@ -10,7 +10,7 @@ class MetapsError(Exception):
     """Base class of every error metaps raises on purpose.
 
     ``exit_code`` is what a ``metaps`` command exits with when it ends on this error
-    (:mod:`metaps.core.exit_codes`: 1, FAILED, unless a subclass says a retry cannot help).
+    (:mod:`common.exit_codes`: 1, FAILED, unless a subclass says a retry cannot help).
     """
 
     exit_code: int = 1

@@ -3,7 +3,7 @@
 Every config section is a ``@dataclass(frozen=True)``. :func:`from_mapping`
 builds one from a plain mapping (a parsed TOML table), checking every key and
 type on the way: an unknown key, a missing required key or a value of the wrong
-type is a :class:`~metaps.core.errors.ConfigError` naming the file and the dotted key.
+type is a :class:`~common.errors.ConfigError` naming the file and the dotted key.
 A section may define ``validate(self)``; a ``ValueError`` it raises is reported
 the same way.
 
@@ -30,7 +30,7 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 
 T = TypeVar("T")
 

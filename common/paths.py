@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 
 
 class PathNotAllowed(MetapsError):

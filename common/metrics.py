@@ -21,9 +21,9 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core.errors import BindError
-from metaps.core.log import kv
+from common.atomic_write import write_json_atomic
+from common.errors import BindError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

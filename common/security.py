@@ -35,8 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from metaps.core.errors import ConfigError, MetapsError
-from metaps.core.log import kv
+from common.errors import ConfigError, MetapsError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def role_rpc(rpc: Any, token_file: str = "", *, run_dir: str | Path = "", serve_
     serves unauthenticated mutations; its clients find the same file.
 
     Args:
-        rpc: the job's ``metaps.core.rpc.RpcConfig``.
+        rpc: the job's ``common.rpc.RpcConfig``.
         token_file: ``--token-file`` ('' = keep ``[rpc] token_file``).
         run_dir: the job's ``[run] dir`` ('' = no run token file lookup).
         serve_hosts: the hosts a serving role binds (None: a client, never generates).
@@ -283,7 +283,7 @@ def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "") -> tuple[s
 
     Args:
         raw: the parsed job TOML the launcher will write as ``RUN/job.toml`` (edited in place).
-        rpc: its ``metaps.core.rpc.RpcConfig``.
+        rpc: its ``common.rpc.RpcConfig``.
         token_file: ``metaps launch --token-file`` ('' = ``[rpc] token_file``).
 
     Returns:
