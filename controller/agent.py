@@ -46,9 +46,9 @@ from typing import Mapping, Sequence
 
 from controller.client import ControllerClient, ControllerError
 from controller.config import AgentConfig
-from metaps.core import exit_codes
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig
+from common import exit_codes
+from common.log import kv
+from common.rpc import RpcConfig
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Agent:
 
     def run(self) -> int:
         """Supervise until the child finishes (0), a drain/stop/SIGTERM (0), the restart limit (1)
-        or the child exits with :data:`~metaps.core.exit_codes.RUN_FAILED` / ``SUPERSEDED``
+        or the child exits with :data:`~common.exit_codes.RUN_FAILED` / ``SUPERSEDED``
         (that code: restarting it cannot help)."""
         try:
             self.client.register()

@@ -48,8 +48,8 @@ from typing import Any, Callable
 from controller.dds import DynamicDataSharding
 from controller.state import StateStore, key_seq, seq_key, dumps, loads
 from controller.types import FINAL_CUT, DdsCut
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 import grpc
 
 from controller.types import Command, GetResult, GetStatus, ReportResult, ShardLease
-from metaps.core import exit_codes
-from metaps.core.errors import MetapsError
-from metaps.core.rpc import RpcConfig, make_channel
+from common import exit_codes
+from common.errors import MetapsError
+from common.rpc import RpcConfig, make_channel
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
 

@@ -1,7 +1,7 @@
 """``[controller]`` of the job TOML: DDS, Monitor, Policy, Agent and checkpoint settings.
 
 Every section is a frozen dataclass with ``validate()``; build them from plain
-Python objects in tests, or from TOML through :func:`metaps.core.config.from_mapping`.
+Python objects in tests, or from TOML through :func:`common.config.from_mapping`.
 
 Example::
 

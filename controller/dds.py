@@ -31,7 +31,7 @@ ledger still tiles every batch exactly once: [s, p) by W, [p, e) by whoever take
 the tail; a retried partial report (reply lost) is a ``retry``, a partial report
 nobody asked for is refused and changes nothing. No batch is trained twice (this is
 not a backup lease). When every shard of an epoch is DONE the next epoch is
-created (shuffled with ``seed + epoch`` by :func:`metaps.core.shard_order.shard_order`,
+created (shuffled with ``seed + epoch`` by :func:`common.shard_order.shard_order`,
 the order train-local reads too) in the same transaction; after the last epoch the
 dataset answers DONE.
 
@@ -71,8 +71,8 @@ from controller.state import Event, EventLog, StateStore, dumps, loads
 from controller.types import (DatasetKind, DatasetSpec, DdsCut, DdsError, GetResult, GetStatus, ReportResult,
                               ReportStatus, ShardLease, StateMismatch, UnknownDataset, UnknownShard,
                               parse_shard_id)
-from metaps.core.log import kv
-from metaps.core.shard_order import shard_order
+from common.log import kv
+from common.shard_order import shard_order
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from controller.state import StateStore
-from metaps.core import exit_codes
+from common import exit_codes
 from controller.types import ROLES, SOURCES, BadNode, Command, UnknownNode, check_node
 
 AGENT_COMMANDS = ("restart", "drain", "stop")

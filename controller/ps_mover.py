@@ -19,8 +19,8 @@ import logging
 from typing import Callable
 
 from controller.ports import MoveReport, PsFleet
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -94,8 +94,8 @@ from controller.checkpoint import CheckpointCoordinator
 from controller.ports import PsFleet, RestoreReport
 from controller.run_outcome import RUN_FAILED as _RUN_FAILED
 from controller.state import EventLog, StateStore, dumps, loads
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ failed); a failed run has no leader (-1), so no other worker retries it.
 
 **Failed.** Every live process (worker and PS) is sent ``stop`` with the reason
 ``run_failed: <why>``, once per incarnation (a crash-looping worker that registers
-again is told again), and exits with :data:`metaps.core.exit_codes.RUN_FAILED`: the
+again is told again), and exits with :data:`common.exit_codes.RUN_FAILED`: the
 worker Job's ``podFailurePolicy`` fails the Job on that code instead of retrying
 until ``backoffLimit``. The failure is durable: it is read back from the event log
 when the controller restarts.
@@ -65,8 +65,8 @@ from typing import Callable, Protocol
 from controller.dds import DynamicDataSharding
 from controller.node_registry import NodeRegistry, NodeState
 from controller.state import Event, EventLog
-from metaps.core import exit_codes
-from metaps.core.log import kv
+from common import exit_codes
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The controller process: DDS + Monitor + Policy + node registry behind gRPC.
 
 ``ControllerServer`` wires the parts together, serves ``protos/controller.proto``
-(token auth as the PS, via :func:`metaps.core.rpc.make_server`) and runs a
+(token auth as the PS, via :func:`common.rpc.make_server`) and runs a
 background loop every ``tick_s``::
 
     tick: expire leases / hung shards -> requeue
@@ -59,9 +59,9 @@ from controller.run_outcome import RUN_FAILED, RunOutcome
 from controller.servicer import ControllerServicer
 from controller.state import Event, EventLog, StateDirLock, StateStore
 from controller.types import NODE_CHECKPOINT_FAILED, NODE_FINISHED, DatasetSpec
-from metaps.core.atomic_write import write_text_atomic
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
+from common.atomic_write import write_text_atomic
+from common.log import kv
+from common.rpc import RpcConfig, add_health, add_port, make_server
 from protos import controller_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from controller.node_registry import NodeInfo, NodeRegistry
 from controller.run_outcome import RunOutcome
 from controller.types import GetStatus, UnknownNode, check_node
 from controller.worker_claims import WorkerClaims
-from metaps.core import exit_codes
-from metaps.core.errors import MetapsError
+from common import exit_codes
+from common.errors import MetapsError
 from protos import controller_pb2 as pb
 from protos import controller_pb2_grpc
 
@@ -161,7 +161,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     def _refuse_if_failed(self, method: str, who: str) -> None:
         """A process joining a failed run is told so at once (FAILED_PRECONDITION ``run_failed: <why>``:
-        the client exits :data:`~metaps.core.exit_codes.RUN_FAILED`), instead of registering into a run
+        the client exits :data:`~common.exit_codes.RUN_FAILED`), instead of registering into a run
         nothing will end for it (a re-applied failed day's late pods crash-looped until backoffLimit)."""
         from controller.run_outcome import RunState
 
@@ -310,7 +310,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             raise ValueError("CheckpointDone: dir must name the checkpoint directory, got ''")
         root = self.s.checkpoint_root
         if root is not None:  # a committed cut's dir is what a PS recovery restores from: keep it confined
-            from metaps.core.paths import PathNotAllowed, confine
+            from common.paths import PathNotAllowed, confine
 
             try:
                 confine(request.dir, root)

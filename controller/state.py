@@ -29,8 +29,8 @@ from typing import Any, Iterator
 
 import lmdb
 
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _ID_RE = re.compile(r"^(?P<ds>[A-Za-z0-9_.\-]+):(?P<epoch>\d+):(?P<file>\d+):(?P<start>\d+)-(?P<stop>\d+)$")

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from controller.node_registry import NodeRegistry, NodeState
 from controller.state import StateStore
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

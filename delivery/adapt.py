@@ -82,9 +82,9 @@ import torch
 from delivery.bundle import BundleManifest, DeliveryError
 from meta_io.batch import FeatureBatch, PlainBatch
 from meta_io.schema import PAD_ID, Schema
-from metaps.core.config import from_mapping, to_dict
-from metaps.core.errors import ConfigError
-from metaps.core.log import kv
+from common.config import from_mapping, to_dict
+from common.errors import ConfigError
+from common.log import kv
 
 if TYPE_CHECKING:
     from models.meta_config import MetaConfig

@@ -50,9 +50,9 @@ from delivery.adapt import AdaptingModel, Recipe
 from delivery.bundle import BundleManifest, DeliveryError
 from meta_io.batch import MetaBatch
 from meta_io.schema import Schema
-from metaps.core.errors import MetapsError
-from metaps.core.evaluation import auc
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.evaluation import auc
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def validation_episodes(
         DeliveryError: the holdout cannot give episodes (a plain Meta-IO layout, no timestamp column), named.
     """
     from meta_io.layout import INDEX_NAME, MANIFEST_NAME
-    from metaps.core.errors import DataError
+    from common.errors import DataError
 
     p = Path(holdout)
     if not p.exists():
@@ -344,7 +344,7 @@ def not_selected(manifest: BundleManifest, reason: str) -> Selection:
     """
     configured = None
     if manifest.adapt:
-        from metaps.core.config import from_mapping
+        from common.config import from_mapping
         from models.meta_config import MetaConfig
 
         try:

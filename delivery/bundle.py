@@ -62,11 +62,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from delivery.config import RowDtype
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core.config import from_mapping, to_dict
-from metaps.core.errors import ConfigError, MetapsError
-from metaps.core.hashing import mix64
-from metaps.core.log import kv
+from common.atomic_write import write_json_atomic
+from common.config import from_mapping, to_dict
+from common.errors import ConfigError, MetapsError
+from common.hashing import mix64
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

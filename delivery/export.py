@@ -66,10 +66,10 @@ from delivery.config import DeliveryConfig
 from delivery.dense import DenseSpec, save_scripted, trace_dense
 from delivery.reuse import ExportCache, Live, LiveKey, advance_live, canonical, locate
 from meta_io.schema import Schema, schema_from_dict
-from metaps.core.config import from_mapping
-from metaps.core.errors import ConfigError, MetapsError
-from metaps.core.eta import ProgressHook as ProgressHook  # re-exported: deliver_once(progress=...)
-from metaps.core.log import kv
+from common.config import from_mapping
+from common.errors import ConfigError, MetapsError
+from common.eta import ProgressHook as ProgressHook  # re-exported: deliver_once(progress=...)
+from common.log import kv
 
 if TYPE_CHECKING:
     from models.base import CtrModel

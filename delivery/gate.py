@@ -51,9 +51,9 @@ from delivery.bundle import (
 )
 from meta_io.batch import FeatureBatch, MetaBatch
 from meta_io.schema import Schema, schema_from_dict
-from metaps.core.errors import MetapsError
-from metaps.core.evaluation import auc
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.evaluation import auc
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def check_consistency(bundle_dir: str | Path) -> list[str]:
         problems.append(f"{d}: the dense network needs tables {sorted(dense_tables - have)} the bundle lacks")
     try:
         from models.config import ModelConfig
-        from metaps.core.config import from_mapping
+        from common.config import from_mapping
 
         dims = from_mapping(ModelConfig, m.model, where=f"{d}: manifest model").embedding_dims(schema.tables)
     except (MetapsError, ValueError) as exc:

@@ -55,7 +55,7 @@ from delivery.gate import GateReport, run_gate
 from delivery.loader import bundle_chain
 from delivery.publish import Publisher
 from delivery.reuse import ExportCache
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

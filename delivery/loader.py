@@ -43,7 +43,7 @@ from delivery.dense import flat_inputs, load_scripted
 from delivery.publish import LATEST, Publisher
 from meta_io.batch import FeatureBatch, PlainBatch
 from meta_io.schema import Schema, schema_from_dict
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ Output: one Parquet file, ``row`` (0-based input row), ``p_<head>`` per head, an
 the ``keep_columns`` copied verbatim from the input (e.g. a key and a label:
 a string task key comes out as the raw string, not its int64 hash),
 written beside ``--out`` and renamed over it at the end
-(:func:`metaps.core.atomic_write.atomic_output`), so a failure at any point leaves no
+(:func:`common.atomic_write.atomic_output`), so a failure at any point leaves no
 file (or the previous one) at ``--out``.
 
 Example::
@@ -46,9 +46,9 @@ import pyarrow.parquet as pq
 from delivery.bundle import DeliveryError
 from meta_io.batch import FeatureBatch
 from meta_io.schema import ID_KINDS, ColumnKind, Schema
-from metaps.core.atomic_write import atomic_output
-from metaps.core.evaluation import StreamingAUC
-from metaps.core.log import kv
+from common.atomic_write import atomic_output
+from common.evaluation import StreamingAUC
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

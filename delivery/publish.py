@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from delivery.bundle import DeliveryError, read_manifest
-from metaps.core.log import kv
-from metaps.core.process import pid_alive
+from common.log import kv
+from common.process import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, TypeVar
 import numpy as np
 import torch
 
-from metaps.core.log import kv
+from common.log import kv
 
 if TYPE_CHECKING:
     from models.base import CtrModel

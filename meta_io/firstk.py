@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from meta_io.batch import MetaBatch
 from meta_io.schema import Schema
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,9 @@ import pyarrow.parquet as pq
 
 from meta_io.schema import Schema
 from meta_io.source import iter_source
-from metaps.core.errors import DataError
-from metaps.core.hashing import mix64
-from metaps.core.log import kv
+from common.errors import DataError
+from common.hashing import mix64
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def read_task_keys(path: str | Path) -> np.ndarray:
     try:
         keys = np.array([int(ln) for ln in lines], dtype=np.int64)
     except (ValueError, OverflowError):
-        from metaps.core.hashing import hash_strings
+        from common.hashing import hash_strings
 
         keys = hash_strings(pa.array(lines, type=pa.string()))
     return np.unique(keys)

@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from meta_io.layout import BatchKind
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 INDEX_SCHEMA = pa.schema(
     [

@@ -42,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 ALGO = "crc32"
 MANIFEST_KEY = "checksums"

@@ -44,7 +44,7 @@ import pyarrow as pa
 
 from meta_io import layout as L
 from meta_io.schema import Schema
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 PACK_PREFIX = "__pack_"
 

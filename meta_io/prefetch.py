@@ -28,7 +28,7 @@ import queue
 import threading
 from typing import Iterable, Iterator, TypeVar
 
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

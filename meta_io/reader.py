@@ -68,9 +68,9 @@ from meta_io.layout import BatchKind
 from meta_io.packing import PACKED_FORMAT_VERSION, UNPACKED_FORMAT_VERSION, Block, Packing, logical_schemas, unpack
 from meta_io.source import normalized_arrow_schema
 from meta_io.schema import LIST_KINDS, ColumnKind, Schema, schema_from_dict
-from metaps.core.errors import DataError, SchemaError
-from metaps.core.lazy import LazyModule
-from metaps.core.log import kv
+from common.errors import DataError, SchemaError
+from common.lazy import LazyModule
+from common.log import kv
 
 if TYPE_CHECKING:
     import torch

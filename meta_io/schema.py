@@ -51,7 +51,7 @@ choice, made by the task key column's kind:
   embedding table and is never looked up on the PS.
 
 Both normalize the same way: integer keys are kept, string keys are hashed
-to int64 with :func:`metaps.core.hashing.hash_strings` (as string ids are),
+to int64 with :func:`common.hashing.hash_strings` (as string ids are),
 so the same data grouped by a ``key`` or a ``sparse`` column gives the same
 tasks. A ``key`` column must have a value on every row (a null is an error
 naming the file, column and row). Any other kind cannot be the task key
@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metaps.core.config import from_mapping, read_toml
-from metaps.core.errors import ConfigError, SchemaError
+from common.config import from_mapping, read_toml
+from common.errors import ConfigError, SchemaError
 
 PAD_ID = -1
 """Padding value of multi-hot and text id lists (never a real id: ids are >= 0)."""
@@ -227,7 +227,7 @@ class Schema:
         return list(seen)
 
     def to_dict(self) -> dict[str, Any]:
-        from metaps.core.config import to_dict
+        from common.config import to_dict
 
         return to_dict(self)
 

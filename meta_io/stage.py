@@ -73,8 +73,8 @@ import pyarrow.fs as pafs
 
 from meta_io import layout as L
 from meta_io import integrity
-from metaps.core.errors import ConfigError, DataError
-from metaps.core.log import kv
+from common.errors import ConfigError, DataError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

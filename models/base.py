@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from meta_io.batch import FeatureBatch
 from meta_io.schema import Schema
-from metaps.core.errors import DataError
+from common.errors import DataError
 from models.config import ModelConfig
 from models.embedding import LocalLookup, LookupIndex, TableLayout, build_index
 from models.features import EncodedFeatures, FeatureEncoder

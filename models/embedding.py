@@ -37,7 +37,7 @@ from torch import Tensor
 
 from meta_io.batch import FeatureBatch
 from meta_io.schema import PAD_ID, ColumnSpec, Pooling
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 class TableIndex(NamedTuple):

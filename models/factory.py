@@ -14,7 +14,7 @@ from models.deepfm import DeepFM
 from models.dnn import WideDeep
 from models.esmm import ESMM
 from models.losses import heads_for_schema
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch._functorch.eager_transforms as _eager
 
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

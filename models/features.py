@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from meta_io.batch import FeatureBatch
 from meta_io.schema import ID_KINDS, Schema
-from metaps.core.errors import DataError
+from common.errors import DataError
 from models.embedding import (
     GroupedIndex, GroupLayout, LocalIndex, LocalLookup, LookupIndex, MetaGroupedIndex, TableLayout,
     build_grouped_index, build_meta_index, group_layouts, pool, pool_grouped, pooled_permutation,

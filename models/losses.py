@@ -27,7 +27,7 @@ from torch import Tensor
 
 from meta_io.batch import FeatureBatch
 from meta_io.schema import Schema
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 @dataclass(frozen=True)

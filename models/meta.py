@@ -58,7 +58,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 from models.base import CtrModel
 from models.embedding import GroupedIndex, LookupIndex, MetaGroupedIndex, TableIndex
 from models.features import GroupedLookup

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from metaps.core.errors import ConfigError
+from common.errors import ConfigError
 from models import meta_emb as memb
 from models.meta_config import InnerLr, MetaConfig
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from metaps.core.hashing import mix64
+from common.hashing import mix64
 from ps.config import AdmissionConfig
 
 DEPTH = 4

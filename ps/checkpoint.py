@@ -83,10 +83,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 import lmdb
 import numpy as np
 
-from metaps.core.hashing import vshard_of
-from metaps.core.log import kv
+from common.hashing import vshard_of
+from common.log import kv
 from ps.rows import TableRows
-from metaps.core.atomic_write import write_text_atomic
+from common.atomic_write import write_text_atomic
 from ps.errors import BadRequest, CheckpointError, CheckpointNoSpace, CheckpointNotFound, CheckpointWriteError
 
 if TYPE_CHECKING:

@@ -70,9 +70,9 @@ import grpc
 import numpy as np
 import torch
 
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig, make_channel
+from common.errors import MetapsError
+from common.log import kv
+from common.rpc import RpcConfig, make_channel
 from ps import frame, group_frame, routing, step_frame, wire
 from ps.partition_map import PartitionMap, dense_owner
 from ps.types import (

@@ -18,7 +18,7 @@ Example (job TOML)::
     dim = 32
     optimizer = { kind = "adam", lr = 0.001 }
 
-Load it with ``metaps.core.config.load_toml(PsConfig, "job.toml", section="ps")``
+Load it with ``common.config.load_toml(PsConfig, "job.toml", section="ps")``
 and resolve the tables of a schema with ``cfg.table_configs(names)``.
 """
 

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig, make_channel
+from common.errors import MetapsError
+from common.log import kv
+from common.rpc import RpcConfig, make_channel
 from ps.partition_map import PartitionMap, dense_owner
 from protos import ps_pb2, ps_pb2_grpc
 from ps.types import ShardHost

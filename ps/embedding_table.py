@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from metaps.core.log import kv
+from common.log import kv
 from ps import intra_op
 from ps.admission import Admission
 from ps.config import NonfiniteMode, TableConfig

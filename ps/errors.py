@@ -6,7 +6,7 @@ exactly as it was when a request is refused.
 
 from __future__ import annotations
 
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 
 
 class BadRequest(MetapsError):

@@ -16,7 +16,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry
 
-from metaps.core.rpc import RpcConfig
+from common.rpc import RpcConfig
 from ps.config import PsConfig, SyncMode, TableConfig
 from ps.partition_map import PartitionMap
 from ps.servicer import PsServer

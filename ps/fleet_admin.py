@@ -36,9 +36,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig, make_channel
+from common.errors import MetapsError
+from common.log import kv
+from common.rpc import RpcConfig, make_channel
 from protos import ps_pb2, ps_pb2_grpc
 from ps.migration import MigrationReport, migrate_vshards
 from ps.partition_map import PartitionMap

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 import torch
 
-from metaps.core.log import kv
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -69,7 +69,7 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from metaps.core.hashing import hash_strings, mix64
+from common.hashing import hash_strings, mix64
 from ps.config import InitKind
 
 TABLE_ROWS = 1 << 16

@@ -35,7 +35,7 @@ import logging
 import threading
 from typing import Callable, TypeVar
 
-from metaps.core.log import kv
+from common.log import kv
 
 __all__ = ["MAX_THREADS", "MIN_ROWS_PER_THREAD", "set_threads", "threads", "spans", "run"]
 

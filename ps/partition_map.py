@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metaps.core.hashing import vshard_of
+from common.hashing import vshard_of
 from protos import ps_pb2
 
 

@@ -97,10 +97,10 @@ import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
-from metaps.core.atomic_write import json_default
-from metaps.core.hashing import vshard_of
-from metaps.core.log import kv
-from metaps.core.rpc import RpcConfig, add_health, add_port, make_server
+from common.atomic_write import json_default
+from common.hashing import vshard_of
+from common.log import kv
+from common.rpc import RpcConfig, add_health, add_port, make_server
 from protos import ps_pb2, ps_pb2_grpc
 from ps import frame, group_frame, step_frame, wire
 from ps.codec import checked_lease, dense_tensors, rows_from_chunk, rows_to_chunks
@@ -1023,7 +1023,7 @@ class PsServer(ps_pb2_grpc.ParameterServerServicer):  # type: ignore[misc]  # ge
         PERMISSION_DENIED (nothing touched)."""
         if self.checkpoint_root is None:
             return directory
-        from metaps.core.paths import PathNotAllowed, confine
+        from common.paths import PathNotAllowed, confine
 
         if also and os.path.realpath(directory) == os.path.realpath(also):
             return os.path.realpath(also)

@@ -33,8 +33,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from metaps.core.hashing import vshard_of
-from metaps.core.log import kv
+from common.hashing import vshard_of
+from common.log import kv
 from ps.config import NonfiniteMode, OptimizerConfig, TableConfig
 from ps.dense_store import DenseStore
 from ps.embedding_table import EmbeddingTable, PushResult, TableRows, check_ids

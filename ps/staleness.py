@@ -68,12 +68,12 @@ import threading
 import time
 from typing import Callable
 
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 
 
 class StalenessTimeout(MetapsError, TimeoutError):

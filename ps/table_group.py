@@ -55,7 +55,7 @@ import torch
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
-from metaps.core.log import kv
+from common.log import kv
 from ps import intra_op
 from ps.config import NonfiniteMode, TableConfig
 from ps.embedding_table import EmbeddingTable, PushResult

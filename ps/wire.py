@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from metaps.core.errors import MetapsError
+from common.errors import MetapsError
 from protos import ps_pb2
 
 

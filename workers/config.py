@@ -179,7 +179,7 @@ def resolve_device(device: str) -> str:
     """
     import torch
 
-    from metaps.core.errors import ConfigError
+    from common.errors import ConfigError
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -55,8 +55,8 @@ import numpy as np
 import torch
 
 from meta_io.slicer import BatchSlicer, Take
-from metaps.core.errors import MetapsError
-from metaps.core.log import kv
+from common.errors import MetapsError
+from common.log import kv
 from workers.data_feed import BatchRange
 from workers.trainer import StepStats, _ids_of, _samples_of
 

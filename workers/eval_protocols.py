@@ -41,9 +41,9 @@ import torch
 
 from meta_io.batch import MetaBatch, PlainBatch
 from meta_io.schema import Schema
-from metaps.core.errors import DataError
-from metaps.core.evaluation import auc
-from metaps.core.log import kv
+from common.errors import DataError
+from common.evaluation import auc
+from common.log import kv
 from workers.evaluation import score_batches, summarize
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
-from metaps.core.evaluation import auc, logloss
+from common.evaluation import auc, logloss
 from workers.row_source import RowSource
 
 if TYPE_CHECKING:

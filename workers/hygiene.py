@@ -6,7 +6,7 @@
         (or: every batch of the [data] validation dataset, and every train batch trains)
     for each epoch:
         train on the other batches (the same step engine), in a one-worker fleet's order
-        (metaps.core.shard_order: the DDS's shuffled shards, the held-out batches left out)
+        (common.shard_order: the DDS's shuffled shards, the held-out batches left out)
         validation loss = the training objective on the validation batches, no update
             (meta: query loss after adaptation; plain: the loss), eval mode (no dropout)
         validation AUC = per head on the same batches (meta: adapted, as the loss is);
@@ -45,8 +45,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from metaps.core.log import kv
-from metaps.core.shard_order import shard_order
+from common.log import kv
+from common.shard_order import shard_order
 from workers.config import EarlyStopMetric, LrSchedule, TrainMode
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def validation_split(dataset: Any, fraction: float, seed: int) -> dict[int, np.n
 
 def training_plan(files: dict[int, int], held: dict[int, np.ndarray], dds: Any, epoch: int) -> list[tuple[int, int, int]]:
     """``(file, start, stop)`` ranges train-local trains in ``epoch``: a one-worker fleet's order
-    (:func:`metaps.core.shard_order.shard_order`, the DDS's shuffled shards) without the held-out batches.
+    (:func:`common.shard_order.shard_order`, the DDS's shuffled shards) without the held-out batches.
 
     Args:
         files: file index -> its record batches.
@@ -215,7 +215,7 @@ def validation_auc(worker: Any, batches: list[tuple[int, int]], dataset: Any = N
     Returns:
         head -> AUC (NaN where the validation rows hold one class only).
     """
-    from metaps.core.evaluation import auc
+    from common.evaluation import auc
     from workers.evaluation import score_batches
 
     tr = worker.trainer

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from metaps.core.log import kv
+from common.log import kv
 from workers.config import resolve_device
 from workers.row_source import LocalRowSource
 from workers.worker import Worker, merge_eval_files

@@ -39,7 +39,7 @@ import logging
 import statistics
 from typing import Any
 
-from metaps.core.log import kv
+from common.log import kv
 
 __all__ = ["AUTO", "OverlapProbe"]
 

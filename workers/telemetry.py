@@ -3,7 +3,7 @@
 Everything here is written *while* the worker trains, so a run can be watched
 live and a worker that is killed or restarted leaves its history behind.
 
-Prometheus (served by ``metaps worker --metrics-port``, :func:`metaps.core.metrics.serve_metrics`;
+Prometheus (served by ``metaps worker --metrics-port``, :func:`common.metrics.serve_metrics`;
 every series is labelled ``rank``)::
 
     metaps_worker_steps_total                 counter   training steps done by this process
@@ -65,8 +65,8 @@ import numpy as np
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from metaps.core.atomic_write import json_default, write_text_atomic
-from metaps.core.log import kv
+from common.atomic_write import json_default, write_text_atomic
+from common.log import kv
 from workers.row_source import GroupedIds
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def claim_incarnation(workers_dir: Path, rank: int, limit: int = 10_000) -> int:
     Returns:
         N >= 1, the incarnation of this process.
     """
-    from metaps.core.errors import MetapsError
+    from common.errors import MetapsError
 
     workers_dir.mkdir(parents=True, exist_ok=True)
     for inc in range(1, limit + 1):

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
-from metaps.core.log import kv
+from common.log import kv
 from models.embedding import GroupedIndex, MetaGroupedIndex
 from workers.config import DenseSync, LrSchedule, TrainConfig, TrainMode
 from workers.row_source import RowSource
@@ -221,7 +221,7 @@ class Trainer:
             return self._local_dense
         store = getattr(self.rows, "store", None) if getattr(self.rows, "in_process", False) else None
         if store is None:
-            from metaps.core.errors import ConfigError
+            from common.errors import ConfigError
 
             raise ConfigError(
                 f"[train] lr_schedule = '{LrSchedule(self.cfg.lr_schedule).value}' needs the dense optimizer in the "
@@ -238,7 +238,7 @@ class Trainer:
 
         sched = LrSchedule(self.cfg.lr_schedule)
         if sched == LrSchedule.WARMUP_COSINE and self.total_steps <= 0:
-            from metaps.core.errors import ConfigError
+            from common.errors import ConfigError
 
             raise ConfigError("[train] lr_schedule = 'warmup_cosine' needs the run length: set [train] max_steps")
         if not hasattr(self, "_base_dense_cfg"):

@@ -4,7 +4,7 @@ Life of a worker::
 
     register with the controller ---- heartbeat thread (leases, commands)
     for each train shard leased by the DDS (without a controller: one worker reads the shards
-    a one-worker fleet would be leased, metaps.core.shard_order; rank r of w > 1 a static slice):
+    a one-worker fleet would be leased, common.shard_order; rank r of w > 1 a static slice):
         read batches (prefetch) -> pull rows -> step -> push grads -> report metrics
         report the shard done
     pull final dense params; score the eval shards it is leased -> run/eval/*.npz
@@ -31,13 +31,13 @@ import torch
 
 from meta_io.prefetch import prefetch
 from meta_io.reader import MetaIODataset
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core import exit_codes
-from metaps.core.config import to_dict
-from metaps.core.errors import MetapsError
-from metaps.core.eta import JobEta
-from metaps.core.log import kv
-from metaps.core.shard_order import shard_order
+from common.atomic_write import write_json_atomic
+from common import exit_codes
+from common.config import to_dict
+from common.errors import MetapsError
+from common.eta import JobEta
+from common.log import kv
+from common.shard_order import shard_order
 from workers.config import DenseSync, TrainMode
 from workers.data_feed import BatchRange, static_ranges
 from workers.evaluation import merge_eval_files, score_batches, write_eval_file
@@ -58,7 +58,7 @@ class FinalCheckpointFailed(MetapsError):
     """Training finished but the run's final checkpoint could not be written (a full disk, an
     I/O error, no permission: ``ps.coordinator.CheckpointWriteFailed``); its partial files were
     removed. Deterministic, so the worker tells the controller (which fails the run once) and
-    exits with :data:`~metaps.core.exit_codes.RUN_FAILED`, which its agent does not restart.
+    exits with :data:`~common.exit_codes.RUN_FAILED`, which its agent does not restart.
 
     Args:
         message: one line naming the checkpoint path and the OS error.
@@ -128,7 +128,7 @@ class _Heartbeat(threading.Thread):
 
 def _exit_now(reason: str) -> None:
     """The controller failed the run or fenced this process off: exit at once with the code
-    :mod:`metaps.core.exit_codes` gives ``reason``, writing nothing more (no report, no
+    :mod:`common.exit_codes` gives ``reason``, writing nothing more (no report, no
     checkpoint, no push: a superseded process must not touch the fleet's state)."""
     code = exit_codes.for_stop(reason)
     log.error("controller says stop; exiting", extra=kv(reason=reason, exit_code=code))
@@ -157,7 +157,7 @@ class Worker:
 
     def __init__(self, job: Any, rank: int, rows: RowSource, controller: Any = None, run_dir: Path | None = None,
                  world: int | None = None, barrier: Any = None) -> None:
-        from metaps.core.faults import FaultInjector
+        from common.faults import FaultInjector
 
         self.job, self.rank, self.ctl = job, rank, controller
         self.world = job.train.workers if world is None else world
@@ -216,7 +216,7 @@ class Worker:
     # -- data -------------------------------------------------------------------------
     def _own_ranges(self, epoch: int) -> list[BatchRange]:
         """Without a controller: one worker (train-local) reads a one-worker fleet's order, the
-        DDS's shuffled shards (:func:`metaps.core.shard_order.shard_order` with ``[controller.dds]
+        DDS's shuffled shards (:func:`common.shard_order.shard_order` with ``[controller.dds]
         batches_per_shard`` and ``seed``), so train-local and the fleet differ in nothing but the
         process layout; rank ``r`` of ``w > 1`` reads its static slice of every file."""
         if self.world > 1:

@@ -19,8 +19,8 @@ from meta_io.index import IndexBuilder
 from meta_io.integrity import MANIFEST_VALUE as CHECKSUMS_MANIFEST
 from meta_io.layout import BatchKind, Layout
 from meta_io.schema import Schema
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core.config import to_dict
+from common.atomic_write import write_json_atomic
+from common.config import to_dict
 
 
 def dataset_files(folder: Path) -> list[Path]:

@@ -24,9 +24,9 @@ from meta_io import layout as L
 from meta_io.build.config import MetaIOBuildConfig
 from meta_io.layout import Layout, Split
 from meta_io.schema import Schema
-from metaps.core.errors import DataError
-from metaps.core.hashing import mix64
-from metaps.core.log import kv
+from common.errors import DataError
+from common.hashing import mix64
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

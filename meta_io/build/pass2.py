@@ -24,8 +24,8 @@ from meta_io.build.plan import plan_episodes
 from meta_io.build.writers import _RollingWriter
 from meta_io.layout import BatchKind, Split
 from meta_io.schema import Schema
-from metaps.core.hashing import mix64
-from metaps.core.log import kv
+from common.hashing import mix64
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -65,10 +65,10 @@ from meta_io.packing import packing_manifest, packing_plans
 from meta_io.index import IndexBuilder
 from meta_io.layout import Layout, Split
 from meta_io.schema import Schema, load_schema, task_key_kind_error
-from metaps.core.atomic_write import write_json_atomic
-from metaps.core.errors import ConfigError, DataError, SchemaError
-from metaps.core.eta import ProgressHook as ProgressHook  # re-exported: build(progress=...)
-from metaps.core.log import kv
+from common.atomic_write import write_json_atomic
+from common.errors import ConfigError, DataError, SchemaError
+from common.eta import ProgressHook as ProgressHook  # re-exported: build(progress=...)
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ Normalized columns (one per schema column, schema order, exact types)::
     extra       any non-nested type                             string
 
 Ids and keys: integers stay as they are (negative is an error: -1 is padding); strings
-are hashed with :func:`metaps.core.hashing.hash_strings` (FNV-1a, non-negative
+are hashed with :func:`common.hashing.hash_strings` (FNV-1a, non-negative
 int64). ``hash = true`` on a column hashes integers too (their decimal text),
 so the same ids typed as int in Parquet and as text in CSV agree.
 

@@ -1,5 +1,5 @@
 """Per-kind normalizers: one raw Arrow column of a batch -> its normalized column, or a
-:class:`~metaps.core.errors.DataError` naming file, column and row. The rules are in :mod:`meta_io.source`.
+:class:`~common.errors.DataError` naming file, column and row. The rules are in :mod:`meta_io.source`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 
 from meta_io.schema import LIST_KINDS, PAD_ID, ColumnKind, ColumnSpec, Schema
 from meta_io.source.files import _EXPECTED, _is_text
-from metaps.core.errors import DataError
-from metaps.core.hashing import hash_strings
+from common.errors import DataError
+from common.hashing import hash_strings
 
 
 TOKEN_SEP = r"[\s,;|]+"

@@ -11,7 +11,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from meta_io.schema import LIST_KINDS, ColumnKind, ColumnSpec, Schema
-from metaps.core.errors import DataError
+from common.errors import DataError
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")

@@ -12,8 +12,8 @@ from meta_io.schema import Schema
 from meta_io.source.columns import _FileState, _normalize
 from meta_io.source.files import _is_csv, _open_csv, _open_parquet, check_source
 from meta_io.source.normalized import SourceBatch, normalized_arrow_schema
-from metaps.core.errors import DataError, SchemaError
-from metaps.core.log import kv
+from common.errors import DataError, SchemaError
+from common.log import kv
 
 log = logging.getLogger(__name__)
 

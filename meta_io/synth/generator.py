@@ -71,8 +71,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from meta_io.schema import ColumnKind, ColumnSpec, Pooling, Schema
-from metaps.core.evaluation import StreamingAUC
-from metaps.core.log import kv
+from common.evaluation import StreamingAUC
+from common.log import kv
 
 log = logging.getLogger(__name__)
 
