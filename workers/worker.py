@@ -38,6 +38,7 @@ from common.errors import MetapsError
 from common.eta import JobEta
 from common.log import kv
 from common.shard_order import shard_order
+from workers.callbacks import NO_CALLBACKS, CheckpointEvent, EvalEvent, StepEvent, TrainingCallbacks
 from workers.config import DenseSync, TrainMode
 from workers.data_feed import BatchRange, static_ranges
 from workers.evaluation import merge_eval_files, score_batches, write_eval_file
@@ -186,6 +187,8 @@ class Worker:
         self.final_metrics: dict[str, Any] | None = None  # the merged eval metrics of the final checkpoint
         self.checkpoint_error = ""  # the final checkpoint could not be written (FinalCheckpointFailed)
         self.stopped_reason = ""  # why it stopped training early ("max_steps"), for the controller
+        self.callbacks: TrainingCallbacks = NO_CALLBACKS  # in-process callers (workers/callbacks.py)
+        self.stop_asked = ""  # a callback's reason to stop: training ends after the current step
         self._draining = False
         self._stale_wait_seen = 0.0  # PsClient.stale_wait_s when _step_waits last read it
         self.lease_progress: tuple[str, int] = ("", 0)  # (lease, next batch of it): heartbeats, tail split
@@ -321,6 +324,8 @@ class Worker:
                 for stats in self.trainer.run(batches):
                     self._after_step(stats)
                     trained += 1
+                    if self.stop_asked:
+                        break
                 if self.ctl is not None and lease is not None:  # rides on the next GetShard (one RPC)
                     # a lease told to truncate reports where it stopped; the DDS requeues the rest
                     stop = self.lease_progress[1] if self._lease_stop < rng.stop else 0
@@ -331,7 +336,7 @@ class Worker:
                     self.ctl.defer_report(lease, "done", samples=self.samples - n0, elapsed_s=time.perf_counter() - t0,
                                           stop=stop, step_limit=cut)
                 self.shards_done += 1
-                if self._draining or self.trainer._at_limit():
+                if self._draining or self.trainer._at_limit() or self.stop_asked:
                     break
             if self.ctl is not None:
                 self.ctl.flush_reports()  # stopped early (drain, step limit): the last report on its own
@@ -462,6 +467,13 @@ class Worker:
         if self.ctl is not None:
             self._report(stats, delay, telemetry=False, own_s=own_step_s + delay)
             self._handle_commands()
+        total = int(getattr(self.trainer, "total_steps", 0) or 0)
+        self._asked(self.callbacks.step(StepEvent(
+            step, stats.loss, self.samples, total, dict(stats.metrics), min(1.0, step / total) if total > 0 else None)))
+
+    def _asked(self, why: str) -> None:
+        """A callback's answer: a reason to stop (the first one is kept), or '' to go on."""
+        self.stop_asked = self.stop_asked or why
 
     def _step_waits(self) -> float:
         """Seconds this worker waited for slower workers (staleness bound, barriers) since the last call.
@@ -612,6 +624,7 @@ class Worker:
         log.info("checkpoint written", extra=kv(rank=self.rank, step=step, dir=str(path), cut_id=cut_id))
         if self.ctl is not None and cut_id:
             self.ctl.checkpoint_done(cut_id, step, str(path))
+        self._asked(self.callbacks.checkpointed(CheckpointEvent(step, Path(path))))
         return path
 
     def _periodic_eval(self, step: int) -> None:
@@ -629,6 +642,7 @@ class Worker:
         metrics = evaluate(self.model, self.rows, bounded_batches(batches, self.job.train.eval_max_rows),
                            self.job.meta, adapt=self.job.train.mode == TrainMode.META)
         flat = self.telemetry.on_eval(step, metrics)
+        self._asked(self.callbacks.evaluated(EvalEvent(step, flat)))
         log.info("periodic eval", extra=kv(rank=self.rank, step=step, s=round(time.perf_counter() - t0, 2),
                                            **{k.replace("/", "_"): round(v, 4) for k, v in flat.items()}))
 
