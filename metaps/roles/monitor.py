@@ -6,23 +6,37 @@
 
 Writes the scrape config, alert rules and Grafana provisioning next to the run's
 targets file (:func:`metaps.monitoring.write_stack`); then starts ``prometheus`` and
-``grafana-server`` when they are on ``PATH`` (until Ctrl-C), or prints the two commands
-(always with ``--print``).
+``grafana-server`` when they are on ``PATH``, or prints the two commands (always with
+``--print``).
+
+What it starts it stops: each program runs in a process group of its own, and when
+``metaps monitor`` ends -- SIGINT (Ctrl-C), SIGTERM, or every program it started exited --
+every group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, so no Prometheus or
+Grafana (nor a process either started) outlives it. Exit code: 130 / 143 after SIGINT /
+SIGTERM, else the first non-zero exit code of the programs (0 when they exited cleanly).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from common.log import kv
 from metaps.monitoring import write_stack
 from metaps.roles.output import emit
 
 log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+"""SIGTERM -> SIGKILL grace for each program ``metaps monitor`` started."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,19 +61,60 @@ def run_monitor(args: argparse.Namespace) -> int:
                     "grafana": str(files.grafana), "commands": [list(c) for c in files.commands], "started": []},
              lines)
         return 0
-    procs = [subprocess.Popen(list(cmd)) for cmd in files.commands if found[cmd[0]]]
-    started = [cmd[0] for cmd in files.commands if found[cmd[0]]]
-    log.info("monitoring started", extra=kv(started=",".join(started),
-                                            prometheus=f"http://127.0.0.1:{args.prometheus_port}",
-                                            grafana=f"http://127.0.0.1:{args.grafana_port}" if found["grafana-server"]
-                                            else "-"))
+    stop = threading.Event()
+    signalled: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signalled.append(signum)
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for cmd in files.commands:
+            if found[cmd[0]] and not stop.is_set():
+                # a process group of its own: stopping it stops whatever it started, and a Ctrl-C at the
+                # terminal reaches metaps monitor only (which then stops the groups, in order)
+                procs.append(subprocess.Popen(list(cmd), start_new_session=True))
+        started = [cmd[0] for cmd in files.commands if found[cmd[0]]]
+        log.info("monitoring started", extra=kv(started=",".join(started), pids=",".join(str(p.pid) for p in procs),
+                                                prometheus=f"http://127.0.0.1:{args.prometheus_port}",
+                                                grafana=f"http://127.0.0.1:{args.grafana_port}"
+                                                if found["grafana-server"] else "-"))
+        while not stop.is_set() and any(p.poll() is None for p in procs):
+            stop.wait(0.5)
+    finally:
+        stop_groups(procs, STOP_GRACE_S)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if signalled:
+        return 128 + signalled[0]
+    return next((p.returncode for p in procs if p.returncode), 0)
+
+
+def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM every process group of ``procs`` (each started with ``start_new_session``), then
+    SIGKILL what is left after ``grace_s``; reaps the leaders.
+
+    Args:
+        procs: the programs started, each the leader of its own process group.
+        grace_s: how long the groups get to stop after SIGTERM.
+    """
+    def signal_groups(sig: int) -> None:
         for p in procs:
-            p.wait()
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
-        return 130
-    return max((p.returncode or 0) for p in procs)
+            try:
+                os.killpg(p.pid, sig)  # the group outlives a leader that exited: its children too
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    signal_groups(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("did not stop after SIGTERM: killing its process group", extra=kv(pid=p.pid, grace_s=grace_s))
+    signal_groups(signal.SIGKILL)
+    for p in procs:
+        p.wait()
+    log.info("monitoring stopped", extra=kv(pids=",".join(str(p.pid) for p in procs)))

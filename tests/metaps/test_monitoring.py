@@ -63,3 +63,54 @@ def test_monitor_command_prints_the_commands_or_refuses_in_one_line(tmp_path: Pa
     r = _metaps("--json", "monitor", "--run", str(tmp_path))
     out = json.loads(r.stdout)  # exactly one JSON object
     assert out["started"] == [] and out["targets"] == str(tmp_path / "metrics" / "targets.json")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_monitor_stops_what_it_started_on_sigterm(tmp_path: Path) -> None:
+    """SIGTERM to `metaps monitor` stops the Prometheus it started and what that one started
+    (a stand-in `prometheus` on PATH: a shell that starts a `sleep` and waits)."""
+    import signal
+    import time
+
+    write_targets(tmp_path / "run" / "metrics" / "targets.json", {"controller": "127.0.0.1:9300"}, "x")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "prometheus"
+    pids = tmp_path / "pids"
+    fake.write_text(f'#!/bin/sh\nsleep 300 &\necho "$$ $!" > {pids}.tmp && mv {pids}.tmp {pids}\nwait\n')
+    fake.chmod(0o700)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:/usr/bin:/bin")
+    log = tmp_path / "monitor.log"  # printed by tests/conftest.py when the test fails
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "metaps", "monitor", "--run", str(tmp_path / "run"),
+                                 "--prometheus-port", "1"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not pids.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pids.exists(), log.read_text()
+        started = [int(x) for x in pids.read_text().split()]
+        assert all(_alive(pid) for pid in started)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()
+        deadline = time.monotonic() + 10  # the orphaned sleep is reaped by init
+        while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in started if _alive(pid)], log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
