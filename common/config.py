@@ -118,6 +118,16 @@ def _convert(tp: Any, value: Any, key: str, where: str) -> Any:
     raise ConfigError(f"{where}: key '{key}': unsupported config type {_type_name(tp)}")
 
 
+def toml_key(field: dataclasses.Field[Any]) -> str:
+    """The key a field has in a TOML file: its name, or ``metadata["toml"]`` when the TOML key is
+    not a Python name (``[model] class`` is ``ModelConfig.class_path``).
+
+    Args:
+        field: a config dataclass field.
+    """
+    return str(field.metadata.get("toml", field.name))
+
+
 @functools.lru_cache(maxsize=None)
 def _type_hints(cls: type) -> dict[str, Any]:
     """``typing.get_type_hints(cls)``, once per class (read only; evaluating the string
@@ -137,7 +147,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "<config>",
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     hints = _type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {toml_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         dotted = ", ".join(f"'{prefix + '.' if prefix else ''}{k}'" for k in unknown)
@@ -148,7 +158,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "<config>",
     for name, field in fields.items():
         dotted = f"{prefix}.{name}" if prefix else name
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], dotted, where)
+            kwargs[field.name] = _convert(hints[field.name], data[name], dotted, where)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}: missing required key '{dotted}'")
     try:
@@ -190,7 +200,7 @@ def load_toml(cls: type[T], path: str | Path, section: str | None = None) -> T:
 def to_dict(obj: Any) -> Any:
     """A config dataclass as plain data (enums as their values, paths as str)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {toml_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, Path):

@@ -21,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from common.config import toml_key
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "configuration.md"
 
@@ -147,13 +149,14 @@ def _render_class(cls: type, key: str, lines: list[str], seen: set[tuple[type, s
         value = getattr(default, f.name) if default is not None else _field_default(f)
         type_cell = _type_str(tp).replace("|", "\\|")
         default_cell = _default_str(value).replace("|", "\\|")
-        lines.append(f"| `{f.name}` | {type_cell} | {default_cell} | {docs.get(f.name, '')} |")
+        name = toml_key(f)  # the TOML key ([model] class is ModelConfig.class_path)
+        lines.append(f"| `{name}` | {type_cell} | {default_cell} | {docs.get(f.name, '')} |")
         inner = [a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         for a in inner:
             suffix = "[]" if typing.get_origin(tp) in (list, tuple) else ""
             # a table field's default instance gives the nested table's defaults; list items: the class's
             sub = value if not suffix and isinstance(value, a) else None
-            nested.append((a, f"{key}.{f.name}{suffix}", sub))
+            nested.append((a, f"{key}.{name}{suffix}", sub))
     lines.append("")
     for a, k, sub in nested:
         _render_class(a, k, lines, seen, sub)

@@ -180,8 +180,37 @@ def build_hint(dataset: str, source: str = "") -> str:
     return hint
 
 
+def absolute_class_dir(data: dict[str, Any], source: str | Path) -> dict[str, Any]:
+    """``data`` with a custom model's ``[model] class_dir`` made absolute against the job file's folder.
+
+    ``class_dir = ""`` becomes the job file's folder, a relative one that folder joined with it. A
+    copy of the job (the run directory's ``job.toml``, a Kubernetes ConfigMap) then names the folder
+    the user meant, wherever it is read. Other models, and a ``class_dir`` that is already absolute
+    or not a string (the loader names it), are left as they are.
+
+    Args:
+        data: a parsed job mapping (not modified; a changed copy is returned).
+        source: the job file it was read from.
+    """
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("kind") != "custom":
+        return data
+    d = model.get("class_dir", "")
+    if not isinstance(d, str) or (d and Path(d).is_absolute()):
+        return data
+    folder = Path(source).resolve().parent
+    return {**data, "model": {**model, "class_dir": str((folder / d).resolve() if d else folder)}}
+
+
 def job_from_mapping(data: dict[str, Any], where: str = "<job>") -> JobConfig:
-    """Build a JobConfig from a parsed TOML mapping; missing sections take defaults."""
+    """Build a JobConfig from a parsed TOML mapping; missing sections take defaults.
+
+    When ``where`` names a job file (``describe``'s ``FILE --set ...`` included), a custom model's
+    ``[model] class_dir`` is made absolute against its folder (:func:`absolute_class_dir`).
+    """
+    source = Path(where.split(" --set ")[0])
+    if source.is_file():
+        data = absolute_class_dir(data, source)
     types = _section_types()
     unknown = sorted(set(data) - set(types))
     if unknown:

@@ -11,8 +11,19 @@ Example (TOML)::
     table_dims = { item = 32 }
 
 The embedding dimension of every table comes from here (``default_dim`` unless
-``table_dims`` overrides it). The PS tables must be created with the same dims:
-both are wired from :meth:`ModelConfig.embedding_dims`.
+``table_dims`` overrides it, or a custom model's class declares it). The PS
+tables must be created with the same dims: both are wired from
+:meth:`ModelConfig.embedding_dims`, the one place dims are decided.
+
+A model of the user's own (``kind = "custom"``) is named by import path::
+
+    [model]
+    kind = "custom"
+    class = "my_towers:TwoTower"    # ModelConfig.class_path (``class`` is not a Python name)
+    class_dir = ""                  # '' = the job file's folder (made absolute when the job is read)
+
+This module stays torch-free: the class is imported (:mod:`models.custom_import`)
+only when its dims are asked for or the model is built.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from common.errors import ConfigError
 
 
 class ModelKind(str, enum.Enum):
@@ -29,6 +42,7 @@ class ModelKind(str, enum.Enum):
     DEEPFM = "deepfm"
     DCNV2 = "dcnv2"
     ESMM = "esmm"
+    CUSTOM = "custom"  # the user's class, [model] class (docs/design/models.md, "Your own model")
 
 
 class BottomKind(str, enum.Enum):
@@ -43,7 +57,8 @@ class ModelConfig:
     """Model architecture and embedding dims.
 
     Args:
-        kind: which model (``dnn``, ``deepfm``, ``dcnv2``, ``esmm``).
+        kind: which model (``dnn``, ``deepfm``, ``dcnv2``, ``esmm``), or ``custom``: the user's class
+            named by ``class``.
         hidden: deep MLP widths (for ESMM: the widths of each task tower).
         dropout: dropout after every hidden layer. Off by default: it makes the
             vectorized and looped meta-steps differ and breaks parity checks.
@@ -56,6 +71,17 @@ class ModelConfig:
             (a multiple of 4, as the PS's TBE tables require).
         table_dims: per-table dim overrides.
         seed: seed of the (deterministic) dense parameter init.
+        class_path: TOML key ``class``: with ``kind = "custom"``, the model's import path
+            ``"module:Class"`` (``"my_towers:TwoTower"``, a dotted module allowed): a torch ``nn.Module``
+            built from a ``models.custom.ModelSpec`` that returns one logit per head, or a ``CtrModel``
+            subclass (docs/design/models.md, "Your own model"). Checked on a tiny synthetic batch when
+            the model is built. The class may declare ``embedding_dims = {table: dim}``: the PS tables
+            are sized from it (a ``table_dims`` entry must agree).
+        class_dir: a folder ``class`` is also imported from (after ``PYTHONPATH``); '' = the job file's
+            folder. A relative path is the job file's folder joined with it; both are made absolute
+            when the job file is read, so the run directory's copy of the job and every process of a
+            fleet find the same folder. A folder that does not exist is skipped (a Kubernetes pod
+            imports the class from its image's ``PYTHONPATH``).
 
     Example::
 
@@ -74,6 +100,8 @@ class ModelConfig:
     default_dim: int = 16
     table_dims: dict[str, int] = field(default_factory=dict)
     seed: int = 0
+    class_path: str = field(default="", metadata={"toml": "class"})
+    class_dir: str = ""
 
     def validate(self) -> None:
         # Accept plain strings from Python callers; the TOML loader already converts.
@@ -94,6 +122,17 @@ class ModelConfig:
         _check_dim("default_dim", self.default_dim)
         for table, dim in self.table_dims.items():
             _check_dim(f"table_dims.{table}", dim)
+        if self.kind == ModelKind.CUSTOM:
+            module, _, attr = self.class_path.partition(":")
+            if not self.class_path:
+                raise ValueError('model.class is required with model.kind = "custom": the import path '
+                                 '"module:Class" of your model (e.g. "my_towers:TwoTower")')
+            if not module or not attr or not all(p.isidentifier() for p in module.split(".") + attr.split(".")):
+                raise ValueError(f'model.class must be "module:Class" (e.g. "my_towers:TwoTower"), '
+                                 f"got {self.class_path!r}")
+        elif self.class_path:
+            raise ValueError(f'model.class = {self.class_path!r} is only read with model.kind = "custom" '
+                             f"(got kind = {ModelKind(self.kind).value!r})")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,11 +146,31 @@ class ModelConfig:
         Raises:
             ValueError: ``table_dims`` names a table the schema does not have
                 (a typo would otherwise silently fall back to ``default_dim``).
+            ConfigError: a custom class that is not importable, or whose declared
+                ``embedding_dims`` name an unknown table, a bad dim, or disagree with ``table_dims``.
         """
         unknown = sorted(set(self.table_dims) - set(tables))
         if unknown:
             raise ValueError(f"model.table_dims names unknown tables {unknown}; schema tables: {list(tables)}")
-        return {t: self.table_dims.get(t, self.default_dim) for t in tables}
+        dims = {t: self.table_dims.get(t, self.default_dim) for t in tables}
+        if self.kind == ModelKind.CUSTOM:
+            from models.custom_import import declared_dims, import_model_class
+
+            declared = declared_dims(import_model_class(self.class_path, self.class_dir), self.class_path)
+            unknown = sorted(set(declared) - set(tables))
+            if unknown:
+                raise ConfigError(f"model.class {self.class_path!r} declares embedding_dims for unknown tables "
+                                 f"{unknown}; schema tables: {list(tables)}")
+            for t, d in declared.items():
+                try:
+                    _check_dim(f"model.class {self.class_path!r}: embedding_dims[{t!r}]", d)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+                if t in self.table_dims and self.table_dims[t] != d:
+                    raise ConfigError(f"model.table_dims.{t} = {self.table_dims[t]} disagrees with model.class "
+                                     f"{self.class_path!r}, which declares embedding_dims[{t!r}] = {d}")
+                dims[t] = d
+        return dims
 
 
 def _check_dim(name: str, dim: int) -> None:

@@ -26,6 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from common.config import toml_key
 from common.errors import ConfigError
 
 Override = tuple[list[str], Any]
@@ -52,7 +53,7 @@ def job_keys() -> dict[str, Any]:
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
-            key = f"{prefix}.{f.name}"
+            key = f"{prefix}.{toml_key(f)}"
             tp = _unwrap(hints[f.name])
             out[key] = tp
             if isinstance(tp, type) and dataclasses.is_dataclass(tp):
