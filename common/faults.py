@@ -1,45 +1,79 @@
 """Fault injection for tests, benchmarks and demos: stragglers, slow PS, kills.
 
-Mounted at ``[faults]`` of the job TOML::
+Mounted at ``[faults]`` of the job TOML. A worker fault is scheduled from its training,
+by step number or by seconds after its first training step, so it fires whatever the
+box's start-up took::
 
     [[faults.faults]]
     target = "worker"      # worker | ps
-    index = 3
-    kind = "slow"          # slow: the worker's own compute x factor
+    index = 1
+    kind = "slow"          # slow: the worker's own work x factor
+    factor = 3.0
+    basis = "step"         # "compute" (default): its forward/backward x factor; "step": its whole step
+    start_step = 20        # from its step 20 (the run's step numbers, as in the report) ...
+    end_step = 80          # ... to before step 80 (0 = to the end)
+
+    [[faults.faults]]
+    target = "worker"
+    index = 0
+    kind = "slow"
     factor = 4.0
-    basis = "compute"      # or "step": its whole step but waits for slower workers, x factor
-    start_s = 10.0         # seconds after the job start
-    duration_s = 0.0       # 0 = until the end
+    since = "train"        # start_s / duration_s count from the worker's first training step
+    start_s = 5.0
+    duration_s = 10.0      # 0 = until the end
+
+    [[faults.faults]]
+    target = "worker"
+    index = 0
+    kind = "kill"          # kill: the process exits once it has run step at_step
+    at_step = 30
 
     [[faults.faults]]
     target = "ps"
     index = 1
     kind = "latency"       # latency: added seconds per request
-    latency_s = 0.02
+    latency_s = 0.02       # since = "launch" (the default): start_s / at_s count from the launch
 
-    [[faults.faults]]
-    target = "worker"
-    index = 0
-    kind = "kill"          # kill: the process exits at at_s
-    at_s = 30.0
+``since = "launch"`` (seconds after the launcher's start, ``$METAPS_T0``) is the default and
+what a PS fault uses (a PS runs no training steps), and the benches that time their phases
+from the launch (``bench.stragglers`` E2, ``bench.chaos``) rely on it. A demo should not: a
+launch-relative window passes unseen when training starts late (a loaded box) or ends early
+(an idle one).
+
+**What fired.** An injector records each of its faults that actually applied, with when: the
+first and last step (workers) and time, the steps or requests it touched and the seconds it
+slept. With ``record_dir`` set it writes them to ``record_dir/<role>-<index>.<pid>.json`` (at the
+first firing, at most every :data:`RECORD_EVERY_S` after, at :meth:`FaultInjector.flush` and just
+before an injected kill); ``metaps.run_report`` reads them (``report.json`` ``faults``), and the
+report, plots and summaries name only what fired, never the config.
 
 Workers and PS build a :class:`FaultInjector` for themselves and ask it::
 
-    inj = FaultInjector(job.faults, "worker", rank, t0=job_start)
-    time.sleep(inj.step_delay(compute_s, own_step_s))  # a slowed worker: its own work x (factor - 1)
+    inj = FaultInjector(job.faults, "worker", rank, t0=job_start, record_dir=run_dir / "faults")
+    inj.arm_training()                                        # at the worker's first training step
+    time.sleep(inj.step_delay(compute_s, own_step_s, step=step))  # a slowed worker: its work x (factor - 1)
     time.sleep(inj.added_latency())           # in a PS request handler
-    if inj.kill_due(): os._exit(137)          # an injected crash
+    if inj.kill_due(step=step, start_step=s0): os._exit(137)  # an injected crash
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from common.errors import MetapsError
+from common.log import kv
+
+log = logging.getLogger(__name__)
+
+RECORD_EVERY_S = 2.0
+"""How often at most a firing fault's record file is rewritten (its first firing is written at once)."""
 
 
 class FaultTarget(str, enum.Enum):
@@ -58,7 +92,14 @@ class SlowBasis(str, enum.Enum):
 class FaultKind(str, enum.Enum):
     SLOW = "slow"        # multiply the worker's own work by `factor` (see FaultInjector.step_delay)
     LATENCY = "latency"  # add `latency_s` to every request
-    KILL = "kill"        # die at `at_s`
+    KILL = "kill"        # die at `at_s` / after step `at_step`
+
+
+class FaultClock(str, enum.Enum):
+    """What a fault's seconds (``start_s``, ``duration_s``, ``at_s``) count from."""
+
+    LAUNCH = "launch"  # the launcher's start ($METAPS_T0): PS faults, benches timed from the launch
+    TRAIN = "train"    # the worker's first training step (workers only)
 
 
 @dataclass(frozen=True)
@@ -72,9 +113,16 @@ class Fault:
         factor: slow: step time multiplier (> 1).
         basis: slow: what ``factor`` multiplies, ``compute`` (default) or ``step`` (:class:`SlowBasis`).
         latency_s: latency: seconds added per request (> 0).
-        start_s: slow/latency: seconds after t0 when it begins.
+        start_s: slow/latency: seconds after ``since`` when it begins.
         duration_s: slow/latency: how long it lasts; 0 = persistent.
-        at_s: kill: seconds after t0 when the process dies.
+        at_s: kill: seconds after ``since`` when the process dies.
+        since: what the seconds count from, ``launch`` (default) or ``train`` (:class:`FaultClock`;
+            workers only: their first training step).
+        start_step: slow (workers): the first step it applies to (the run's step numbers); with
+            ``end_step``, schedules it by steps instead of seconds.
+        end_step: slow (workers): the step it stops before; 0 = to the end.
+        at_step: kill (workers): the process exits once it has run this step (an incarnation that
+            started past it, the agent's replacement, is spared).
     """
 
     target: FaultTarget
@@ -86,11 +134,21 @@ class Fault:
     start_s: float = 0.0
     duration_s: float = 0.0
     at_s: float = 0.0
+    since: FaultClock = FaultClock.LAUNCH
+    start_step: int = 0
+    end_step: int = 0
+    at_step: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", FaultTarget(self.target))
         object.__setattr__(self, "kind", FaultKind(self.kind))
         object.__setattr__(self, "basis", SlowBasis(self.basis))
+        object.__setattr__(self, "since", FaultClock(self.since))
+
+    @property
+    def by_step(self) -> bool:
+        """Scheduled by step numbers (``start_step`` / ``end_step`` / ``at_step``), not seconds."""
+        return bool(self.start_step or self.end_step or self.at_step)
 
     def validate(self) -> None:
         where = f"{self.kind.value} fault on {self.target.value} {self.index}"
@@ -103,12 +161,43 @@ class Fault:
         if self.start_s < 0 or self.duration_s < 0 or self.at_s < 0:
             raise ValueError(f"{where}: start_s, duration_s and at_s must be >= 0, "
                              f"got {self.start_s}, {self.duration_s}, {self.at_s}")
+        if self.start_step < 0 or self.end_step < 0 or self.at_step < 0:
+            raise ValueError(f"{where}: start_step, end_step and at_step must be >= 0")
+        if self.end_step and self.end_step <= self.start_step:
+            raise ValueError(f"{where}: end_step ({self.end_step}) must be > start_step ({self.start_step})")
+        if self.by_step and self.target is not FaultTarget.WORKER:
+            raise ValueError(f"{where}: start_step / end_step / at_step schedule worker faults only "
+                             "(a PS runs no training steps): use start_s with since = \"launch\"")
+        if self.since is FaultClock.TRAIN and self.target is not FaultTarget.WORKER:
+            raise ValueError(f"{where}: since = \"train\" is for worker faults (a PS runs no training steps)")
+        if self.by_step and (self.start_s or self.duration_s or self.at_s):
+            raise ValueError(f"{where}: scheduled both by steps and by seconds; set one")
+        if self.kind is FaultKind.KILL and (self.start_step or self.end_step):
+            raise ValueError(f"{where}: a kill is scheduled by at_step (or at_s), not start_step / end_step")
+        if self.kind is not FaultKind.KILL and self.at_step:
+            raise ValueError(f"{where}: at_step is for kill faults; a {self.kind.value} fault takes start_step / end_step")
+        if self.kind is FaultKind.KILL and self.since is FaultClock.TRAIN:
+            raise ValueError(f"{where}: a kill counted from training would kill every restarted incarnation "
+                             "again; use at_step (or at_s since the launch)")
 
     def active(self, elapsed: float) -> bool:
-        """Whether a slow/latency fault applies ``elapsed`` seconds after t0."""
+        """Whether a seconds-scheduled slow/latency fault applies ``elapsed`` seconds after its clock."""
         if elapsed < self.start_s:
             return False
         return self.duration_s == 0 or elapsed < self.start_s + self.duration_s
+
+    def active_at_step(self, step: int) -> bool:
+        """Whether a step-scheduled slow fault applies to step ``step``."""
+        return step >= self.start_step and (self.end_step == 0 or step < self.end_step)
+
+    def describe(self) -> str:
+        """``worker 1 slow x3 (step)``: what the fault does, without its schedule."""
+        what = f"{self.target.value} {self.index} {self.kind.value}"
+        if self.kind is FaultKind.SLOW:
+            what += f" x{self.factor:g} ({self.basis.value})"
+        elif self.kind is FaultKind.LATENCY:
+            what += f" +{self.latency_s * 1000:g} ms per request"
+        return what
 
 
 @dataclass(frozen=True)
@@ -117,7 +206,7 @@ class FaultConfig:
 
     Example::
 
-        FaultConfig(faults=[Fault("worker", 1, "slow", factor=4.0)])
+        FaultConfig(faults=[Fault("worker", 1, "slow", factor=4.0, start_step=20)])
     """
 
     faults: list[Fault] = field(default_factory=list)
@@ -132,44 +221,74 @@ class FaultConfig:
     def for_node(self, role: str, index: int) -> list[Fault]:
         return [f for f in self.faults if f.target.value == role and f.index == index]
 
+    def numbered_for_node(self, role: str, index: int) -> list[tuple[int, Fault]]:
+        """(position in ``[[faults.faults]]``, fault) of the faults on one node."""
+        return [(i, f) for i, f in enumerate(self.faults) if f.target.value == role and f.index == index]
+
 
 class FaultInjector:
-    """The faults that apply to one process, evaluated against time since ``t0``.
+    """The faults that apply to one process, and a record of those that fired.
 
     Args:
         cfg: the job's ``[faults]``.
         role: ``worker`` or ``ps``.
         index: this process's rank / shard.
-        t0: job start (same clock as ``clock``); default: now.
+        t0: the launch (``since = "launch"``; same clock as ``clock``); default: now.
         clock: ``time.time`` by default, so processes of one job share t0.
+        record_dir: where to write what fired (``<role>-<index>.<pid>.json``); None: kept in memory only.
     """
 
     def __init__(self, cfg: FaultConfig, role: str, index: int, t0: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, record_dir: str | os.PathLike[str] | None = None) -> None:
         FaultTarget(role)
         cfg.validate()
-        self._faults = cfg.for_node(role, index)
+        self.role, self.index = role, index
+        self._numbered = cfg.numbered_for_node(role, index)
+        self._faults = [f for _, f in self._numbered]
         self._clock = clock
         self.t0 = clock() if t0 is None else t0
-
-    def _elapsed(self, now: float | None) -> float:
-        return (self._clock() if now is None else now) - self.t0
+        self.train_t0: float | None = None  # the first training step (arm_training): since = "train"
+        self._fired: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._path = (Path(record_dir) / f"{role}-{index}.{os.getpid()}.json") if record_dir is not None else None
+        self._dirty = False
+        self._written = 0.0
 
     @property
     def empty(self) -> bool:
         return not self._faults
 
-    def slowdown(self, now: float | None = None) -> float:
+    def arm_training(self, now: float | None = None) -> None:
+        """The worker's first training step is done: ``since = "train"`` clocks start now (once)."""
+        if self.train_t0 is None:
+            self.train_t0 = self._clock() if now is None else now
+
+    def _elapsed(self, f: Fault, now: float) -> float | None:
+        """Seconds since ``f``'s clock; None before a ``train`` clock is armed."""
+        if f.since is FaultClock.TRAIN:
+            return None if self.train_t0 is None else now - self.train_t0
+        return now - self.t0
+
+    def _applies(self, f: Fault, now: float, step: int | None) -> bool:
+        if f.by_step:
+            return step is not None and f.active_at_step(step)
+        e = self._elapsed(f, now)
+        return e is not None and f.active(e)
+
+    def _active(self, kind: FaultKind, now: float, step: int | None) -> list[tuple[int, Fault]]:
+        return [(i, f) for i, f in self._numbered if f.kind is kind and self._applies(f, now, step)]
+
+    def slowdown(self, now: float | None = None, step: int | None = None) -> float:
         """Current step-time multiplier (1.0 = normal; active factors multiply)."""
-        e = self._elapsed(now)
+        t = self._clock() if now is None else now
         m = 1.0
-        for f in self._faults:
-            if f.kind is FaultKind.SLOW and f.active(e):
-                m *= f.factor
+        for _, f in self._active(FaultKind.SLOW, t, step):
+            m *= f.factor
         return m
 
-    def step_delay(self, compute_s: float, own_step_s: float | None = None, now: float | None = None) -> float:
-        """Extra seconds a slowed worker sleeps after a step.
+    def step_delay(self, compute_s: float, own_step_s: float | None = None, now: float | None = None,
+                   step: int | None = None) -> float:
+        """Extra seconds a slowed worker sleeps after a step (recorded as fired when > 0).
 
         ``factor`` x slower means ``factor`` x as long for the same batch. With ``basis =
         "compute"`` (the default) that is the worker's forward/backward on the batch: time
@@ -186,41 +305,146 @@ class FaultInjector:
             own_step_s: this step's seconds less its waits for slower workers (None: a loop
                 that does not measure it; a ``step`` fault then scales ``compute_s``).
             now: the current time (default: the clock).
+            step: the step just run (step-scheduled faults apply only when it is given).
         """
-        e = self._elapsed(now)
+        t = self._clock() if now is None else now
+        active = self._active(FaultKind.SLOW, t, step)
         by_basis = {SlowBasis.COMPUTE: 1.0, SlowBasis.STEP: 1.0}
-        for f in self._faults:
-            if f.kind is FaultKind.SLOW and f.active(e):
-                by_basis[f.basis] *= f.factor
-        step = compute_s if own_step_s is None else own_step_s
-        return (max(0.0, compute_s) * (by_basis[SlowBasis.COMPUTE] - 1.0)
-                + max(0.0, step) * (by_basis[SlowBasis.STEP] - 1.0))
+        for _, f in active:
+            by_basis[f.basis] *= f.factor
+        own = compute_s if own_step_s is None else own_step_s
+        delay = (max(0.0, compute_s) * (by_basis[SlowBasis.COMPUTE] - 1.0)
+                 + max(0.0, own) * (by_basis[SlowBasis.STEP] - 1.0))
+        if delay > 0:
+            for i, f in active:
+                self._mark(i, f, t, step, sleep_s=delay)
+        return delay
 
     def added_latency(self, now: float | None = None) -> float:
-        """Seconds a PS adds to the request it is serving now."""
-        e = self._elapsed(now)
-        return sum(f.latency_s for f in self._faults if f.kind is FaultKind.LATENCY and f.active(e))
+        """Seconds a PS adds to the request it is serving now (recorded as fired when > 0)."""
+        t = self._clock() if now is None else now
+        active = self._active(FaultKind.LATENCY, t, None)
+        for i, f in active:
+            self._mark(i, f, t, None, sleep_s=f.latency_s)
+        return sum(f.latency_s for _, f in active)
 
-    def kill_due(self, now: float | None = None, born: float | None = None) -> bool:
-        """True once a kill fault's ``at_s`` has passed.
+    def kill_due(self, now: float | None = None, born: float | None = None, step: int | None = None,
+                 start_step: int | None = None) -> bool:
+        """True once a kill fault is due; the firing is recorded and written at once (the caller exits).
 
         Args:
             now: the current time (default: the clock).
-            born: when this process started (same clock). A kill fires only in a
-                process that was alive at ``at_s``, so the replacement its agent
-                starts afterwards is not killed again.
+            born: when this process started (same clock). A seconds kill fires only in a
+                process that was alive at ``at_s``, so the replacement its agent starts
+                afterwards is not killed again.
+            step: the step just run (an ``at_step`` kill applies only when it is given).
+            start_step: the step this incarnation started after (its resumed clock): an
+                ``at_step`` kill spares an incarnation that started at or past it.
         """
-        e = self._elapsed(now)
+        t = self._clock() if now is None else now
         b = None if born is None else born - self.t0
-        return any(f.kind is FaultKind.KILL and e >= f.at_s and (b is None or b < f.at_s) for f in self._faults)
+        for i, f in self._numbered:
+            if f.kind is not FaultKind.KILL:
+                continue
+            if f.at_step:
+                due = step is not None and step >= f.at_step and (start_step is None or start_step < f.at_step)
+            else:
+                due = t - self.t0 >= f.at_s and (b is None or b < f.at_s)
+            if due:
+                self._mark(i, f, t, step, sleep_s=0.0)
+                self.flush()
+                return True
+        return False
+
+    # -- what fired ---------------------------------------------------------------------
+    def _mark(self, i: int, f: Fault, now: float, step: int | None, sleep_s: float) -> None:
+        with self._lock:
+            rec = self._fired.get(i)
+            first = rec is None
+            if rec is None:
+                rec = self._fired[i] = {
+                    "fault": i, "target": f.target.value, "index": f.index, "kind": f.kind.value,
+                    "what": f.describe(), "factor": f.factor, "basis": f.basis.value, "latency_s": f.latency_s,
+                    "schedule": _schedule(f), "since": f.since.value, "pid": os.getpid(),
+                    "first_time": now, "first_step": step, "last_time": now, "last_step": step,
+                    "count": 0, "sleep_s": 0.0, "train_t0": self.train_t0, "launch_t0": self.t0}
+                log.warning("fault injection: fault fired", extra=kv(fault=i, what=rec["what"], schedule=rec["schedule"],
+                                                                     step=step))
+            rec["last_time"], rec["count"] = now, rec["count"] + 1
+            if step is not None:
+                rec["last_step"] = step
+            rec["sleep_s"] += sleep_s
+            self._dirty = True
+            due = first or now - self._written >= RECORD_EVERY_S
+        if due:
+            self.flush()
+
+    def fired(self) -> list[dict[str, Any]]:
+        """The faults that fired so far, one record each (see the module docstring), in config order."""
+        with self._lock:
+            return [dict(self._fired[i]) for i in sorted(self._fired)]
+
+    def flush(self) -> None:
+        """Write the record file now if anything fired since the last write (no-op without ``record_dir``)."""
+        if self._path is None:
+            return
+        with self._lock:
+            if not self._dirty:
+                return
+            self._dirty = False
+            self._written = self._clock()
+            body = {"role": self.role, "index": self.index, "pid": os.getpid(),
+                    "fired": [dict(self._fired[i]) for i in sorted(self._fired)]}
+        from common.atomic_write import write_json_atomic
+
+        try:
+            write_json_atomic(self._path, body)
+        except OSError as exc:  # a full disk must not stop training over a demo record
+            log.warning("fault record not written", extra=kv(path=str(self._path), error=str(exc)[:200]))
 
 
-def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None) -> Callable[[], float] | None:
+def _schedule(f: Fault) -> str:
+    """The fault's configured schedule in words (``steps 20-79``, ``5 s after its first step for 10 s``)."""
+    if f.at_step:
+        return f"after step {f.at_step}"
+    if f.by_step:
+        return f"steps {f.start_step}-{f.end_step - 1}" if f.end_step else f"from step {f.start_step}"
+    clock = "its first training step" if f.since is FaultClock.TRAIN else "the launch"
+    if f.kind is FaultKind.KILL:
+        return f"{f.at_s:g} s after {clock}"
+    span = f" for {f.duration_s:g} s" if f.duration_s else ""
+    return f"{f.start_s:g} s after {clock}{span}"
+
+
+def read_fired(record_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every fault firing recorded under ``record_dir`` (one record per fault per process), oldest first.
+
+    Unreadable files are skipped with a warning (a process killed mid-write leaves at most a temp file).
+    """
+    import json
+
+    out: list[dict[str, Any]] = []
+    d = Path(record_dir)
+    if not d.is_dir():
+        return out
+    for p in sorted(d.glob("*.json")):
+        try:
+            body = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable fault record", extra=kv(path=str(p), error=str(exc)[:200]))
+            continue
+        out.extend(r for r in body.get("fired") or [] if isinstance(r, dict))
+    return sorted(out, key=lambda r: float(r.get("first_time") or 0.0))
+
+
+def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None,
+                     record_dir: str | os.PathLike[str] | None = None) -> Callable[[], float] | None:
     """The per-request delay hook of PS ``shard`` (``ps.servicer`` sleeps its value), or None.
 
     ``t0`` defaults to ``$METAPS_T0`` (the launcher's job start, shared by every
     process of a job) or now, so ``start_s`` / ``duration_s`` mean the same on
     every node. None when no latency fault targets this shard (no per-request cost).
+    What fired is written under ``record_dir`` (default: ``$METAPS_RUN_DIR/faults`` when set).
 
     Example::
 
@@ -231,7 +455,9 @@ def ps_added_latency(cfg: FaultConfig, shard: int, t0: float | None = None) -> C
         return None
     if t0 is None and os.environ.get("METAPS_T0"):
         t0 = float(os.environ["METAPS_T0"])
-    inj = FaultInjector(cfg, "ps", shard, t0=t0)
+    if record_dir is None and os.environ.get("METAPS_RUN_DIR"):
+        record_dir = Path(os.environ["METAPS_RUN_DIR"]) / "faults"
+    inj = FaultInjector(cfg, "ps", shard, t0=t0, record_dir=record_dir)
     return inj.added_latency
 
 

@@ -12,9 +12,13 @@ CTCVR probability, scored against ``click * conversion`` over all impressions.
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +27,7 @@ import torch
 
 from meta_io.batch import FeatureBatch, MetaBatch, PlainBatch
 from common.evaluation import auc, logloss
+from common.log import kv
 from workers.row_source import RowSource
 
 if TYPE_CHECKING:
@@ -210,3 +215,110 @@ def merge_eval_files(directory: Path) -> dict[str, Any]:
     for kind, heads in merged.items():
         out[kind] = summarize({h: {k: np.concatenate(v) for k, v in arrs.items()} for h, arrs in heads.items()})
     return out
+
+
+@dataclass
+class PeriodicResult:
+    """One periodic evaluation, done.
+
+    Attributes:
+        step: the step whose model was scored (its dense parameters, copied when the step ended).
+        metrics: :func:`evaluate`'s ``{"base": {head: metrics}[, "adapted": ...]}``.
+        seconds: how long the scoring took.
+        rows: eval rows scored (support + query).
+        steps_during: training steps the worker ran while it scored (0 when it scored inline).
+        thread: the thread that scored it (``periodic-eval``, or ``MainThread`` inline).
+    """
+
+    step: int
+    metrics: dict[str, Any]
+    seconds: float
+    rows: int
+    steps_during: int
+    thread: str
+
+
+class PeriodicEval:
+    """The leader's periodic evaluation, off its training path.
+
+    :meth:`start` copies the model (its dense parameters as of the step just done) and scores
+    the copy on the leading ``max_rows`` rows of the eval set in a daemon thread, pulling the
+    embedding rows live from ``rows`` (pulls only, no step number: no staleness wait), so the
+    worker goes on training meanwhile; :meth:`poll` hands finished results back to the training
+    thread (which records them: telemetry and callbacks stay on one thread). One evaluation at a
+    time: a step that falls due while one is running is skipped (counted in ``skipped``). With
+    ``background=False`` (a row source that is not safe to read beside training, e.g. the
+    in-process tables of ``train-local``), :meth:`start` scores inline and the result is ready at
+    once.
+
+    Args:
+        dataset: the eval Meta-IO dataset (``MetaIODataset``).
+        rows: the row source (a fleet's ``RemoteRowSource``: its PS client serves threads).
+        meta_cfg: inner-loop settings for the adapted scores.
+        adapt: also score after per-task adaptation.
+        max_rows: the row budget (:func:`bounded_batches`).
+        current_step: the worker's step counter, read when a result is done (``steps_during``).
+        background: score in a thread (True) or inline.
+    """
+
+    def __init__(self, dataset: Any, rows: RowSource, meta_cfg: Any, adapt: bool, max_rows: int,
+                 current_step: Callable[[], int], background: bool = True) -> None:
+        self.dataset, self.rows, self.meta_cfg, self.adapt, self.max_rows = dataset, rows, meta_cfg, adapt, max_rows
+        self.current_step, self.background = current_step, background
+        self.skipped = 0
+        self._thread: threading.Thread | None = None
+        self._done: list[PeriodicResult] = []
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, step: int, model: CtrModel) -> bool:
+        """Score ``model`` as of ``step`` (a copy, in the background); False when one is still running."""
+        if self.busy:
+            self.skipped += 1
+            return False
+        if not self.background:
+            self._run(step, model, steps_from=step)
+            return True
+        snapshot = copy.deepcopy(model)  # the dense parameters of this step; training goes on with the original
+        self._thread = threading.Thread(target=self._run, args=(step, snapshot, step), name="periodic-eval",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _run(self, step: int, model: CtrModel, steps_from: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            ds = self.dataset
+            batches = (b for f in range(ds.num_files) for b in ds.read_range(f, 0, ds.num_batches(f)))
+            counted: list[int] = []
+
+            def count(bs: Iterable[MetaBatch | PlainBatch]) -> Iterator[MetaBatch | PlainBatch]:
+                for b in bs:
+                    counted.append(batch_rows(b))
+                    yield b
+
+            metrics = evaluate(model, self.rows, count(bounded_batches(batches, self.max_rows)), self.meta_cfg,
+                               adapt=self.adapt)
+        except Exception:  # a failed evaluation costs its point on the curve, never the training
+            log.exception("periodic eval failed", extra=kv(step=step))
+            return
+        res = PeriodicResult(step, metrics, time.perf_counter() - t0, sum(counted),
+                             max(0, int(self.current_step()) - steps_from), threading.current_thread().name)
+        with self._lock:
+            self._done.append(res)
+
+    def poll(self) -> list[PeriodicResult]:
+        """The evaluations finished since the last call, oldest first."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout_s: float | None = None) -> list[PeriodicResult]:
+        """Wait for the running evaluation (at most ``timeout_s``), then :meth:`poll`."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+        return self.poll()

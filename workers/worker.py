@@ -177,7 +177,9 @@ class Worker:
         )
         self._born = time.time()
         self._warmed = False  # this incarnation's first step is done (see _after_step)
-        self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", self._born)))
+        # what fired goes to RUN/faults/ (metaps.run_report reads it: reports name only faults that fired)
+        self.faults = FaultInjector(job.faults, "worker", rank, t0=float(os.environ.get("METAPS_T0", self._born)),
+                                    record_dir=self.run_dir / "faults")
         self.history: list[dict[str, Any]] = []
         self.samples = 0
         self.busy_s = 0.0
@@ -204,7 +206,7 @@ class Worker:
         self._rounds = 0  # train() calls: more than one when a rollback reopened finished training
         self._last_rec: dict[str, Any] | None = None
         self._last_dense_s = 0.0
-        self._eval_ds: Any = None
+        self._periodic: Any = None  # workers.evaluation.PeriodicEval, made at the leader's first due step
         """All-reduce + DD policy: the workers.dd.DdLoop that applies the controller's batch sizes."""
 
     def _init_allreduce(self) -> None:
@@ -353,6 +355,8 @@ class Worker:
             extra=kv(rank=self.rank, steps=self.trainer.step_no, samples=self.samples, shards=self.shards_done,
                      wall_s=round(self.wall_s, 2)),
         )
+        self._finish_periodic()  # the last periodic evaluation still running: recorded before the final one
+        self.faults.flush()
 
     def read(self, file: int, start: int, stop: int) -> Iterator[Any]:
         """Batches ``[start, stop)`` of ``file``, each :meth:`Trainer.prepare`d for its step.
@@ -412,7 +416,7 @@ class Worker:
                 time.sleep(_WAIT_POLL_S)  # nobody had a batch: everyone waits, pause together
 
     def _after_step(self, stats: StepStats) -> None:
-        if self.faults.kill_due(born=self._born):
+        if self.faults.kill_due(born=self._born, step=stats.step, start_step=self.start_step):
             log.error("fault injection: killing this worker now", extra=kv(rank=self.rank, step=stats.step))
             os._exit(137)  # like SIGKILL: the agent restarts it, the DDS requeues its shard
         # a factor-x slower worker: x its forward/backward (basis "compute") or x its whole step
@@ -422,7 +426,9 @@ class Worker:
         # against milliseconds later), not its speed: slowing it would make a 20x slower worker
         # sleep 20x its warm-up, minutes on a loaded box. A slow fault starts at the second step.
         first = not self._warmed
-        delay = self.faults.step_delay(stats.compute_s, own_step_s) if self._warmed else 0.0
+        if first:  # faults with since = "train" count from here (common/faults.py)
+            self.faults.arm_training()
+        delay = self.faults.step_delay(stats.compute_s, own_step_s, step=stats.step) if self._warmed else 0.0
         self._warmed = True
         if delay > 0:
             time.sleep(delay)
@@ -628,23 +634,43 @@ class Worker:
         return path
 
     def _periodic_eval(self, step: int) -> None:
-        """The leader, every ``[train] eval_every_steps``: AUC on the first ``eval_max_rows`` eval rows."""
+        """The leader, every ``[train] eval_every_steps``: AUC on the first ``eval_max_rows`` eval rows,
+        off the training path (:class:`workers.evaluation.PeriodicEval`: a copy of the model scored
+        in a background thread while this worker trains on; in-process tables are scored inline).
+        Each step hands over the evaluations that finished since the last one."""
+        self._record_periodic(self._periodic.poll() if self._periodic is not None else [])
         every = self.job.train.eval_every_steps
         if not every or not self.job.data.eval or step % every or not self.is_leader:
             return
-        from workers.evaluation import bounded_batches, evaluate
+        if self._periodic is None:
+            from workers.evaluation import PeriodicEval
 
-        if self._eval_ds is None:
-            self._eval_ds = MetaIODataset(self.job.data.eval)
-        ds = self._eval_ds  # the model holds the dense parameters of the step just done
-        t0 = time.perf_counter()
-        batches = (b for f in range(ds.num_files) for b in ds.read_range(f, 0, ds.num_batches(f)))
-        metrics = evaluate(self.model, self.rows, bounded_batches(batches, self.job.train.eval_max_rows),
-                           self.job.meta, adapt=self.job.train.mode == TrainMode.META)
-        flat = self.telemetry.on_eval(step, metrics)
-        self._asked(self.callbacks.evaluated(EvalEvent(step, flat)))
-        log.info("periodic eval", extra=kv(rank=self.rank, step=step, s=round(time.perf_counter() - t0, 2),
-                                           **{k.replace("/", "_"): round(v, 4) for k, v in flat.items()}))
+            remote = hasattr(self.rows, "client")  # a fleet's PS client serves concurrent pulls
+            self._periodic = PeriodicEval(MetaIODataset(self.job.data.eval), self.rows, self.job.meta,
+                                          adapt=self.job.train.mode == TrainMode.META,
+                                          max_rows=self.job.train.eval_max_rows,
+                                          current_step=lambda: self.trainer.step_no, background=remote)
+        if not self._periodic.start(step, self.model):
+            log.info("periodic eval skipped: the previous one is still running",
+                     extra=kv(rank=self.rank, step=step, skipped=self._periodic.skipped))
+        self._record_periodic(self._periodic.poll())  # an inline one is done already
+
+    def _finish_periodic(self) -> None:
+        """Training is over: wait for the running periodic evaluation and record it."""
+        if self._periodic is not None:
+            self._record_periodic(self._periodic.wait(timeout_s=600.0))
+
+    def _record_periodic(self, results: list[Any]) -> None:
+        for r in results:
+            flat = self.telemetry.on_eval(r.step, r.metrics)
+            if self.telemetry.eval_points:  # how it ran: the report shows the evaluation left the step path
+                self.telemetry.eval_points[-1].update(seconds=round(r.seconds, 3), rows=r.rows,
+                                                      steps_during=r.steps_during, thread=r.thread,
+                                                      recorded_at_step=self.trainer.step_no)
+            self._asked(self.callbacks.evaluated(EvalEvent(r.step, flat)))
+            log.info("periodic eval", extra=kv(rank=self.rank, step=r.step, s=round(r.seconds, 2), rows=r.rows,
+                                               steps_during=r.steps_during, thread=r.thread,
+                                               **{k.replace("/", "_"): round(v, 4) for k, v in flat.items()}))
 
     def evaluate(self) -> bool:
         """Score this worker's eval shards (controller) or its static slice of eval.
@@ -830,6 +856,7 @@ class Worker:
         return rep
 
     def close(self) -> None:
+        self.faults.flush()
         self.telemetry.close()
         if self._hb is not None:
             self._hb.stop_event.set()

@@ -176,6 +176,12 @@ def test_tensorboard_written_before_the_run_ends(scenario: dict[str, Any]) -> No
     assert len(scenario["tb_head_loss"]) >= 2, scenario["tb_head_loss"]  # train/loss/click, train/loss/conversion
     auc = scenario["tb_auc"]
     assert auc and all(0.0 <= e.value <= 1.0 for e in auc) and all(e.step % 3 == 0 for e in auc)
+    # the periodic evaluation runs off the training path (workers.evaluation.PeriodicEval): scored
+    # on its own thread over a copy of the model while the worker trains on, and handed over at a
+    # later step (inline, it was recorded at the step it scored, with no step done meanwhile)
+    points = [p for r in scenario["snapshot"] for p in r["eval_history"]]
+    assert points and all(p["thread"] == "periodic-eval" for p in points), points
+    assert all(p["recorded_at_step"] > p["step"] and p["steps_during"] >= 0 and p["rows"] > 0 for p in points), points
 
 
 @pytest.mark.timeout(900)
