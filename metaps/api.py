@@ -29,22 +29,29 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import logging
 import os
 import tempfile
+import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from common.errors import ConfigError, MetapsError
+from workers.callbacks import CheckpointEvent, EvalEvent, StepEvent
 
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
+    import torch
 
+    from meta_io.batch import FeatureBatch
+    from meta_io.schema import Schema
     from metaps.job import JobConfig
+    from metaps.progress import RunProgress
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +63,387 @@ Overrides = Mapping[str, object]
 """Job-file overrides, ``{"train.max_steps": 20, "ps.shards": 1}``: the CLI's ``--set`` keys, checked the same way."""
 DataInput = Union[str, "os.PathLike[str]", "pa.Table"]
 """Rows to score: a Parquet/CSV file or folder, or a ``pyarrow.Table`` with the same columns."""
+IdsInput = Union[Sequence[int], "np.ndarray", "torch.Tensor"]
+"""Ids to look up: a list, a NumPy array or a tensor of int64 ids (any order, duplicates allowed)."""
+StepCallback = Callable[[StepEvent], object]
+"""``on_step(event)``: return :data:`STOP` (or raise :class:`StopTraining`) to stop the run."""
+EvalCallback = Callable[[EvalEvent], object]
+"""``on_eval(event)``: return :data:`STOP` (or raise :class:`StopTraining`) to stop the run."""
+CheckpointCallback = Callable[[CheckpointEvent], object]
+"""``on_checkpoint(event)``: return :data:`STOP` (or raise :class:`StopTraining`) to stop the run."""
+ProgressSetting = Union[bool, str]
+"""``"auto"`` (True), ``"bar"``, ``"lines"`` or ``"off"`` (False): :func:`metaps.progress.progress_mode`."""
 
 __all__ = [
-    "AdaptedBundle", "ApiError", "Bundle", "DataResult", "DeliverResult", "EvalResult", "LaunchResult",
-    "MetaIOResult", "Predictions", "SplitResult", "TrainResult", "build_meta_io", "deliver", "evaluate",
-    "generate_data", "launch", "load_bundle", "load_job", "split_holdout", "train_local",
+    "STOP", "AdaptedBundle", "ApiError", "Bundle", "CallbackError", "CheckpointEvent", "DataResult",
+    "DeliverResult", "EvalEvent", "EvalResult", "LaunchResult", "MetaIOResult", "Predictions", "Signal",
+    "SplitResult", "StepEvent", "StopTraining", "Table", "TrainResult", "TrainedModel", "build_meta_io",
+    "deliver", "evaluate", "generate_data", "launch", "load_bundle", "load_checkpoint", "load_job",
+    "split_holdout", "train_local",
 ]
 
 
 class ApiError(MetapsError):
     """A bad argument to a :mod:`metaps.api` function (a wrong type, a missing path)."""
+
+
+class CallbackError(ApiError):
+    """A callback (``on_step``, ``on_eval``, ``on_checkpoint``) raised; the run ended there (its cause is chained)."""
+
+
+class Signal(enum.Enum):
+    """What a callback returns to act on the run."""
+
+    STOP = "stop"
+
+
+STOP = Signal.STOP
+"""Return this from a callback to stop the run: training ends after the current step, then the
+run ends as usual (train-local: final evaluation and checkpoint; launch: the fleet stops with a
+final checkpoint) and its report says it was stopped, by which callback, at which step."""
+
+
+class StopTraining(Exception):  # noqa: N818 -- a request, not an error: the run ends cleanly
+    """Raise this in a callback to stop the run, as returning :data:`STOP` does; its message joins the reason."""
+
+
+# ---------------------------------------------------------------------------- trained models in memory
+
+class _RowStore:
+    """Where a :class:`Table`'s rows live (a checkpoint's arrays, a bundle's LMDB chain)."""
+
+    dim: int
+
+    def count(self) -> int:
+        raise NotImplementedError
+
+    def ids(self) -> "np.ndarray":
+        raise NotImplementedError
+
+    def get(self, uniq: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:
+        """``(found, rows)`` for sorted unique ids; ids it does not hold read as their initial row."""
+        raise NotImplementedError
+
+
+class Table:
+    """One embedding table of a trained model or a bundle: rows by id, in NumPy/torch (no Python per row).
+
+    An id the table does not hold reads as the PS's initial row of that id, as a PS pull in
+    training and a bundle lookup in serving do (zeros for bundles exported before that rule).
+
+    Attributes:
+        name: the table's name (``user``, ``item``, ...).
+        dim: its row length.
+    """
+
+    def __init__(self, name: str, store: _RowStore) -> None:
+        self.name = name
+        self.dim = int(store.dim)
+        self._store = store
+
+    def __repr__(self) -> str:
+        return f"Table({self.name!r}, rows={self.rows}, dim={self.dim})"
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @property
+    def rows(self) -> int:
+        """Rows held."""
+        return self._store.count()
+
+    def ids(self) -> "np.ndarray":
+        """Every id held, sorted (int64)."""
+        return self._store.ids()
+
+    def _unique(self, ids: IdsInput) -> tuple["np.ndarray", "np.ndarray"]:
+        import numpy as np
+
+        if hasattr(ids, "detach"):
+            ids = ids.detach().cpu().numpy()  # type: ignore[union-attr]
+        try:
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise ApiError(f"table {self.name!r}: ids must be int64 ids (a list, array or tensor): {exc}") from None
+        uniq, inv = np.unique(arr, return_inverse=True)
+        return uniq, inv.reshape(-1)
+
+    def lookup(self, ids: IdsInput) -> "torch.Tensor":
+        """Rows of ``ids`` as a float32 tensor ``[len(ids), dim]`` (any order, duplicates allowed).
+
+        Raises:
+            ApiError: ``ids`` are not integers.
+        """
+        import torch
+
+        uniq, inv = self._unique(ids)
+        _, rows = self._store.get(uniq)
+        return torch.from_numpy(rows[inv])
+
+    def contains(self, ids: IdsInput) -> "np.ndarray":
+        """Whether the table holds each id (bool per id)."""
+        uniq, inv = self._unique(ids)
+        return self._store.get(uniq)[0][inv]
+
+
+class _CheckpointRows(_RowStore):
+    """A checkpoint table's rows, read once on first use (:meth:`delivery.export.CheckpointSource.table`)."""
+
+    def __init__(self, src: Any, table: str, dim: int, init: Callable[["np.ndarray"], "np.ndarray"] | None) -> None:
+        self.src, self.table, self.dim, self.init = src, table, dim, init
+        self._data: tuple["np.ndarray", "np.ndarray"] | None = None
+
+    def _load(self) -> tuple["np.ndarray", "np.ndarray"]:
+        if self._data is None:
+            d = self.src.table(self.table)
+            self._data = (d.ids, d.weights())
+        return self._data
+
+    def count(self) -> int:
+        return int(self._load()[0].shape[0])
+
+    def ids(self) -> "np.ndarray":
+        return self._load()[0].copy()
+
+    def get(self, uniq: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:
+        import numpy as np
+
+        have, w = self._load()
+        pos = np.searchsorted(have, uniq).clip(max=max(have.shape[0] - 1, 0))
+        found = (have[pos] == uniq) if have.shape[0] else np.zeros(uniq.shape[0], bool)
+        rows = np.zeros((uniq.shape[0], self.dim), dtype=np.float32)
+        rows[found] = w[pos[found]]
+        if self.init is not None and not found.all():
+            rows[~found] = self.init(uniq[~found])
+        return found, rows
+
+
+class _Served:
+    """A bundle's :class:`delivery.loader.ServingModel`, open while lookups need it.
+
+    LMDB opens an environment once per process: scoring (``metaps predict``'s code opens the
+    bundle itself) releases it, and the next lookup opens it again (already verified at load).
+    """
+
+    def __init__(self, served: Any) -> None:
+        self.path = Path(served.path)
+        self._served: Any = served
+
+    def get(self) -> Any:
+        if self._served is None:
+            from delivery.loader import load_bundle as _load
+
+            self._served = _load(self.path, verify=False)
+        return self._served
+
+    def release(self) -> None:
+        if self._served is not None:
+            self._served.close()
+            self._served = None
+
+
+class _BundleRows(_RowStore):
+    """A bundle table's rows through its chain (:meth:`delivery.loader.ServingModel.lookup`'s walk)."""
+
+    def __init__(self, box: _Served, table: str, dim: int, rows: int) -> None:
+        self.box, self.table, self.dim, self.rows = box, table, dim, rows
+
+    @property
+    def served(self) -> Any:
+        return self.box.get()
+
+    def count(self) -> int:
+        return self.rows
+
+    def ids(self) -> "np.ndarray":
+        import numpy as np
+
+        from delivery.bundle import BundleKind
+
+        cur = np.zeros(0, np.int64)
+        for link in reversed(self.served.links):  # the full base first, then each delta
+            info = link.manifest.tables.get(self.table)
+            if info is None:
+                continue
+            delta = link.manifest.kind is BundleKind.DELTA
+            got, _ = link.reader.scan(self.table, int(info.written if delta else info.rows), values=False)
+            gone = link.removed.get(self.table)
+            if gone is not None and gone.size:
+                cur = cur[~np.isin(cur, gone)]
+            cur = np.union1d(cur, got)
+        return cur.astype(np.int64)
+
+    def get(self, uniq: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:
+        found, rows = self.served._lookup_unique(self.table, uniq)
+        return found, rows
+
+
+class TrainedModel:
+    """A committed checkpoint's model in memory: :func:`load_checkpoint` returns it, and
+    ``TrainResult`` / ``LaunchResult`` give their final checkpoint's as ``.model``, ``.tables``
+    and ``.predict``.
+
+    Read with the checkpoint reader delivery exports from (``delivery.export.CheckpointSource``
+    over ``ps.checkpoint``, every file sha256-verified first); each table's rows are read on
+    first use.
+
+    Attributes:
+        path: the checkpoint directory.
+        step: its step.
+        model: the dense network (a ``torch.nn.Module``, the job's model class) with the trained
+            parameters, in eval mode. It takes ``(features, rows, unique_ids)``; :meth:`predict`
+            feeds it from :attr:`tables`.
+        tables: table name -> :class:`Table`.
+        heads: the model's heads (``click``, ...).
+        schema: the data schema it was trained on.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from delivery.adapt import adapt_recipe, unseen_initializers
+        from delivery.export import CheckpointSource, build_trained_model
+
+        src = CheckpointSource.open(path)
+        model, dims = build_trained_model(src)
+        self.path = Path(src.path)
+        self.step = int(src.step)
+        self.model = model.eval()
+        self.schema: Schema = src.schema
+        self.heads = tuple(str(getattr(h, "name", h)) for h in model.heads)
+        init = unseen_initializers(adapt_recipe(src.info, list(dims), str(src.path)), dims)
+        self.tables: Mapping[str, Table] = {t: Table(t, _CheckpointRows(src, t, int(d), init.get(t)))
+                                            for t, d in dims.items()}
+        self._scratch = _Scratch(self)
+
+    def __repr__(self) -> str:
+        return f"TrainedModel({str(self.path)!r}, step={self.step}, heads={list(self.heads)})"
+
+    def _probs(self, features: "FeatureBatch") -> "dict[str, torch.Tensor]":
+        """Head -> probabilities for every row of one batch, rows looked up in :attr:`tables`."""
+        import torch
+
+        lead = tuple(features.shape)
+        if len(lead) != 1:
+            features = features.map(lambda t: t.reshape((-1,) + tuple(t.shape[len(lead):])))
+        parts: dict[str, list[torch.Tensor]] = {t: [] for t in self.tables}
+        for c in self.schema.id_columns:
+            if c.table_name in parts and c.name in features.ids:
+                parts[c.table_name].append(features.ids[c.name].reshape(-1))
+        uniq: dict[str, torch.Tensor] = {}
+        rows: dict[str, torch.Tensor] = {}
+        for t, ps in parts.items():
+            v = torch.cat(ps) if ps else torch.zeros(0, dtype=torch.int64)
+            u = torch.unique(v[v >= 0])
+            uniq[t], rows[t] = u, self.tables[t].lookup(u)
+        with torch.no_grad():
+            out = self.model.predict(features, rows, uniq)
+        return {h: o.reshape(lead) for h, o in out.items()}
+
+    def predict(self, data: DataInput, *, keep_columns: Sequence[str] = (), batch_rows: int = 4096) -> Predictions:
+        """Score every row of ``data`` in this process with :attr:`model` and :attr:`tables`.
+
+        The rows are read as ``metaps predict`` reads them (the same columns; labels optional:
+        present ones are evaluated), so a bundle delivered from this checkpoint scores them alike.
+
+        Args:
+            data: a Parquet/CSV file or folder, or a ``pyarrow.Table``.
+            keep_columns: input columns returned with the scores.
+            batch_rows: rows per batch.
+
+        Returns:
+            head -> probabilities per input row (input order); ``bundle`` names the checkpoint.
+
+        Raises:
+            ApiError: a missing path; DeliveryError / DataError: rows the model cannot read.
+        """
+        import numpy as np
+
+        from common.evaluation import StreamingAUC
+        from delivery.predict import _batches
+
+        if isinstance(keep_columns, str):
+            raise ApiError(f"keep_columns: expected a list of column names, got the string {keep_columns!r}")
+        src = self._scratch.input(data, "data", f"data-{time.monotonic_ns()}")
+        batches, labels = _batches(src, self.schema, batch_rows)
+        accs = {h: StreamingAUC() for h in self.heads if h in labels}
+        probs: dict[str, list[np.ndarray]] = {h: [] for h in self.heads}
+        rows = 0
+        for fb, _ in batches:
+            out = self._probs(fb)
+            mask = fb.mask.reshape(-1).numpy()
+            for h in self.heads:
+                p = out[h].reshape(-1).numpy()
+                probs[h].append(p)
+                if h in accs:
+                    accs[h].update(fb.labels[h].reshape(-1).numpy(), p, mask)
+            rows += int(fb.mask.numel())
+        cols: dict[str, np.ndarray] = {}
+        if keep_columns:
+            cols = _kept_columns(src, list(keep_columns), rows)
+        self._scratch.drop(src)
+        return Predictions(bundle=f"{self.path.name} (in memory)", rows=rows,
+                           probs={h: np.concatenate(v) if v else np.zeros(0, np.float32) for h, v in probs.items()},
+                           columns=cols, auc={h: a.value() for h, a in accs.items()})
+
+
+def _kept_columns(src: Path, names: list[str], rows: int) -> "dict[str, np.ndarray]":
+    """``keep_columns`` of scored input, in the order it was scored (``metaps predict``'s reader)."""
+    from delivery.predict import _RawColumns
+    from meta_io.source import list_source_files
+
+    kept = _RawColumns(list_source_files(src), names).take(rows)
+    return {c: kept.column(c).to_numpy(zero_copy_only=False) for c in names}
+
+
+def load_checkpoint(path: PathLike) -> TrainedModel:
+    """A committed checkpoint's model and tables in memory (verified first).
+
+    Args:
+        path: a checkpoint (``RUN/checkpoints/ckpt-N``), or a run directory (its newest committed one).
+
+    Returns:
+        the :class:`TrainedModel`: ``.model``, ``.tables``, ``.predict``.
+
+    Raises:
+        ApiError: a missing path; DeliveryError: not a committed checkpoint, or a corrupt one.
+    """
+    from metaps.evaluate import checkpoint_dir
+
+    return TrainedModel(checkpoint_dir(_path(path, "checkpoint", must_exist=True)))
+
+
+class _FromCheckpoint:
+    """``model``, ``tables`` and ``predict`` of a run's result, from its final checkpoint (read on first use)."""
+
+    checkpoint: Path | None
+    _loaded: dict[str, TrainedModel]
+
+    @property
+    def trained(self) -> TrainedModel:
+        """The final checkpoint as a :class:`TrainedModel` (read once, then kept).
+
+        Raises:
+            ApiError: the run left no checkpoint.
+        """
+        if "final" not in self._loaded:
+            if self.checkpoint is None:
+                raise ApiError("this run left no checkpoint: it has no trained model to load")
+            self._loaded["final"] = TrainedModel(self.checkpoint)
+        return self._loaded["final"]
+
+    @property
+    def model(self) -> "torch.nn.Module":
+        """The trained dense network (eval mode): :attr:`TrainedModel.model`."""
+        return self.trained.model
+
+    @property
+    def tables(self) -> Mapping[str, Table]:
+        """Table name -> :class:`Table` of the final checkpoint."""
+        return self.trained.tables
+
+    def predict(self, data: DataInput, *, keep_columns: Sequence[str] = (), batch_rows: int = 4096) -> "Predictions":
+        """Score rows in memory with the final checkpoint's model: :meth:`TrainedModel.predict`."""
+        return self.trained.predict(data, keep_columns=keep_columns, batch_rows=batch_rows)
+
 
 
 # ---------------------------------------------------------------------------- results
@@ -137,16 +515,20 @@ class MetaIOResult:
 
 
 @dataclass(frozen=True)
-class TrainResult:
-    """What :func:`train_local` did.
+class TrainResult(_FromCheckpoint):
+    """What :func:`train_local` did, and the trained model in memory.
+
+    ``model``, ``tables`` and ``predict(data)`` are the final checkpoint's
+    (:class:`TrainedModel`, read on first use).
 
     Args:
         run_dir: the run directory (``report.json``, ``checkpoints/``, ``tb/``, ``plots/``).
-        status: ``succeeded``.
+        status: ``succeeded``, or ``stopped`` (a callback stopped it; ``reason`` says which, when).
         steps / samples / samples_per_s: the training totals.
         checkpoint: the last committed checkpoint (None when the job writes none).
         auc: head -> AUC on ``data.eval`` (empty without one).
         report: ``report.json``'s content.
+        reason: why it stopped early ('' when it ran to its end).
     """
 
     run_dir: Path
@@ -157,16 +539,23 @@ class TrainResult:
     checkpoint: Path | None
     auc: Mapping[str, float]
     report: Mapping[str, object]
+    reason: str = ""
+    _loaded: dict[str, TrainedModel] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a callback stopped the run before its end."""
+        return self.status == "stopped"
 
 
 @dataclass(frozen=True)
-class LaunchResult:
-    """What :func:`launch` did.
+class LaunchResult(_FromCheckpoint):
+    """What :func:`launch` did; ``model``, ``tables`` and ``predict(data)`` are its final checkpoint's.
 
     Args:
         run_dir: the run directory.
-        status: ``succeeded``, ``failed`` or ``interrupted``.
-        reason: why it failed ('' when it succeeded).
+        status: ``succeeded``, ``failed`` or ``interrupted`` (a signal, or a callback: ``reason`` says).
+        reason: why it failed or stopped ('' when it succeeded).
         exit_code: what ``metaps launch`` would have exited with (0: every worker finished).
         checkpoint: the last committed checkpoint (None: none).
         auc: head -> final AUC on ``data.eval``.
@@ -182,6 +571,7 @@ class LaunchResult:
     auc: Mapping[str, float]
     coverage: str
     report: Mapping[str, object]
+    _loaded: dict[str, TrainedModel] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -258,6 +648,7 @@ class Predictions:
     auc: Mapping[str, float] = field(default_factory=dict)
     adapted: bool = False
     unknown_share: float = 0.0
+
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -460,12 +851,82 @@ def build_meta_io(input: PathLike, schema: PathLike, out: PathLike, *, support: 
 
 # ---------------------------------------------------------------------------- training
 
+class _Callbacks:
+    """The caller's callbacks and the run's progress, as a worker's ``TrainingCallbacks``
+    (workers/callbacks.py): train-local's worker calls it in-process; :class:`_FleetWatch` drives
+    it from the launcher's polls. ``reason`` keeps the first stop asked for."""
+
+    def __init__(self, on_step: StepCallback | None, on_eval: EvalCallback | None,
+                 on_checkpoint: CheckpointCallback | None, progress: "RunProgress") -> None:
+        for name, fn in (("on_step", on_step), ("on_eval", on_eval), ("on_checkpoint", on_checkpoint)):
+            if fn is not None and not callable(fn):
+                raise ApiError(f"{name}: expected a function of one event, got {type(fn).__name__} {fn!r}")
+        self.on_step, self.on_eval, self.on_checkpoint = on_step, on_eval, on_checkpoint
+        self.progress = progress
+        self.reason = ""
+
+    def _call(self, name: str, fn: Callable[[Any], object] | None, event: object, step: int) -> str:
+        if fn is None:
+            return ""
+        try:
+            answer = fn(event)
+        except StopTraining as exc:
+            why = f"{name} raised StopTraining at step {step}" + (f": {' '.join(str(exc).split())}" if str(exc) else "")
+        except Exception as exc:
+            raise CallbackError(f"{name} raised {type(exc).__name__} at step {step}: "
+                                f"{' '.join(str(exc).split()) or '(no message)'}") from exc
+        else:
+            if answer is not STOP:
+                return ""
+            why = f"{name} returned STOP at step {step}"
+        self.reason = self.reason or why
+        return why
+
+    def step(self, event: StepEvent) -> str:
+        self.progress.update(event.step, event.total_steps, "" if event.loss != event.loss else f"loss {event.loss:.4f}")
+        return self._call("on_step", self.on_step, event, event.step)
+
+    def evaluated(self, event: EvalEvent) -> str:
+        return self._call("on_eval", self.on_eval, event, event.step)
+
+    def checkpointed(self, event: CheckpointEvent) -> str:
+        return self._call("on_checkpoint", self.on_checkpoint, event, event.step)
+
+
+def _progress(progress: ProgressSetting, what: str, unit: str) -> "RunProgress":
+    from metaps.progress import RunProgress, progress_mode
+
+    try:
+        return RunProgress(what, progress_mode(progress), unit)
+    except ValueError as exc:
+        raise ApiError(f"progress: {exc}") from None
+
+
+def _summary(what: str, status: str, reason: str, steps: int, wall_s: float, checkpoint: Path | None,
+             auc: Mapping[str, float], extra: str = "") -> str:
+    aucs = ", ".join(f"{k} {v:.4f}" for k, v in auc.items() if k.endswith("/auc") or "/" not in k)
+    return (f"{what} {status}{f' ({reason})' if reason else ''}: {steps} steps in {wall_s:.1f}s{extra}"
+            f"{f'; auc {aucs}' if aucs else ''}; checkpoint {checkpoint or '-'}")
+
+
 def train_local(config: JobSource, *, overrides: Overrides | None = None, run_dir: PathLike | None = None,
-                max_steps: int | None = None, plots: bool | None = None) -> TrainResult:
+                max_steps: int | None = None, plots: bool | None = None, on_step: StepCallback | None = None,
+                on_eval: EvalCallback | None = None, on_checkpoint: CheckpointCallback | None = None,
+                progress: ProgressSetting = "auto") -> TrainResult:
     """Train in this process with local tables (the parity reference), like ``metaps train-local``.
 
     Leaves a run directory like :func:`launch` does (``job.toml``, ``checkpoints/``, ``report.json``,
-    ``tb/``, ``plots/``); everything is checked before it is made.
+    ``tb/``, ``plots/``); everything is checked before it is made. The result holds the trained
+    model in memory (``model``, ``tables``, ``predict``: the final checkpoint's).
+
+    Callbacks run in this process, in the training loop, with one event each: ``on_step`` after
+    every step (:class:`StepEvent`: step, loss, samples, total_steps, the step's metrics),
+    ``on_eval`` after every periodic evaluation (``[train] eval_every_steps``) and the final one
+    (:class:`EvalEvent`, ``final=True``), ``on_checkpoint`` after every checkpoint
+    (:class:`CheckpointEvent`: step, path). One that returns :data:`STOP` or raises
+    :class:`StopTraining` ends training after that step; the run then evaluates, writes its final
+    checkpoint and report as usual, with ``status = "stopped"`` and the reason. Any other
+    exception ends the run as :class:`CallbackError`.
 
     Args:
         config: the job TOML's path, or its sections as a mapping.
@@ -475,12 +936,16 @@ def train_local(config: JobSource, *, overrides: Overrides | None = None, run_di
         plots: draw the run's ``plots/`` PNGs (``report.json`` and ``tb/`` are always written); drawing
             them takes about as long as a short run, so a quick notebook may skip them (None: the
             job's ``[run] plots``).
+        on_step / on_eval / on_checkpoint: callbacks (above).
+        progress: ``"auto"`` (a bar in Jupyter or on a terminal, else a line on stderr every 10 s),
+            ``"bar"``, ``"lines"``, or False: nothing. A last line sums the run up.
 
     Returns:
-        the run directory, training totals, checkpoint, eval AUC and report.
+        the run directory, status, training totals, checkpoint, eval AUC, report, and the model.
 
     Raises:
-        ConfigError: a bad job, override or missing dataset (one line naming it).
+        ConfigError: a bad job, override or missing dataset (one line naming it); ApiError: a
+            bad callback or progress setting; CallbackError: a callback raised.
     """
     from metaps.job import job_from_mapping
     from metaps.roles.local_run import run_local
@@ -492,23 +957,103 @@ def train_local(config: JobSource, *, overrides: Overrides | None = None, run_di
     data, where = _job_mapping(config, _set_texts(over))
     job = job_from_mapping(data, where=where)
     target = str(_path(run_dir, "run_dir")) if run_dir is not None else ""
-    with _private_umask():
-        rep, d = run_local(job, target, plots=plots)
+    bar = _progress(progress, "train-local", "steps")
+    calls = _Callbacks(on_step, on_eval, on_checkpoint, bar)
+    t0 = time.monotonic()
+    try:
+        with _private_umask():
+            rep, d = run_local(job, target, plots=plots, callbacks=calls)
+    finally:
+        bar.close()
     w = rep["worker"]
     ckpt = str(w.get("checkpoint") or "")
     report = {k: v for k, v in rep.items() if k != "worker"}
-    return TrainResult(run_dir=Path(d), status=str(rep["status"]), steps=int(w["steps"]), samples=int(w["samples"]),
-                       samples_per_s=float(w["samples_per_s"]), checkpoint=Path(ckpt) if ckpt else None,
-                       auc=_floats(flat_auc(w.get("eval") or {})), report=report)
+    res = TrainResult(run_dir=Path(d), status=str(rep["status"]), steps=int(w["steps"]), samples=int(w["samples"]),
+                      samples_per_s=float(w["samples_per_s"]), checkpoint=Path(ckpt) if ckpt else None,
+                      auc=_floats(flat_auc(w.get("eval") or {})), report=report, reason=str(rep.get("reason") or ""))
+    bar.close(_summary("train-local", res.status, res.reason, res.steps, time.monotonic() - t0, res.checkpoint,
+                       res.auc))
+    return res
+
+
+class _FleetWatch:
+    """``api.launch``'s callbacks and progress, driven by the launcher's polls of the controller.
+
+    At every poll (``status_every_s``, 1 s): progress from the controller's coverage (batches of
+    every requested epoch done / total); ``on_step`` once the furthest worker's step has
+    advanced (step: that worker's; loss: the mean of the workers' latest; samples: their sum;
+    fraction: the coverage); ``on_checkpoint`` for each checkpoint committed under
+    ``RUN/checkpoints/`` since the last poll. The answer is a reason to stop ('' to go on): the
+    launcher then stops the fleet as on Ctrl-C (workers stopped, a final coordinated checkpoint).
+    """
+
+    def __init__(self, calls: _Callbacks, checkpoints: Path, total_steps: int) -> None:
+        from common.eta import JobEta
+
+        self.calls, self.root, self.total_steps = calls, checkpoints, total_steps
+        self.eta = JobEta()
+        self.last_step = 0
+        self.seen: set[str] = set()
+
+    def _new_checkpoints(self) -> list[tuple[int, Path]]:
+        from ps.checkpoint import checkpoint_step
+
+        out = []
+        for p in self.root.glob("ckpt-*"):
+            if p.name not in self.seen and (p / "manifest.json").is_file():
+                self.seen.add(p.name)
+                out.append((checkpoint_step(p), p))
+        return sorted(out)
+
+    def __call__(self, status: Mapping[str, Any] | None, workers: Mapping[int, Mapping[str, Any]]) -> str:
+        import math
+
+        reading = self.eta.from_status(status, time.monotonic())
+        steps = [int(w.get("step") or 0) for w in workers.values()]
+        step = max(steps, default=0)
+        losses = [float(w["loss"]) for w in workers.values() if isinstance(w.get("loss"), (int, float))]
+        loss = sum(losses) / len(losses) if losses else math.nan
+        text = f"step {step}" + (f" loss {loss:.4f}" if losses else "") + f", {len(workers)} workers"
+        if reading is not None:
+            self.calls.progress.update(reading.done, reading.total, text)
+        why = ""
+        if step > self.last_step:
+            self.last_step = step
+            fraction = reading.done / reading.total if reading is not None and reading.total else None
+            event = StepEvent(step, loss, sum(int(w.get("samples") or 0) for w in workers.values()),
+                              self.total_steps, {}, fraction)
+            why = self.calls._call("on_step", self.calls.on_step, event, step)
+        for s, p in self._new_checkpoints():
+            why = self.calls.checkpointed(CheckpointEvent(s, p)) or why
+        return why
+
+    def finish(self) -> None:
+        """After the run: ``on_checkpoint`` for checkpoints committed since the last poll (the final one)."""
+        for s, p in self._new_checkpoints():
+            self.calls.checkpointed(CheckpointEvent(s, p))
 
 
 def launch(config: JobSource, *, overrides: Overrides | None = None, workers: int | None = None,
            ps: int | None = None, run_dir: PathLike | None = None, resume_from: PathLike | None = None,
-           timeout_s: float = 0.0, token_file: PathLike | None = None) -> LaunchResult:
+           timeout_s: float = 0.0, token_file: PathLike | None = None, on_step: StepCallback | None = None,
+           on_eval: EvalCallback | None = None, on_checkpoint: CheckpointCallback | None = None,
+           progress: ProgressSetting = "auto") -> LaunchResult:
     """Run a controller, PS shards and workers on this machine until training ends, like ``metaps launch``.
 
     Call it from the main thread (it handles SIGINT/SIGTERM: an interrupt stops the whole fleet).
-    The live view is off; progress goes to the ``metaps.launch`` logger.
+    The launcher's live tables are off; ``progress`` draws the run's coverage instead, and the
+    result holds the final checkpoint's model in memory (``model``, ``tables``, ``predict``).
+
+    The workers are other processes, so the callbacks run here, at the launcher's polls of the
+    controller (every second), not in the training loop: ``on_step`` when the furthest worker's
+    step advanced since the last poll (several steps may pass between two events; step: the
+    furthest worker's, loss: the mean of the workers' latest, samples: their sum, fraction: the
+    controller's coverage), ``on_checkpoint`` for each checkpoint committed under
+    ``RUN/checkpoints/`` (cuts and the final one), ``on_eval`` once, after the run, with the
+    final evaluation (``final=True``; a fleet's periodic evaluations stay in its TensorBoard).
+    :data:`STOP` / :class:`StopTraining` from ``on_step`` or ``on_checkpoint`` stops the fleet as
+    Ctrl-C does (workers stopped, a final coordinated checkpoint): ``status = "interrupted"``,
+    ``reason`` names the callback and step, the coverage says how much ran.
 
     Args:
         config: the job TOML's path, or its sections as a mapping (written to a temporary file the
@@ -519,13 +1064,18 @@ def launch(config: JobSource, *, overrides: Overrides | None = None, workers: in
         resume_from: warm start from a run dir, checkpoints dir or checkpoint.
         timeout_s: fail the run after this many seconds (0: none).
         token_file: the run's auth token file (0600): read, or created with a fresh token.
+        on_step / on_eval / on_checkpoint: callbacks (above).
+        progress: ``"auto"``, ``"bar"``, ``"lines"`` or False, as in :func:`train_local`
+            (counted in batches of the controller's coverage).
 
     Returns:
-        the run directory, status, reason, checkpoint, final AUC and report. A failed run is a
-        result (``ok`` is False, ``reason`` says why), not an exception.
+        the run directory, status, reason, checkpoint, final AUC, report and model. A failed run
+        is a result (``ok`` is False, ``reason`` says why), not an exception.
 
     Raises:
-        ConfigError: a bad job, override, count, or a missing dataset (before any process starts).
+        ConfigError: a bad job, override, count, or a missing dataset (before any process starts);
+            ApiError: a bad callback or progress setting; CallbackError: a callback raised (the
+            fleet is stopped first).
     """
     from rich.console import Console
 
@@ -550,17 +1100,32 @@ def launch(config: JobSource, *, overrides: Overrides | None = None, workers: in
             lc.validate()
         except ValueError as exc:
             raise ConfigError(f"launch(): {exc}") from None
-        with _private_umask():
-            launcher = Launcher(lc, console=Console(quiet=True))
-            code = launcher.run()
+        bar = _progress(progress, "launch", "batches")
+        calls = _Callbacks(on_step, on_eval, on_checkpoint, bar)
+        t0 = time.monotonic()
+        try:
+            with _private_umask():
+                launcher = Launcher(lc, console=Console(quiet=True))
+                watch = _FleetWatch(calls, launcher.run_dir / "checkpoints", launcher.job.train.max_steps)
+                launcher.on_poll = watch
+                code = launcher.run()
+        finally:
+            bar.close()
     import json
 
     rep = json.loads((launcher.run_dir / "report.json").read_text())
     ckpt = str(rep.get("checkpoint") or "")
-    return LaunchResult(run_dir=Path(launcher.run_dir), status=str(rep.get("status", "")),
-                        reason=str(rep.get("reason") or ""), exit_code=int(code),
-                        checkpoint=Path(ckpt) if ckpt else None, auc=_floats(rep.get("final_auc")),
-                        coverage=str(rep.get("coverage_summary") or ""), report=rep)
+    res = LaunchResult(run_dir=Path(launcher.run_dir), status=str(rep.get("status", "")),
+                       reason=str(rep.get("reason") or ""), exit_code=int(code),
+                       checkpoint=Path(ckpt) if ckpt else None, auc=_floats(rep.get("final_auc")),
+                       coverage=str(rep.get("coverage_summary") or ""), report=rep)
+    watch.finish()
+    if res.auc:
+        calls.evaluated(EvalEvent(max(watch.last_step, 0), dict(res.auc), final=True))
+    steps = max((_int(w.get("last_step")) for w in rep.get("workers") or [] if isinstance(w, Mapping)), default=0)
+    bar.close(_summary("launch", res.status, res.reason, steps, time.monotonic() - t0, res.checkpoint, res.auc,
+                       f", coverage {res.coverage or '-'}"))
+    return res
 
 
 # ---------------------------------------------------------------------------- evaluation and delivery
@@ -673,6 +1238,11 @@ class _Scratch:
             return p
         return _path(data, what, must_exist=True)
 
+    def drop(self, path: Path) -> None:
+        """Remove ``path`` if :meth:`input` wrote it here (a caller's own file is kept)."""
+        if path.parent == self.dir:
+            path.unlink(missing_ok=True)
+
 
 def _remove_tree(path: str) -> None:
     import shutil
@@ -689,6 +1259,7 @@ def _score(bundle: "Bundle", data: DataInput, support: Path | None, keep_columns
 
     if isinstance(keep_columns, str):
         raise ApiError(f"keep_columns: expected a list of column names, got the string {keep_columns!r}")
+    bundle._served.release()  # predict_to_parquet opens the bundle itself (LMDB: once per process)
     with tempfile.TemporaryDirectory(prefix="metaps-scores-") as tmp:
         src = bundle._scratch.input(data, "data", "data")
         out = Path(tmp) / "scores.parquet"
@@ -710,18 +1281,26 @@ class Bundle:
         path: the bundle's directory (one version; a later publish does not change it).
         version: its version (``v000001``...).
         heads: the model's heads (``click``, ...), the keys of :attr:`Predictions.probs`.
-        tables: embedding table -> rows held.
+        tables: table name -> :class:`Table` (``.rows`` held, ``.lookup(ids)``, ``.ids()``), read
+            from the bundle's chain as serving reads it.
+        model: the bundle's dense network as served (the ``torch.nn.Module`` loaded from its
+            ``dense`` file): it takes the flat inputs the manifest's ``dense.inputs`` names and
+            returns one probability tensor per head; :meth:`predict` feeds it.
         task_key: the column that groups rows into tasks (what :meth:`adapt` adapts per).
     """
 
-    def __init__(self, path: Path, version: str, heads: Sequence[str], tables: Mapping[str, int],
-                 task_key: str) -> None:
-        self.path = path
-        self.version = version
-        self.heads = tuple(heads)
-        self.tables = dict(tables)
-        self.task_key = task_key
+    def __init__(self, served: Any) -> None:
+        self.path = Path(served.path)
+        self.version = str(served.version)
+        self.heads = tuple(served.heads)
+        self.task_key = str(served.schema.task_key)
+        self.model: torch.nn.Module = served.module
+        self._served = _Served(served)
+        self.tables: Mapping[str, Table] = {
+            t: Table(t, _BundleRows(self._served, t, int(info.dim), int(info.rows)))
+            for t, info in served.manifest.tables.items()}
         self._scratch = _Scratch(self)
+        weakref.finalize(self, self._served.release)
 
     def __repr__(self) -> str:
         return f"Bundle({str(self.path)!r}, version={self.version!r}, heads={list(self.heads)})"
@@ -800,17 +1379,12 @@ def load_bundle(path: PathLike) -> Bundle:
         path: a publish root (what :func:`deliver` published to) or a bundle directory.
 
     Returns:
-        a :class:`Bundle` pinned to that version, with ``predict`` and ``adapt``.
+        a :class:`Bundle` pinned to that version (kept open while it lives), with ``predict``,
+        ``adapt``, ``model`` and ``tables``.
 
     Raises:
         ApiError: a missing path; DeliveryError: not a bundle, or a corrupt one.
     """
     from delivery.loader import load_bundle as _load
 
-    served = _load(_path(path, "bundle", must_exist=True))
-    try:
-        return Bundle(path=Path(served.path), version=str(served.version), heads=list(served.heads),
-                      tables={t: int(info.rows) for t, info in served.manifest.tables.items()},
-                      task_key=str(served.schema.task_key))
-    finally:
-        served.close()
+    return Bundle(_load(_path(path, "bundle", must_exist=True)))

@@ -572,3 +572,123 @@ def command_progress(no_progress: bool = False, log_every_s: float = 5.0) -> Sta
 
     bar = not no_progress and sys.stderr.isatty()
     return StageProgress(Console(stderr=True) if bar else None, log_every_s=log_every_s)
+
+
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
+"""What :func:`progress_mode` accepts besides True/False."""
+
+
+def _ipywidgets() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
+def progress_mode(progress: bool | str) -> str:
+    """``bar``, ``lines`` or ``off`` for a run's progress setting (tqdm.auto's rule, drawn with rich).
+
+    ``auto`` (or True): in Jupyter a rich bar in the cell when ipywidgets is installed (rich
+    draws live views there through it), else a line in the cell every few seconds; on a
+    terminal (stderr a TTY) a rich bar on stderr; anywhere else (a pipe, a file, CI) a line on
+    stderr every few seconds. False or ``off``: nothing.
+
+    Args:
+        progress: True, False, or one of :data:`PROGRESS_MODES`.
+
+    Raises:
+        ValueError: anything else.
+    """
+    import sys
+
+    if progress is False or progress == "off":
+        return "off"
+    if progress in ("bar", "lines"):
+        return str(progress)
+    if progress is True or progress == "auto":
+        if Console().is_jupyter:
+            return "bar" if _ipywidgets() else "lines"
+        return "bar" if sys.stderr.isatty() else "lines"
+    raise ValueError(f"expected True, False or one of {list(PROGRESS_MODES)}, got {progress!r}")
+
+
+class RunProgress:
+    """One run's progress for the Python API: a rich bar, a line every ``every_s`` seconds, or nothing.
+
+    The bar and the lines go to the cell's output in Jupyter, else to stderr (stdout stays
+    the caller's). Lines read ``train-local: 40/100 steps (40%) loss 0.6931 ETA 5s``; the
+    first update and :meth:`close` always write one.
+
+    Args:
+        what: names the run (``train-local``, ``launch``).
+        mode: ``bar``, ``lines`` or ``off`` (:func:`progress_mode`).
+        unit: what is counted (``steps``, ``batches``).
+        every_s: period of the lines.
+
+    Example::
+
+        p = RunProgress("train-local", progress_mode("auto"), "steps")
+        p.update(4, 10, "loss 0.69")
+        p.close("train-local succeeded: 10 steps")
+    """
+
+    def __init__(self, what: str, mode: str, unit: str, every_s: float = 10.0) -> None:
+        self.what, self.mode, self.unit, self.every_s = what, mode, unit, every_s
+        self.eta = JobEta(window_s=30.0)
+        self.lines_written = 0
+        self._next_line = 0.0
+        self._last: tuple[int, int, str] | None = None
+        self._unshown = False  # the newest update's figures are not in a line yet
+        self.console: Console | None = None
+        self._bar: Progress | None = None
+        if mode == "off":
+            return
+        jupyter = Console().is_jupyter
+        self.console = Console() if jupyter else Console(stderr=True)
+        if mode == "bar":
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                                 TextColumn("{task.fields[count]}"), TextColumn("{task.fields[text]}"),
+                                 TextColumn("ETA {task.fields[eta]}"), console=self.console, transient=False)
+            self._task = self._bar.add_task(what, total=None, count="", text="", eta="-")
+            self._bar.start()
+
+    def update(self, done: int, total: int, text: str = "") -> None:
+        """``done`` of ``total`` (0: not known) so far, with a short ``text`` (loss, workers)."""
+        if self.mode == "off":
+            return
+        now = time.monotonic()
+        r = self.eta.update(done, total, now)
+        self._last = (done, total, text)
+        if self._bar is not None:
+            self._bar.update(self._task, total=total or None, completed=done, text=text,
+                             count=f"{done:,}/{total:,} {self.unit}" if total else f"{done:,} {self.unit}",
+                             eta=duration_text(r.eta_s) if total else "-")
+            return
+        self._unshown = True
+        if now >= self._next_line:
+            self._next_line = now + self.every_s
+            self._line(self._text(done, total, text, r))
+            self._unshown = False
+
+    def _text(self, done: int, total: int, text: str, r: EtaReading) -> str:
+        count = f"{done:,}/{total:,} {self.unit} ({r.pct:.0f}%)" if total else f"{done:,} {self.unit}"
+        eta = f" ETA {duration_text(r.eta_s)}" if total and r.eta_s is not None and done < total else ""
+        return f"{self.what}: {count}{' ' + text if text else ''}{eta}"
+
+    def _line(self, text: str) -> None:
+        assert self.console is not None
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        self.lines_written += 1
+
+    def close(self, summary: str = "") -> None:
+        """Stop the bar (it stays drawn) or write the last figures, then ``summary`` as a last line."""
+        if self.mode == "off":
+            return
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        elif self._last is not None and self._unshown:
+            done, total, text = self._last  # the newest figures, if the last line did not show them
+            self._line(self._text(done, total, text, self.eta.update(done, total, time.monotonic())))
+            self._unshown = False
+        if summary:
+            self._line(summary)

@@ -281,8 +281,10 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
         for name, a, b in training_plan(files, held, job.controller.dds, epoch):
             for stats in worker.trainer.run(prefetch(worker.read(name, a, b), depth=2)):
                 worker._after_step(stats)
+                if worker.stop_asked:  # a callback asked to stop (workers/callbacks.py)
+                    break
             worker.shards_done += 1
-            if worker.trainer._at_limit():
+            if worker.trainer._at_limit() or worker.stop_asked:
                 break
         loss = validation_loss(worker, val, vds)
         heads = validation_auc(worker, val, vds)
@@ -304,6 +306,9 @@ def train_with_validation(worker: Any, job: Any, make_store: Callable[[], Any]) 
                                         bad_epochs=bad))
         if worker.trainer._at_limit():
             rec.stop_reason = f"max_steps: {cfg.max_steps} steps reached in epoch {epoch}"
+            break
+        if worker.stop_asked:
+            rec.stop_reason = f"callback: {worker.stop_asked} (epoch {epoch})"
             break
         if cfg.early_stop_patience and bad >= cfg.early_stop_patience:
             rec.stopped_early = epoch + 1 < cfg.epochs

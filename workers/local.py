@@ -17,6 +17,7 @@ from typing import Any
 
 from common.log import kv
 from workers.config import resolve_device
+from workers.callbacks import EvalEvent, TrainingCallbacks
 from workers.row_source import LocalRowSource
 from workers.worker import Worker, merge_eval_files
 
@@ -45,14 +46,22 @@ def local_store(job: Any) -> Any:
     )
 
 
-def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True) -> tuple[dict[str, Any], Worker]:
+def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True,
+                callbacks: TrainingCallbacks | None = None) -> tuple[dict[str, Any], Worker]:
     """Train on the whole train dataset in one process; evaluate; checkpoint.
+
+    Args:
+        callbacks: called at every step, evaluation (the final one too) and checkpoint; a stop
+            they ask for ends training after the step, then the run evaluates and checkpoints
+            as usual and the report's ``stop_asked`` says why (workers/callbacks.py).
 
     Returns:
         (the report dict, the Worker, whose ``model`` and ``rows.store`` hold the result)
     """
     store = local_store(job)
     worker = Worker(job, 0, LocalRowSource(store), controller=None, run_dir=run_dir, world=1)
+    if callbacks is not None:
+        worker.callbacks = callbacks
     validation = None
     if job.train.val_fraction > 0 or job.data.validation:
         # validation split, early stopping, the best epoch restored (workers/hygiene.py)
@@ -72,10 +81,19 @@ def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True) 
     if job.data.eval:
         worker.evaluate()
         metrics = merge_eval_files(worker.run_dir / "eval")
+        worker._asked(worker.callbacks.evaluated(EvalEvent(worker.trainer.step_no, _flat(metrics), final=True)))
     ckpt = worker.checkpoint(metrics=metrics) if checkpoint else None
     rep = worker.report(metrics, ckpt)
     if validation is not None:
         rep["validation"] = validation
+    rep["stop_asked"] = worker.stop_asked
     log.info("train-local done", extra=kv(steps=rep["steps"], samples=rep["samples"],
                                           samples_per_s=round(rep["samples_per_s"], 1)))
     return rep, worker
+
+
+def _flat(metrics: dict[str, Any]) -> dict[str, float]:
+    """``{"base": {"click": {"auc": 0.7}}}`` -> ``{"base/click/auc": 0.7}`` (finite numbers only)."""
+    return {f"{kind}/{head}/{k}": float(v) for kind, heads in metrics.items() if isinstance(heads, dict)
+            for head, m in heads.items() if isinstance(m, dict)
+            for k, v in m.items() if isinstance(v, (int, float)) and float(v) == float(v)}

@@ -31,11 +31,13 @@ from common.log import kv
 
 if TYPE_CHECKING:
     from metaps.job import JobConfig
+    from workers.callbacks import TrainingCallbacks
 
 log = logging.getLogger(__name__)
 
 
-def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None) -> tuple[dict[str, Any], Path]:
+def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None,
+              callbacks: "TrainingCallbacks | None" = None) -> tuple[dict[str, Any], Path]:
     """Preflight, make the run dir, train in this process, write the report and its artefacts.
 
     Args:
@@ -43,6 +45,9 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None) ->
         run_dir: run directory, new or empty ('' = ``[run] dir/<name>-<time>``, pointed at by ``latest``).
         plots: draw ``plots/`` (matplotlib: about as long as a short run itself); False skips them;
             None: as ``[run] plots`` says.
+        callbacks: the worker's in-process callbacks (workers/callbacks.py); a stop they ask for
+            ends training early: the run still evaluates and checkpoints, and its report says
+            ``status = "stopped"``, the reason, and the steps run of the run's length.
 
     Returns:
         (report.json's dict, the run directory)
@@ -68,12 +73,17 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None) ->
     previous = mark_latest(d) if auto_named else None
     t0 = time.time()
     try:
-        worker_rep, _ = train_local(job, d)
+        worker_rep, worker = train_local(job, d, callbacks=callbacks)
     except BaseException:
         settle_latest(d, False, previous)
         raise
-    rep = build_report(d, job, status="succeeded", started=t0, checkpoint=str(worker_rep.get("checkpoint") or ""),
+    stopped = str(worker_rep.get("stop_asked") or "")
+    rep = build_report(d, job, status="stopped" if stopped else "succeeded", reason=stopped, started=t0,
+                       checkpoint=str(worker_rep.get("checkpoint") or ""),
                        notes=["metaps train-local: one process, local tables, no PS fleet or controller"])
+    if stopped:  # no controller ledger here: say what ran of the run's length, and why it ended
+        total = int(getattr(worker.trainer, "total_steps", 0) or 0)
+        rep["coverage_summary"] = (f"{worker_rep['steps']}/{total or '?'} steps (stopped: {stopped})")
     if worker_rep.get("validation") is not None:
         # early stopping's record (workers/hygiene.py): the metric, per-epoch validation loss and
         # AUC, the best epoch and its checkpoint, why the epochs ended; not only in the log
