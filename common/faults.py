@@ -398,6 +398,7 @@ class FaultInjector:
         from common.atomic_write import write_json_atomic
 
         try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self._path, body)
         except OSError as exc:  # a full disk must not stop training over a demo record
             log.warning("fault record not written", extra=kv(path=str(self._path), error=str(exc)[:200]))

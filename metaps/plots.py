@@ -358,17 +358,27 @@ def _event_lines(report: Mapping[str, Any], ax: Any, t0: float) -> list[str]:
 
 
 def _faults_text(report: Mapping[str, Any]) -> str:
-    """Injected faults of the job (``[faults]``), one phrase each: ``worker 1 slow x3 from 15 s``."""
-    faults = ((report.get("config") or {}).get("faults") or {}).get("faults") or []
-    out = []
-    for f in faults:
-        what = f"{f.get('target', '?')} {f.get('index', '?')} {f.get('kind', '?')}"
-        if f.get("kind") == "slow" and f.get("factor"):
-            what += f" x{float(f['factor']):g}"
-        if f.get("start_s") or f.get("at_s"):
-            what += f" from {float(f.get('start_s') or f.get('at_s')):g} s"
-        out.append(what)
-    return "faults injected: " + "; ".join(out) if out else ""
+    """The faults that fired, with when (``report["faults"]["fired"]``, recorded by the injectors;
+    never the job's ``[faults]``, which may schedule what never happened): :func:`metaps.run_report.faults_text`."""
+    from metaps.run_report import faults_text
+
+    return faults_text(report)
+
+
+def _fault_spans(report: Mapping[str, Any], ax: Any, t0: float) -> int:
+    """Each fired slow/latency fault as a shaded span over the seconds it applied; returns legend entries."""
+    n = 0
+    for rec in (report.get("faults") or {}).get("fired") or []:
+        a, b = rec.get("first_time"), rec.get("last_time")
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+            continue
+        if rec.get("kind") == "kill":
+            ax.axvline(float(a) - t0, color="black", linewidth=1.5, label=f"fault fired: {rec.get('what')}")
+        else:
+            ax.axvspan(float(a) - t0, max(float(b), float(a) + 0.1) - t0, color="tab:red", alpha=0.08,
+                       label=f"fault fired: {rec.get('what')}")
+        n += 1
+    return n
 
 
 def plot_throughput(report: Mapping[str, Any], ax: Any, compact: bool = False) -> PostLayout | None:
@@ -417,9 +427,12 @@ def plot_throughput(report: Mapping[str, Any], ax: Any, compact: bool = False) -
             k = int(np.flatnonzero(np.isfinite(last.rate))[-1])
             ends.append((float(tp.grid[k]), float(last.rate[k]), f"w{r} slow", colour))
     ax.plot(tp.grid, tp.total, color="black", linewidth=2.0, label="fleet total")
-    entries += 1 + len(_event_lines(report, ax, t0))
+    entries += 1 + len(_event_lines(report, ax, t0)) + _fault_spans(report, ax, t0)
+    from metaps.run_report import controller_text
+
     sub = [f"each worker: samples done per second (from its running sample count), rolling {tp.window_s:.1f} s "
-           f"window; fleet total = sum over the workers alive at each time", _faults_text(report)]
+           f"window; fleet total = sum over the workers alive at each time", _faults_text(report),
+           controller_text(report) if (report.get("faults") or {}).get("fired") or slow else ""]
     _finish(ax, "", "seconds since launch", "samples/s", legend=_outside_legend(entries))
     _titles(ax, "throughput (fleet total and per worker)", sub, fontsize=7 if compact else 8, width=70 if compact else 120)
 
@@ -594,7 +607,11 @@ def eval_sources(report: Mapping[str, Any]) -> tuple[str, str]:
               else "a bounded sample of [data] eval")
     periodic = f"periodic eval (curves): {who} on {sample}" + (f", every {int(every)} steps" if _finite(every) and every else "")
     rows = final_eval_rows(report)
-    final = "final eval: " + (f"all {rows:,} held-out rows" if rows else "every held-out row") + ", after the last step"
+    data = (report.get("config") or {}).get("data") or {}
+    where = f" of {data.get('eval')}" if data.get("eval") else ""
+    meta = train.get("mode") == "meta"
+    final = ("final eval: " + (f"all {rows:,} held-out {'query ' if meta else ''}rows" if rows else "every held-out row")
+             + where + (" (episodes)" if meta else "") + ", after the last step")
     return periodic, final
 
 
@@ -720,8 +737,11 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
                  if len(w.get("incarnations") or []) > 1]
     lines.append("restarted: " + (", ".join(restarted[:6]) + (f" +{len(restarted) - 6} more" if len(restarted) > 6
                                                                else "") if restarted else "none"))
-    if _faults_text(report):
-        lines.append(_faults_text(report))
+    from metaps.run_report import controller_text, workers_text
+
+    for extra in (_faults_text(report), controller_text(report), workers_text(report)):
+        if extra:
+            lines.append(extra)
     by_head = _auc_by_head(report.get("final_auc", {}) or {})
     for head, ref in sorted(by_head.items()):
         lines.append(f"AUC {head}: " + ", ".join(f"{k} {ref[k]:.3f}" for k in ("base", "adapted", "oracle") if k in ref))

@@ -413,6 +413,9 @@ def build_report(
             "checkpoint_step": checkpoint_step(ckpt),
         },
         "auc_history": list(lead.get("eval_history") or []),
+        "faults": faults_entry(run_dir, job, started),
+        "eval_data": {"final": str(job.data.eval or ""), "periodic": str(job.data.eval or ""),
+                      "protocol": eval_protocol(job)},
         "shards_note": shards_note(st.get("datasets", []) or [], events),
         "ps": list(ps_stats) if ps_stats is not None else [],
         "controller": {
@@ -438,6 +441,84 @@ def build_report(
         "processes": dict(processes or {}),
         "notes": list(notes),
     }
+
+
+def faults_entry(run_dir: Path, job: Any, started: float) -> dict[str, Any]:
+    """The report's ``faults``: ``fired`` (what the fault injectors recorded under ``RUN/faults/``,
+    each with ``start_s`` / ``end_s`` seconds after the launch) and ``scheduled`` (how many
+    ``[[faults.faults]]`` the job has). Text, plots and summaries name only ``fired`` ones."""
+    from common.faults import read_fired
+
+    fired = []
+    for r in read_fired(Path(run_dir) / "faults"):
+        rec = dict(r)
+        t0 = float(started or r.get("launch_t0") or 0.0)
+        if t0:
+            rec["start_s"] = round(float(r.get("first_time") or 0.0) - t0, 2)
+            rec["end_s"] = round(float(r.get("last_time") or 0.0) - t0, 2)
+        fired.append(rec)
+    scheduled = len(getattr(getattr(job, "faults", None), "faults", None) or [])
+    return {"scheduled": scheduled, "fired": fired}
+
+
+def fault_phrase(rec: Mapping[str, Any]) -> str:
+    """One fired fault in words: ``worker 1 slow x3 (step) at steps 20-79 (60 steps), 9.1-24.0 s after
+    launch, slept 14.2 s``."""
+    what = str(rec.get("what") or f"{rec.get('target')} {rec.get('index')} {rec.get('kind')}")
+    first, last, n = rec.get("first_step"), rec.get("last_step"), int(rec.get("count") or 0)
+    when = []
+    if rec.get("kind") == "kill":
+        when.append(f"killed after step {first}" if first is not None else "killed")
+    elif first is not None:
+        when.append(f"at steps {first}-{last} ({n} steps)")
+    elif n:
+        when.append(f"{n:,} requests")
+    if isinstance(rec.get("start_s"), (int, float)):
+        when.append(f"{float(rec['start_s']):.1f}-{float(rec.get('end_s') or rec['start_s']):.1f} s after launch"
+                    if rec.get("kind") != "kill" else f"{float(rec['start_s']):.1f} s after launch")
+    if float(rec.get("sleep_s") or 0.0) > 0:
+        when.append(f"slept {float(rec['sleep_s']):.1f} s")
+    return what + (" " + ", ".join(when) if when else "")
+
+
+def faults_text(report: Mapping[str, Any]) -> str:
+    """``faults fired: <phrase>; ...`` from what the injectors recorded (never from the config), or
+    ``faults fired: none`` when the job scheduled some and none fired; '' when it scheduled none."""
+    faults = report.get("faults") or {}
+    fired = list(faults.get("fired") or [])
+    if fired:
+        return "faults fired: " + "; ".join(fault_phrase(r) for r in fired)
+    n = int(faults.get("scheduled") or 0)
+    return f"faults fired: none ({n} scheduled in [faults], none applied)" if n else ""
+
+
+def controller_text(report: Mapping[str, Any]) -> str:
+    """What the controller did about stragglers, from its events: ``controller: worker 1 flagged
+    slow at 21.3 s; 3 shrink_shards, 1 release_clock`` or ``controller: flagged no node slow``."""
+    t0 = float(report.get("started") or 0.0)
+    events = (report.get("controller") or {}).get("events") or []
+    flagged: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for e in events:
+        kind = str(e.get("kind"))
+        if kind in ("slow_detected", "slow"):
+            flagged.setdefault(str(e.get("node")), float(e.get("time") or 0.0))
+        if kind in ("shrink_shards", "release_clock", "restart", "move_vshards", "recovered", "rejoin_clock"):
+            counts[kind] = counts.get(kind, 0) + 1
+    if not flagged:
+        return "controller: flagged no node slow" + (
+            "; " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) if counts else "")
+    who = ", ".join(f"{n.replace(':', ' ')} flagged slow at {t - t0:.1f} s" if t0 else f"{n} flagged slow"
+                    for n, t in sorted(flagged.items(), key=lambda kv_: kv_[1]))
+    acts = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    return f"controller: {who}" + (f"; actions: {acts}" if acts else "")
+
+
+def eval_protocol(job: Any) -> str:
+    """What the run's evaluations score, in words (the data set and the protocol)."""
+    meta = str(getattr(getattr(job, "train", None), "mode", "")).endswith("meta")
+    return ("episodes of the Meta-IO eval set: base = no adaptation, adapted = after the inner loop on each "
+            "task's support rows; both score the query rows" if meta else "rows of the eval set, no adaptation")
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -583,8 +664,6 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
                                   or coverage_text(report["controller"]["coverage"], report["status"], report["reason"])))
     ct.add_row("trained more than once", escape(report.get("replays_summary") or "-"))
     ct.add_row("events", str(len(report["controller"]["events"])))
-    for k, v in sorted(report["final_auc"].items()):
-        ct.add_row(k, f"{v:.4f}")
     ct.add_row("samples/s (sum)", f"{report['totals']['samples_per_s']:,.1f}")
     fc = report.get("final_checkpoint") or {}
     ct.add_row("training", str(report.get("training") or "-"))
@@ -592,8 +671,65 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
                else report["checkpoint"] or "-")
     ct.add_row("run dir", report["run_dir"])
     console.print(ct)
+    for line in (faults_text(report), controller_text(report), workers_text(report)):
+        if line:
+            console.print(line, markup=False)
+    auc_table(console, report)
     lines = cold_start_text(report.get("cold_start") or {})
     if lines:
-        console.print("cold start, held-out users (base vs adapted on their support rows):", markup=False)
+        console.print(f"cold start, held-out users ({auc_source(report)}): base vs adapted", markup=False)
         for line in lines:
             console.print("  " + line, markup=False)
+
+
+def auc_source(report: Mapping[str, Any]) -> str:
+    """``episodes on the Meta-IO holdout runs/main/metaio-holdout, 2,187 query rows``: what the final AUCs scored."""
+    data = (report.get("eval_data") or {}).get("final") or ((report.get("config") or {}).get("data") or {}).get("eval")
+    rows = max((int(m.get("rows") or 0) for heads in (report.get("final_metrics") or {}).values()
+                if isinstance(heads, Mapping) for m in heads.values() if isinstance(m, Mapping)), default=0)
+    meta = str(((report.get("config") or {}).get("train") or {}).get("mode") or "") == "meta"
+    what = "episodes on the Meta-IO holdout" if meta else "the eval set"
+    return f"{what} {data or '?'}" + (f", {rows:,} query rows" if rows else "")
+
+
+def auc_table(console: Console, report: Mapping[str, Any]) -> None:
+    """The final evaluation's AUCs, one row per head, each column saying what it scored."""
+    final = report.get("final_metrics") or {}
+    heads = sorted({h for kind in ("base", "adapted") for h in (final.get(kind) or {})
+                    if isinstance((final.get(kind) or {}).get(h), Mapping)})
+    if not heads:
+        return
+    t = Table(title=f"final eval AUC: {auc_source(report)} (every eval row, after the last step)")
+    for col in ("head", "base (no adaptation)", "adapted (inner loop on support rows)", "Bayes oracle", "rows"):
+        t.add_column(col, justify="right")
+    for h in heads:
+        b, a = (final.get("base") or {}).get(h) or {}, (final.get("adapted") or {}).get(h) or {}
+
+        def f(m: Mapping[str, Any], key: str = "auc") -> str:
+            v = m.get(key)
+            return f"{v:.4f}" if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+        t.add_row(h, f(b), f(a), f(b, "oracle_auc"), f"{int(b.get('rows') or a.get('rows') or 0):,}")
+    console.print(t)
+
+
+def workers_text(report: Mapping[str, Any]) -> str:
+    """Steps per worker and, for the worker that ran the periodic evaluation, how it ran:
+    ``steps per worker: 0: 118, 1: 121; periodic eval by worker 0 off its step path: 8 evals,
+    4.1 s, 23 steps trained meanwhile``."""
+    workers = report.get("workers") or []
+    if not workers:
+        return ""
+    text = "steps per worker: " + ", ".join(f"{w.get('rank')}: {int(w.get('steps') or 0)}" for w in workers)
+    for w in workers:
+        pts = w.get("eval_history") or []
+        if not pts:
+            continue
+        off = sum(1 for p in pts if p.get("thread") and p.get("thread") != "MainThread")
+        secs = sum(float(p.get("seconds") or 0.0) for p in pts)
+        during = sum(int(p.get("steps_during") or 0) for p in pts)
+        where = ("off its step path (a background thread)" if off == len(pts) else
+                 "on its step path" if not off else f"{off} of {len(pts)} off its step path")
+        text += (f"; periodic eval by worker {w.get('rank')} {where}: {len(pts)} evals, {secs:.1f} s, "
+                 f"{during} steps trained meanwhile")
+    return text

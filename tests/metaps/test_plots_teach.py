@@ -166,8 +166,20 @@ def test_summary_has_four_panels(tmp_path: Path) -> None:
                                     "evidence": {}, "action": ""}]
     rep.update(name="demo", wall_s=101.5, coverage_summary="complete",
                totals={"samples": 20_000, "steps": 200, "last_step": 100, "samples_per_s": 200.0, "incarnations": 2})
+    # one scheduled fault fired (the injector's record), one never did: only the first is named
+    rep["config"] = {**rep.get("config", {}), "faults": {"faults": [
+        {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0, "start_step": 20, "end_step": 80},
+        {"target": "ps", "index": 0, "kind": "latency", "latency_s": 0.5, "start_s": 900.0}]}}
+    rep["faults"] = {"scheduled": 2, "fired": [
+        {"target": "worker", "index": 1, "kind": "slow", "what": "worker 1 slow x3 (step)", "first_step": 20,
+         "last_step": 79, "count": 60, "first_time": T0 + 30.0, "last_time": T0 + 60.0, "start_s": 30.0,
+         "end_s": 60.0, "sleep_s": 12.0}]}
     assert "summary.png" in PLOTS
     fig = render("summary.png", rep)
+    every_text = " ".join(_all_text(fig).split())  # wrapped lines joined
+    assert "faults fired: worker 1 slow x3 (step) at steps 20-" in every_text, every_text
+    assert "30.0-60.0 s after launch" in every_text.replace("- ", "-"), every_text
+    assert "latency" not in every_text and "ps 0" not in every_text, "a fault that never fired is named nowhere"
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["throughput (fleet total and per worker)", "training loss per head (all workers, smoothed)",
                       "eval AUC by head (final evaluation)", "the run in numbers"], titles

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from metaps.job import job_from_mapping
@@ -142,3 +143,47 @@ def test_the_summary_says_plainly_what_adaptation_bought(tmp_path: Path) -> None
     helped = {"base": {"click": head(0.70)}, "adapted": {"click": head(0.72)}}
     assert cold_start(helped)["click"]["verdict"] == "helps" and cold_start(helped)["click"]["oracle"] is None
     assert cold_start({"base": {"click": head(0.7)}}) == {}  # no adapted eval: nothing claimed
+
+
+def test_the_report_names_only_faults_that_fired(tmp_path: Path) -> None:
+    """Faults the injectors recorded (RUN/faults/) are named with when they fired; a scheduled
+    fault that never fired is named nowhere: report, console summary, summary.png's text."""
+    from common.config import from_mapping
+    from common.faults import FaultConfig, FaultInjector
+    from metaps.plots import summary_lines
+
+    run, _ = _run(tmp_path)
+    faults = {"faults": [{"target": "worker", "index": 1, "kind": "slow", "factor": 3.0, "basis": "step",
+                          "start_step": 5, "end_step": 8},
+                         {"target": "worker", "index": 0, "kind": "kill", "at_step": 999}]}
+    job = job_from_mapping({"data": {"train": "x"}, "train": {"workers": 2}, "run": {"dir": str(tmp_path)},
+                            "faults": faults})
+    cfg = from_mapping(FaultConfig, faults, where="t", prefix="faults")
+    w1 = FaultInjector(cfg, "worker", 1, t0=1000.0, record_dir=run / "faults")
+    w0 = FaultInjector(cfg, "worker", 0, t0=1000.0, record_dir=run / "faults")
+    delays = {s: w1.step_delay(0.1, 0.5, now=1000.0 + s, step=s) for s in range(1, 12)}
+    assert [s for s, d in delays.items() if d > 0] == [5, 6, 7] and delays[5] == pytest.approx(1.0)
+    assert not any(w0.kill_due(now=1000.0 + s, step=s, start_step=0) for s in range(1, 40))
+    w1.flush()
+    w0.flush()
+    rep = build_report(run, job, status="succeeded", started=1000.0,
+                       controller_status={"events": [{"kind": "slow_detected", "node": "worker:1", "time": 1006.5}]})
+    fired = rep["faults"]["fired"]
+    assert rep["faults"]["scheduled"] == 2 and len(fired) == 1, rep["faults"]
+    assert fired[0]["first_step"] == 5 and fired[0]["last_step"] == 7 and fired[0]["count"] == 3, fired
+    assert fired[0]["start_s"] == 5.0 and fired[0]["end_s"] == 7.0 and fired[0]["sleep_s"] == pytest.approx(3.0)
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=220), rep)
+    text = buf.getvalue() + "\n".join(summary_lines(rep))
+    assert "faults fired: worker 1 slow x3 (step) at steps 5-7 (3 steps), 5.0-7.0 s after launch, slept 3.0 s" in text
+    assert "controller: worker 1 flagged slow at 6.5 s" in text, text
+    assert "kill" not in text and "999" not in text, text  # scheduled, never fired: named nowhere
+    # nothing fired: the summary says so without naming what was scheduled
+    for p in (run / "faults").glob("*.json"):
+        p.unlink()
+    quiet = build_report(run, job, status="succeeded", started=1000.0)
+    buf = io.StringIO()
+    print_summary(Console(file=buf, width=220), quiet)
+    text = buf.getvalue() + "\n".join(summary_lines(quiet))
+    assert "faults fired: none (2 scheduled in [faults], none applied)" in text and "controller: flagged no node slow" in text
+    assert "slow x3" not in text and "kill" not in text, text
