@@ -1,5 +1,9 @@
 """Distributed training (1 worker, 1 and 2 PS shards, synchronous) equals train-local.
 
+The meta case on 2 shards trains a model metaps does not ship: the two-tower of
+docs/examples/two_tower.py (``[model] kind = "custom"``), whose declared ``item`` dim (16)
+sizes that PS table, so the custom-model path is held to the same equality.
+
 Equality alone would hold between two runs that never update anything, so every
 compared row and dense parameter is also compared with its value before training
 (the deterministic initial row of its id; the seeded initial model): most must
@@ -35,9 +39,16 @@ def _all_ids(worker: Worker, batches: int | None = None) -> dict[str, np.ndarray
     return {t: np.unique(np.concatenate(v)) for t, v in ids.items()}
 
 
-@pytest.mark.parametrize("mode,shards", [("meta", 1), ("meta", 2), ("plain", 2)])
-def test_distributed_matches_local(worker_data, ps_servers, tmp_path: Path, mode: str, shards: int) -> None:
-    job = make_job(worker_data["meta"], tmp_path, mode=mode, shards=shards, train={"max_steps": 12})
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+TWO_TOWER = {"kind": "custom", "class": "two_tower:TwoTower", "class_dir": str(EXAMPLES), "hidden": [16]}
+
+
+@pytest.mark.parametrize("mode,shards,model", [("meta", 1, "dnn"), ("meta", 2, "two_tower"), ("plain", 2, "dnn")])
+def test_distributed_matches_local(worker_data, ps_servers, tmp_path: Path, mode: str, shards: int, model: str) -> None:
+    custom = {"model": TWO_TOWER} if model == "two_tower" else {}
+    job = make_job(worker_data["meta"], tmp_path, mode=mode, shards=shards, train={"max_steps": 12}, **custom)
+    if custom:
+        assert {t.name: t.dim for t in job.table_configs()}["item"] == 16  # the class's declared dim
     _, local = train_local(job, tmp_path / "local", checkpoint=False)
 
     addrs = ps_servers(job)
@@ -45,6 +56,7 @@ def test_distributed_matches_local(worker_data, ps_servers, tmp_path: Path, mode
     dist = Worker(job, 0, RemoteRowSource(client), run_dir=tmp_path / "dist", world=1)
     dist.train()
     assert dist.trainer.step_no == local.trainer.step_no == 12
+    assert type(dist.model).__name__ == ("CustomModel" if custom else "WideDeep")
 
     for (name, a), (_, b) in zip(local.model.named_parameters(), dist.model.named_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"dense param {name}")
