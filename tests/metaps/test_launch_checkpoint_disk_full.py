@@ -6,12 +6,19 @@ Training finishes; the final checkpoint cannot be written. That is deterministic
 ends once: no worker is restarted (one incarnation each, no agent restart), the reason is one
 line naming the checkpoint path and the OS error, the report says training finished and the
 final checkpoint failed, and no ``ckpt-*.tmp`` (or partial shard file) is left on the disk.
+
+The fleet (2 PS, 2 workers, G-Meta) trains a model metaps does not ship: the two-tower of
+docs/examples/two_tower.py, copied next to the job file and named ``class = "two_tower:TwoTower"``
+with no ``class_dir`` and no PYTHONPATH: every process (the launcher's preflight, the PS sizing its
+tables from the class's declared dims, the workers) finds it in the job file's folder, through the
+run directory's copy of the job.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_final_checkpoint_on_a_full_disk_fails_the_run_once(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
+    shutil.copy(ROOT / "docs" / "examples" / "two_tower.py", tmp_path / "two_tower.py")
     # restart_limit 3: the old behaviour restarted the leader three times on the same error
     cfg = write_job_file(tmp_path / "job.toml", data, workers=2, ps=2,
+                         model={"kind": "custom", "class": "two_tower:TwoTower", "hidden": [8]},
                          controller={"agent": {"heartbeat_s": 0.5, "restart_limit": 3, "backoff_s": 0.2,
                                                "stop_grace_s": 5.0}})
     run = tmp_path / "run"
@@ -48,6 +57,10 @@ def test_a_final_checkpoint_on_a_full_disk_fails_the_run_once(tmp_path: Path) ->
     assert re.match(r"training finished \(train (\d+)/\1 batches\); the final checkpoint failed: ", reason), reason
     assert "/checkpoints/ckpt-" in reason and "no space left on device" in reason and "ENOSPC" in reason, reason
     assert rep["training"] == "finished" and rep["controller"]["coverage"]["complete"], rep["coverage_summary"]
+    # the custom model trained on both workers, from the job file's folder (made absolute in RUN/job.toml)
+    assert rep["config"]["model"]["class"] == "two_tower:TwoTower"
+    assert rep["config"]["model"]["class_dir"] == str(tmp_path.resolve())
+    assert all(w["steps"] > 0 for w in rep["workers"]), [w["steps"] for w in rep["workers"]]
     assert rep["final_checkpoint"]["state"] == "failed", rep["final_checkpoint"]
     assert "no space left on device" in rep["final_checkpoint"]["error"]
     assert rep["checkpoint"] == ""
