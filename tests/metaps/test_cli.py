@@ -225,10 +225,17 @@ def test_launch_refuses_an_unwritable_run_root(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ train-local's run directory
 def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
+    """... of a model metaps does not ship (docs/examples/two_tower.py next to the job file), which is
+    then delivered and scored by ``metaps predict`` and ``api.load_bundle`` with the user's code gone."""
+    import shutil
+
     from tests.metaps.fleet_data import job_mapping, make_data
 
     data = make_data(tmp_path / "data")
-    job = write(tmp_path / "job.toml", job_mapping(data, tmp_path, workers=1, ps=1, run={"plots": True}))
+    shutil.copy(REPO / "docs" / "examples" / "two_tower.py", tmp_path / "two_tower.py")
+    job = write(tmp_path / "job.toml", job_mapping(data, tmp_path, workers=1, ps=1, run={"plots": True},
+                                                   model={"kind": "custom", "class": "two_tower:TwoTower",
+                                                          "hidden": [8]}))
     res = _metaps("train-local", "--config", str(job), "--set", "train.max_steps=3", "--set", "train.log_every=1",
                   "--json")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -245,3 +252,35 @@ def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
     assert load_job(run / "job.toml").train.max_steps == 3  # the effective job, overrides applied
     assert Path(out["checkpoint"]).parent == run / "checkpoints"
     assert list((run / "plots").glob("*.png")) and (run / "tb").is_dir()
+    assert load_job(run / "job.toml").model.class_dir == str(tmp_path.resolve())  # the job file's folder
+    _deliver_and_score_without_the_users_code(Path(out["checkpoint"]), data["eval"].parent / "raw-eval", tmp_path)
+
+
+def _deliver_and_score_without_the_users_code(ckpt: Path, raw: Path, tmp_path: Path) -> None:
+    """Deliver a custom model's checkpoint (its class imported from the run's class_dir), then remove the
+    class and score: the bundle's dense network is self-contained TorchScript; only adaptation, which
+    rebuilds the eager model, needs the class back, and says so in one line."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from metaps import api
+    from models.custom_import import import_model_class
+
+    bundles = tmp_path / "bundles"
+    assert main(["deliver", "--no-gate", "--checkpoint", str(ckpt), "--out", str(bundles)]) == 0
+    (tmp_path / "two_tower.py").unlink()  # the user's code is gone
+    sys.modules.pop("two_tower", None)
+    import_model_class.cache_clear()
+    while str(tmp_path.resolve()) in sys.path:
+        sys.path.remove(str(tmp_path.resolve()))
+    assert main(["predict", "--bundle", str(bundles), "--data", str(raw), "--out", str(tmp_path / "s.parquet")]) == 0
+    got = api.load_bundle(bundles).predict(raw)
+    scores = pq.read_table(tmp_path / "s.parquet").to_pydict()
+    assert got.rows == len(scores["row"]) > 0 and set(got.probs) == {"click", "conversion"}
+    for h in got.probs:
+        np.testing.assert_allclose(scores[f"p_{h}"], got.probs[h], atol=1e-6)
+        assert 0.0 < float(got.probs[h].min()) and float(got.probs[h].max()) < 1.0
+    with pytest.raises(ConfigError) as exc:  # adapting rebuilds the eager model: the class is needed
+        api.load_bundle(bundles).adapt(raw).predict(raw)
+    assert "\n" not in str(exc.value) and "model.class = 'two_tower:TwoTower': module 'two_tower' not found" in str(
+        exc.value), str(exc.value)
