@@ -77,6 +77,7 @@ def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True,
             ds.num_batches(i) for i in range(ds.num_files)
         )
         worker.train()
+    stopped = worker.stop_asked  # a stop asked of the final evaluation or checkpoint comes after training
     metrics = None
     if job.data.eval:
         worker.evaluate()
@@ -86,7 +87,7 @@ def train_local(job: Any, run_dir: Path | None = None, checkpoint: bool = True,
     rep = worker.report(metrics, ckpt)
     if validation is not None:
         rep["validation"] = validation
-    rep["stop_asked"] = worker.stop_asked
+    rep["stop_asked"] = stopped
     log.info("train-local done", extra=kv(steps=rep["steps"], samples=rep["samples"],
                                           samples_per_s=round(rep["samples_per_s"], 1)))
     return rep, worker

@@ -3,7 +3,7 @@ can stop a run, progress that can be turned off.
 
 Two real ``api.train_local`` runs on test_api.py's tiny data (600 rows, 64-row batches), same
 job: A (6 steps asked, ``on_step`` returns STOP at step 3, progress off) and B (3 steps,
-progress as lines). The judge of a stop is the state it leaves: A's final checkpoint is at
+progress as lines, a STOP only from its final evaluation and checkpoint, after training). The judge of a stop is the state it leaves: A's final checkpoint is at
 step 3 with exactly B's rows and dense parameters (a stop ignored would train on to step 6),
 and its report says ``stopped``, by which callback, not "succeeded". B's model and tables in
 memory are compared with its checkpoint as read by ``ps.checkpoint`` and with the bundle
@@ -65,7 +65,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     a, a_out, a_err = _quiet(lambda: api.train_local(
         job, max_steps=6, run_dir=root / "a", on_step=on_step, on_eval=ev["eval"].append,
         on_checkpoint=ev["checkpoint"].append, progress=False))
-    b, b_out, b_err = _quiet(lambda: api.train_local(job, max_steps=3, run_dir=root / "b", progress="lines"))
+    # B's stops come after training (the final evaluation, the final checkpoint): they change nothing
+    b, b_out, b_err = _quiet(lambda: api.train_local(
+        job, max_steps=3, run_dir=root / "b", progress="lines", on_eval=lambda e: api.STOP if e.final else None,
+        on_checkpoint=lambda e: api.STOP))
     rows = pa.concat_tables([pq.read_table(f) for f in data.files])
     return {"root": root, "a": a, "b": b, "events": ev, "rows": rows, "out": {"a": (a_out, a_err), "b": (b_out, b_err)}}
 
