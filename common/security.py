@@ -4,6 +4,9 @@
   and :func:`write_token_file` keep one in a 0600 file (``[rpc] token_file``);
 * :func:`redact` is the one place secrets are blanked before a config is
   serialized (job files, ``report.json``, checkpoint manifests, JSON dumps);
+* :func:`launch_token` settles a launched run's token and keeps it in a 0600 file
+  (``RUN/rpc.token`` unless one is given) that ``RUN/job.toml`` names;
+  :func:`client_rpc` is what ``metaps status``, ``cut`` and ``run-report`` use to find it;
 * :func:`role_rpc` settles a role's token: ``[rpc] token``, ``token_file``
   (``--token-file``), ``$METAPS_TOKEN``, else the run's token file
   ``<run dir>/rpc.token`` (:func:`run_token_path`); a serving role (PS,
@@ -271,23 +274,39 @@ def checkpoint_root(explicit: str, run_dir: str | Path) -> Path:
     return (Path(env or run_dir) / "checkpoints").resolve()
 
 
-def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "") -> tuple[str, dict[str, str]]:
-    """Settle a launched run's token and take the secret out of its job mapping.
+def _another_runs_token(path: Path, own: Path) -> bool:
+    """True when ``path`` is the token file ``metaps launch`` wrote in another run's directory
+    (the job file is a copy of that run's ``RUN/job.toml``): a new run gets a token of its own."""
+    return (path != own and path.name == RUN_TOKEN_FILE and (path.parent / "job.toml").is_file()
+            and (path.parent / "controller").is_dir())
+
+
+def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "", *,
+                 run_dir: str | Path = "") -> tuple[str, dict[str, str]]:
+    """Settle a launched run's token, keep it in a 0600 file, and take the secret out of its job mapping.
 
     The token is ``[rpc] token``, else the token file's content, else
-    ``$METAPS_TOKEN``, else a fresh :func:`generate_token`. With a token file
-    (``--token-file`` or ``[rpc] token_file``; created 0600 with the token when
-    missing) children read that file; otherwise they get ``$METAPS_TOKEN``.
-    Either way ``raw``'s ``[rpc] token`` becomes :data:`REDACTED`. TLS files are
-    checked here too, so a missing one fails before anything starts.
+    ``$METAPS_TOKEN``, else a fresh :func:`generate_token`. It lives in a token
+    file: ``--token-file`` or ``[rpc] token_file`` when given (created 0600 with
+    the token when missing), else the run's own ``RUN/rpc.token``
+    (:data:`RUN_TOKEN_FILE`; created 0600 from the start, kept when it exists: a
+    ``--resume`` goes on with the run's token). ``raw``'s ``[rpc] token_file``
+    names that file, so every child and every CLI client given ``--config
+    RUN/job.toml`` (``metaps status``, ``cut``, ``run-report``) reads the token
+    from it, and ``[rpc] token`` becomes :data:`REDACTED`. A job file that names
+    another launched run's ``rpc.token`` (a copy of its ``job.toml``) does not
+    carry that token over: the new run gets its own. TLS files are checked here
+    too, so a missing one fails before anything starts. The token is never logged.
 
     Args:
         raw: the parsed job TOML the launcher will write as ``RUN/job.toml`` (edited in place).
         rpc: its ``common.rpc.RpcConfig``.
         token_file: ``metaps launch --token-file`` ('' = ``[rpc] token_file``).
+        run_dir: the run directory ('' = no run token file: with no token file given the
+            children get ``$METAPS_TOKEN``).
 
     Returns:
-        (the token, extra environment for every child process).
+        (the token, extra environment for every child process: empty when a token file holds it).
     """
     import dataclasses
 
@@ -295,6 +314,14 @@ def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "") -> tuple[s
     given = rpc.token if rpc.token != REDACTED else ""
     sec = raw.setdefault("rpc", {})
     path = token_file or rpc.token_file
+    own = (Path(run_dir).resolve() / RUN_TOKEN_FILE) if run_dir else None
+    if path and own is not None and _another_runs_token(Path(path).resolve(), own):
+        log.info("the job file names another run's token file; this run gets its own",
+                 extra=kv(other=str(Path(path).resolve()), token_file=str(own)))
+        path = ""
+    if not path and own is not None:
+        make_private_dir(own.parent)  # 0700 before the token file is made in it
+        path = str(own)
     env: dict[str, str] = {}
     if path:
         p = Path(path).resolve()
@@ -312,6 +339,30 @@ def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "") -> tuple[s
         env[TOKEN_ENV] = token
     sec["token"] = REDACTED
     return token, env
+
+
+def client_rpc(rpc: Any, token_file: str = "", *, run_dir: str | Path = "", config: str = "", what: str = "") -> Any:
+    """The job's ``[rpc]`` for a CLI client of a running fleet (``metaps status``, ``cut``,
+    ``run-report``): :func:`role_rpc` as a client, and a one-line error when it finds no token
+    although the job file says the run had one (``token = "<redacted>"``).
+
+    Args:
+        rpc: the job's ``common.rpc.RpcConfig`` (from ``--config``, e.g. ``RUN/job.toml``).
+        token_file: ``--token-file`` ('' = the job's ``[rpc] token_file``).
+        run_dir: the job's ``[run] dir`` (its ``rpc.token`` is looked at last).
+        config: the job file, for the message.
+        what: the command, for the log.
+
+    Raises:
+        ConfigError: the token file is missing, unreadable or readable by group/others (naming
+            it), or the job file's token is redacted and no token was found.
+    """
+    out = role_rpc(rpc, token_file, run_dir=run_dir, what=what)
+    if rpc.token == REDACTED and not out.resolved_token():
+        where = run_token_path(run_dir) if run_dir else Path(RUN_TOKEN_FILE)
+        raise ConfigError(f"{config or 'the job file'}: [rpc] token is redacted and no token file holds it "
+                          f"({where}: no such file); pass --token-file FILE or set ${TOKEN_ENV}")
+    return out
 
 
 def check_bind(hosts: list[str], token: str, *, insecure: bool, what: str, serves: bool = False) -> None:
@@ -356,6 +407,7 @@ __all__ = [
     "TOKEN_ENV",
     "launch_token",
     "add_cli_args",
+    "client_rpc",
     "checkpoint_root",
     "role_rpc",
     "run_token_path",

@@ -7,7 +7,10 @@ fleet's ports are picked at start, so ``metaps launch`` writes them down:
 * ``RUN/metrics/targets.json``: every process's endpoint in Prometheus' ``file_sd``
   format (:func:`write_targets`), labelled ``metaps_run``, ``role``, ``index`` and
   ``process``; rewritten atomically whenever the fleet changes, so a Prometheus reading
-  it (``file_sd_configs``) follows the run without a reload.
+  it (``file_sd_configs``) follows the run without a reload. A worker that finished
+  leaves it, and it is emptied (``[]``) when the run succeeds: Prometheus drops those
+  targets, so a run that ended well raises no ``MetapsTargetDown``; a failed or
+  interrupted run keeps its targets (its processes are down: worth an alert).
 
 ``metaps monitor --run RUN`` (:mod:`metaps.roles.monitor`) turns that into a local
 monitoring stack, by :func:`write_stack`:
@@ -20,8 +23,9 @@ monitoring stack, by :func:`write_stack`:
 * ``RUN/metrics/grafana/``: Grafana provisioning, a Prometheus data source on the local
   Prometheus and the repository's dashboard (``docs/grafana/metaps.json``).
 
-It starts ``prometheus`` (and ``grafana-server``) when they are on ``PATH`` and
-otherwise prints the commands that would, so the files are useful either way.
+It starts ``prometheus`` (and ``grafana-server``) when they are on ``PATH``, each in a
+process group of its own that it stops (SIGTERM, then SIGKILL) when it ends (SIGINT,
+SIGTERM), and otherwise prints the commands that would, so the files are useful either way.
 
 On Kubernetes none of this is needed: every pod carries ``prometheus.io/*``
 annotations (``metaps deploy k8s``) and the same rules file loads into any Prometheus.
@@ -66,7 +70,9 @@ ALERT_RULES: dict[str, Any] = {"groups": [{
                  "and on (metaps_run) (metaps_controller_run_state{state=\"running\"} == 1)",
          "for": "5m", "labels": {"severity": "critical"},
          "annotations": {"summary": "run {{ $labels.metaps_run }}: coverage stuck",
-                         "description": "No batch covered in 15 minutes while the run has batches left."}},
+                         "description": "No batch covered in 15 minutes while the run has batches left; "
+                                        "`metaps status --config RUNS/{{ $labels.metaps_run }}/job.toml` shows "
+                                        "its nodes and datasets."}},
         {"alert": "MetapsPsDown",
          "expr": "max by (metaps_run) (metaps_controller_nodes{role=\"ps\",state=\"dead\"}) > 0",
          "for": "1m", "labels": {"severity": "critical"},
@@ -82,12 +88,18 @@ ALERT_RULES: dict[str, Any] = {"groups": [{
          "expr": "max by (metaps_run) (metaps_controller_run_state{state=\"failed\"}) > 0",
          "labels": {"severity": "critical"},
          "annotations": {"summary": "run {{ $labels.metaps_run }} failed",
-                         "description": "See `metaps status` or the controller's termination message."}},
+                         "description": "Why: `metaps status --config RUNS/{{ $labels.metaps_run }}/job.toml` "
+                                        "(RUNS: the job's [run] dir; the run's token is read from the 0600 "
+                                        "rpc.token its job.toml names), or the controller's termination "
+                                        "message on Kubernetes."}},
         {"alert": "MetapsTargetDown",
          "expr": "up{job=\"metaps\"} == 0",
          "for": "2m", "labels": {"severity": "warning"},
          "annotations": {"summary": "{{ $labels.process }} of run {{ $labels.metaps_run }} does not answer "
-                                    "/metrics"}},
+                                    "/metrics",
+                         "description": "A process of a running (or failed, or interrupted) run: `metaps launch` "
+                                        "takes a finished worker out of the targets file, and every process "
+                                        "once the run succeeded, so a run that ended well raises none."}},
     ],
 }]}
 """Prometheus alerting rules over the controller's metrics (``controller/metrics.py``)."""

@@ -21,13 +21,15 @@ What it does::
     agent worker:R -> metaps worker --rank R --ps ADDRS --controller ADDR --run-dir RUN
     watch: controller status + worker step logs -> live view; exits / signals / timeout
     end:   PS stats, controller status, (failed or interrupted: workers stopped, then a
-           coordinated checkpoint of the PS), stop PS, stop controller, ledger
-           -> report.json, tb/, plots/, summary table
+           coordinated checkpoint of the PS), stop PS, stop controller, (succeeded: the
+           Prometheus targets file emptied), ledger -> report.json, tb/, plots/, summary table
 
 Auth is always on: the run's token is ``[rpc] token``, a token file or
 ``$METAPS_TOKEN``, else a fresh random one (:func:`common.security.launch_token`);
-children get it through ``$METAPS_TOKEN`` or the 0600 token file, never argv;
-``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
+it lives in a 0600 token file -- the one given (``--token-file``, ``[rpc] token_file``),
+else ``RUN/rpc.token`` -- that ``RUN/job.toml`` names (``token_file``), so children
+and ``metaps status|cut --config RUN/job.toml`` / ``run-report`` read it there, never
+argv; ``RUN/job.toml``, ``report.json`` and manifests say ``token = "<redacted>"``. The
 run dir is 0700, its files 0600; the PS and controller accept checkpoint paths
 under ``RUN/checkpoints`` only (``--checkpoint-root``).
 
@@ -49,6 +51,9 @@ Two helpers for fleets started by hand or across hosts (``scripts/``)::
 
     metaps config-write --config job.toml --set ps.host=10.0.0.2 --out host-job.toml
     metaps run-report --run-dir DIR [--controller ADDR] [--ps ADDRS]
+
+With ``--json`` stdout holds one JSON object (the report's headline fields) and
+stderr log lines only: no live view, no tables.
 
 Modules: :mod:`~metaps.launch.config` (inputs, run dir, resume checkpoint),
 :mod:`~metaps.launch.launcher` (the fleet's life), :mod:`~metaps.launch.latest`

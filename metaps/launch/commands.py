@@ -80,9 +80,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if not wants_json(args):
         return Launcher(lc).run()
+    import dataclasses
+
     from rich.console import Console
 
-    launcher = Launcher(lc, console=Console(stderr=True))  # the live view and tables on stderr
+    # --json: stdout holds the one JSON object, stderr the log lines only: no live view (a progress
+    # log line every 10 s instead), no tables (their figures are in the object and RUN/report.json)
+    launcher = Launcher(dataclasses.replace(lc, progress=False), console=Console(stderr=True, quiet=True))
     code = launcher.run()
     rep = json.loads((launcher.run_dir / "report.json").read_text())
     emit(args, {k: rep.get(k) for k in ("status", "reason", "exit_code", "run_dir", "wall_s", "counts", "totals",
@@ -145,9 +149,10 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
     cfg = Path(args.config) if args.config else run_dir / "job.toml"
     job = load_job(cfg)
     if args.controller or args.ps:
-        from common.security import role_rpc
+        from common.security import client_rpc
 
-        job = job.with_overrides(rpc=role_rpc(job.rpc, run_dir=run_dir))  # the run's rpc.token, if any
+        # the run's token: the 0600 file RUN/job.toml names (RUN/rpc.token), else $METAPS_TOKEN
+        job = job.with_overrides(rpc=client_rpc(job.rpc, run_dir=run_dir, config=str(cfg), what="metaps run-report"))
     status = None
     if args.controller:
         from controller.client import ControllerClient, ControllerError
@@ -191,7 +196,7 @@ def _cmd_run_report(args: argparse.Namespace) -> int:
         make_plots(rep, run_dir / "plots")
     from metaps.roles.output import emit, wants_json
 
-    print_summary(Console(stderr=wants_json(args)), rep)
+    print_summary(Console(quiet=wants_json(args)), rep)  # --json: the one object on stdout, logs on stderr
     if wants_json(args):
         emit(args, {k: rep.get(k) for k in ("status", "reason", "exit_code", "run_dir", "counts", "totals",
                                             "coverage_summary", "final_auc", "checkpoint")}, "")

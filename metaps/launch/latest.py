@@ -1,10 +1,13 @@
 """``runs/latest``: names the running run from its start and never a failed run
-(``mark_latest`` at start, ``settle_latest`` at the end; ``last-failed`` names a failed one)."""
+(``mark_latest`` at start, ``settle_latest`` at the end; ``last-failed`` names a failed one).
+A run continued with ``metaps launch --resume`` follows the same rule when it is an
+auto-named run (:func:`follows_latest`): ``latest`` names it while it runs and after it succeeds."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 from common.log import kv
@@ -22,6 +25,24 @@ def _point(link: Path, target: str) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target)
     tmp.replace(link)
+
+
+def follows_latest(run_dir: Path, run_name: str) -> bool:
+    """Whether a run continued in ``run_dir`` (``--resume``) moves ``latest``: it was auto-named
+    (``<[run] name>-YYYYmmdd-HHMMSS[-N]``, as :func:`metaps.launch.config._new_run_dir` names runs), or
+    ``latest`` / ``last-failed`` beside it names it. A run in a directory the user named does not.
+
+    Args:
+        run_dir: the run directory being continued.
+        run_name: its job's ``[run] name``.
+    """
+    if re.fullmatch(re.escape(run_name) + r"-\d{8}-\d{6}(-\d+)?", run_dir.name):
+        return True
+    for name in (LATEST, LAST_FAILED):
+        link = run_dir.parent / name
+        if link.is_symlink() and os.readlink(link) == run_dir.name:
+            return True
+    return False
 
 
 def mark_latest(run_dir: Path) -> str | None:
@@ -62,7 +83,7 @@ def settle_latest(run_dir: Path, succeeded: bool, previous: str | None) -> None:
             return
         _point(run_dir.parent / LAST_FAILED, run_dir.name)
         if link.is_symlink() and os.readlink(link) == run_dir.name:
-            if previous:
+            if previous and previous != run_dir.name:  # (a continued run that latest still named)
                 _point(link, previous)
             else:
                 link.unlink()

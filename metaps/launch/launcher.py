@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from common import exit_codes
 from common.errors import ConfigError
@@ -21,7 +21,7 @@ from common.log import kv
 from common.ports import PortReservation, reserve_port
 from metaps.roles.overrides import apply_overrides, describe, parse_sets
 from metaps.launch.config import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, LaunchConfig, _connect_host, _metaps, _new_run_dir, find_resume_checkpoint, write_job, _absolute_data_paths
-from metaps.launch.latest import mark_latest, settle_latest
+from metaps.launch.latest import follows_latest, mark_latest, settle_latest
 from metaps.launch.resume import ContinuePoint, find_continue_point, set_aside_previous_attempt
 
 
@@ -89,7 +89,7 @@ class Launcher:
         from rich.console import Console
 
         from common.config import read_toml
-        from metaps.job import job_from_mapping
+        from metaps.job import absolute_class_dir, job_from_mapping
         from common.security import launch_token, make_private_dir
 
         lc.validate()
@@ -101,9 +101,12 @@ class Launcher:
         self.lc = lc
         self.console = console or Console()
         raw = apply_overrides(read_toml(lc.config), parse_sets(list(lc.sets)))
+        raw = absolute_class_dir(raw, lc.config)  # a custom model's folder, for RUN/job.toml's readers
         base = job_from_mapping(copy.deepcopy(raw), where=describe(lc.config, list(lc.sets)))  # before anything starts
         if self.continued is not None:
-            self.run_dir, self.auto_named = self.continued.run_dir, False
+            # a continued run is `latest`'s again when it was an auto-named run of RUNS/ (latest.py)
+            self.run_dir, self.auto_named = self.continued.run_dir, follows_latest(self.continued.run_dir,
+                                                                                  base.run.name)
             self.resume = str(self.continued.checkpoint)
         else:
             self.run_dir, self.auto_named = _new_run_dir(lc, base)
@@ -114,7 +117,9 @@ class Launcher:
         n_ps = lc.ps if lc.ps is not None else base.ps.shards
         n_workers = lc.workers if lc.workers is not None else base.train.workers
         check_launch(base, self.run_dir, self.resume, ps_shards=n_ps)  # every deterministic error: one line
-        token, token_env = launch_token(raw, base.rpc, lc.token_file)  # raw's [rpc] token -> "<redacted>"
+        # the token in a 0600 file (RUN/rpc.token unless one is given) that RUN/job.toml names; raw's
+        # [rpc] token -> "<redacted>"
+        token, token_env = launch_token(raw, base.rpc, lc.token_file, run_dir=self.run_dir)
         if self.continued is not None:
             set_aside_previous_attempt(self.continued)
         for sub in ("", "logs", "ps", "workers", "checkpoints", "metrics", "metrics/ports"):
@@ -141,11 +146,16 @@ class Launcher:
         self.t0 = float(self.fleet.env["METAPS_T0"])
         self.stop_event = threading.Event()
         self.signal_name = ""
+        # called at every status poll with (status, workers' latest); a reason it returns stops the
+        # run as a signal does (metaps.api's callbacks and progress); None: no one watches
+        self.on_poll: Callable[[Mapping[str, Any] | None, Mapping[int, Mapping[str, Any]]], str] | None = None
+        self.stop_reason = ""
         self.ctl_addr = ""
         self.ps_addrs: list[str] = []
         self.ps_ready = False  # every shard's ready file seen (a final checkpoint can be asked of them)
         self.metrics_ports: dict[str, int | None] = {}
         self.metrics_hosts: dict[str, str] = {}  # process -> the host its /metrics binds (default 127.0.0.1)
+        self.targets_finished: set[str] = set()  # finished workers, out of RUN/metrics/targets.json
         self.status: dict[str, Any] | None = None
         self.ckpt = ""
         self.agent_notes: list[str] = []  # agents that died and were restarted (true reasons, for the report)
@@ -267,12 +277,21 @@ class Launcher:
         self._read_published_ports()
         self._write_targets()
 
-    def _write_targets(self) -> None:
-        """``RUN/metrics/targets.json``: every process's ``/metrics`` (Prometheus ``file_sd``; metaps.monitoring)."""
+    def _finished_members(self) -> set[str]:
+        """Workers whose agent exited 0 (their part of the run done): their endpoints leave the targets."""
+        return {n for n, rc in self.fleet.exited().items() if rc == 0 and self.fleet.members[n].role == "worker"}
+
+    def _write_targets(self, *, ended: bool = False) -> None:
+        """``RUN/metrics/targets.json``: every live process's ``/metrics`` (Prometheus ``file_sd``;
+        metaps.monitoring). A worker that finished (its agent exited 0) leaves it, and a run that
+        succeeded empties it (``ended``): a Prometheus reading it drops those targets instead of
+        alerting ``MetapsTargetDown`` on processes that ended as they should."""
         from metaps.monitoring import write_targets
 
-        endpoints = {name: f"{self.metrics_hosts.get(name, '127.0.0.1')}:{port}"
-                     for name, port in self.metrics_ports.items() if port}
+        self.targets_finished = self._finished_members()
+        gone = {name for m in self.targets_finished for name in (m, f"agent-{m}")}
+        endpoints = {} if ended else {name: f"{self.metrics_hosts.get(name, '127.0.0.1')}:{port}"
+                                      for name, port in self.metrics_ports.items() if port and name not in gone}
         path = write_targets(self.run_dir / "metrics" / "targets.json", endpoints, self.run_dir.name)
         log.info("metrics targets written", extra=kv(path=str(path), endpoints=len(endpoints)))
 
@@ -286,6 +305,8 @@ class Launcher:
             log.debug("status unavailable", extra=kv(error=str(exc)[:200]))
 
     def _interrupted(self) -> Outcome:
+        if self.stop_reason:  # on_poll asked to stop
+            return Outcome("interrupted", self.stop_reason, EXIT_SIGINT)
         code = EXIT_SIGTERM if self.signal_name == "SIGTERM" else EXIT_SIGINT
         return Outcome("interrupted", f"stopped by {self.signal_name or 'signal'}", code)
 
@@ -315,11 +336,16 @@ class Launcher:
                     next_status = now + self.lc.status_every_s
                     self._poll_status(client)
                     self.tail.poll()
-                    if self._read_published_ports():  # a process that started (or restarted) since
-                        self._write_targets()
+                    if self._read_published_ports() or self._finished_members() != self.targets_finished:
+                        self._write_targets()  # a process that started (or restarted) or finished since
                     self.live.ports = {r: self.metrics_ports.get(f"worker-{r}") for r in range(self.job.train.workers)}
                     self.live.poll()
-                    display.update(self.status, self.live.latest(fallback=self.tail.latest()), elapsed)
+                    latest = self.live.latest(fallback=self.tail.latest())
+                    display.update(self.status, latest, elapsed)
+                    why = self.on_poll(self.status, latest) if self.on_poll is not None else ""
+                    if why and not self.stop_event.is_set():
+                        self.stop_reason = why
+                        self.stop_event.set()
                     failed = controller_failed(self.status)
                     if failed is not None:
                         return failed
@@ -495,6 +521,7 @@ class Launcher:
         hint = self._continue_hint(outcome)
         if hint:
             self.console.print(hint, soft_wrap=True)  # one line: a command to copy
+            log.info("the run can be continued", extra=kv(command=f"metaps launch --resume {self.run_dir}"))
         return rep
 
     def _continue_hint(self, outcome: Outcome) -> str:
@@ -528,6 +555,8 @@ class Launcher:
             stats, notes = self._teardown(outcome)
             if outcome.status == "succeeded":  # a recovery may have failed after the last poll
                 outcome = controller_failed(self.status) or coverage_short(self.status) or outcome
+            if outcome.status == "succeeded":
+                self._write_targets(ended=True)  # no target-down alerts for a run that ended well
         except BaseException:
             self.fleet.kill_all()
             if self.auto_named:

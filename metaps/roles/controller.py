@@ -21,7 +21,10 @@ makes the controller restore the fleet to the last committed cut
 
 Security: as ``metaps ps`` (see :mod:`common.security`): no token -> a loopback
 controller generates ``<[run] dir>/rpc.token`` (0600) and requires it; ``status``,
-``cut`` and ``agent`` read it when they have no other token; a non-loopback
+``cut`` and ``agent`` read it when they have no other token (a ``metaps launch`` run's
+``RUN/job.toml`` names its 0600 ``RUN/rpc.token`` as ``[rpc] token_file``, so
+``metaps status --config RUN/job.toml`` needs nothing else; a missing or loose token
+file is one line naming it); a non-loopback
 ``--address`` without a token is refused; ``--insecure`` serves unauthenticated, loudly;
 ``CheckpointDone`` dirs must lie under ``--checkpoint-root``
 (default ``$METAPS_RUN_DIR/checkpoints``, else ``checkpoints/`` next to the
@@ -39,7 +42,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.log import kv
-from common.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
+from common.security import add_cli_args, check_bind, checkpoint_root, client_rpc, role_rpc, set_private_umask
 
 log = logging.getLogger(__name__)
 
@@ -264,13 +267,16 @@ def status_summary(st: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 def _controller_client(args: argparse.Namespace) -> Any:
     """A ControllerClient for ``status`` / ``cut``: ``--controller``, ``$METAPS_CONTROLLER`` or the
-    job's state dir's address file; the job's token (or ``--token-file``)."""
+    job's state dir's address file; the token from ``--token-file``, else the job's ``[rpc]`` (a
+    launched run's ``RUN/job.toml`` names its 0600 ``RUN/rpc.token``), else ``$METAPS_TOKEN``,
+    else ``<[run] dir>/rpc.token`` (:func:`common.security.client_rpc`)."""
     from controller.client import ControllerClient
     from metaps.job import load_job
 
     job = load_job(args.config)
-    job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir,
-                                          what=f"metaps {args.command}"))
+    # RUN/job.toml of `metaps launch` names the run's 0600 token file ([rpc] token_file = RUN/rpc.token)
+    job = job.with_overrides(rpc=client_rpc(job.rpc, args.token_file, run_dir=job.run.dir, config=args.config,
+                                            what=f"metaps {args.command}"))
     return ControllerClient(_controller_address(job, args.controller, args.config), job.rpc, retry_s=5.0)
 
 

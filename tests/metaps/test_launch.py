@@ -142,6 +142,8 @@ def test_launch_end_to_end_report(e2e: dict[str, Any]) -> None:
     assert isinstance(ports["worker-0"], int) and isinstance(ports["worker-1"], int)
     assert isinstance(ports["controller"], int)  # the controller and every agent serve /metrics too
     assert all(isinstance(ports[f"agent-{n}"], int) for n in ("ps-0", "worker-0", "worker-1"))
+    # it succeeded: its Prometheus targets file is empty (no MetapsTargetDown for processes that ended well)
+    assert json.loads((run / "metrics" / "targets.json").read_text()) == []
     assert {p["exit_code"] for p in rep["processes"].values()} == {0}
 
 

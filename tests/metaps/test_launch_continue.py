@@ -10,7 +10,9 @@ log (the rollback to the cut), the PS restore and the workers' step numbers.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +49,27 @@ def _done_after_latest_cut(state: Path) -> list[dict]:  # type: ignore[type-arg]
     return [e for e in _state(state, "ledger") if e["seq"] > seq and e["kind"] == "done"]
 
 
+def _cli_reaches_the_fleet(run: Path) -> None:
+    """`metaps status`, `cut` and `run-report --controller` given the run's files only: no
+    $METAPS_TOKEN, no --token-file; the token file is 0600 and named by RUN/job.toml."""
+    tok = run / "rpc.token"
+    assert stat.S_IMODE(tok.stat().st_mode) == 0o600 and f'token_file = "{tok}"' in (run / "job.toml").read_text()
+    env = {k: v for k, v in os.environ.items() if k not in ("METAPS_TOKEN", "METAPS_RUN_DIR", "METAPS_CONTROLLER")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "metaps", "--json", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    r = cli("status", "--config", str(run / "job.toml"))
+    assert r.returncode == 0 and json.loads(r.stdout)["run"] == "running", r.stdout + r.stderr
+    r = cli("cut", "--config", str(run / "job.toml"), "--reason", "test: the CLI reaches a launched fleet")
+    assert r.returncode == 0 and json.loads(r.stdout)["state"] == "requested", r.stdout + r.stderr
+    addr = (run / "controller" / "address").read_text().strip()
+    r = cli("run-report", "--run-dir", str(run), "--controller", addr, "--out", str(run.parent / "mid-run.json"))
+    assert "controller status unavailable" not in r.stderr, r.stderr
+    assert json.loads((run.parent / "mid-run.json").read_text())["controller"]["nodes"], r.stderr
+
+
 @pytest.mark.timeout(900)
 def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
     data = make_data(tmp_path / "data")
@@ -55,10 +78,16 @@ def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
                          faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": 3.0},
                                             {"target": "worker", "index": 1, "kind": "slow", "factor": 3.0}]},
                          controller={"checkpoint_interval_s": 3.0, "dds": {"batches_per_shard": 2}})
-    run = tmp_path / "run"
+    runs = tmp_path / "runs"  # auto-named under [run] dir: `latest` follows the run and its continuation
     log = tmp_path / "launcher.log"
-    proc = start_launch(["--no-progress", "--config", str(cfg), "--run-dir", str(run)], log)
+    proc = start_launch(["--no-progress", "--config", str(cfg)], log)
+    run = runs
     try:
+        wait_for(lambda: (runs / "latest" / "controller" / "address").is_file() or proc.poll() is not None, 300,
+                 "the controller's address file")
+        run = (runs / "latest").resolve()
+        # the CLI reaches the launched fleet from RUN/job.toml alone (its token: the 0600 file job.toml names)
+        _cli_reaches_the_fleet(run)
         # interrupted with work done after its latest cut: that work must be redone, not kept
         wait_for(lambda: _done_after_latest_cut(run / "controller") or proc.poll() is not None, 400,
                  "shards done after a committed cut")
@@ -72,6 +101,10 @@ def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
         kill_leftovers(str(run))
     assert proc.returncode == 130, out[-3000:]
     assert f"metaps launch --resume {run}" in out, out[-2000:]
+    assert not (runs / "latest").exists() and os.readlink(runs / "last-failed") == run.name
+    # interrupted: its processes stay Prometheus targets (a run that did not end well is worth an alert)
+    assert {g["labels"]["process"] for g in json.loads((run / "metrics" / "targets.json").read_text())} >= {
+        "controller", "ps-0", "worker-0", "worker-1"}
     first = json.loads((run / "report.json").read_text())
     assert first["status"] == "interrupted" and not first["controller"]["coverage"]["complete"]
     cut = max(_committed_cuts(run / "controller"), key=lambda c: c["cut_id"])
@@ -79,9 +112,11 @@ def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
     assert after, "no work after the cut to roll back"
 
     try:
-        log2 = tmp_path / "launcher-resume.log"
-        again = start_launch(["--no-progress", "--resume", str(run)], log2)
-        finish_launch(again, log2, 600)
+        log2, out2 = tmp_path / "launcher-resume.log", tmp_path / "launcher-resume.out"
+        with log2.open("wb") as err, out2.open("wb") as out_f:  # --json: stdout the object, stderr logs only
+            again = subprocess.Popen([sys.executable, "-m", "metaps", "launch", "--json", "--resume", str(run)],
+                                     cwd=REPO, stdout=out_f, stderr=err)
+        again.wait(timeout=600)
         left = fleet_pids(str(run))
     finally:
         if again.poll() is None:
@@ -90,6 +125,13 @@ def test_an_interrupted_run_continues_from_its_last_cut(tmp_path: Path) -> None:
         kill_leftovers(str(run))
     assert again.returncode == 0, log2.read_text()[-3000:]
     assert left == []
+    result = json.loads(out2.read_text())  # exactly one JSON object on stdout
+    assert result["status"] == "succeeded" and result["run_dir"] == str(run), out2.read_text()
+    logs = log2.read_text()
+    assert "run succeeded" not in logs and "workers (every incarnation counted)" not in logs, logs[-3000:]
+    assert 'msg="run ending" status=succeeded' in logs, logs[-3000:]
+    assert os.readlink(runs / "latest") == run.name  # the continued run that succeeded is latest again
+    assert json.loads((run / "metrics" / "targets.json").read_text()) == []  # ended well: no targets, no alerts
     rep = json.loads((run / "report.json").read_text())
     assert rep["status"] == "succeeded" and rep["resumed_from"] == cut["dir"]
     # the previous attempt is kept beside the new one
@@ -134,3 +176,15 @@ def test_resume_refuses_a_finished_or_foreign_directory(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "metaps", "launch", "--resume", str(run), "--run-dir", str(tmp_path / "x")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "takes no --resume-from or --run-dir" in r.stderr, r.stderr
+
+
+def test_shipped_job_configs_take_cuts_often_enough_to_resume() -> None:
+    """An interrupted run of a shipped job file can be continued: `--resume` needs a committed cut,
+    and the default period (300 s) leaves a short run without one."""
+    from metaps.job import load_job
+
+    jobs = [p for p in sorted((REPO / "configs").glob("*.toml")) if "[controller]" in p.read_text()]
+    assert jobs, "no job files in configs/"
+    for path in jobs:
+        every = load_job(path).controller.checkpoint_interval_s
+        assert 0 < every <= 30, f"{path.name}: [controller] checkpoint_interval_s = {every}"

@@ -122,5 +122,6 @@ def test_every_server_binds_its_own_port_and_a_base_port_is_honoured(fleet: dict
     published["ps-0"] = json.loads((run / "ps" / "ps-0.ready").read_text())["metrics_port"]
     assert {n: ports[n] for n in names} == {n: published[n] for n in names}
     assert len({ports[n] for n in names}) == len(names) and all(ports[n] > 0 for n in names)
-    targets = json.loads((run / "metrics" / "targets.json").read_text())
-    assert {g["labels"]["process"]: g["targets"][0] for g in targets} == {n: f"127.0.0.1:{ports[n]}" for n in names}
+    # the run succeeded: its Prometheus targets are gone (no MetapsTargetDown for processes that ended well;
+    # mid-run every endpoint is a target: test_coverage_honest)
+    assert json.loads((run / "metrics" / "targets.json").read_text()) == []

@@ -22,6 +22,7 @@ import pytest
 
 from common.atomic_write import json_default
 from common.errors import ConfigError
+from metaps.job import load_job
 from metaps.launch import LaunchConfig, Launcher
 from common.rpc import RpcConfig, make_channel
 from common.security import REDACTED, SecurityError, check_bind, is_loopback, redact
@@ -72,26 +73,61 @@ def _job(tmp: Path, data: dict[str, Path], **rpc: Any) -> Path:
     return write_job_file(tmp / "job.toml", data, workers=1, ps=1, rpc={"token": "", **rpc})
 
 
-def test_launch_generates_a_token_passed_by_env_and_never_written(data, tmp_path, monkeypatch) -> None:
+def test_launch_generates_a_token_kept_in_a_0600_run_file_and_never_written(data, tmp_path, monkeypatch) -> None:
+    """The run's token lives in RUN/rpc.token (0600), which RUN/job.toml names: every child and
+    every CLI client given --config RUN/job.toml (status, cut, run-report) reads it there."""
     monkeypatch.delenv("METAPS_TOKEN", raising=False)
     tokens = []
     for i in range(2):
         run = tmp_path / f"run{i}"
         la = Launcher(LaunchConfig(config=str(_job(tmp_path, data)), run_dir=str(run), progress=False))
-        token = la.fleet.env["METAPS_TOKEN"]
+        tok = run / "rpc.token"
+        token = tok.read_text().strip()
+        assert _mode(tok) == 0o600 and "METAPS_TOKEN" not in la.fleet.env
         assert len(token) >= 40 and la.job.rpc.resolved_token() == token
         text = (run / "job.toml").read_text()
-        assert token not in text and f'token = "{REDACTED}"' in text
+        assert token not in text and f'token = "{REDACTED}"' in text and f'token_file = "{tok}"' in text
+        assert load_job(run / "job.toml").rpc.resolved_token() == token  # what `metaps status` reads
         assert la.job.to_dict()["rpc"]["token"] == REDACTED
         assert _mode(run) == 0o700 and _mode(run / "job.toml") == 0o600
         assert all(_mode(run / d) == 0o700 for d in ("logs", "ps", "workers", "checkpoints"))
         tokens.append(token)
     assert tokens[0] != tokens[1]
-    # a token the user gives (config or $METAPS_TOKEN) is used, and redacted the same way
+    # a token the user gives (config or $METAPS_TOKEN) is used, kept in the run's file and redacted
     la = Launcher(LaunchConfig(config=str(_job(tmp_path, data, token="mine-123")), run_dir=str(tmp_path / "r3"),
                                progress=False))
-    assert la.fleet.env["METAPS_TOKEN"] == "mine-123"
+    assert la.job.rpc.resolved_token() == "mine-123" == (tmp_path / "r3" / "rpc.token").read_text().strip()
     assert "mine-123" not in (tmp_path / "r3" / "job.toml").read_text()
+    # a new run from a launched run's job.toml gets a token of its own (the old run's file stays its own)
+    (tmp_path / "run0" / "controller").mkdir(exist_ok=True)
+    la = Launcher(LaunchConfig(config=str(tmp_path / "run0" / "job.toml"), run_dir=str(tmp_path / "r4"),
+                               progress=False))
+    assert la.job.rpc.token_file == str(tmp_path / "r4" / "rpc.token")
+    assert la.job.rpc.resolved_token() not in tokens
+
+
+def test_status_names_a_missing_or_loose_run_token_file_in_one_line(data, tmp_path, monkeypatch) -> None:
+    """`metaps status --config RUN/job.toml` whose token file is gone or readable by others: one
+    line naming the file (before any call)."""
+    monkeypatch.delenv("METAPS_TOKEN", raising=False)
+    run = tmp_path / "run"
+    Launcher(LaunchConfig(config=str(_job(tmp_path, data)), run_dir=str(run), progress=False))
+    tok = run / "rpc.token"
+
+    def status() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "metaps", "status", "--config", str(run / "job.toml"),
+                               "--controller", "127.0.0.1:1"], cwd=REPO, env=_env(), capture_output=True,
+                              text=True, timeout=120)
+
+    tok.chmod(0o644)
+    r = status()
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"metaps status: error: [rpc] token_file {tok}: mode 0644 lets group/others read the token; "
+        f"run `chmod 600 {tok}` (Kubernetes: defaultMode 0400)"], r.stderr
+    tok.unlink()
+    r = status()
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"metaps status: error: [rpc] token_file {tok}: no such file"], r.stderr
 
 
 def test_launch_token_file_is_created_0600_and_passed_by_path(data, tmp_path, monkeypatch) -> None:
@@ -218,8 +254,9 @@ def test_launched_fleet_refuses_outsiders_and_leaks_no_token(data, tmp_path) -> 
         assert proc.poll() is None, proc.stdout.read()[-5000:] if proc.stdout else ""
         ready = json.loads((run / "ps" / "ps-0.ready").read_text())
         env = dict(kv.split("=", 1) for kv in Path(f"/proc/{ready['pid']}/environ").read_text().split("\0") if "=" in kv)
-        token = env["METAPS_TOKEN"]
-        assert len(token) >= 40
+        assert "METAPS_TOKEN" not in env  # the children read the run's 0600 token file that job.toml names
+        token = (run / "rpc.token").read_text().strip()
+        assert len(token) >= 40 and _mode(run / "rpc.token") == 0o600
         for pid in fleet_pids(str(run)):
             try:
                 cmdlines.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
@@ -258,10 +295,12 @@ def test_launched_fleet_refuses_outsiders_and_leaks_no_token(data, tmp_path) -> 
     assert token.encode() not in out.encode()
     assert cmdlines and not [c for c in cmdlines if token in c]
 
-    # the token is in no file of the run (logs, job.toml, report, checkpoints incl. LMDB, tb, plots)
+    # the token is in no file of the run but its 0600 token file (logs, job.toml, report, checkpoints incl.
+    # LMDB, tb, plots)
     files = [Path(d) / f for d, _, fs in os.walk(run) for f in fs]
     assert len(files) > 10
-    leaked = [str(f) for f in files if not f.is_symlink() and token.encode() in f.read_bytes()]
+    leaked = [str(f) for f in files if not f.is_symlink() and token.encode() in f.read_bytes()
+              and f != run / "rpc.token"]
     assert leaked == []
     assert f'token = "{REDACTED}"' in (run / "job.toml").read_text()
     rep = json.loads((run / "report.json").read_text())
