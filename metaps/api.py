@@ -1050,7 +1050,8 @@ def launch(config: JobSource, *, overrides: Overrides | None = None, workers: in
     furthest worker's, loss: the mean of the workers' latest, samples: their sum, fraction: the
     controller's coverage), ``on_checkpoint`` for each checkpoint committed under
     ``RUN/checkpoints/`` (cuts and the final one), ``on_eval`` once, after the run, with the
-    final evaluation (``final=True``; a fleet's periodic evaluations stay in its TensorBoard).
+    final evaluation when the run has one (``final=True``; a fleet's periodic evaluations stay in
+    its TensorBoard).
     :data:`STOP` / :class:`StopTraining` from ``on_step`` or ``on_checkpoint`` stops the fleet as
     Ctrl-C does (workers stopped, a final coordinated checkpoint): ``status = "interrupted"``,
     ``reason`` names the callback and step, the coverage says how much ran.
