@@ -387,9 +387,13 @@ class TrainedModel:
 
 def _kept_columns(src: Path, names: list[str], rows: int) -> "dict[str, np.ndarray]":
     """``keep_columns`` of scored input, in the order it was scored (``metaps predict``'s reader)."""
+    from delivery.bundle import DeliveryError
     from delivery.predict import _RawColumns
+    from meta_io.layout import MANIFEST_NAME
     from meta_io.source import list_source_files
 
+    if src.is_dir() and (src / MANIFEST_NAME).is_file():
+        raise DeliveryError(f"{src}: keep_columns needs Parquet/CSV input, not a Meta-IO dataset")
     kept = _RawColumns(list_source_files(src), names).take(rows)
     return {c: kept.column(c).to_numpy(zero_copy_only=False) for c in names}
 
