@@ -87,8 +87,15 @@ def find_continue_point(run: str | Path) -> ContinuePoint:
         raise ConfigError(f"{where}: the controller failed this run ({why}); its state is not consistent: warm-start "
                           f"a new run from a checkpoint with --resume-from {d}")
     if not cuts:
+        from ps.checkpoint import latest_checkpoint
+
+        every = _cut_interval(d)
+        why = (f"[controller] checkpoint_interval_s = {every:g}" if every is not None else "its cut period")
+        found = latest_checkpoint(d / "checkpoints")
+        hint = (f"; its checkpoint {found.name} (written when it stopped) holds the model but no data accounting: "
+                f"warm-start a new run from it with --resume-from {d}" if found is not None else "; start it again")
         raise ConfigError(f"{where}: no committed checkpoint cut to continue from (the run stopped before its first "
-                          f"one; start it again)")
+                          f"one, {why}){hint}")
     last = max(cuts, key=lambda c: int(c["cut_id"]))
     ckpt = Path(str(last.get("dir", "")))
     if not (ckpt / "manifest.json").is_file():
@@ -96,6 +103,16 @@ def find_continue_point(run: str | Path) -> ContinuePoint:
                           f"manifest.json")
     attempt = 1 + sum(1 for p in d.glob("report.attempt-*.json"))
     return ContinuePoint(d, ckpt, int(last.get("step", 0)), int(last["cut_id"]), attempt)
+
+
+def _cut_interval(run_dir: Path) -> float | None:
+    """The run's ``[controller] checkpoint_interval_s`` (None: its job.toml does not read)."""
+    try:
+        from metaps.job import load_job
+
+        return float(load_job(run_dir / "job.toml").controller.checkpoint_interval_s)
+    except Exception:  # noqa: BLE001 -- only for the message
+        return None
 
 
 def set_aside_previous_attempt(point: ContinuePoint) -> None:

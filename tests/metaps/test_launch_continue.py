@@ -188,3 +188,23 @@ def test_shipped_job_configs_take_cuts_often_enough_to_resume() -> None:
     for path in jobs:
         every = load_job(path).controller.checkpoint_interval_s
         assert 0 < every <= 30, f"{path.name}: [controller] checkpoint_interval_s = {every}"
+
+
+def test_resume_of_a_run_without_a_cut_points_at_its_stop_checkpoint(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A run stopped before its first cut: the refusal says why (the cut period) and, when the
+    launcher's stop checkpoint exists, how to start from it (a warm start: model, not data accounting)."""
+    import ps.checkpoint
+    from common.errors import ConfigError
+    from metaps.launch.resume import find_continue_point
+
+    run = tmp_path / "run"
+    (run / "controller").mkdir(parents=True)
+    (run / "job.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"no committed checkpoint cut to continue from .*; start it again$"):
+        find_continue_point(run)
+    stop = run / "checkpoints" / "ckpt-87"
+    monkeypatch.setattr(ps.checkpoint, "latest_checkpoint", lambda root: stop if Path(root) == stop.parent else None)
+    with pytest.raises(ConfigError) as err:
+        find_continue_point(run)
+    assert str(err.value).endswith(f"its checkpoint ckpt-87 (written when it stopped) holds the model but no data "
+                                   f"accounting: warm-start a new run from it with --resume-from {run}"), err.value
