@@ -463,7 +463,9 @@ def faults_entry(run_dir: Path, job: Any, started: float) -> dict[str, Any]:
 
 def fault_phrase(rec: Mapping[str, Any]) -> str:
     """One fired fault in words: ``worker 1 slow x3 (step) at steps 20-79 (60 steps), 9.1-24.0 s after
-    launch, slept 14.2 s``."""
+    launch, slept 14.2 s (scheduled: steps 20-79)``. The schedule is the config's; the rest is what
+    the injector recorded (a worker that rejoins the PS clocks skips step numbers, so a step window
+    can end early)."""
     what = str(rec.get("what") or f"{rec.get('target')} {rec.get('index')} {rec.get('kind')}")
     first, last, n = rec.get("first_step"), rec.get("last_step"), int(rec.get("count") or 0)
     when = []
@@ -478,7 +480,8 @@ def fault_phrase(rec: Mapping[str, Any]) -> str:
                     if rec.get("kind") != "kill" else f"{float(rec['start_s']):.1f} s after launch")
     if float(rec.get("sleep_s") or 0.0) > 0:
         when.append(f"slept {float(rec['sleep_s']):.1f} s")
-    return what + (" " + ", ".join(when) if when else "")
+    sched = f" (scheduled: {rec['schedule']})" if rec.get("schedule") else ""
+    return what + (" " + ", ".join(when) if when else "") + sched
 
 
 def faults_text(report: Mapping[str, Any]) -> str:
@@ -668,8 +671,8 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     fc = report.get("final_checkpoint") or {}
     ct.add_row("training", str(report.get("training") or "-"))
     ct.add_row("checkpoint", escape(f"failed: {fc.get('error')}") if fc.get("state") == "failed"
-               else report["checkpoint"] or "-")
-    ct.add_row("run dir", report["run_dir"])
+               else shown_path(report["checkpoint"]) or "-")
+    ct.add_row("run dir", shown_path(report["run_dir"]))
     console.print(ct)
     for line in (faults_text(report), controller_text(report), workers_text(report)):
         if line:
@@ -682,6 +685,17 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
             console.print("  " + line, markup=False)
 
 
+def shown_path(path: str) -> str:
+    """``path`` as printed: relative to the working directory when it lies under it (the paths a
+    user typed, like ``runs/main/...``), else as given."""
+    if not path:
+        return ""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
 def auc_source(report: Mapping[str, Any]) -> str:
     """``episodes on the Meta-IO holdout runs/main/metaio-holdout, 2,187 query rows``: what the final AUCs scored."""
     data = (report.get("eval_data") or {}).get("final") or ((report.get("config") or {}).get("data") or {}).get("eval")
@@ -689,7 +703,7 @@ def auc_source(report: Mapping[str, Any]) -> str:
                 if isinstance(heads, Mapping) for m in heads.values() if isinstance(m, Mapping)), default=0)
     meta = str(((report.get("config") or {}).get("train") or {}).get("mode") or "") == "meta"
     what = "episodes on the Meta-IO holdout" if meta else "the eval set"
-    return f"{what} {data or '?'}" + (f", {rows:,} query rows" if rows else "")
+    return f"{what} {shown_path(str(data)) or '?'}" + (f", {rows:,} query rows" if rows else "")
 
 
 def auc_table(console: Console, report: Mapping[str, Any]) -> None:

@@ -8,7 +8,8 @@ Layout (``tensorboard --logdir <run>/tb`` overlays the workers)::
     <run>/tb/worker-R/        after the run, only for a rank with no live directory (a worker that
                               died before its first live write, an older worker): from its history
     <run>/tb/fleet/           eval/<kind>/<head>/auc (periodic evaluations by step, and the final
-                              one at the last step), fleet/samples_per_s
+                              one at the last step), fleet/samples_per_s; text run/status,
+                              run/faults (the faults that fired, with when), run/controller
 
 Example::
 
@@ -74,6 +75,13 @@ def write_tensorboard(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
         if totals.get("samples_per_s"):
             writer.add_scalar("fleet/samples_per_s", float(totals["samples_per_s"]), global_step=last_step)
         writer.add_text("run/status", f"{report.get('status')} {report.get('reason', '')}".strip(), last_step)
+        from metaps.run_report import controller_text, faults_text
+
+        # what happened to the run, as the report says it: faults that fired (never the config's
+        # schedule alone) and the controller's reaction
+        for tag, text in (("run/faults", faults_text(report)), ("run/controller", controller_text(report))):
+            if text:
+                writer.add_text(tag, text, last_step)
     finally:
         writer.close()
     dirs.append(d)

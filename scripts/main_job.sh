@@ -4,8 +4,9 @@
 #   1. metaps gen-data              AntM2C-like logs (Parquet + schema.json)      -> RUN_DIR/data
 #   2. metaps meta-io split-holdout 10% of users held out (never trained on)      -> RUN_DIR/split
 #   3. metaps meta-io build (x2)    task-packed Meta-IO: train and held-out eval  -> RUN_DIR/metaio[-holdout]
-#   4. metaps launch                controller + 2 PS + 2 workers, G-Meta CTR/CVR training;
-#                                   worker 1 is slowed 3x and the controller handles it
+#   4. metaps launch                controller + 2 PS + 2 workers, G-Meta CTR/CVR training, with a
+#                                   straggler scheduled ([[faults.faults]]); its summary says what fired
+#                                   and what the controller did (report.json `faults`, controller events)
 #   5. metaps deliver               the run's checkpoint -> a published serving bundle (gated on AUC)
 #
 # Usage: PATH=.venv/bin:$PATH bash scripts/main_job.sh RUN_DIR
@@ -38,7 +39,7 @@ for part in train holdout; do
 done
 metaps meta-io inspect "$RUN_DIR/metaio"
 
-echo "== [4/5] launch: controller, 2 PS, 2 workers (worker 1 slowed 3x)"
+echo "== [4/5] launch: controller, 2 PS, 2 workers (a straggler fault is scheduled: what fired is reported below)"
 metaps config-write --config "$CONFIG" --out "$RUN_DIR/job.toml" \
     --set "data.train=$RUN_DIR/metaio" --set "data.eval=$RUN_DIR/metaio-holdout" \
     --set "run.dir=$RUN_DIR/runs" --set "delivery.out=$RUN_DIR/bundles"
@@ -56,8 +57,27 @@ elif [[ $rc != 0 ]]; then
     exit "$rc"
 fi
 
+# the run's own directory, relative to the repo like every other path printed here
+run="$RUN_DIR/runs/$(basename "$(readlink "$RUN_DIR/runs/latest")")"
 latest="$RUN_DIR/bundles/$(cat "$RUN_DIR/bundles/LATEST")"
+python - "$run/report.json" <<'PY'
+import json, sys
+from metaps.run_report import controller_text, faults_text, workers_text
+rep = json.load(open(sys.argv[1]))
+print()
+for line in (faults_text(rep), controller_text(rep), workers_text(rep)):
+    if line:
+        print(line)
+PY
 echo
-echo "run report : $(readlink -f "$RUN_DIR/runs/latest")/report.json"
+echo "AUC key: the launch's AUC table and cold-start lines score episodes of the Meta-IO holdout"
+echo "  ($RUN_DIR/metaio-holdout): base = no adaptation, adapted = after the inner loop on each task's"
+echo "  support rows, query rows scored. deliver's 'holdout AUC' scores the raw holdout"
+echo "  ($RUN_DIR/split/holdout) first-k per user with the adaptation it chose; its 'mean AUC' is the"
+echo "  mean over both heads on the validation episodes it chose that adaptation on."
+echo
+echo "run report : $run/report.json"
+echo "summary    : $run/plots/summary.png (also throughput.png, loss.png, auc.png, shards.png)"
+echo "tensorboard: tensorboard --logdir $run/tb"
 echo "bundle     : $latest"
 echo "predict    : metaps predict --bundle $RUN_DIR/bundles --data $RUN_DIR/split/holdout --out $RUN_DIR/scores.parquet"
