@@ -20,6 +20,11 @@ Tracing records one path through the model; :func:`trace_dense` therefore
 checks the traced module against eager ``model.predict`` on a second example of
 different batch size and id counts, and refuses to export if they differ.
 
+A custom model (``[model] kind = "custom"``, :mod:`models.custom`) is traced the
+same way: the bundle's ``dense.pt`` scores without the user's code. Why TorchScript
+and not ``torch.export`` (tried on this wrapper; it fails on the lookup's
+data-dependent checks and specializes shapes): docs/design/delivery.md, "Decisions".
+
 Example::
 
     scripted, spec = trace_dense(model, schema)
@@ -183,7 +188,8 @@ def trace_dense(model: CtrModel, schema: Schema, dims: dict[str, int]) -> tuple[
     wrapper = _FlatPredict(model, names, heads).eval()
     with warnings.catch_warnings():
         # The model's eager input checks (bool(tensor)) are not traced; the check below covers that.
-        # TorchScript is deprecated upstream but is still the self-contained serving format here.
+        # TorchScript is in maintenance upstream but is still the self-contained serving format here
+        # (torch.export fails on this wrapper: docs/design/delivery.md, "Decisions").
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         with torch.no_grad():

@@ -1,7 +1,8 @@
 """CTR/CVR model zoo and the functional (G-Meta) meta-learning wrapper.
 
 Models own dense parameters only; embedding rows gathered from the PS are
-inputs of the forward. See docs/design/models.md and docs/design/meta_learning.md.
+inputs of the forward. A job may name a model of its own (``[model] kind = "custom"``,
+:mod:`models.custom`). See docs/design/models.md and docs/design/meta_learning.md.
 """
 
 import importlib
@@ -15,6 +16,9 @@ _EXPORTS = {
     "ModelConfig": "models.config",
     "ModelKind": "models.config",
     "build_model": "models.factory",
+    "CustomModel": "models.custom",
+    "ModelContractError": "models.custom",
+    "ModelSpec": "models.custom",
     "HeadSpec": "models.losses",
     "heads_for_schema": "models.losses",
     "loss": "models.losses",
