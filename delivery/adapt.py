@@ -336,13 +336,25 @@ def offset_only_probs(
         steps: Newton iterations (>= 1).
         prior: the offset's prior precision (> 0).
     """
+    return offset_probs(model.heads, model(support, rows, uniq), model(query, rows, uniq), support, steps, prior)
+
+
+def offset_probs(
+    heads: Any, z_s: dict[str, torch.Tensor], z_q: dict[str, torch.Tensor], support: FeatureBatch, steps: int,
+    prior: float,
+) -> dict[str, torch.Tensor]:
+    """Head -> ``sigmoid(z_q + the task's Newton offset fitted on z_s)`` ``[T, Q]``: the offset is a post-hoc
+    per-task shift of given logits (the base model's, or an inner loop's adapted ones), one task per ``vmap`` slot.
+
+    Args:
+        heads: the model's heads (their training targets).
+        z_s: head -> ``[T, S]`` support logits; z_q: head -> ``[T, Q]`` query logits.
+        support: ``[T, S]`` labeled support rows (labels and mask).
+        steps: Newton iterations (>= 1); prior: the offset's prior precision (> 0).
+    """
     from torch.func import vmap
 
     from models.meta_offset import fit_offsets, shift
-
-    heads = model.heads
-    z_s = model(support, rows, uniq)
-    z_q = model(query, rows, uniq)
 
     def one(z: dict[str, torch.Tensor], labels: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
         fb = FeatureBatch(ids={}, dense=mask, vectors={}, labels=labels, mask=mask, scenario=mask)

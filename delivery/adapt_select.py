@@ -37,18 +37,21 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from delivery.adapt import AdaptingModel, Recipe
 from delivery.bundle import BundleManifest, DeliveryError
-from meta_io.batch import MetaBatch
+from delivery.holdout import Holdout
+from meta_io.batch import FeatureBatch, MetaBatch
 from meta_io.schema import Schema
 from common.errors import MetapsError
 from common.evaluation import auc
@@ -196,56 +199,74 @@ def choose(scored: Sequence[Scored], tie_tol: float = TIE_TOL) -> Scored:
     return min((s for s in good if s.mean_auc >= best - tie_tol), key=lambda s: s.recipe.simplicity)
 
 
+def planned_candidates(manifest: BundleManifest) -> list[Recipe]:
+    """The candidates :func:`select_recipe` scores for a bundle (without ``extra``), from its manifest alone
+    ([] for a bundle without an adaptation recipe or with an unreadable one): the gate's progress total."""
+    from common.config import from_mapping
+    from models.meta_config import InnerLr, MetaConfig
+
+    if not manifest.adapt:
+        return []
+    try:
+        trained = from_mapping(MetaConfig, manifest.adapt.get("meta") or {}, where="adapt.meta")
+    except (MetapsError, ValueError):
+        return []
+    return candidate_recipes(_canonical(Recipe.configured(trained)), InnerLr(trained.learn_inner_lr) is not InnerLr.OFF)
+
+
 def validation_episodes(
-    holdout: str | Path, schema: Schema, k: int = DEFAULT_K, query_slots: int = 32, tasks_per_batch: int = 64,
+    holdout: str | Path | Holdout, schema: Schema, k: int = DEFAULT_K, query_slots: int = 32,
+    tasks_per_batch: int = 64,
 ) -> tuple[str, Iterator[MetaBatch]]:
     """``(protocol, meta batches)`` of a holdout: first-k of Parquet/CSV rows, or a Meta-IO meta dataset's episodes.
+
+    Args:
+        holdout: a path, or the gate's :class:`~delivery.holdout.Holdout` (rows it already read are not read again).
 
     Raises:
         DeliveryError: the holdout cannot give episodes (a plain Meta-IO layout, no timestamp column), named.
     """
-    from meta_io.layout import INDEX_NAME, MANIFEST_NAME
     from common.errors import DataError
 
-    p = Path(holdout)
-    if not p.exists():
-        raise DeliveryError(f"{p}: holdout not found")
-    if p.is_dir() and (p / MANIFEST_NAME).is_file() and (p / INDEX_NAME).is_file():
-        from meta_io.reader import MetaIODataset
-
-        ds = MetaIODataset(p)
-        if ds.manifest.get("layout", "meta") != "meta":
+    data = holdout if isinstance(holdout, Holdout) else Holdout(holdout, schema)
+    p = data.path
+    if data.is_meta_io:
+        if data.dataset().manifest.get("layout", "meta") != "meta":
             raise DeliveryError(f"{p}: a plain-layout Meta-IO holdout has no support/query episodes; "
                                 f"give Parquet/CSV rows with a timestamp (first-k) or a meta layout")
-        return "episodes", (b for b in ds.iter_all() if isinstance(b, MetaBatch))
+        return "episodes", data.meta_batches()
     if not schema.timestamp:
         raise DeliveryError(f"{p}: the bundle's schema has no timestamp column; first-k orders each user's rows by time")
-    from meta_io.firstk import first_k_batches, read_table
+    from meta_io.firstk import first_k_batches
 
     try:
-        table = read_table(p, schema)
-        return "first-k", first_k_batches(table, schema, k, query_slots, tasks_per_batch)
+        return "first-k", first_k_batches(data.table(), schema, k, query_slots, tasks_per_batch)
     except DataError as exc:
         raise DeliveryError(f"{p}: cannot lay out first-k episodes: {exc}") from None
 
 
-def score_recipes(
-    adapting: AdaptingModel, batches: Iterable[MetaBatch], recipes: Sequence[Recipe], max_rows: int = 0,
-) -> tuple[list[Scored], int, int]:
-    """Every recipe's AUC per head on the query rows of ``batches`` (the same rows for all).
+OnScored = Callable[[Scored, int, int], None]
+"""Told ``(candidate's figures, candidates scored so far, candidates in all)`` as each candidate is done."""
 
-    Args:
-        adapting: the bundle's eager model, rows and parameters.
-        batches: validation episodes (support ``[T, K]``, query ``[T, Q]``).
-        recipes: the candidates.
-        max_rows: stop after the batch that reaches this many query rows (0: all).
 
-    Returns:
-        ``(scored in the order of recipes, episodes, query rows)``.
-    """
+@dataclass
+class _Episodes:
+    """One validation meta batch, prepared once for every candidate: its rows and lookup indices."""
+
+    support: FeatureBatch
+    query: FeatureBatch
+    real: torch.Tensor
+    uniq: dict[str, torch.Tensor]
+    rows: dict[str, torch.Tensor]
+    sup_idx: Any
+    qry_idx: Any
+
+
+def _prepare(adapting: AdaptingModel, batches: Iterable[MetaBatch], max_rows: int
+             ) -> tuple[list[_Episodes], dict[str, np.ndarray], int, int]:
+    """The validation batches with their rows and lookup indices, the targets per head, episodes, query rows."""
     heads = adapting.model.heads
-    learners = {r: adapting.learner_for(r.meta(adapting.trained)) for r in recipes if r.inner_steps > 0}
-    scores: list[dict[str, list[np.ndarray]]] = [{h.name: [] for h in heads} for _ in recipes]
+    out: list[_Episodes] = []
     targets: dict[str, list[np.ndarray]] = {h.name: [] for h in heads}
     rows = tasks = 0
     for mb in batches:
@@ -253,38 +274,144 @@ def score_recipes(
         if not bool(real.any()):
             continue
         uniq, table_rows = adapting.rows_for([mb.support, mb.query])
+        sup_idx = adapting.model.lookup_index(mb.support, uniq, table_rows)
+        qry_idx = adapting.model.lookup_index(mb.query, uniq, table_rows)
+        out.append(_Episodes(mb.support, mb.query, real, uniq, table_rows, sup_idx, qry_idx))
         for h in heads:
             targets[h.name].append(h.target(mb.query)[real].numpy().astype(np.float64))
-        for i, r in enumerate(recipes):
-            probs = adapting.recipe_probs(r, mb.support, mb.query, uniq, table_rows, learners.get(r))
-            for h in heads:
-                scores[i][h.name].append(probs[h.name][real].detach().numpy().astype(np.float64))
         rows += int(real.sum())
         tasks += int(real.any(dim=1).sum())
         if max_rows and rows >= max_rows:
             break
     if rows == 0:
         raise DeliveryError("adaptation selection: the holdout gave no validation episode (no user has more than k rows)")
-    y = {h: np.concatenate(v) for h, v in targets.items()}
-    out = []
-    for r, per in zip(recipes, scores):
-        a = {h: float(auc(y[h], np.concatenate(v))) for h, v in per.items()}
-        defined = [v for v in a.values() if not math.isnan(v)]
-        out.append(Scored(r, a, float(np.mean(defined)) if defined else float("nan")))
-    return out, tasks, rows
+    return out, {h: np.concatenate(v) for h, v in targets.items()}, tasks, rows
+
+
+def _adapted_outputs(model: Any, ep: _Episodes, learner: Any, probs: bool, logits: bool) -> dict[str, Any]:
+    """One inner loop per task of ``ep`` (:func:`models.meta.adapt_and_predict`'s body), returning what the
+    candidates sharing it need: ``p`` the adapted query probabilities (the inner candidate, exactly
+    ``adapt_and_predict``'s), ``zq`` / ``zs`` the adapted query / support logits (its "+ offset" twins: the
+    offset is a post-hoc per-task shift of these, :func:`delivery.adapt.offset_probs`). Detached, ``[T, Q]``
+    / ``[T, S]`` per head."""
+    from torch.utils._pytree import tree_map
+
+    from models.meta import (
+        _adapt, _dense_params, _detached_rows, _forward, _localize, _over_tasks, _task_cold, _task_rows, _tree,
+    )
+
+    l2g, sidx, qidx = _localize(ep.sup_idx, ep.qry_idx, {t: r.shape[0] for t, r in ep.rows.items()})
+    first = dataclasses.replace(learner.cfg, first_order=True)
+    rates = learner.rates(learner.meta_params()) if learner.learned else None
+    cold = _task_cold(learner, ep.rows, ep.uniq, l2g)
+    mparams = learner.meta_params()
+
+    def task(params: Any, rows: Any, cold: Any, sup: dict, s_idx: Any, qry: dict, q_idx: Any) -> dict[str, Any]:
+        sfb = FeatureBatch(**sup)
+        if learner.meta_emb:
+            rows = learner.cold_rows(mparams, rows, cold, sfb, s_idx, straight_through=False)
+        fp, fr, _, _ = _adapt(model, params, rows, sfb, s_idx, first, rates, measure_after=False)
+        qfb = FeatureBatch(**qry)
+        out: dict[str, Any] = {}
+        if probs:
+            out["p"] = _forward(model, fp, fr, qfb, q_idx, probabilities=True)
+        if logits:
+            out["zq"] = _forward(model, fp, fr, qfb, q_idx)
+            out["zs"] = _forward(model, fp, fr, sfb, s_idx)
+        return tree_map(torch.Tensor.detach, out)
+
+    return _over_tasks(task, first, int(ep.support.mask.shape[0]), (_dense_params(model),),
+                       (_task_rows(_detached_rows(ep.rows), l2g), cold, _tree(ep.support), sidx, _tree(ep.query), qidx))
+
+
+def _group_probs(adapting: AdaptingModel, group: Sequence[Recipe], ep: _Episodes, learner: Any
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Head -> ``[T, Q]`` probabilities of each recipe of ``group`` (one inner loop, or none, shared by all)."""
+    from delivery.adapt import offset_probs
+
+    model = adapting.model
+    plain = any(r.offset_steps == 0 for r in group)
+    shifted = any(r.offset_steps > 0 for r in group)
+    if group[0].inner_steps == 0:
+        with torch.no_grad():
+            out: dict[str, Any] = {}
+            if plain:
+                out["p"] = model(ep.query, ep.rows, index=ep.qry_idx, probabilities=True)
+            if shifted:
+                out["zs"] = model(ep.support, ep.rows, index=ep.sup_idx)
+                out["zq"] = model(ep.query, ep.rows, index=ep.qry_idx)
+    else:
+        out = _adapted_outputs(model, ep, learner, plain, shifted)
+    with torch.no_grad():
+        return [out["p"] if r.offset_steps == 0 else
+                offset_probs(model.heads, out["zs"], out["zq"], ep.support, r.offset_steps, r.offset_prior)
+                for r in group]
+
+
+def score_recipes(
+    adapting: AdaptingModel, batches: Iterable[MetaBatch], recipes: Sequence[Recipe], max_rows: int = 0,
+    on_scored: OnScored | None = None,
+) -> tuple[list[Scored], int, int]:
+    """Every recipe's AUC per head on the query rows of ``batches`` (the same rows for all).
+
+    Work is shared, results are each recipe's own: the batches are read and their rows and lookup
+    indices built once; recipes with the same inner loop (``inner_steps``, ``inner_lr``; none for the
+    offset-only ones) share one adaptation per batch, whose adapted logits their offsets shift.
+
+    Args:
+        adapting: the bundle's eager model, rows and parameters.
+        batches: validation episodes (support ``[T, K]``, query ``[T, Q]``).
+        recipes: the candidates.
+        max_rows: stop after the batch that reaches this many query rows (0: all).
+        on_scored: told each candidate's figures as it is done (the gate's progress); None: nothing told.
+
+    Returns:
+        ``(scored in the order of recipes, episodes, query rows)``.
+    """
+    import time
+
+    eps, y, tasks, rows = _prepare(adapting, batches, max_rows)
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, r in enumerate(recipes):
+        groups.setdefault((r.inner_steps, r.inner_lr if r.inner_steps else 0.0), []).append(i)
+    log.info("scoring adaptation candidates", extra=kv(candidates=len(recipes), loops=len(groups), tasks=tasks,
+                                                       rows=rows, batches=len(eps)))
+    out: list[Scored | None] = [None] * len(recipes)
+    done = 0
+    for (steps, lr), idx in groups.items():
+        t0 = time.monotonic()
+        group = [recipes[i] for i in idx]
+        learner = adapting.learner_for(Recipe(steps, lr).meta(adapting.trained)) if steps else None
+        per: list[dict[str, list[np.ndarray]]] = [{h: [] for h in y} for _ in group]
+        for ep in eps:
+            for j, probs in enumerate(_group_probs(adapting, group, ep, learner)):
+                for h in y:
+                    per[j][h].append(probs[h][ep.real].detach().numpy().astype(np.float64))
+        for i, r, p in zip(idx, group, per):
+            a = {h: float(auc(y[h], np.concatenate(v))) for h, v in p.items()}
+            defined = [v for v in a.values() if not math.isnan(v)]
+            out[i] = s = Scored(r, a, float(np.mean(defined)) if defined else float("nan"))
+            done += 1
+            log.info("adaptation candidate scored", extra=kv(
+                candidate=r.name, mean_auc=round(s.mean_auc, 5), auc={h: round(v, 5) for h, v in a.items()},
+                done=f"{done}/{len(recipes)}", left=len(recipes) - done, seconds=round(time.monotonic() - t0, 2)))
+            if on_scored is not None:
+                on_scored(s, done, len(recipes))
+    return [s for s in out if s is not None], tasks, rows
 
 
 def select_recipe(
-    serving: Any, holdout: str | Path, k: int = DEFAULT_K, *, max_rows: int = 0, tie_tol: float = TIE_TOL,
+    serving: Any, holdout: str | Path | Holdout, k: int = DEFAULT_K, *, max_rows: int = 0, tie_tol: float = TIE_TOL,
     lr_scales: Sequence[float] = LR_SCALES, offset_priors: Sequence[float] = OFFSET_PRIORS,
-    extra: Sequence[Recipe] = (), tasks_per_batch: int = 64,
+    extra: Sequence[Recipe] = (), tasks_per_batch: int = 64, on_scored: OnScored | None = None,
 ) -> Selection:
     """Score the candidate recipes on ``holdout``'s users and choose (module docstring).
 
     Args:
         serving: a loaded bundle (:class:`delivery.loader.ServingModel`) with an adaptation recipe.
         holdout: validation rows of users the model did not train on (Parquet/CSV with a timestamp:
-            first-k; or a Meta-IO meta dataset: its episodes).
+            first-k; or a Meta-IO meta dataset: its episodes); a path or the gate's
+            :class:`~delivery.holdout.Holdout`.
         k: support rows per user (first-k).
         max_rows: cap on the validation query rows (0: all).
         tie_tol: mean AUCs within this of the best tie (the simpler wins).
@@ -292,6 +419,7 @@ def select_recipe(
         offset_priors: priors of the offset-only candidates.
         extra: more candidates (a test's deliberately harmful one).
         tasks_per_batch: episodes adapted together (one ``vmap``).
+        on_scored: told each candidate's figures as it is done; None: nothing told.
 
     Raises:
         DeliveryError: the bundle cannot adapt, or the holdout gives no episodes / no AUC.
@@ -307,7 +435,7 @@ def select_recipe(
             recipes.append(_canonical(r))
     recipes.sort(key=lambda r: r.simplicity)
     protocol, batches = validation_episodes(holdout, serving.schema, k, tasks_per_batch=tasks_per_batch)
-    scored, tasks, rows = score_recipes(adapting, batches, recipes, max_rows)
+    scored, tasks, rows = score_recipes(adapting, batches, recipes, max_rows, on_scored)
     best = choose(scored, tie_tol)
     sel = Selection(True, configured, best.recipe, protocol=protocol, k=k if protocol == "first-k" else 0,
                     tasks=tasks, rows=rows, candidates=scored)
@@ -316,20 +444,22 @@ def select_recipe(
     return sel
 
 
-def select_or_configured(serving: Any, holdout: str | Path, k: int = DEFAULT_K, max_rows: int = 0) -> Selection:
+def select_or_configured(serving: Any, holdout: str | Path | Holdout, k: int = DEFAULT_K, max_rows: int = 0,
+                         on_scored: OnScored | None = None) -> Selection:
     """:func:`select_recipe`, or the configured recipe (:func:`not_selected`, the reason logged) when the
     bundle carries no adaptation recipe or the holdout gives no episodes / no AUC (the gate's call).
 
     Args:
         serving: the loaded bundle.
-        holdout: the gate's holdout.
+        holdout: the gate's holdout (a path or its :class:`~delivery.holdout.Holdout`).
         k: support rows per user (first-k).
         max_rows: cap on the validation query rows (0: all).
+        on_scored: told each candidate's figures as it is done; None: nothing told.
     """
     if not serving.manifest.adapt:
         return not_selected(serving.manifest, "the bundle carries no adaptation recipe")
     try:
-        return select_recipe(serving, holdout, k, max_rows=max_rows)
+        return select_recipe(serving, holdout, k, max_rows=max_rows, on_scored=on_scored)
     except DeliveryError as exc:
         log.warning("adaptation not selected; the configured recipe ships", extra=kv(bundle=serving.path, reason=str(exc)))
         return not_selected(serving.manifest, str(exc))

@@ -49,9 +49,11 @@ from delivery.bundle import (
     EMBEDDINGS, INDEX, BundleKind, DeliveryError, EmbeddingReader, read_index, read_manifest, row_fingerprints,
     verify_checksums,
 )
+from delivery.holdout import Holdout
 from meta_io.batch import FeatureBatch, MetaBatch
 from meta_io.schema import Schema, schema_from_dict
 from common.errors import MetapsError
+from common.eta import ProgressHook
 from common.evaluation import auc
 from common.log import kv
 
@@ -203,17 +205,26 @@ def holdout_batches(path: str | Path, schema: Schema, batch_rows: int = 4096) ->
             yield conv.plain(rb).features
 
 
-def evaluate(model: Any, holdout: str | Path, max_rows: int = 0, batch_rows: int = 4096) -> tuple[dict[str, float], int]:
+def evaluate(
+    model: Any, holdout: str | Path | Holdout, max_rows: int = 0, batch_rows: int = 4096,
+) -> tuple[dict[str, float], int]:
     """AUC per head of a loaded :class:`~delivery.loader.ServingModel` on a holdout.
+
+    Args:
+        model: the loaded bundle.
+        holdout: a path, or a :class:`~delivery.holdout.Holdout` (read once, shared by the gate's scorers).
+        max_rows: evaluate at most this many rows (0: all).
+        batch_rows: rows per batch of a path's Parquet/CSV.
 
     Returns:
         ``(head -> auc, rows evaluated)``; an AUC is nan when the holdout lacks a class.
     """
+    source = holdout if isinstance(holdout, Holdout) else Holdout(holdout, model.schema, batch_rows)
     scores: dict[str, list[np.ndarray]] = {h: [] for h in model.heads}
     labels: dict[str, list[np.ndarray]] = {h: [] for h in model.heads}
     masks: list[np.ndarray] = []
     rows = 0
-    for fb in holdout_batches(holdout, model.schema, batch_rows):
+    for fb in source.feature_batches():
         probs = model.predict(fb)
         mask = fb.mask.reshape(-1).numpy().astype(bool)
         if max_rows and rows + int(mask.sum()) > max_rows:
@@ -242,8 +253,12 @@ def run_gate(
     max_auc_drop: float = 0.01,
     holdout_rows: int = 0,
     adapt_k: int = 8,
+    progress: ProgressHook | None = None,
 ) -> GateReport:
     """Decide whether the staged bundle may replace the published one, and choose its adaptation.
+
+    The holdout is read once (:class:`~delivery.holdout.Holdout`): the staged bundle's AUC, the
+    adaptation choice and the published bundle's AUC (when measured now) score the same rows in memory.
 
     Args:
         staging: the staged bundle directory (its parents are looked up next to it).
@@ -252,50 +267,87 @@ def run_gate(
         max_auc_drop: largest allowed AUC drop per head.
         holdout_rows: cap on holdout rows (0 = all); also caps the adaptation selection's query rows.
         adapt_k: support rows per holdout user when choosing the adaptation (first-k).
+        progress: told ``(DeliverStage.GATE, done, total)``: step 1 the consistency check, step 2 the
+            staged bundle's holdout AUC, then one step per adaptation candidate scored (a selection
+            that cannot run skips them), the last the published bundle's AUC; without a holdout one
+            step. None: nothing told.
     """
-    from delivery.adapt_select import not_selected, select_or_configured
+    from delivery.adapt_select import not_selected, planned_candidates, select_or_configured
+    from delivery.export import DeliverStage
 
+    def tell(done: int, total: int) -> None:
+        if progress is not None:
+            progress(DeliverStage.GATE, done, total)
+
+    if not holdout:
+        tell(0, 1)
+        problems = check_consistency(staging)
+        tell(1, 1)
+        if problems:
+            log.warning("gate refused an inconsistent bundle", extra=kv(bundle=staging, problems=len(problems)))
+            return GateReport(ok=False, reasons=problems)
+        sel = not_selected(read_manifest(staging), "no holdout to validate on")
+        return GateReport(ok=True, adapt=sel.record() if sel.configured else {}, adapt_summary=sel.summary())
+    planned = len(planned_candidates(read_manifest(staging)))
+    total = 3 + planned
+    tell(0, total)
     problems = check_consistency(staging)
+    tell(1, total)
     if problems:
         log.warning("gate refused an inconsistent bundle", extra=kv(bundle=staging, problems=len(problems)))
+        tell(total, total)
         return GateReport(ok=False, reasons=problems)
     from delivery.loader import load_bundle
 
-    if not holdout:
-        sel = not_selected(read_manifest(staging), "no holdout to validate on")
-        return GateReport(ok=True, adapt=sel.record() if sel.configured else {}, adapt_summary=sel.summary())
     new = load_bundle(staging, verify=False)  # just verified above
     try:
-        new_auc, rows = evaluate(new, holdout, holdout_rows)
-        sel = select_or_configured(new, holdout, adapt_k, holdout_rows)
+        data = Holdout(holdout, new.schema)
+        new_auc, rows = evaluate(new, data, holdout_rows)
+        tell(2, total)
+        sel = select_or_configured(new, data, adapt_k, holdout_rows,
+                                   on_scored=lambda _s, done, _n: tell(2 + min(done, planned), total))
     finally:
         new.close()
+    tell(2 + planned, total)
     # a bundle without an adaptation recipe (exported before adaptation shipped) has nothing to choose
     report = GateReport(ok=True, auc=new_auc, rows=rows, adapt=sel.record() if sel.configured else {},
                         adapt_summary=sel.summary())
-    if published is not None:
-        pm = read_manifest(published)
-        recorded = pm.gate
-        if recorded.get("holdout") == str(holdout) and recorded.get("rows") == rows and recorded.get("auc"):
-            old_auc = {h: float(v) for h, v in recorded["auc"].items()}
-        else:
-            old = load_bundle(published, verify=False)
-            try:
-                old_auc, _ = evaluate(old, holdout, holdout_rows)
-            finally:
-                old.close()
-        report.published_auc = old_auc
-        for h, a in new_auc.items():
-            b = old_auc.get(h)
-            if b is None or math.isnan(b) or math.isnan(a):
-                continue
-            if a < b - max_auc_drop:
-                report.reasons.append(
-                    f"head '{h}': holdout AUC {a:.5f} is {b - a:.5f} below the published {pm.version}'s {b:.5f} "
-                    f"(allowed drop {max_auc_drop})"
-                )
+    if published is not None:  # after closing the staged bundle: a test gates a bundle against itself
+        _compare_published(report, Path(published), data, holdout, holdout_rows, max_auc_drop)
     if all(math.isnan(a) for a in new_auc.values()):
         report.reasons.append(f"{holdout}: no head has a defined AUC (a label has only one class)")
+    tell(total, total)
     report.ok = not report.reasons
     log.info("gate", extra=kv(bundle=staging, ok=report.ok, auc=new_auc, published_auc=report.published_auc, rows=rows))
     return report
+
+
+def _compare_published(report: GateReport, published: Path, data: Holdout, holdout: str, holdout_rows: int,
+                       max_auc_drop: float) -> None:
+    """``report.published_auc`` and a reason per head whose AUC dropped more than ``max_auc_drop``.
+
+    The published AUC is the one its manifest recorded on the same holdout path and row count, else it is
+    measured now on the same rows (``data``: nothing is read again).
+    """
+    from delivery.loader import load_bundle
+
+    pm = read_manifest(published)
+    recorded = pm.gate
+    if recorded.get("holdout") == str(holdout) and recorded.get("rows") == report.rows and recorded.get("auc"):
+        old_auc = {h: float(v) for h, v in recorded["auc"].items()}
+    else:
+        old = load_bundle(published, verify=False)
+        try:
+            old_auc, _ = evaluate(old, data, holdout_rows)
+        finally:
+            old.close()
+    report.published_auc = old_auc
+    for h, a in report.auc.items():
+        b = old_auc.get(h)
+        if b is None or math.isnan(b) or math.isnan(a):
+            continue
+        if a < b - max_auc_drop:
+            report.reasons.append(
+                f"head '{h}': holdout AUC {a:.5f} is {b - a:.5f} below the published {pm.version}'s {b:.5f} "
+                f"(allowed drop {max_auc_drop})"
+            )

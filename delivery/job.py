@@ -22,7 +22,9 @@ Progress: ``deliver_once(..., progress=hook)`` tells ``hook(stage, done, total)`
 stages of :class:`~delivery.export.DeliverStage` in order: ``verify`` (the sha256
 check of the checkpoint, one step), ``export`` (rows exported) and ``dense`` (the rest
 of the bundle, one step), both from :func:`~delivery.export.export_bundle`, then
-``gate`` and ``publish`` (publish, LATEST and retention; one step each). A delivery that finds nothing newer stops after the
+``gate`` (:func:`~delivery.gate.run_gate`: the consistency check, the holdout AUC comparison,
+then one step per adaptation candidate scored; one step without a holdout) and ``publish``
+(publish, LATEST and retention; one step). A delivery that finds nothing newer stops after the
 first; a refused one after ``gate``. The loop passes the same hook to every tick.
 
 Example::
@@ -194,9 +196,7 @@ def _deliver_locked(cfg: DeliveryConfig, pub: Publisher, ckpt: Path, src: Checkp
         staging = pub.staging_dir(version)
         try:
             manifest = export_bundle(src, staging, version, cfg, parent, cache, progress)
-            _step(progress, DeliverStage.GATE, 0)
-            report = run_gate(staging, published, cfg.holdout, cfg.max_auc_drop, cfg.holdout_rows)
-            _step(progress, DeliverStage.GATE, 1)
+            report = run_gate(staging, published, cfg.holdout, cfg.max_auc_drop, cfg.holdout_rows, progress=progress)
             if not report.ok:
                 log.warning("gate refused the bundle", extra=kv(version=version, reasons=report.reasons))
                 shutil.rmtree(staging)

@@ -18,6 +18,12 @@ runs for plain-trained models ("plain model + the same fine-tuning").
 Output: one JSON object (``--out`` written atomically; stdout gets the JSON, or
 a short human summary when stdout is a terminal). Protocols and metrics:
 :mod:`workers.eval_protocols`.
+
+Progress on stderr, in batches scored: a bar on a terminal, else (or with
+``--no-progress``) ``msg="progress" what=evaluate`` log lines every 5 s and at the end,
+with the total known ahead for ``episodes`` (the dataset's batches) and ``first-k`` (its
+episodes / 64 per batch; the rows are read once, before the layout), and counts and a
+rate for ``plain``.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.eta import ProgressHook
 
 PROTOCOLS = ("plain", "episodes", "first-k")
 """The evaluation protocols (:mod:`workers.eval_protocols`)."""
@@ -57,6 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--offset-prior", type=float, default=None,
                    help="prior precision of the logit offset (default: the model's [meta])")
     e.add_argument("--out", type=Path, default=None, help="write the report (one JSON object) here, atomically")
+    e.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; a progress log line every 5 s and at the end (as off a terminal)")
     e.set_defaults(func=_evaluate)
 
 
@@ -152,7 +162,7 @@ def _inner_loop(model: Any, meta: Any, inner_lr: float | None, checkpoint: Path 
 def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path | None = None,
                     bundle: Path | None = None, k: int = 5, query_slots: int = 32, inner_steps: int | None = None,
                     inner_lr: float | None = None, offset_steps: int | None = None,
-                    offset_prior: float | None = None) -> dict[str, Any]:
+                    offset_prior: float | None = None, progress: ProgressHook | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint or a bundle on ``data``: what ``metaps evaluate`` runs (without printing).
 
     Args:
@@ -164,6 +174,8 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         k / query_slots: support rows per task and query rows per episode of ``first-k``.
         inner_steps / inner_lr / offset_steps / offset_prior: override the model's ``[meta]`` recipe
             (None: the model's; ``inner_steps=0``: base only).
+        progress: told ``("evaluate", batches scored, batches in all)`` before the first batch and after
+            each (:func:`scored_batches`); None: nothing told.
 
     Returns:
         the report: ``protocol``, ``data``, ``source``, ``meta``, ``rows``, ``tasks``, ``base``
@@ -212,7 +224,8 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         except ValueError as exc:
             raise ConfigError(f"metaps evaluate: {exc}") from None
         loop = _inner_loop(model, meta, inner_lr, ckpt, served, source["recipe"])
-        batches = protocol_batches(protocol, Path(data), schema, k=k, query_slots=query_slots)
+        batches, total = _batches(protocol, Path(data), schema, k, query_slots)
+        batches = scored_batches(batches, total, progress)
         res = evaluate_protocol(model, rows, batches, loop, adapt=meta.inner_steps > 0, task_key=schema.task_key)
     finally:
         if served is not None:
@@ -222,12 +235,65 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
             **({"k": k} if protocol == "first-k" else {}), **res}
 
 
+FIRST_K_TASKS_PER_BATCH = 64
+"""Episodes per first-k meta batch (:func:`workers.eval_protocols.protocol_batches`' default)."""
+
+
+def _batches(protocol: str, data: Path, schema: Any, k: int, query_slots: int) -> tuple[Iterator[Any], int]:
+    """``(the protocol's batches, how many there will be)`` (0: not known ahead: plain).
+
+    episodes: the Meta-IO dataset's batch count; first-k: its episodes / ``FIRST_K_TASKS_PER_BATCH``,
+    from the rows read once (the layout is computed before the batches are cut).
+    """
+    from meta_io.layout import INDEX_NAME, MANIFEST_NAME
+    from workers.eval_protocols import protocol_batches
+
+    meta_io = data.is_dir() and (data / MANIFEST_NAME).is_file() and (data / INDEX_NAME).is_file()
+    if protocol == "first-k" and data.exists() and not meta_io:
+        from meta_io.firstk import first_k_batches, first_k_layout, read_table
+
+        table = read_table(data, schema)
+        if schema.timestamp and k >= 1 and query_slots >= 1:
+            lay = first_k_layout(table.column(schema.task_key).to_numpy(), table.column(schema.timestamp).to_numpy(), k)
+            episodes = int(lay.episodes(query_slots).task.shape[0])
+            total = -(-episodes // FIRST_K_TASKS_PER_BATCH)
+        else:
+            total = 0  # first_k_batches names what is wrong
+        return first_k_batches(table, schema, k, query_slots, FIRST_K_TASKS_PER_BATCH), total
+    batches = protocol_batches(protocol, data, schema, k=k, query_slots=query_slots)
+    if protocol == "episodes":
+        from meta_io.reader import MetaIODataset
+
+        return batches, int(MetaIODataset(data).total_batches)
+    return batches, 0
+
+
+def scored_batches(batches: Iterable[Any], total: int, progress: ProgressHook | None) -> Iterator[Any]:
+    """``batches`` as they are, telling ``progress("evaluate", done, total)`` before the first and after each is
+    scored (the consumer asked for the next); a total of 0 stays unknown, a low one grows to ``done``."""
+    if progress is None:
+        yield from batches
+        return
+    done = 0
+    progress(EVALUATE_STAGE, 0, total)
+    for b in batches:
+        yield b
+        done += 1
+        progress(EVALUATE_STAGE, done, max(total, done) if total else 0)
+
+
+EVALUATE_STAGE = "evaluate"
+"""The progress stage ``metaps evaluate`` tells (units: batches scored)."""
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     from common.atomic_write import write_text_atomic
+    from metaps.progress import command_progress
 
-    report = evaluate_report(args.data, args.protocol, checkpoint=args.checkpoint, bundle=args.bundle, k=args.k,
-                             query_slots=args.query_slots, inner_steps=args.inner_steps, inner_lr=args.inner_lr,
-                             offset_steps=args.offset_steps, offset_prior=args.offset_prior)
+    with command_progress(args.no_progress) as progress:
+        report = evaluate_report(args.data, args.protocol, checkpoint=args.checkpoint, bundle=args.bundle, k=args.k,
+                                 query_slots=args.query_slots, inner_steps=args.inner_steps, inner_lr=args.inner_lr,
+                                 offset_steps=args.offset_steps, offset_prior=args.offset_prior, progress=progress)
     text = json.dumps(report, default=float)
     if args.out is not None:
         write_text_atomic(args.out, text + "\n")

@@ -6,6 +6,8 @@ training users, delivered with the held-out users as the gate's holdout (first-k
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -22,13 +24,12 @@ from delivery.adapt_select import (
     Scored, choose, not_selected, score_recipes, select_recipe, validation_episodes,
 )
 from delivery.bundle import DeliveryError, read_manifest
-from delivery.config import DeliveryConfig
 from delivery.gate import run_gate
-from delivery.job import deliver_once
 from delivery.loader import load_bundle
 from delivery.predict import predict_to_parquet
 from meta_io.firstk import first_k_layout, read_table
 from common.evaluation import auc
+from metaps.cli import main
 
 K = 8
 
@@ -52,10 +53,22 @@ def world(tmp_path_factory):
     job = make_job(meta, root, meta={"inner_steps": 1, "inner_lr": 0.1}, train={"max_steps": 40})
     _, local = train_local(job, root / "local", checkpoint=False)
     ckpt = local.checkpoint()
-    out = deliver_once(DeliveryConfig(out=root / "bundles", holdout=str(split.holdout_dir)), checkpoint=ckpt)
-    assert out.gate is not None and out.gate.ok
+    # the real CLI, off a terminal (its progress and log lines on stderr), counting the holdout's data reads
+    # through pyarrow's own Parquet reader
+    reads: list[int] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counted(self, *args, **kwargs):
+        reads.append(1)
+        return iter_batches(self, *args, **kwargs)
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setattr(pq.ParquetFile, "iter_batches", counted)
+        assert main(["deliver", "--checkpoint", str(ckpt), "--out", str(root / "bundles"),
+                     "--holdout", str(split.holdout_dir), "--no-progress"]) == 0
     return {"root": root, "bundle": root / "bundles" / "v000001", "holdout": split.holdout_dir, "ckpt": ckpt,
-            "report": out.gate}
+            "stdout": out.getvalue(), "stderr": err.getvalue(), "reads": len(reads)}
 
 
 def _by_kind(rec: dict) -> dict[str, list[dict]]:
@@ -82,7 +95,72 @@ def test_the_choice_is_never_worse_than_no_adaptation_on_validation(world) -> No
     assert rec["configured"]["inner_steps"] == 1 and rec["configured"]["inner_lr"] == 0.1
     assert conf["mean_auc"] < chosen["mean_auc"]
     assert rec["choice"] != rec["configured"]
-    assert "adaptation chosen on" in world["report"].adapt_summary
+    assert "adaptation chosen on" in world["stdout"]
+
+
+def _lines(stderr: str, msg: str) -> list[dict]:
+    from metaps.progress import parse_kv_line
+
+    return [rec for line in stderr.splitlines() if f'msg="{msg}"' in line and (rec := parse_kv_line(line)) is not None]
+
+
+def test_the_gate_reads_the_holdout_once_and_tells_each_candidate(world) -> None:
+    """One data read per holdout file for the whole delivery (the AUC comparison and the first-k episodes
+    share it); a stderr line per adaptation candidate as it is scored (name, score, candidates left)."""
+    from meta_io.source import list_source_files
+
+    files = list_source_files(world["holdout"])
+    assert len(files) >= 1 and world["reads"] == len(files), (world["reads"], files)
+    rec = read_manifest(world["bundle"]).gate["adapt"]
+    lines = _lines(world["stderr"], "adaptation candidate scored")
+    n = len(rec["candidates"])
+    by_name = {c["name"]: c for c in rec["candidates"]}
+    # each inner loop's candidates come together (its "+ offset" twin right after it)
+    assert n == 10 and sorted(x["candidate"] for x in lines) == sorted(by_name), world["stderr"]
+    assert [int(x["left"]) for x in lines] == list(range(n - 1, -1, -1))
+    assert [x["done"] for x in lines] == [f"{i}/{n}" for i in range(1, n + 1)]
+    assert [float(x["mean_auc"]) for x in lines] == [round(by_name[x["candidate"]]["mean_auc"], 5) for x in lines]
+    # the gate stage's progress counts the candidates: consistency, the AUC, 10 candidates, the comparison
+    gate = [x for x in _lines(world["stderr"], "progress") if x["what"] == "gate"]
+    assert gate and int(gate[-1]["done"]) == int(gate[-1]["total"]) == n + 3, world["stderr"]
+
+
+def test_the_shared_scoring_equals_one_adaptation_per_candidate(world) -> None:
+    """The choice and every candidate's AUC equal the per-candidate computation the gate ran before the
+    inner loops were shared (each recipe adapted and scored on its own through ``AdaptingModel.recipe_probs``,
+    its own lookups; "+ offset" re-adapting and fitting its offset inside ``adapt_and_predict``)."""
+    rec = read_manifest(world["bundle"]).gate["adapt"]
+    recipes = [Recipe.from_dict(c["recipe"], "test") for c in rec["candidates"]]
+    served = load_bundle(world["bundle"])
+    try:
+        adapting = AdaptingModel(served)
+        _, batches = validation_episodes(world["holdout"], served.schema, K)
+        heads = [h.name for h in adapting.model.heads]
+        scores: list[dict[str, list[np.ndarray]]] = [{h: [] for h in heads} for _ in recipes]
+        y: dict[str, list[np.ndarray]] = {h: [] for h in heads}
+        for mb in batches:
+            real = mb.query.mask.bool()
+            if not bool(real.any()):
+                continue
+            uniq, rows = adapting.rows_for([mb.support, mb.query])
+            for h in adapting.model.heads:
+                y[h.name].append(h.target(mb.query)[real].numpy().astype(np.float64))
+            for i, r in enumerate(recipes):
+                probs = adapting.recipe_probs(r, mb.support, mb.query, uniq, rows)
+                for h in heads:
+                    scores[i][h].append(probs[h][real].detach().numpy().astype(np.float64))
+    finally:
+        served.close()
+    target = {h: np.concatenate(v) for h, v in y.items()}
+    old = []
+    for r, per in zip(recipes, scores):
+        a = {h: float(auc(target[h], np.concatenate(v))) for h, v in per.items()}
+        defined = [v for v in a.values() if not math.isnan(v)]
+        old.append(Scored(r, a, float(np.mean(defined)) if defined else math.nan))
+    assert [c["auc"] for c in rec["candidates"]] == [s.auc for s in old]  # exact, every head of every candidate
+    assert [c["mean_auc"] for c in rec["candidates"]] == [s.mean_auc for s in old]
+    assert rec["choice"] == choose(old).recipe.to_dict()
+    assert len({round(s.mean_auc, 6) for s in old}) > 5  # the candidates differ: equality is not trivial
 
 
 def test_a_harmful_recipe_loses_to_no_adaptation(world) -> None:

@@ -35,9 +35,15 @@ def meta_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    from metaps.progress import parse_kv_line
+
     capsys.readouterr()
     assert main(["evaluate", *args]) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cap = capsys.readouterr()
+    # progress on stderr off a terminal: batches scored, the last line at the dataset's batch count
+    told = [r for line in cap.err.splitlines() if 'msg="progress"' in line and (r := parse_kv_line(line))]
+    assert told and told[-1]["what"] == "evaluate" and told[-1]["done"] == told[-1]["total"] > 0, cap.err
+    return json.loads(cap.out.strip().splitlines()[-1])
 
 
 def test_run_dir_evaluates_as_its_newest_checkpoint(meta_sgd_run, capsys) -> None:
