@@ -60,3 +60,30 @@ def test_slow_basis_compute_or_step() -> None:
     assert step.step_delay(0.1, None, now=1.0) == pytest.approx(0.3)
     with pytest.raises(ValueError):
         Fault("worker", 0, "slow", factor=4.0, basis="wall")
+
+
+def test_faults_scheduled_from_training() -> None:
+    """Steps (the run's step numbers) or seconds after the worker's first training step: a fault
+    fires however long the launch took; an ``at_step`` kill spares the replacement incarnation."""
+    by_step = FaultInjector(FaultConfig([Fault("worker", 0, "slow", factor=3.0, start_step=5, end_step=7)]),
+                            "worker", 0, t0=0.0)
+    assert [s for s in range(1, 10) if by_step.step_delay(0.1, now=1e6, step=s) > 0] == [5, 6]
+    assert by_step.step_delay(0.1, now=1e6) == 0.0  # a loop that passes no step: a step fault never applies
+    rec = by_step.fired()[0]
+    assert (rec["first_step"], rec["last_step"], rec["count"], rec["schedule"]) == (5, 6, 2, "steps 5-6")
+    trained = FaultInjector(FaultConfig([Fault("worker", 0, "slow", factor=2.0, since="train", start_s=5.0,
+                                               duration_s=10.0)]), "worker", 0, t0=0.0)
+    assert trained.step_delay(1.0, now=100.0) == 0.0 and not trained.fired()  # not armed: training not started
+    trained.arm_training(now=200.0)
+    trained.arm_training(now=300.0)  # once
+    assert [trained.step_delay(1.0, now=t) for t in (204.0, 205.0, 214.9, 215.0)] == [0.0, 1.0, 1.0, 0.0]
+    kill = FaultInjector(FaultConfig([Fault("worker", 1, "kill", at_step=30)]), "worker", 1, t0=0.0)
+    assert not kill.kill_due(now=1e6, step=29, start_step=0) and kill.kill_due(now=1e6, step=30, start_step=0)
+    assert not kill.kill_due(now=1e6, step=31, start_step=30)  # the replacement resumed past it: spared
+    for bad, msg in ((Fault("ps", 0, "latency", latency_s=0.1, start_step=3), "worker faults only"),
+                     (Fault("ps", 0, "latency", latency_s=0.1, since="train"), "for worker faults"),
+                     (Fault("worker", 0, "slow", factor=2.0, start_step=3, start_s=1.0), "both by steps"),
+                     (Fault("worker", 0, "slow", factor=2.0, start_step=9, end_step=9), "must be > start_step"),
+                     (Fault("worker", 0, "kill", since="train", at_s=3.0), "use at_step")):
+        with pytest.raises(ValueError, match=msg):
+            bad.validate()

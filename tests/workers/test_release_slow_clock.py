@@ -31,6 +31,7 @@ from tests.workers.procs import kill_all, start_worker, write_job
 
 BOUND = 2  # [ps] max_staleness
 SLOW = 20.0  # worker 0's slow fault factor
+FROM_STEP = 3  # ... from its step 3 (start_step)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +74,9 @@ def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_
                    # enough that the warm-up ended later: worker 0 slept 19x it, minutes)
                    # factor 20, basis step: its measured step is a small part of a worker's wall time on a
                    # loaded box, so 5x of it left worker 0 barely slower than worker 1 (the lead stalled at 4)
+                   # scheduled by step (from training, not the launch): from worker 0's step FROM_STEP
                    faults={"faults": [{"target": "worker", "index": 0, "kind": "slow", "factor": SLOW,
-                                       "basis": "step"}]})
+                                       "basis": "step", "start_step": FROM_STEP}]})
     config = write_job(job, tmp_path / "job.toml")
     # a generous wait cap: should the warm-up step still be slowed, the fast worker waits instead of failing
     ps = build_server(job.ps, job.rpc, job.table_configs(), 0, wait_timeout_s=600.0)
@@ -139,6 +141,17 @@ def test_slow_flagged_worker_leaves_the_clock_and_the_fast_one_runs_ahead(small_
         for r in slowed:
             assert r["fault_sleep_s"] == pytest.approx((SLOW - 1) * r["own_step_s"], rel=1e-9), r
             assert r["own_step_s"] >= r["compute_s"] + r["pull_s"] * 0.999, r
+        # scheduled by step: nothing before FROM_STEP is slowed, every step from it on (but the
+        # warm-up) is, and the injector's record (RUN/faults/, what the report names) says so
+        steps = {r["step"]: r["fault_sleep_s"] for r in snap["history"] if r["step"] != first["step"]}
+        assert all(v == 0.0 for k, v in steps.items() if k < FROM_STEP), steps
+        assert all(v > 0.0 for k, v in steps.items() if k >= FROM_STEP), steps
+        from common.faults import read_fired
+
+        fired = read_fired(tmp_path / "run" / "faults")
+        assert [(r["target"], r["index"], r["kind"]) for r in fired] == [("worker", 0, "slow")], fired
+        assert fired[0]["first_step"] == slowed[0]["step"] == min(k for k in steps if k >= FROM_STEP), (fired, steps)
+        assert fired[0]["schedule"] == f"from step {FROM_STEP}" and fired[0]["count"] >= len(slowed), fired
     finally:
         kill_all(procs)
         srv.stop(grace=0)
