@@ -25,7 +25,7 @@ monitoring stack, by :func:`write_stack`:
 
 It starts ``prometheus`` (and ``grafana-server``) when they are on ``PATH``, each in a
 process group of its own that it stops (SIGTERM, then SIGKILL) when it ends (SIGINT,
-SIGTERM), and otherwise prints the commands that would, so the files are useful either way.
+SIGTERM, SIGHUP), and otherwise prints the commands that would, so the files are useful either way.
 
 On Kubernetes none of this is needed: every pod carries ``prometheus.io/*``
 annotations (``metaps deploy k8s``) and the same rules file loads into any Prometheus.

@@ -10,10 +10,13 @@ targets file (:func:`metaps.monitoring.write_stack`); then starts ``prometheus``
 ``--print``).
 
 What it starts it stops: each program runs in a process group of its own, and when
-``metaps monitor`` ends -- SIGINT (Ctrl-C), SIGTERM, or every program it started exited --
-every group gets SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, so no Prometheus or
-Grafana (nor a process either started) outlives it. Exit code: 130 / 143 after SIGINT /
-SIGTERM, else the first non-zero exit code of the programs (0 when they exited cleanly).
+``metaps monitor`` ends -- SIGINT (Ctrl-C), SIGTERM, SIGHUP (its terminal closed), or every
+program it started exited -- every group gets SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`, so no Prometheus or Grafana (nor a process either started) outlives
+it. Each program also gets a death signal (``setpriv --pdeathsig``, :func:`metaps.fleet.
+with_death_signal`): a SIGKILLed ``metaps monitor`` takes them with it where ``setpriv``
+exists. Exit code: 130 / 143 / 129 after SIGINT / SIGTERM / SIGHUP, else the first non-zero
+exit code of the programs (0 when they exited cleanly).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common.log import kv
+from metaps.fleet import with_death_signal
 from metaps.monitoring import write_stack
 from metaps.roles.output import emit
 
@@ -68,14 +72,14 @@ def run_monitor(args: argparse.Namespace) -> int:
         signalled.append(signum)
         stop.set()
 
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for cmd in files.commands:
             if found[cmd[0]] and not stop.is_set():
                 # a process group of its own: stopping it stops whatever it started, and a Ctrl-C at the
                 # terminal reaches metaps monitor only (which then stops the groups, in order)
-                procs.append(subprocess.Popen(list(cmd), start_new_session=True))
+                procs.append(subprocess.Popen(with_death_signal(cmd), start_new_session=True))
         started = [cmd[0] for cmd in files.commands if found[cmd[0]]]
         log.info("monitoring started", extra=kv(started=",".join(started), pids=",".join(str(p.pid) for p in procs),
                                                 prometheus=f"http://127.0.0.1:{args.prometheus_port}",

@@ -76,6 +76,7 @@ def _alive(pid: int) -> bool:
 def test_monitor_stops_what_it_started_on_sigterm(tmp_path: Path) -> None:
     """SIGTERM to `metaps monitor` stops the Prometheus it started and what that one started
     (a stand-in `prometheus` on PATH: a shell that starts a `sleep` and waits)."""
+    import shutil
     import signal
     import time
 
@@ -105,6 +106,23 @@ def test_monitor_stops_what_it_started_on_sigterm(tmp_path: Path) -> None:
         while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in started if _alive(pid)], log.read_text()
+        if shutil.which("setpriv"):  # a SIGKILLed monitor: its Prometheus gets the death signal
+            pids.unlink()
+            with log.open("ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "metaps", "monitor", "--run", str(tmp_path / "run"),
+                                         "--prometheus-port", "1"], cwd=REPO, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while not pids.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert pids.exists(), log.read_text()
+            started = [int(x) for x in pids.read_text().split()]
+            proc.kill()
+            proc.wait()
+            deadline = time.monotonic() + 10
+            while _alive(started[0]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(started[0]), log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
