@@ -8,6 +8,10 @@ reported too, and ``norm_auc = (auc - 0.5) / (oracle_auc - 0.5)``.
 
 Heads and targets: ``click`` is scored against click; ``conversion`` is the
 CTCVR probability, scored against ``click * conversion`` over all impressions.
+
+:class:`PeriodicEval` runs the checkpoint leader's periodic evaluation off its
+training path (a copy of the model scored in a background thread), so the leader
+is not made the fleet's straggler by its own evaluations.
 """
 
 from __future__ import annotations
