@@ -288,12 +288,37 @@ def _prepare(adapting: AdaptingModel, batches: Iterable[MetaBatch], max_rows: in
     return out, {h: np.concatenate(v) for h, v in targets.items()}, tasks, rows
 
 
+def _one_encoding(model: Any) -> bool:
+    """Whether ``model.forward`` is :class:`~models.base.CtrModel`'s (``outputs(encoder(...))``): then its
+    probabilities and logits come from one encoding of the rows (:class:`_Both`), bit for bit what two
+    ``forward`` calls return (the encoder is deterministic and runs on the same inputs)."""
+    from models.base import CtrModel
+
+    return isinstance(model, CtrModel) and type(model).forward is CtrModel.forward
+
+
+class _Both(torch.nn.Module):
+    """``(probabilities, logits)`` of a :class:`~models.base.CtrModel` from one encoding of ``features``
+    (what ``forward(probabilities=True)`` and ``forward()`` return; ``index`` precomputed). A module, so
+    ``functional_call`` substitutes the adapted parameters (named ``m.<name>``)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, features: FeatureBatch, rows: dict[str, torch.Tensor], index: Any
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        enc = self.m.encoder(features, rows, index)
+        return self.m.outputs(enc, True), self.m.outputs(enc, False)
+
+
 def _adapted_outputs(model: Any, ep: _Episodes, learner: Any, probs: bool, logits: bool) -> dict[str, Any]:
     """One inner loop per task of ``ep`` (:func:`models.meta.adapt_and_predict`'s body), returning what the
     candidates sharing it need: ``p`` the adapted query probabilities (the inner candidate, exactly
     ``adapt_and_predict``'s), ``zq`` / ``zs`` the adapted query / support logits (its "+ offset" twins: the
     offset is a post-hoc per-task shift of these, :func:`delivery.adapt.offset_probs`). Detached, ``[T, Q]``
     / ``[T, S]`` per head."""
+    from torch.func import functional_call
     from torch.utils._pytree import tree_map
 
     from models.meta import (
@@ -306,6 +331,8 @@ def _adapted_outputs(model: Any, ep: _Episodes, learner: Any, probs: bool, logit
     cold = _task_cold(learner, ep.rows, ep.uniq, l2g)
     mparams = learner.meta_params()
 
+    both = _Both(model) if probs and logits and _one_encoding(model) else None
+
     def task(params: Any, rows: Any, cold: Any, sup: dict, s_idx: Any, qry: dict, q_idx: Any) -> dict[str, Any]:
         sfb = FeatureBatch(**sup)
         if learner.meta_emb:
@@ -313,10 +340,14 @@ def _adapted_outputs(model: Any, ep: _Episodes, learner: Any, probs: bool, logit
         fp, fr, _, _ = _adapt(model, params, rows, sfb, s_idx, first, rates, measure_after=False)
         qfb = FeatureBatch(**qry)
         out: dict[str, Any] = {}
-        if probs:
-            out["p"] = _forward(model, fp, fr, qfb, q_idx, probabilities=True)
+        if both is not None:  # the query rows encoded once for the probabilities and the logits
+            out["p"], out["zq"] = functional_call(both, {f"m.{k}": v for k, v in fp.items()}, (qfb, fr, q_idx))
+        else:
+            if probs:
+                out["p"] = _forward(model, fp, fr, qfb, q_idx, probabilities=True)
+            if logits:
+                out["zq"] = _forward(model, fp, fr, qfb, q_idx)
         if logits:
-            out["zq"] = _forward(model, fp, fr, qfb, q_idx)
             out["zs"] = _forward(model, fp, fr, sfb, s_idx)
         return tree_map(torch.Tensor.detach, out)
 
@@ -335,11 +366,15 @@ def _group_probs(adapting: AdaptingModel, group: Sequence[Recipe], ep: _Episodes
     if group[0].inner_steps == 0:
         with torch.no_grad():
             out: dict[str, Any] = {}
-            if plain:
-                out["p"] = model(ep.query, ep.rows, index=ep.qry_idx, probabilities=True)
+            if plain and shifted and _one_encoding(model):  # the query rows encoded once for both
+                out["p"], out["zq"] = _Both(model)(ep.query, ep.rows, ep.qry_idx)
+            else:
+                if plain:
+                    out["p"] = model(ep.query, ep.rows, index=ep.qry_idx, probabilities=True)
+                if shifted:
+                    out["zq"] = model(ep.query, ep.rows, index=ep.qry_idx)
             if shifted:
                 out["zs"] = model(ep.support, ep.rows, index=ep.sup_idx)
-                out["zq"] = model(ep.query, ep.rows, index=ep.qry_idx)
     else:
         out = _adapted_outputs(model, ep, learner, plain, shifted)
     with torch.no_grad():

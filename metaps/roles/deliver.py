@@ -12,7 +12,10 @@ Examples::
 ``deliver`` shows its stages on stderr (verify, export (rows), dense, gate, publish):
 a bar each on a terminal, else (or with ``--no-progress``) log lines ``msg="progress"``
 with done/total/pct/per_s/eta_s every 5 s and at each stage's end; stdout holds only
-the result (one JSON object with ``--json``).
+the result (one JSON object with ``--json``). The gate's steps are the consistency
+check, the holdout AUC, one per adaptation candidate and the published bundle's AUC;
+each candidate also logs a line as it is scored (``msg="adaptation candidate scored"``:
+its name, mean AUC, AUC per head, ``done``, ``left``).
 
 ``deliver`` without ``--holdout`` refuses (exit 1) unless ``--no-gate`` is given; the
 manifest's ``gate.gated`` records which it was.

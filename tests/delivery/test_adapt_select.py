@@ -30,6 +30,7 @@ from delivery.predict import predict_to_parquet
 from meta_io.firstk import first_k_layout, read_table
 from common.evaluation import auc
 from metaps.cli import main
+from tests.progress_hooks import Recorder, check_stage
 
 K = 8
 
@@ -283,8 +284,12 @@ def test_without_a_holdout_the_configured_recipe_ships_and_the_report_says_so(wo
 
 def test_a_holdout_without_episodes_ships_the_configured_recipe(world) -> None:
     """No holdout user has more than k rows: no episode to validate on; the gate passes and says why."""
-    report = run_gate(world["bundle"], holdout=str(world["holdout"]), adapt_k=100_000)
+    rec = Recorder()
+    report = run_gate(world["bundle"], holdout=str(world["holdout"]), adapt_k=100_000, progress=rec)
     assert report.ok and report.auc and report.adapt["selected"] is False
+    # the gate's steps: consistency, the AUC, (no candidate could be scored), the published comparison
+    check_stage(rec.of("gate"), 13)
+    assert [d for d, _ in rec.of("gate")] == [0, 1, 2, 12, 13]
     assert "no validation episode" in report.adapt["reason"]
     assert report.record(str(world["holdout"]))["adapt"] == report.adapt
 
@@ -299,8 +304,12 @@ def test_a_meta_io_holdout_is_validated_on_its_episodes(world, tmp_path) -> None
     plain = build(world["holdout"], schema, tmp_path / "plain", MetaIOBuildConfig(layout=Layout.PLAIN, rows_per_batch=128)).out_dir
     served = load_bundle(world["bundle"])
     try:
-        sel = select_recipe(served, meta, K, max_rows=400)
+        told: list[tuple[str, int, int]] = []
+        sel = select_recipe(served, meta, K, max_rows=400, on_scored=lambda s, d, n: told.append((s.recipe.name, d, n)))
         assert sel.selected and sel.protocol == "episodes" and sel.k == 0 and sel.tasks > 20
+        n = len(sel.candidates)  # told as each candidate is done, with its own figures
+        assert [(d, t) for _, d, t in told] == [(i, n) for i in range(1, n + 1)]
+        assert sorted(name for name, _, _ in told) == sorted(s.recipe.name for s in sel.candidates)
         assert next(s for s in sel.candidates if s.recipe == sel.chosen).mean_auc >= sel.base().mean_auc
         with pytest.raises(DeliveryError, match="plain-layout Meta-IO holdout has no support/query episodes"):
             select_recipe(served, plain, K)
