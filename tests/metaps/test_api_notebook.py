@@ -43,11 +43,17 @@ def _job(root: Path) -> dict[str, Any]:
 
 
 def _quiet(fn: Any) -> tuple[Any, str, str]:
-    """(fn(), what it wrote to stdout, to stderr)."""
+    """(fn(), what it wrote to stdout, to stderr), log records left out (a CLI test earlier in this
+    process may have pointed logging at stderr: logs are the logging config's, not progress)."""
+    from metaps.progress import parse_kv_line
+
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         res = fn()
-    return res, out.getvalue(), err.getvalue()
+    def printed(s: io.StringIO) -> str:
+        return "".join(ln for ln in s.getvalue().splitlines(keepends=True) if parse_kv_line(ln) is None)
+
+    return res, printed(out), printed(err)
 
 
 @pytest.fixture(scope="module")
