@@ -18,6 +18,7 @@ import contextlib
 import io
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ def test_progress_bar_draws_and_bad_settings_are_refused(runs: dict[str, Any]) -
     from metaps.progress import RunProgress, progress_mode
 
     assert progress_mode(False) == "off" and progress_mode("lines") == "lines"
-    assert progress_mode("auto") == "lines"  # not a terminal, not Jupyter
+    assert progress_mode("auto") == ("bar" if sys.stderr.isatty() else "lines")  # not Jupyter
 
     def draw() -> None:
         p = RunProgress("train-local", "bar", "steps")
