@@ -224,7 +224,7 @@ def test_launch_refuses_an_unwritable_run_root(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ train-local's run directory
-def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
+def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """... of a model metaps does not ship (docs/examples/two_tower.py next to the job file), which is
     then delivered and scored by ``metaps predict`` and ``api.load_bundle`` with the user's code gone."""
     import shutil
@@ -253,10 +253,12 @@ def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path) -> None:
     assert Path(out["checkpoint"]).parent == run / "checkpoints"
     assert list((run / "plots").glob("*.png")) and (run / "tb").is_dir()
     assert load_job(run / "job.toml").model.class_dir == str(tmp_path.resolve())  # the job file's folder
-    _deliver_and_score_without_the_users_code(Path(out["checkpoint"]), data["eval"].parent / "raw-eval", tmp_path)
+    _deliver_and_score_without_the_users_code(Path(out["checkpoint"]), data["eval"].parent / "raw-eval", tmp_path,
+                                              monkeypatch)
 
 
-def _deliver_and_score_without_the_users_code(ckpt: Path, raw: Path, tmp_path: Path) -> None:
+def _deliver_and_score_without_the_users_code(ckpt: Path, raw: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Deliver a custom model's checkpoint (its class imported from the run's class_dir), then remove the
     class and score: the bundle's dense network is self-contained TorchScript; only adaptation, which
     rebuilds the eager model, needs the class back, and says so in one line."""
@@ -268,11 +270,10 @@ def _deliver_and_score_without_the_users_code(ckpt: Path, raw: Path, tmp_path: P
 
     bundles = tmp_path / "bundles"
     assert main(["deliver", "--no-gate", "--checkpoint", str(ckpt), "--out", str(bundles)]) == 0
-    (tmp_path / "two_tower.py").unlink()  # the user's code is gone
-    sys.modules.pop("two_tower", None)
+    (tmp_path / "two_tower.py").unlink()  # the user's code is gone, from this process too (another test may
+    monkeypatch.delitem(sys.modules, "two_tower", raising=False)  # have imported docs/examples' copy)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "two_tower.py").exists()])
     import_model_class.cache_clear()
-    while str(tmp_path.resolve()) in sys.path:
-        sys.path.remove(str(tmp_path.resolve()))
     assert main(["predict", "--bundle", str(bundles), "--data", str(raw), "--out", str(tmp_path / "s.parquet")]) == 0
     got = api.load_bundle(bundles).predict(raw)
     scores = pq.read_table(tmp_path / "s.parquet").to_pydict()
