@@ -259,9 +259,9 @@ def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path, monkeypatch: py
 
 def _deliver_and_score_without_the_users_code(ckpt: Path, raw: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Deliver a custom model's checkpoint (its class imported from the run's class_dir), then remove the
-    class and score: the bundle's dense network is self-contained TorchScript; only adaptation, which
-    rebuilds the eager model, needs the class back, and says so in one line."""
+    """Deliver a custom model's checkpoint (its class imported from the run's class_dir) and adapt the
+    bundle per user, then remove the class and score: the bundle's dense network is self-contained
+    TorchScript; only adaptation, which rebuilds the eager model, needs the class, and says so in one line."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -270,6 +270,8 @@ def _deliver_and_score_without_the_users_code(ckpt: Path, raw: Path, tmp_path: P
 
     bundles = tmp_path / "bundles"
     assert main(["deliver", "--no-gate", "--checkpoint", str(ckpt), "--out", str(bundles)]) == 0
+    adapted = api.load_bundle(bundles).adapt(raw).predict(raw)  # the class importable: the inner loop runs
+    assert adapted.adapted and set(adapted.probs) == {"click", "conversion"}
     (tmp_path / "two_tower.py").unlink()  # the user's code is gone, from this process too (another test may
     monkeypatch.delitem(sys.modules, "two_tower", raising=False)  # have imported docs/examples' copy)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "two_tower.py").exists()])
