@@ -1,6 +1,7 @@
 """Meta step against a plain per-task autograd reference; vmap == loop; plain step."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,11 +78,22 @@ def test_meta_grads_equal_per_task_autograd_reference(first_order, steps, adapt)
         assert res.metrics["tasks"] == 2.0  # 4 slots: 1 padding task, 1 with an empty query
 
 
-@pytest.mark.parametrize("kind, bottom", [("deepfm", "shared"), ("dcnv2", "shared"), ("esmm", "shared"), ("esmm", "mmoe")])
+@pytest.mark.parametrize("kind, bottom", [("deepfm", "shared"), ("dcnv2", "shared"), ("esmm", "shared"), ("esmm", "mmoe"),
+                                         ("custom", "shared")])
 def test_vmap_equals_loop_and_reference_for_every_model(kind, bottom) -> None:
+    """... the custom one being docs/examples/two_tower.py, on a schema with the item table it declares."""
     g = torch.Generator().manual_seed(1)
-    schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=1, vector_dim=4, max_len=3)
-    model = build_model(schema, ModelConfig(kind=kind, bottom=bottom, **TINY))
+    if kind == "custom":
+        from meta_io.synth.generator import GeneratorConfig, generator_schema
+
+        schema = generator_schema(GeneratorConfig(rows=10, n_user_features=1, n_item_features=1, n_context_features=0,
+                                                  n_multi_hot=1, n_dense=1, image_dim=4, text_max_len=3))
+        examples = str(Path(__file__).resolve().parents[2] / "docs" / "examples")
+        cfg = ModelConfig(kind="custom", class_path="two_tower:TwoTower", class_dir=examples, hidden=[8], default_dim=4)
+    else:
+        schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=1, vector_dim=4, max_len=3)
+        cfg = ModelConfig(kind=kind, bottom=bottom, **TINY)
+    model = build_model(schema, cfg)
     mb = random_meta_batch(schema, tasks=3, support=4, query=4, vocab=6, generator=g)
     rows = random_rows(mb.unique_ids, model.dims, g, scale=0.5)
     cfg = MetaConfig(inner_steps=2, inner_lr=0.2, first_order=False, adapt=AdaptTarget.BOTH)
