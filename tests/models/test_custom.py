@@ -166,6 +166,13 @@ def test_the_class_key_is_checked_and_round_trips(tmp_path: Path) -> None:
     job = job_from_mapping({"data": {"train": "x"}, "model": {"kind": "custom", "class": "two_tower:TwoTower"}})
     assert job.model.class_path == "two_tower:TwoTower" and to_dict(job.model)["class"] == "two_tower:TwoTower"
     assert "class_path" not in to_dict(job.model)
+    from metaps.roles.overrides import apply_overrides, parse_sets  # --set names the TOML key too
+
+    data = apply_overrides({"data": {"train": "x"}, "model": {"kind": "custom"}}, parse_sets(["model.class=a.b:C"]))
+    assert job_from_mapping(data).model.class_path == "a.b:C"
+    with pytest.raises(ConfigError) as exc:
+        apply_overrides({}, parse_sets(["model.clas=a:B"]))
+    _one_line(exc.value, "did you mean 'model.class'")
 
 
 def test_class_dir_is_the_job_files_folder_made_absolute(tmp_path: Path) -> None:
