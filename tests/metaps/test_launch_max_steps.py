@@ -35,8 +35,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     tmp = tmp_path_factory.mktemp("max-steps")
     data = make_data(tmp / "data")
+    # the fleet trains a model metaps does not ship (docs/examples/two_tower.py, by class_dir): the API's
+    # launch, every process's import of the class, the result's in-memory model are the custom model's
     cfg = write_job_file(tmp / "job.toml", data, workers=2, ps=1, train={"epochs": 3},
-                         controller={"dds": {"batches_per_shard": 2}})
+                         controller={"dds": {"batches_per_shard": 2}},
+                         model={"kind": "custom", "class": "two_tower:TwoTower", "hidden": [8],
+                                "class_dir": str(Path(__file__).resolve().parents[2] / "docs" / "examples")})
     run = tmp / "run"
     umask = os.umask(0o022)
     os.umask(umask)
@@ -78,6 +82,8 @@ def test_max_steps_ends_the_fleet_with_partial_coverage_by_request(fleet: dict[s
     assert os.umask(umask) == umask  # the run's 0600/0700 rule was for the call only
     rep = json.loads((run / "report.json").read_text())
     assert res.report == rep and res.run_dir == run.resolve()
+    assert rep["config"]["model"]["class"] == "two_tower:TwoTower"
+    assert type(res.model).__name__ == "CustomModel" and type(res.model.net).__name__ == "TwoTower"
     assert res.checkpoint is not None and (res.checkpoint / "manifest.json").is_file()
     assert "max_steps" in res.coverage
     assert rep["status"] == "succeeded", rep["reason"]
