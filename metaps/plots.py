@@ -608,7 +608,9 @@ def eval_sources(report: Mapping[str, Any]) -> tuple[str, str]:
     periodic = f"periodic eval (curves): {who} on {sample}" + (f", every {int(every)} steps" if _finite(every) and every else "")
     rows = final_eval_rows(report)
     data = (report.get("config") or {}).get("data") or {}
-    where = f" of {data.get('eval')}" if data.get("eval") else ""
+    from metaps.run_report import shown_path
+
+    where = f" of {shown_path(str(data['eval']))}" if data.get("eval") else ""
     meta = train.get("mode") == "meta"
     final = ("final eval: " + (f"all {rows:,} held-out {'query ' if meta else ''}rows" if rows else "every held-out row")
              + where + (" (episodes)" if meta else "") + ", after the last step")
