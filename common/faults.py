@@ -119,7 +119,8 @@ class Fault:
         since: what the seconds count from, ``launch`` (default) or ``train`` (:class:`FaultClock`;
             workers only: their first training step).
         start_step: slow (workers): the first step it applies to (the run's step numbers); with
-            ``end_step``, schedules it by steps instead of seconds.
+            ``end_step``, schedules it by steps instead of seconds (PS-mode and all-reduce loops;
+            the DD loop, ``workers/dd.py``, applies seconds-scheduled faults only).
         end_step: slow (workers): the step it stops before; 0 = to the end.
         at_step: kill (workers): the process exits once it has run this step (an incarnation that
             started past it, the agent's replacement, is spared).
