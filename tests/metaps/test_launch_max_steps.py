@@ -5,7 +5,8 @@ worker will take -- and the ledger claims exactly the batches that were trained.
 A real launch (controller, agents, PS, workers on 127.0.0.1), judged on the controller's
 ledger and the workers' own step counts. It goes through the Python API (``metaps.api.launch``,
 the Launcher ``metaps launch`` runs, with ``overrides`` as ``--set``), so the same fleet also
-checks the API's result: the report it returns is report.json, the checkpoint, the umask kept.
+checks the API's result: the report it returns is report.json, the checkpoint, the umask kept,
+and its callbacks and progress lines (issue 38 item 2; a stop asked by one is test_api_notebook's).
 
 The same fleet checks the launch's ports (issue 37, item 6; tests/metaps/test_launch_ports.py
 has the refusals): it runs on a busy box where every port picked with
@@ -17,6 +18,8 @@ of its own and publishes it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -61,8 +64,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     base.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     base.bind(("127.0.0.1", 0))
     base_port = int(base.getsockname()[1])
+    events: dict[str, list[Any]] = {"step": [], "eval": [], "checkpoint": []}  # the API's callbacks (issue 38 item 2)
+    printed = io.StringIO()
     try:
-        res = api.launch(cfg, overrides={"train.max_steps": 5, "ps.base_port": base_port}, run_dir=run, timeout_s=400)
+        with contextlib.redirect_stderr(printed):
+            res = api.launch(cfg, overrides={"train.max_steps": 5, "ps.base_port": base_port}, run_dir=run,
+                             timeout_s=400, on_step=events["step"].append, on_eval=events["eval"].append,
+                             on_checkpoint=events["checkpoint"].append, progress="lines")
         left = fleet_pids(str(run))
     finally:
         mp.undo()
@@ -71,7 +79,30 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             s.close()
         kill_leftovers(str(run))
     yield {"res": res, "run": run, "left": left, "umask": umask, "base_port": base_port,
-           "stolen": len(stolen)}
+           "stolen": len(stolen), "events": events, "printed": printed.getvalue()}
+
+
+@pytest.mark.timeout(600)
+def test_the_api_callbacks_and_progress_follow_the_fleet(fleet: dict[str, Any]) -> None:
+    """api.launch's callbacks, driven by the launcher's polls: steps that only advance, every committed
+    checkpoint once (the final one last), the final evaluation once; progress lines, then a summary."""
+    from metaps.progress import parse_kv_line
+    from ps.checkpoint import checkpoint_step
+
+    res, ev, rep = fleet["res"], fleet["events"], fleet["res"].report
+    steps = [e.step for e in ev["step"]]
+    assert steps and steps == sorted(set(steps)), steps
+    assert steps[-1] <= max(w["last_step"] for w in rep["workers"])
+    assert all(e.total_steps == 5 and e.fraction is not None and 0.0 <= e.fraction <= 1.0 for e in ev["step"])
+    ckpts = [(e.step, e.path) for e in ev["checkpoint"]]
+    assert ckpts and ckpts[-1][1] == res.checkpoint, ckpts
+    assert all(s == checkpoint_step(p) and (p / "manifest.json").is_file() for s, p in ckpts)
+    assert len({p for _, p in ckpts}) == len(ckpts)
+    assert [(e.final, dict(e.metrics)) for e in ev["eval"]] == [(True, dict(res.auc))] and res.auc
+    lines = [ln for ln in fleet["printed"].splitlines() if parse_kv_line(ln) is None]
+    assert lines and all(ln.startswith("launch") for ln in lines), lines
+    assert any(" batches (" in ln for ln in lines[:-1]), lines
+    assert lines[-1].startswith("launch succeeded: ") and f"checkpoint {res.checkpoint}" in lines[-1], lines[-1]
 
 
 @pytest.mark.timeout(600)
