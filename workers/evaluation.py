@@ -283,10 +283,17 @@ class PeriodicEval:
         if self.busy:
             self.skipped += 1
             return False
-        if not self.background:
+        snapshot = None
+        if self.background:
+            try:
+                snapshot = copy.deepcopy(model)  # the dense parameters of this step; training goes on with the original
+            except Exception as exc:  # a model that cannot be copied (a user's module): scored inline from now on
+                log.warning("periodic eval: the model cannot be copied; scoring inline, on the step path",
+                            extra=kv(step=step, error=str(exc)[:200]))
+                self.background = False
+        if snapshot is None:
             self._run(step, model, steps_from=step)
             return True
-        snapshot = copy.deepcopy(model)  # the dense parameters of this step; training goes on with the original
         self._thread = threading.Thread(target=self._run, args=(step, snapshot, step), name="periodic-eval",
                                         daemon=True)
         self._thread.start()
