@@ -317,8 +317,13 @@ class TrainedModel:
     def __repr__(self) -> str:
         return f"TrainedModel({str(self.path)!r}, step={self.step}, heads={list(self.heads)})"
 
-    def _probs(self, features: "FeatureBatch") -> "dict[str, torch.Tensor]":
-        """Head -> probabilities for every row of one batch, rows looked up in :attr:`tables`."""
+    def score_batch(self, features: "FeatureBatch") -> "dict[str, torch.Tensor]":
+        """Head -> probabilities ``[*L]`` for every row of one ``FeatureBatch`` (padding rows
+        included), its rows looked up in :attr:`tables`: what :meth:`predict` does per batch.
+
+        Args:
+            features: a batch with the schema's feature columns (``meta_io.batch.FeatureBatch``).
+        """
         import torch
 
         lead = tuple(features.shape)
@@ -342,7 +347,8 @@ class TrainedModel:
         """Score every row of ``data`` in this process with :attr:`model` and :attr:`tables`.
 
         The rows are read as ``metaps predict`` reads them (the same columns; labels optional:
-        present ones are evaluated), so a bundle delivered from this checkpoint scores them alike.
+        present ones are evaluated; a ``pyarrow.Table`` through a scratch Parquet file, removed
+        after), so a bundle delivered from this checkpoint scores them alike.
 
         Args:
             data: a Parquet/CSV file or folder, or a ``pyarrow.Table``.
@@ -368,7 +374,7 @@ class TrainedModel:
         probs: dict[str, list[np.ndarray]] = {h: [] for h in self.heads}
         rows = 0
         for fb, _ in batches:
-            out = self._probs(fb)
+            out = self.score_batch(fb)
             mask = fb.mask.reshape(-1).numpy()
             for h in self.heads:
                 p = out[h].reshape(-1).numpy()
@@ -1309,6 +1315,16 @@ class Bundle:
 
     def __repr__(self) -> str:
         return f"Bundle({str(self.path)!r}, version={self.version!r}, heads={list(self.heads)})"
+
+    def score_batch(self, features: "FeatureBatch") -> "dict[str, torch.Tensor]":
+        """Head -> probabilities ``[*L]`` for one ``FeatureBatch`` (padding rows included), as the
+        bundle serves it (:meth:`delivery.loader.ServingModel.predict`).
+
+        Args:
+            features: a batch with the bundle's feature columns (``meta_io.batch.FeatureBatch``).
+        """
+        out: dict[str, torch.Tensor] = self._served.get().predict(features)
+        return out
 
     def predict(self, data: DataInput, *, keep_columns: Sequence[str] = (), batch_rows: int = 4096) -> Predictions:
         """Score every row of ``data`` with the base model.

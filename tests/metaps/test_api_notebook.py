@@ -154,6 +154,16 @@ def test_the_model_in_memory_scores_like_its_bundle(runs: dict[str, Any]) -> Non
     ids = np.concatenate([t.ids(), unseen])
     assert torch.equal(t.lookup(ids), b.tables["user"].lookup(ids))  # an unseen id: the same initial row
     assert bundle.predict(rows.slice(0, 10)).rows == 10  # scoring again after lookups (one LMDB open per process)
+    # one batch, in memory: the model and the bundle score it alike
+    from delivery.predict import _batches
+
+    src = root / "rows.parquet"
+    pq.write_table(rows.slice(0, 50), src)
+    batches, _ = _batches(src, b.trained.schema, 50)
+    fb, _ = next(batches)
+    got, want = b.trained.score_batch(fb), bundle.score_batch(fb)
+    assert set(got) == set(want) and all(torch.allclose(got[h], want[h], atol=1e-6) for h in got)
+    assert torch.allclose(got["click"], torch.tensor(served.probs["click"][:50]), atol=1e-6)
 
 
 def test_progress_lines_or_nothing(runs: dict[str, Any]) -> None:
