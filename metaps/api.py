@@ -22,7 +22,11 @@ Example (docs/api.md has the whole path, run by tests/metaps/test_api.py)::
     run = api.train_local({"data": {"train": "work/metaio"}}, overrides={"train.max_steps": 10})
 
 Importing this module is light (no torch); each function imports what it runs.
-Logging goes to the ``metaps`` / subsystem loggers; nothing is printed.
+Logging goes to the ``metaps`` / subsystem loggers. Only :func:`train_local` and :func:`launch`
+draw: their progress (``progress=``: a bar in Jupyter or on a terminal, else lines on stderr;
+False: nothing). Their results hold the trained model in memory (``model``, ``tables``,
+``predict``), and their callbacks (``on_step``, ``on_eval``, ``on_checkpoint``) can stop a run
+(:data:`STOP`, :class:`StopTraining`); docs/api.md says what each sees in each mode.
 """
 
 from __future__ import annotations
