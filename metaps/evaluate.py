@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", type=Path, default=None, help="write the report (one JSON object) here, atomically")
     e.add_argument("--no-progress", action="store_true",
                    help="no progress bar; a progress log line every 5 s and at the end (as off a terminal)")
+    e.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1, as metaps deliver: small tensor ops, a shared box)")
     e.set_defaults(func=_evaluate)
 
 
@@ -289,7 +291,9 @@ EVALUATE_STAGE = "evaluate"
 def _evaluate(args: argparse.Namespace) -> int:
     from common.atomic_write import write_text_atomic
     from metaps.progress import command_progress
+    from metaps.roles.deliver import set_threads
 
+    set_threads(args.threads, "metaps evaluate")
     with command_progress(args.no_progress) as progress:
         report = evaluate_report(args.data, args.protocol, checkpoint=args.checkpoint, bundle=args.bundle, k=args.k,
                                  query_slots=args.query_slots, inner_steps=args.inner_steps, inner_lr=args.inner_lr,

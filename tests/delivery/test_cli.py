@@ -42,12 +42,18 @@ def test_predict_writes_the_bundles_scores(tmp_path, history, tiny, capsys):
 def test_deliver_every_runs_the_loop(tmp_path, history, capsys):
     run = tmp_path / "run"
     shutil.copytree(history.ckpts[20], run / "checkpoints" / "ckpt-20")
-    rc = main(["--json", "deliver", "--no-gate", "--run", str(run), "--out", str(tmp_path / "out"), "--every", "10ms",
-               "--max-ticks", "2"])
+    try:  # --threads sets torch's intra-op threads (default 1); 0 is one error line
+        rc = main(["--json", "deliver", "--no-gate", "--run", str(run), "--out", str(tmp_path / "out"), "--every",
+                   "10ms", "--max-ticks", "2", "--threads", "2"])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
     assert rc == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1  # --json: one object for the whole loop
     assert [x["status"] for x in json.loads(printed[0])["outcomes"]] == ["published", "up_to_date"]
+    assert main(["deliver", "--no-gate", "--run", str(run), "--out", str(tmp_path / "out"), "--threads", "0"]) == 1
+    assert "metaps deliver: error: --threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_deliver_if_checkpoint_exits_0_before_the_runs_first_checkpoint(tmp_path, history, capsys):
