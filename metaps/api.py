@@ -716,7 +716,11 @@ def _job_mapping(config: JobSource, texts: list[str]) -> tuple[dict[str, object]
     from metaps.roles.overrides import apply_overrides, describe, parse_sets
 
     if isinstance(config, Mapping):
-        data = copy.deepcopy(dict(config))
+        from metaps.job import absolute_class_dir
+
+        # a mapping has no file: a custom model's relative class_dir is the caller's working
+        # directory (a notebook's folder), made absolute before the job is copied to a run dir
+        data = absolute_class_dir(copy.deepcopy(dict(config)), Path.cwd() / "job.toml")
         name = "<job mapping>"
     else:
         name = str(_path(config, "config"))

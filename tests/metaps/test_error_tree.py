@@ -27,6 +27,7 @@ PACKAGES = ("common", "metaps", "ps", "controller", "workers", "meta_io", "model
 # Exception classes of the project that are not deliberate errors (internal control flow).
 NOT_ERRORS = {
     "ps.gate.RpcAbort": "internal: carries a gRPC status from a handler to the servicer's abort",
+    "metaps.api.StopTraining": "a request, not an error: a callback raises it to end the run cleanly (as returning STOP does)",
 }
 
 # The errors issue 12 named as bypassing the tree; they must stay in it.

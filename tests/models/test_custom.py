@@ -187,6 +187,18 @@ def test_class_dir_is_the_job_files_folder_made_absolute(tmp_path: Path) -> None
     assert load_job(job_file).model.class_dir == ""  # a zoo model imports nothing
 
 
+def test_a_job_mapping_from_the_api_takes_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook passes a dict: its class_dir is the notebook's folder (the working directory), made
+    absolute before a launch copies the job into a run dir where a relative one would name nothing."""
+    from metaps import api
+
+    monkeypatch.chdir(tmp_path)
+    job = {"data": {"train": "x"}, "model": {"kind": "custom", "class": "two_tower:TwoTower"}}
+    assert api.load_job(job).model.class_dir == str(tmp_path.resolve())
+    job["model"]["class_dir"] = "towers"
+    assert api.load_job(job).model.class_dir == str((tmp_path / "towers").resolve())
+
+
 def test_the_two_tower_example_trains_plain_and_meta_and_declares_its_dims() -> None:
     cfg = ModelConfig(kind="custom", class_path="two_tower:TwoTower", class_dir=str(EXAMPLES), hidden=[16],
                       default_dim=8)
