@@ -98,11 +98,21 @@ class DeliveryOutcome:
 
 
 def _is_newer(src: CheckpointSource, published: Path | None) -> bool:
+    """Whether ``src`` is due: nothing published, or a later checkpoint than the published one's.
+
+    Steps compare only within one run's checkpoint folder: another run (a fresh `make run`, the
+    next day's warm start) counts its own steps, so its checkpoint is due whatever its step (the
+    AUC gate still decides whether it replaces the published bundle).
+    """
     if published is None:
         return True
     m = read_manifest(published)
-    if Path(m.source.get("checkpoint", "")) == src.path.resolve():
+    was = Path(m.source.get("checkpoint", ""))
+    here = src.path.resolve()
+    if was == here:
         return False
+    if was.parent != here.parent:
+        return True
     return src.step > m.source_step
 
 

@@ -75,3 +75,18 @@ def test_periodic_loop_delivers_only_when_a_newer_checkpoint_appears(tmp_path, h
     assert [o.status for o in outcomes] == [Status.UP_TO_DATE, Status.UP_TO_DATE]
     assert Publisher(out).versions() == ["v000001", "v000002"]
     assert load_bundle(out).version == "v000002"
+
+
+def test_another_runs_checkpoint_is_due_whatever_its_step(tmp_path, history):
+    """Steps compare within one run only: a new run's ckpt-10 after the last run's ckpt-30 is delivered
+    (a rerun of `make run` was told "up to date" by a step number of another run), while within one
+    run an older checkpoint stays "up to date"."""
+    out = tmp_path / "out"
+    assert deliver_once(DeliveryConfig(out=out), checkpoint=history.ckpts[30]).status is Status.PUBLISHED
+    assert deliver_once(DeliveryConfig(out=out), checkpoint=history.ckpts[10]).status is Status.UP_TO_DATE
+    other = tmp_path / "run-2" / "checkpoints"
+    other.mkdir(parents=True)
+    shutil.copytree(history.ckpts[10], other / "ckpt-10")
+    o = deliver_once(DeliveryConfig(out=out), checkpoint=other / "ckpt-10")
+    assert (o.status, o.version) == (Status.PUBLISHED, "v000002")
+    assert load_bundle(out).version == "v000002"
