@@ -63,13 +63,23 @@ def world(tmp_path_factory):
         reads.append(1)
         return iter_batches(self, *args, **kwargs)
 
+    from metaps.progress import StageProgress
+
+    told: list[tuple[str, int, int]] = []  # what the CLI's progress hook was told (and drew)
+    draw = StageProgress.__call__
+
+    def hook(self, stage, done, total):
+        told.append((str(stage), done, total))
+        return draw(self, stage, done, total)
+
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         mp.setattr(pq.ParquetFile, "iter_batches", counted)
+        mp.setattr(StageProgress, "__call__", hook)
         assert main(["deliver", "--checkpoint", str(ckpt), "--out", str(root / "bundles"),
                      "--holdout", str(split.holdout_dir), "--no-progress"]) == 0
     return {"root": root, "bundle": root / "bundles" / "v000001", "holdout": split.holdout_dir, "ckpt": ckpt,
-            "stdout": out.getvalue(), "stderr": err.getvalue(), "reads": len(reads)}
+            "stdout": out.getvalue(), "stderr": err.getvalue(), "reads": len(reads), "told": told}
 
 
 def _by_kind(rec: dict) -> dict[str, list[dict]]:
@@ -122,6 +132,9 @@ def test_the_gate_reads_the_holdout_once_and_tells_each_candidate(world) -> None
     assert [x["done"] for x in lines] == [f"{i}/{n}" for i in range(1, n + 1)]
     assert [float(x["mean_auc"]) for x in lines] == [round(by_name[x["candidate"]]["mean_auc"], 5) for x in lines]
     # the gate stage's progress counts the candidates: consistency, the AUC, 10 candidates, the comparison
+    steps = [(d, t) for stage, d, t in world["told"] if stage == "gate"]
+    check_stage(steps, n + 3)
+    assert sorted({d for d, _ in steps}) == list(range(n + 4)), steps
     gate = [x for x in _lines(world["stderr"], "progress") if x["what"] == "gate"]
     assert gate and int(gate[-1]["done"]) == int(gate[-1]["total"]) == n + 3, world["stderr"]
 
