@@ -342,14 +342,18 @@ class _Gen:
 
     def failure_policy(self, container: str, ignore_codes: tuple[int, ...] = ()) -> dict[str, Any]:
         """A Job's ``podFailurePolicy``: the run failed (exit 4) fails the Job; disruptions and
-        ``ignore_codes`` do not count toward ``backoffLimit``; anything else is retried."""
+        ``ignore_codes`` do not count toward ``backoffLimit``; anything else is retried.
+
+        A rule on exit codes carries an explicit ``onPodConditions: []``: the OpenAPI schemas of
+        Kubernetes 1.25 to 1.28 mark it required (kubernetes/api#48), so client-side validation
+        there refuses a rule without it; an empty list matches as an absent one."""
         rules: list[dict[str, Any]] = [
             {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In",
-                                                   "values": [exit_codes.RUN_FAILED]}},
+                                                   "values": [exit_codes.RUN_FAILED]}, "onPodConditions": []},
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
         if ignore_codes:
             rules.append({"action": "Ignore", "onExitCodes": {"containerName": container, "operator": "In",
-                                                               "values": sorted(ignore_codes)}})
+                                                               "values": sorted(ignore_codes)}, "onPodConditions": []})
         return {"rules": rules}
 
     def controller(self) -> list[dict[str, Any]]:

@@ -1,7 +1,9 @@
 """``metaps deploy k8s``: manifests validate offline, render with kustomize, and are wired right.
 
 Validation: ``kubernetes-validate`` (strict: unknown fields fail) against the Kubernetes
-1.32 OpenAPI schemas; rendering: ``kubectl kustomize`` (no cluster needed).
+1.28 and 1.32 OpenAPI schemas (1.28, the oldest that kubernetes-validate 1.37.0 ships, is the
+floor docs/kubernetes.md states; the versions between cost seconds the suite does not have);
+rendering: ``kubectl kustomize`` (no cluster needed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from metaps.job import job_from_mapping
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.32.0"
+K8S_VERSIONS = ("1.28.0", K8S_VERSION)
+"""Every object of every variant validates strictly on each: the floor, then the newest."""
 IMAGE = "registry.example/metaps:0.1.0"
 SOURCE = "s3://bucket/ctr/2026-12-01"
 
@@ -96,8 +100,9 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
 def test_every_object_validates_against_the_kubernetes_schemas(rendered: Any, variant: str) -> None:
     _, docs = rendered[variant]
     kinds = sorted(d["kind"] for d in docs)
-    for d in docs:
-        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    for version in K8S_VERSIONS:
+        for d in docs:
+            kubernetes_validate.validate(d, version, strict=True)
     assert {"ConfigMap", "Secret", "Service", "PersistentVolumeClaim", "Job", "CronJob",
             "PodDisruptionBudget", "NetworkPolicy"} <= set(kinds)
     # every long-running role is a Job: it completes when the run ends (no Deployment or
@@ -107,6 +112,26 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: Any, va
 
 def _job(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return [j for j in by_kind(docs, "Job") if j["metadata"]["name"] == name][0]
+
+
+def test_every_failure_policy_rule_names_its_pod_conditions_for_the_older_schemas(rendered: Any) -> None:
+    """The 1.25-1.28 OpenAPI schemas require ``onPodConditions`` on every podFailurePolicy rule
+    (kubernetes/api#48): an exit-code rule carries an explicit ``[]``, so the three Jobs validate
+    on 1.28; the same rule without it is refused there (and accepted on 1.29)."""
+    jobs = [j for variant in rendered.values() for j in by_kind(variant[1], "Job") if "podFailurePolicy" in j["spec"]]
+    assert {j["metadata"]["name"] for j in jobs} >= {"metaps-controller", "metaps-ps", "metaps-worker"}
+    for job in jobs:
+        for rule in job["spec"]["podFailurePolicy"]["rules"]:
+            assert "onPodConditions" in rule, (job["metadata"]["name"], rule)
+            if "onExitCodes" in rule:  # one of the two matches: an exit-code rule's conditions are empty
+                assert rule["onPodConditions"] == [], (job["metadata"]["name"], rule)
+    job = jobs[0]
+    bare = {**job, "spec": {**job["spec"], "podFailurePolicy": {"rules": [
+        {k: v for k, v in r.items() if not (k == "onPodConditions" and not v)}
+        for r in job["spec"]["podFailurePolicy"]["rules"]]}}}
+    with pytest.raises(kubernetes_validate.ValidationError, match="onPodConditions"):
+        kubernetes_validate.validate(bare, K8S_VERSIONS[0], strict=True)
+    kubernetes_validate.validate(bare, "1.29.0", strict=True)
 
 
 def test_strict_validation_catches_a_misspelt_field(rendered: Any) -> None:
@@ -268,7 +293,7 @@ def test_the_run_outcome_is_the_jobs_outcome(rendered: Any) -> None:
         rules = job["spec"]["podFailurePolicy"]["rules"]
         fail = [r for r in rules if r["action"] == "FailJob"]
         assert fail == [{"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In",
-                                                              "values": [4]}}], name
+                                                              "values": [4]}, "onPodConditions": []}], name
         ignored = {c for r in rules if r["action"] == "Ignore" for c in r.get("onExitCodes", {}).get("values", [])}
         assert 143 in ignored and 4 not in ignored and 1 not in ignored, name
         assert any(r["action"] == "Ignore" and r.get("onPodConditions") == [{"type": "DisruptionTarget",
