@@ -47,6 +47,14 @@ Once every stop was handed out (or ``linger_s`` passed) the controller asks itse
 shut down, and exits 0 (complete) or 4 (failed). Without it (``metaps launch``, the
 scripts) the launcher ends the fleet and no ``run_ended`` stop is sent.
 
+**The checkpoint the outcome names** (``metaps status``, the controller's termination
+message) is the run's final checkpoint, the committed cut the leader reported with
+``CheckpointDone(cut_id=FINAL_CUT)`` (:func:`outcome_checkpoint`), whatever cut was committed
+after it: when the leader finished, the next live worker became the leader and could still
+commit an interval cut, named by its own (lower) step, so "the newest committed cut" named a
+checkpoint older than the final one. Before the final checkpoint (a run still running, or
+failed) it is the newest committed cut.
+
 Example::
 
     outcome = RunOutcome(server, end_fleet=True)
@@ -60,7 +68,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from controller.dds import DynamicDataSharding
 from controller.node_registry import NodeRegistry, NodeState
@@ -76,6 +84,18 @@ FINAL_CHECKPOINT = "final_checkpoint"
 """Event kind: the leader wrote the run's final checkpoint and finished (evidence ``worker``)."""
 CAUSE_FINAL_CHECKPOINT = "final_checkpoint"
 """``cause`` in a ``run_failed`` event's evidence: training finished, the final checkpoint could not be written."""
+
+
+def outcome_checkpoint(cuts: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The checkpoint cut a run's outcome names: the newest committed final one (the leader's
+    final checkpoint), else the newest committed cut; None when none is committed.
+
+    Args:
+        cuts: the controller's checkpoint cuts in cut-id order (``status()["checkpoints"]``).
+    """
+    committed = [c for c in cuts if c.get("state") == "committed"]
+    final = [c for c in committed if c.get("final")]
+    return (final or committed or [None])[-1]
 
 
 class RunState(str, enum.Enum):

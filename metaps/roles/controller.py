@@ -217,7 +217,7 @@ def _write_termination_log(path: Path, summary: dict[str, Any]) -> None:
     """The pod's termination message (``kubectl describe pod``): the outcome, one JSON line, < 4 KiB."""
     import json
 
-    out = {k: summary[k] for k in ("run", "reason", "coverage", "checkpoint")}
+    out = {k: summary[k] for k in ("run", "reason", "coverage", "checkpoint", "checkpoint_step", "checkpoint_final")}
     if summary["run"] == "failed":  # its state is never reused (a process joining it is refused)
         out["relaunch"] = ("relaunch under a new run name (metaps deploy k8s --run-name NEW, --warm-start-from "
                            "the last good checkpoints to keep the model), after deleting this run's Jobs")
@@ -235,6 +235,7 @@ def status_summary(st: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     Args:
         st: the status mapping.
     """
+    from controller.run_outcome import outcome_checkpoint
     from metaps.run_report import coverage_text
 
     run = st.get("run") or {"state": "running", "reason": ""}
@@ -246,15 +247,19 @@ def status_summary(st: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for n in st.get("nodes") or []:
         by = counts.setdefault(str(n["role"]), {})
         by[str(n["state"])] = by.get(str(n["state"]), 0) + 1
-    committed = [c for c in st.get("checkpoints") or [] if c.get("state") == "committed"]
-    last = committed[-1] if committed else None
-    ckpt = f"{last.get('dir', '')} (cut {last.get('cut_id')}, step {last.get('step')})" if last else "none committed"
+    # the leader's final checkpoint once it is written, even when a cut was committed after it
+    last = outcome_checkpoint(st.get("checkpoints") or [])
+    final = bool(last and last.get("final"))
+    ckpt = (f"{last.get('dir', '')} (cut {last.get('cut_id')}, step {last.get('step')}"
+            f"{', final' if final else ''})" if last else "none committed")
     datasets = [{k: d.get(k) for k in ("dataset", "epoch", "epochs", "shards_done", "shards_total",
                                        "batches_done", "batches_total")} for d in st.get("datasets") or []]
     reason = str(run.get("reason") or "")
     data: dict[str, Any] = {"run": state, "reason": reason, "coverage": cov_line,
                             "coverage_fraction": cov.get("fraction"), "nodes": counts,
-                            "checkpoint": last.get("dir", "") if last else "", "datasets": datasets}
+                            "checkpoint": last.get("dir", "") if last else "",
+                            "checkpoint_step": last.get("step") if last else None, "checkpoint_final": final,
+                            "datasets": datasets}
     lines = [f"run         {state}" + (f": {reason}" if reason else ""), f"coverage    {cov_line}"]
     for d in datasets:
         lines.append(f"  {d['dataset']:<9} epoch {d['epoch']}/{d['epochs']}: {d['shards_done']}/{d['shards_total']} "
