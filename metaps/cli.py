@@ -99,8 +99,34 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    log.configure(args.log_level, role=args.command)
+    try:  # a job's [log] format applies from the command's first line (METAPS_LOG_FORMAT without one)
+        log.configure(args.log_level, role=args.command, fmt=job_log_format(getattr(args, "config", None)))
+    except MetapsError as exc:
+        print(error_line(args.command, exc), file=sys.stderr)
+        return int(exc.exit_code)
     return run_command(args.command, args.func, args)
+
+
+def job_log_format(config: object) -> str:
+    """``[log] format`` of the job file a command was given (``--config``); '' without one.
+
+    Args:
+        config: the command's ``--config`` value (None or '' when it has none; a file that does
+            not exist is left to the command to report).
+
+    Raises:
+        ConfigError: the file is not TOML, or its ``[log]`` table is wrong.
+    """
+    from pathlib import Path
+
+    if not isinstance(config, (str, Path)) or not config or not Path(config).is_file():
+        return ""
+    from common.config import from_mapping, read_toml
+
+    section = read_toml(config).get("log", {})
+    if not isinstance(section, dict):
+        return ""  # the command's own load names the error
+    return from_mapping(log.LogConfig, section, where=str(config), prefix="log").format
 
 
 def error_line(command: str, exc: BaseException) -> str:

@@ -14,6 +14,7 @@ that subsystem::
     [delivery]    delivery.config.DeliveryConfig  bundles and publishing
     [run]         metaps.job.RunConfig            run directory
     [deploy]      metaps.deploy.config.DeployConfig   Kubernetes manifests (metaps deploy k8s)
+    [log]         common.log.LogConfig            log line format (text or JSON)
 
 Example::
 
@@ -34,6 +35,7 @@ from delivery.config import DeliveryConfig
 from common.config import from_mapping, read_toml, to_dict
 from common.errors import ConfigError
 from common.faults import FaultConfig
+from common.log import LogConfig
 from common.rpc import RpcConfig
 from common.security import redact
 from metaps.deploy.config import DeployConfig
@@ -104,6 +106,7 @@ def _section_types() -> dict[str, type]:
         "delivery": DeliveryConfig,
         "run": RunConfig,
         "deploy": DeployConfig,
+        "log": LogConfig,
     }
 
 
@@ -122,6 +125,7 @@ class JobConfig:
     delivery: DeliveryConfig
     run: RunConfig
     deploy: DeployConfig
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
     source: str = ""
     """The file this job was read from ('' when built in code)."""
 

@@ -75,12 +75,16 @@ _TS = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
 
 def parse_kv_line(line: str) -> dict[str, Any] | None:
     """The fields of one ``common.log`` line (``msg`` unquoted; numbers as float); None if not one.
+    A JSON line (``[log] format = "json"``) reads the same: ``message`` as ``msg``, ``time`` as
+    a timestamp.
 
     Example::
 
         parse_kv_line('2026-01-01T00:00:00 INFO workers.worker msg="step" rank=0 step=5 loss=0.69')
         # {'time': 1767225600.0, 'msg': 'step', 'rank': 0.0, 'step': 5.0, 'loss': 0.69}
     """
+    if line.startswith("{"):
+        return _parse_json_line(line)
     m = _TS.match(line)
     if not m:
         return None
@@ -92,6 +96,25 @@ def parse_kv_line(line: str) -> dict[str, Any] | None:
         try:
             out[k] = float(v)
         except ValueError:
+            out[k] = v
+    return out
+
+
+def _parse_json_line(line: str) -> dict[str, Any] | None:
+    """:func:`parse_kv_line` of a :class:`common.log.JsonFormatter` line (None if not one)."""
+    try:
+        rec = json.loads(line)
+        when = datetime.fromisoformat(str(rec.pop("time")).replace("Z", "+00:00")).timestamp()
+        msg = rec.pop("message")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return None
+    out: dict[str, Any] = {"time": when, "msg": msg}
+    for k, v in rec.items():
+        if k in ("level", "logger"):
+            continue
+        try:  # as the key=value parser reads them: every number a float
+            out[k] = float(v) if not isinstance(v, bool) and v is not None else v
+        except (TypeError, ValueError):
             out[k] = v
     return out
 
@@ -123,7 +146,7 @@ class StepLogTail:
             lines = text.split("\n")
             self._partial[rank] = lines.pop()
             for line in lines:
-                if 'msg="step"' not in line:
+                if 'msg="step"' not in line and '"message": "step"' not in line:
                     continue
                 rec = parse_kv_line(line)
                 if rec is None or "step" not in rec:

@@ -20,12 +20,27 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 _QTY = re.compile(r"^([0-9]+(\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
 STORAGE = ("shared", "per-role")
 _OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS subdomain: PriorityClass, StorageClass
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly|annually)|(\S+\s+){4}\S+)$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# a label key: an optional DNS-subdomain prefix and '/', then a name of at most 63 characters
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+AFFINITY_TERMS = {  # the pod affinity kinds and the rules each may hold (Kubernetes' field names)
+    "nodeAffinity": ("requiredDuringSchedulingIgnoredDuringExecution",
+                     "preferredDuringSchedulingIgnoredDuringExecution"),
+    "podAffinity": ("requiredDuringSchedulingIgnoredDuringExecution",
+                    "preferredDuringSchedulingIgnoredDuringExecution"),
+    "podAntiAffinity": ("requiredDuringSchedulingIgnoredDuringExecution",
+                        "preferredDuringSchedulingIgnoredDuringExecution"),
+}
+ROLES = ("controller", "ps", "worker", "data", "deliver")
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,127 @@ class RoleResources:
     worker: Resources = field(default_factory=lambda: Resources("2", "4Gi", 1))
     data: Resources = field(default_factory=lambda: Resources("1", "4Gi"))
     deliver: Resources = field(default_factory=lambda: Resources("1", "2Gi"))
+
+
+@dataclass(frozen=True)
+class Toleration:
+    """One toleration of a role's pods, in Kubernetes' own field names.
+
+    E.g. ``tolerations = [{key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule"}]``.
+
+    Args:
+        key: the taint's key ('' with ``operator = "Exists"``: every taint).
+        operator: ``"Equal"`` (the taint's value is ``value``) or ``"Exists"`` (any value).
+        value: the taint's value with ``"Equal"`` ('' with ``"Exists"``).
+        effect: ``"NoSchedule"``, ``"PreferNoSchedule"``, ``"NoExecute"`` ('' = every effect).
+        toleration_seconds: TOML key ``tolerationSeconds``: with ``effect = "NoExecute"``, how long
+            the pod stays on a node after the taint appears (-1 = for ever).
+    """
+
+    key: str = ""
+    operator: str = "Equal"
+    value: str = ""
+    effect: str = ""
+    toleration_seconds: int = field(default=-1, metadata={"toml": "tolerationSeconds"})
+
+    def validate(self) -> None:
+        if self.operator not in ("Equal", "Exists"):
+            raise ValueError(f"operator: expected 'Equal' or 'Exists', got {self.operator!r}")
+        if self.key and not _LABEL_KEY.match(self.key):
+            raise ValueError(f"key {self.key!r} is not a label key (e.g. 'nvidia.com/gpu')")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("key: expected a taint key with operator 'Equal' ('' only with 'Exists'), got ''")
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"value: expected '' with operator 'Exists', got {self.value!r}")
+        if not _LABEL_VALUE.match(self.value):
+            raise ValueError(f"value {self.value!r} is not a label value (63 letters, digits, '-', '_', '.')")
+        if self.effect and self.effect not in TAINT_EFFECTS:
+            raise ValueError(f"effect: expected one of {', '.join(TAINT_EFFECTS)} or '', got {self.effect!r}")
+        if self.toleration_seconds != -1 and (self.toleration_seconds < 0 or self.effect != "NoExecute"):
+            raise ValueError(f"tolerationSeconds: expected a count >= 0 with effect 'NoExecute', got "
+                             f"{self.toleration_seconds} with effect {self.effect!r}")
+
+    def manifest(self) -> dict[str, Any]:
+        """The toleration as a pod spec holds it (unset fields left out)."""
+        out: dict[str, Any] = {"key": self.key, "operator": self.operator, "value": self.value,
+                               "effect": self.effect}
+        out = {k: v for k, v in out.items() if v}
+        if self.toleration_seconds != -1:
+            out["tolerationSeconds"] = self.toleration_seconds
+        return out
+
+
+def _check_affinity(affinity: dict[str, Any]) -> None:
+    """The affinity's two upper levels: its kinds and their rules (the API server checks the terms)."""
+    for kind, rules in affinity.items():
+        if kind not in AFFINITY_TERMS:
+            raise ValueError(f"affinity: expected keys among {', '.join(AFFINITY_TERMS)}, got {kind!r}")
+        if not isinstance(rules, dict):
+            raise ValueError(f"affinity.{kind}: expected a table, got {type(rules).__name__}")
+        for rule, terms in rules.items():
+            if rule not in AFFINITY_TERMS[kind]:
+                raise ValueError(f"affinity.{kind}: expected keys among {', '.join(AFFINITY_TERMS[kind])}, "
+                                 f"got {rule!r}")
+            items: Any = terms
+            if kind == "nodeAffinity" and rule.startswith("required"):  # a NodeSelector, not a list
+                if not isinstance(terms, dict) or set(terms) != {"nodeSelectorTerms"}:
+                    raise ValueError(f"affinity.{kind}.{rule}: expected a table {{nodeSelectorTerms = [...]}}, "
+                                     f"got {terms!r}")
+                items = terms["nodeSelectorTerms"]
+            if not isinstance(items, list) or not items:
+                raise ValueError(f"affinity.{kind}.{rule}: expected a non-empty list of terms, got {items!r}")
+            if not all(isinstance(t, dict) and t for t in items):
+                raise ValueError(f"affinity.{kind}.{rule}: expected each term to be a non-empty table, got {items!r}")
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    """Where one role's pods run and as whom (``[deploy.roles.ROLE]``; every key optional).
+
+    Args:
+        node_selector: the pods' ``nodeSelector`` (label -> value), e.g. ``{"pool" = "ps"}``.
+        tolerations: the pods' ``tolerations`` (a list of tables, Kubernetes' field names).
+        affinity: the pods' ``affinity`` in Kubernetes' own form (keys ``nodeAffinity``,
+            ``podAffinity``, ``podAntiAffinity``; checked down to their rules, the terms by the
+            API server). On the PS its terms are added to the PS's own preferred spread across nodes.
+        service_account: the pods' ``serviceAccountName`` ('' = the namespace's ``default``), e.g.
+            the account a cloud's workload identity maps to object-store credentials. The
+            account's API token stays unmounted (``automountServiceAccountToken: false``).
+    """
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[Toleration] = field(default_factory=list)
+    affinity: dict[str, Any] = field(default_factory=dict)
+    service_account: str = ""
+
+    def validate(self) -> None:
+        for k, v in self.node_selector.items():
+            if not _LABEL_KEY.match(k):
+                raise ValueError(f"node_selector: key {k!r} is not a label key (e.g. 'cloud.example/pool')")
+            if not _LABEL_VALUE.match(v):
+                raise ValueError(f"node_selector.{k}: {v!r} is not a label value (63 letters, digits, '-', '_', '.')")
+        _check_affinity(self.affinity)
+        if self.service_account and not _OBJECT_NAME.match(self.service_account):
+            raise ValueError(f"service_account {self.service_account!r} is not a Kubernetes object name")
+
+
+@dataclass(frozen=True)
+class RolePlacements:
+    """Node selector, tolerations, affinity and service account per role.
+
+    Args:
+        controller: the controller Job's pod.
+        ps: the PS pods.
+        worker: the worker pods.
+        data: the Meta-IO build Job's pod.
+        deliver: the delivery CronJob's pods.
+    """
+
+    controller: RolePlacement = field(default_factory=RolePlacement)
+    ps: RolePlacement = field(default_factory=RolePlacement)
+    worker: RolePlacement = field(default_factory=RolePlacement)
+    data: RolePlacement = field(default_factory=RolePlacement)
+    deliver: RolePlacement = field(default_factory=RolePlacement)
 
 
 @dataclass(frozen=True)
@@ -120,6 +256,26 @@ class DeployConfig:
             pod in any namespace: Prometheus runs in different namespaces in different clusters,
             and ``/metrics`` is read-only and carries no secret).
         resources: per-role requests and limits.
+        ttl_after_finished_s: ``ttlSecondsAfterFinished`` of the controller, PS, worker and data
+            Jobs: the cluster deletes a finished Job (and its pods) this long after it ended
+            (0 = never: the Jobs stay until deleted; else >= 60, so the outcome outlives a
+            ``kubectl wait``).
+        active_deadline_s: ``activeDeadlineSeconds`` of the controller, PS and worker Jobs: a run
+            still going this long after its Job started is stopped and the Job fails
+            (``DeadlineExceeded``) (0 = no deadline; else >= 60).
+        ps_backoff_limit_per_index: ``backoffLimitPerIndex`` of the Indexed PS Job: the failures
+            each PS shard may have before the Job fails (``maxFailedIndexes: 0``: a shard that
+            runs out fails the Job, since the run cannot go on without it), so one flapping shard
+            cannot spend the others' retries; the Job-wide ``backoffLimit`` is then left out
+            (Kubernetes counts per index only). 0 = off: one Job-wide ``backoffLimit``
+            (``max(6, shards * [controller.agent] restart_limit)``). Needs Kubernetes >= 1.29.
+        image_pull_secrets: names of Secrets (``kubernetes.io/dockerconfigjson``) every pod pulls
+            its image with (``imagePullSecrets``); the Secrets must exist in the namespace.
+        pod_monitor: also write ``monitoring.yaml``: a prometheus-operator ``PodMonitor``
+            (``monitoring.coreos.com/v1``) scraping ``/metrics`` on the ``metrics`` port of the
+            controller, PS and worker pods (the CRD must be installed).
+        roles: per-role node selector, tolerations, affinity and service account
+            (``[deploy.roles.ps]`` ...).
     """
 
     name: str = "metaps"
@@ -146,6 +302,12 @@ class DeployConfig:
     network_policy: bool = True
     metrics_from_namespace: str = ""
     resources: RoleResources = field(default_factory=RoleResources)
+    ttl_after_finished_s: int = 0
+    active_deadline_s: int = 0
+    ps_backoff_limit_per_index: int = 0
+    image_pull_secrets: list[str] = field(default_factory=list)
+    pod_monitor: bool = False
+    roles: RolePlacements = field(default_factory=RolePlacements)
 
     def validate(self) -> None:
         if not _NAME.match(self.name):
@@ -192,3 +354,15 @@ class DeployConfig:
         if self.deliver_schedule and not _CRON.match(self.deliver_schedule.strip()):
             raise ValueError(f"deliver_schedule {self.deliver_schedule!r} is not a cron schedule "
                              "(five fields, e.g. '0 * * * *', or @hourly/@daily)")
+        for key in ("ttl_after_finished_s", "active_deadline_s"):
+            value = getattr(self, key)
+            if value != 0 and not 60 <= value <= 2**31 - 1:
+                raise ValueError(f"{key}: expected 0 (none) or seconds >= 60, got {value}")
+        if not 0 <= self.ps_backoff_limit_per_index <= 2**31 - 1:
+            raise ValueError(f"ps_backoff_limit_per_index: expected a count >= 0 (0 = off), "
+                             f"got {self.ps_backoff_limit_per_index}")
+        for secret in self.image_pull_secrets:
+            if not _OBJECT_NAME.match(secret):
+                raise ValueError(f"image_pull_secrets: {secret!r} is not a Secret name")
+        if len(set(self.image_pull_secrets)) != len(self.image_pull_secrets):
+            raise ValueError(f"image_pull_secrets: expected distinct names, got {self.image_pull_secrets}")

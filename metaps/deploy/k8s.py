@@ -27,6 +27,8 @@ generator writes plain YAML and a ``kustomization.yaml`` (``kubectl apply -k DIR
     network.yaml      NetworkPolicies ([deploy] network_policy): only the job's own pods reach the
                       controller's and the PS's gRPC ports and the workers; the metrics port is
                       open to [deploy] metrics_from_namespace ('' = any namespace)
+    monitoring.yaml   PodMonitor NAME ([deploy] pod_monitor; monitoring.coreos.com/v1): /metrics on the
+                      metrics port of the controller, PS and worker pods
     kustomization.yaml  the above + a Secret NAME-token generated from DIR/token (0600, created
                       here with a fresh token unless it exists; never in the ConfigMap or an env value)
 
@@ -40,6 +42,14 @@ crash) get a new pod. When the run ends the controller stops the PS and exits
 replaced pod is a new incarnation (a random id per process start, and its pod UID), so
 the controller recovers a replaced PS as it does a crashed one. A Job's pod template
 is immutable: ``kubectl apply`` never rolls a running PS fleet.
+
+**Knobs** (``[deploy]``): ``ttl_after_finished_s`` (``ttlSecondsAfterFinished``: controller, PS,
+worker, data Jobs), ``active_deadline_s`` (``activeDeadlineSeconds``: controller, PS, worker Jobs),
+``ps_backoff_limit_per_index`` (``backoffLimitPerIndex`` + ``maxFailedIndexes: 0`` on the PS Job in
+place of its ``backoffLimit``), ``image_pull_secrets`` (every pod), ``[deploy.roles.ROLE]``
+``node_selector`` / ``tolerations`` / ``affinity`` / ``service_account`` (the role's pods; an
+affinity's terms add to the PS's own spread), ``pod_monitor``; ``[log] format = "json"`` puts
+``METAPS_LOG_FORMAT=json`` into every container.
 
 **Day 2.** The controller's state lives in ``STATE/runs/<[run] name>``: a new run name
 (``metaps deploy k8s --run-name``) starts its own data accounting, and ``--warm-start-from``
@@ -86,7 +96,7 @@ from common import exit_codes
 from common.errors import ConfigError
 from metaps.deploy.yaml_out import dumps_all
 from common.security import REDACTED, generate_token
-from common.log import kv
+from common.log import ENV_FORMAT, kv
 from common.toml_writer import dumps as toml_dumps
 
 log = logging.getLogger(__name__)
@@ -103,7 +113,8 @@ UID = 10001
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 PS_GRACE_S = 30  # a PS pod's termination grace: its preStop cut gets all but 10 s of it
 FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml",
-         "network.yaml")
+         "network.yaml", "monitoring.yaml")
+METRICS_ROLES = ("controller", "ps", "worker")  # the pods that serve /metrics (the PodMonitor's targets)
 
 
 @dataclass(frozen=True)
@@ -212,7 +223,7 @@ class _Gen:
         c["args"] = args
         c["workingDir"] = DATA_DIR
         c["env"] = [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "HOME", "value": "/tmp"},
-                    {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"}] + (env or [])
+                    {"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"}] + self.log_env() + (env or [])
         if ports:
             c["ports"] = [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in ports.items()]
         c["resources"] = self.resources(role)
@@ -229,6 +240,12 @@ class _Gen:
         c["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                 "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
         return c
+
+    def log_env(self) -> list[dict[str, Any]]:
+        """``[log] format = "json"``: ``METAPS_LOG_FORMAT`` in every container, so a command without
+        the job file (``deploy wait``, ``install``'s neighbours) writes JSON lines too."""
+        fmt = getattr(getattr(self.job, "log", None), "format", "")
+        return [{"name": ENV_FORMAT, "value": "json"}] if fmt == "json" else []
 
     def pod_env(self) -> list[dict[str, Any]]:
         """The pod's name and UID (a replaced pod has a new UID: the controller's incarnation evidence)."""
@@ -323,7 +340,47 @@ class _Gen:
         return spec
 
     def template(self, component: str, spec: dict[str, Any], scrape: bool) -> dict[str, Any]:
-        return {"metadata": {"labels": self.labels(component), "annotations": self.annotations(scrape)}, "spec": spec}
+        return {"metadata": {"labels": self.labels(component), "annotations": self.annotations(scrape)},
+                "spec": self.placed(component, spec)}
+
+    def placed(self, role: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """``spec`` with ``[deploy.roles.ROLE]`` (node selector, tolerations, affinity, service account)
+        and ``[deploy] image_pull_secrets``; an affinity's terms are added to the pod's own (the PS's
+        spread), each rule's list extended."""
+        place = getattr(self.d.roles, role)
+        extra: dict[str, Any] = {}
+        if place.service_account:
+            extra["serviceAccountName"] = place.service_account
+        if self.d.image_pull_secrets:
+            extra["imagePullSecrets"] = [{"name": n} for n in self.d.image_pull_secrets]
+        if place.node_selector:
+            extra["nodeSelector"] = dict(place.node_selector)
+        if place.tolerations:
+            extra["tolerations"] = [t.manifest() for t in place.tolerations]
+        if place.affinity:
+            affinity = copy.deepcopy(spec.get("affinity", {}))
+            for kind, rules in place.affinity.items():
+                mine = affinity.setdefault(kind, {})
+                for rule, terms in rules.items():
+                    if isinstance(terms, list) and isinstance(mine.get(rule), list):
+                        mine[rule] = mine[rule] + copy.deepcopy(terms)
+                    else:
+                        mine[rule] = copy.deepcopy(terms)
+            extra["affinity"] = affinity
+        if not extra:
+            return spec
+        # placement keys before the containers, as a person would write them
+        head = {k: v for k, v in spec.items() if k not in ("initContainers", "containers", "volumes")}
+        return {**head, **extra, **{k: v for k, v in spec.items() if k in ("initContainers", "containers", "volumes")}}
+
+    def job_limits(self, training: bool) -> dict[str, Any]:
+        """``ttlSecondsAfterFinished`` (every Job) and ``activeDeadlineSeconds`` (training Jobs)."""
+        out: dict[str, Any] = {}
+        if training and self.d.active_deadline_s:
+            out["activeDeadlineSeconds"] = self.d.active_deadline_s
+        if self.d.ttl_after_finished_s:
+            out["ttlSecondsAfterFinished"] = self.d.ttl_after_finished_s
+        return out
 
     # ------------------------------------------------------------------ objects
     def job_objects(self) -> list[dict[str, Any]]:
@@ -373,7 +430,7 @@ class _Gen:
             *self.stage_volumes()),
             self.init_containers("controller"), **self.priority())
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-controller", "controller"),
-               "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 6,
+               "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 6, **self.job_limits(True),
                         "podFailurePolicy": self.failure_policy("controller", (exit_codes.SIGTERM,)),
                         "template": self.template("controller", spec, True)}}
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(f"{self.n}-controller", "controller"),
@@ -417,7 +474,7 @@ class _Gen:
         shards = self.job.ps.shards
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(svc_name, "ps"),
                "spec": {"completions": shards, "parallelism": shards, "completionMode": "Indexed",
-                        "backoffLimit": max(6, shards * self.job.controller.agent.restart_limit),
+                        **self.ps_backoff(shards), **self.job_limits(True),
                         "podFailurePolicy": self.failure_policy("ps", (exit_codes.SUPERSEDED, exit_codes.SIGTERM)),
                         "template": self.template("ps", spec, True)}}
         svc = {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(svc_name, "ps"),
@@ -426,6 +483,15 @@ class _Gen:
         pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": self.meta(svc_name, "ps"),
                "spec": {"maxUnavailable": self.d.ps_max_unavailable, "selector": sel}}
         return [svc, job, pdb]
+
+    def ps_backoff(self, shards: int) -> dict[str, Any]:
+        """The PS Job's retry budget: per shard (``backoffLimitPerIndex``, ``maxFailedIndexes: 0``:
+        a shard out of retries fails the Job; no Job-wide ``backoffLimit``, which would count every
+        shard's failures together) or Job-wide (``backoffLimit``). The ``podFailurePolicy`` holds
+        either way: exit 4 fails the Job, ignored exits and disruptions count toward neither."""
+        if self.d.ps_backoff_limit_per_index:
+            return {"backoffLimitPerIndex": self.d.ps_backoff_limit_per_index, "maxFailedIndexes": 0}
+        return {"backoffLimit": max(6, shards * self.job.controller.agent.restart_limit)}
 
     def worker(self) -> list[dict[str, Any]]:
         mport, name = self.d.metrics_port, f"{self.n}-worker"
@@ -437,7 +503,8 @@ class _Gen:
         ports = {"metrics": mport}
         workers = self.job.train.workers
         job_spec: dict[str, Any] = {"parallelism": workers,
-                                    "backoffLimit": max(6, workers * self.job.controller.agent.restart_limit)}
+                                    "backoffLimit": max(6, workers * self.job.controller.agent.restart_limit),
+                                    **self.job_limits(True)}
         extra: dict[str, Any] = {}
         objs: list[dict[str, Any]] = []
         if self.allreduce:
@@ -487,7 +554,8 @@ class _Gen:
         spec = self.pod_spec([steps[-1]], "OnFailure",
                              self.volumes(*self.stage_volumes(), training=False), steps[:-1] or None)
         return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.n}-data", "data"),
-                 "spec": {"backoffLimit": 3, "template": self.template("data", spec, False)}}]
+                 "spec": {"backoffLimit": 3, **self.job_limits(False),
+                          "template": self.template("data", spec, False)}}]
 
     def deliver(self) -> list[dict[str, Any]]:
         if not self.d.deliver_schedule:
@@ -563,6 +631,18 @@ class _Gen:
                              "ingress": [own_rule, copy.deepcopy(metrics_rule)]}}
         return [policy("controller", self.d.controller_port), policy("ps", self.d.ps_port), policy("worker", None)]
 
+    def monitoring(self) -> list[dict[str, Any]]:
+        """``[deploy] pod_monitor``: a prometheus-operator PodMonitor scraping ``/metrics`` on the
+        ``metrics`` port of the controller, PS and worker pods of this job."""
+        if not self.d.pod_monitor:
+            return []
+        sel = {"matchLabels": self.labels(""), "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": list(METRICS_ROLES)}]}
+        return [{"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+                 "metadata": self.meta(self.n, "metrics"),
+                 "spec": {"selector": sel, "podTargetLabels": ["app.kubernetes.io/component"],
+                          "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "scheme": "http"}]}}]
+
     def kustomization(self, files: list[str]) -> dict[str, Any]:
         k: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
         if self.o.namespace:
@@ -600,7 +680,7 @@ def render(job: Any, raw: dict[str, Any], opts: Options) -> dict[str, str]:
     gen = _Gen(job, toml_dumps(pod_job_mapping(raw, where, STAGE_DIR if per_role else "")), opts)
     parts = {"job.yaml": gen.job_objects(), "storage.yaml": gen.storage(), "controller.yaml": gen.controller(),
              "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver(),
-             "network.yaml": gen.network()}
+             "network.yaml": gen.network(), "monitoring.yaml": gen.monitoring()}
     out = {name: dumps_all(docs) for name, docs in parts.items() if docs}
     out["kustomization.yaml"] = dumps_all([gen.kustomization([n for n in FILES if n in out])])
     return out
