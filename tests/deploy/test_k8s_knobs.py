@@ -41,9 +41,13 @@ KNOBS: dict[str, Any] = {
                "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ps", "effect": "NoSchedule"},
                                {"key": "node.kubernetes.io/unreachable", "operator": "Exists",
                                 "effect": "NoExecute", "tolerationSeconds": 600}],
-               "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                   {"labelSelector": {"matchLabels": {"app.kubernetes.io/component": "ps"}},
-                    "topologyKey": "topology.kubernetes.io/zone"}]}},
+               "affinity": {"podAntiAffinity": {
+                   "requiredDuringSchedulingIgnoredDuringExecution": [
+                       {"labelSelector": {"matchLabels": {"app.kubernetes.io/component": "ps"}},
+                        "topologyKey": "topology.kubernetes.io/zone"}],
+                   "preferredDuringSchedulingIgnoredDuringExecution": [
+                       {"weight": 50, "podAffinityTerm": {"labelSelector": {"matchLabels": {"team": "ranking"}},
+                                                          "topologyKey": "kubernetes.io/hostname"}}]}},
                "service_account": "metaps-ps"},
         "worker": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -192,12 +196,13 @@ def test_placement_per_role_and_pull_secrets_on_every_pod(knobs: Any, defaults: 
     assert t["ps"]["tolerations"] == KNOBS["roles"]["ps"]["tolerations"]
     assert t["worker"]["tolerations"] == KNOBS["roles"]["worker"]["tolerations"]
     assert not any("tolerations" in t[r] for r in ("controller", "data", "deliver"))
-    # the PS keeps its own spread across nodes and gains the zone rule
-    anti = t["ps"]["affinity"]["podAntiAffinity"]
-    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
-        "kubernetes.io/hostname"
-    assert anti["requiredDuringSchedulingIgnoredDuringExecution"] == \
-        KNOBS["roles"]["ps"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    # the PS keeps its own spread across nodes, gains the zone rule and its preferred term after its own
+    anti, mine = t["ps"]["affinity"]["podAntiAffinity"], KNOBS["roles"]["ps"]["affinity"]["podAntiAffinity"]
+    own, *added = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert own["weight"] == 100 and own["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert own["podAffinityTerm"]["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "metaps"
+    assert added == mine["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"] == mine["requiredDuringSchedulingIgnoredDuringExecution"]
     assert t["worker"]["affinity"] == KNOBS["roles"]["worker"]["affinity"]
     for name, tpl in _templates(defaults).items():  # unset: none of them (the PS keeps its spread only)
         spec = tpl["spec"]
@@ -364,3 +369,41 @@ def test_json_lines_read_back_like_key_value_lines(tmp_path: Path) -> None:
     tail = StepLogTail({1: log_file})
     tail.poll()
     assert tail.latest()[1]["step"] == 12 and tail.latest()[1]["loss"] == 0.6931
+
+
+def test_the_docs_knobs_example_and_overlay_render_as_written(tmp_path: Path) -> None:
+    """docs/kubernetes.md's knobs section: its TOML renders, and its kustomize overlay over the
+    generated directory applies every patch, each object still valid."""
+    import re
+    import shutil
+
+    from metaps.deploy.k8s import write
+
+    doc = (REPO / "docs" / "kubernetes.md").read_text()
+    section = doc[doc.index("## Knobs:"):doc.index("## 4. Watch")]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    (example,) = [tomllib.loads(b) for lang, b in blocks if lang == "toml"]
+    (overlay,) = [b for lang, b in blocks if lang == "yaml"]
+    raw = {**_raw(**example["deploy"]), "log": example["log"]}
+    write(render(job_from_mapping(raw, where="job.toml"), raw, Options(image=IMAGE)), tmp_path / "k8s" / "main")
+    (tmp_path / "overlays" / "prod").mkdir(parents=True)
+    (tmp_path / "overlays" / "prod" / "kustomization.yaml").write_text(overlay)
+    assert shutil.which("kubectl"), "kubectl (with kustomize) is required on test machines"
+    r = subprocess.run(["kubectl", "kustomize", str(tmp_path / "overlays" / "prod")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    for d in docs:
+        assert d["metadata"]["labels"]["team"] == "ranking", d["kind"]
+        if d["kind"] == "PodMonitor":
+            jsonschema.validate(d, PODMONITOR_SCHEMA)
+            assert d["metadata"]["labels"]["release"] == "prometheus"
+        else:
+            kubernetes_validate.validate(d, VERSIONS[-1], strict=True)
+    t = _templates(docs)
+    worker = t["ctr-worker"]
+    assert worker["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    assert env["HTTPS_PROXY"] == "http://proxy.internal:3128" and env["METAPS_LOG_FORMAT"] == "json"
+    assert t["ctr-ps"]["spec"]["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert _jobs(docs)["ctr-ps"]["spec"]["backoffLimitPerIndex"] == 3
