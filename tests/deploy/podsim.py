@@ -55,8 +55,12 @@ failed pod is replaced by a new pod (new name, uid, address) after the
 ``podFailurePolicy`` rules decide (``FailJob`` on an exit code: the Job fails and its
 pods are deleted; ``Ignore`` on an exit code or the ``DisruptionTarget`` condition: not
 counted) and counted failures beyond ``backoffLimit`` fail the Job.
-:meth:`PodSim.scale_job` changes parallelism (a random pod is deleted, with SIGTERM and the
-pod's grace period: which one is Kubernetes' choice, so nothing may depend on it);
+:meth:`PodSim.scale_job` changes parallelism; the excess pods are deleted (SIGTERM, the pod's
+grace period) in the Job controller's order (``activePodsForRemoval``: :func:`removal_order`,
+pending before running, not ready before ready, the most recently started, the most restarted,
+the newest first; so nothing may depend on a particular index staying), and each one's end goes
+through the ``podFailurePolicy`` like any other failed pod's (a pod that exits 143 on SIGTERM
+is ignored, one that exits 4 fails the Job, another code counts toward ``backoffLimit``);
 :meth:`PodSim.evict_pod` is an eviction (a node drain) that a PodDisruptionBudget may
 refuse; :meth:`PodSim.delete_pod` is ``kubectl delete pod`` (a Job replaces the pod).
 A CronJob's template runs once with :meth:`PodSim.trigger_cronjob`.
@@ -87,7 +91,6 @@ import itertools
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import shlex
@@ -100,7 +103,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from common.errors import ConfigError
 from common.log import kv
@@ -173,6 +176,7 @@ class Pod:
     index: int | None = None         # an Indexed Job pod's completion index
     conditions: set[str] = field(default_factory=set)  # e.g. DisruptionTarget (evicted)
     scaled_down: bool = False        # deleted by the Job controller for a lower parallelism
+    started_at: float = 0.0          # when the current container started (monotonic; 0: none yet)
     accounted: bool = False          # its end was counted by the Job controller
     pre_stop_exits: list[int] = field(default_factory=list)  # the preStop hook's exit codes
     started: bool = False            # the current container's startup probe passed (or it has none)
@@ -205,6 +209,36 @@ class JobState:
     failures: int = 0
     status: str = "Running"          # Running | Complete | Failed
     reason: str = ""
+
+
+def removal_order(pods: Sequence[Pod], ready: Callable[[Pod], bool]) -> list[Pod]:
+    """``pods`` in the order the Job controller deletes active pods on a scale-down
+    (``activePodsForRemoval``, which sorts by ``controller.ActivePods``): pending (no container
+    started: unscheduled here too) before running; not ready before ready; of two ready pods,
+    the one ready for less time (here: its container started later); more restarts first;
+    the newer pod first.
+
+    Args:
+        pods: the Job's active pods.
+        ready: the pod's readiness (:meth:`PodSim.ready`).
+    """
+    def key(p: Pod) -> tuple[int, int, float, int, float]:
+        is_ready = p.phase == "Running" and ready(p)
+        return (0 if p.phase == "Pending" else 1, int(is_ready), -p.started_at if is_ready else 0.0,
+                -p.restarts, -p.created)
+
+    return sorted(pods, key=key)
+
+
+def _last_exit_code(pod: Pod) -> int | None:
+    """The exit code of the pod's last container run (None: its main container never ran).
+
+    Read from the process itself: a deleted pod's end is seen (``phase`` ``Deleted``) as soon
+    as its process exited, maybe before the pod's runner recorded the code in ``exit_codes``."""
+    p = pod.proc
+    if p is not None and p.returncode is not None:
+        return 128 - p.returncode if p.returncode < 0 else p.returncode
+    return pod.exit_codes[-1] if pod.exit_codes else None
 
 
 class PodSim:
@@ -606,7 +640,7 @@ class PodSim:
                 pod.started = False  # this container start's startup probe has not passed yet
                 p = self._exec(pod, main)
                 with self._lock:
-                    pod.proc, pod.phase = p, "Running"
+                    pod.proc, pod.phase, pod.started_at = p, "Running", time.monotonic()
                 prober = threading.Thread(target=self._watch_probes, args=(pod, main, p), name=f"probe-{pod.name}",
                                           daemon=True)
                 prober.start()
@@ -684,13 +718,14 @@ class PodSim:
     def scale_job(self, job: str, parallelism: int) -> None:
         """``kubectl patch job JOB -p '{"spec":{"parallelism":N}}'``: start pods, or delete excess ones.
 
-        Which pods go is the Job controller's choice: a random one here, so nothing may
-        depend on a particular index staying (worker 0 included).
+        Which pods go is the Job controller's choice (:func:`removal_order`: not ready and
+        recently started ones first), so nothing may depend on a particular index staying
+        (worker 0 included). Their ends are accounted by the ``podFailurePolicy``.
         """
         with self._lock:
             self.jobs[job].parallelism = parallelism
             active = [p for p in self.job_pods(job) if not p.ended and not p.deleting]
-            for p in random.sample(active, max(0, len(active) - parallelism)):
+            for p in removal_order(active, lambda q: self.ready(q.name))[:max(0, len(active) - parallelism)]:
                 p.scaled_down = True
                 self.delete_pod(p.name)
 
@@ -847,10 +882,10 @@ class PodSim:
                 self._new_job_pod(st, tpl)
 
     def _account_failure(self, st: JobState, pod: Pod) -> None:
-        """A pod of ``st`` ended without success: the podFailurePolicy decides, else it counts."""
-        if pod.scaled_down:
-            return  # the Job controller's own deletion for a lower parallelism is no failure
-        code = pod.exit_codes[-1] if pod.exit_codes else None
+        """A pod of ``st`` ended without success: the podFailurePolicy decides, else it counts.
+        A pod the Job deleted for a lower parallelism is judged the same way, as the Job
+        controller does (its SIGTERM exit, 143, is what the manifests' rules ignore)."""
+        code = _last_exit_code(pod)
         name = pod.spec["spec"]["containers"][0]["name"]
         action = "Count"
         for rule in st.failure_policy:
@@ -880,7 +915,7 @@ class PodSim:
         log.warning("job failed", extra=kv(job=st.name, reason=reason))
         for p in self.job_pods(st.name):
             if not p.ended and not p.deleting:
-                p.scaled_down = True  # the Job's own deletion: no further accounting
+                p.accounted = True  # the failed Job's own deletion: no further accounting
                 self.delete_pod(p.name)
 
     # ----------------------------------------------------------------- probes
