@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from controller.checkpoint import FINAL_CUT
 from controller.run_outcome import outcome_checkpoint
+from controller.server import ControllerServer
 from controller.types import NODE_FINISHED
 from metaps.roles.controller import _write_termination_log, status_summary
 from tests.controller.conftest import client, drain
 
 
-def test_the_outcome_names_the_final_checkpoint_not_a_cut_committed_after_it(controller, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_outcome_names_the_final_checkpoint_not_a_cut_committed_after_it(
+        controller: Callable[..., ControllerServer], tmp_path: Path) -> None:
     srv = controller()
     w0, w1 = client(srv, 0), client(srv, 1)
     mid = srv.trigger_checkpoint()  # an interval cut while training: the leader (worker 0) takes it
