@@ -95,7 +95,8 @@ def outcome_checkpoint(cuts: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] |
     """
     committed = [c for c in cuts if c.get("state") == "committed"]
     final = [c for c in committed if c.get("final")]
-    return (final or committed or [None])[-1]
+    found = final or committed
+    return found[-1] if found else None
 
 
 class RunState(str, enum.Enum):
