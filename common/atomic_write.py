@@ -27,6 +27,9 @@ import numpy as np
 from common.security import redact
 
 PRIVATE_FILE_MODE = 0o600
+"""A secret's mode: the owner only."""
+RUN_FILE_MODE = 0o640
+"""A run's file (reports, manifests, job files): the group reads (``common.security.RUN_UMASK``)."""
 
 
 def json_default(o: Any) -> Any:
@@ -40,14 +43,15 @@ def json_default(o: Any) -> Any:
     return str(o)
 
 
-def write_text_atomic(path: str | Path, text: str, fsync: bool = False, mode: int = PRIVATE_FILE_MODE) -> Path:
+def write_text_atomic(path: str | Path, text: str, fsync: bool = False, mode: int = RUN_FILE_MODE) -> Path:
     """Write ``text`` to ``path`` via ``path.tmp`` + rename.
 
     Args:
         path: the target file (its folder must exist).
         text: the whole content.
         fsync: flush to disk before the rename (for data that must survive a crash).
-        mode: permission bits of the file (default 0600, whatever the umask).
+        mode: permission bits of the file (default 0640, whatever the umask; a secret passes
+            :data:`PRIVATE_FILE_MODE`).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -63,7 +67,7 @@ def write_text_atomic(path: str | Path, text: str, fsync: bool = False, mode: in
 
 
 def write_json_atomic(path: str | Path, obj: Any, indent: int | None = 1, fsync: bool = False,
-                      sort_keys: bool = False, mode: int = PRIVATE_FILE_MODE) -> Path:
+                      sort_keys: bool = False, mode: int = RUN_FILE_MODE) -> Path:
     """``obj`` as JSON (numpy and dataclasses encoded) via :func:`write_text_atomic`."""
     text = json.dumps(obj, indent=indent, default=json_default, sort_keys=sort_keys) + "\n"
     return write_text_atomic(path, text, fsync=fsync, mode=mode)

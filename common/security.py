@@ -15,8 +15,13 @@
   unauthenticated mutations and the clients started for it find the token;
 * :func:`check_bind` refuses to serve without a token: a non-loopback bind
   always, any bind of a serving role, unless ``--insecure`` (which warns loudly);
-* :data:`PRIVATE_UMASK` / :func:`make_private_dir`: run directories 0700,
-  files 0600.
+* :data:`RUN_UMASK` / :func:`set_run_umask` / :func:`make_run_dir`: a run's directories
+  0750 and files 0640: the owner writes, the run's group (a user's private group; on
+  Kubernetes the pods' ``fsGroup``, which the shared volume's setgid directories hand on)
+  reads checkpoints, reports and logs (a serving system, a debug pod, a backup under another
+  uid), others nothing. Secrets never follow it: a token file is created 0600 whatever the
+  umask (:func:`write_token_file`, :func:`launch_token`, a role's generated run token);
+  :data:`PRIVATE_UMASK` / :func:`make_private_dir`: 0700 / 0600, owner only.
 
 Example::
 
@@ -52,7 +57,9 @@ SECRET_KEYS = frozenset({"token"})
 RUN_TOKEN_FILE = "rpc.token"
 """The file in the run dir where a hand-started serving role writes the token it generated."""
 PRIVATE_UMASK = 0o077
-"""Files 0600, directories 0700 for everything a fleet process creates."""
+"""Files 0600, directories 0700: the owner only."""
+RUN_UMASK = 0o027
+"""Files 0640, directories 0750 for a run's files: the group reads, never writes; others nothing."""
 _WILDCARD = ("", "0.0.0.0", "::", "[::]", "*")
 
 
@@ -133,6 +140,20 @@ def make_private_dir(path: str | Path) -> Path:
 def set_private_umask() -> int:
     """Make this process create files 0600 and directories 0700; returns the old umask."""
     return os.umask(PRIVATE_UMASK)
+
+
+def make_run_dir(path: str | Path) -> Path:
+    """``mkdir -p path`` and ``chmod 750`` the last component (a run's folder, group-readable)."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True, mode=0o750)
+    os.chmod(p, 0o750)
+    return p
+
+
+def set_run_umask() -> int:
+    """Make this process create a run's files 0640 and directories 0750 (:data:`RUN_UMASK`);
+    returns the old umask. Token files stay 0600: their writers set the mode."""
+    return os.umask(RUN_UMASK)
 
 
 def is_loopback(host: str) -> bool:
@@ -403,6 +424,7 @@ def check_bind(hosts: list[str], token: str, *, insecure: bool, what: str, serve
 
 __all__ = [
     "PRIVATE_UMASK",
+    "RUN_UMASK",
     "RUN_TOKEN_FILE",
     "TOKEN_ENV",
     "launch_token",
@@ -417,8 +439,10 @@ __all__ = [
     "generate_token",
     "is_loopback",
     "make_private_dir",
+    "make_run_dir",
     "read_token_file",
     "redact",
     "set_private_umask",
+    "set_run_umask",
     "write_token_file",
 ]

@@ -677,11 +677,11 @@ def _path(value: object, what: str, must_exist: bool = False) -> Path:
 
 
 @contextlib.contextmanager
-def _private_umask() -> Iterator[None]:
-    """The CLI's 0600/0700 rule for the run's files, for the call only (a notebook keeps its umask)."""
-    from common.security import set_private_umask
+def _run_umask() -> Iterator[None]:
+    """The CLI's 0640/0750 rule for the run's files, for the call only (a notebook keeps its umask)."""
+    from common.security import set_run_umask
 
-    old = set_private_umask()
+    old = set_run_umask()
     try:
         yield
     finally:
@@ -979,7 +979,7 @@ def train_local(config: JobSource, *, overrides: Overrides | None = None, run_di
     calls = _Callbacks(on_step, on_eval, on_checkpoint, bar)
     t0 = time.monotonic()
     try:
-        with _private_umask():
+        with _run_umask():
             rep, d = run_local(job, target, plots=plots, callbacks=calls)
     finally:
         bar.close()
@@ -1123,7 +1123,7 @@ def launch(config: JobSource, *, overrides: Overrides | None = None, workers: in
         calls = _Callbacks(on_step, on_eval, on_checkpoint, bar)
         t0 = time.monotonic()
         try:
-            with _private_umask():
+            with _run_umask():
                 launcher = Launcher(lc, console=Console(quiet=True))
                 watch = _FleetWatch(calls, launcher.run_dir / "checkpoints", launcher.job.train.max_steps)
                 launcher.on_poll = watch

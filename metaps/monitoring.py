@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.atomic_write import write_text_atomic
+from common.atomic_write import PRIVATE_FILE_MODE, write_text_atomic
 from common.errors import MetapsError
 from metaps.deploy.yaml_out import dumps
 
@@ -106,14 +106,14 @@ ALERT_RULES: dict[str, Any] = {"groups": [{
 
 
 def _write(path: Path, text: str) -> Path:
-    """``text`` to ``path`` atomically, folders made; private like the rest of a run (files 0600,
-    folders 0700): the local Prometheus and Grafana run as the same user."""
+    """``text`` to ``path`` atomically, folders made; private (files 0600, folders 0700): the
+    local Prometheus and Grafana run as the same user."""
     try:
         missing = [d for d in [path.parent, *path.parent.parents] if not d.exists()]
         for d in reversed(missing):  # each new folder 0700 (mkdir(parents=True) leaves the umask's mode)
             d.mkdir(mode=0o700)
             d.chmod(0o700)
-        return write_text_atomic(path, text)
+        return write_text_atomic(path, text, mode=PRIVATE_FILE_MODE)
     except OSError as exc:
         raise MonitoringError(f"{path}: cannot write ({exc.strerror or exc})") from exc
 

@@ -143,7 +143,7 @@ def claim_incarnation(workers_dir: Path, rank: int, limit: int = 10_000) -> int:
     for inc in range(1, limit + 1):
         path = workers_dir / _REPORT_NAME.format(rank=rank, inc=inc)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640)  # a run file: the group reads it
         except FileExistsError:
             continue
         with os.fdopen(fd, "w") as fh:

@@ -65,11 +65,11 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from common.security import set_private_umask
+    from common.security import set_run_umask
 
     from metaps.roles.output import emit, wants_json
 
-    set_private_umask()  # every file of the run (logs, checkpoints, tb, plots) 0600, dirs 0700
+    set_run_umask()  # every file of the run (logs, checkpoints, tb, plots) 0640, dirs 0750; the token 0600
     lc = LaunchConfig(config=args.config, workers=args.workers, ps=args.ps, run_dir=args.run_dir,
                       resume_from=args.resume_from, resume=args.resume, progress=not args.no_progress,
                       timeout_s=args.timeout,

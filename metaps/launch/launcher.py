@@ -90,7 +90,7 @@ class Launcher:
 
         from common.config import read_toml
         from metaps.job import absolute_class_dir, job_from_mapping
-        from common.security import launch_token, make_private_dir
+        from common.security import launch_token, make_run_dir
 
         lc.validate()
         self.continued: ContinuePoint | None = None
@@ -123,7 +123,7 @@ class Launcher:
         if self.continued is not None:
             set_aside_previous_attempt(self.continued)
         for sub in ("", "logs", "ps", "workers", "checkpoints", "metrics", "metrics/ports"):
-            make_private_dir(self.run_dir / sub)  # 0700
+            make_run_dir(self.run_dir / sub)  # 0750: the group reads, the token file stays 0600
         for old in (self.run_dir / "metrics" / "ports").glob("*.json"):
             old.unlink()  # a previous attempt's (--resume): a port is read only from its process's own file
         _absolute_data_paths(raw)

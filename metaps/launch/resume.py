@@ -122,7 +122,7 @@ def set_aside_previous_attempt(point: ContinuePoint) -> None:
     logs = d / "logs"
     if logs.is_dir():
         dest = logs / f"attempt-{point.attempt}"
-        dest.mkdir(mode=0o700, exist_ok=True)
+        dest.mkdir(mode=0o750, exist_ok=True)
         for f in logs.glob("*.log"):
             f.rename(dest / f.name)
     rep = d / "report.json"

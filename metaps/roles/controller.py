@@ -42,7 +42,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.log import kv
-from common.security import add_cli_args, check_bind, checkpoint_root, client_rpc, role_rpc, set_private_umask
+from common.security import add_cli_args, check_bind, checkpoint_root, client_rpc, role_rpc, set_run_umask
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def run_controller(args: argparse.Namespace) -> int:
     from controller.server import ControllerServer
     from metaps.job import load_job
 
-    set_private_umask()  # LMDB state, address file: 0600
+    set_run_umask()  # LMDB state, address file: 0640 (common.security.RUN_UMASK)
     job = load_job(args.config)
     address = args.address or job.controller.address
     hosts = [address.rsplit(":", 1)[0]] + ([args.metrics_host] if args.metrics_port >= 0 else [])
@@ -328,7 +328,7 @@ def run_agent(args: argparse.Namespace) -> int:
     from controller.agent import Agent, default_child_cmd
     from metaps.job import load_job
 
-    set_private_umask()
+    set_run_umask()
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir, what="metaps agent"))
     check_bind(["127.0.0.1"], job.rpc.resolved_token(), insecure=args.insecure, what="metaps agent")

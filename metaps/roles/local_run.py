@@ -52,7 +52,7 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None,
     Returns:
         (report.json's dict, the run directory)
     """
-    from common.security import make_private_dir
+    from common.security import make_run_dir
     from common.toml_writer import write
     from metaps.launch import LaunchConfig, _new_run_dir, mark_latest, settle_latest
     from metaps.plots import make_plots
@@ -65,7 +65,7 @@ def run_local(job: "JobConfig", run_dir: str = "", plots: bool | None = None,
     from workers.local import train_local  # torch: only once the job passed its checks (a refusal stays fast)
 
     for sub in ("", "workers", "checkpoints"):
-        make_private_dir(d / sub)
+        make_run_dir(d / sub)
     job = job.with_overrides(run=dataclasses.replace(job.run, dir=str(d)),
                              train=dataclasses.replace(job.train, workers=1))
     write(d / "job.toml", job.to_dict())

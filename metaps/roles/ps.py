@@ -63,7 +63,7 @@ from typing import Any, Callable
 from common import exit_codes
 from common.atomic_write import write_json_atomic
 from common.log import kv
-from common.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_private_umask
+from common.security import add_cli_args, check_bind, checkpoint_root, role_rpc, set_run_umask
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def _latency_hook(job: Any, shard: int) -> Callable[[], float] | None:
 def run_ps(args: argparse.Namespace) -> int:
     from metaps.job import load_job
 
-    set_private_umask()  # checkpoint LMDB files, ready file: 0600
+    set_run_umask()  # checkpoint LMDB files, ready file: group-readable (0640 / 0750)
     job = load_job(args.config)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir, serve_hosts=[job.ps.host],
                                           insecure=args.insecure, what="metaps ps"))

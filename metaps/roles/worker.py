@@ -63,9 +63,9 @@ def _load(args: argparse.Namespace, **train_overrides: Any) -> Any:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from common.security import check_bind, role_rpc, set_private_umask
+    from common.security import check_bind, role_rpc, set_run_umask
 
-    set_private_umask()  # worker reports, checkpoints (rank 0's commit): 0600 / 0700
+    set_run_umask()  # worker reports, checkpoints (rank 0's commit): 0640 / 0750, group-readable
     job = _load(args)
     job = job.with_overrides(rpc=role_rpc(job.rpc, args.token_file, run_dir=job.run.dir,  # as the PS: [run] dir
                                           what="metaps worker"))
@@ -99,11 +99,11 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from common.security import set_private_umask
+    from common.security import set_run_umask
     from metaps.roles.local_run import run_local
     from metaps.run_report import flat_auc
 
-    set_private_umask()  # as launch: the run's files 0600, directories 0700
+    set_run_umask()  # as launch: the run's files 0640, directories 0750
     job = _load(args, max_steps=args.max_steps)
     rep, run_dir = run_local(job, args.run_dir)
     w = rep["worker"]

@@ -10,7 +10,7 @@ and DNS name, and -- in a fresh PID namespace -- the same pid 1), and the contro
 recovers it as a new incarnation; then PS 0 hangs (SIGSTOP): its liveness probe (periods
 scaled 5x down) fails 6 times, the container is killed (137), the Job replaces the pod and
 the controller recovers it too; the worker Job is scaled up by one (the newcomer trains)
-and down by one (a random pod goes, whichever index it holds: its shards are requeued,
+and down by one (the Job controller's pick goes, whichever index it holds: its shards are requeued,
 none lost, and if it was the checkpoint leader another takes over). When the run ends
 the controller stops the PS and exits: all three Jobs complete, nothing holds a node.
 The delivery CronJob's command, run once, publishes a bundle. Every container runs as
@@ -208,7 +208,8 @@ def test_the_fleet_runs_from_the_manifests_in_pods(tmp_path: Path) -> None:
         # the newcomer claims index 2 and trains on the shards the held workers' leases gave back
         wait_for(lambda: ("worker", 2) in nodes() and nodes()[("worker", 2)]["step"] > 0, 300,
                  "worker 2 (the newcomer) training")
-        # scale down by one: a random pod is deleted; it reports itself down, its shards are requeued
+        # scale down by one: the Job controller's pick (the most recently started) is deleted; it reports
+        # itself down, its shards are requeued
         before = {p.name for p in sim.job_pods("mps-worker") if p.phase == "Running"}
         sim.scale_job("mps-worker", 2)
         gone = [p for p in sim.job_pods("mps-worker") if p.name in before and p.scaled_down]

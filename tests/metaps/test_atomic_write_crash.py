@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.atomic_write import atomic_output, write_json_atomic, write_text_atomic
+from common.atomic_write import PRIVATE_FILE_MODE, atomic_output, write_json_atomic, write_text_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 64 * 1024  # the child's file-size limit: the new content is 16x larger
@@ -121,7 +121,8 @@ def test_a_concurrent_reader_sees_old_or_new_never_part(tmp_path: Path) -> None:
     assert seen and not bad, f"{len(bad)} of {len(seen)} reads saw a partial file, e.g. {bad[:3]}"
 
 
-def test_mode_is_private_by_default_whatever_the_umask_and_an_old_tmp(tmp_path: Path) -> None:
+def test_mode_is_the_runs_by_default_whatever_the_umask_and_an_old_tmp(tmp_path: Path) -> None:
+    """0640 by default (a run's file: the group reads, never others), 0600 when asked (a secret)."""
     p = tmp_path / "job.toml"
     stale = tmp_path / "job.toml.tmp"
     stale.write_text("left by a crashed writer, readable by everyone")
@@ -129,13 +130,13 @@ def test_mode_is_private_by_default_whatever_the_umask_and_an_old_tmp(tmp_path: 
     old_umask = os.umask(0)
     try:
         write_text_atomic(p, "a\n")
-        assert stat.S_IMODE(p.stat().st_mode) == 0o600 and p.read_text() == "a\n"  # the old tmp truncated
-        write_text_atomic(p, "b\n", mode=0o640)
-        assert stat.S_IMODE(p.stat().st_mode) == 0o640
+        assert stat.S_IMODE(p.stat().st_mode) == 0o640 and p.read_text() == "a\n"  # the old tmp truncated
+        write_text_atomic(p, "b\n", mode=PRIVATE_FILE_MODE)
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
         write_json_atomic(p, [1], mode=0o604)
         assert stat.S_IMODE(p.stat().st_mode) == 0o604
         write_json_atomic(p, [2])
-        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+        assert stat.S_IMODE(p.stat().st_mode) == 0o640
     finally:
         os.umask(old_umask)
     assert [q.name for q in tmp_path.iterdir()] == ["job.toml"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import subprocess
 import sys
 import tomllib
@@ -252,6 +253,13 @@ def test_train_local_makes_a_run_dir_like_launch(tmp_path: Path, monkeypatch: py
     assert load_job(run / "job.toml").train.max_steps == 3  # the effective job, overrides applied
     assert Path(out["checkpoint"]).parent == run / "checkpoints"
     assert list((run / "plots").glob("*.png")) and (run / "tb").is_dir()
+    # the run is the group's to read (a serving system or a backup in the run's group reads the
+    # checkpoint): folders 0750, files 0640; nothing open to others or writable by the group
+    modes = {p: stat.S_IMODE(p.lstat().st_mode) for p in [run, *run.rglob("*")] if not p.is_symlink()}
+    ckpt = Path(out["checkpoint"])
+    assert (modes[run], modes[ckpt], modes[ckpt / "manifest.json"], modes[run / "report.json"]) == \
+        (0o750, 0o750, 0o640, 0o640)
+    assert not [f"{p} {m:04o}" for p, m in modes.items() if m & 0o027 or not m & 0o040], modes
     assert load_job(run / "job.toml").model.class_dir == str(tmp_path.resolve())  # the job file's folder
     _deliver_and_score_without_the_users_code(Path(out["checkpoint"]), data["eval"].parent / "raw-eval", tmp_path,
                                               monkeypatch)

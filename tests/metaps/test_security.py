@@ -89,8 +89,10 @@ def test_launch_generates_a_token_kept_in_a_0600_run_file_and_never_written(data
         assert token not in text and f'token = "{REDACTED}"' in text and f'token_file = "{tok}"' in text
         assert load_job(run / "job.toml").rpc.resolved_token() == token  # what `metaps status` reads
         assert la.job.to_dict()["rpc"]["token"] == REDACTED
-        assert _mode(run) == 0o700 and _mode(run / "job.toml") == 0o600
-        assert all(_mode(run / d) == 0o700 for d in ("logs", "ps", "workers", "checkpoints"))
+        # the run is the group's to read (a serving system, a backup in the shared volume's group);
+        # the token stays the owner's alone
+        assert _mode(run) == 0o750 and _mode(run / "job.toml") == 0o640
+        assert all(_mode(run / d) == 0o750 for d in ("logs", "ps", "workers", "checkpoints"))
         tokens.append(token)
     assert tokens[0] != tokens[1]
     # a token the user gives (config or $METAPS_TOKEN) is used, kept in the run's file and redacted
@@ -308,11 +310,13 @@ def test_launched_fleet_refuses_outsiders_and_leaks_no_token(data, tmp_path) -> 
     ckpt = latest_checkpoint(run / "checkpoints")
     assert ckpt is not None and read_manifest(ckpt)["info"]["job"]["rpc"]["token"] == REDACTED
 
-    # modes: the run dir 0700, job.toml and report.json 0600, nothing under it open to group/others
-    assert _mode(run) == 0o700 and _mode(run / "job.toml") == 0o600 and _mode(run / "report.json") == 0o600
-    assert _mode(ckpt) == 0o700 and _mode(ckpt / "manifest.json") == 0o600
+    # modes: the run dir 0750, job.toml, report.json and the checkpoint's files 0640 (the group reads
+    # them: a serving system or a backup in the run's group); the token 0600; nothing under the run
+    # open to others or writable by the group
+    assert _mode(run) == 0o750 and _mode(run / "job.toml") == 0o640 and _mode(run / "report.json") == 0o640
+    assert _mode(ckpt) == 0o750 and _mode(ckpt / "manifest.json") == 0o640 and _mode(run / "rpc.token") == 0o600
     open_to_others = [f"{p} {_mode(p):04o}" for p in [*files, *(Path(d) for d, _, _ in os.walk(run))]
-                      if not p.is_symlink() and _mode(p) & 0o077]
+                      if not p.is_symlink() and _mode(p) & 0o027]
     assert open_to_others == []
 
 
