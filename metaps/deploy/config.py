@@ -96,8 +96,8 @@ class Toleration:
         operator: ``"Equal"`` (the taint's value is ``value``) or ``"Exists"`` (any value).
         value: the taint's value with ``"Equal"`` ('' with ``"Exists"``).
         effect: ``"NoSchedule"``, ``"PreferNoSchedule"``, ``"NoExecute"`` ('' = every effect).
-        toleration_seconds: TOML key ``tolerationSeconds``: with ``effect = "NoExecute"``, how long
-            the pod stays on a node after the taint appears (-1 = for ever).
+        toleration_seconds: with ``effect = "NoExecute"``: how long the pod stays on a node after
+            the taint appears (-1 = for ever); the TOML key is Kubernetes' ``tolerationSeconds``.
     """
 
     key: str = ""

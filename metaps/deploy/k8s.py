@@ -242,8 +242,9 @@ class _Gen:
         return c
 
     def log_env(self) -> list[dict[str, Any]]:
-        """``[log] format = "json"``: ``METAPS_LOG_FORMAT`` in every container, so a command without
-        the job file (``deploy wait``, ``install``'s neighbours) writes JSON lines too."""
+        """``[log] format = "json"``: ``METAPS_LOG_FORMAT`` in every container, so a command run
+        without the job file (the ``deploy wait`` and ``meta-io stage`` init containers, the data
+        Job's builds, ``deliver``) writes JSON lines too."""
         fmt = getattr(getattr(self.job, "log", None), "format", "")
         return [{"name": ENV_FORMAT, "value": "json"}] if fmt == "json" else []
 
