@@ -37,8 +37,9 @@ class LogConfig:
             JSON object per line: ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``,
             ``role`` when known, the line's structured fields, ``exc`` for a traceback); ``''``:
             ``METAPS_LOG_FORMAT`` from the environment, else text. Every command given the job
-            file (``--config``) honours it from its first line; ``metaps deploy k8s`` sets
-            ``METAPS_LOG_FORMAT`` in every container when it is ``"json"``.
+            file (``--config``, and ``--set log.format=...`` where it takes ``--set``) honours it
+            from its first line; ``metaps deploy k8s`` sets ``METAPS_LOG_FORMAT`` in every
+            container when it is ``"json"``.
     """
 
     format: str = ""

@@ -100,33 +100,42 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:  # a job's [log] format applies from the command's first line (METAPS_LOG_FORMAT without one)
-        log.configure(args.log_level, role=args.command, fmt=job_log_format(getattr(args, "config", None)))
+        fmt = job_log_format(getattr(args, "config", None), getattr(args, "sets", None))
+        log.configure(args.log_level, role=args.command, fmt=fmt)
     except MetapsError as exc:
         print(error_line(args.command, exc), file=sys.stderr)
         return int(exc.exit_code)
     return run_command(args.command, args.func, args)
 
 
-def job_log_format(config: object) -> str:
-    """``[log] format`` of the job file a command was given (``--config``); '' without one.
+def job_log_format(config: object, sets: object = None) -> str:
+    """``[log] format`` of the job file a command was given (``--config``, with its ``--set log.*``
+    overrides); '' without one.
 
     Args:
         config: the command's ``--config`` value (None or '' when it has none; a file that does
             not exist is left to the command to report).
+        sets: the command's ``--set SECTION.KEY=VALUE`` arguments, if it takes them.
 
     Raises:
-        ConfigError: the file is not TOML, or its ``[log]`` table is wrong.
+        ConfigError: the file is not TOML, or its ``[log]`` table (or a ``--set log.*``) is wrong.
     """
     from pathlib import Path
 
-    if not isinstance(config, (str, Path)) or not config or not Path(config).is_file():
-        return ""
     from common.config import from_mapping, read_toml
 
-    section = read_toml(config).get("log", {})
-    if not isinstance(section, dict):
-        return ""  # the command's own load names the error
-    return from_mapping(log.LogConfig, section, where=str(config), prefix="log").format
+    section: dict[str, object] = {}
+    if isinstance(config, (str, Path)) and config and Path(config).is_file():
+        found = read_toml(config).get("log", {})
+        if not isinstance(found, dict):
+            return ""  # the command's own load names the error
+        section = dict(found)
+    log_sets = [t for t in (sets if isinstance(sets, list) else []) if isinstance(t, str) and t.startswith("log.")]
+    if log_sets:
+        from metaps.roles.overrides import apply_overrides, parse_sets
+
+        section = apply_overrides({"log": section}, parse_sets(log_sets))["log"]
+    return from_mapping(log.LogConfig, section, where=str(config or "--set"), prefix="log").format if section else ""
 
 
 def error_line(command: str, exc: BaseException) -> str:

@@ -407,3 +407,20 @@ def test_the_docs_knobs_example_and_overlay_render_as_written(tmp_path: Path) ->
     assert env["HTTPS_PROXY"] == "http://proxy.internal:3128" and env["METAPS_LOG_FORMAT"] == "json"
     assert t["ctr-ps"]["spec"]["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
     assert _jobs(docs)["ctr-ps"]["spec"]["backoffLimitPerIndex"] == 3
+
+
+def test_a_commands_log_format_comes_from_its_job_file_and_its_sets(tmp_path: Path) -> None:
+    """What ``metaps COMMAND --config JOB [--set log.format=...]`` logs in, before the command runs."""
+    from metaps.cli import job_log_format
+
+    job = tmp_path / "job.toml"
+    job.write_text('[log]\nformat = "json"\n')
+    assert job_log_format(str(job)) == "json" and job_log_format(str(job), ["log.format=text"]) == "text"
+    assert job_log_format("", ["ps.shards=2", "log.format=json"]) == "json"
+    assert job_log_format(None) == job_log_format(str(tmp_path / "missing.toml")) == ""  # the command reports it
+    assert job_log_format(str(job), ["ps.shards=2"]) == "json"
+    with pytest.raises(ConfigError, match=r"\[log\]: format: expected one of 'text', 'json', got 'xml'$"):
+        job_log_format("", ["log.format=xml"])
+    job.write_text('[log]\nformat = "yaml"\n')
+    with pytest.raises(ConfigError, match=r"job.toml: \[log\]: format: expected one of 'text', 'json', got 'yaml'$"):
+        job_log_format(str(job))
