@@ -725,7 +725,10 @@ class PodSim:
         with self._lock:
             self.jobs[job].parallelism = parallelism
             active = [p for p in self.job_pods(job) if not p.ended and not p.deleting]
-            for p in removal_order(active, lambda q: self.ready(q.name))[:max(0, len(active) - parallelism)]:
+        ready = {p.name: self.ready(p.name) for p in active}  # gRPC probes: not under the lock
+        with self._lock:
+            active = [p for p in active if not p.ended and not p.deleting]
+            for p in removal_order(active, lambda q: ready[q.name])[:max(0, len(active) - parallelism)]:
                 p.scaled_down = True
                 self.delete_pod(p.name)
 
