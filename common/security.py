@@ -221,7 +221,7 @@ def _create_run_token(path: Path) -> bool:
     """
     why = "pass --token-file or set $METAPS_TOKEN"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)  # the run dir: the group reads; the token is 0600
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
     except OSError as exc:
         raise ConfigError(f"cannot create the run's token file {path} ({exc.strerror}); {why}") from None
@@ -341,7 +341,7 @@ def launch_token(raw: dict[str, Any], rpc: Any, token_file: str = "", *,
                  extra=kv(other=str(Path(path).resolve()), token_file=str(own)))
         path = ""
     if not path and own is not None:
-        make_private_dir(own.parent)  # 0700 before the token file is made in it
+        make_run_dir(own.parent)  # the run dir, 0750: the token file made in it is 0600
         path = str(own)
     env: dict[str, str] = {}
     if path:
