@@ -568,7 +568,9 @@ class Launcher:
             for r in self.reservations:
                 r.close()  # the fleet is gone: the all-reduce port goes back
         self._report(outcome, stats, notes)
-        self.console.print(f"run directory: {self.run_dir}")
+        from metaps.run_report import shown_path
+
+        self.console.print(f"run directory: {shown_path(str(self.run_dir))}")
         return outcome.code
 
 

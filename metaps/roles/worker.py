@@ -101,7 +101,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from common.security import set_run_umask
     from metaps.roles.local_run import run_local
-    from metaps.run_report import flat_auc
+    from metaps.run_report import flat_auc, shown_path
 
     set_run_umask()  # as launch: the run's files 0640, directories 0750
     job = _load(args, max_steps=args.max_steps)
@@ -111,8 +111,8 @@ def _run_local(args: argparse.Namespace) -> int:
     summary = {"status": rep["status"], "run_dir": str(run_dir), "steps": w["steps"], "samples": w["samples"],
                "samples_per_s": w["samples_per_s"], "checkpoint": str(w["checkpoint"] or ""), "auc": auc}
     lines = [f"train-local: {w['steps']} steps, {w['samples']:,} samples ({w['samples_per_s']:,.1f} samples/s)",
-             f"checkpoint    {w['checkpoint'] or '-'}"]
+             f"checkpoint    {shown_path(str(w['checkpoint'])) if w['checkpoint'] else '-'}"]
     lines += [f"auc           " + "  ".join(f"{k}={v:.4f}" for k, v in sorted(auc.items()))] if auc else []
-    lines.append(f"run directory: {run_dir}")
+    lines.append(f"run directory: {shown_path(str(run_dir))}")
     emit(args, summary, lines)
     return 0
