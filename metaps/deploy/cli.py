@@ -4,6 +4,7 @@
 
     metaps deploy k8s --config job.toml --image REG/metaps:0.1.0 [--namespace NS] [--gpu] --out DIR
                       [--run-name NAME] [--warm-start-from CHECKPOINTS]    (day 2: a new run, warm)
+                      [--api jobs|jobset]       (one JobSet instead of three Jobs: metaps.deploy.jobset)
     kubectl apply -k DIR
 
     metaps deploy wait --path runs/main/metaio/manifest.json [--timeout S]   (pods' init container)
@@ -47,6 +48,11 @@ def register(subparsers: Any) -> None:
     k.add_argument("--warm-start-from", default="",
                    help="checkpoints directory on the shared volume the PS restore the newest committed "
                         "checkpoint of before the run starts (default [deploy] restore_from)")
+    k.add_argument("--api", choices=("jobs", "jobset"), default="",
+                   help="the workload objects (default [deploy] api, 'jobs'): 'jobs' = controller, PS and worker "
+                        "Jobs of their own; 'jobset' = one JobSet (jobset.x-k8s.io/v1alpha2) running the same pods, "
+                        "started in order, failed or restarted as a group, admitted at once by Kueue with "
+                        "[deploy] queue")
     k.set_defaults(func=_cmd_k8s)
     w = sub.add_parser("wait", help="wait until a file exists (a pod's init container)")
     w.add_argument("--path", required=True, help="file to wait for")
@@ -56,16 +62,20 @@ def register(subparsers: Any) -> None:
 
 def _cmd_k8s(args: argparse.Namespace) -> int:
     from common.config import read_toml
+    from metaps.deploy import jobset
     from metaps.deploy.k8s import Options, render, write
     raw = read_toml(args.config)
     if args.run_name:
         raw.setdefault("run", {})["name"] = args.run_name
     if args.warm_start_from:
         raw.setdefault("deploy", {})["restore_from"] = args.warm_start_from
+    if args.api:
+        raw.setdefault("deploy", {})["api"] = args.api
     from metaps.job import job_from_mapping
 
     job = job_from_mapping(copy.deepcopy(raw), where=args.config)
-    files = render(job, raw, Options(args.image, args.namespace, args.gpu, args.gpu_image))
+    opts = Options(args.image, args.namespace, args.gpu, args.gpu_image)
+    files = jobset.render(job, raw, opts) if job.deploy.api == "jobset" else render(job, raw, opts)
     written = write(files, Path(args.out))
     for p in written:
         print(p)

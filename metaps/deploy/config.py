@@ -25,6 +25,7 @@ from typing import Any
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,30}[a-z0-9])?$")
 _QTY = re.compile(r"^([0-9]+(\.[0-9]+)?)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
 STORAGE = ("shared", "per-role")
+APIS = ("jobs", "jobset")  # [deploy] api: the workload objects (metaps.deploy.k8s, metaps.deploy.jobset)
 _OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a DNS subdomain: PriorityClass, StorageClass
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly|annually)|(\S+\s+){4}\S+)$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -255,6 +256,16 @@ class DeployConfig:
         metrics_from_namespace: the namespace whose pods may scrape ``metrics_port`` ('' = any
             pod in any namespace: Prometheus runs in different namespaces in different clusters,
             and ``/metrics`` is read-only and carries no secret).
+        api: ``"jobs"``: controller, PS, workers (and the data step) are Jobs of their own;
+            ``"jobset"``: one JobSet (``jobset.x-k8s.io/v1alpha2``) runs the same pods as
+            replicated jobs, started in order, failed or restarted as a group
+            (:mod:`metaps.deploy.jobset`).
+        queue: ``api = "jobset"``: the Kueue ``LocalQueue`` the JobSet is submitted to (created
+            suspended, labelled ``kueue.x-k8s.io/queue-name``: Kueue admits the whole run at
+            once). '' = no queue (the JobSet starts when applied).
+        max_restarts: ``api = "jobset"``: how many times a child Job that failed (other than
+            by a failed run, exit 4, or a deadline) restarts the whole group
+            (``failurePolicy.maxRestarts``; 0 = a failed child Job fails the JobSet).
         resources: per-role requests and limits.
         ttl_after_finished_s: ``ttlSecondsAfterFinished`` of the controller, PS, worker and data
             Jobs: the cluster deletes a finished Job (and its pods) this long after it ended
@@ -301,6 +312,9 @@ class DeployConfig:
     deliver_deadline_s: int = 3600
     network_policy: bool = True
     metrics_from_namespace: str = ""
+    api: str = "jobs"
+    queue: str = ""
+    max_restarts: int = 0
     resources: RoleResources = field(default_factory=RoleResources)
     ttl_after_finished_s: int = 0
     active_deadline_s: int = 0
@@ -308,6 +322,22 @@ class DeployConfig:
     image_pull_secrets: list[str] = field(default_factory=list)
     pod_monitor: bool = False
     roles: RolePlacements = field(default_factory=RolePlacements)
+
+    def _validate_api(self) -> None:
+        """``api``, ``queue``, ``max_restarts``."""
+        if self.api not in APIS:
+            raise ValueError(f"api: expected one of {', '.join(APIS)}, got {self.api!r}")
+        if self.queue and self.api != "jobset":
+            raise ValueError(f"queue {self.queue!r} needs api = 'jobset' (three Jobs would be three Kueue "
+                             "workloads, admitted one by one)")
+        if self.queue and (len(self.queue) > 63 or not _OBJECT_NAME.match(self.queue)):
+            raise ValueError(f"queue {self.queue!r} is not a LocalQueue name (lowercase letters, digits, '-', '.'; "
+                             "at most 63)")
+        if not 0 <= self.max_restarts <= 100:
+            raise ValueError(f"max_restarts: expected 0..100, got {self.max_restarts}")
+        if self.max_restarts and self.api != "jobset":
+            raise ValueError(f"max_restarts {self.max_restarts} is only read with api = 'jobset' (group restarts "
+                             "of one JobSet; each Job retries its own pods)")
 
     def validate(self) -> None:
         if not _NAME.match(self.name):
@@ -351,6 +381,7 @@ class DeployConfig:
                                                         self.metrics_from_namespace):
             raise ValueError(f"metrics_from_namespace {self.metrics_from_namespace!r} is not a namespace name "
                              "(a DNS label: lowercase letters, digits, '-')")
+        self._validate_api()
         if self.deliver_schedule and not _CRON.match(self.deliver_schedule.strip()):
             raise ValueError(f"deliver_schedule {self.deliver_schedule!r} is not a cron schedule "
                              "(five fields, e.g. '0 * * * *', or @hourly/@daily)")

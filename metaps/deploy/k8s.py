@@ -90,7 +90,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from common import exit_codes
 from common.errors import ConfigError
@@ -113,7 +113,7 @@ UID = 10001
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 PS_GRACE_S = 30  # a PS pod's termination grace: its preStop cut gets all but 10 s of it
 FILES = ("job.yaml", "storage.yaml", "controller.yaml", "ps.yaml", "worker.yaml", "data.yaml", "deliver.yaml",
-         "network.yaml", "monitoring.yaml")
+         "network.yaml", "monitoring.yaml", "jobset.yaml")
 METRICS_ROLES = ("controller", "ps", "worker")  # the pods that serve /metrics (the PodMonitor's targets)
 
 
@@ -185,6 +185,9 @@ class _Gen:
         self.data_ready = f"{self.run_dir}/data-ready.json"
         self.allreduce = str(getattr(job.train.dense_sync, "value", job.train.dense_sync)) == "allreduce"
         self.per_role = self.d.storage == "per-role"
+        # [deploy] api = "jobset": a JobSet names its child Jobs NAME-ROLE-0 (metaps.deploy.jobset),
+        # so an Indexed pod's hostname is NAME-ROLE-0-K
+        self.job_suffix = "-0" if self.d.api == "jobset" else ""
 
     # ------------------------------------------------------------------ pieces
     def meta(self, name: str, component: str = "", **extra: Any) -> dict[str, Any]:
@@ -451,7 +454,8 @@ class _Gen:
         # an Indexed Job pod's hostname is NAME-ps-K (shard K: --shard auto), its DNS name
         # NAME-ps-K.NAME-ps through the headless Service (spec.subdomain)
         args = ["ps", "--config", JOB_PATH, "--shard", "auto", "--port", str(port), "--metrics-port", str(mport),
-                "--controller", self.controller_addr, "--advertise", f"{svc_name}-$(METAPS_INDEX).{svc_name}",
+                "--controller", self.controller_addr,
+                "--advertise", f"{svc_name}{self.job_suffix}-$(METAPS_INDEX).{svc_name}",
                 "--checkpoint-root", self.ckpt_root, "--signal-exit-code", str(exit_codes.SIGTERM)]
         if self.d.restore_from:
             args += ["--restore-latest", self.d.restore_from]
@@ -496,7 +500,7 @@ class _Gen:
 
     def worker(self) -> list[dict[str, Any]]:
         mport, name = self.d.metrics_port, f"{self.n}-worker"
-        ps_pattern = f"{self.n}-ps-{{k}}.{self.n}-ps:{self.d.ps_port}"
+        ps_pattern = f"{self.n}-ps{self.job_suffix}-{{k}}.{self.n}-ps:{self.d.ps_port}"
         args = ["worker", "--config", JOB_PATH, "--rank", "auto", "--ps", ps_pattern, "--controller",
                 self.controller_addr, "--run-dir", self.run_dir, "--metrics-port", str(mport),
                 "--metrics-host", "0.0.0.0"]
@@ -510,7 +514,7 @@ class _Gen:
         objs: list[dict[str, Any]] = []
         if self.allreduce:
             ar_port = self.job.train.allreduce_port or 29500
-            env = env + [{"name": "METAPS_ALLREDUCE", "value": f"{name}-0.{name}:{ar_port}"}]
+            env = env + [{"name": "METAPS_ALLREDUCE", "value": f"{name}{self.job_suffix}-0.{name}:{ar_port}"}]
             ports["allreduce"] = ar_port
             job_spec.update(completions=workers, completionMode="Indexed")
             extra["subdomain"] = name
@@ -651,10 +655,13 @@ class _Gen:
         k["resources"] = files
         k["secretGenerator"] = [{"name": f"{self.n}-token", "files": ["token"], "type": "Opaque",
                                  "options": {"labels": self.labels("config")}}]
+        if self.job_suffix:  # a JobSet: kustomize knows no JobSet pod template, a hashed name would not reach it
+            k["secretGenerator"][0]["options"]["disableNameSuffixHash"] = True
         return k
 
 
-def render(job: Any, raw: dict[str, Any], opts: Options) -> dict[str, str]:
+def render(job: Any, raw: dict[str, Any], opts: Options,
+           finish: Callable[[_Gen, dict[str, list[dict[str, Any]]]], None] | None = None) -> dict[str, str]:
     """Every manifest file's text, by file name (``kustomization.yaml`` included).
 
     Args:
@@ -682,6 +689,8 @@ def render(job: Any, raw: dict[str, Any], opts: Options) -> dict[str, str]:
     parts = {"job.yaml": gen.job_objects(), "storage.yaml": gen.storage(), "controller.yaml": gen.controller(),
              "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver(),
              "network.yaml": gen.network(), "monitoring.yaml": gen.monitoring()}
+    if finish is not None:  # metaps.deploy.jobset.render: the Jobs become one JobSet (``parts`` edited in place)
+        finish(gen, parts)
     out = {name: dumps_all(docs) for name, docs in parts.items() if docs}
     out["kustomization.yaml"] = dumps_all([gen.kustomization([n for n in FILES if n in out])])
     return out

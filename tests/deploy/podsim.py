@@ -65,6 +65,25 @@ is ignored, one that exits 4 fails the Job, another code counts toward ``backoff
 refuse; :meth:`PodSim.delete_pod` is ``kubectl delete pod`` (a Job replaces the pod).
 A CronJob's template runs once with :meth:`PodSim.trigger_cronjob`.
 
+JobSets (``jobset.x-k8s.io/v1alpha2``, the JobSet controller, :meth:`PodSim._sync_jobset`):
+:meth:`PodSim.start_jobset` applies the webhook's defaults (``completionMode: Indexed``,
+``restartPolicy: OnFailure``, ``replicas: 1``, DNS hostnames on: every pod's ``subdomain`` set
+to ``network.subdomain`` or the JobSet's name, with a headless Service of that name) and
+creates child Jobs ``JOBSET-RJOB-K`` (their pods labelled ``jobset.sigs.k8s.io/jobset-name``
+...); ``startupPolicyOrder: InOrder`` creates a replicated job's Jobs once every Job of the
+one before has finished or has min(parallelism, completions) pods ready or succeeded; a
+suspended JobSet creates nothing until :meth:`PodSim.resume_jobset` (Kueue's admission).
+A failed child Job meets the ``failurePolicy``: the first rule (in order) whose
+``onJobFailureReasons`` holds the Job's failure reason (``PodFailurePolicy``,
+``BackoffLimitExceeded``) and whose ``targetReplicatedJobs`` holds its replicated job acts:
+``FailJobSet``; ``RestartJobSet`` (none matching: the same) deletes every child Job and
+creates them again once their pods are gone, up to ``maxRestarts`` times, then fails the
+JobSet; ``RestartJobSetAndIgnoreMaxRestarts`` restarts uncounted; no failurePolicy: the
+JobSet fails. The ``successPolicy`` (``All``/``Any`` of the ``targetReplicatedJobs``' Jobs
+complete) completes it. A finished JobSet deletes its child Jobs still active (their
+pods are deleted, SIGTERM, uncounted). Not simulated: suspending a running JobSet,
+``dependsOn``, ``coordinator``, TTLs.
+
 The termination message (``terminationMessagePath``, default ``/dev/termination-log``) is
 the pod's own file bound over that path; the mount point is an empty host file, created
 once if missing and left in place. A container killed by signal N exits 128 + N, as a
@@ -207,8 +226,29 @@ class JobState:
     backoff_limit: int
     failure_policy: list[dict[str, Any]]
     failures: int = 0
-    status: str = "Running"          # Running | Complete | Failed
+    status: str = "Running"          # Running | Complete | Failed | Deleted (by its JobSet)
     reason: str = ""
+
+
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+
+@dataclass
+class JobSetState:
+    """What the simulated JobSet controller keeps of one JobSet (its spec with the webhook's defaults)."""
+
+    name: str
+    namespace: str
+    spec: dict[str, Any]
+    suspended: bool
+    restarts: int = 0                # status.restarts: group restarts so far
+    restarts_counted: int = 0        # status.restartsCountTowardsMax
+    status: str = "Running"          # Running | Completed | Failed
+    reason: str = ""
+    children: list[str] = field(default_factory=list)   # child Job names, in creation order
+    rjob: dict[str, str] = field(default_factory=dict)  # child Job -> its replicated job
+    created: set[str] = field(default_factory=set)      # replicated jobs whose Jobs exist in this attempt
+    draining: list[str] = field(default_factory=list)   # pods of the previous attempt not yet gone
 
 
 def removal_order(pods: Sequence[Pod], ready: Callable[[Pod], bool]) -> list[Pod]:
@@ -287,6 +327,7 @@ class PodSim:
         fcntl.flock(self._host_lock, fcntl.LOCK_SH)
         self._closed = False
         self.jobs: dict[str, JobState] = {}
+        self.jobsets: dict[str, JobSetState] = {}
         self.hosts_file = self.root / "hosts"
         self._lock = threading.RLock()
         self._next_ip = 2
@@ -641,6 +682,9 @@ class PodSim:
                 p = self._exec(pod, main)
                 with self._lock:
                     pod.proc, pod.phase, pod.started_at = p, "Running", time.monotonic()
+                    orphan = pod.deleting  # deleted while this container started: no deletion will stop it
+                if orphan:
+                    _signal_group(p, signal.SIGKILL)
                 prober = threading.Thread(target=self._watch_probes, args=(pod, main, p), name=f"probe-{pod.name}",
                                           daemon=True)
                 prober.start()
@@ -846,6 +890,7 @@ class PodSim:
                 for st in self.jobs.values():
                     if st.status == "Running":
                         self._sync_job(st)
+            self._sync_jobsets()
 
     def _sync_job(self, st: JobState) -> None:
         pods = self.job_pods(st.name)
@@ -1004,6 +1049,172 @@ class PodSim:
     def controller_status(self, address: str, token: str) -> dict[str, Any]:
         """GetStatus of the controller at ``address`` (a pod address), called from the hub namespace."""
         return self._prober.ask(f"status {address} {token}")
+
+    # ----------------------------------------------------------------- JobSets
+    def start_jobset(self, name: str) -> JobSetState:
+        """Create a JobSet (``kubectl apply``): the JobSet controller (:meth:`_sync_jobset`, every
+        half second) creates its child Jobs. A suspended JobSet (``spec.suspend``) creates none
+        until :meth:`resume_jobset` (Kueue's admission)."""
+        obj = self.obj("JobSet", name)
+        spec = json.loads(json.dumps(obj["spec"]))
+        for rj in spec.get("replicatedJobs", []):  # the JobSet webhook's defaults
+            rj.setdefault("replicas", 1)
+            jspec = rj["template"]["spec"]
+            jspec.setdefault("completionMode", "Indexed")
+            jspec["template"]["spec"].setdefault("restartPolicy", "OnFailure")
+            if jspec["completionMode"] == "Indexed" and jspec.get("completions") is None:
+                raise ConfigError(f"JobSet {name}: replicated job {rj['name']}: an Indexed Job (the webhook's "
+                                  "default completionMode) needs completions; expected completionMode NonIndexed")
+        spec.setdefault("network", {}).setdefault("enableDNSHostnames", True)
+        spec.setdefault("successPolicy", {"operator": "All"})
+        spec.setdefault("startupPolicy", {"startupPolicyOrder": "AnyOrder"})
+        st = JobSetState(name, obj["metadata"].get("namespace", "default"), spec, bool(spec.get("suspend")))
+        if spec["network"]["enableDNSHostnames"]:  # a headless Service named after the subdomain, every pod in it
+            sub = spec["network"].get("subdomain") or name
+            if not any(d["kind"] == "Service" and d["metadata"]["name"] == sub for d in self.docs):
+                self.docs.append({"apiVersion": "v1", "kind": "Service",
+                                  "metadata": {"name": sub, "namespace": st.namespace},
+                                  "spec": {"clusterIP": "None", "selector": {JOBSET_NAME_LABEL: name}}})
+        with self._lock:
+            self.jobsets[name] = st
+        return st
+
+    def resume_jobset(self, name: str) -> None:
+        """``spec.suspend: false`` (what Kueue does when it admits the JobSet's workload)."""
+        with self._lock:
+            self.jobsets[name].suspended = False
+
+    def jobset_status(self, name: str) -> str:
+        """Running | Completed | Failed (the JobSet's terminal state)."""
+        with self._lock:
+            return self.jobsets[name].status
+
+    @staticmethod
+    def child_job(jobset: str, replicated_job: str, index: int = 0) -> str:
+        """A JobSet's child Job name: ``JOBSET-REPLICATEDJOB-INDEX``."""
+        return f"{jobset}-{replicated_job}-{index}"
+
+    def _sync_jobsets(self) -> None:
+        with self._lock:
+            sets = [st for st in self.jobsets.values() if st.status == "Running"]
+        for st in sets:
+            self._sync_jobset(st)
+
+    def _sync_jobset(self, st: JobSetState) -> None:
+        """The JobSet controller, once: failure policy, success policy, then startup."""
+        spec = st.spec
+        with self._lock:
+            if st.draining:  # a restart: the same Job names come back once the old pods are gone
+                if not all(self.pods[p].ended for p in st.draining):
+                    return
+                st.draining.clear()
+            kids = [self.jobs[c] for c in st.children]
+            failed = [k for k in kids if k.status == "Failed"]
+            if failed:
+                self._jobset_failure(st, failed)
+                return
+            targets = spec["successPolicy"].get("targetReplicatedJobs") or [r["name"] for r in spec["replicatedJobs"]]
+            want = 1 if spec["successPolicy"]["operator"] == "Any" else \
+                sum(r["replicas"] for r in spec["replicatedJobs"] if r["name"] in targets)
+            done = [k for k in kids if k.status == "Complete" and st.rjob[k.name] in targets]
+            if kids and len(done) >= want:
+                self._finish_jobset(st, "Completed", f"AllJobsCompleted: {', '.join(k.name for k in done)}")
+                return
+            if st.suspended:
+                return
+        in_order = spec["startupPolicy"]["startupPolicyOrder"] == "InOrder"
+        for rj in spec["replicatedJobs"]:
+            names = [self.child_job(st.name, rj["name"], i) for i in range(rj["replicas"])]
+            if rj["name"] not in st.created:
+                with self._lock:
+                    for i, child in enumerate(names):
+                        self._create_child(st, rj, child, i)
+                    st.created.add(rj["name"])
+                if in_order:
+                    return
+            elif in_order and not all(self._child_started(c) for c in names):
+                return  # InOrder: the next replicated job waits for every pod of this one to be ready
+
+    def _child_started(self, job: str) -> bool:
+        """A child Job counts as started when it finished, or its ready and succeeded pods reach
+        min(parallelism, completions) (the JobSet controller's "ready")."""
+        st = self.jobs[job]
+        if st.status != "Running":
+            return True
+        pods = self.job_pods(job)
+        want = st.parallelism if st.completions is None else min(st.parallelism, st.completions)
+        up = sum(1 for p in pods if p.phase == "Succeeded")
+        up += sum(1 for p in pods if not p.ended and not p.deleting and self.ready(p.name))
+        return up >= want
+
+    def _create_child(self, st: JobSetState, rj: dict[str, Any], child: str, index: int) -> None:
+        """One child Job from a replicated job's template, labelled as the JobSet controller labels it."""
+        labels = {JOBSET_NAME_LABEL: st.name, "jobset.sigs.k8s.io/replicatedjob-name": rj["name"],
+                  "jobset.sigs.k8s.io/job-index": str(index), "jobset.sigs.k8s.io/restart-attempt": str(st.restarts)}
+        tpl = json.loads(json.dumps(rj["template"]))
+        meta = tpl.get("metadata", {})
+        pod = tpl["spec"]["template"]
+        pod.setdefault("metadata", {})["labels"] = {**pod["metadata"].get("labels", {}), **labels}
+        if st.spec["network"]["enableDNSHostnames"]:
+            pod["spec"]["subdomain"] = st.spec["network"].get("subdomain") or st.name
+        doc = {"apiVersion": "batch/v1", "kind": "Job",
+               "metadata": {"name": child, "namespace": st.namespace,
+                            "labels": {**meta.get("labels", {}), **labels}}, "spec": tpl["spec"]}
+        self.docs[:] = [d for d in self.docs if not (d["kind"] == "Job" and d["metadata"]["name"] == child)]
+        self.docs.append(doc)
+        st.rjob[child] = rj["name"]
+        if child not in st.children:
+            st.children.append(child)
+        self.start_workload(child)
+        log.info("jobset created a child job", extra=kv(jobset=st.name, job=child, restarts=st.restarts))
+
+    def _jobset_failure(self, st: JobSetState, failed: list[JobState]) -> None:
+        """The failure policy: the first rule (in order) matching a failed child Job (its failure
+        reason, its replicated job) acts; none matching: RestartJobSet; no policy: the JobSet fails."""
+        policy = st.spec.get("failurePolicy")
+        if policy is None:
+            self._finish_jobset(st, "Failed", f"FailedJobs: {failed[0].name} ({failed[0].reason})")
+            return
+        action, job = "RestartJobSet", failed[0]
+        for rule in policy.get("rules", []):
+            hit = [k for k in failed
+                   if (not rule.get("onJobFailureReasons") or k.reason.split(":")[0] in rule["onJobFailureReasons"])
+                   and (not rule.get("targetReplicatedJobs") or st.rjob[k.name] in rule["targetReplicatedJobs"])]
+            if hit:
+                action, job = rule["action"], hit[0]
+                break
+        why = f"job {job.name}: {job.reason}"
+        if action == "FailJobSet":
+            self._finish_jobset(st, "Failed", f"FailJobSetAction: {why}")
+        elif action == "RestartJobSet" and st.restarts_counted >= int(policy.get("maxRestarts", 0)):
+            self._finish_jobset(st, "Failed", f"ReachedMaxRestarts: {why}")
+        else:
+            counted = action == "RestartJobSet"
+            st.restarts += 1
+            st.restarts_counted += int(counted)
+            log.warning("jobset restart", extra=kv(jobset=st.name, restarts=st.restarts, action=action, why=why))
+            for child in st.children:  # every child Job deleted; its pods leave it (a new Job takes the name)
+                self.jobs[child].status = "Deleted"
+                for p in self.job_pods(child):
+                    p.accounted = True
+                    p.owner = f"{child}@attempt{st.restarts - 1}"
+                    if not p.ended:
+                        st.draining.append(p.name)
+                        if not p.deleting:
+                            self.delete_pod(p.name)
+            st.created.clear()
+
+    def _finish_jobset(self, st: JobSetState, status: str, reason: str) -> None:
+        """Completed or Failed: the child Jobs still active are deleted (their pods with them)."""
+        st.status, st.reason = status, reason
+        log.warning("jobset finished", extra=kv(jobset=st.name, status=status, reason=reason))
+        for child in st.children:
+            if self.jobs[child].status == "Running":
+                self.jobs[child].status = "Deleted"
+                for p in self.job_pods(child):
+                    p.accounted = True
+                    if not p.ended and not p.deleting:
+                        self.delete_pod(p.name)
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
