@@ -33,6 +33,15 @@ coverage misses: must be 0), ``warm_start_ok`` (every PS restored, the run compl
 ``run_failure_fails_job`` (the worker and controller Jobs failed through their
 podFailurePolicy), ``run_failure_s`` (eviction to failed Jobs).
 
+The JobSet variant (``metaps deploy k8s --api jobset``: one JobSet, replicated jobs started
+in order, :mod:`metaps.deploy.jobset`) runs the same steady fleet and the same day 1 and
+failing run (no day 2): ``jobset_first_step_s`` (the in-order start included),
+``jobset_samples_per_s``, ``jobset_throughput_ratio`` and ``jobset_first_step_s_ratio``
+(over the launch runs), ``jobset_replaced_ps_recovered``, ``jobset_replaced_ps_recover_s``,
+``jobset_rows_lost`` (day 1: complete means the JobSet completed by its success policy),
+``jobset_run_failure_fails_jobset`` (a child Job failed by its podFailurePolicy failed the
+JobSet through its failure policy, no group restart) and ``jobset_run_failure_s``.
+
 ``--smoke`` runs the failing run of the lifecycle only (1000 rows, 20 epochs; under a minute
 here): ``run_failure_fails_job`` and ``run_failure_s``, no ratios; day 1 and day 2 are
 ``null`` (``--quick`` runs them; tests/deploy/test_k8s_pods.py runs day 1's drain and
@@ -115,6 +124,33 @@ class Progress:
         return (b1 - b0) / max(t1 - t0, 1e-9)
 
 
+def _name(api: str, role: str) -> str:
+    """The Job that runs ``role``: ``bk-ROLE``, or the JobSet's child Job ``bk-ROLE-0``."""
+    return f"bk-{role}-0" if api == "jobset" else f"bk-{role}"
+
+
+def _start(sim: Any, api: str) -> Any:
+    """``kubectl apply``: the controller, PS and worker Jobs, or the JobSet; returns the controller's pod."""
+    if api == "jobset":
+        sim.start_jobset("bk")
+        deadline = time.monotonic() + 300
+        while not sim.job_pods("bk-controller-0"):  # the JobSet controller creates it
+            if time.monotonic() > deadline or sim.jobset_status("bk") != "Running":
+                raise AssertionError(f"the JobSet created no controller pod ({sim.jobset_status('bk')})")
+            time.sleep(0.1)
+    else:
+        for w in ("bk-controller", "bk-ps", "bk-worker"):
+            sim.start_workload(w)
+    return sim.job_pods(_name(api, "controller"))[0]
+
+
+def _fleet_done(sim: Any, api: str) -> bool:
+    """Every Job complete, or the JobSet completed (by its success policy) with every pod ended."""
+    if api == "jobset":
+        return sim.jobset_status("bk") == "Completed" and all(p.ended for p in sim.pods.values())
+    return all(sim.job_complete(f"bk-{r}") for r in ("worker", "ps", "controller"))
+
+
 def run_launch(root: Path, epochs: int, tag: str = "launch") -> dict[str, Any]:
     from controller.client import ControllerClient
     from common.rpc import RpcConfig
@@ -154,8 +190,10 @@ def run_launch(root: Path, epochs: int, tag: str = "launch") -> dict[str, Any]:
     return {"first_step_s": prog.first_step_t() - t0, "batches_per_s": prog.batches_per_s(), "rc": proc.returncode}
 
 
-def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag: str = "k8s") -> dict[str, Any]:
-    """One pods-in-namespaces fleet; ``scale``: scale the worker Job 3 -> 4 -> 2 mid-run."""
+def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag: str = "k8s",
+            api: str = "jobs") -> dict[str, Any]:
+    """One pods-in-namespaces fleet; ``scale``: scale the worker Job 3 -> 4 -> 2 mid-run; ``api``:
+    ``metaps deploy k8s --api`` (jobs or jobset)."""
     from tests.deploy.podsim import PodSim
     from common.toml_writer import write
 
@@ -164,7 +202,8 @@ def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag
     cfg = write(work / "job.toml", _job(work, epochs, "k8s"))
     out = work / "manifests"
     subprocess.run([sys.executable, "-m", "metaps", "deploy", "k8s", "--config", str(cfg), "--image", "local/metaps:bench",
-                    "--out", str(out)], check=True, cwd=REPO, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                    "--out", str(out), "--api", api], check=True, cwd=REPO, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
     docs = [d for d in yaml.safe_load_all(subprocess.run(["kubectl", "kustomize", str(out)], check=True,
                                                           capture_output=True, text=True).stdout) if d]
     token = (out / "token").read_text().strip()
@@ -174,9 +213,7 @@ def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag
         pvc.mkdir(parents=True)
         subprocess.run(["cp", "-a", str(root / "data" / "metaio"), str(pvc / "metaio")], check=True)
         t0 = time.monotonic()
-        for w in ("bk-controller", "bk-ps", "bk-worker"):
-            sim.start_workload(w)
-        ctl = sim.job_pods("bk-controller")[0]
+        ctl = _start(sim, api)
         prog = Progress(lambda: sim.controller_status(f"{ctl.ip}:7070", token) if ctl.phase == "Running" else {})
         target = epochs * total_batches
         scaled: list[tuple[str, int]] = []
@@ -185,10 +222,10 @@ def run_k8s(root: Path, epochs: int, total_batches: int, scale: bool = True, tag
             st = prog.poll()
             done = prog.samples[-1][1] if prog.samples else 0
             if scale and not scaled and done >= target / 3:
-                sim.scale_job("bk-worker", 4)
+                sim.scale_job(_name(api, "worker"), 4)
                 scaled.append(("3->4", done))
             elif len(scaled) == 1 and done >= 2 * target / 3:
-                sim.scale_job("bk-worker", 2)
+                sim.scale_job(_name(api, "worker"), 2)
                 scaled.append(("4->2", done))
             if st.get("finished"):
                 break
@@ -242,30 +279,29 @@ def _day_two(root: Path, epochs: int, fleet: Callable[..., Any], wait: Callable[
 
 
 def _day_one(root: Path, epochs: int, rows_per_batch: float, fleet: Callable[..., Any],
-             wait: Callable[[Callable[[], bool], float], bool]) -> dict[str, Any]:
+             wait: Callable[[Callable[[], bool], float], bool], api: str = "jobs", tag: str = "day1") -> dict[str, Any]:
     """Day 1 of :func:`run_lifecycle`: PS 1 drained after the first committed cut, then a scale-down."""
     from common.toml_writer import write
 
     out: dict[str, Any] = {}
-    (root / "day1").mkdir()
-    cfg = write(root / "day1" / "job.toml", _job(root, epochs, "day1", checkpoint_interval_s=2.0))
-    sim, _, prog = fleet("day1", cfg)
+    (root / tag).mkdir()
+    cfg = write(root / tag / "job.toml", _job(root, epochs, tag, checkpoint_interval_s=2.0))
+    sim, _, prog = fleet(tag, cfg)
     try:
         def committed() -> bool:
-            if sim.job_status("bk-controller") != "Running":
+            if sim.job_status(_name(api, "controller")) != "Running":
                 raise AssertionError("day 1 ended before its first committed cut: give it more epochs")
             return any(c.get("state") == "committed" for c in prog.poll().get("checkpoints", []))
         assert wait(committed, 600), "day 1: no committed cut"
-        old = sim.index_pod("bk-ps", 1)
+        old = sim.index_pod(_name(api, "ps"), 1)
         assert old is not None
         t_evict = time.monotonic()
         evicted = sim.evict_pod(old.name)
         recovered = wait(lambda: any(e["kind"] == "ps_recovery" and e["node"] == "ps:1"
                                      for e in prog.poll().get("events", [])), 300)
         out["replaced_ps_recover_s"] = round(time.monotonic() - t_evict, 2)
-        sim.scale_job("bk-worker", 2)
-        done = wait(lambda: bool(prog.poll() or True) and sim.job_complete("bk-worker")
-                    and sim.job_complete("bk-ps") and sim.job_complete("bk-controller"), 900)
+        sim.scale_job(_name(api, "worker"), 2)
+        done = wait(lambda: bool(prog.poll() or True) and _fleet_done(sim, api), 900)
         cov = prog.last.get("coverage", {})
         batches, rows = _lost(cov, rows_per_batch)
         out.update(replaced_ps_recovered=bool(evicted and recovered and done and cov.get("complete")),
@@ -276,30 +312,33 @@ def _day_one(root: Path, epochs: int, rows_per_batch: float, fleet: Callable[...
 
 
 def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, day1: bool = True, warm_start: bool = True,
-                  failure: bool = True) -> dict[str, Any]:
+                  failure: bool = True, api: str = "jobs") -> dict[str, Any]:
     """Three fleets of pods: (1) day 1 with a PS pod replaced mid-run (a drain: preStop cut,
     eviction, a new pod for its index) and a worker deleted by a scale-down (``day1``); (2)
     day 2, a warm start of a new run from day 1's checkpoints (``warm_start``, needs day 1);
     (3) a run that fails (a PS crashes before any cut committed: nothing consistent to
     restore) and must fail its Jobs (``failure``). ``epochs`` are day 1's and the failing
-    run's (long enough to act on mid-run). The figures of a part not run are ``None``."""
+    run's (long enough to act on mid-run). The figures of a part not run are ``None``. ``api``:
+    ``jobset`` runs each fleet as one JobSet (no day 2: ``warm_start`` must be False); the
+    failing run must then fail the JobSet (``run_failure_fails_jobset``)."""
+    if api == "jobset" and warm_start:
+        raise ValueError("run_lifecycle: the JobSet variant runs no day 2 (warm_start=False)")
+    pre = "" if api == "jobs" else f"{api}-"
     from tests.deploy.podsim import PodSim
     from common.toml_writer import write
 
     out: dict[str, Any] = {}
-    shared = root / "lifecycle-data"
+    shared = root / f"{pre}lifecycle-data"
     shared.mkdir()
     subprocess.run(["cp", "-a", str(root / "data" / "metaio"), str(shared / "metaio")], check=True)
 
     def fleet(tag: str, cfg: Path, *extra: str) -> tuple[PodSim, str, Progress]:
-        docs, token = _render(root / tag, cfg, *extra)
+        docs, token = _render(root / tag, cfg, "--api", api, *extra)
         sim = PodSim(docs, root / tag / "sim", env={"PYTHONPATH": str(REPO)}, subnet="10.233.0")
         pvc = sim.root / "pvc"
         pvc.mkdir(parents=True)
         os.symlink(shared, pvc / "bk-data")  # one shared volume across the days
-        for w in ("bk-controller", "bk-ps", "bk-worker"):
-            sim.start_workload(w)
-        ctl = sim.job_pods("bk-controller")[0]
+        ctl = _start(sim, api)
         return sim, token, Progress(lambda: sim.controller_status(f"{ctl.ip}:7070", token)
                                     if ctl.phase == "Running" else {})
 
@@ -317,7 +356,7 @@ def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, day1: bool = T
                    day1_lost_batches=None, rows_lost=None)
         warm_start = False  # day 2 starts from day 1's checkpoints
     else:
-        out.update(_day_one(root, epochs, rows_per_batch, fleet, wait))
+        out.update(_day_one(root, epochs, rows_per_batch, fleet, wait, api, f"{pre}day1"))
 
     # (2) day 2: a new run warm-started from day 1's checkpoints
     if not warm_start:
@@ -329,15 +368,23 @@ def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, day1: bool = T
     if not failure:
         out.update(run_failure_fails_job=None, run_failure_s=None, run_failure_reason="not run")
         return out
-    (root / "fail").mkdir()
-    cfg3 = write(root / "fail" / "job.toml", _job(root, epochs, "fail", checkpoint_interval_s=0.0))
-    sim, _, prog = fleet("fail", cfg3)
+    (root / f"{pre}fail").mkdir()
+    cfg3 = write(root / f"{pre}fail" / "job.toml", _job(root, epochs, "fail", checkpoint_interval_s=0.0))
+    sim, _, prog = fleet(f"{pre}fail", cfg3)
     try:
         started = wait(lambda: int(prog.poll().get("coverage", {}).get("done_batches", 0)) > 0, 600)
-        old = sim.index_pod("bk-ps", 0)
+        old = sim.index_pod(_name(api, "ps"), 0)
         assert started and old is not None, "the failing run never started"
         t_kill = time.monotonic()
         sim.kill_container(old.name)
+        if api == "jobset":  # a child Job failed by its podFailurePolicy fails the JobSet, no group restart
+            failed = wait(lambda: sim.jobset_status("bk") != "Running", 300)
+            js = sim.jobsets["bk"]
+            out.update(run_failure_fails_jobset=bool(failed and js.status == "Failed" and js.restarts == 0
+                                                     and js.reason.startswith("FailJobSetAction")
+                                                     and "PodFailurePolicy" in js.reason),
+                       run_failure_s=round(time.monotonic() - t_kill, 2), run_failure_reason=js.reason)
+            return out
         failed = wait(lambda: sim.job_status("bk-worker") == "Failed" and sim.job_status("bk-controller") == "Failed",
                       300)
         reason = sim.jobs["bk-worker"].reason
@@ -391,6 +438,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k8s pods, scaling: first step {k8s['first_step_s']:.1f}s, {k8s['batches_per_s']:.2f} batches/s "
               f"({k8s['batches_per_s'] * per_batch:.0f} samples/s) with scale events {k8s['scale_events']}, "
               f"lost shards {k8s['lost_shards']}", flush=True)
+        # the JobSet variant: the same steady fleet, started in order, and the same day 1 and failing run
+        js_steady = run_k8s(root, epochs, n_batches, scale=False, tag="jobset-steady", api="jobset")
+        print(f"k8s pods, one JobSet, steady 3 workers: first step {js_steady['first_step_s']:.1f}s, "
+              f"{js_steady['batches_per_s']:.2f} batches/s ({js_steady['batches_per_s'] * per_batch:.0f} samples/s), "
+              f"lost shards {js_steady['lost_shards']}", flush=True)
+        js_life = run_lifecycle(root, epochs * 4, per_batch, warm_start=False, api="jobset")
+        print(f"JobSet lifecycle: replaced PS recovered {js_life['replaced_ps_recovered']} in "
+              f"{js_life['replaced_ps_recover_s']}s, rows lost {js_life['rows_lost']}, run failure fails the JobSet "
+              f"{js_life['run_failure_fails_jobset']} ({js_life['run_failure_reason']})", flush=True)
         if not args.quick:
             launches.append(run_launch(root, epochs, "launch-b"))
             show_launch(launches[1], "launch (A')")
@@ -409,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         "scale_events": [e[0] for e in k8s["scale_events"]],
         "scale_events_lost_shards": k8s["lost_shards"],
         "steady_lost_shards": steady["lost_shards"], **lifecycle,
+        "jobset_first_step_s": round(js_steady["first_step_s"], 2),
+        "jobset_samples_per_s": round(js_steady["batches_per_s"] * per_batch, 1),
+        "jobset_first_step_s_ratio": round(js_steady["first_step_s"] / launch_first, 3),
+        "jobset_throughput_ratio": round(js_steady["batches_per_s"] / launch_bps, 3),
+        "jobset_steady_lost_shards": js_steady["lost_shards"],
+        **{f"jobset_{k}": js_life[k] for k in ("replaced_ps_recovered", "replaced_ps_recover_s", "rows_lost",
+                                               "run_failure_fails_jobset", "run_failure_s")},
     }))
     return 0
 
