@@ -129,12 +129,17 @@ def write_token_file(path: str | Path, token: str) -> Path:
     return p
 
 
+def _make_dir(path: str | Path, mode: int) -> Path:
+    """``mkdir -p path`` and ``chmod mode`` the last component (whatever the umask)."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True, mode=mode)
+    os.chmod(p, mode)
+    return p
+
+
 def make_private_dir(path: str | Path) -> Path:
     """``mkdir -p path`` and ``chmod 700`` the last component."""
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(p, 0o700)
-    return p
+    return _make_dir(path, 0o700)
 
 
 def set_private_umask() -> int:
@@ -144,10 +149,7 @@ def set_private_umask() -> int:
 
 def make_run_dir(path: str | Path) -> Path:
     """``mkdir -p path`` and ``chmod 750`` the last component (a run's folder, group-readable)."""
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True, mode=0o750)
-    os.chmod(p, 0o750)
-    return p
+    return _make_dir(path, 0o750)
 
 
 def set_run_umask() -> int:
