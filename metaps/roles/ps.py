@@ -82,7 +82,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("ps", help="run one parameter-server shard")
     p.add_argument("--config", required=True, help="job TOML")
     p.add_argument("--shard", required=True,
-                   help="shard id 0..[ps].shards-1, or 'auto': the StatefulSet ordinal of this pod's name")
+                   help="shard id 0..[ps].shards-1, or 'auto': this Indexed Job pod's $JOB_COMPLETION_INDEX "
+                        "(else the -K its name ends in)")
     p.add_argument("--advertise", default=os.environ.get("METAPS_ADVERTISE_HOST", ""),
                    help="host registered with the controller (default $METAPS_ADVERTISE_HOST, else [ps] host "
                         "or 127.0.0.1 for a wildcard bind); in a pod: its stable DNS name")
