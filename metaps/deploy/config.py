@@ -287,6 +287,13 @@ class DeployConfig:
             controller, PS and worker pods (the CRD must be installed).
         roles: per-role node selector, tolerations, affinity and service account
             (``[deploy.roles.ps]`` ...).
+        tls_secret: TLS between the pods: the name of a Secret in cert-manager's layout
+            (``tls.crt``, ``tls.key``, ``ca.crt``) mounted read-only into the controller, PS
+            and worker pods; their job file's ``[rpc] tls_cert`` / ``tls_key`` / ``tls_ca``
+            name its files, so every role serves and dials TLS only ('' = plaintext, the
+            token still checked). The certificate must name the Service DNS names the pods
+            dial (``metaps.deploy.k8s.tls_dns_names``): ``NAME-controller`` and each PS pod's
+            ``NAME-ps-K.NAME-ps``.
     """
 
     name: str = "metaps"
@@ -322,6 +329,7 @@ class DeployConfig:
     image_pull_secrets: list[str] = field(default_factory=list)
     pod_monitor: bool = False
     roles: RolePlacements = field(default_factory=RolePlacements)
+    tls_secret: str = ""
 
     def _validate_api(self) -> None:
         """``api``, ``queue``, ``max_restarts``."""
@@ -397,3 +405,6 @@ class DeployConfig:
                 raise ValueError(f"image_pull_secrets: {secret!r} is not a Secret name")
         if len(set(self.image_pull_secrets)) != len(self.image_pull_secrets):
             raise ValueError(f"image_pull_secrets: expected distinct names, got {self.image_pull_secrets}")
+        if self.tls_secret and not _OBJECT_NAME.match(self.tls_secret):
+            raise ValueError(f"tls_secret {self.tls_secret!r} is not a Secret name (lowercase letters, digits, "
+                             "'-', '.'; e.g. the secretName of a cert-manager Certificate)")

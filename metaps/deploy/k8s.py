@@ -51,6 +51,13 @@ place of its ``backoffLimit``), ``image_pull_secrets`` (every pod), ``[deploy.ro
 affinity's terms add to the PS's own spread), ``pod_monitor``; ``[log] format = "json"`` puts
 ``METAPS_LOG_FORMAT=json`` into every container.
 
+**TLS** (``[deploy] tls_secret = "NAME"``): the Secret (cert-manager's ``tls.crt``, ``tls.key``,
+``ca.crt``) is mounted read-only (0400 + the pod's fsGroup) at ``/etc/metaps/tls`` in the controller,
+PS and worker pods, and the pods' job file names its files in ``[rpc] tls_cert`` / ``tls_key`` /
+``tls_ca``: every role serves TLS only and dials TLS. Its certificate must hold the names the pods
+dial (:func:`tls_dns_names`). The probes become TCP probes (a kubelet's gRPC probe is plaintext).
+``[rpc] tls_*`` in the job file (local paths) is refused.
+
 **Day 2.** The controller's state lives in ``STATE/runs/<[run] name>``: a new run name
 (``metaps deploy k8s --run-name``) starts its own data accounting, and ``--warm-start-from``
 (``[deploy] restore_from``) has each PS restore the newest committed checkpoint there
@@ -106,6 +113,8 @@ JOB_PATH = f"{JOB_DIR}/job.toml"
 SECRET_DIR = "/etc/metaps/secret"
 TOKEN_DIR = "/run/metaps"
 TOKEN_PATH = f"{TOKEN_DIR}/token"
+TLS_DIR = "/etc/metaps/tls"  # [deploy] tls_secret: cert-manager's layout (tls.crt, tls.key, ca.crt)
+TLS_FILES = {"tls_cert": f"{TLS_DIR}/tls.crt", "tls_key": f"{TLS_DIR}/tls.key", "tls_ca": f"{TLS_DIR}/ca.crt"}
 DATA_DIR = "/data"
 STATE_DIR = "/var/lib/metaps"
 STAGE_DIR = "/stage"  # storage = "per-role": a pod's own copy of the datasets ([data] X -> /stage/X)
@@ -138,7 +147,17 @@ class Options:
         return (self.gpu_image or f"{self.image}-cuda") if self.gpu else self.image
 
 
-def pod_job_mapping(raw: dict[str, Any], where: str, stage_dir: str = "") -> dict[str, Any]:
+def tls_dns_names(job: Any) -> list[str]:
+    """The names the pods dial, which ``[deploy] tls_secret``'s certificate must hold as DNS SANs:
+    the controller's Service (``NAME-controller``: the PS, the workers, a PS's preStop ``metaps cut``)
+    and each PS pod's ``POD.SERVICE`` name (``NAME-ps-K.NAME-ps``, ``NAME-ps-0-K.NAME-ps`` with
+    ``api = "jobset"``: the workers and the controller). gRPC verifies the name as dialed (no
+    namespace suffix) and takes no ``*.NAME-ps`` wildcard (one label after it is too few)."""
+    n, suffix = job.deploy.name, "-0" if job.deploy.api == "jobset" else ""
+    return [f"{n}-controller"] + [f"{n}-ps{suffix}-{k}.{n}-ps" for k in range(job.ps.shards)]
+
+
+def pod_job_mapping(raw: dict[str, Any], where: str, stage_dir: str = "", tls: bool = False) -> dict[str, Any]:
     """The job mapping pods read: token out, token file and bind host in, ``[faults]`` out.
 
     Args:
@@ -147,9 +166,12 @@ def pod_job_mapping(raw: dict[str, Any], where: str, stage_dir: str = "") -> dic
         stage_dir: ``storage = "per-role"``: ``[data] train`` and ``eval`` become
             ``STAGE_DIR/<path>``, the pod's own copy (the ones in ``raw`` name paths under
             ``[deploy] data_source``).
+        tls: ``[deploy] tls_secret`` is set: ``[rpc] tls_cert``, ``tls_key``, ``tls_ca`` name
+            its files as mounted (``TLS_DIR``).
 
     Raises:
-        ConfigError: the job file holds a token (it would land in a ConfigMap).
+        ConfigError: the job file holds a token (it would land in a ConfigMap), or ``[rpc]
+            tls_*`` paths (local files no pod has).
     """
     data = copy.deepcopy(raw)
     rpc = data.setdefault("rpc", {})
@@ -157,9 +179,12 @@ def pod_job_mapping(raw: dict[str, Any], where: str, stage_dir: str = "") -> dic
         raise ConfigError(f"{where}: [rpc] token is set; `metaps deploy k8s` never puts a token into a ConfigMap: "
                           "remove it (the pods read the Secret generated from DIR/token)")
     rpc.pop("token", None)
-    if rpc.get("tls_cert") or rpc.get("tls_key") or rpc.get("tls_ca"):
-        raise ConfigError(f"{where}: [rpc] tls_* paths are not wired into pods by `metaps deploy k8s` yet; "
-                          "unset them (gRPC auth uses the token Secret)")
+    given = [k for k in TLS_FILES if rpc.get(k)]
+    if given:
+        raise ConfigError(f"{where}: [rpc] {', '.join(given)} name local files no pod has; unset them and set "
+                          "[deploy] tls_secret = \"NAME\" (a Secret holding tls.crt, tls.key, ca.crt)")
+    if tls:
+        rpc.update(TLS_FILES)
     rpc["token_file"] = TOKEN_PATH
     data.setdefault("ps", {})["host"] = "0.0.0.0"
     if stage_dir:
@@ -232,12 +257,14 @@ class _Gen:
         c["resources"] = self.resources(role)
         c["volumeMounts"] = (mounts or []) + [{"name": "tmp", "mountPath": "/tmp"}]
         if probe_port:
-            # startup covers a warm start's restore; liveness only begins once it passed
-            c["startupProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 10, "timeoutSeconds": 5,
+            # startup covers a warm start's restore; liveness only begins once it passed. With TLS the
+            # probes open a TCP connection: a kubelet's gRPC probe speaks plaintext only
+            how: dict[str, Any] = {"tcpSocket" if self.d.tls_secret else "grpc": {"port": probe_port}}
+            c["startupProbe"] = {**how, "periodSeconds": 10, "timeoutSeconds": 5,
                                  "failureThreshold": max(6, self.d.startup_timeout_s // 10)}
-            c["readinessProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 5, "timeoutSeconds": 5,
+            c["readinessProbe"] = {**copy.deepcopy(how), "periodSeconds": 5, "timeoutSeconds": 5,
                                    "failureThreshold": 3}
-            c["livenessProbe"] = {"grpc": {"port": probe_port}, "periodSeconds": 10,
+            c["livenessProbe"] = {**copy.deepcopy(how), "periodSeconds": 10,
                                   "timeoutSeconds": 10, "failureThreshold": 6}
         c["terminationMessagePolicy"] = "FallbackToLogsOnError"
         c["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -257,8 +284,9 @@ class _Gen:
                 {"name": "METAPS_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
 
     def train_mounts(self) -> list[dict[str, Any]]:
+        tls = [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}] if self.d.tls_secret else []
         return [{"name": "job", "mountPath": JOB_DIR, "readOnly": True},
-                {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
+                {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}, *tls,
                 {"name": "data", "mountPath": DATA_DIR}]
 
     def init_containers(self, role: str) -> list[dict[str, Any]]:
@@ -327,6 +355,8 @@ class _Gen:
             vols += [{"name": "job", "configMap": {"name": f"{self.n}-job"}},
                      {"name": "token-secret", "secret": {"secretName": f"{self.n}-token", "defaultMode": 0o400}},
                      {"name": "token", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]
+            if self.d.tls_secret:  # [deploy] tls_secret: 0400 + the pod's fsGroup (0440), read in place
+                vols.append({"name": "tls", "secret": {"secretName": self.d.tls_secret, "defaultMode": 0o400}})
         return vols + list(extra)
 
     def pod_spec(self, containers: list[dict[str, Any]], restart: str, volumes: list[dict[str, Any]],
@@ -685,7 +715,8 @@ def render(job: Any, raw: dict[str, Any], opts: Options,
                 raise ConfigError(f"{job.source}: [data] {key} = {path!r}: with [deploy] storage = 'per-role' it is "
                                   "a relative path under [deploy] data_source (no '/' at the start, no '..')")
     where = job.source or "<job>"
-    gen = _Gen(job, toml_dumps(pod_job_mapping(raw, where, STAGE_DIR if per_role else "")), opts)
+    gen = _Gen(job, toml_dumps(pod_job_mapping(raw, where, STAGE_DIR if per_role else "",
+                                               tls=bool(job.deploy.tls_secret))), opts)
     parts = {"job.yaml": gen.job_objects(), "storage.yaml": gen.storage(), "controller.yaml": gen.controller(),
              "ps.yaml": gen.ps(), "worker.yaml": gen.worker(), "data.yaml": gen.data(), "deliver.yaml": gen.deliver(),
              "network.yaml": gen.network(), "monitoring.yaml": gen.monitoring()}

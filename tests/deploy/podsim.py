@@ -36,9 +36,9 @@ mounts, DNS names, probes) can be exercised: :class:`PodSim` reads the objects
   ``$(VAR)`` expanded, its env (literal values and the downward-API ``metadata.name``,
   ``metadata.namespace``, ``metadata.uid`` -- a new one per pod -- and the Job completion
   index annotation), ``workingDir``, init containers first, in order;
-* probes through the gRPC health service on the probe's port (from the hub namespace, one
-  helper process answering every pod's probes concurrently): readiness (:meth:`PodSim.ready`);
-  the startup probe, then the liveness probe once it passed (:meth:`PodSim._watch_probes`):
+* probes through the gRPC health service (or a TCP connection: ``tcpSocket``) on the probe's port
+  (from the hub namespace, one helper process answering every pod's probes concurrently):
+  readiness (:meth:`PodSim.ready`); the startup probe, then the liveness probe once it passed (:meth:`PodSim._watch_probes`):
   ``failureThreshold`` consecutive failures kill the container (SIGTERM to pid 1, SIGKILL
   after the grace period: 137) and the restartPolicy decides. ``probe_time_scale`` divides
   their periods, initial delays, timeouts (at least 1 s) and the kill's grace period (a test's
@@ -88,7 +88,7 @@ The termination message (``terminationMessagePath``, default ``/dev/termination-
 the pod's own file bound over that path; the mount point is an empty host file, created
 once if missing and left in place. A container killed by signal N exits 128 + N, as a
 runtime reports it. Not simulated: the image (the venv replaces it), readOnlyRootFilesystem,
-seccomp, resource limits, exec/HTTP/TCP probes, Service ClusterIPs and load balancing, node
+seccomp, resource limits, exec/HTTP probes, Service ClusterIPs and load balancing, node
 scheduling, PVC provisioning. Needs root, iproute2 (``ip netns``), util-linux ``unshare`` and
 ``setpriv``.
 
@@ -974,16 +974,20 @@ class PodSim:
         probe = c.get("readinessProbe", {})
         if pod.phase != "Running":
             return False
+        if "tcpSocket" in probe:
+            return bool(self._prober.ask(f"tcp {pod.ip}:{probe['tcpSocket']['port']} 3")["serving"])
         if "grpc" not in probe:
             return True
         return bool(self._prober.ask(f"health {pod.ip}:{probe['grpc']['port']} 3")["serving"])
 
     def _probe_passes(self, pod: Pod, probe: dict[str, Any]) -> bool:
-        """One kubelet probe (gRPC health only: the manifests use no other kind)."""
-        if "grpc" not in probe:
-            raise ConfigError(f"pod {pod.name}: probe {sorted(probe)}: podsim runs gRPC probes only")
+        """One kubelet probe: gRPC health, or a TCP connection (``tcpSocket``: the TLS manifests')."""
+        kind = "grpc" if "grpc" in probe else "tcpSocket" if "tcpSocket" in probe else ""
+        if not kind:
+            raise ConfigError(f"pod {pod.name}: probe {sorted(probe)}: podsim runs gRPC and TCP probes only")
         timeout = max(1.0, float(probe.get("timeoutSeconds", 1)) / self.probe_time_scale)
-        return bool(self._prober.ask(f"health {pod.ip}:{probe['grpc']['port']} {timeout}",
+        ask = "health" if kind == "grpc" else "tcp"
+        return bool(self._prober.ask(f"{ask} {pod.ip}:{probe[kind]['port']} {timeout}",
                                      timeout + 30.0).get("serving"))
 
     def _watch_probes(self, pod: Pod, c: dict[str, Any], p: subprocess.Popen[bytes]) -> None:
@@ -1405,8 +1409,9 @@ def prober_main() -> None:
     """The probe helper in the hub namespace: ``ID REQUEST`` per line, answered ``ID JSON`` (each
     request in its own thread, so answers may come out of order).
 
-    ``health HOST:PORT [TIMEOUT_S]`` -> ``{"serving": bool}`` (grpc.health.v1, like a kubelet's
-    gRPC probe; 3 s by default); ``status HOST:PORT TOKEN`` -> the controller's GetStatus as
+    ``health HOST:PORT [TIMEOUT_S]`` -> ``{"serving": bool}`` (grpc.health.v1, plaintext, like a
+    kubelet's gRPC probe; 3 s by default); ``tcp HOST:PORT [TIMEOUT_S]`` -> ``{"serving": bool}``
+    (a TCP connection, like a ``tcpSocket`` probe); ``status HOST:PORT TOKEN`` -> the controller's GetStatus as
     plain data (or ``{"error": ...}``).
     """
     import grpc
@@ -1422,6 +1427,12 @@ def prober_main() -> None:
                 with grpc.insecure_channel(parts[1]) as ch:
                     r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
                 out = {"serving": r.status == health_pb2.HealthCheckResponse.SERVING}
+            elif parts[0] == "tcp":  # a kubelet's tcpSocket probe: the connection opens, then closes
+                import socket
+
+                host, _, port = parts[1].rpartition(":")
+                with socket.create_connection((host, int(port)), timeout=float(parts[2]) if len(parts) > 2 else 3.0):
+                    out = {"serving": True}
             elif parts[0] == "status":
                 from controller.client import ControllerClient
                 from common.rpc import RpcConfig
