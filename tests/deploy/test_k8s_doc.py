@@ -301,3 +301,26 @@ def test_the_doc_generates_one_job_in_one_namespace(rendered: Rendered) -> None:
     for kind, name in [("Job", "ctr-data"), ("Job", "ctr-controller"), ("Job", "ctr-ps"), ("Job", "ctr-worker"),
                        ("CronJob", "ctr-deliver"), ("PersistentVolumeClaim", "ctr-data"), ("JobSet", "ctr")]:
         assert rendered.has(kind, name, "ctr"), (kind, name)
+
+
+def test_the_doc_shows_the_job_it_runs_and_day_2_warm_starts_from_day_1(doc: Any, rendered: Rendered) -> None:
+    """Section 3's ``[deploy]`` is configs/k8s_job.toml's, and every ``--warm-start-from`` names the
+    checkpoints directory of a run the doc generated before (day 1's ``--checkpoint-root``)."""
+    import tomllib
+
+    text = DOC.read_text()
+    section = text[text.index("## 3. Generate and apply"):text.index("**Per-role volumes**")]
+    (shown,) = [tomllib.loads(b) for b in re.findall(r"```toml\n(.*?)```", section, re.S)]
+    job = tomllib.loads((REPO / "configs" / "k8s_job.toml").read_text())
+    assert shown["deploy"] == job["deploy"], "section 3's [deploy] is not configs/k8s_job.toml's"
+    roots = set()
+    for docs in rendered.by_dir.values():
+        for d in docs:
+            if d["kind"] == "Job" and d["metadata"]["name"] == "ctr-controller":
+                a = d["spec"]["template"]["spec"]["containers"][0]["args"]
+                roots.add(a[a.index("--checkpoint-root") + 1])
+    starts = [w[i + 1] for cmd, _ in doc[0] for w in split_pipeline(cmd) for i, x in enumerate(w)
+              if x == "--warm-start-from"]
+    assert starts, "no --warm-start-from in the doc"
+    for s in starts:
+        assert f"/data/{s}" in roots, f"--warm-start-from {s}: no run of the doc checkpoints there ({sorted(roots)})"
