@@ -51,16 +51,18 @@ scale-down in the suite).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
+import shutil
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -395,6 +397,31 @@ def run_lifecycle(root: Path, epochs: int, rows_per_batch: float, day1: bool = T
     return out
 
 
+
+@contextlib.contextmanager
+def _scratch(grace_s: float = 30.0) -> Iterator[str]:
+    """A scratch folder removed at the end. A pod's output can still land in it just after its
+    simulation closed (a pod thread that outlived close()'s join on a loaded box): removal is
+    retried for ``grace_s``, then fails naming what is left, so a process that keeps writing
+    is still reported."""
+    tmp = tempfile.mkdtemp(prefix="bench-k8s-")
+    try:
+        yield tmp
+    finally:
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                shutil.rmtree(tmp)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    left = sorted(str(q.relative_to(tmp)) for q in Path(tmp).rglob("*"))[:20]
+                    raise OSError(f"{tmp}: still written to {grace_s:.0f} s after the simulations closed "
+                                  f"({exc}); left: {left}") from None
+                time.sleep(0.5)
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller data, fewer epochs")
@@ -404,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows, epochs = (1000, 1) if args.smoke else (4000, 4) if args.quick else (20000, 4)
     load0 = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-k8s-") as tmp:
+    with _scratch() as tmp:
         root = Path(tmp)
         n_rows, n_batches = _data(root / "data", rows)
         per_batch = n_rows / n_batches
