@@ -40,7 +40,8 @@ class MetaConfig:
     """Inner loop of the meta step.
 
     Args:
-        inner_steps: SGD steps on each task's support set (0 = no adaptation).
+        inner_steps: SGD steps on each task's support set (0 = no gradient step: no adaptation at all
+            unless ``offset_steps > 0``, the offset-only recipe; see :attr:`adapts`).
         inner_lr: inner SGD learning rate.
         first_order: stop gradients through the inner gradients (FOMAML).
         adapt: adapt the dense parameters, the gathered embedding rows, or both.
@@ -90,9 +91,10 @@ class MetaConfig:
             ``offset_prior / 2 * b^2``, and add it to that head's logit on the query rows
             (:mod:`models.meta_offset`). Applies wherever the inner loop runs (training's query loss,
             adapted evaluation, the plain model's fine-tuning in ``bench.quality``, a bundle's
-            adaptation); under ``first_order`` the offset is detached in training. Needs
-            ``inner_steps >= 1`` (``inner_steps = 0`` means no adaptation). ESMM: the offset is on the
-            CTCVR logit the loss uses (see the module). Default 0: off, the inner loop of before.
+            adaptation); under ``first_order`` the offset is detached in training. With ``inner_steps = 0``
+            it is the offset-only recipe: no gradient step, the offset fitted on the base model's support
+            logits (:attr:`adapts` is True). ESMM: the offset is on the CTCVR logit the loss uses (see the
+            module). Default 0: off, the inner loop of before.
         offset_prior: ``lambda`` (> 0, finite), the prior precision of the offset: the Newton
             curvature is at least lambda and the offset shrinks towards 0 on little evidence
             (``lambda -> inf``: no offset). Ignored when ``offset_steps = 0``. Default 16.0: chosen in
@@ -150,9 +152,6 @@ class MetaConfig:
         k = self.offset_steps
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"offset_steps must be an int >= 0, got {k!r}")
-        if k > 0 and self.inner_steps == 0:
-            raise ValueError(f"offset_steps = {k} needs inner_steps >= 1 (inner_steps = 0 means no adaptation, "
-                             "the offset included); set offset_steps = 0")
         lam = self.offset_prior
         if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (lam > 0 and lam < float("inf")):
             raise ValueError(f"offset_prior must be a finite float > 0, got {lam!r}")
@@ -160,6 +159,12 @@ class MetaConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def adapts(self) -> bool:
+        """Whether a task is adapted at all: a gradient step (``inner_steps > 0``) or the Newton offset
+        (``offset_steps > 0``, alone: the offset-only recipe). False: base scores only."""
+        return self.inner_steps > 0 or self.offset_steps > 0
 
     @property
     def adapts_dense(self) -> bool:

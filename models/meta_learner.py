@@ -100,6 +100,11 @@ class MetaLearner(nn.Module):
         return int(self.cfg.inner_steps)
 
     @property
+    def adapts(self) -> bool:
+        """``cfg.adapts``: a gradient step or the Newton offset (the offset-only recipe) adapts each task."""
+        return bool(self.cfg.adapts)
+
+    @property
     def inner_lr(self) -> float:
         """``cfg.inner_lr``: the fixed rate, and the learned rates' initial value."""
         return float(self.cfg.inner_lr)

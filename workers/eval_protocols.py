@@ -229,7 +229,7 @@ def evaluate_protocol(
         model: the trained model (eager, dense parameters loaded).
         rows_src: ``pull(ids) -> rows`` (e.g. :class:`FixedRows`, a PS row source).
         batches: from :func:`protocol_batches`.
-        meta_cfg: the inner loop for adapted scores (None or 0 steps: base only).
+        meta_cfg: the inner loop for adapted scores (None, or no inner step and no offset: base only).
         adapt: score adapted too (meta batches only).
         task_key: the task key column of plain rows without task keys (for GAUC); Parquet/CSV
             plain rows are tagged with the key column itself (of kind ``key`` or ``sparse``).
@@ -237,7 +237,7 @@ def evaluate_protocol(
     Returns:
         ``{"rows", "tasks", "base": {head: metrics}, ["adapted": ..., "gain": {head: {...}}]}``.
     """
-    do_adapt = adapt and meta_cfg is not None and int(getattr(meta_cfg, "inner_steps", 0)) > 0
+    do_adapt = adapt and meta_cfg is not None and bool(getattr(meta_cfg, "adapts", False))  # offset-only adapts too
     parts: dict[str, dict[str, dict[str, list[np.ndarray]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     keys_parts: list[np.ndarray] = []
     have_keys = True

@@ -77,8 +77,9 @@ def test_config_is_validated_naming_the_key() -> None:
     for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
         with pytest.raises(ConfigError, match="offset_prior"):
             from_mapping(MetaConfig, {"offset_prior": bad}, where="job.toml [meta]")
-    with pytest.raises(ConfigError, match="offset_steps = 2 needs inner_steps >= 1"):
-        from_mapping(MetaConfig, {"offset_steps": 2, "inner_steps": 0}, where="job.toml [meta]")
+    only = from_mapping(MetaConfig, {"offset_steps": 2, "inner_steps": 0}, where="job.toml [meta]")
+    assert only.adapts and not MetaConfig(inner_steps=0).adapts and MetaConfig().adapts  # the offset-only recipe
+    assert MetaLearner(_model()[1], only).adapts
     cfg = from_mapping(MetaConfig, {"offset_steps": 3, "offset_prior": 4})
     assert cfg.offset_prior == 4.0 and isinstance(cfg.offset_prior, float)
     assert from_mapping(MetaConfig, to_dict(cfg)) == cfg  # the bundle recipe round-trips it
@@ -168,14 +169,15 @@ def test_off_is_bit_identical_to_the_default(learn) -> None:
 
 
 # -- evaluation: adapt_and_predict ------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["dnn", "esmm"])
-def test_adapted_predictions_add_the_reference_offset(kind) -> None:
+@pytest.mark.parametrize("kind,inner_steps", [("dnn", 1), ("esmm", 1), ("dnn", 0)])
+def test_adapted_predictions_add_the_reference_offset(kind, inner_steps) -> None:
     """Per task: sigmoid(adapted query logit + b_ref), b_ref from the formula on the adapted support logits.
 
-    ESMM: the offset is on the loss's CTCVR logit, logit(p_ctcvr) (models/meta_offset.py)."""
+    ESMM: the offset is on the loss's CTCVR logit, logit(p_ctcvr) (models/meta_offset.py).
+    ``inner_steps = 0``: the offset-only recipe, b_ref on the base model's support logits."""
     schema, model = _model(kind)
     mb, rows = _batch(schema, model, 4)
-    cfg = MetaConfig(inner_steps=1, inner_lr=0.3, offset_steps=2, offset_prior=1.5)
+    cfg = MetaConfig(inner_steps=inner_steps, inner_lr=0.3, offset_steps=2, offset_prior=1.5)
     for vectorize in (True, False):
         import dataclasses
 
@@ -242,12 +244,13 @@ def reference(model, mb: MetaBatch, rows, cfg: MetaConfig):
     return total.detach(), dict(zip(P, grads[: len(P)])), dict(zip(R, grads[len(P):]))
 
 
-@pytest.mark.parametrize("first_order", [True, False])
-def test_meta_step_trains_on_the_offset_query_loss(first_order) -> None:
+@pytest.mark.parametrize("first_order,inner_steps", [(True, 1), (False, 1), (True, 0), (False, 0)])
+def test_meta_step_trains_on_the_offset_query_loss(first_order, inner_steps) -> None:
+    """``inner_steps = 0``: the offset-only recipe (no gradient step, the offset on the base's support logits)."""
     schema, model = _model()
     mb, rows = _batch(schema, model, 5)
     mb.query.mask[1] = False  # a real task without query rows: weight 0
-    cfg = MetaConfig(inner_steps=1, inner_lr=0.3, first_order=first_order, adapt=AdaptTarget.BOTH,
+    cfg = MetaConfig(inner_steps=inner_steps, inner_lr=0.3, first_order=first_order, adapt=AdaptTarget.BOTH,
                      offset_steps=2, offset_prior=1.5)
     res = meta_step(model, mb, rows, cfg)
     want_loss, want_dense, want_rows = reference(model, mb, rows, cfg)
@@ -256,7 +259,7 @@ def test_meta_step_trains_on_the_offset_query_loss(first_order) -> None:
         assert set(got) == set(want)
         for k in want:
             torch.testing.assert_close(got[k].double(), want[k].double(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    off = meta_step(model, mb, rows, MetaConfig(inner_steps=1, inner_lr=0.3, first_order=first_order))
+    off = meta_step(model, mb, rows, MetaConfig(inner_steps=inner_steps, inner_lr=0.3, first_order=first_order))
     assert abs(float(off.outer_loss) - float(res.outer_loss)) > 1e-3, "the offset changed nothing"
     # vmap == loop
     import dataclasses
