@@ -702,6 +702,8 @@ def _set_texts(overrides: Overrides | None) -> list[str]:
             raise ApiError(f"overrides: keys are dotted job-file keys like 'train.max_steps', got {key!r}")
         if isinstance(value, Mapping):
             raise ApiError(f"overrides {key!r}: give one dotted key per value (e.g. '{key}.KEY'), not a table")
+        if value is None:  # dumps leaves a None key out (unset): an override must set a value
+            raise ApiError(f"overrides {key!r}: TOML has no null; give a value")
         try:
             text = dumps({"v": value}).strip()
         except MetapsError as exc:
