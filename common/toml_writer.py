@@ -3,9 +3,11 @@
 Two uses:
 
 * :func:`dumps` / :func:`write`: plain data (what job files hold: nested tables of
-  strings, ints, floats, bools, lists of those, lists of tables) as TOML text. ``None``
-  has no TOML form and is refused, as is any other type, with the dotted key named.
-  The output parses back with ``tomllib`` to an equal mapping.
+  strings, ints, floats, bools, lists of those, lists of tables) as TOML text. TOML has
+  no null: a key whose value is ``None`` is an unset key and is left out (a config's
+  optional field, e.g. a ``[[ps.tables]]`` override's ``dim``, reads back as unset, i.e.
+  ``None`` again); ``None`` in an array, and any other type, is refused with the dotted
+  key named. The output parses back with ``tomllib`` to the mapping less its ``None`` keys.
 * :func:`set_keys`: change dotted keys in existing TOML text and keep everything else
   as it was: comments, blank lines, key order, quoting (``metaps config-write``).
 
@@ -36,7 +38,8 @@ class TomlWriteError(MetapsError, ValueError):
 
 
 def _plain(v: Any, where: str) -> Any:
-    """``v`` checked for a TOML form (the error names ``where``), Paths as strings, tuples as lists."""
+    """``v`` checked for a TOML form (the error names ``where``), Paths as strings, tuples as lists,
+    keys whose value is ``None`` (unset) left out of their table."""
     if isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, Path):
@@ -46,12 +49,14 @@ def _plain(v: Any, where: str) -> Any:
         for k, x in v.items():
             if not isinstance(k, str):
                 raise TomlWriteError(f"{where}: TOML keys must be strings, got {type(k).__name__} {k!r}")
+            if x is None:  # an unset key: TOML says so by its absence
+                continue
             out[k] = _plain(x, f"{where}.{k}" if where != "<root>" else k)
         return out
     if isinstance(v, (list, tuple)):
         return [_plain(x, f"{where}[{i}]") for i, x in enumerate(v)]
     if v is None:
-        raise TomlWriteError(f"{where}: TOML has no null; drop the key or give a value")
+        raise TomlWriteError(f"{where}: TOML has no null; give a value (only a table's key can be unset: left out)")
     raise TomlWriteError(f"{where}: cannot write {type(v).__name__} {v!r} as TOML")
 
 
@@ -59,7 +64,8 @@ def dumps(data: Mapping[str, Any]) -> str:
     """``data`` as TOML text: scalars first, then one ``[section]`` per nested table.
 
     Args:
-        data: a mapping of str keys to scalars, lists and nested mappings.
+        data: a mapping of str keys to scalars, lists and nested mappings; a key whose value is
+            ``None`` is left out.
 
     Raises:
         TomlWriteError: a value has no TOML form (the message names its key).

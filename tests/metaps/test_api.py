@@ -13,6 +13,7 @@ tests/metaps/test_launch_max_steps.py (one fleet checks both the step limit and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -198,3 +199,26 @@ def test_the_cli_keeps_the_deliver_gate_rule(tmp_path: Path, capsys: pytest.Capt
     assert main(["deliver", "--run", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("metaps deliver: error: no --holdout given") and "\n" not in err, err
+
+
+def test_a_ps_tables_override_with_its_optional_keys_unset_trains(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """docs/configuration.md: a ``[[ps.tables]]`` override sets only what it names. train-local writes
+    the effective job to ``RUN/job.toml``; the unset keys (None) are left out there and read back
+    unset (it stopped with "ps.tables[0].dim: TOML has no null")."""
+    from metaps.job import load_job
+
+    job = {"data": {"train": str(tiny["metaio"])}, "model": {"default_dim": 8, "hidden": [8]},
+           "ps": {"tables": [{"name": "item", "capacity": 999}]}, "run": {"plots": False}}
+    res = api.train_local(job, max_steps=1, run_dir=tmp_path / "run", progress=False)
+    assert res.status == "succeeded", res.reason
+    back = load_job(tmp_path / "run" / "job.toml")
+    assert [dataclasses.asdict(t) for t in back.ps.tables] == [dataclasses.asdict(t) for t in api.load_job(job).ps.tables]
+    assert back.ps.tables[0].dim is None and back.ps.tables[0].capacity == 999
+    item = {t.name: t for t in back.table_configs()}["item"]
+    assert (item.capacity, item.dim) == (999, 8)
+
+
+def test_a_none_override_is_refused_by_key() -> None:
+    with pytest.raises(api.ApiError) as e:
+        api.load_job({}, overrides={"train.max_steps": None})
+    _one_line(e.value, "train.max_steps", "no null")

@@ -29,7 +29,19 @@ def test_special_floats() -> None:
     assert back["a"] == math.inf and back["b"] == -math.inf and math.isnan(back["c"]) and back["d"] == 1e300
 
 
-@pytest.mark.parametrize("bad, where", [({"ps": {"host": None}}, "ps.host"), ({"x": {"o": object()}}, "x.o"),
+def test_a_none_key_is_unset_and_left_out() -> None:
+    """TOML has no null: a table's None key (a config's unset optional field) is left out, and an
+    unset ``[[ps.tables]]`` override reads back as the same override."""
+    from common.config import from_mapping, to_dict
+    from ps.config import PsConfig
+
+    assert tomllib.loads(dumps({"ps": {"host": None, "shards": 2, "tables": [{"name": "u", "dim": None}]}})) == \
+        {"ps": {"shards": 2, "tables": [{"name": "u"}]}}
+    cfg = PsConfig(tables=[from_mapping(PsConfig, {"tables": [{"name": "item", "capacity": 9}]}).tables[0]])
+    assert from_mapping(PsConfig, tomllib.loads(dumps({"ps": to_dict(cfg)}))["ps"]) == cfg
+
+
+@pytest.mark.parametrize("bad, where", [({"x": {"l": [None]}}, r"x.l\[0\]"), ({"x": {"o": object()}}, "x.o"),
                                         ({"x": {"l": [1, None]}}, r"x.l\[1\]"), ({"x": {1: 2}}, "x")])
 def test_values_without_a_toml_form_are_refused_by_key(bad: dict, where: str) -> None:
     with pytest.raises(TomlWriteError, match=where):
