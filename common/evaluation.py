@@ -36,15 +36,21 @@ def _np(x: ArrayLike) -> np.ndarray:
     return np.asarray(x)
 
 
+def _mask(mask: ArrayLike, labels: np.ndarray) -> np.ndarray:
+    """``mask`` as a flat bool array, checked against the (flat) labels' size."""
+    m = _np(mask).reshape(-1).astype(bool)
+    if m.shape != labels.shape:
+        raise ValueError(f"mask size {m.shape[0]} does not match labels size {labels.shape[0]}")
+    return m
+
+
 def _prepare(labels: ArrayLike, scores: ArrayLike, mask: ArrayLike | None) -> tuple[np.ndarray, np.ndarray]:
     y = _np(labels).reshape(-1)
     s = _np(scores).reshape(-1)
     if y.shape != s.shape:
         raise ValueError(f"labels and scores differ in size: {y.shape[0]} vs {s.shape[0]}")
     if mask is not None:
-        m = _np(mask).reshape(-1).astype(bool)
-        if m.shape != y.shape:
-            raise ValueError(f"mask size {m.shape[0]} does not match labels size {y.shape[0]}")
+        m = _mask(mask, y)
         y, s = y[m], s[m]
     y = y.astype(np.float64)
     bad = (y != 0) & (y != 1)
@@ -123,9 +129,7 @@ def _grouped(
     if g.shape != y.shape:
         raise ValueError(f"groups size {g.shape[0]} does not match labels size {y.shape[0]}")
     if mask is not None:
-        m = _np(mask).reshape(-1).astype(bool)
-        if m.shape != y.shape:
-            raise ValueError(f"mask size {m.shape[0]} does not match labels size {y.shape[0]}")
+        m = _mask(mask, y)
         g, y, s = g[m], y[m], s[m]
     keys, gidx = np.unique(g, return_inverse=True)
     gidx = gidx.reshape(-1)

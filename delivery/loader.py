@@ -43,6 +43,7 @@ from delivery.dense import flat_inputs, load_scripted
 from delivery.publish import LATEST, Publisher
 from meta_io.batch import FeatureBatch, PlainBatch
 from meta_io.schema import Schema, schema_from_dict
+from common.errors import DataError
 from common.log import kv
 
 log = logging.getLogger(__name__)
@@ -200,18 +201,13 @@ class ServingModel:
     # -- prediction ----------------------------------------------------------------------
     def batch_rows(self, features: FeatureBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(unique_ids, rows)`` per table for a batch (unique ids computed from its id columns)."""
-        per_table: dict[str, list[torch.Tensor]] = {t: [] for t in self._tables}
-        for c in self.schema.id_columns:
-            if c.table_name in per_table:
-                if c.name not in features.ids:
-                    raise DeliveryError(f"batch has no id column '{c.name}' (table '{c.table_name}'); "
-                                        f"got {sorted(features.ids)}")
-                per_table[c.table_name].append(features.ids[c.name].reshape(-1))
+        try:
+            gathered = features.unique_ids(self.schema.id_columns, self._tables)
+        except DataError as exc:
+            raise DeliveryError(str(exc)) from None
         uniq: dict[str, torch.Tensor] = {}
         rows: dict[str, torch.Tensor] = {}
-        for t, parts in per_table.items():
-            v = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-            u = torch.unique(v[v >= 0])
+        for t, u in gathered.items():
             if u.numel() == 0:
                 # The traced graph indexes position 0; a batch with no id of this table gets one dummy.
                 u = torch.zeros(1, dtype=torch.int64)
@@ -231,8 +227,7 @@ class ServingModel:
         """
         features = batch.features if isinstance(batch, PlainBatch) else batch
         lead = tuple(features.shape)
-        if len(lead) != 1:
-            features = features.map(lambda t: t.reshape((-1,) + tuple(t.shape[len(lead):])))
+        features = features.flat()
         uniq, rows = self.batch_rows(features)
         try:
             out = self.module(*flat_inputs(self._inputs, features, uniq, rows))

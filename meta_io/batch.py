@@ -25,10 +25,12 @@ Per-feature tensors::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:  # annotations only: opening a dataset (controller, launcher) needs no torch
     import torch
+
+    from meta_io.schema import ColumnSpec
 
 
 @dataclass
@@ -61,6 +63,43 @@ class FeatureBatch:
             scenario=fn(self.scenario),
             oracle={k: fn(v) for k, v in self.oracle.items()},
         )
+
+    def flat(self) -> "FeatureBatch":
+        """The same rows with a one-dimensional leading shape ``[prod(L)]`` (itself when already flat)."""
+        lead = tuple(self.shape)
+        if len(lead) == 1:
+            return self
+        return self.map(lambda t: t.reshape((-1,) + tuple(t.shape[len(lead):])))
+
+    def unique_ids(self, id_columns: "Sequence[ColumnSpec]", tables: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Table -> the sorted unique ids (padding ``-1`` dropped) of every id column of that table,
+        for each of ``tables`` (an empty int64 tensor for a table no column of this batch uses).
+
+        The one gather before a lookup: serving (``delivery.loader``) and the API score with it.
+
+        Args:
+            id_columns: the schema's id columns (``Schema.id_columns``), each naming its table.
+            tables: the tables to gather ids for; columns of other tables are skipped.
+
+        Raises:
+            DataError: an id column of one of ``tables`` is missing from the batch (named).
+        """
+        import torch
+
+        from common.errors import DataError
+
+        parts: dict[str, list[torch.Tensor]] = {t: [] for t in tables}
+        for c in id_columns:
+            if c.table_name in parts:
+                if c.name not in self.ids:
+                    raise DataError(f"batch has no id column '{c.name}' (table '{c.table_name}'); "
+                                    f"got {sorted(self.ids)}")
+                parts[c.table_name].append(self.ids[c.name].reshape(-1))
+        out: dict[str, torch.Tensor] = {}
+        for t, ps in parts.items():
+            v = torch.cat(ps) if ps else torch.zeros(0, dtype=torch.int64)
+            out[t] = torch.unique(v[v >= 0])
+        return out
 
 
 @dataclass

@@ -331,18 +331,9 @@ class TrainedModel:
         import torch
 
         lead = tuple(features.shape)
-        if len(lead) != 1:
-            features = features.map(lambda t: t.reshape((-1,) + tuple(t.shape[len(lead):])))
-        parts: dict[str, list[torch.Tensor]] = {t: [] for t in self.tables}
-        for c in self.schema.id_columns:
-            if c.table_name in parts and c.name in features.ids:
-                parts[c.table_name].append(features.ids[c.name].reshape(-1))
-        uniq: dict[str, torch.Tensor] = {}
-        rows: dict[str, torch.Tensor] = {}
-        for t, ps in parts.items():
-            v = torch.cat(ps) if ps else torch.zeros(0, dtype=torch.int64)
-            u = torch.unique(v[v >= 0])
-            uniq[t], rows[t] = u, self.tables[t].lookup(u)
+        features = features.flat()
+        uniq = features.unique_ids(self.schema.id_columns, self.tables)
+        rows = {t: self.tables[t].lookup(u) for t, u in uniq.items()}
         with torch.no_grad():
             out = self.model.predict(features, rows, uniq)
         return {h: o.reshape(lead) for h, o in out.items()}
