@@ -6,17 +6,24 @@ inner loop scored 0.794 -> 0.790 click AUC under first-k K=8 (issue 29). So befo
 the deliver gate scores a small candidate set of :class:`~delivery.adapt.Recipe` s on its holdout
 (users the model did not train on) and the bundle serves the best::
 
-    candidates (simplest first)                          scored on the holdout's episodes
+    candidates (simplest first, 16)                      scored on the holdout's episodes
       none            0 inner steps, no offset             first-k: per user the first K rows by time
       offset          Newton offset on the base logits,    are the support, every later row is a
-                      priors OFFSET_PRIORS                  query row scored once (meta_io.firstk)
+                      priors OFFSET_PRIORS (1, 4, 16)       query row scored once (meta_io.firstk)
       inner           the configured steps at inner_lr x    (a Meta-IO meta holdout: its episodes)
                       LR_SCALES (1 = the configured rate)
-      inner+offset    each inner rate + the offset at the  -> AUC per head over every query row,
-                      configured prior (or 16 when off)       the mean over heads with an AUC
-      (the configured recipe itself is always a candidate)
+      inner+offset    each inner rate + the offset at      -> AUC per head over every query row,
+                      each prior of OFFSET_PRIORS             the mean over heads with an AUC
+      (the configured recipe, and its offset prior, are always candidates)
                                           |
     chosen = the simplest candidate whose mean AUC is within ``tie_tol`` of the best
+
+The offset's prior is chosen with the rest of the recipe: a weak prior (1) keeps most of an offset's
+gain where users truly differ, a strong one (16) guards against noise on a few support rows; which
+wins depends on the data, so every prior is tried alone and after each inner rate. The "+ offset"
+candidates of one inner rate share its adaptation: the offset is a per-task shift of the adapted
+logits (:func:`delivery.adapt.offset_probs`), so the three priors cost three Newton fits of ``[T]``
+scalars per head, not three inner loops.
 
 "No adaptation" is the first candidate, so the chosen recipe's mean validation AUC is never below
 the base's: either "none" itself is chosen, or a candidate beat it by more than ``tie_tol``.
@@ -158,27 +165,46 @@ def candidate_recipes(
 ) -> list[Recipe]:
     """The candidate set, simplest first, no duplicates; ``Recipe(0, lr)`` (no adaptation) is first.
 
+    ``1 + P + R + R x P`` recipes for ``R`` inner rates and ``P`` offset priors (16 with the defaults):
+    none; an offset alone at each prior; each inner rate alone; each inner rate + an offset at each
+    prior (the prior is chosen with the rate, not fixed); the configured recipe when it is none of these.
+
     Args:
         configured: the bundle's configured recipe (always a candidate).
         learned_rates: the inner rates are learned (Meta-SGD): only the configured rate is tried.
         lr_scales: multiples of the configured ``inner_lr`` for the inner candidates.
-        offset_priors: priors of the offset-only candidates.
+        offset_priors: priors of the offset candidates, alone and after each inner rate
+            (:func:`offset_candidate_priors`: the configured prior is added).
         offset_steps: Newton iterations of an added offset (the configured count when it has one).
     """
     lr = configured.inner_lr
     steps = configured.inner_steps or 1
     o_steps = configured.offset_steps or offset_steps
-    o_prior = configured.offset_prior if configured.offset_steps else 16.0
+    priors = offset_candidate_priors(configured, offset_priors)
     scales = (1.0,) if learned_rates else tuple(lr_scales)
     out = [Recipe(0, lr)]
-    out += [Recipe(0, lr, o_steps, float(p)) for p in offset_priors]
+    out += [Recipe(0, lr, o_steps, p) for p in priors]
     out += [Recipe(steps, lr * s) for s in scales]
-    out += [Recipe(steps, lr * s, o_steps, o_prior) for s in scales]
-    out.append(configured if configured.inner_steps else Recipe(0, lr))
+    out += [Recipe(steps, lr * s, o_steps, p) for s in scales for p in priors]
+    out.append(configured)
     seen: dict[Recipe, None] = {}
     for r in out:
         seen.setdefault(_canonical(r), None)
     return sorted(seen, key=lambda r: r.simplicity)  # stable: the order above within a kind
+
+
+def offset_candidate_priors(configured: Recipe, offset_priors: Sequence[float] = OFFSET_PRIORS) -> tuple[float, ...]:
+    """The offset priors the candidates try: ``offset_priors`` in order, then the configured recipe's prior
+    when it has an offset and the prior is not among them.
+
+    Args:
+        configured: the bundle's configured recipe.
+        offset_priors: the priors tried whatever the configuration (:data:`OFFSET_PRIORS`).
+    """
+    priors = [float(p) for p in offset_priors]
+    if configured.offset_steps:
+        priors.append(float(configured.offset_prior))
+    return tuple(dict.fromkeys(priors))
 
 
 def _canonical(r: Recipe) -> Recipe:

@@ -95,6 +95,9 @@ def test_the_choice_is_never_worse_than_no_adaptation_on_validation(world) -> No
     kinds = _by_kind(rec)
     assert set(kinds) == {"none", "offset", "inner", "inner+offset"}
     assert len(kinds["offset"]) == 3 and len(kinds["inner"]) == 3  # priors 1/4/16, rates x0.1/0.3/1
+    # each inner rate + an offset at each prior: the prior is chosen with the rate, not fixed at 16
+    assert sorted((c["recipe"]["inner_lr"], c["recipe"]["offset_prior"]) for c in kinds["inner+offset"]) == sorted(
+        (c["recipe"]["inner_lr"], p) for c in kinds["inner"] for p in (1.0, 4.0, 16.0))
     none = kinds["none"][0]["mean_auc"]
     chosen = next(c for c in rec["candidates"] if c["recipe"] == rec["choice"])
     best = max(c["mean_auc"] for c in rec["candidates"])
@@ -127,11 +130,11 @@ def test_the_gate_reads_the_holdout_once_and_tells_each_candidate(world) -> None
     n = len(rec["candidates"])
     by_name = {c["name"]: c for c in rec["candidates"]}
     # each inner loop's candidates come together (its "+ offset" twin right after it)
-    assert n == 10 and sorted(x["candidate"] for x in lines) == sorted(by_name), world["stderr"]
+    assert n == 16 and sorted(x["candidate"] for x in lines) == sorted(by_name), world["stderr"]
     assert [int(x["left"]) for x in lines] == list(range(n - 1, -1, -1))
     assert [x["done"] for x in lines] == [f"{i}/{n}" for i in range(1, n + 1)]
     assert [float(x["mean_auc"]) for x in lines] == [round(by_name[x["candidate"]]["mean_auc"], 5) for x in lines]
-    # the gate stage's progress counts the candidates: consistency, the AUC, 10 candidates, the comparison
+    # the gate stage's progress counts the candidates: consistency, the AUC, 16 candidates, the comparison
     steps = [(d, t) for stage, d, t in world["told"] if stage == "gate"]
     check_stage(steps, n + 3)
     assert sorted({d for d, _ in steps}) == list(range(n + 4)), steps
@@ -301,8 +304,8 @@ def test_a_holdout_without_episodes_ships_the_configured_recipe(world) -> None:
     report = run_gate(world["bundle"], holdout=str(world["holdout"]), adapt_k=100_000, progress=rec)
     assert report.ok and report.auc and report.adapt["selected"] is False
     # the gate's steps: consistency, the AUC, (no candidate could be scored), the published comparison
-    check_stage(rec.of("gate"), 13)
-    assert [d for d, _ in rec.of("gate")] == [0, 1, 2, 12, 13]
+    check_stage(rec.of("gate"), 19)
+    assert [d for d, _ in rec.of("gate")] == [0, 1, 2, 18, 19]
     assert "no validation episode" in report.adapt["reason"]
     assert report.record(str(world["holdout"]))["adapt"] == report.adapt
 
@@ -328,3 +331,22 @@ def test_a_meta_io_holdout_is_validated_on_its_episodes(world, tmp_path) -> None
             select_recipe(served, plain, K)
     finally:
         served.close()
+
+
+def test_the_candidates_pair_every_inner_rate_with_every_offset_prior() -> None:
+    """none, an offset alone at priors 1/4/16, each inner rate alone and + an offset at each prior; the
+    configured prior joins the priors; learned rates try the configured rate only."""
+    from delivery.adapt_select import candidate_recipes
+
+    got = candidate_recipes(Recipe(1, 0.1))
+    rates = (0.1 * 0.1, 0.1 * 0.3, 0.1)
+    assert got == ([Recipe(0, 0.1)] + [Recipe(0, 0.1, 4, p) for p in (1.0, 4.0, 16.0)]
+                   + [Recipe(1, r) for r in rates] + [Recipe(1, r, 4, p) for r in rates for p in (1.0, 4.0, 16.0)])
+    conf = Recipe(2, 0.05, 3, 2.0)  # its offset's steps and prior join the candidates
+    got = candidate_recipes(conf)
+    assert len(got) == 1 + 4 + 3 + 12 and conf in got
+    assert {r.offset_prior for r in got if r.offset_steps} == {1.0, 2.0, 4.0, 16.0}
+    assert {r.offset_steps for r in got if r.offset_steps} == {3}
+    learned = candidate_recipes(Recipe(1, 0.1), learned_rates=True)
+    assert [r.name for r in learned if r.inner_steps] == ["inner(1x0.1)"] + [f"inner(1x0.1)+offset(4, prior {p})"
+                                                                           for p in (1, 4, 16)]
