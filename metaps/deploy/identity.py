@@ -3,7 +3,8 @@
 Kubernetes hands a pod no hand-written addresses, only names::
 
     PS Indexed Job pod        $JOB_COMPLETION_INDEX = 3     -> shard 3   (``metaps ps --shard auto``;
-                              hostname metaps-ps-3, a StatefulSet-style name, where the index is unset)
+                              where that is unset, the hostname's trailing number: an Indexed Job
+                              pod's hostname is JOB-INDEX, e.g. metaps-ps-3)
     all-reduce Indexed Job    $JOB_COMPLETION_INDEX = 5     -> rank 5    (``metaps worker --rank auto``)
     work-queue Job (PS mode)  pod name, ClaimWorker RPC     -> an index from the controller
     PS addresses              ``{k}`` pattern, e.g. metaps-ps-{k}.metaps-ps:5000 (stable DNS names
@@ -38,7 +39,7 @@ def pod_name(env: Mapping[str, str] | None = None) -> str:
 
 
 def pod_ordinal(name: str) -> int:
-    """The trailing number of a StatefulSet pod name (``metaps-ps-3`` -> 3).
+    """The trailing number of an indexed pod's name (an Indexed Job pod's hostname ``metaps-ps-3`` -> 3).
 
     Raises:
         ConfigError: the name does not end in ``-<number>``.
@@ -46,7 +47,7 @@ def pod_ordinal(name: str) -> int:
     m = _ORDINAL.search(name)
     if not m:
         raise ConfigError(f"--shard auto: pod name {name!r} does not end in -<ordinal> "
-                          f"(a StatefulSet pod is NAME-0, NAME-1, ...); pass --shard K")
+                          f"(an Indexed Job pod's hostname is JOB-0, JOB-1, ...); pass --shard K")
     return int(m.group(1))
 
 

@@ -425,21 +425,17 @@ class PodSim:
             if first:
                 os.chmod(p, 0o777)  # as the kubelet makes an emptyDir (before fsGroup)
             return p
-        if "configMap" in vol:
-            cm = self.obj("ConfigMap", vol["configMap"]["name"])
-            p = pod.dir / "cm" / name
+        if "configMap" in vol or "secret" in vol:  # projected files, each at the source's defaultMode
+            src = vol.get("configMap") or vol["secret"]
+            if "configMap" in vol:
+                files = {k: v.encode() for k, v in self.obj("ConfigMap", src["name"]).get("data", {}).items()}
+            else:
+                files = {k: base64.b64decode(v) for k, v in self.obj("Secret", src["secretName"]).get("data", {}).items()}
+            p = pod.dir / ("cm" if "configMap" in vol else "secret") / name
             p.mkdir(parents=True, exist_ok=True)
-            for k, v in cm.get("data", {}).items():
-                (p / k).write_text(v)
-                os.chmod(p / k, vol["configMap"].get("defaultMode", 0o644))
-            return p
-        if "secret" in vol:
-            sec = self.obj("Secret", vol["secret"]["secretName"])
-            p = pod.dir / "secret" / name
-            p.mkdir(parents=True, exist_ok=True)
-            for k, v in sec.get("data", {}).items():
-                (p / k).write_bytes(base64.b64decode(v))
-                os.chmod(p / k, vol["secret"].get("defaultMode", 0o644))
+            for k, b in files.items():
+                (p / k).write_bytes(b)
+                os.chmod(p / k, src.get("defaultMode", 0o644))
             return p
         raise ValueError(f"pod {pod.name}: volume {name!r}: unsupported source {sorted(vol)}")
 
@@ -1049,6 +1045,13 @@ class PodSim:
                 raise TimeoutError(f"pod {name} not ready ({pod.phase}, exits {pod.exit_codes}); "
                                    f"log tail:\n{tail(pod.log_path)}")
             time.sleep(1.0)
+
+    def dial(self, kind: str, address: str, timeout_s: float = 1.0) -> dict[str, Any]:
+        """What a kubelet's probe of ``kind`` (``tcp``: a TCP connect; ``health``: a plaintext gRPC health
+        call) to ``address`` (a pod's ``ip:port``) sees, dialed from the hub namespace: ``{"serving": bool, ...}``."""
+        if kind not in ("tcp", "health"):
+            raise ValueError(f"dial: kind must be 'tcp' or 'health', got {kind!r}")
+        return self._prober.ask(f"{kind} {address} {timeout_s:g}")
 
     def controller_status(self, address: str, token: str) -> dict[str, Any]:
         """GetStatus of the controller at ``address`` (a pod address), called from the hub namespace."""

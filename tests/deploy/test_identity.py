@@ -1,4 +1,4 @@
-"""Identity from the environment: StatefulSet ordinals, Indexed Job ranks, PS address specs."""
+"""Identity from the environment: Indexed Job indexes and hostnames, PS address specs."""
 
 from __future__ import annotations
 

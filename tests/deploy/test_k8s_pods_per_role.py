@@ -95,10 +95,10 @@ def _dial_plaintext_while_serving(sim: PodSim, jobs: dict[str, int], out: dict[s
     while not stop.is_set() and set(jobs) - set(out):
         for job, port in jobs.items():
             pods = [p for p in sim.job_pods(job) if p.phase == "Running" and p.ip] if job not in out else []
-            if pods and sim._prober.ask(f"tcp {pods[0].ip}:{port} 1").get("serving"):
+            if pods and sim.dial("tcp", f"{pods[0].ip}:{port}").get("serving"):
                 p = pods[0]
-                plain = sim._prober.ask(f"health {p.ip}:{port} 3")
-                tcp = sim._prober.ask(f"tcp {p.ip}:{port} 1")  # still serving after the refusal
+                plain = sim.dial("health", f"{p.ip}:{port}", 3)
+                tcp = sim.dial("tcp", f"{p.ip}:{port}")  # still serving after the refusal
                 out[job] = {"pod": p.name, "tcp": tcp, "plaintext": plain, "still_running": p.phase == "Running"}
         time.sleep(0.1)
 
