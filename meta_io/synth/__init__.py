@@ -6,8 +6,9 @@ pipeline never imports it.
 """
 
 from meta_io.synth.generator import (
-    HIDDEN_KNOBS, SCENES, WORLDS, GeneratedData, GeneratorConfig, generate, generator_schema, world_config,
+    HIDDEN_KNOBS, SCENES, TASTE_KNOBS, WORLDS, GeneratedData, GeneratorConfig, generate, generator_schema,
+    world_config,
 )
 
-__all__ = ["HIDDEN_KNOBS", "SCENES", "WORLDS", "GeneratedData", "GeneratorConfig", "generate", "generator_schema",
-           "world_config"]
+__all__ = ["HIDDEN_KNOBS", "SCENES", "TASTE_KNOBS", "WORLDS", "GeneratedData", "GeneratorConfig", "generate",
+           "generator_schema", "world_config"]

@@ -18,8 +18,10 @@ Hidden model (per row r with user u, item i, scene s)::
                  + hour_effect[hour(r)] + 0.8 * <u_vec, i_vec> / sqrt(k)
                  + user_bias(u) + user_scene_bias(u, s)          <- personal
                  + hidden_click(u) + hidden_scene(u, s)          <- hidden (default 0)
+                 + taste(u, group(i))                            <- taste (default 0)
     p_cvr        = sigmoid(base_cvr[s] + item_cvr_bias(i) + 0.4 * <u_vec, i_vec>/sqrt(k)
-                           + 0.5 * user_bias(u) + hidden_cvr(u))
+                           + 0.5 * user_bias(u) + hidden_cvr(u)
+                           + taste_cvr_weight * taste(u, group(i)))
     p_click = sigmoid(logit_click);  p_conversion = p_click * p_cvr
     click ~ Bernoulli(p_click);  conversion = click AND Bernoulli(p_cvr)
 
@@ -45,10 +47,28 @@ personal terms above are mostly revealed by the bucketed user features, see
 std, so for one seed the offsets are proportional to it; with every std 0 the
 data are those of before the knobs existed, bit for bit.
 
+Per-user tastes (``GeneratorConfig.taste_std``, ``taste_groups``,
+``taste_cvr_weight``; ``taste_std`` 0 by default): every user has a hidden
+taste vector over ``taste_groups`` item groups, ``taste(u, g) ~ N(0,
+taste_std^2)`` i.i.d. over users and groups, drawn from a random stream of its
+own ("TASTE"). An item's group is a function of its cluster, ``group(i) =
+cluster(i) * taste_groups // N_CLUSTERS`` (contiguous blocks of clusters), and
+the cluster is visible: it is ``item_f0`` (and it shapes ``item_f1``, the
+title's own tokens and the item tags), so a model's item / category embeddings
+carry the group. No user column is computed from the taste: it is revealed
+only by a user's own labels, and by item group, so the right adaptation is a
+different score per item group, not one offset per user (the part of a
+user's taste vector that is a per-user offset is its mean over the groups:
+``1 / taste_groups`` of its variance). The taste enters the click logit in
+full and the cvr logit times ``taste_cvr_weight``. As with the hidden effects,
+every feature column of a taste world is byte-identical to the same seed's
+default world; only the labels and true probabilities change. No drift over
+time: a user's taste is the same on all 8 days.
+
 Memory: only per-user and per-item tables live in memory (about 250 bytes a
-user plus 56 for the hidden-effect tables, 200 bytes an item). Rows are
-generated and written one row group at a time, so 10M rows need the same row
-memory as 100k.
+user plus 56 for the hidden-effect tables and, in a taste world, 8 per taste
+group; 200 bytes an item). Rows are generated and written one row group at a
+time, so 10M rows need the same row memory as 100k.
 
 Example::
 
@@ -94,9 +114,13 @@ ZIPF_SHIFT = 10.0  # Zipf-Mandelbrot shift: the head id holds ~2% of rows, not 2
 HIDDEN_KNOBS = ("hidden_user_effect_std", "hidden_user_cvr_effect_std", "hidden_user_scene_effect_std")
 """The :class:`GeneratorConfig` fields of the hidden per-task effects."""
 
+TASTE_KNOBS = ("taste_std", "taste_groups", "taste_cvr_weight")
+"""The :class:`GeneratorConfig` fields of the per-user tastes over item groups (module docstring)."""
+
 WORLDS: dict[str, dict[str, Any]] = {  # Any: replace(**) checks each field's type
     "default": {},
     "hidden": {"hidden_user_effect_std": 1.5, "hidden_user_cvr_effect_std": 0.75},
+    "taste": {"taste_std": 1.5, "taste_groups": 4, "taste_cvr_weight": 0.5},
 }
 """Named worlds: :class:`GeneratorConfig` fields set over the defaults (:func:`world_config`).
 
@@ -132,6 +156,11 @@ class GeneratorConfig:
             drawn independently of the click offset; 0: none.
         hidden_user_scene_effect_std: std of a per-(user, scenario)
             click-logit offset that no feature reveals; 0: none.
+        taste_std: std of each user's hidden taste for an item group (module
+            docstring, "Per-user tastes"), added to the click logit; 0: none.
+        taste_groups: item groups a taste vector spans (1..N_CLUSTERS); an
+            item's group is ``cluster * taste_groups // N_CLUSTERS``.
+        taste_cvr_weight: the taste enters the cvr logit times this (>= 0).
 
     Example::
 
@@ -159,6 +188,9 @@ class GeneratorConfig:
     hidden_user_effect_std: float = 0.0
     hidden_user_cvr_effect_std: float = 0.0
     hidden_user_scene_effect_std: float = 0.0
+    taste_std: float = 0.0
+    taste_groups: int = 4
+    taste_cvr_weight: float = 0.5
 
     @property
     def cold_users(self) -> int:
@@ -183,6 +215,12 @@ class GeneratorConfig:
             v = getattr(self, name)
             if not (np.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        for name in ("taste_std", "taste_cvr_weight"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if not 1 <= self.taste_groups <= N_CLUSTERS:
+            raise ValueError(f"taste_groups must be in [1, {N_CLUSTERS}], got {self.taste_groups}")
         if self.users - self.cold_users < 1:
             raise ValueError(f"cold_user_fraction={self.cold_user_fraction} leaves no warm users of {self.users}")
         need = 5 * self.cold_users + 1
@@ -476,6 +514,24 @@ class _World:
         self.hidden_cvr = cfg.hidden_user_cvr_effect_std * z_cvr
         self.hidden_scene = cfg.hidden_user_scene_effect_std * z_scene
 
+        # Per-user tastes over item groups: a stream of their own too; the table exists only where
+        # configured ([users, groups] float64 would be 32 bytes a user at 4 groups).
+        self.item_taste_group = (self.item_cluster * cfg.taste_groups // N_CLUSTERS).astype(np.int64)
+        self.taste: np.ndarray | None = None
+        if cfg.taste_std > 0:
+            trng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5441535445]))  # "TASTE"
+            self.taste = cfg.taste_std * trng.normal(size=(U, cfg.taste_groups))
+
+    def taste_of(self, user: np.ndarray, item: np.ndarray) -> np.ndarray:
+        """``taste(user, group(item))`` per row (zeros where the world has no tastes).
+
+        Args:
+            user / item: int ``[n]`` ids.
+        """
+        if self.taste is None:
+            return np.zeros(user.shape[0])
+        return self.taste[user, self.item_taste_group[item]]
+
 
 def _lists(table: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> pa.ListArray:
     """ListArray of ``table[rows, :lengths[rows]]`` without a per-row loop."""
@@ -538,6 +594,10 @@ def _chunk(
         logit_click = logit_click + world.hidden_scene[user, scene]
     if cfg.hidden_user_cvr_effect_std > 0:
         logit_cvr = logit_cvr + world.hidden_cvr[user]
+    if world.taste is not None:
+        taste = world.taste_of(user, item)
+        logit_click = logit_click + taste
+        logit_cvr = logit_cvr + cfg.taste_cvr_weight * taste
     logit_click_global = glob + 0.8 * inter_glob
     logit_cvr_global = world.base_cvr[scene] + world.item_cvr_bias[item] + 0.4 * inter_glob
     p_click = _sigmoid(logit_click)

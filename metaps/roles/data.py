@@ -42,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0, help="random seed (same seed, same data)")
     g.add_argument("--files", type=int, default=None, help="Parquet files to write (default: generator's)")
     g.add_argument("--world", default="default", metavar="NAME",
-                   help="named world (meta_io.synth.WORLDS): default, or hidden (per-user click/cvr logit "
-                        "offsets that no feature reveals: what only adaptation can learn)")
+                   help="named world (meta_io.synth.WORLDS): default, hidden (per-user click/cvr logit "
+                        "offsets that no feature reveals: what only adaptation can learn) or taste (per-user "
+                        "tastes over item groups that no feature reveals: one score per group, not one offset)")
     g.add_argument("--hidden-user-effect-std", type=float, default=None, metavar="STD",
                    help="per-user click logit offset no feature reveals (overrides the world's)")
     g.add_argument("--hidden-user-cvr-effect-std", type=float, default=None, metavar="STD",
@@ -193,7 +194,8 @@ def generate_data(out: str | Path, rows: int, users: int, items: int, seed: int 
         seed: random seed (same seed, same data).
         files: Parquet files to write (None: the generator's default).
         where: how a bad value's error names these arguments.
-        world: a named world of :data:`meta_io.synth.WORLDS` (``hidden``: effects only adaptation can learn).
+        world: a named world of :data:`meta_io.synth.WORLDS` (``hidden``, ``taste``: effects only adaptation
+            can learn).
         hidden: ``GeneratorConfig`` hidden-effect fields (``hidden_user_effect_std``, ...) set over the
             world's; None values are left as the world sets them.
 

@@ -39,12 +39,13 @@ def test_gen_data_bad_arguments(capsys, tmp_path) -> None:
 
 
 def test_gen_data_hidden_world_moves_only_the_labels(tmp_path) -> None:
-    """``--world hidden`` adds per-user offsets no feature reveals: the same features, other labels;
-    an explicit ``--hidden-user-effect-std`` overrides the world's."""
+    """``--world hidden`` adds per-user offsets no feature reveals (``--world taste``: per-user tastes over
+    item groups): the same features, other labels; an explicit ``--hidden-user-effect-std`` overrides the
+    world's."""
     import pyarrow.parquet as pq
 
     tables = {}
-    for name, extra in (("default", []), ("hidden", ["--world", "hidden"]),
+    for name, extra in (("default", []), ("hidden", ["--world", "hidden"]), ("taste", ["--world", "taste"]),
                         ("zero", ["--world", "hidden", "--hidden-user-effect-std", "0", "--hidden-user-cvr-effect-std", "0"])):
         out = tmp_path / name
         assert main(["gen-data", "--out", str(out), "--rows", "600", "--users", "50", "--items", "40",
@@ -53,16 +54,18 @@ def test_gen_data_hidden_world_moves_only_the_labels(tmp_path) -> None:
     labels = {"click", "conversion", "p_click", "p_conversion"}
     features = [c for c in tables["default"].column_names if c not in labels]
     assert labels <= set(tables["default"].column_names)
-    for name in ("hidden", "zero"):
+    for name in ("hidden", "taste", "zero"):
         assert tables[name].select(features).equals(tables["default"].select(features)), name
-    assert not tables["hidden"].column("p_click").equals(tables["default"].column("p_click"))
+    for name in ("hidden", "taste"):
+        assert not tables[name].column("p_click").equals(tables["default"].column("p_click")), name
+    assert not tables["taste"].column("p_click").equals(tables["hidden"].column("p_click"))
     assert tables["zero"].column("p_click").equals(tables["default"].column("p_click"))
 
 
 def test_gen_data_unknown_world_is_one_line(capsys, tmp_path) -> None:
     assert main(["gen-data", "--out", str(tmp_path / "g"), "--rows", "600", "--world", "nope"]) != 0
     err = capsys.readouterr().err
-    assert "--world must be one of ['default', 'hidden'], got 'nope'" in err
+    assert "--world must be one of ['default', 'hidden', 'taste'], got 'nope'" in err
     assert not (tmp_path / "g").exists()
 
 

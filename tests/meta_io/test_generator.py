@@ -168,6 +168,10 @@ def test_rerun_replaces_old_parts(tmp_path: Path) -> None:
         ({"n_dense": -1}, "n_dense must be >= 0"),
         ({"hidden_user_effect_std": -0.1}, "hidden_user_effect_std must be a finite number >= 0, got -0.1"),
         ({"hidden_user_scene_effect_std": float("nan")}, "hidden_user_scene_effect_std must be a finite number >= 0"),
+        ({"taste_std": -1.0}, "taste_std must be a finite number >= 0, got -1.0"),
+        ({"taste_cvr_weight": float("inf")}, "taste_cvr_weight must be a finite number >= 0"),
+        ({"taste_groups": 0}, "taste_groups must be in \\[1, 32\\], got 0"),
+        ({"taste_groups": 33}, "taste_groups must be in \\[1, 32\\], got 33"),
     ],
 )
 def test_config_validation(change: dict, message: str, tmp_path: Path) -> None:
@@ -294,11 +298,72 @@ def test_hidden_offsets_have_the_configured_std_and_are_independent_of_the_featu
 
 
 def test_named_worlds() -> None:
-    from meta_io.synth import HIDDEN_KNOBS, WORLDS, world_config
+    from meta_io.synth import HIDDEN_KNOBS, TASTE_KNOBS, WORLDS, world_config
 
     assert world_config(SMALL, "default") == SMALL
     hid = world_config(SMALL, "hidden")
     assert hid == dataclasses.replace(SMALL, **WORLDS["hidden"])
     assert hid.hidden_user_effect_std > 0 and set(WORLDS["hidden"]) <= set(HIDDEN_KNOBS)
-    with pytest.raises(ValueError, match="world: expected one of default, hidden, got 'bogus'"):
+    taste = world_config(SMALL, "taste")
+    assert taste == dataclasses.replace(SMALL, **WORLDS["taste"]) and taste.taste_std > 0
+    assert set(WORLDS["taste"]) <= set(TASTE_KNOBS) and taste.hidden_user_effect_std == 0
+    with pytest.raises(ValueError, match="world: expected one of default, hidden, taste, got 'bogus'"):
         world_config(SMALL, "bogus")
+
+
+# -- per-user tastes over item groups (issue 40) ---------------------------------------------------
+
+
+def test_taste_world_moves_only_the_labels_by_the_users_taste_of_the_items_group(tmp_path: Path) -> None:
+    """Every feature column of a taste world is the default world's; the click logit moves by exactly
+    ``taste[user, group(item)]`` and the cvr logit by ``taste_cvr_weight`` times it; the group is a function of
+    the visible item category ``item_f0``; and within one user the effect differs by group (not one offset:
+    the within-user spread over groups is about ``taste_std * sqrt(1 - 1 / groups)``)."""
+    from meta_io.synth.generator import N_CLUSTERS, _World
+
+    cfg = dataclasses.replace(SMALL, taste_std=1.5, taste_groups=4, taste_cvr_weight=0.5)
+    base = _read_all(generate(tmp_path / "a", SMALL, progress=False))
+    tas = _read_all(generate(tmp_path / "b", cfg, progress=False))
+    for name in base.column_names:
+        if name not in LABEL_COLUMNS:
+            assert base.column(name).equals(tas.column(name)), name
+    world = _World(cfg)
+    assert world.taste is not None and world.taste.shape == (SMALL.users, 4) and _World(SMALL).taste is None
+    assert np.array_equal(world.item_taste_group, world.item_feats[:, 0] * 4 // N_CLUSTERS)  # visible via item_f0
+    user, item = base.column("user_id").to_numpy(), base.column("item_id").to_numpy()
+    p0, p1 = (t.column("p_click").to_numpy().astype(np.float64) for t in (base, tas))
+    v0, v1 = (t.column("p_conversion").to_numpy().astype(np.float64) / p for t, p in ((base, p0), (tas, p1)))
+    logit = lambda p: np.log(p / (1 - p))  # noqa: E731
+    ok = (np.minimum(p0, p1) > 1e-5) & (np.maximum(p0, p1) < 0.999) & (np.maximum(v0, v1) < 0.999)
+    assert ok.mean() > 0.95
+    want = world.taste[user, world.item_taste_group[item]]
+    np.testing.assert_allclose((logit(p1) - logit(p0))[ok], want[ok], atol=2e-3)
+    np.testing.assert_allclose((logit(v1) - logit(v0))[ok], 0.5 * want[ok], atol=2e-3)
+    # not one offset per user: the effect's spread around each user's own mean, over the rows
+    d = (logit(p1) - logit(p0))[ok]
+    u = user[ok]
+    mean_u = np.bincount(u, weights=d, minlength=SMALL.users) / np.maximum(np.bincount(u, minlength=SMALL.users), 1)
+    within = float(np.sqrt(np.mean((d - mean_u[u]) ** 2)))
+    assert within > 0.6, within  # one offset per user: 0
+    spread = world.taste - world.taste.mean(axis=1, keepdims=True)
+    assert abs(float(spread.std()) / (1.5 * np.sqrt(1 - 1 / 4)) - 1.0) < 0.15
+
+
+def test_tastes_have_the_configured_std_and_are_independent_of_the_features() -> None:
+    """One taste per user and group, std as configured, proportional to it for one seed, uncorrelated with
+    every user feature and personal term, drawn from a stream of their own (the hidden offsets and every
+    visible table are the default world's)."""
+    from meta_io.synth.generator import _World
+
+    cfg = GeneratorConfig(rows=40_000, users=4_000, items=200, seed=5)
+    w = _World(dataclasses.replace(cfg, taste_std=1.5, taste_groups=3, hidden_user_effect_std=1.0))
+    half = _World(dataclasses.replace(cfg, taste_std=0.75, taste_groups=3, hidden_user_effect_std=1.0))
+    zero = _World(dataclasses.replace(cfg, hidden_user_effect_std=1.0))
+    assert w.taste is not None and half.taste is not None and w.taste.shape == (4000, 3)
+    assert abs(w.taste.std() / 1.5 - 1.0) < 0.05 and abs(w.taste.mean()) < 4 * 1.5 / np.sqrt(w.taste.size)
+    np.testing.assert_allclose(half.taste, w.taste / 2, rtol=1e-12)
+    visible = np.column_stack([w.user_feats, w.user_bias, w.user_scene_bias, w.user_vec, w.user_activity])
+    corr = np.corrcoef(np.column_stack([visible, w.taste]), rowvar=False)[: visible.shape[1], visible.shape[1]:]
+    assert np.abs(corr).max() < 4.5 / np.sqrt(4000), np.abs(corr).max()
+    for name in ("user_feats", "user_bias", "item_feats", "user_interests", "hidden_click", "hidden_scene"):
+        assert np.array_equal(getattr(zero, name), getattr(w, name)), name
