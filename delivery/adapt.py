@@ -178,14 +178,35 @@ class Recipe:
 
     @classmethod
     def configured(cls, cfg: "MetaConfig") -> "Recipe":
-        """The recipe a ``[meta]`` config runs (its inner steps, rate and offset)."""
-        offset = cfg.offset_steps if cfg.inner_steps > 0 else 0
-        return cls(cfg.inner_steps, cfg.inner_lr, offset, cfg.offset_prior)
+        """The recipe a ``[meta]`` config runs (its inner steps, rate and offset; ``inner_steps = 0`` with
+        ``offset_steps > 0`` is the offset-only recipe)."""
+        return cls(cfg.inner_steps, cfg.inner_lr, cfg.offset_steps, cfg.offset_prior)
 
     def meta(self, trained: "MetaConfig") -> "MetaConfig":
-        """``trained`` with this recipe's inner loop (only for ``inner_steps >= 1``: MetaConfig has no offset-only)."""
+        """``trained`` with this recipe's inner loop and offset (``inner_steps = 0``: none, or the offset alone)."""
         return dataclasses.replace(trained, inner_steps=self.inner_steps, inner_lr=self.inner_lr,
                                    offset_steps=self.offset_steps, offset_prior=self.offset_prior)
+
+    def evaluate_args(self, learned_rates: bool = False) -> list[str]:
+        """The ``metaps evaluate`` flags that score this recipe on a bundle or checkpoint (every recipe the gate
+        can serve is one ``metaps evaluate`` can score): the inner steps, the rate, the offset's steps and prior.
+
+        Args:
+            learned_rates: the model's inner rates are learned (``[meta] learn_inner_lr``): no ``--inner-lr``
+                (it would replace the learned rates by a fixed one; the gate varies the rate only when fixed).
+
+        Example::
+
+            >>> Recipe(1, 0.03, 4, 1.0).evaluate_args()
+            ['--inner-steps', '1', '--inner-lr', '0.03', '--offset-steps', '4', '--offset-prior', '1.0']
+        """
+        out = ["--inner-steps", str(self.inner_steps)]
+        if self.inner_steps and not learned_rates:
+            out += ["--inner-lr", repr(float(self.inner_lr))]
+        out += ["--offset-steps", str(self.offset_steps)]
+        if self.offset_steps:
+            out += ["--offset-prior", repr(float(self.offset_prior))]
+        return out
 
 
 def served_choice(manifest: BundleManifest, where: str) -> Recipe | None:

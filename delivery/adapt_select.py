@@ -110,6 +110,8 @@ class Selection:
         tasks: validation episodes scored.
         rows: validation query rows scored.
         candidates: every candidate's figures, simplest first.
+        learned_rates: the bundle's inner rates are learned (``[meta] learn_inner_lr``): the choice's
+            ``metaps evaluate`` flags leave the rate out.
     """
 
     selected: bool
@@ -121,6 +123,7 @@ class Selection:
     tasks: int = 0
     rows: int = 0
     candidates: list[Scored] = field(default_factory=list)
+    learned_rates: bool = False
 
     def record(self) -> dict[str, Any]:
         """The manifest's ``gate.adapt`` record (``choice`` only when selected: serving reads it)."""
@@ -137,6 +140,7 @@ class Selection:
             "protocol": self.protocol, "k": self.k, "tasks": self.tasks, "rows": self.rows,
             "candidates": [s.to_dict() for s in self.candidates],
             "choice": self.chosen.to_dict(), "choice_name": self.chosen.name,
+            "choice_evaluate": self.chosen.evaluate_args(self.learned_rates),
             "choice_auc": best.auc, "base_auc": base.auc,
             "configured_auc": conf.auc if conf is not None else None,
         })
@@ -499,7 +503,7 @@ def select_recipe(
     scored, tasks, rows = score_recipes(adapting, batches, recipes, max_rows, on_scored)
     best = choose(scored, tie_tol)
     sel = Selection(True, configured, best.recipe, protocol=protocol, k=k if protocol == "first-k" else 0,
-                    tasks=tasks, rows=rows, candidates=scored)
+                    tasks=tasks, rows=rows, candidates=scored, learned_rates=learned)
     log.info("adaptation selected", extra=kv(bundle=serving.path, choice=best.recipe.name, mean_auc=round(best.mean_auc, 5),
                                              candidates=len(scored), tasks=tasks, rows=rows, protocol=protocol))
     return sel

@@ -58,7 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--k", type=int, default=5, help="support rows per task for first-k (default 5)")
     e.add_argument("--query-slots", type=int, default=32, help="query rows per first-k episode (default 32)")
     e.add_argument("--inner-steps", type=int, default=None,
-                   help="inner SGD steps of the adapted score (default: the model's [meta]; 0 = base only)")
+                   help="inner SGD steps of the adapted score (default: the model's [meta]; 0 = no gradient step: "
+                        "base only, or the offset alone with --offset-steps N)")
     e.add_argument("--inner-lr", type=float, default=None, help="inner learning rate (default: the model's [meta])")
     e.add_argument("--offset-steps", type=int, default=None,
                    help="Newton iterations of the per-task logit offset (default: the model's [meta]; 0 = off)")
@@ -175,7 +176,8 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         bundle: a bundle directory or publish root (LATEST).
         k / query_slots: support rows per task and query rows per episode of ``first-k``.
         inner_steps / inner_lr / offset_steps / offset_prior: override the model's ``[meta]`` recipe
-            (None: the model's; ``inner_steps=0``: base only).
+            (None: the model's; ``inner_steps=0``: base only, or the offset alone when ``offset_steps > 0``
+            is given: every recipe the deliver gate can serve, :meth:`delivery.adapt.Recipe.evaluate_args`).
         progress: told ``("evaluate", batches scored, batches in all)`` before the first batch and after
             each (:func:`scored_batches`); None: nothing told.
 
@@ -217,7 +219,7 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
             over["inner_lr"] = inner_lr
         if offset_steps is not None:
             over["offset_steps"] = offset_steps
-        elif inner_steps == 0:  # base only: the offset is part of the adaptation that is off
+        elif inner_steps == 0:  # base only, unless --offset-steps asks for the offset alone
             over["offset_steps"] = 0
         if offset_prior is not None:
             over["offset_prior"] = offset_prior
@@ -228,7 +230,7 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         loop = _inner_loop(model, meta, inner_lr, ckpt, served, source["recipe"])
         batches, total = _batches(protocol, Path(data), schema, k, query_slots)
         batches = scored_batches(batches, total, progress)
-        res = evaluate_protocol(model, rows, batches, loop, adapt=meta.inner_steps > 0, task_key=schema.task_key)
+        res = evaluate_protocol(model, rows, batches, loop, adapt=meta.adapts, task_key=schema.task_key)
     finally:
         if served is not None:
             served.close()

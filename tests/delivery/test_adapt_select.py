@@ -350,3 +350,21 @@ def test_the_candidates_pair_every_inner_rate_with_every_offset_prior() -> None:
     learned = candidate_recipes(Recipe(1, 0.1), learned_rates=True)
     assert [r.name for r in learned if r.inner_steps] == ["inner(1x0.1)"] + [f"inner(1x0.1)+offset(4, prior {p})"
                                                                            for p in (1, 4, 16)]
+
+
+def test_every_candidate_is_a_metaps_evaluate_recipe_with_the_same_auc(world, capsys) -> None:
+    """Every recipe the gate can serve (the offset alone included) is one ``metaps evaluate`` scores: its
+    ``Recipe.evaluate_args`` flags through the real CLI give the gate's AUC per head, exactly (the same
+    first-k episodes, the adapted scores of ``models.meta.adapt_and_predict``)."""
+    rec = read_manifest(world["bundle"]).gate["adapt"]
+    assert {c["recipe"]["kind"] for c in rec["candidates"]} == {"none", "offset", "inner", "inner+offset"}
+    for c in rec["candidates"]:
+        r = Recipe.from_dict(c["recipe"], "test")
+        capsys.readouterr()
+        assert main(["evaluate", "--bundle", str(world["bundle"]), "--data", str(world["holdout"]), "--protocol",
+                     "first-k", "--k", str(K), "--no-progress", *r.evaluate_args()]) == 0, r.name
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert ("adapted" in report) == (r.kind != "none"), r.name
+        got = report["adapted"] if r.kind != "none" else report["base"]
+        assert {h: m["auc"] for h, m in got.items()} == c["auc"], r.name
+    assert rec["choice_evaluate"] == Recipe.from_dict(rec["choice"], "test").evaluate_args()
