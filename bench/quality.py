@@ -6,6 +6,8 @@ Run::
     python -m bench.quality --smoke [--cold-only]   # 4k rows, 1 epoch (1 seed, inner steps 1,2; baselines: 3 L2
                                                     # values, 50 L-BFGS iterations); figures meaningless
     python -m bench.quality --cold-only --quick --first-k 8 --world hidden   # per-user effects no feature reveals
+    python -m bench.quality_curve [--sizes 16000,64000,200000] [--seeds 3,4,5] [--worlds ...]   # the learning curve:
+                                                    # every arm on the same held-out rows at each size (its docstring)
     python -m bench.quality deepfm-parity [--rows 32000] [--smoke]   # metaps deepfm vs a plain DeepFM
                                                     # (bench/deepfm_parity.py's docstring)
 

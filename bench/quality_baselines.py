@@ -166,7 +166,7 @@ def score_rows(batches: Iterable[FeatureBatch], row_logits: RowLogits, heads: Se
         cat = {k: np.concatenate(v) for k, v in parts[h].items() if v}
         if "target" not in cat or cat["target"].size == 0:
             raise DataError("plain baselines: the batches yielded no rows to score")
-        res: dict[str, Any] = {"rows": int(cat["target"].size), **_summ(cat["score"], cat["target"])}
+        res: dict[str, Any] = {"rows": int(cat["target"].size), **auc_logloss(cat["score"], cat["target"])}
         if "oracle" in cat:
             res["oracle_auc"] = float(auc(cat["target"], cat["oracle"]))
             res["norm_auc"] = (res["auc"] - 0.5) / (res["oracle_auc"] - 0.5)
@@ -174,7 +174,8 @@ def score_rows(batches: Iterable[FeatureBatch], row_logits: RowLogits, heads: Se
     return out
 
 
-def _summ(score: np.ndarray, target: np.ndarray) -> dict[str, float]:
+def auc_logloss(score: np.ndarray, target: np.ndarray) -> dict[str, float]:
+    """AUC and logloss of probabilities ``score`` against 0/1 ``target`` (flat arrays)."""
     return {"auc": float(auc(target, score)), "logloss": float(logloss(target, np.clip(score, 1e-7, 1 - 1e-7)))}
 
 
@@ -217,7 +218,7 @@ def score_first_k(batches: Iterable[MetaBatch | PlainBatch], source: LogitSource
         if "target" not in cat:
             raise DataError("first-k baselines: the batches yielded no query rows to score")
         t = cat["target"]
-        res: dict[str, Any] = {"rows": int(t.shape[0]), "base": _summ(cat["base"], t), "offset": _summ(cat["offset"], t)}
+        res: dict[str, Any] = {"rows": int(t.shape[0]), "base": auc_logloss(cat["base"], t), "offset": auc_logloss(cat["offset"], t)}
         if "oracle" in cat:
             res["oracle_auc"] = float(auc(t, cat["oracle"]))
         out[h] = res

@@ -2,7 +2,7 @@
 
 A module of its own so that ``bench.quality`` (which runs ``bench.deepfm_parity`` as a
 subcommand) and the benches that reuse its setup (``deepfm_parity``, ``fleet_quality``,
-``quality_ceiling``) import it without an import circle.
+``quality_ceiling``, ``quality_curve``) import it without an import circle.
 """
 
 from __future__ import annotations
@@ -12,8 +12,19 @@ from typing import Any
 
 
 def job_for(train: Path, eval_: Path, run_dir: Path, mode: str, kind: str, epochs: int,
-            meta: dict[str, Any] | None = None) -> Any:
-    """The setup tuned in tests/workers/test_learning.py (documented in docs/BENCHMARKS.md)."""
+            meta: dict[str, Any] | None = None, sets: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The setup tuned in tests/workers/test_learning.py (documented in docs/BENCHMARKS.md).
+
+    Args:
+        train / eval_: the Meta-IO datasets.
+        run_dir: the run's directory.
+        mode: ``[train] mode`` (plain or meta).
+        kind: ``[model] kind``.
+        epochs: ``[train] epochs``.
+        meta: the ``[meta]`` table (None: none).
+        sets: section -> key -> value set over the tuned ``[model]``, ``[ps]`` and ``[train]`` tables
+            (``bench.quality_curve --set``; e.g. ``{"model": {"dropout": 0.1}}``); validated by the job loader.
+    """
     from metaps.job import job_from_mapping
 
     data: dict[str, Any] = {
@@ -29,6 +40,8 @@ def job_for(train: Path, eval_: Path, run_dir: Path, mode: str, kind: str, epoch
     }
     if meta:
         data["meta"] = meta
+    for section, keys in (sets or {}).items():
+        data.setdefault(section, {}).update(keys)
     return job_from_mapping(data, where="<bench.quality>")
 
 

@@ -77,6 +77,8 @@ SMOKES: dict[str, Smoke] = {
     "ps_throughput": Smoke(("--smoke",), ("pull_vs_echo", "push_vs_echo", "bytes_per_row_ratio")),
     "quality": Smoke(("--smoke",), ("dnn_click_norm_auc", "esmm_conversion_norm_auc", "logreg_click_norm_auc",
                                     "cold_click_adapted_minus_base_auc")),
+    # --smoke: 4k and 6k rows, seed 3, the taste world (its Bayes ceiling at 200 draws a user), every arm
+    "quality_curve": Smoke(("--smoke",), ("adapted_minus_best_other_min", "elapsed_s")),
     "quality_ceiling": Smoke(("--smoke",), ("by_k/4/click/ceiling_gain/median",
                                             "by_k/4/conversion/ceiling_gain/median")),
     # --smoke: the simulations (E1/E3/E4/E5 sims, E6), not the real-process arms
