@@ -1,10 +1,11 @@
-"""The Bayes ceiling of first-k adaptation on the generator's cold-start users (issues 16, 29).
+"""The Bayes ceiling of first-k adaptation on the generator's cold-start users (issues 16, 29, 40).
 
 Run::
 
     python -m bench.quality_ceiling [--quick] --seeds 3,4,5 --first-k 4,8,16,32 [--redraw 10]
         [--condition buckets|buckets+interests|none] [--samples 4000] [--sampler-seed 0]
-        [--world default|hidden] [--hidden-std X] [--hidden-cvr-std X] [--hidden-scene-std X]
+        [--world default|hidden|taste] [--hidden-std X] [--hidden-cvr-std X] [--hidden-scene-std X]
+        [--taste-std X] [--taste-groups G] [--taste-cvr-weight X]
     python -m bench.quality_ceiling --smoke   # bench.quality --smoke's data, seed 3, K=4, 2000 draws, 2 redraws
 
 On EXACTLY the data, held-out users and first-k support / scored rows of
@@ -17,8 +18,12 @@ hidden`` (``meta_io.synth.WORLDS``) generates the same seeds with per-user
 click and cvr logit offsets that no feature reveals (the generator's hidden
 per-task effects; ``--hidden-std`` / ``--hidden-cvr-std`` /
 ``--hidden-scene-std`` set them directly); in the default world they are 0
-and every figure is what it was before they existed. Every row is scored four
-ways:
+and every figure is what it was before they existed. ``--world taste`` gives
+every user a hidden taste per item group (the generator's "Per-user tastes":
+``taste(u, group(item))`` on the click logit, times ``taste_cvr_weight`` on
+the cvr logit; ``--taste-std`` / ``--taste-groups`` / ``--taste-cvr-weight``
+set them), which the sampler draws from their prior like the hidden offsets.
+Every row is scored four ways:
 
 * ``oracle_global``: the true logits with the personal terms removed
   (``user_bias``, ``user_scene_bias``, the ``personal(u)`` part of the user
@@ -38,6 +43,21 @@ ways:
   user's first K rows (conversion = click AND Bernoulli(p_cvr), as the
   generator draws them);
 * ``oracle``: the true probabilities (``p_click``, ``p_conversion`` of the file).
+
+Beside them, per head, ``offset_only``: the best that ONE logit offset per
+user can take from the same support labels, on the best possible base:
+``sigmoid(logit(prior_predictive) + E[delta_u | support])`` under ``delta_u ~
+N(0, tau^2)``, exact on a grid, ``tau`` chosen by the marginal likelihood of
+the support labels (:func:`offset_posterior`). So the full gain
+(``full_gain`` = ``ceiling_gain``) splits into ``offset_only_gain`` and
+``non_offset_gain`` (posterior - offset_only: what only a per-group /
+per-item adaptation can reach), with ``offset_share``. In the hidden world an
+offset takes most of the gain; in the taste world most of it is beyond one.
+
+For a bench that trains on the same split: :func:`ceiling_gains` ``(cfg,
+holdout_dir, schema_path, k)`` returns those figures per head for exactly the
+first-k scored rows of ``holdout_dir`` (``bench.quality``'s
+``taste_gain_share`` = (adapted - best other) / ``non_offset_gain``).
 
 Both expectations are self-normalized importance sampling over ALL personal
 terms, M draws per user (``--samples``, default 4000), vectorized over users:
@@ -117,6 +137,9 @@ class Prior:
         hidden_cvr_std: std of the hidden per-user cvr-logit offset (``hidden_user_cvr_effect_std``).
         hidden_scene_std: std of the hidden per-(user, scene) click-logit offset
             (``hidden_user_scene_effect_std``).
+        taste_std: std of each per-(user, item group) taste (``GeneratorConfig.taste_std``; 0: none).
+        taste_groups: item groups of a taste vector (``taste_groups``).
+        taste_cvr_weight: the taste's weight in the cvr logit (``taste_cvr_weight``).
     """
 
     bias_std: float = 0.8
@@ -125,13 +148,17 @@ class Prior:
     hidden_click_std: float = 0.0
     hidden_cvr_std: float = 0.0
     hidden_scene_std: float = 0.0
+    taste_std: float = 0.0
+    taste_groups: int = 4
+    taste_cvr_weight: float = 0.5
 
     @classmethod
     def of_config(cls, cfg: Any) -> "Prior":
         """The generator's prior for ``cfg`` (a ``GeneratorConfig``): the fixed terms and its hidden effects."""
         return cls(hidden_click_std=float(cfg.hidden_user_effect_std),
                    hidden_cvr_std=float(cfg.hidden_user_cvr_effect_std),
-                   hidden_scene_std=float(cfg.hidden_user_scene_effect_std))
+                   hidden_scene_std=float(cfg.hidden_user_scene_effect_std), taste_std=float(cfg.taste_std),
+                   taste_groups=int(cfg.taste_groups), taste_cvr_weight=float(cfg.taste_cvr_weight))
 
 
 @dataclass(frozen=True)
@@ -146,6 +173,8 @@ class Samples:
         click_offset / cvr_offset: ``[T, M]`` the hidden per-user click / cvr logit offsets, or ``None``
             (none in the prior). The hidden per-(user, scene) offset is part of ``scene_bias``: both are
             independent normals per user and scene that no feature reveals.
+        taste: ``[T, M, G]`` the per-(user, item group) tastes, or ``None`` (none in the prior).
+        taste_cvr_weight: the taste's weight in the cvr logit.
     """
 
     bias: np.ndarray
@@ -154,6 +183,8 @@ class Samples:
     log_w: np.ndarray
     click_offset: np.ndarray | None = None
     cvr_offset: np.ndarray | None = None
+    taste: np.ndarray | None = None
+    taste_cvr_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +198,7 @@ class Rows:
         item_vec: ``[N, k]`` the item latent / sqrt(k).
         g_click / g_cvr: ``[N]`` the global (non-personal) logits.
         click / conversion: ``[N]`` labels (0/1).
+        group: ``[N]`` the item's taste group (``_World.item_taste_group``), or ``None`` (no tastes).
     """
 
     user: np.ndarray
@@ -177,6 +209,7 @@ class Rows:
     g_cvr: np.ndarray
     click: np.ndarray
     conversion: np.ndarray
+    group: np.ndarray | None = None
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -216,6 +249,12 @@ def row_logits(rows: Rows, samples: Samples, sel: np.ndarray) -> tuple[np.ndarra
         click += samples.click_offset[u]
     if samples.cvr_offset is not None:
         cvr += samples.cvr_offset[u]
+    if samples.taste is not None:
+        if rows.group is None:
+            raise CeilingError("rows.group: the samples hold tastes, so every row needs its item's taste group")
+        taste = np.ascontiguousarray(samples.taste[users].transpose(0, 2, 1))[local, rows.group[sel]]
+        click += taste
+        cvr += samples.taste_cvr_weight * taste
     return click, cvr
 
 
@@ -298,6 +337,63 @@ def predictive(rows: Rows, samples: Samples, ks: list[int], budget: int = 2_000_
             post[k]["click"][sel[q]] = _weighted_mean(wk[local[q]], pc[q])
             post[k]["conversion"][sel[q]] = _weighted_mean(wk[local[q]], pconv[q])
     return {"prior": prior, "posterior": post, "ess_prior": ess_prior, "ess_posterior": ess_post}
+
+
+OFFSET_TAUS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+"""Prior stds of the offset-only posterior (:func:`offset_posterior`); the one of highest marginal likelihood wins."""
+OFFSET_GRID = np.linspace(-12.0, 12.0, 481)
+"""The offset's quadrature grid (step 0.05 logit; +-4 sd of the widest prior)."""
+
+
+def offset_posterior(base: np.ndarray, label: np.ndarray, user: np.ndarray, rank: np.ndarray, k: int,
+                     taus: tuple[float, ...] = OFFSET_TAUS) -> dict[str, Any]:
+    """The best one-offset-per-user adaptation of ``base``: ``sigmoid(logit(base) + E[delta_u | support])``.
+
+    The model: a user's labels are ``Bernoulli(sigmoid(logit(base) + delta_u))`` with one ``delta_u ~
+    N(0, tau^2)`` per user (per head: call it once per head with that head's labels and base). The
+    posterior of ``delta_u`` given the labels of the user's rows of rank < ``k`` is exact on
+    :data:`OFFSET_GRID` (quadrature, vectorized over users and grid points); ``tau`` is chosen from
+    ``taus`` by the marginal likelihood of all support labels (empirical Bayes: the scored labels are
+    not looked at). On the best possible base (the prior predictive) this is the most an offset can
+    take from the support labels, which a taste world's per-group effects exceed.
+
+    Args:
+        base: ``[N]`` base probability per row (in (0, 1)).
+        label: ``[N]`` the head's 0/1 labels.
+        user: ``[N]`` user index (0..T-1).
+        rank: ``[N]`` the row's rank within its user's rows by time.
+        k: support size K (rows of rank < k are the support; rows of rank >= k are scored).
+        taus: candidate prior stds of ``delta``.
+
+    Returns:
+        ``{"score": [N] (NaN on support rows), "tau": the chosen prior std, "log_marginal": {tau: float}}``.
+    """
+    if not taus:
+        raise CeilingError("taus: expected at least one prior std of the offset, got none")
+    n_users = int(user.max(initial=-1)) + 1
+    p = np.clip(base, 1e-12, 1.0 - 1e-12)
+    logit = np.log(p) - np.log1p(-p)
+    sup = np.flatnonzero(rank < k)
+    z = logit[sup, None] + OFFSET_GRID[None, :]  # [n_support, G]
+    ll_rows = _log_sigmoid(z) - (1.0 - label[sup, None]) * z
+    ll = np.zeros((n_users, OFFSET_GRID.shape[0]))
+    np.add.at(ll, user[sup], ll_rows)  # [T, G] log-likelihood of each user's support per offset
+    step = float(OFFSET_GRID[1] - OFFSET_GRID[0])
+    best: tuple[float, float, np.ndarray] | None = None
+    log_marginal: dict[float, float] = {}
+    for tau in taus:  # a handful of priors, each vectorized over users and the grid
+        lp = ll - 0.5 * (OFFSET_GRID / tau) ** 2 - np.log(tau * np.sqrt(2.0 * np.pi)) + np.log(step)
+        top = lp.max(axis=1, keepdims=True)
+        w = np.exp(lp - top)
+        log_marginal[tau] = float((top[:, 0] + np.log(w.sum(axis=1))).sum())
+        mean = (w @ OFFSET_GRID) / w.sum(axis=1)
+        if best is None or log_marginal[tau] > best[0]:
+            best = (log_marginal[tau], tau, mean)
+    assert best is not None  # taus is not empty
+    score = np.full(base.shape[0], np.nan)
+    q = rank >= k
+    score[q] = _sigmoid(logit[q] + best[2][user[q]])
+    return {"score": score, "tau": best[1], "log_marginal": log_marginal}
 
 
 def _chunks(counts: np.ndarray, m: int, budget: int) -> list[tuple[int, int]]:
@@ -444,8 +540,10 @@ def sample_personal(ev: UserEvidence, prior: Prior, n_scenes: int, m: int, rng: 
     # draws everything else exactly as before they existed)
     click_offset = prior.hidden_click_std * rng.standard_normal((t, m)) if prior.hidden_click_std > 0 else None
     cvr_offset = prior.hidden_cvr_std * rng.standard_normal((t, m)) if prior.hidden_cvr_std > 0 else None
+    # tastes: no feature reveals them either; drawn after everything else for the same reason
+    taste = prior.taste_std * rng.standard_normal((t, m, prior.taste_groups)) if prior.taste_std > 0 else None
     return Samples(bias=bias, scene_bias=scene_bias, personal=personal, log_w=log_w, click_offset=click_offset,
-                   cvr_offset=cvr_offset)
+                   cvr_offset=cvr_offset, taste=taste, taste_cvr_weight=prior.taste_cvr_weight)
 
 
 # -- the generator's world, regenerated -------------------------------------------------------------
@@ -588,15 +686,19 @@ def world_rows(world: Any, table: Any, order: np.ndarray, rank: np.ndarray, user
     inter_p = np.einsum("nk,nk->n", personal, ivec)
     b = world.user_bias[uid].astype(np.float64)
     hidden_click = world.hidden_click[uid] + world.hidden_scene[uid, scene]  # zeros in the default world
-    true_click = _sigmoid(g_click + CLICK_INTER * inter_p + b + world.user_scene_bias[uid, scene] + hidden_click)
-    true_conv = true_click * _sigmoid(g_cvr + CVR_INTER * inter_p + CVR_BIAS * b + world.hidden_cvr[uid])
+    taste = world.taste_of(uid, item)  # zeros outside a taste world
+    true_click = _sigmoid(g_click + CLICK_INTER * inter_p + b + world.user_scene_bias[uid, scene] + hidden_click
+                          + taste)
+    true_conv = true_click * _sigmoid(g_cvr + CVR_INTER * inter_p + CVR_BIAS * b + world.hidden_cvr[uid]
+                                      + world.cfg.taste_cvr_weight * taste)
     p_click, p_conv = col("p_click").astype(np.float64), col("p_conversion").astype(np.float64)
     err = max(float(np.abs(true_click - p_click).max(initial=0.0)), float(np.abs(true_conv - p_conv).max(initial=0.0)))
     if err > 1e-4:
         raise CeilingError(f"regenerated world (seed {world.cfg.seed}) does not reproduce the held-out rows' true "
                            f"probabilities: max |diff| {err:.2e} > 1e-4 (the generator's hidden model changed?)")
     rows = Rows(user=np.searchsorted(users, uid), rank=rank[order], scene=scene, item_vec=ivec, g_click=g_click,
-                g_cvr=g_cvr, click=col("click").astype(np.float64), conversion=col("conversion").astype(np.float64))
+                g_cvr=g_cvr, click=col("click").astype(np.float64), conversion=col("conversion").astype(np.float64),
+                group=world.item_taste_group[item])
     extra = {"input_row": order, "oracle_click": p_click, "oracle_conversion": p_conv,
              "oracle_global_click": _sigmoid(g_click), "oracle_global_conversion": _sigmoid(g_click) * _sigmoid(g_cvr),
              "reconstruction_max_abs_err": np.array(err)}
@@ -620,8 +722,15 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
         sampler_seed: the sampler's seed (with the generator's seed).
         condition: what the base knows besides the global features (:data:`CONDITIONS`).
         prior: the personal terms' prior (default: the generator's for ``cfg``, :meth:`Prior.of_config`).
-        relabel: label redraws of :func:`relabeled_gain` (the gain's label noise).
+        relabel: label redraws of :func:`relabeled_gain` (the gain's label noise; 0: off).
         redraw: redraws of every label, support included (:func:`redrawn_gains`; 0: off).
+
+    Returns:
+        per K and head (``out["by_k"][K][head]``) the AUC of each of :data:`SCORES` and of ``offset_only``
+        (:func:`offset_posterior` on the prior predictive), ``ceiling_gain`` = ``full_gain`` (posterior -
+        prior predictive), ``offset_only_gain`` (offset_only - prior predictive), ``non_offset_gain``
+        (posterior - offset_only: the part of the gain an offset cannot reach), ``offset_share``
+        (offset_only_gain / full_gain, ``None`` when the full gain is 0) and ``offset_tau``.
     """
     from meta_io.firstk import first_k_layout, read_table
     from meta_io.schema import load_schema
@@ -659,8 +768,10 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
             sc = {"oracle_global": extra[f"oracle_global_{h}"], "prior_predictive": pred["prior"][h],
                   "posterior_predictive": pred["posterior"][k][h], "oracle": extra[f"oracle_{h}"]}
             entry[h] = head_aucs(label, sc, scored)
-            entry[h]["ceiling_gain_relabeled"] = relabeled_gain(sc["oracle"], sc["prior_predictive"],
-                                                                sc["posterior_predictive"], scored, relabel, rng)
+            entry[h].update(offset_figures(label, sc["prior_predictive"], rows, k, scored, entry[h]))
+            if relabel:
+                entry[h]["ceiling_gain_relabeled"] = relabeled_gain(sc["oracle"], sc["prior_predictive"],
+                                                                    sc["posterior_predictive"], scored, relabel, rng)
         out["by_k"][k] = entry
     if redraw:
         for k, hs in redrawn_gains(rows, samples, extra["oracle_click"], extra["oracle_conversion"],
@@ -669,6 +780,55 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
             for h, g in hs.items():
                 out["by_k"][k][h]["ceiling_gain_redrawn"] = g
     return out
+
+
+def offset_figures(label: np.ndarray, prior: np.ndarray, rows: Rows, k: int, scored: np.ndarray,
+                   aucs: dict[str, float]) -> dict[str, Any]:
+    """The offset-only AUC of one head and the split of the full gain into what an offset reaches and the rest.
+
+    Args:
+        label: ``[N]`` the head's labels.
+        prior: ``[N]`` the prior-predictive probability (the best possible base).
+        rows: the rows (user, rank).
+        k: support size K.
+        scored: the scored row indices (rank >= k).
+        aucs: :func:`head_aucs` of the head (``prior_predictive``, ``posterior_predictive``, ``ceiling_gain``).
+    """
+    off = offset_posterior(prior, label, rows.user, rows.rank, k)
+    s = off["score"][scored]
+    if not np.isfinite(s).all():
+        raise CeilingError(f"offset_only: {int((~np.isfinite(s)).sum())} of {s.size} scored rows have no finite score")
+    a = auc(label[scored], s)
+    full = aucs["ceiling_gain"]
+    off_gain = a - aucs["prior_predictive"]
+    return {"offset_only": a, "offset_tau": off["tau"], "full_gain": full, "offset_only_gain": off_gain,
+            "non_offset_gain": aucs["posterior_predictive"] - a,
+            "offset_share": off_gain / full if abs(full) > 1e-12 else None}
+
+
+def ceiling_gains(cfg: Any, holdout_dir: Path, schema_path: Path, k: int = 8, m: int = 4000,
+                  sampler_seed: int = 0) -> dict[str, dict[str, Any]]:
+    """The Bayes ceiling of first-k adaptation on exactly the scored rows of ``holdout_dir``: for a bench that
+    trains on the same split (``bench.quality``'s ``taste_gain_share``) and needs the full gain and the part an
+    offset cannot reach.
+
+    Args:
+        cfg: the ``GeneratorConfig`` that generated the data (any world; regenerated from it).
+        holdout_dir: the held-out users' rows (the split's holdout folder).
+        schema_path: their schema.
+        k: support size K (first-k: each user's first k rows by time are the support).
+        m: importance draws per user.
+        sampler_seed: the sampler's seed.
+
+    Returns:
+        ``{head: {"prior_predictive", "posterior_predictive", "offset_only", "oracle", "full_gain",
+        "offset_only_gain", "non_offset_gain", "offset_share", "offset_tau"}}`` (AUCs and gains of
+        :func:`ceiling_for_split`, no relabeling).
+    """
+    res = ceiling_for_split(cfg, holdout_dir, schema_path, [k], m, sampler_seed, relabel=0)
+    keys = ("prior_predictive", "posterior_predictive", "offset_only", "oracle", "full_gain", "offset_only_gain",
+            "non_offset_gain", "offset_share", "offset_tau")
+    return {h: {key: res["by_k"][k][h][key] for key in keys} for h in HEADS}
 
 
 def redrawn_gains(rows: Rows, samples: Samples, p_click: np.ndarray, p_conv: np.ndarray,
@@ -757,13 +917,14 @@ def _quantiles(x: np.ndarray) -> dict[str, float]:
 
 def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
     """Median (min, max) over seeds per K and head of each AUC and the ceiling gain, and the goals' reach
-    (issue 16's +0.02 click / +0.01 conversion; issue 29's hidden world: +0.03 click)."""
+    (issue 16's +0.02 click / +0.01 conversion; issue 29's hidden world: +0.03 click; issue 40's taste world:
+    +0.02 click beyond what an offset reaches)."""
     out: dict[int, Any] = {}
     for k in ks:
         e: dict[str, Any] = {}
         for h in HEADS:
             e[h] = {name: _spread([r["by_k"][k][h][name] for r in per_seed.values()])
-                    for name in (*SCORES, "ceiling_gain")}
+                    for name in (*SCORES, "offset_only", "ceiling_gain", "offset_only_gain", "non_offset_gain")}
             for key in ("ceiling_gain_relabeled", "ceiling_gain_redrawn"):
                 if all(key in r["by_k"][k][h] for r in per_seed.values()):
                     e[h][f"{key}_mean"] = _spread([r["by_k"][k][h][key]["mean"] for r in per_seed.values()])
@@ -771,6 +932,7 @@ def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
             "click>=0.02": all(r["by_k"][k]["click"]["ceiling_gain"] >= 0.02 for r in per_seed.values()),
             "click>=0.03": all(r["by_k"][k]["click"]["ceiling_gain"] >= 0.03 for r in per_seed.values()),
             "conversion>=0.01": all(r["by_k"][k]["conversion"]["ceiling_gain"] >= 0.01 for r in per_seed.values()),
+            "non_offset_click>=0.02": all(r["by_k"][k]["click"]["non_offset_gain"] >= 0.02 for r in per_seed.values()),
         }
         out[k] = e
     return out
@@ -778,7 +940,7 @@ def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.quality import SMOKE_ROWS, cold_generator_config, cold_sizes, cold_split, parse_first_k
-    from meta_io.synth import HIDDEN_KNOBS, generate, world_config
+    from meta_io.synth import HIDDEN_KNOBS, TASTE_KNOBS, WORLDS, generate, world_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="bench.quality --quick's data (16k rows, 250 users)")
@@ -794,13 +956,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redraw", type=int, default=None,
                     help="also the gain's mean over this many redraws of every label from the true probabilities "
                          "(default 0: none; --smoke: 2)")
-    ap.add_argument("--world", choices=("default", "hidden"), default="default",
-                    help="the generator's world (meta_io.synth.WORLDS): default, or hidden (per-user click / cvr "
+    ap.add_argument("--world", choices=tuple(WORLDS), default="default",
+                    help="the generator's world (meta_io.synth.WORLDS): default, hidden (per-user click / cvr "
                          "logit offsets that no feature reveals: GeneratorConfig.hidden_user_effect_std 1.5, "
-                         "hidden_user_cvr_effect_std 0.75)")
-    for flag, knob in (("--hidden-std", "hidden_user_effect_std"), ("--hidden-cvr-std", "hidden_user_cvr_effect_std"),
-                       ("--hidden-scene-std", "hidden_user_scene_effect_std")):
-        ap.add_argument(flag, type=float, default=None, dest=knob,
+                         "hidden_user_cvr_effect_std 0.75) or taste (per-user tastes over item groups that no "
+                         "feature reveals: taste_std, taste_groups, taste_cvr_weight)")
+    for flag, knob, kind in (("--hidden-std", "hidden_user_effect_std", float),
+                             ("--hidden-cvr-std", "hidden_user_cvr_effect_std", float),
+                             ("--hidden-scene-std", "hidden_user_scene_effect_std", float),
+                             ("--taste-std", "taste_std", float), ("--taste-groups", "taste_groups", int),
+                             ("--taste-cvr-weight", "taste_cvr_weight", float)):
+        ap.add_argument(flag, type=kind, default=None, dest=knob,
                         help=f"GeneratorConfig.{knob} (over --world's value)")
     ap.add_argument("--condition", choices=CONDITIONS, default="buckets",
                     help="what the base knows of a user besides the global features: the bucketed user features "
@@ -820,19 +986,27 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--samples: expected >= 2000 draws per user, got {args.samples}")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     rows, users, items, fraction = cold_sizes(args.quick or args.smoke, args.rows or (SMOKE_ROWS if args.smoke else 0))
-    overrides = {knob: getattr(args, knob) for knob in HIDDEN_KNOBS if getattr(args, knob) is not None}
+    overrides = {knob: getattr(args, knob) for knob in (*HIDDEN_KNOBS, *TASTE_KNOBS) if getattr(args, knob) is not None}
     for knob, v in overrides.items():
         if not (np.isfinite(v) and v >= 0):
             raise SystemExit(f"--{knob}: expected a finite number >= 0, got {v}")
 
     def config(seed: int) -> Any:
         base = world_config(cold_generator_config(rows, users, items, seed), args.world)
-        return dataclasses.replace(base, **overrides)
+        cfg = dataclasses.replace(base, **overrides)
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise SystemExit(f"bench.quality_ceiling: {e}") from None
+        return cfg
 
-    hidden = {knob: float(getattr(config(seeds[0] if seeds else 0), knob)) for knob in HIDDEN_KNOBS}
+    first = config(seeds[0] if seeds else 0)
+    hidden = {knob: float(getattr(first, knob)) for knob in HIDDEN_KNOBS}
+    taste = {knob: getattr(first, knob) for knob in TASTE_KNOBS}
     out: dict[str, Any] = {"rows": rows, "users": users, "items": items, "held_out_fraction": fraction, "seeds": seeds,
                            "first_k": ks, "samples": args.samples, "sampler_seed": args.sampler_seed,
-                           "condition": args.condition, "world": args.world, "hidden": hidden, "per_seed": {}}
+                           "condition": args.condition, "world": args.world, "hidden": hidden, "taste": taste,
+                           "per_seed": {}}
     t0 = time.perf_counter()
     for seed in seeds:
         with tempfile.TemporaryDirectory(prefix="bench-ceiling-") as td:
@@ -847,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
             e = res["by_k"][k]
             print(f"[seed {seed}] K={k} rows {e['scored_rows']}: " + "; ".join(
                 f"{h} " + " ".join(f"{n} {e[h][n]:.4f}" for n in SCORES) + f" gain {e[h]['ceiling_gain']:+.4f}"
+                + f" (offset only {e[h]['offset_only_gain']:+.4f}, beyond an offset {e[h]['non_offset_gain']:+.4f})"
                 + f" (relabeled {e[h]['ceiling_gain_relabeled']['mean']:+.4f} sd {e[h]['ceiling_gain_relabeled']['sd']:.4f}"
                 + (f", redrawn {e[h]['ceiling_gain_redrawn']['mean']:+.4f} sd {e[h]['ceiling_gain_redrawn']['sd']:.4f}"
                    if "ceiling_gain_redrawn" in e[h] else "") + ")"

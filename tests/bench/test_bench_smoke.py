@@ -80,7 +80,8 @@ SMOKES: dict[str, Smoke] = {
     # --smoke: 4k and 6k rows, seed 3, the taste world (its Bayes ceiling at 200 draws a user), every arm
     "quality_curve": Smoke(("--smoke",), ("adapted_minus_best_other_min", "elapsed_s")),
     "quality_ceiling": Smoke(("--smoke",), ("by_k/4/click/ceiling_gain/median",
-                                            "by_k/4/conversion/ceiling_gain/median")),
+                                            "by_k/4/conversion/ceiling_gain/median",
+                                            "by_k/4/click/non_offset_gain/median")),
     # --smoke: the simulations (E1/E3/E4/E5 sims, E6), not the real-process arms
     "stragglers": Smoke(("--smoke",), ("e1_sim_vs_static", "e5_sim_dd_speedup", "e6_overhead", "e6_proc_overhead")),
     "train_throughput": Smoke(("--smoke",), ("dist_1x1_vs_local", "dist_2x2_vs_local", "overlap_gain"), 420.0),
