@@ -136,7 +136,8 @@ def parse_priors(text: str) -> list[float]:
 
 def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``--set SECTION.KEY=VALUE`` (VALUE in TOML: ``0.1``, ``true``, ``"rows"``, ``[64, 32]``; a bare word
-    is a string) -> section -> key -> value.
+    is a string; ``KEY`` may be dotted: ``ps.table_defaults.optimizer.lr=0.02``) -> section -> key -> value
+    (nested tables as dicts).
 
     Raises:
         CurveError: no ``SECTION.KEY=`` or a section other than meta, model, ps, train.
@@ -153,7 +154,11 @@ def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             value = text
-        out.setdefault(section, {})[name] = value
+        node = out.setdefault(section, {})
+        *path, leaf = name.split(".")
+        for part in path:  # ps.table_defaults.optimizer.lr=0.02: nested tables
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out
 
 

@@ -40,9 +40,17 @@ def job_for(train: Path, eval_: Path, run_dir: Path, mode: str, kind: str, epoch
     }
     if meta:
         data["meta"] = meta
-    for section, keys in (sets or {}).items():
-        data.setdefault(section, {}).update(keys)
+    _merge(data, sets or {})
     return job_from_mapping(data, where="<bench.quality>")
+
+
+def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
+    """Set ``over``'s keys in ``into``, recursing into tables both have (a nested ``--set`` keeps its siblings)."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def cold_sizes(quick: bool, rows: int = 0) -> tuple[int, int, int, float]:

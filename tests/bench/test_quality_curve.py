@@ -4,6 +4,8 @@ functions on small arrays (the arms' logits come from real models in the --smoke
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -110,6 +112,14 @@ def test_flags_refused_in_one_line() -> None:
     assert parse_priors("1,4,16") == [1.0, 4.0, 16.0]
     assert parse_sets(["meta.inner_lr=0.5", "model.hidden=[32, 16]", "meta.adapt=rows"]) == {
         "meta": {"inner_lr": 0.5, "adapt": "rows"}, "model": {"hidden": [32, 16]}}
+    nested = parse_sets(["ps.table_defaults.optimizer.lr=0.02", "model.dropout=0.1"])
+    assert nested == {"ps": {"table_defaults": {"optimizer": {"lr": 0.02}}}, "model": {"dropout": 0.1}}
+    from bench.quality_setup import job_for
+
+    job = job_for(Path("t"), Path("e"), Path("r"), "plain", "dnn", 1, None,
+                  parse_sets(["ps.table_defaults.optimizer.lr=0.02", "model.hidden=[16]"]))
+    assert job.ps.table_defaults.optimizer.lr == 0.02 and job.ps.table_defaults.optimizer.kind == "rowwise_adagrad"
+    assert job.ps.table_defaults.dim == 8 and list(job.model.hidden) == [16]  # siblings of a nested set kept
     for bad, flag in ((lambda: parse_ints("16000,x", "--sizes"), "--sizes"), (lambda: parse_ints("3,3", "--seeds"), "--seeds"),
                       (lambda: parse_priors("1,0"), "--priors"), (lambda: parse_sets(["data.train=x"]), "--set data.train"),
                       (lambda: parse_sets(["inner_lr=0.5"]), "--set")):
