@@ -60,8 +60,13 @@ class ModelConfig:
         kind: which model (``dnn``, ``deepfm``, ``dcnv2``, ``esmm``), or ``custom``: the user's class
             named by ``class``.
         hidden: deep MLP widths (for ESMM: the widths of each task tower).
-        dropout: dropout after every hidden layer. Off by default: it makes the
-            vectorized and looped meta-steps differ and breaks parity checks.
+        dropout: dropout probability after every hidden activation of the deep MLPs (wide & deep's,
+            DeepFM's and DCN-v2's deep part; ESMM's shared bottom or every MMoE expert, and its
+            towers); a custom model reads it as ``spec.dropout``. On in training steps, the meta
+            inner loop included (``vmap`` draws a mask per task); off (eval mode) when scoring,
+            evaluating, adapting for delivery and in the exported network. 0 (the default) builds
+            no dropout layer. A small-data knob, with ``[ps] dense_optimizer.weight_decay``; off by
+            default, as it makes the vectorized and looped meta steps differ (parity checks).
         bottom: ESMM multi-task bottom, ``shared`` or ``mmoe``.
         n_experts: MMoE experts.
         expert_hidden: widths of each expert MLP (and of the shared bottom).

@@ -68,15 +68,23 @@ class ModelSpec:
         task_key: the task (user) id column of the schema.
         config: the ``[model]`` section (``hidden``, ``dropout``, ``default_dim``, ``seed`` ...).
 
+    The small-data knobs reach a custom model as they reach the zoo's: :attr:`dropout` is
+    ``[model] dropout`` (the module applies it where it likes, e.g. ``nn.Dropout(spec.dropout)``
+    after its hidden layers: the meta step's ``vmap`` draws a different mask per task, and
+    scoring, evaluation and export run the model in eval mode, so it is off there); L2 weight
+    decay is the dense optimizer's (``[ps] dense_optimizer.weight_decay``) and needs nothing
+    from the module.
+
     Example::
 
         class Logistic(nn.Module):
             def __init__(self, spec: ModelSpec) -> None:
                 super().__init__()
                 self.heads = list(spec.heads)
+                self.drop = nn.Dropout(spec.dropout)
                 self.out = nn.Linear(sum(spec.features.values()) + len(spec.dense), len(spec.heads))
             def forward(self, features: dict[str, Tensor], dense: Tensor) -> dict[str, Tensor]:
-                z = self.out(torch.cat([*features.values(), dense], dim=-1))
+                z = self.out(self.drop(torch.cat([*features.values(), dense], dim=-1)))
                 return {h: z[..., i] for i, h in enumerate(self.heads)}
     """
 
@@ -86,6 +94,11 @@ class ModelSpec:
     heads: list[str]
     task_key: str
     config: ModelConfig
+
+    @property
+    def dropout(self) -> float:
+        """``[model] dropout``: the dropout probability the module should apply in training (0 = none)."""
+        return float(self.config.dropout)
 
 
 class CustomModel(CtrModel):

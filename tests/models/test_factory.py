@@ -125,3 +125,61 @@ def test_bad_inputs_name_the_column() -> None:
         model(bad, rows, uniq)
     with pytest.raises(DataError, match=r"rows\['tag'\]: expected shape \[\d+, 8\]"):
         model(fb, dict(rows, tag=torch.zeros(uniq["tag"].numel(), 16)), uniq)
+
+
+DROP_MODULE = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.heads = list(spec.heads)
+        width = sum(spec.features.values()) + len(spec.dense)
+        self.mlp = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Dropout(spec.dropout))
+        self.out = nn.Linear(16, len(self.heads))
+
+    def forward(self, features, dense):
+        z = self.out(self.mlp(torch.cat([*features.values(), dense], dim=-1)))
+        return {h: z[..., i] for i, h in enumerate(self.heads)}
+"""
+
+
+def _drop_case(case: str, tmp_path, dropout: float):
+    """(kind, extra config) of a dropout case: the zoo's kinds, ESMM's two bottoms, a custom module."""
+    if case == "custom":
+        (tmp_path / "drop_model.py").write_text(DROP_MODULE)
+        return "custom", {"class_path": "drop_model:Model", "class_dir": str(tmp_path), "dropout": dropout}
+    kind, _, bottom = case.partition("-")
+    return kind, {"dropout": dropout, **({"bottom": bottom} if bottom else {})}
+
+
+@pytest.mark.parametrize("case", ["dnn", "deepfm", "dcnv2", "esmm-shared", "esmm-mmoe", "custom"])
+def test_dropout_is_on_in_training_and_off_in_eval_and_export(case, tmp_path) -> None:
+    """``[model] dropout`` in every kind (a custom module reads ``spec.dropout``): two training-mode
+    forwards differ; eval mode and the traced export (delivery.dense.trace_dense) give the outputs of
+    the same model without dropout (dropout adds no parameter: same init)."""
+    from delivery.dense import flat_inputs, trace_dense
+
+    kind, kw = _drop_case(case, tmp_path, 0.5)
+    _, model, fb, uniq, rows = _setup(kind, (16,), **kw)
+    kind0, kw0 = _drop_case(case, tmp_path, 0.0)
+    _, plain, *_ = _setup(kind0, (16,), **kw0)
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.5 for m in model.modules())
+    if case != "custom":  # the default builds no dropout module at all: today's numbers unchanged
+        assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    model.train()
+    a, b = model(fb, rows, uniq), model(fb, rows, uniq)
+    assert all(not torch.equal(a[h], b[h]) for h in a), "dropout off in training"
+    model.eval()
+    plain.eval()
+    want = plain.predict(fb, rows, uniq)
+    for h, p in model.predict(fb, rows, uniq).items():
+        torch.testing.assert_close(p, want[h], rtol=0, atol=0)
+    model.train()  # export must switch it off itself
+    scripted, spec = trace_dense(model, model.schema, model.dims)
+    got = [scripted(*flat_inputs(spec.inputs, fb, uniq, rows)) for _ in range(2)]
+    for i, h in enumerate(spec.heads):
+        torch.testing.assert_close(got[0][i], want[h], rtol=0, atol=1e-6)
+        assert torch.equal(got[0][i], got[1][i])
