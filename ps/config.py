@@ -56,6 +56,7 @@ class OptimizerKind(str, enum.Enum):
     SGD = "sgd"
     ADAM = "adam"
     FTRL = "ftrl"
+    ADAMW = "adamw"  # dense parameters only: Adam with decoupled weight decay
 
 
 class EvictionPolicy(str, enum.Enum):
@@ -95,14 +96,22 @@ class SyncMode(str, enum.Enum):
 class OptimizerConfig:
     """Optimizer of one embedding table (or of the dense parameters).
 
-    Weight decay is L2 (``g += weight_decay * w`` before the update) for every kind.
+    Weight decay is L2 (``g += weight_decay * w`` before the update) for every kind but
+    ``adamw``, whose decay is decoupled (``w *= 1 - lr * weight_decay``, then the Adam step:
+    Loshchilov & Hutter, torch.optim.AdamW). Under Adam an L2 term is divided by the
+    gradient's running RMS like the gradient, so it hardly regularizes; ``adamw`` is the
+    weight decay a small-data user expects on the dense network.
 
     Args:
-        kind: rowwise_adagrad / adagrad / sgd (fused in fbgemm TBE), adam / ftrl (torch).
+        kind: rowwise_adagrad / adagrad / sgd (fused in fbgemm TBE), adam / ftrl (torch);
+            adamw (Adam with decoupled weight decay) for ``[ps] dense_optimizer`` only.
         lr: learning rate (FTRL uses ``ftrl_alpha`` instead).
-        eps: added to the denominator (adagrad kinds, adam).
-        weight_decay: L2 coefficient.
-        beta1, beta2: Adam moments.
+        eps: added to the denominator (adagrad kinds, adam, adamw).
+        weight_decay: decay coefficient: L2 added to the gradient (``g += weight_decay * w``), or with
+            ``adamw`` decoupled (``w *= 1 - lr * weight_decay`` before the step). On the dense
+            parameters it applies to the model's, not to the meta learner's (``meta_learner.*``:
+            learned inner rates, kept as log rates a decay would pull to a rate of 1).
+        beta1, beta2: Adam / AdamW moments.
         ftrl_alpha, ftrl_beta, ftrl_l1, ftrl_l2: FTRL-proximal (McMahan et al. 2013).
         initial_accumulator: start value of adagrad accumulators and FTRL ``n``.
 
@@ -212,6 +221,12 @@ def _check_dim_capacity(dim: int, capacity: int, init_scale: float, where: str) 
         raise ValueError(f"{where}init_scale must be >= 0, got {init_scale}")
 
 
+def _check_table_optimizer(opt: "OptimizerConfig", where: str) -> None:
+    if OptimizerKind(opt.kind) not in TABLE_OPTIMIZERS:
+        raise ValueError(f"{where}optimizer.kind '{OptimizerKind(opt.kind).value}' is for [ps] dense_optimizer only; "
+                         f"a table takes one of {[k.value for k in TABLE_OPTIMIZERS]}")
+
+
 def _check_clip(cfg: "TableConfig | TableDefaults", where: str) -> None:
     for key in ("grad_clip_norm", "grad_clip_value"):
         v = getattr(cfg, key)
@@ -259,6 +274,7 @@ class TableConfig:
         where = f"table '{self.name}': "
         _check_dim_capacity(self.dim, self.capacity, self.init_scale, where)
         _check_clip(self, where)
+        _check_table_optimizer(self.optimizer, where)
         if self.optimizer.kind == OptimizerKind.FTRL and InitKind(self.init) != InitKind.ZEROS and self.init_scale != 0:
             raise ValueError(
                 f"{where}optimizer kind 'ftrl' (FTRL-Proximal: w derived from z and n, w = 0 at the start) "
@@ -286,6 +302,7 @@ class TableDefaults:
     def validate(self) -> None:
         _check_dim_capacity(self.dim, self.capacity, self.init_scale, "table_defaults: ")
         _check_clip(self, "table_defaults: ")
+        _check_table_optimizer(self.optimizer, "table_defaults: ")
 
 
 @dataclass(frozen=True)
@@ -324,7 +341,10 @@ class PsConfig:
         seed: seeds initial rows and probabilistic admission.
         device: where tables live (auto = cuda when available).
         table_defaults, tables: table settings (see :meth:`table_configs`).
-        dense_optimizer: optimizer of dense parameters held on the PS (adam/adagrad/sgd).
+        dense_optimizer: optimizer of the dense parameters (adam/adamw/adagrad/sgd), run by the PS
+            (``[train] dense_sync = "ps"``) or in the worker (train-local, all-reduce): the same
+            ``ps.dense_store`` code either way. Its ``weight_decay`` is the dense network's L2 /
+            weight decay (decoupled with ``adamw``).
         nonfinite_grads: reject a push holding NaN/Inf, or drop those ids (counted).
         value_dtype: wire format of pulled rows.
         max_request_rows: largest pull/push a shard accepts in one request.
@@ -457,5 +477,9 @@ class PsConfig:
         return [self._resolve(n, by_name.get(n)) for n in uniq]
 
 
-DENSE_OPTIMIZERS = (OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD)
+DENSE_OPTIMIZERS = (OptimizerKind.ADAM, OptimizerKind.ADAMW, OptimizerKind.ADAGRAD, OptimizerKind.SGD)
 """Optimizer kinds :class:`ps.dense_store.DenseStore` supports."""
+
+TABLE_OPTIMIZERS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAGRAD, OptimizerKind.SGD, OptimizerKind.ADAM,
+                    OptimizerKind.FTRL)
+"""Optimizer kinds an embedding table takes (:func:`ps.optimizers.build`)."""

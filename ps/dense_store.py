@@ -1,8 +1,18 @@
 """Dense parameters held on a PS shard (when dense sync mode is "ps").
 
 Each named parameter is a float32 CPU tensor with its own optimizer state
-(Adam, Adagrad or SGD, torch.optim's formulas), so a push to one parameter
-never steps another's state. Weight decay is L2, as for the sparse tables.
+(Adam, AdamW, Adagrad or SGD, torch.optim's formulas), so a push to one parameter
+never steps another's state.
+
+Weight decay (the dense network's L2, ``[ps] dense_optimizer.weight_decay``) is L2 in
+the gradient (``g += wd * w``) for adam, adagrad and sgd, as for the sparse tables, and
+decoupled for adamw (``w *= 1 - lr * wd`` before the Adam step). It applies to every
+parameter but the meta learner's (names starting with :data:`DECAY_EXEMPT_PREFIXES`:
+learned inner rates are log rates, which a decay would pull to a rate of 1). The rule
+is by name, in this class, so a PS and a worker's local store (train-local, all-reduce)
+decay the same parameters. It is one ``addcmul`` over the pushed spans with a 0/1 mask
+(built once per layout), before the kernel, which then runs with ``weight_decay = 0``;
+with ``weight_decay = 0`` (the default) nothing of it runs.
 
 Storage is flat: every parameter (and each per-element optimizer state) is a
 view of one buffer, in registration order; the step counts are one float32
@@ -51,6 +61,10 @@ from ps.config import DENSE_OPTIMIZERS, OptimizerConfig, OptimizerKind
 from ps.errors import BadRequest
 
 
+DECAY_EXEMPT_PREFIXES = ("meta_learner.",)
+"""Dense parameters weight decay leaves alone: the meta learner's (``models.meta_learner.PREFIX``;
+tests/ps/test_dense_store.py checks they agree: ``ps`` does not import ``models``)."""
+
 _ALIGN = 16
 """Each parameter's slot in the flat buffers starts at, and spans, a multiple of 16 float32 (a 64-byte
 cache line: the fused kernels' work unit, and a multiple of every vector width), so every element
@@ -89,6 +103,9 @@ class DenseStore:
         self._grad = np.zeros(0, dtype=np.float32)
         """The flat gradient buffer a push writes into (:attr:`_flat`'s layout; padding stays 0)."""
         self._grad_t = torch.from_numpy(self._grad)
+        self._decay: torch.Tensor | None = None
+        """1.0 on the elements weight decay applies to, 0.0 elsewhere (exempt parameters, padding);
+        :attr:`_flat`'s layout, built at the first decayed push after a (re)layout."""
         self.pushes = 0
 
     def _relayout(self, name: str, value: torch.Tensor) -> None:
@@ -126,10 +143,11 @@ class DenseStore:
         self._steps, self._slots = steps, slots
         self._grad = np.zeros(total, dtype=np.float32)
         self._grad_t = torch.from_numpy(self._grad)
+        self._decay = None
         self._steps_agree = None
 
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.cfg.kind == OptimizerKind.ADAM:
+        if self.cfg.kind in (OptimizerKind.ADAM, OptimizerKind.ADAMW):
             return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
                     "exp_avg_sq": torch.zeros_like(p)}
         if self.cfg.kind == OptimizerKind.ADAGRAD:
@@ -142,10 +160,10 @@ class DenseStore:
         """One fused optimizer update of the flat-buffer ``spans`` by the gradient buffer.
 
         The kernels are what ``torch.optim``'s ``fused=True`` runs (Adam, Adagrad without lr
-        decay, SGD without momentum; L2 weight decay added to the gradient inside the kernel),
-        called directly: no optimizer object, no Python per element or per op. The caller has
-        incremented the step counts (Adam, Adagrad). Padding elements (zero gradient) compute
-        values nobody reads.
+        decay, SGD without momentum), called directly: no optimizer object, no Python per element
+        or per op. Weight decay is applied first, masked (module docstring): L2 into the gradient,
+        or AdamW's decoupled shrink of the values. The caller has incremented the step counts
+        (Adam, Adagrad). Padding elements (zero gradient) compute values nobody reads.
 
         Args:
             spans: (start, stop) of each updated range (multiples of :data:`_ALIGN`).
@@ -154,18 +172,35 @@ class DenseStore:
         c = self.cfg
         p = [self._flat[a:b] for a, b in spans]
         g = [self._grad_t[a:b] for a, b in spans]
+        if c.weight_decay:
+            mask = self._decay_mask()
+            ms = [mask[a:b] for a, b in spans]
+            if c.kind == OptimizerKind.ADAMW:  # decoupled: w -= lr * wd * w
+                torch._foreach_addcmul_(p, p, ms, value=-c.lr * c.weight_decay)
+            else:  # L2: g += wd * w (what the kernels' own weight_decay does, masked)
+                torch._foreach_addcmul_(g, p, ms, value=c.weight_decay)
         if c.kind == OptimizerKind.SGD:
-            torch._fused_sgd_(p, g, [], weight_decay=c.weight_decay, momentum=0.0, lr=c.lr, dampening=0.0,
+            torch._fused_sgd_(p, g, [], weight_decay=0.0, momentum=0.0, lr=c.lr, dampening=0.0,
                               nesterov=False, maximize=False, is_first_step=False)
         elif c.kind == OptimizerKind.ADAGRAD:
             acc = self._flat_state["sum"]
             torch._fused_adagrad_(p, g, [acc[a:b] for a, b in spans], steps, lr=c.lr, lr_decay=0.0,
-                                  weight_decay=c.weight_decay, eps=c.eps, maximize=False)
-        else:
+                                  weight_decay=0.0, eps=c.eps, maximize=False)
+        else:  # adam, adamw (its decay applied above)
             m, v = self._flat_state["exp_avg"], self._flat_state["exp_avg_sq"]
             torch._fused_adam_(p, g, [m[a:b] for a, b in spans], [v[a:b] for a, b in spans], [], steps, lr=c.lr,
-                               beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
+                               beta1=c.beta1, beta2=c.beta2, weight_decay=0.0, eps=c.eps, amsgrad=False,
                                maximize=False)
+
+    def _decay_mask(self) -> torch.Tensor:
+        """:attr:`_decay` for the current layout (built on first use after a relayout)."""
+        if self._decay is None:
+            mask = torch.zeros(self._flat.numel(), dtype=torch.float32)
+            for name, (lo, hi, _) in self._slots.items():
+                if not name.startswith(DECAY_EXEMPT_PREFIXES):
+                    mask[lo:hi] = 1.0
+            self._decay = mask
+        return self._decay
 
     # -- registry ------------------------------------------------------------------
     def register(self, name: str, shape_or_value: Sequence[int] | np.ndarray) -> bool:

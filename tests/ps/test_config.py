@@ -49,7 +49,11 @@ eviction = { policy = "ttl", ttl_steps = 10 }
     ("[ps.table_defaults]\nadmission = { probability = 1.5 }", r"probability must be in \[0, 1\], got 1.5"),
     ("[ps.table_defaults]\neviction = { policy = 'lru' }", r"ps.table_defaults.eviction.policy'?: expected one of \['none', 'lfu', 'ttl'\]"),
     ("[ps]\nnonfinite_grads = 'ignore'", r"expected one of \['reject', 'drop'\]"),
-    ("[ps]\ndense_optimizer = { kind = 'ftrl' }", r"dense_optimizer.kind must be one of \['adam', 'adagrad', 'sgd'\]"),
+    ("[ps]\ndense_optimizer = { kind = 'ftrl' }", r"dense_optimizer.kind must be one of \['adam', 'adamw', 'adagrad', 'sgd'\]"),
+    ("[ps.table_defaults]\noptimizer = { kind = 'adamw' }",
+     r"table_defaults: optimizer.kind 'adamw' is for \[ps\] dense_optimizer only; a table takes one of"),
+    ("[[ps.tables]]\nname = 'item'\noptimizer = { kind = 'adamw' }",
+     r"table 'item': optimizer.kind 'adamw' is for \[ps\] dense_optimizer only"),
     ("[ps]\nshards = 4\nnum_vshards = 2", r"num_vshards must be >= shards \(4\), got 2"),
     ("[ps]\nbogus = 1", r"unknown key 'ps.bogus'"),
 ])

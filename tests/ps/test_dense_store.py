@@ -15,7 +15,7 @@ from ps.errors import BadRequest
 torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
+@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAMW, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
 def test_push_matches_torch_optim(kind: OptimizerKind) -> None:
     cfg = OptimizerConfig(kind=kind, lr=0.01, weight_decay=0.01)
     d = DenseStore(cfg)
@@ -24,6 +24,7 @@ def test_push_matches_torch_optim(kind: OptimizerKind) -> None:
     d.register("b", (4,))
     p = torch.nn.Parameter(torch.tensor(w0))
     ref = {OptimizerKind.ADAM: lambda: torch.optim.Adam([p], lr=0.01, eps=cfg.eps, weight_decay=0.01),
+           OptimizerKind.ADAMW: lambda: torch.optim.AdamW([p], lr=0.01, eps=cfg.eps, weight_decay=0.01),
            OptimizerKind.ADAGRAD: lambda: torch.optim.Adagrad([p], lr=0.01, eps=cfg.eps, weight_decay=0.01),
            OptimizerKind.SGD: lambda: torch.optim.SGD([p], lr=0.01, weight_decay=0.01)}[kind]()
     rng = np.random.default_rng(0)
@@ -84,7 +85,7 @@ def test_rejects_sparse_only_optimizer() -> None:
         DenseStore(OptimizerConfig(kind=OptimizerKind.FTRL))
 
 
-@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
+@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAMW, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
 def test_fused_push_equals_per_parameter_push(kind: OptimizerKind) -> None:
     """A push of every parameter runs fused over the flat buffers: the per-parameter bits exactly,
     across a late registration (relayout), partial pushes (step counts differ) and a state load."""
@@ -127,7 +128,7 @@ def test_fused_push_equals_per_parameter_push(kind: OptimizerKind) -> None:
     assert fused.memory_bytes() == ref.memory_bytes()
 
 
-@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
+@pytest.mark.parametrize("kind", [OptimizerKind.ADAM, OptimizerKind.ADAMW, OptimizerKind.ADAGRAD, OptimizerKind.SGD])
 def test_fused_kernel_on_odd_sizes(kind: OptimizerKind) -> None:
     """Sizes that are not multiples of the kernel's vector width: a push of every parameter (one
     call over the flat buffers) and pushes of one parameter at a time give the same bits, and both
@@ -142,6 +143,7 @@ def test_fused_kernel_on_odd_sizes(kind: OptimizerKind) -> None:
         each.register(n, v)
     params = {n: torch.nn.Parameter(torch.tensor(v)) for n, v in init.items()}
     ref = {OptimizerKind.ADAM: lambda: torch.optim.Adam(params.values(), lr=0.01, eps=cfg.eps, weight_decay=0.01),
+           OptimizerKind.ADAMW: lambda: torch.optim.AdamW(params.values(), lr=0.01, eps=cfg.eps, weight_decay=0.01),
            OptimizerKind.ADAGRAD: lambda: torch.optim.Adagrad(params.values(), lr=0.01, eps=cfg.eps,
                                                               weight_decay=0.01),
            OptimizerKind.SGD: lambda: torch.optim.SGD(params.values(), lr=0.01, weight_decay=0.01)}[kind]()
@@ -171,3 +173,27 @@ def test_pull_of_every_parameter_is_a_copy() -> None:
     d.push({"a": np.ones((2, 3), np.float32), "b": np.ones(5, np.float32)})
     np.testing.assert_array_equal(d.pull(["a"])["a"], np.zeros((2, 3), np.float32))
     np.testing.assert_array_equal(d.pull()["b"], np.ones(5, np.float32))
+
+
+@pytest.mark.parametrize("kind", [OptimizerKind.ADAMW, OptimizerKind.SGD])
+def test_weight_decay_spares_the_meta_learner(kind: OptimizerKind) -> None:
+    """One step with a zero gradient: a model parameter moves by exactly the decay rule (SGD's L2:
+    -lr * wd * w; AdamW's decoupled shrink: -lr * wd * w, Adam's step being 0 on a zero gradient);
+    a ``meta_learner.*`` parameter (a learned log inner rate) does not move. The exempt prefix is the
+    meta learner's."""
+    from models.meta_learner import PREFIX
+    from ps.dense_store import DECAY_EXEMPT_PREFIXES
+
+    assert DECAY_EXEMPT_PREFIXES == (PREFIX,)
+    lr, wd = 0.1, 0.5
+    d = DenseStore(OptimizerConfig(kind=kind, lr=lr, weight_decay=wd))
+    w0 = np.linspace(-2, 2, 6, dtype=np.float32)
+    d.register("deep.0.weight", w0)
+    d.register(PREFIX + "dense_log_lr.0", w0)
+    zero = np.zeros(6, np.float32)
+    d.push({"deep.0.weight": zero, PREFIX + "dense_log_lr.0": zero})
+    got = d.pull()
+    np.testing.assert_allclose(got["deep.0.weight"], w0 - lr * wd * w0, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got[PREFIX + "dense_log_lr.0"], w0)
+    d.push({PREFIX + "dense_log_lr.0": zero})  # a push of one parameter (its own span) spares it too
+    np.testing.assert_array_equal(d.pull()[PREFIX + "dense_log_lr.0"], w0)

@@ -43,11 +43,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 TWO_TOWER = {"kind": "custom", "class": "two_tower:TwoTower", "class_dir": str(EXAMPLES), "hidden": [16]}
 
 
+# the small-data knob on the PS side: the dnn meta case trains with AdamW weight decay, which the PS
+# applies to the dense parameters in a fleet and the worker's local store in train-local (ps.dense_store)
+DECAY = {"ps": {"dense_optimizer": {"kind": "adamw", "lr": 1e-3, "weight_decay": 0.5}}}
+
+
 @pytest.mark.parametrize("mode,shards,model", [("meta", 1, "dnn"), ("meta", 2, "two_tower"), ("plain", 2, "dnn")])
 def test_distributed_matches_local(worker_data, ps_servers, tmp_path: Path, mode: str, shards: int, model: str) -> None:
-    custom = {"model": TWO_TOWER} if model == "two_tower" else {}
+    custom = {"model": TWO_TOWER} if model == "two_tower" else DECAY if mode == "meta" else {}
     job = make_job(worker_data["meta"], tmp_path, mode=mode, shards=shards, train={"max_steps": 12}, **custom)
-    if custom:
+    if model == "two_tower":
         assert {t.name: t.dim for t in job.table_configs()}["item"] == 16  # the class's declared dim
     _, local = train_local(job, tmp_path / "local", checkpoint=False)
 
@@ -56,7 +61,7 @@ def test_distributed_matches_local(worker_data, ps_servers, tmp_path: Path, mode
     dist = Worker(job, 0, RemoteRowSource(client), run_dir=tmp_path / "dist", world=1)
     dist.train()
     assert dist.trainer.step_no == local.trainer.step_no == 12
-    assert type(dist.model).__name__ == ("CustomModel" if custom else "WideDeep")
+    assert type(dist.model).__name__ == ("CustomModel" if model == "two_tower" else "WideDeep")
 
     for (name, a), (_, b) in zip(local.model.named_parameters(), dist.model.named_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"dense param {name}")
