@@ -88,8 +88,10 @@ class MetaStepResult:
         dense_grads: ``model.named_parameters()`` name -> outer gradient.
         row_grads: table -> ``[U_t, dim_t]`` outer gradient of the gathered rows (push to the PS).
         metrics: ``support_loss_before``, ``support_loss_after``, ``query_loss`` (the query loss
-            alone, whatever ``support_loss_weight``), ``tasks``, and
-            ``query_loss/<head>`` per head (they sum to ``query_loss``).
+            alone, whatever ``support_loss_weight``), ``tasks``, ``inner_diverged`` (the share of real
+            tasks whose inner steps raised their support loss or left it non-finite; 0 without an inner
+            step), and ``query_loss/<head>`` per head (they sum to ``query_loss``). ``support_loss_after``
+            and ``inner_diverged`` only with ``diagnostics``.
     """
 
     outer_loss: Tensor
@@ -160,9 +162,11 @@ def _adapt(
         "dense": dict(params) if cfg.adapts_dense else {},
         "rows": dict(rows) if cfg.adapts_rows else {},
     }
+    fixed = {"dense": float(cfg.inner_lr), "rows": cfg.rows_lr}  # [meta] inner_lr / inner_lr_rows
     lr: dict[str, dict[str, Any]] = {
-        part: {k: (cfg.inner_lr if rates is None else rates[part][k]) for k in fast[part]} for part in fast
+        part: {k: (fixed[part] if rates is None else rates[part][k]) for k in fast[part]} for part in fast
     }
+    clip = float(cfg.inner_clip)
 
     def support_loss(fast: dict[str, dict[str, Tensor]]) -> Tensor:
         return _batch_loss(model, {**params, **fast["dense"]}, {**rows, **fast["rows"]}, support, index)
@@ -175,7 +179,7 @@ def _adapt(
             before = value if live_before else value.detach()
         if cfg.first_order:
             g = tree_map(torch.Tensor.detach, g)
-        fast = tree_map(_sgd, fast, g, lr)
+        fast = tree_map(_sgd, fast, g, lr) if clip <= 0 else _clipped_step(fast, g, lr, clip)
     if before is not None and not measure_after:
         return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, before.detach()
     with torch.no_grad():  # a metric only: no graph
@@ -183,6 +187,31 @@ def _adapt(
     if before is None:
         before = support_loss(fast) if live_before else after
     return {**params, **fast["dense"]}, {**rows, **fast["rows"]}, before, after
+
+
+def _clipped_step(fast: dict[str, dict[str, Tensor]], g: dict[str, dict[str, Tensor]],
+                  lr: dict[str, dict[str, Any]], clip: float) -> dict[str, dict[str, Tensor]]:
+    """``[meta] inner_clip``: per group (``dense``, ``rows``), the update ``u = rate * g`` scaled to L2 norm
+    ``clip`` when longer: ``x - u * min(1, clip / ||u||)``, the norm over every tensor of the group.
+
+    The scale is ``rsqrt(max(||u||^2 / clip^2, 1))``: no square root of 0 (a zero update's second-order
+    gradient stays finite) and a constant 1 (gradient 0) below the clip.
+    """
+    out: dict[str, dict[str, Tensor]] = {}
+    for part, xs in fast.items():
+        u = {k: g[part][k] * lr[part][k] for k in xs}
+        if not u:
+            out[part] = {}
+            continue
+        sq = torch.stack([(v * v).sum() for v in u.values()]).sum()
+        scale = torch.rsqrt(torch.clamp(sq / (clip * clip), min=1.0))
+        out[part] = {k: xs[k] - scale * u[k] for k in xs}
+    return out
+
+
+def _diverged(before: Tensor, after: Tensor) -> Tensor:
+    """Bool: the inner loop raised the support loss (beyond float noise) or left it non-finite."""
+    return ~torch.isfinite(after) | ((after - before) > 1e-6 * before.abs().clamp_min(1.0))
 
 
 def _sgd(p: Tensor, g: Tensor, rate: Any) -> Tensor:
@@ -344,8 +373,10 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop, *,
         grouped: the batch's :class:`~models.embedding.MetaGroupedIndex` (built ahead, checked): each
             task then pools its own rows group by group (:func:`grouped_meta_ok` settings only), and
             ``row_grads`` is keyed like ``rows``.
-        diagnostics: compute ``support_loss_after`` (one more support forward per task); False leaves
-            it out of the metrics (a worker asks for it on its logged steps only).
+        diagnostics: compute ``support_loss_after`` (one more support forward per task) and
+            ``inner_diverged``, and count the diverged tasks in the learner's
+            :class:`~models.meta_learner.DivergenceWatch` (which warns per window); False leaves both out of
+            the metrics (a worker asks for them on its logged steps only).
 
     Returns:
         :class:`MetaStepResult`; ``row_grads`` is what the worker pushes to the PS,
@@ -409,15 +440,21 @@ def meta_step(model: CtrModel, batch: MetaBatch, rows: Rows, cfg: InnerLoop, *,
         n = weights.sum().clamp_min(1.0)
         total = (q * weights).sum() / n
         heads = (q_heads * weights[:, None]).sum(0) / n  # [H]: each head's share of the query loss
+        diverged = _diverged(before.detach(), after) if step_checked else torch.zeros_like(weights, dtype=torch.bool)
         stats = torch.cat([torch.stack([(q_only * weights).sum() / n, (before * weights).sum() / n,
-                                        (after * weights).sum() / n, weights.sum()]), heads])
+                                        (after * weights).sum() / n, weights.sum(), (diverged * weights).sum()]),
+                           heads])
         return total, stats.detach()
 
+    step_checked = diagnostics and cfg.inner_steps > 0  # a support loss after the step to compare with
     total, stats, dense_grads, row_grads = _grads(outer, model, rows, learner)
-    q, before, after, tasks, *per_head = stats.tolist()
-    metrics = {"query_loss": q, "support_loss_before": before, "support_loss_after": after, "tasks": tasks}
+    q, before, after, tasks, n_diverged, *per_head = stats.tolist()
+    metrics = {"query_loss": q, "support_loss_before": before, "support_loss_after": after, "tasks": tasks,
+               "inner_diverged": n_diverged / tasks if tasks > 0 else 0.0}
+    if step_checked:
+        learner.divergence.observe(n_diverged, tasks)
     if not diagnostics:
-        del metrics["support_loss_after"]
+        del metrics["support_loss_after"], metrics["inner_diverged"]
     metrics.update({f"query_loss/{h.name}": v for h, v in zip(model.heads, per_head)})
     return MetaStepResult(outer_loss=total, dense_grads=dense_grads, row_grads=row_grads, metrics=metrics)
 
@@ -500,6 +537,144 @@ def _grads(
     return value.detach(), aux, g_params, g_rows
 
 
+@dataclass
+class AdaptedTasks:
+    """What :func:`adapt_tasks` returns for ``T`` tasks (detached; ``{}`` for what was not asked).
+
+    Args:
+        probs: head -> ``[T, Q]`` adapted query probabilities, exactly :func:`adapt_and_predict`'s (with
+            ``[meta] offset_steps > 0``: ``sigmoid(adapted logit + the task's offset)``).
+        query_logits: head -> ``[T, Q]`` adapted query logits, no offset (an offset recipe's input).
+        support_logits: head -> ``[T, S]`` adapted support logits (an offset recipe fits on them).
+        support_loss_before: ``[T]`` the mean support loss before the inner steps (the base's).
+        support_loss_after: ``[T]`` after them (``before`` itself without an inner step or ``measure``).
+        diverged: bool ``[T]``: the inner steps raised the support loss or left it non-finite (a task
+            without an inner step or without real support rows: False).
+        real: bool ``[T]``: tasks with at least one real support row.
+    """
+
+    probs: dict[str, Tensor]
+    query_logits: dict[str, Tensor]
+    support_logits: dict[str, Tensor]
+    support_loss_before: Tensor
+    support_loss_after: Tensor
+    diverged: Tensor
+    real: Tensor
+
+    @property
+    def diverged_share(self) -> float:
+        """Diverged tasks over real tasks (0.0 without real tasks)."""
+        n = int(self.real.sum())
+        return float((self.diverged & self.real).sum()) / n if n else 0.0
+
+
+class _ProbsAndLogits(torch.nn.Module):
+    """``(probabilities, logits)`` of a :class:`~models.base.CtrModel` from one encoding of the features
+    (what ``forward(probabilities=True)`` and ``forward()`` return). A module, so ``functional_call``
+    substitutes the adapted parameters (named ``m.<name>``)."""
+
+    def __init__(self, model: CtrModel) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, features: FeatureBatch, rows: Rows, index: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        enc = self.m.encoder(features, rows, index)
+        return self.m.outputs(enc, True), self.m.outputs(enc, False)
+
+
+def _one_encoding(model: CtrModel) -> bool:
+    """Whether probabilities and logits may share one encoding: ``CtrModel.forward`` not overridden."""
+    return isinstance(model, CtrModel) and type(model).forward is CtrModel.forward
+
+
+def adapt_tasks(
+    model: CtrModel,
+    support: FeatureBatch,
+    query: FeatureBatch,
+    rows: Rows,
+    unique_ids: dict[str, Tensor],
+    cfg: InnerLoop,
+    *,
+    probs: bool = True,
+    logits: bool = False,
+    index: tuple[LookupIndex, LookupIndex] | None = None,
+    measure: bool = True,
+) -> AdaptedTasks:
+    """Adapt on each task's support set and return its query predictions, logits and divergence check.
+
+    The one public adaptation path: :func:`adapt_and_predict` is its ``probs``; a gate scoring several
+    recipes that share an inner loop (``delivery/adapt_select.py``) asks for the logits too and shifts them
+    by each recipe's offset itself.
+
+    Args:
+        model: the model (not mutated).
+        support: ``[T, S, ..]``.
+        query: ``[T, Q, ..]``.
+        rows: table -> ``[U_t, dim_t]`` rows of ``unique_ids[t]`` (ids of support and query).
+        unique_ids: table -> sorted ids.
+        cfg: the inner loop, a :class:`MetaConfig` or a :class:`MetaLearner` (learned rates); run first
+            order (no outer gradient here).
+        probs: return the adapted query probabilities (``AdaptedTasks.probs``).
+        logits: return the adapted query and support logits (no offset).
+        index: ``(support, query)`` indices from ``model.lookup_index`` when the caller has them (else built).
+        measure: compute the support loss after adaptation and ``diverged`` (one support forward per
+            task, shared with the offset's and ``logits``' support logits when those are asked anyway).
+
+    Example::
+
+        out = adapt_tasks(model, mb.support, mb.query, rows, mb.unique_ids, cfg, logits=True)
+        out.probs["click"], out.diverged_share
+    """
+    if index is None:
+        index = (model.lookup_index(support, unique_ids, rows), model.lookup_index(query, unique_ids, rows))
+    l2g, sup_idx, qry_idx = _localize(index[0], index[1], {t: r.shape[0] for t, r in rows.items()})
+    learner = _learner(cfg, model)
+    first = dataclasses.replace(learner.cfg, first_order=True)
+    rates = learner.rates(learner.meta_params()) if learner.learned else None
+    cold = _task_cold(learner, rows, unique_ids, l2g)
+    mparams = learner.meta_params()
+    offset = first.offset_steps > 0
+    need_zs = logits or measure or (probs and offset)
+    need_zq = logits or (probs and offset)
+    plain_p = probs and not offset
+    both = _ProbsAndLogits(model) if plain_p and need_zq and _one_encoding(model) else None
+
+    def task(params: Params, rows: Rows, cold: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
+        sfb, qfb = FeatureBatch(**sup), FeatureBatch(**qry)
+        if learner.meta_emb:
+            rows = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=False)
+        fp, fr, before, _ = _adapt(model, params, rows, sfb, sidx, first, rates, measure_after=False)
+        out: dict[str, Any] = {"before": before}
+        if both is not None:  # the query rows encoded once for the probabilities and the logits
+            out["p"], out["zq"] = functional_call(both, {f"m.{k}": v for k, v in fp.items()}, (qfb, fr, qidx))
+        else:
+            if plain_p:
+                out["p"] = _forward(model, fp, fr, qfb, qidx, probabilities=True)
+            if need_zq:
+                out["zq"] = _forward(model, fp, fr, qfb, qidx)
+        if need_zs:
+            out["zs"] = _forward(model, fp, fr, sfb, sidx)
+        if probs and offset:  # [meta] offset_steps: sigmoid(the loss's logit + the task's offset)
+            b = fit_offsets(out["zs"], sfb, model.heads, first.offset_steps, first.offset_prior)
+            out["p"] = {h: torch.sigmoid(z) for h, z in shift(out["zq"], b).items()}
+        out["after"] = loss(out["zs"], sfb, model.heads)[0] if measure else before
+        return tree_map(torch.Tensor.detach, out)
+
+    out = _over_tasks(
+        task, first, int(support.mask.shape[0]), (_dense_params(model),),
+        (_task_rows(_detached_rows(rows), l2g), cold, _tree(support), sup_idx, _tree(query), qry_idx),
+    )
+    real = support.mask.flatten(1).any(-1)
+    stepped = measure and first.inner_steps > 0
+    diverged = (_diverged(out["before"], out["after"]) & real) if stepped else torch.zeros_like(real)
+    return AdaptedTasks(
+        probs=out.get("p", {}) if probs else {},
+        query_logits=out.get("zq", {}) if logits else {},
+        support_logits=out.get("zs", {}) if logits else {},
+        support_loss_before=out["before"], support_loss_after=out["after"], diverged=diverged, real=real,
+    )
+
+
 def adapt_and_predict(
     model: CtrModel,
     support: FeatureBatch,
@@ -509,6 +684,8 @@ def adapt_and_predict(
     cfg: InnerLoop,
 ) -> dict[str, Tensor]:
     """Adapt on each task's support set, predict its query set (held-out evaluation).
+
+    :func:`adapt_tasks`'s ``probs`` without the divergence check (no extra support forward).
 
     Args:
         model: the model (not mutated).
@@ -527,35 +704,7 @@ def adapt_and_predict(
 
         probs = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, cfg)
     """
-    sup_idx = model.lookup_index(support, unique_ids, rows)
-    qry_idx = model.lookup_index(query, unique_ids, rows)
-    l2g, sup_idx, qry_idx = _localize(sup_idx, qry_idx, {t: r.shape[0] for t, r in rows.items()})
-    learner = _learner(cfg, model)
-    first = dataclasses.replace(learner.cfg, first_order=True)
-    rates = learner.rates(learner.meta_params()) if learner.learned else None
-
-    cold = _task_cold(learner, rows, unique_ids, l2g)
-    mparams = learner.meta_params()
-
-    def task(params: Params, rows: Rows, cold: Rows, sup: dict, sidx: LookupIndex, qry: dict, qidx: LookupIndex):
-        sfb = FeatureBatch(**sup)
-        if learner.meta_emb:
-            rows = learner.cold_rows(mparams, rows, cold, sfb, sidx, straight_through=False)
-        fp, fr, _, _ = _adapt(model, params, rows, sfb, sidx, first, rates, measure_after=False)
-        qfb = FeatureBatch(**qry)
-        if first.offset_steps > 0:  # [meta] offset_steps: sigmoid(the loss's logit + the task's offset)
-            out = {h: torch.sigmoid(z) for h, z in _query_logits(model, fp, fr, sfb, sidx, qfb, qidx, first).items()}
-        else:
-            out = _forward(model, fp, fr, qfb, qidx, probabilities=True)
-        return tree_map(torch.Tensor.detach, out)
-
-    return _over_tasks(
-        task,
-        first,
-        int(support.mask.shape[0]),
-        (_dense_params(model),),
-        (_task_rows(_detached_rows(rows), l2g), cold, _tree(support), sup_idx, _tree(query), qry_idx),
-    )
+    return adapt_tasks(model, support, query, rows, unique_ids, cfg, measure=False).probs
 
 
 def assign_grads(model: CtrModel, dense_grads: dict[str, Tensor]) -> None:

@@ -35,6 +35,9 @@ class InnerLr(str, enum.Enum):
     """One learned rate per dense parameter element and per embedding dimension of a table."""
 
 
+_ZERO_MEANS = {"inner_lr_rows": "the rows use inner_lr", "inner_clip": "no clipping"}
+
+
 @dataclass(frozen=True)
 class MetaConfig:
     """Inner loop of the meta step.
@@ -42,7 +45,8 @@ class MetaConfig:
     Args:
         inner_steps: SGD steps on each task's support set (0 = no gradient step: no adaptation at all
             unless ``offset_steps > 0``, the offset-only recipe; see :attr:`adapts`).
-        inner_lr: inner SGD learning rate.
+        inner_lr: inner SGD learning rate of the dense parameters (and of the embedding rows when
+            ``inner_lr_rows = 0``).
         first_order: stop gradients through the inner gradients (FOMAML).
         adapt: adapt the dense parameters, the gathered embedding rows, or both.
         vectorize: ``vmap`` over tasks (True) or loop over them (reference).
@@ -100,6 +104,17 @@ class MetaConfig:
             (``lambda -> inf``: no offset). Ignored when ``offset_steps = 0``. Default 16.0: chosen in
             bench.quality (first-k, K = 8) among 1, 4 and 16 (docs/BENCHMARKS.md, "Issue 16: a Newton
             logit offset"); smaller values let the offset explain away what the base would learn.
+        inner_lr_rows: inner SGD learning rate of the gathered embedding rows; 0 (default): ``inner_lr``,
+            one rate for both groups (the recipe of before). A row's gradient is the mean support
+            loss's, and a row is touched by few of a task's support rows (an item id by one of K,
+            a row's gradient shrinks ~1/K), while the dense layers see every row: a separate, larger
+            rate lets one step move the rows as much as the dense layers (docs/design/meta_learning.md
+            gives the measured ratio). With ``learn_inner_lr`` it is the initial value of each table's
+            learned rate (the dense rates start at ``inner_lr``).
+        inner_clip: the largest L2 norm of one inner update of one task, per parameter group (the
+            dense parameters together, the rows together): an update ``u = rate * grad`` whose norm
+            exceeds it is scaled to that norm (so a large rate or many steps cannot throw the
+            weights far; the direction is kept). 0 (default): off, the plain SGD step of before.
 
     Example::
 
@@ -121,6 +136,8 @@ class MetaConfig:
     inner_support_size: int = 0
     offset_steps: int = 0
     offset_prior: float = 16.0
+    inner_lr_rows: float = 0.0
+    inner_clip: float = 0.0
 
     def validate(self) -> None:
         object.__setattr__(self, "adapt", AdaptTarget(self.adapt))
@@ -129,6 +146,11 @@ class MetaConfig:
             raise ValueError(f"inner_steps must be >= 0, got {self.inner_steps}")
         if not self.inner_lr > 0:
             raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
+        for key in ("inner_lr_rows", "inner_clip"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and v < float("inf")):
+                raise ValueError(f"{key} must be a finite float >= 0 (0: {_ZERO_MEANS[key]}), got {v!r}")
+            object.__setattr__(self, key, float(v))
         object.__setattr__(self, "meta_emb_tables", list(self.meta_emb_tables))
         if self.meta_emb and not self.meta_emb_tables:
             raise ValueError("meta_emb_tables must name at least one table when meta_emb = true, got []")
@@ -159,6 +181,11 @@ class MetaConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def rows_lr(self) -> float:
+        """The rows' inner rate: ``inner_lr_rows``, or ``inner_lr`` when it is 0."""
+        return float(self.inner_lr_rows or self.inner_lr)
 
     @property
     def adapts(self) -> bool:

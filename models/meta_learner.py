@@ -27,6 +27,7 @@ the unseen-id rule's initial rows (:meth:`MetaLearner.set_init_rows`, from the
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Mapping
 
@@ -35,11 +36,68 @@ import torch
 from torch import Tensor, nn
 
 from common.errors import ConfigError
+from common.log import kv
 from models import meta_emb as memb
 from models.meta_config import InnerLr, MetaConfig
 
+log = logging.getLogger(__name__)
+
 PREFIX = "meta_learner."
 """Dense-store name prefix of the learner's parameters (apart from the model's own names)."""
+
+
+class DivergenceWatch:
+    """Counts the tasks whose inner step diverged (support loss rose or went non-finite) over training's
+    diagnosed steps, and logs one WARNING per window of ``window`` diagnosed steps whose diverged share
+    exceeds ``share`` (not one per step).
+
+    Args:
+        window: diagnosed meta steps per window (a worker diagnoses its logged steps).
+        share: the diverged share of a window's tasks above which it warns.
+
+    Counts are telemetry: steps overlapping on threads may race on them (no lock: the learner is a module).
+    """
+
+    def __init__(self, window: int = 10, share: float = 0.1) -> None:
+        self.window, self.share = int(window), float(share)
+        self.diverged = 0.0
+        """Diverged tasks in the current window."""
+        self.tasks = 0.0
+        """Real tasks in the current window."""
+        self.steps = 0
+        """Diagnosed steps in the current window."""
+        self.total_diverged = 0.0
+        """Diverged tasks since the start."""
+        self.total_tasks = 0.0
+        """Diagnosed real tasks since the start."""
+        self.warnings = 0
+        """Windows warned about."""
+
+    def observe(self, diverged: float, tasks: float) -> bool:
+        """Add one diagnosed step (its diverged and real task counts); True when this closes a window that warned.
+
+        Args:
+            diverged: tasks of the step whose inner step diverged.
+            tasks: real tasks of the step.
+        """
+        self.diverged += diverged
+        self.tasks += tasks
+        self.total_diverged += diverged
+        self.total_tasks += tasks
+        self.steps += 1
+        if self.steps < self.window:
+            return False
+        share = self.diverged / self.tasks if self.tasks > 0 else 0.0
+        warned = share > self.share
+        if warned:
+            self.warnings += 1
+            log.warning(
+                "inner step diverged (support loss rose or went non-finite) on %.1f%% of tasks over the last %d "
+                "diagnosed steps: lower [meta] inner_lr / inner_lr_rows or set inner_clip", 100.0 * share, self.steps,
+                extra=kv(diverged_share=round(share, 4), tasks=self.tasks, steps=self.steps),
+            )
+        self.diverged, self.tasks, self.steps = 0.0, 0.0, 0
+        return warned
 
 
 class MetaLearner(nn.Module):
@@ -64,18 +122,19 @@ class MetaLearner(nn.Module):
         dims: dict[str, int] = dict(getattr(model, "dims", {}))
         self.tables: list[str] = sorted(dims) if cfg.adapts_rows else []
         mode = InnerLr(cfg.learn_inner_lr)
-        init = math.log(cfg.inner_lr)
         shapes = dict((n, tuple(p.shape)) for n, p in model.named_parameters())
 
-        def log_rate(shape: tuple[int, ...]) -> nn.Parameter:
-            return nn.Parameter(torch.full(shape if mode == InnerLr.ELEMENT else (), init))
+        def log_rate(shape: tuple[int, ...], rate: float) -> nn.Parameter:
+            return nn.Parameter(torch.full(shape if mode == InnerLr.ELEMENT else (), math.log(rate)))
 
         self.dense_log_lr = nn.ParameterList(
-            [log_rate(shapes[n]) for n in self.dense_names] if mode != InnerLr.OFF else []
+            [log_rate(shapes[n], cfg.inner_lr) for n in self.dense_names] if mode != InnerLr.OFF else []
         )
-        self.rows_log_lr = nn.ParameterList(
-            [log_rate((dims[t],)) for t in self.tables] if mode != InnerLr.OFF else []
+        self.rows_log_lr = nn.ParameterList(  # each table's own rate, from [meta] inner_lr_rows (or inner_lr)
+            [log_rate((dims[t],), cfg.rows_lr) for t in self.tables] if mode != InnerLr.OFF else []
         )
+        self.divergence = DivergenceWatch()
+        """Training: the share of tasks whose inner step raised their support loss, warned about per window."""
         self.emb_tables: list[str] = sorted(dict.fromkeys(cfg.meta_emb_tables)) if cfg.meta_emb else []
         """MetaEmb: the tables whose unseen ids get generated rows."""
         unknown = [t for t in self.emb_tables if t not in dims]
@@ -98,6 +157,11 @@ class MetaLearner(nn.Module):
     def inner_steps(self) -> int:
         """``cfg.inner_steps`` (a learner stands in wherever a MetaConfig is read)."""
         return int(self.cfg.inner_steps)
+
+    @property
+    def rows_lr(self) -> float:
+        """``cfg.rows_lr``: the rows' fixed rate (``inner_lr_rows``, or ``inner_lr``), the learned ones' start."""
+        return float(self.cfg.rows_lr)
 
     @property
     def adapts(self) -> bool:
@@ -178,8 +242,8 @@ class MetaLearner(nn.Module):
             meta_params: :meth:`meta_params` (or values to differentiate through); None = fixed rates.
         """
         if not self.learned or meta_params is None:
-            lr = float(self.cfg.inner_lr)
-            return {"dense": {n: lr for n in self.dense_names}, "rows": {t: lr for t in self.tables}}
+            lr, rows_lr = float(self.cfg.inner_lr), self.rows_lr
+            return {"dense": {n: lr for n in self.dense_names}, "rows": {t: rows_lr for t in self.tables}}
         return {
             "dense": {n: meta_params[f"dense_log_lr.{i}"].exp() for i, n in enumerate(self.dense_names)},
             "rows": {t: meta_params[f"rows_log_lr.{i}"].exp() for i, t in enumerate(self.tables)},
@@ -191,8 +255,9 @@ class MetaLearner(nn.Module):
         """The inner loop as data: steps, adapt target, first order, and every rate.
 
         Returns:
-            ``{"inner_steps", "inner_lr", "first_order", "adapt", "learn_inner_lr",
-            "dense_lr": {param name: float tensor}, "rows_lr": {table: float tensor}}``;
+            ``{"inner_steps", "inner_lr", "inner_lr_rows" (the rows' fixed rate or start), "inner_clip",
+            "first_order", "adapt", "learn_inner_lr", "dense_lr": {param name: float tensor},
+            "rows_lr": {table: float tensor}}``;
             a rate is ``[]`` (tensor / off) or the parameter's shape / ``[dim]`` (element).
         """
         rates = self.rates(self.meta_params() if self.learned else None)
@@ -200,6 +265,8 @@ class MetaLearner(nn.Module):
         return {
             "inner_steps": int(self.cfg.inner_steps),
             "inner_lr": float(self.cfg.inner_lr),
+            "inner_lr_rows": self.rows_lr,
+            "inner_clip": float(self.cfg.inner_clip),
             "first_order": bool(self.cfg.first_order),
             "adapt": self.cfg.adapt.value,
             "learn_inner_lr": InnerLr(self.cfg.learn_inner_lr).value,

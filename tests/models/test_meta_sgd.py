@@ -52,10 +52,15 @@ def unrolled(model, mb, rows, learner: MetaLearner):
             rn = list(fr) if cfg.adapts_rows else []
             gs = torch.autograd.grad(l_s, [fp[n] for n in dn] + [fr[t] for t in rn],
                                      create_graph=not cfg.first_order, materialize_grads=True)
-            for n, gr in zip(dn, gs[: len(dn)]):
-                fp[n] = fp[n] - rate_d.get(n, cfg.inner_lr) * gr
-            for t, gr in zip(rn, gs[len(dn):]):
-                fr[t] = fr[t] - rate_r.get(t, cfg.inner_lr) * gr
+            rows_lr = cfg.inner_lr_rows or cfg.inner_lr  # [meta] inner_lr_rows (0: inner_lr)
+            ud = {n: rate_d.get(n, cfg.inner_lr) * gr for n, gr in zip(dn, gs[: len(dn)])}
+            ur = {t: rate_r.get(t, rows_lr) * gr for t, gr in zip(rn, gs[len(dn):])}
+            for u in (ud, ur):  # [meta] inner_clip: each group's update norm at most clip
+                if cfg.inner_clip > 0 and u:
+                    norm = torch.sqrt(sum((v ** 2).sum() for v in u.values()))
+                    u.update({k: v * torch.clamp(cfg.inner_clip / norm, max=1.0) for k, v in u.items()})
+            fp.update({n: fp[n] - v for n, v in ud.items()})
+            fr.update({t: fr[t] - v for t, v in ur.items()})
         total = total + loss(functional_call(model, fp, (qry, fr, mb.unique_ids)), qry, model.heads)[0]
     total = total / max(len(real), 1)
     inputs = list(P.values()) + list(R.values()) + list(M.values())
@@ -77,10 +82,22 @@ def _close(a: dict, b: dict) -> None:
     + list(itertools.product([InnerLr.TENSOR, InnerLr.ELEMENT], [1, 3], [True, False])),
 )
 def test_inner_steps_equal_unrolled_sgd_with_learned_rates(mode, steps, first_order) -> None:
+    _check_unrolled(mode, steps, first_order)
+
+
+@pytest.mark.parametrize("mode, first_order, clip", [(InnerLr.OFF, True, 0.0), (InnerLr.TENSOR, True, 0.0),
+                                                     (InnerLr.ELEMENT, False, 0.05), (InnerLr.TENSOR, False, 0.05)])
+def test_rows_rate_and_clip_with_learned_rates(mode, first_order, clip) -> None:
+    """``inner_lr_rows`` (the rows' fixed rate, or each table's learned rate's start) and ``inner_clip``."""
+    _check_unrolled(mode, 2, first_order, inner_lr_rows=1.3, inner_clip=clip, perturb=False)
+
+
+def _check_unrolled(mode, steps, first_order, perturb: bool = True, **kw) -> None:
     model, mb, rows = _setup()
     learner = MetaLearner(model, MetaConfig(inner_steps=steps, inner_lr=0.2, first_order=first_order,
-                                            learn_inner_lr=mode))
-    _perturb(learner)
+                                            learn_inner_lr=mode, **kw))
+    if perturb:
+        _perturb(learner)
     res = meta_step(model, mb, rows, learner)
     want_loss, want_dense, want_rows = unrolled(model, mb, rows, learner)
     torch.testing.assert_close(res.outer_loss, want_loss)
@@ -100,6 +117,10 @@ def test_rate_shapes_and_adapt_target() -> None:
     te = MetaLearner(model, MetaConfig(learn_inner_lr="tensor", adapt=AdaptTarget.DENSE))
     assert len(te.rows_log_lr) == 0 and all(p.shape == () for p in te.dense_log_lr)
     assert len(te.dense_log_lr) == len(list(model.parameters()))
+    rows_rate = MetaLearner(model, MetaConfig(learn_inner_lr="tensor", inner_lr=0.2, inner_lr_rows=0.7)).inner_recipe()
+    assert all(float(v) == pytest.approx(0.7) for v in rows_rate["rows_lr"].values()) and rows_rate["rows_lr"]
+    assert all(float(v) == pytest.approx(0.2) for v in rows_rate["dense_lr"].values())
+    assert rows_rate["inner_lr_rows"] == 0.7 and rows_rate["inner_clip"] == 0.0
     off = MetaLearner(model, MetaConfig(inner_steps=3, inner_lr=0.2))
     assert not off.learned and list(off.parameters()) == []
     assert (off.inner_steps, off.inner_lr) == (3, 0.2)  # read like a MetaConfig (metaps evaluate, bench)
