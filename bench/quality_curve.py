@@ -528,6 +528,7 @@ def summarize(per_seed: dict[int, dict[str, Any]], heads: Sequence[str] = HEADS)
                         for h in heads}
     out["arms_auc"] = {arm: {h: _spread([r["arms"][arm]["auc"][h] for r in runs]) for h in heads}
                        for arm in runs[0]["arms"]}
+    out["oracle_auc"] = {h: _spread([r["oracle_auc"][h] for r in runs]) for h in heads}
     if all("ceiling" in r for r in runs):
         out["ceiling"] = {h: {key: _spread([r["ceiling"][h].get(key) for r in runs])
                               for key in ("full_gain", "offset_only_gain")} for h in heads}

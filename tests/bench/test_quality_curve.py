@@ -80,7 +80,7 @@ def _run(margin: tuple[float, float], share: tuple[float | None, float | None], 
             "rows_only_gain_share": dict(zip(hs, rows)), "rows_only_gain": dict(zip(hs, rows)),
             "rows_dense_gain": dict(zip(hs, rows)),
             "gap_split": {h: {"total": m, "base": m / 2, "adaptation": m / 2} for h, m in zip(hs, margin)},
-            "arms": {"gmeta": {"auc": {"click": 0.7, "conversion": 0.8}}}}
+            "arms": {"gmeta": {"auc": {"click": 0.7, "conversion": 0.8}}}, "oracle_auc": {"click": 0.9, "conversion": 0.95}}
 
 
 def test_summary_minimums_and_goals() -> None:
