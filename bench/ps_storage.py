@@ -62,6 +62,7 @@ import numpy as np
 import torch
 
 from ps.config import (
+    TABLE_OPTIMIZERS,
     AdmissionConfig,
     EvictionConfig,
     EvictionPolicy,
@@ -484,7 +485,7 @@ def main() -> None:
 
     # pull / push per optimizer on a table holding `fill` rows
     fill = min(cap, 200_000)
-    for kind in OptimizerKind if args.only == "all" else ():
+    for kind in TABLE_OPTIMIZERS if args.only == "all" else ():  # adamw is dense-only
         s = _filled_store(kind, cap if kind == OptimizerKind.ROWWISE_ADAGRAD else fill, dim, fill, args.device)
         t = s.tables["t"]
         ids = rng.integers(0, fill, size=N_REQ).astype(np.int64)

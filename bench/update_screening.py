@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ps.config import InitKind, OptimizerConfig, OptimizerKind, TableConfig
+from ps.config import TABLE_OPTIMIZERS, InitKind, OptimizerConfig, OptimizerKind, TableConfig
 from ps.embedding_table import EmbeddingTable
 from ps.optimizers import SAFE_MAGNITUDE, TBE_KINDS, FusedTbeOptimizer, finite_rows
 
@@ -61,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     figures: dict = {"rows_per_request": N_REQ, "dim": DIM, "capacity": capacity}
-    for kind in OptimizerKind:
+    for kind in TABLE_OPTIMIZERS:  # a table optimizer each (adamw is dense-only)
         init = InitKind.ZEROS if kind == OptimizerKind.FTRL else InitKind.NORMAL
         t = EmbeddingTable(TableConfig(name="t", dim=DIM, capacity=capacity, optimizer=OptimizerConfig(kind=kind),
                                        init=init))
