@@ -75,7 +75,11 @@ OFFSET_PRIORS = (1.0, 4.0, 16.0)
 OFFSET_STEPS = 4
 """Newton iterations of an added offset (the fit is converged well before; the configured count is kept when set)."""
 TIE_TOL = 1e-4
-"""Mean AUCs within this of the best are a tie: the simpler recipe wins."""
+"""Mean AUCs within this of the best are a tie: the simpler recipe wins (then the one whose inner step
+diverged on fewer episodes)."""
+DIVERGED_WARN = 0.1
+"""An inner loop that raised the support loss (or left it non-finite) on more than this share of the
+validation episodes is named in the gate's record (``diverged``), its summary line and a warning log."""
 
 
 @dataclass(frozen=True)
@@ -86,14 +90,35 @@ class Scored:
         recipe: the candidate.
         auc: head -> AUC over the validation query rows (nan: the head's labels have one class).
         mean_auc: mean over heads with an AUC (nan when none has one).
+        diverged: validation episodes whose inner steps raised the support loss or left it non-finite
+            (:func:`models.meta.adapt_tasks`' check; 0 without inner steps).
+        adapted: validation episodes the inner steps ran on (0 without inner steps).
     """
 
     recipe: Recipe
     auc: dict[str, float]
     mean_auc: float
+    diverged: int = 0
+    adapted: int = 0
+
+    @property
+    def diverged_share(self) -> float:
+        """``diverged / adapted`` (0.0 without inner steps)."""
+        return self.diverged / self.adapted if self.adapted else 0.0
+
+    def divergence(self) -> str:
+        """E.g. ``inner step raised the support loss on 37% of 240 validation episodes`` ('' without inner steps)."""
+        if not self.adapted:
+            return ""
+        return (f"inner step raised the support loss on {100 * self.diverged_share:.0f}% of {self.adapted} "
+                f"validation episodes")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.recipe.name, "recipe": self.recipe.to_dict(), "auc": self.auc, "mean_auc": self.mean_auc}
+        out = {"name": self.recipe.name, "recipe": self.recipe.to_dict(), "auc": self.auc, "mean_auc": self.mean_auc}
+        if self.adapted:
+            out["inner_diverged"] = {"episodes": self.adapted, "diverged": self.diverged,
+                                     "share": self.diverged_share}
+        return out
 
 
 @dataclass
@@ -143,7 +168,23 @@ class Selection:
             "choice_evaluate": self.chosen.evaluate_args(self.learned_rates),
             "choice_auc": best.auc, "base_auc": base.auc,
             "configured_auc": conf.auc if conf is not None else None,
+            "diverged": self.diverging(),
         })
+        return out
+
+    def diverging(self) -> list[str]:
+        """One line per inner loop (candidates sharing it count once) that raised the support loss on more
+        than :data:`DIVERGED_WARN` of the validation episodes, e.g. ``inner(1x1): inner step raised the
+        support loss on 37% of 240 validation episodes``."""
+        return list(self._diverging_loops().values())
+
+    def _diverging_loops(self) -> dict[Recipe, str]:
+        """:meth:`diverging`'s lines keyed by the inner loop (``Recipe(steps, lr)``)."""
+        out: dict[Recipe, str] = {}
+        for s in self.candidates:
+            if s.adapted and s.diverged_share > DIVERGED_WARN:
+                loop = Recipe(s.recipe.inner_steps, s.recipe.inner_lr)
+                out.setdefault(loop, f"{loop.name}: {s.divergence()}")
         return out
 
     def base(self) -> Scored:
@@ -159,8 +200,15 @@ class Selection:
         best = by[self.chosen].mean_auc
         base = self.base().mean_auc
         conf = by[self.configured].mean_auc if self.configured in by else float("nan")
-        return (f"adaptation chosen on {self.tasks} validation episodes ({self.protocol}, k={self.k}): "
+        line = (f"adaptation chosen on {self.tasks} validation episodes ({self.protocol}, k={self.k}): "
                 f"{self.chosen.name}, mean AUC {best:.5f} (no adaptation {base:.5f}, configured {conf:.5f})")
+        if by[self.chosen].diverged:
+            line += f"; its {by[self.chosen].divergence()}"
+        chosen_loop = Recipe(self.chosen.inner_steps, self.chosen.inner_lr)
+        others = [d for loop, d in self._diverging_loops().items() if loop != chosen_loop]
+        if others:
+            line += "; diverging: " + "; ".join(others)
+        return line
 
 
 def candidate_recipes(
@@ -217,7 +265,9 @@ def _canonical(r: Recipe) -> Recipe:
 
 
 def choose(scored: Sequence[Scored], tie_tol: float = TIE_TOL) -> Scored:
-    """The simplest candidate whose mean AUC is within ``tie_tol`` of the best (candidates with a nan mean lose).
+    """The simplest candidate whose mean AUC is within ``tie_tol`` of the best (candidates with a nan mean lose);
+    among equally simple ones, the one whose inner step diverged on the smallest share of episodes (so a
+    diverging loop never wins a tie against a stable one), then the first.
 
     Raises:
         DeliveryError: no candidate has a mean AUC.
@@ -226,7 +276,7 @@ def choose(scored: Sequence[Scored], tie_tol: float = TIE_TOL) -> Scored:
     if not good:
         raise DeliveryError("adaptation selection: no candidate has a validation AUC (every head's labels have one class)")
     best = max(s.mean_auc for s in good)
-    return min((s for s in good if s.mean_auc >= best - tie_tol), key=lambda s: s.recipe.simplicity)
+    return min((s for s in good if s.mean_auc >= best - tie_tol), key=lambda s: (s.recipe.simplicity, s.diverged_share))
 
 
 def planned_candidates(manifest: BundleManifest) -> list[Recipe]:
@@ -318,99 +368,43 @@ def _prepare(adapting: AdaptingModel, batches: Iterable[MetaBatch], max_rows: in
     return out, {h: np.concatenate(v) for h, v in targets.items()}, tasks, rows
 
 
-def _one_encoding(model: Any) -> bool:
-    """Whether ``model.forward`` is :class:`~models.base.CtrModel`'s (``outputs(encoder(...))``): then its
-    probabilities and logits come from one encoding of the rows (:class:`_Both`), bit for bit what two
-    ``forward`` calls return (the encoder is deterministic and runs on the same inputs)."""
-    from models.base import CtrModel
-
-    return isinstance(model, CtrModel) and type(model).forward is CtrModel.forward
-
-
-class _Both(torch.nn.Module):
-    """``(probabilities, logits)`` of a :class:`~models.base.CtrModel` from one encoding of ``features``
-    (what ``forward(probabilities=True)`` and ``forward()`` return; ``index`` precomputed). A module, so
-    ``functional_call`` substitutes the adapted parameters (named ``m.<name>``)."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, features: FeatureBatch, rows: dict[str, torch.Tensor], index: Any
-                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        enc = self.m.encoder(features, rows, index)
-        return self.m.outputs(enc, True), self.m.outputs(enc, False)
-
-
-def _adapted_outputs(model: Any, ep: _Episodes, learner: Any, probs: bool, logits: bool) -> dict[str, Any]:
-    """One inner loop per task of ``ep`` (:func:`models.meta.adapt_and_predict`'s body), returning what the
-    candidates sharing it need: ``p`` the adapted query probabilities (the inner candidate, exactly
-    ``adapt_and_predict``'s), ``zq`` / ``zs`` the adapted query / support logits (its "+ offset" twins: the
-    offset is a post-hoc per-task shift of these, :func:`delivery.adapt.offset_probs`). Detached, ``[T, Q]``
-    / ``[T, S]`` per head."""
-    from torch.func import functional_call
-    from torch.utils._pytree import tree_map
-
-    from models.meta import (
-        _adapt, _dense_params, _detached_rows, _forward, _localize, _over_tasks, _task_cold, _task_rows, _tree,
-    )
-
-    l2g, sidx, qidx = _localize(ep.sup_idx, ep.qry_idx, {t: r.shape[0] for t, r in ep.rows.items()})
-    first = dataclasses.replace(learner.cfg, first_order=True)
-    rates = learner.rates(learner.meta_params()) if learner.learned else None
-    cold = _task_cold(learner, ep.rows, ep.uniq, l2g)
-    mparams = learner.meta_params()
-
-    both = _Both(model) if probs and logits and _one_encoding(model) else None
-
-    def task(params: Any, rows: Any, cold: Any, sup: dict, s_idx: Any, qry: dict, q_idx: Any) -> dict[str, Any]:
-        sfb = FeatureBatch(**sup)
-        if learner.meta_emb:
-            rows = learner.cold_rows(mparams, rows, cold, sfb, s_idx, straight_through=False)
-        fp, fr, _, _ = _adapt(model, params, rows, sfb, s_idx, first, rates, measure_after=False)
-        qfb = FeatureBatch(**qry)
-        out: dict[str, Any] = {}
-        if both is not None:  # the query rows encoded once for the probabilities and the logits
-            out["p"], out["zq"] = functional_call(both, {f"m.{k}": v for k, v in fp.items()}, (qfb, fr, q_idx))
-        else:
-            if probs:
-                out["p"] = _forward(model, fp, fr, qfb, q_idx, probabilities=True)
-            if logits:
-                out["zq"] = _forward(model, fp, fr, qfb, q_idx)
-        if logits:
-            out["zs"] = _forward(model, fp, fr, sfb, s_idx)
-        return tree_map(torch.Tensor.detach, out)
-
-    return _over_tasks(task, first, int(ep.support.mask.shape[0]), (_dense_params(model),),
-                       (_task_rows(_detached_rows(ep.rows), l2g), cold, _tree(ep.support), sidx, _tree(ep.query), qidx))
-
-
 def _group_probs(adapting: AdaptingModel, group: Sequence[Recipe], ep: _Episodes, learner: Any
-                 ) -> list[dict[str, torch.Tensor]]:
-    """Head -> ``[T, Q]`` probabilities of each recipe of ``group`` (one inner loop, or none, shared by all)."""
+                 ) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+    """Head -> ``[T, Q]`` probabilities of each recipe of ``group`` (one inner loop, or none, shared by all),
+    and ``(episodes whose inner steps raised the support loss or left it non-finite, episodes adapted)``
+    (``0, 0`` without inner steps).
+
+    The inner loop is :func:`models.meta.adapt_tasks` (the trainer's own adaptation path): the inner
+    candidate's adapted query probabilities and, for its "+ offset" twins, the adapted query and support
+    logits, which each twin shifts by its per-task Newton offset (:func:`delivery.adapt.offset_probs`:
+    the offset is post-hoc, it never enters the inner loop); its divergence check comes with it.
+    """
     from delivery.adapt import offset_probs
 
     model = adapting.model
     plain = any(r.offset_steps == 0 for r in group)
     shifted = any(r.offset_steps > 0 for r in group)
+    diverged = adapted = 0
     if group[0].inner_steps == 0:
         with torch.no_grad():
             out: dict[str, Any] = {}
-            if plain and shifted and _one_encoding(model):  # the query rows encoded once for both
-                out["p"], out["zq"] = _Both(model)(ep.query, ep.rows, ep.qry_idx)
-            else:
-                if plain:
-                    out["p"] = model(ep.query, ep.rows, index=ep.qry_idx, probabilities=True)
-                if shifted:
-                    out["zq"] = model(ep.query, ep.rows, index=ep.qry_idx)
+            if plain:
+                out["p"] = model(ep.query, ep.rows, index=ep.qry_idx, probabilities=True)
             if shifted:
+                out["zq"] = model(ep.query, ep.rows, index=ep.qry_idx)
                 out["zs"] = model(ep.support, ep.rows, index=ep.sup_idx)
     else:
-        out = _adapted_outputs(model, ep, learner, plain, shifted)
+        from models.meta import adapt_tasks
+
+        res = adapt_tasks(model, ep.support, ep.query, ep.rows, ep.uniq, learner, probs=plain, logits=shifted,
+                          index=(ep.sup_idx, ep.qry_idx), measure=True)
+        out = {"p": res.probs, "zq": res.query_logits, "zs": res.support_logits}
+        diverged, adapted = int((res.diverged & res.real).sum()), int(res.real.sum())
     with torch.no_grad():
-        return [out["p"] if r.offset_steps == 0 else
-                offset_probs(model.heads, out["zs"], out["zq"], ep.support, r.offset_steps, r.offset_prior)
-                for r in group]
+        probs = [out["p"] if r.offset_steps == 0 else
+                 offset_probs(model.heads, out["zs"], out["zq"], ep.support, r.offset_steps, r.offset_prior)
+                 for r in group]
+    return probs, diverged, adapted
 
 
 def score_recipes(
@@ -448,18 +442,22 @@ def score_recipes(
         group = [recipes[i] for i in idx]
         learner = adapting.learner_for(Recipe(steps, lr).meta(adapting.trained)) if steps else None
         per: list[dict[str, list[np.ndarray]]] = [{h: [] for h in y} for _ in group]
+        diverged = adapted = 0
         for ep in eps:
-            for j, probs in enumerate(_group_probs(adapting, group, ep, learner)):
+            probs_of, d, n = _group_probs(adapting, group, ep, learner)
+            diverged, adapted = diverged + d, adapted + n
+            for j, probs in enumerate(probs_of):
                 for h in y:
                     per[j][h].append(probs[h][ep.real].detach().numpy().astype(np.float64))
         for i, r, p in zip(idx, group, per):
             a = {h: float(auc(y[h], np.concatenate(v))) for h, v in p.items()}
             defined = [v for v in a.values() if not math.isnan(v)]
-            out[i] = s = Scored(r, a, float(np.mean(defined)) if defined else float("nan"))
+            out[i] = s = Scored(r, a, float(np.mean(defined)) if defined else float("nan"), diverged, adapted)
             done += 1
             log.info("adaptation candidate scored", extra=kv(
                 candidate=r.name, mean_auc=round(s.mean_auc, 5), auc={h: round(v, 5) for h, v in a.items()},
-                done=f"{done}/{len(recipes)}", left=len(recipes) - done, seconds=round(time.monotonic() - t0, 2)))
+                inner_diverged=round(s.diverged_share, 4), done=f"{done}/{len(recipes)}", left=len(recipes) - done,
+                seconds=round(time.monotonic() - t0, 2)))
             if on_scored is not None:
                 on_scored(s, done, len(recipes))
     return [s for s in out if s is not None], tasks, rows
@@ -506,6 +504,8 @@ def select_recipe(
                     tasks=tasks, rows=rows, candidates=scored, learned_rates=learned)
     log.info("adaptation selected", extra=kv(bundle=serving.path, choice=best.recipe.name, mean_auc=round(best.mean_auc, 5),
                                              candidates=len(scored), tasks=tasks, rows=rows, protocol=protocol))
+    for line in sel.diverging():
+        log.warning("inner loop diverged on validation episodes", extra=kv(bundle=serving.path, loop=line))
     return sel
 
 

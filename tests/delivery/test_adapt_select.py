@@ -145,7 +145,8 @@ def test_the_gate_reads_the_holdout_once_and_tells_each_candidate(world) -> None
 def test_the_shared_scoring_equals_one_adaptation_per_candidate(world) -> None:
     """The choice and every candidate's AUC equal the per-candidate computation the gate ran before the
     inner loops were shared (each recipe adapted and scored on its own through ``AdaptingModel.recipe_probs``,
-    its own lookups; "+ offset" re-adapting and fitting its offset inside ``adapt_and_predict``)."""
+    its own lookups; "+ offset" re-adapting and fitting its offset inside ``adapt_and_predict``): the gate's
+    post-hoc offsets on :func:`models.meta.adapt_tasks`' shared logits are what serving computes."""
     rec = read_manifest(world["bundle"]).gate["adapt"]
     recipes = [Recipe.from_dict(c["recipe"], "test") for c in rec["candidates"]]
     served = load_bundle(world["bundle"])
@@ -190,10 +191,24 @@ def test_a_harmful_recipe_loses_to_no_adaptation(world) -> None:
         none, bad = scored
         assert bad.mean_auc < none.mean_auc - 0.01, (none, bad)
         assert choose(scored).recipe == Recipe(0, 0.1)
+        # its inner step raised the support loss on most validation episodes: counted, not hidden
+        assert (none.diverged, none.adapted) == (0, 0) and bad.adapted == tasks and bad.diverged_share > 0.5, bad
         # among the whole candidate set too
         sel = select_recipe(served, world["holdout"], K, extra=[harmful])
         assert harmful in [s.recipe for s in sel.candidates] and sel.chosen != harmful
         assert next(s for s in sel.candidates if s.recipe == sel.chosen).mean_auc >= sel.base().mean_auc
+        # the record and the summary name the diverging loop (once for it and its "+ offset" twins, if any);
+        # the candidate set's own rates did not diverge here
+        rec = sel.record()
+        line = f"inner(1x1000): inner step raised the support loss on {round(100 * bad.diverged_share)}% of {tasks} " \
+               f"validation episodes"
+        assert rec["diverged"] == [line] and line in sel.summary()
+        by = {c["name"]: c for c in rec["candidates"]}
+        assert by["inner(1x1000)"]["inner_diverged"] == {"episodes": tasks, "diverged": bad.diverged,
+                                                         "share": bad.diverged_share}
+        assert all(c["inner_diverged"]["diverged"] == 0 for n, c in by.items() if n != "inner(1x1000)" and
+                   c["recipe"]["inner_steps"]), by
+        assert all("inner_diverged" not in c for c in rec["candidates"] if not c["recipe"]["inner_steps"])
     finally:
         served.close()
 
@@ -204,6 +219,10 @@ def test_ties_go_to_the_simpler_recipe_and_nan_loses() -> None:
     assert choose([Scored(inner, {}, 0.70005), Scored(off, {}, 0.7)]).recipe == off  # within the tie tolerance
     assert choose([Scored(none, {}, 0.7), Scored(inner, {}, 0.71)]).recipe == inner
     assert choose([Scored(none, {}, math.nan), Scored(inner, {}, 0.6)]).recipe == inner
+    # equally simple and tied: the loop that diverged on fewer episodes wins, whatever the order
+    wild, calm = Scored(Recipe(1, 1.0), {}, 0.70005, diverged=30, adapted=100), Scored(inner, {}, 0.7, 0, 100)
+    assert choose([wild, calm]).recipe == inner and choose([calm, wild]).recipe == inner
+    assert choose([Scored(Recipe(1, 1.0), {}, 0.72, 30, 100), calm]).recipe == Recipe(1, 1.0)  # AUC still judges
     with pytest.raises(DeliveryError, match="no candidate has a validation AUC"):
         choose([Scored(none, {}, math.nan)])
 
