@@ -304,3 +304,68 @@ def test_table_with_no_ids_in_the_batch() -> None:
     _close(res.dense_grads, want_dense)
     _close(res.row_grads, want_rows)
     assert res.row_grads["tag"].shape == (0, model.dims["tag"])
+
+
+# -- stability: [meta] inner_clip, divergence reported ------------------------------------------------
+def _six_tasks():
+    g = torch.Generator().manual_seed(0)
+    schema = synthetic_schema(n_sparse=2, n_multi_hot=1, n_text=0, n_dense=2, vector_dim=4, max_len=3)
+    model = build_model(schema, ModelConfig(kind="dnn", hidden=[8], default_dim=4))
+    mb = random_meta_batch(schema, tasks=6, support=8, query=4, vocab=8, generator=g, pad_tasks=0)
+    return model, mb, random_rows(mb.unique_ids, model.dims, g, scale=0.5)
+
+
+def test_a_clipped_inner_loop_stays_finite_where_the_plain_one_blows_up(caplog) -> None:
+    """5 steps at rate 20: unclipped, the support loss explodes or goes NaN and those tasks are reported
+    diverged (adapt_tasks, meta_step's ``inner_diverged``, the learner's windowed warning); clipped at 0.5,
+    every task's support loss is finite and lower than before."""
+    import logging
+
+    from models.meta import MetaLearner, adapt_tasks
+    from models.meta_learner import DivergenceWatch
+
+    model, mb, rows = _six_tasks()
+    wild = MetaConfig(inner_steps=5, inner_lr=20.0)
+    tame = MetaConfig(inner_steps=5, inner_lr=20.0, inner_clip=0.5)
+    blown = adapt_tasks(model, mb.support, mb.query, rows, mb.unique_ids, wild)
+    bad = ~torch.isfinite(blown.support_loss_after) | (blown.support_loss_after > 10 * blown.support_loss_before)
+    assert int(bad.sum()) >= 2 and blown.diverged_share >= 2 / 6
+    assert torch.equal(blown.diverged, bad | (blown.support_loss_after > blown.support_loss_before))
+    ok = adapt_tasks(model, mb.support, mb.query, rows, mb.unique_ids, tame)
+    assert torch.isfinite(ok.support_loss_after).all() and (ok.support_loss_after < ok.support_loss_before).all()
+    assert ok.diverged_share == 0.0 and all(torch.isfinite(p).all() for p in ok.probs.values())
+    # training: the metric, and one warning per window of diagnosed steps above the share
+    for cfg, share, warns in ((wild, blown.diverged_share, 1), (tame, 0.0, 0)):
+        learner = MetaLearner(model, cfg)
+        learner.divergence = DivergenceWatch(window=2, share=0.1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="models.meta_learner"):
+            for _ in range(2):
+                res = meta_step(model, mb, rows, learner)
+                assert res.metrics["inner_diverged"] == pytest.approx(share)
+            meta_step(model, mb, rows, learner, diagnostics=False)  # not diagnosed: not counted
+        assert sum("inner step diverged" in r.getMessage() for r in caplog.records) == warns
+        assert learner.divergence.warnings == warns and learner.divergence.total_tasks == 12.0
+    # no gradient step (the offset-only recipe): nothing can diverge
+    only = adapt_tasks(model, mb.support, mb.query, rows, mb.unique_ids, MetaConfig(inner_steps=0, offset_steps=2))
+    assert not only.diverged.any()
+
+
+def test_adapt_tasks_logits_are_the_probabilities_and_the_offsets_inputs() -> None:
+    """``adapt_tasks(logits=True)``: sigmoid(query logits) = adapt_and_predict's probabilities; with an offset,
+    sigmoid(query logits + fit_offsets(support logits)) = them; the support logits give support_loss_after."""
+    from models.meta import adapt_tasks
+    from models.meta_offset import fit_offsets
+
+    model, mb, rows = _setup("esmm", pad_tasks=0)
+    for cfg in (MetaConfig(inner_steps=2, inner_lr=0.5), MetaConfig(inner_steps=1, offset_steps=2, offset_prior=1.0)):
+        out = adapt_tasks(model, mb.support, mb.query, rows, mb.unique_ids, cfg, logits=True)
+        want = adapt_and_predict(model, mb.support, mb.query, rows, mb.unique_ids, cfg)
+        for t in range(mb.task_mask.numel()):
+            sup = mb.support.map(lambda x: x[t])
+            zs = {h: v[t] for h, v in out.support_logits.items()}
+            b = fit_offsets(zs, sup, model.heads, cfg.offset_steps, cfg.offset_prior) if cfg.offset_steps else {}
+            for h in want:
+                torch.testing.assert_close(torch.sigmoid(out.query_logits[h][t] + b.get(h, 0.0)), want[h][t])
+                torch.testing.assert_close(out.probs[h][t], want[h][t])
+            torch.testing.assert_close(loss(zs, sup, model.heads)[0], out.support_loss_after[t])
