@@ -730,7 +730,8 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
         (:func:`offset_posterior` on the prior predictive), ``ceiling_gain`` = ``full_gain`` (posterior -
         prior predictive), ``offset_only_gain`` (offset_only - prior predictive), ``non_offset_gain``
         (posterior - offset_only: the part of the gain an offset cannot reach), ``offset_share``
-        (offset_only_gain / full_gain, ``None`` when the full gain is 0) and ``offset_tau``.
+        (offset_only_gain / full_gain, ``None`` when the full gain is 0), ``offset_tau`` and
+        ``offset_only_gain_best_tau`` (:func:`offset_figures`).
     """
     from meta_io.firstk import first_k_layout, read_table
     from meta_io.schema import load_schema
@@ -784,7 +785,9 @@ def ceiling_for_split(cfg: Any, holdout_dir: Path, schema_path: Path, ks: list[i
 
 def offset_figures(label: np.ndarray, prior: np.ndarray, rows: Rows, k: int, scored: np.ndarray,
                    aucs: dict[str, float]) -> dict[str, Any]:
-    """The offset-only AUC of one head and the split of the full gain into what an offset reaches and the rest.
+    """The offset-only AUC of one head and the split of the full gain into what an offset reaches and the rest;
+    also ``offset_only_gain_best_tau``: the offset-only gain at the tau of :data:`OFFSET_TAUS` that is best on
+    the scored labels (an upper bound on the choice of tau, not a posterior).
 
     Args:
         label: ``[N]`` the head's labels.
@@ -801,9 +804,13 @@ def offset_figures(label: np.ndarray, prior: np.ndarray, rows: Rows, k: int, sco
     a = auc(label[scored], s)
     full = aucs["ceiling_gain"]
     off_gain = a - aucs["prior_predictive"]
+    # the same with tau chosen on the scored labels (an upper bound on any tau): how much the choice matters
+    best = max(auc(label[scored], offset_posterior(prior, label, rows.user, rows.rank, k, (tau,))["score"][scored])
+               for tau in OFFSET_TAUS)
     return {"offset_only": a, "offset_tau": off["tau"], "full_gain": full, "offset_only_gain": off_gain,
             "non_offset_gain": aucs["posterior_predictive"] - a,
-            "offset_share": off_gain / full if abs(full) > 1e-12 else None}
+            "offset_share": off_gain / full if abs(full) > 1e-12 else None,
+            "offset_only_gain_best_tau": best - aucs["prior_predictive"]}
 
 
 def ceiling_gains(cfg: Any, holdout_dir: Path, schema_path: Path, k: int = 8, m: int = 4000,
@@ -822,12 +829,13 @@ def ceiling_gains(cfg: Any, holdout_dir: Path, schema_path: Path, k: int = 8, m:
 
     Returns:
         ``{head: {"prior_predictive", "posterior_predictive", "offset_only", "oracle", "full_gain",
-        "offset_only_gain", "non_offset_gain", "offset_share", "offset_tau"}}`` (AUCs and gains of
+        "offset_only_gain", "non_offset_gain", "offset_share", "offset_tau", "offset_only_gain_best_tau"}}``
+        (AUCs and gains of
         :func:`ceiling_for_split`, no relabeling).
     """
     res = ceiling_for_split(cfg, holdout_dir, schema_path, [k], m, sampler_seed, relabel=0)
     keys = ("prior_predictive", "posterior_predictive", "offset_only", "oracle", "full_gain", "offset_only_gain",
-            "non_offset_gain", "offset_share", "offset_tau")
+            "non_offset_gain", "offset_share", "offset_tau", "offset_only_gain_best_tau")
     return {h: {key: res["by_k"][k][h][key] for key in keys} for h in HEADS}
 
 
@@ -924,7 +932,8 @@ def summary(per_seed: dict[int, Any], ks: list[int]) -> dict[int, Any]:
         e: dict[str, Any] = {}
         for h in HEADS:
             e[h] = {name: _spread([r["by_k"][k][h][name] for r in per_seed.values()])
-                    for name in (*SCORES, "offset_only", "ceiling_gain", "offset_only_gain", "non_offset_gain")}
+                    for name in (*SCORES, "offset_only", "ceiling_gain", "offset_only_gain", "non_offset_gain",
+                                 "offset_only_gain_best_tau")}
             for key in ("ceiling_gain_relabeled", "ceiling_gain_redrawn"):
                 if all(key in r["by_k"][k][h] for r in per_seed.values()):
                     e[h][f"{key}_mean"] = _spread([r["by_k"][k][h][key]["mean"] for r in per_seed.values()])

@@ -455,6 +455,8 @@ def test_offset_only_reaches_an_offset_world_but_not_a_taste_world() -> None:
     assert off["full_gain"] > 0.02 and off["offset_share"] > 0.75 and abs(off["non_offset_gain"]) < 0.01, off
     assert taste["full_gain"] > 0.05 and taste["offset_share"] < 0.35 and taste["non_offset_gain"] > 0.05, taste
     assert taste["full_gain"] == pytest.approx(taste["offset_only_gain"] + taste["non_offset_gain"], abs=1e-12)
+    for f in (off, taste):  # the best tau on the scored labels bounds the chosen one, and not by much here
+        assert f["offset_only_gain"] <= f["offset_only_gain_best_tau"] < f["offset_only_gain"] + 0.01, f
 
 
 def test_taste_ceiling_on_generated_data(tmp_path: Path) -> None:
@@ -474,5 +476,6 @@ def test_taste_ceiling_on_generated_data(tmp_path: Path) -> None:
     assert "ceiling_gain_relabeled" not in e["click"]
     assert ceiling_gains(cfg, split.holdout_dir, split.schema_path, k=6, m=1000) == {
         h: {key: e[h][key] for key in ("prior_predictive", "posterior_predictive", "offset_only", "oracle", "full_gain",
-                                       "offset_only_gain", "non_offset_gain", "offset_share", "offset_tau")}
+                                       "offset_only_gain", "non_offset_gain", "offset_share", "offset_tau",
+                                       "offset_only_gain_best_tau")}
         for h in ("click", "conversion")}
