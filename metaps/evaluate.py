@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -38,6 +39,9 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.eta import ProgressHook
+from common.log import kv
+
+log = logging.getLogger(__name__)
 
 PROTOCOLS = ("plain", "episodes", "first-k")
 """The evaluation protocols (:mod:`workers.eval_protocols`)."""
@@ -183,7 +187,9 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
 
     Returns:
         the report: ``protocol``, ``data``, ``source``, ``meta``, ``rows``, ``tasks``, ``base``
-        (head -> metrics) and, when adapted, ``adapted`` and ``gain``.
+        (head -> metrics) and, when adapted, ``adapted`` and ``gain``; with inner steps ``inner_diverged``
+        (``episodes``, ``diverged``, ``share``: adapted episodes whose inner steps raised the support loss
+        or left it non-finite; a warning is logged above ``delivery.adapt_select.DIVERGED_WARN``).
 
     Raises:
         ConfigError: not exactly one source, an unknown protocol, or a bad recipe override.
@@ -235,6 +241,13 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         if served is not None:
             served.close()
     source.pop("recipe", None)
+    div = res.get("inner_diverged")
+    if div:
+        from delivery.adapt_select import DIVERGED_WARN
+
+        if div["share"] > DIVERGED_WARN:
+            log.warning("inner step diverged", extra=kv(what=divergence_text(div), inner_steps=meta.inner_steps,
+                                                        inner_lr=meta.inner_lr))
     return {"protocol": protocol, "data": str(data), "source": source, "meta": to_dict(meta),
             **({"k": k} if protocol == "first-k" else {}), **res}
 
@@ -310,6 +323,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def divergence_text(div: dict[str, Any]) -> str:
+    """``inner step raised the support loss on 37% of 240 episodes`` from a report's ``inner_diverged``."""
+    return f"inner step raised the support loss on {100 * div['share']:.0f}% of {div['episodes']} episodes"
+
+
 def _summary(report: dict[str, Any]) -> str:
     lines = [f"evaluate {report['protocol']}: {report['rows']:,} rows, {report.get('tasks') or '-'} tasks "
              f"({report['data']})"]
@@ -321,4 +339,6 @@ def _summary(report: dict[str, Any]) -> str:
             a = report["adapted"][head]
             line += f" | adapted auc {a['auc']:.4f} ({a['auc'] - m['auc']:+.4f})"
         lines.append(line)
+    if report.get("inner_diverged"):
+        lines.append(f"  {divergence_text(report['inner_diverged'])}")
     return "\n".join(lines)

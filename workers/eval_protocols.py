@@ -235,14 +235,18 @@ def evaluate_protocol(
             plain rows are tagged with the key column itself (of kind ``key`` or ``sparse``).
 
     Returns:
-        ``{"rows", "tasks", "base": {head: metrics}, ["adapted": ..., "gain": {head: {...}}]}``.
+        ``{"rows", "tasks", "base": {head: metrics}, ["adapted": ..., "gain": {head: {...}}]}``, and with
+        inner steps ``inner_diverged``: ``{"episodes", "diverged", "share"}``, the adapted episodes whose
+        inner steps raised the support loss or left it non-finite.
     """
     do_adapt = adapt and meta_cfg is not None and bool(getattr(meta_cfg, "adapts", False))  # offset-only adapts too
     parts: dict[str, dict[str, dict[str, list[np.ndarray]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     keys_parts: list[np.ndarray] = []
     have_keys = True
+    stepped = do_adapt and int(getattr(meta_cfg, "inner_steps", 0)) > 0
+    divergence = [0, 0] if stepped else None  # [diverged, adapted] episodes
     for batch in batches:
-        scores = score_batches(model, rows_src, [batch], meta_cfg, adapt=do_adapt)
+        scores = score_batches(model, rows_src, [batch], meta_cfg, adapt=do_adapt, divergence=divergence)
         rk = _row_keys(batch, task_key)
         if rk is None:
             have_keys = False
@@ -265,6 +269,9 @@ def evaluate_protocol(
         out[kind] = res
     first = next(iter(out["base"].values()))
     out = {"rows": first["rows"], "tasks": int(np.unique(keys).size) if keys is not None else None, **out}
+    if divergence is not None and divergence[1]:
+        out["inner_diverged"] = {"episodes": divergence[1], "diverged": divergence[0],
+                                 "share": divergence[0] / divergence[1]}
     if "adapted" in out:
         out["gain"] = {
             h: {m: out["adapted"][h][m] - out["base"][h][m] for m in ("auc", "logloss", "gauc", "norm_auc")

@@ -112,6 +112,7 @@ def score_batches(
     meta_cfg: Any = None,
     adapt: bool = True,
     max_batches: int = 0,
+    divergence: list[int] | None = None,
 ) -> Scores:
     """Score held-out batches; returns flat arrays (mergeable across workers).
 
@@ -122,18 +123,21 @@ def score_batches(
         meta_cfg: inner-loop settings for the adapted scores (meta batches only).
         adapt: also score after per-task adaptation (meta batches only).
         max_batches: stop after this many batches (0: all).
+        divergence: ``[diverged, adapted]`` task counts, added to in place: tasks whose inner steps raised
+            the support loss or left it non-finite (:func:`models.meta.adapt_tasks`' check, one more
+            support forward per task), tasks adapted. None: not checked.
     """
     was = model.training
     model.eval()  # no dropout while scoring (nor in the inner steps of adapted scores)
     try:
-        return _score(model, rows_src, batches, meta_cfg, adapt, max_batches)
+        return _score(model, rows_src, batches, meta_cfg, adapt, max_batches, divergence)
     finally:
         model.train(was)
 
 
 def _score(model: CtrModel, rows_src: RowSource, batches: Iterable[MetaBatch | PlainBatch],
-           meta_cfg: Any, adapt: bool, max_batches: int) -> Scores:
-    from models.meta import adapt_and_predict
+           meta_cfg: Any, adapt: bool, max_batches: int, divergence: list[int] | None = None) -> Scores:
+    from models.meta import adapt_and_predict, adapt_tasks
 
     base, adapted = _Collector(), _Collector()
     for n, batch in enumerate(batches):
@@ -144,7 +148,13 @@ def _score(model: CtrModel, rows_src: RowSource, batches: Iterable[MetaBatch | P
         if isinstance(batch, MetaBatch):
             base.add(_predict(model, batch.query, rows, batch.unique_ids), batch.query)
             if adapt and meta_cfg is not None:
-                probs = adapt_and_predict(model, batch.support, batch.query, rows, batch.unique_ids, meta_cfg)
+                if divergence is None:
+                    probs = adapt_and_predict(model, batch.support, batch.query, rows, batch.unique_ids, meta_cfg)
+                else:
+                    res = adapt_tasks(model, batch.support, batch.query, rows, batch.unique_ids, meta_cfg)
+                    probs = res.probs
+                    divergence[0] += int((res.diverged & res.real).sum())
+                    divergence[1] += int(res.real.sum())
                 adapted.add({h: p.detach() for h, p in probs.items()}, batch.query)
         else:
             base.add(_predict(model, batch.features, rows, batch.unique_ids), batch.features)

@@ -181,7 +181,7 @@ def test_the_shared_scoring_equals_one_adaptation_per_candidate(world) -> None:
     assert len({round(s.mean_auc, 6) for s in old}) > 5  # the candidates differ: equality is not trivial
 
 
-def test_a_harmful_recipe_loses_to_no_adaptation(world) -> None:
+def test_a_harmful_recipe_loses_to_no_adaptation(world, capsys) -> None:
     harmful = Recipe(1, 1000.0)
     served = load_bundle(world["bundle"])
     try:
@@ -211,6 +211,14 @@ def test_a_harmful_recipe_loses_to_no_adaptation(world) -> None:
         assert all("inner_diverged" not in c for c in rec["candidates"] if not c["recipe"]["inner_steps"])
     finally:
         served.close()
+    # metaps evaluate counts the same episodes, names them on stderr and in its report
+    capsys.readouterr()
+    assert main(["evaluate", "--bundle", str(world["bundle"]), "--data", str(world["holdout"]), "--protocol",
+                 "first-k", "--k", str(K), "--no-progress", *harmful.evaluate_args()]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["inner_diverged"] == {"episodes": tasks, "diverged": bad.diverged, "share": bad.diverged_share}
+    assert f"inner step raised the support loss on {round(100 * bad.diverged_share)}% of {tasks} episodes" in err
 
 
 def test_ties_go_to_the_simpler_recipe_and_nan_loses() -> None:
@@ -386,4 +394,5 @@ def test_every_candidate_is_a_metaps_evaluate_recipe_with_the_same_auc(world, ca
         assert ("adapted" in report) == (r.kind != "none"), r.name
         got = report["adapted"] if r.kind != "none" else report["base"]
         assert {h: m["auc"] for h, m in got.items()} == c["auc"], r.name
+        assert report.get("inner_diverged") == c.get("inner_diverged"), r.name  # the same check, the same count
     assert rec["choice_evaluate"] == Recipe.from_dict(rec["choice"], "test").evaluate_args()
