@@ -1,13 +1,18 @@
 """``metaps deploy k8s``: manifests validate offline, render with kustomize, and are wired right.
 
 Validation: ``kubernetes-validate`` (strict: unknown fields fail) against the Kubernetes
-1.28 and 1.32 OpenAPI schemas (1.28, the oldest that kubernetes-validate 1.37.0 ships, is the
-floor docs/kubernetes.md states; the versions between cost seconds the suite does not have);
-rendering: ``kubectl kustomize`` (no cluster needed).
+1.28 and 1.32 OpenAPI schemas (1.28 is the oldest that kubernetes-validate 1.37.0 ships; the
+versions between cost seconds the suite does not have); rendering: ``kubectl kustomize`` (no
+cluster needed). ``METAPS_K8S_VERSIONS`` (comma-separated) replaces the versions for a one-off
+check with another kubernetes-validate, e.g. the floor docs/kubernetes.md states, 1.27::
+
+    pip install --no-deps --target /tmp/kv130 kubernetes-validate==1.30.0   # ships 1.22-1.30
+    PYTHONPATH=/tmp/kv130 METAPS_K8S_VERSIONS=1.27.0 python -m pytest tests/deploy/test_k8s_manifests.py
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -23,8 +28,8 @@ from metaps.job import job_from_mapping
 
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.32.0"
-K8S_VERSIONS = ("1.28.0", K8S_VERSION)
-"""Every object of every variant validates strictly on each: the floor, then the newest."""
+K8S_VERSIONS = tuple(os.environ.get("METAPS_K8S_VERSIONS", f"1.28.0,{K8S_VERSION}").split(","))
+"""Every object of every variant validates strictly on each: the oldest, then the newest."""
 IMAGE = "registry.example/metaps:0.1.0"
 SOURCE = "s3://bucket/ctr/2026-12-01"
 
