@@ -42,7 +42,7 @@ recorded the candidates' figures and the winner in the manifest's gate record::
 
     manifest.json gate.adapt   {"selected": true, "protocol": "first-k", "k": 8, "candidates": [...],
                                 "configured": {...}, "choice": {"inner_steps", "inner_lr",
-                                "offset_steps", "offset_prior"}}
+                                "inner_lr_rows", "offset_steps", "offset_prior"}, "diverged": [...]}
 
 The gate record is what the delivery job persists after the gate, so the choice lives there (the
 ``adapt`` record above is written at export, before the gate ran). :class:`AdaptingModel` serves
@@ -50,7 +50,9 @@ The gate record is what the delivery job persists after the gate, so the choice 
 and offset). A choice with ``inner_steps = 0`` is served without the inner loop: ``offset_steps = 0``
 scores every row with the base network (no adaptation), ``offset_steps > 0`` adds each task's
 Newton logit offset (:func:`models.meta_offset.fit_offsets`) fitted on the base model's support
-logits. Learned inner rates (``learn_inner_lr``) and MetaEmb ride along with any choice that has
+logits (the offset-only recipe of ``[meta]``, ``inner_steps = 0`` with ``offset_steps > 0``). A choice with
+inner steps serves its dense rate ``inner_lr`` and rows rate ``inner_lr_rows`` (the gate scales both).
+Learned inner rates (``learn_inner_lr``) and MetaEmb ride along with any choice that has
 inner steps; ``inner_lr`` of a choice replaces the fixed rate only (the selector varies it only
 when the rates are not learned).
 
@@ -118,16 +120,20 @@ class Recipe:
 
     Args:
         inner_steps: inner SGD steps on the task's support rows (0: none).
-        inner_lr: their fixed rate (ignored without inner steps, and when the rates are learned).
+        inner_lr: their fixed rate of the dense parameters (``[meta] inner_lr``; ignored without inner
+            steps, and when the rates are learned).
         offset_steps: Newton iterations of the per-task logit offset (0: none); with
             ``inner_steps = 0`` the offset is fitted on the base model's logits.
         offset_prior: the offset's prior precision (> 0).
+        inner_lr_rows: the embedding rows' fixed rate (``[meta] inner_lr_rows``; 0: ``inner_lr``, one rate
+            for both; ignored like ``inner_lr``). The gate scales it with ``inner_lr``.
     """
 
     inner_steps: int
     inner_lr: float
     offset_steps: int = 0
     offset_prior: float = 16.0
+    inner_lr_rows: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -143,17 +149,25 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        """A short label, e.g. ``inner(1x0.03)+offset(4, prior 16)``."""
+        """A short label, e.g. ``inner(1x0.03)+offset(4, prior 16)``, ``inner(1x0.03, rows 0.3)``."""
         parts = []
         if self.inner_steps:
-            parts.append(f"inner({self.inner_steps}x{self.inner_lr:g})")
+            rows = f", rows {self.inner_lr_rows:g}" if self.inner_lr_rows else ""
+            parts.append(f"inner({self.inner_steps}x{self.inner_lr:g}{rows})")
         if self.offset_steps:
             parts.append(f"offset({self.offset_steps}, prior {self.offset_prior:g})")
         return "+".join(parts) or "none"
 
+    @property
+    def inner_loop(self) -> "Recipe":
+        """This recipe without its offset: the inner loop its "+ offset" variants share (the gate adapts once
+        for all of them)."""
+        return Recipe(self.inner_steps, self.inner_lr, inner_lr_rows=self.inner_lr_rows)
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "inner_steps": self.inner_steps, "inner_lr": self.inner_lr,
-                "offset_steps": self.offset_steps, "offset_prior": self.offset_prior}
+                "inner_lr_rows": self.inner_lr_rows, "offset_steps": self.offset_steps,
+                "offset_prior": self.offset_prior}
 
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "Recipe":
@@ -166,7 +180,7 @@ class Recipe:
             raise DeliveryError(f"{where}: expected a recipe mapping, got {type(raw).__name__}")
         try:
             r = cls(int(raw["inner_steps"]), float(raw["inner_lr"]), int(raw.get("offset_steps", 0)),
-                    float(raw.get("offset_prior", 16.0)))
+                    float(raw.get("offset_prior", 16.0)), float(raw.get("inner_lr_rows", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise DeliveryError(f"{where}: bad recipe {raw!r}: {exc!r}") from None
         if r.inner_steps < 0 or r.offset_steps < 0:
@@ -174,35 +188,39 @@ class Recipe:
         if not (r.inner_lr > 0 and math.isfinite(r.inner_lr)) or not (r.offset_prior > 0 and math.isfinite(r.offset_prior)):
             raise DeliveryError(f"{where}: inner_lr and offset_prior must be finite and > 0, "
                                 f"got {r.inner_lr}, {r.offset_prior}")
+        if not (r.inner_lr_rows >= 0 and math.isfinite(r.inner_lr_rows)):
+            raise DeliveryError(f"{where}: inner_lr_rows must be finite and >= 0 (0: inner_lr), got {r.inner_lr_rows}")
         return r
 
     @classmethod
     def configured(cls, cfg: "MetaConfig") -> "Recipe":
         """The recipe a ``[meta]`` config runs (its inner steps, rate and offset; ``inner_steps = 0`` with
         ``offset_steps > 0`` is the offset-only recipe)."""
-        return cls(cfg.inner_steps, cfg.inner_lr, cfg.offset_steps, cfg.offset_prior)
+        return cls(cfg.inner_steps, cfg.inner_lr, cfg.offset_steps, cfg.offset_prior, cfg.inner_lr_rows)
 
     def meta(self, trained: "MetaConfig") -> "MetaConfig":
         """``trained`` with this recipe's inner loop and offset (``inner_steps = 0``: none, or the offset alone)."""
         return dataclasses.replace(trained, inner_steps=self.inner_steps, inner_lr=self.inner_lr,
-                                   offset_steps=self.offset_steps, offset_prior=self.offset_prior)
+                                   inner_lr_rows=self.inner_lr_rows, offset_steps=self.offset_steps,
+                                   offset_prior=self.offset_prior)
 
     def evaluate_args(self, learned_rates: bool = False) -> list[str]:
         """The ``metaps evaluate`` flags that score this recipe on a bundle or checkpoint (every recipe the gate
-        can serve is one ``metaps evaluate`` can score): the inner steps, the rate, the offset's steps and prior.
+        can serve is one ``metaps evaluate`` can score): the inner steps, the rates, the offset's steps and prior.
 
         Args:
-            learned_rates: the model's inner rates are learned (``[meta] learn_inner_lr``): no ``--inner-lr``
-                (it would replace the learned rates by a fixed one; the gate varies the rate only when fixed).
+            learned_rates: the model's inner rates are learned (``[meta] learn_inner_lr``): no ``--inner-lr`` /
+                ``--inner-lr-rows`` (they would replace the learned rates by fixed ones; the gate varies the
+                rates only when fixed).
 
         Example::
 
             >>> Recipe(1, 0.03, 4, 1.0).evaluate_args()
-            ['--inner-steps', '1', '--inner-lr', '0.03', '--offset-steps', '4', '--offset-prior', '1.0']
+            ['--inner-steps', '1', '--inner-lr', '0.03', '--inner-lr-rows', '0.0', '--offset-steps', '4', '--offset-prior', '1.0']
         """
         out = ["--inner-steps", str(self.inner_steps)]
         if self.inner_steps and not learned_rates:
-            out += ["--inner-lr", repr(float(self.inner_lr))]
+            out += ["--inner-lr", repr(float(self.inner_lr)), "--inner-lr-rows", repr(float(self.inner_lr_rows))]
         out += ["--offset-steps", str(self.offset_steps)]
         if self.offset_steps:
             out += ["--offset-prior", repr(float(self.offset_prior))]

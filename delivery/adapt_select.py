@@ -179,11 +179,11 @@ class Selection:
         return list(self._diverging_loops().values())
 
     def _diverging_loops(self) -> dict[Recipe, str]:
-        """:meth:`diverging`'s lines keyed by the inner loop (``Recipe(steps, lr)``)."""
+        """:meth:`diverging`'s lines keyed by the inner loop (:attr:`~delivery.adapt.Recipe.inner_loop`)."""
         out: dict[Recipe, str] = {}
         for s in self.candidates:
             if s.adapted and s.diverged_share > DIVERGED_WARN:
-                loop = Recipe(s.recipe.inner_steps, s.recipe.inner_lr)
+                loop = s.recipe.inner_loop
                 out.setdefault(loop, f"{loop.name}: {s.divergence()}")
         return out
 
@@ -204,8 +204,7 @@ class Selection:
                 f"{self.chosen.name}, mean AUC {best:.5f} (no adaptation {base:.5f}, configured {conf:.5f})")
         if by[self.chosen].diverged:
             line += f"; its {by[self.chosen].divergence()}"
-        chosen_loop = Recipe(self.chosen.inner_steps, self.chosen.inner_lr)
-        others = [d for loop, d in self._diverging_loops().items() if loop != chosen_loop]
+        others = [d for loop, d in self._diverging_loops().items() if loop != self.chosen.inner_loop]
         if others:
             line += "; diverging: " + "; ".join(others)
         return line
@@ -224,20 +223,21 @@ def candidate_recipes(
     Args:
         configured: the bundle's configured recipe (always a candidate).
         learned_rates: the inner rates are learned (Meta-SGD): only the configured rate is tried.
-        lr_scales: multiples of the configured ``inner_lr`` for the inner candidates.
+        lr_scales: multiples of the configured ``inner_lr`` (and ``inner_lr_rows`` when set) for the inner
+            candidates.
         offset_priors: priors of the offset candidates, alone and after each inner rate
             (:func:`offset_candidate_priors`: the configured prior is added).
         offset_steps: Newton iterations of an added offset (the configured count when it has one).
     """
-    lr = configured.inner_lr
+    lr, rows = configured.inner_lr, configured.inner_lr_rows
     steps = configured.inner_steps or 1
     o_steps = configured.offset_steps or offset_steps
     priors = offset_candidate_priors(configured, offset_priors)
     scales = (1.0,) if learned_rates else tuple(lr_scales)
     out = [Recipe(0, lr)]
     out += [Recipe(0, lr, o_steps, p) for p in priors]
-    out += [Recipe(steps, lr * s) for s in scales]
-    out += [Recipe(steps, lr * s, o_steps, p) for s in scales for p in priors]
+    out += [Recipe(steps, lr * s, inner_lr_rows=rows * s) for s in scales]
+    out += [Recipe(steps, lr * s, o_steps, p, rows * s) for s in scales for p in priors]
     out.append(configured)
     seen: dict[Recipe, None] = {}
     for r in out:
@@ -260,8 +260,10 @@ def offset_candidate_priors(configured: Recipe, offset_priors: Sequence[float] =
 
 
 def _canonical(r: Recipe) -> Recipe:
-    """Without an offset its prior is irrelevant: normalized (to 16) so equal recipes deduplicate."""
-    return Recipe(r.inner_steps, r.inner_lr, r.offset_steps, r.offset_prior if r.offset_steps else 16.0)
+    """Without an offset its prior is irrelevant, without inner steps the rows' rate: normalized (to 16, 0) so
+    equal recipes deduplicate."""
+    return Recipe(r.inner_steps, r.inner_lr, r.offset_steps, r.offset_prior if r.offset_steps else 16.0,
+                  r.inner_lr_rows if r.inner_steps else 0.0)
 
 
 def choose(scored: Sequence[Scored], tie_tol: float = TIE_TOL) -> Scored:
@@ -430,17 +432,17 @@ def score_recipes(
     import time
 
     eps, y, tasks, rows = _prepare(adapting, batches, max_rows)
-    groups: dict[tuple[int, float], list[int]] = {}
+    groups: dict[Recipe | None, list[int]] = {}  # the inner loop (None: no inner steps) -> its recipes
     for i, r in enumerate(recipes):
-        groups.setdefault((r.inner_steps, r.inner_lr if r.inner_steps else 0.0), []).append(i)
+        groups.setdefault(r.inner_loop if r.inner_steps else None, []).append(i)
     log.info("scoring adaptation candidates", extra=kv(candidates=len(recipes), loops=len(groups), tasks=tasks,
                                                        rows=rows, batches=len(eps)))
     out: list[Scored | None] = [None] * len(recipes)
     done = 0
-    for (steps, lr), idx in groups.items():
+    for loop, idx in groups.items():
         t0 = time.monotonic()
         group = [recipes[i] for i in idx]
-        learner = adapting.learner_for(Recipe(steps, lr).meta(adapting.trained)) if steps else None
+        learner = adapting.learner_for(loop.meta(adapting.trained)) if loop is not None else None
         per: list[dict[str, list[np.ndarray]]] = [{h: [] for h in y} for _ in group]
         diverged = adapted = 0
         for ep in eps:

@@ -11,7 +11,7 @@ dense parameters from its ``d/`` chunks) or from the bundle (``adapt_params.npz`
 and its LMDB rows). Unseen ids read the PS's initial row (the bundle's
 ``adapt.init``; for a checkpoint, its ``[ps]`` config), as in training. The inner
 loop is the one the model was trained with (``[meta]`` of the checkpoint, the
-bundle's recipe), overridable with ``--inner-steps`` / ``--inner-lr`` (and the logit
+bundle's recipe), overridable with ``--inner-steps`` / ``--inner-lr`` / ``--inner-lr-rows`` (and the logit
 offset's ``--offset-steps`` / ``--offset-prior``, ``[meta] offset_steps``); it also
 runs for plain-trained models ("plain model + the same fine-tuning").
 
@@ -64,7 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--inner-steps", type=int, default=None,
                    help="inner SGD steps of the adapted score (default: the model's [meta]; 0 = no gradient step: "
                         "base only, or the offset alone with --offset-steps N)")
-    e.add_argument("--inner-lr", type=float, default=None, help="inner learning rate (default: the model's [meta])")
+    e.add_argument("--inner-lr", type=float, default=None,
+                   help="inner learning rate of the dense parameters (default: the model's [meta])")
+    e.add_argument("--inner-lr-rows", type=float, default=None,
+                   help="inner learning rate of the embedding rows (default: the model's [meta]; 0 = --inner-lr)")
     e.add_argument("--offset-steps", type=int, default=None,
                    help="Newton iterations of the per-task logit offset (default: the model's [meta]; 0 = off)")
     e.add_argument("--offset-prior", type=float, default=None,
@@ -138,15 +141,16 @@ class _BundleRows:
         return out
 
 
-def _inner_loop(model: Any, meta: Any, inner_lr: float | None, checkpoint: Path | None, served: Any,
+def _inner_loop(model: Any, meta: Any, fixed_rate: bool, checkpoint: Path | None, served: Any,
                 recipe: Any = None) -> Any:
-    """The recipe with its learned inner rates (``[meta] learn_inner_lr``), unless ``inner_lr`` fixes one."""
+    """The recipe with its learned inner rates (``[meta] learn_inner_lr``), unless ``fixed_rate``: a rate was
+    given (``--inner-lr`` / ``--inner-lr-rows``), which fixes the rates."""
     from models.meta_learner import MetaLearner
 
-    if inner_lr is not None and meta.meta_emb:  # a fixed rate, but the MetaEmb generator still ships
+    if fixed_rate and meta.meta_emb:  # a fixed rate, but the MetaEmb generator still ships
         meta = dataclasses.replace(meta, learn_inner_lr="off")
     learner = MetaLearner(model, meta)
-    if (inner_lr is not None and not meta.meta_emb) or not learner.has_parameters:
+    if (fixed_rate and not meta.meta_emb) or not learner.has_parameters:
         return meta
     if served is not None:
         import numpy as np
@@ -168,7 +172,7 @@ def _inner_loop(model: Any, meta: Any, inner_lr: float | None, checkpoint: Path 
 
 def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path | None = None,
                     bundle: Path | None = None, k: int = 5, query_slots: int = 32, inner_steps: int | None = None,
-                    inner_lr: float | None = None, offset_steps: int | None = None,
+                    inner_lr: float | None = None, inner_lr_rows: float | None = None, offset_steps: int | None = None,
                     offset_prior: float | None = None, progress: ProgressHook | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint or a bundle on ``data``: what ``metaps evaluate`` runs (without printing).
 
@@ -179,7 +183,7 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
             committed checkpoint (:func:`checkpoint_dir`); exactly one of this and ``bundle``.
         bundle: a bundle directory or publish root (LATEST).
         k / query_slots: support rows per task and query rows per episode of ``first-k``.
-        inner_steps / inner_lr / offset_steps / offset_prior: override the model's ``[meta]`` recipe
+        inner_steps / inner_lr / inner_lr_rows / offset_steps / offset_prior: override the model's ``[meta]`` recipe
             (None: the model's; ``inner_steps=0``: base only, or the offset alone when ``offset_steps > 0``
             is given: every recipe the deliver gate can serve, :meth:`delivery.adapt.Recipe.evaluate_args`).
         progress: told ``("evaluate", batches scored, batches in all)`` before the first batch and after
@@ -223,6 +227,8 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
             over["inner_steps"] = inner_steps
         if inner_lr is not None:
             over["inner_lr"] = inner_lr
+        if inner_lr_rows is not None:
+            over["inner_lr_rows"] = inner_lr_rows
         if offset_steps is not None:
             over["offset_steps"] = offset_steps
         elif inner_steps == 0:  # base only, unless --offset-steps asks for the offset alone
@@ -233,7 +239,8 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
             meta = dataclasses.replace(meta, **over)
         except ValueError as exc:
             raise ConfigError(f"metaps evaluate: {exc}") from None
-        loop = _inner_loop(model, meta, inner_lr, ckpt, served, source["recipe"])
+        loop = _inner_loop(model, meta, inner_lr is not None or inner_lr_rows is not None, ckpt, served,
+                           source["recipe"])
         batches, total = _batches(protocol, Path(data), schema, k, query_slots)
         batches = scored_batches(batches, total, progress)
         res = evaluate_protocol(model, rows, batches, loop, adapt=meta.adapts, task_key=schema.task_key)
@@ -312,6 +319,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     with command_progress(args.no_progress) as progress:
         report = evaluate_report(args.data, args.protocol, checkpoint=args.checkpoint, bundle=args.bundle, k=args.k,
                                  query_slots=args.query_slots, inner_steps=args.inner_steps, inner_lr=args.inner_lr,
+                                 inner_lr_rows=args.inner_lr_rows,
                                  offset_steps=args.offset_steps, offset_prior=args.offset_prior, progress=progress)
     text = json.dumps(report, default=float)
     if args.out is not None:

@@ -396,3 +396,33 @@ def test_every_candidate_is_a_metaps_evaluate_recipe_with_the_same_auc(world, ca
         assert {h: m["auc"] for h, m in got.items()} == c["auc"], r.name
         assert report.get("inner_diverged") == c.get("inner_diverged"), r.name  # the same check, the same count
     assert rec["choice_evaluate"] == Recipe.from_dict(rec["choice"], "test").evaluate_args()
+
+
+def test_the_rows_rate_scales_with_the_inner_rate_and_evaluate_scores_it(world, tmp_path, capsys) -> None:
+    """A bundle trained with ``[meta] inner_lr_rows``: each inner candidate scales both rates, the rows'
+    rate changes the scores, and ``metaps evaluate`` with the candidate's flags scores it the same."""
+    rows_rate = tmp_path / "rows" / "v000001"
+    shutil.copytree(world["bundle"], rows_rate)
+    man = json.loads((rows_rate / "manifest.json").read_text())
+    man["adapt"]["meta"]["inner_lr_rows"] = 0.5
+    del man["gate"]["adapt"]
+    (rows_rate / "manifest.json").write_text(json.dumps(man))
+    served = load_bundle(rows_rate)
+    try:
+        sel = select_recipe(served, world["holdout"], K)
+    finally:
+        served.close()
+    inner = [s for s in sel.candidates if s.recipe.inner_steps]
+    assert sorted({(r.inner_lr, r.inner_lr_rows) for r in (s.recipe for s in inner)}) == sorted(
+        (0.1 * f, 0.5 * f) for f in (0.1, 0.3, 1.0))
+    assert sel.configured == Recipe(1, 0.1, inner_lr_rows=0.5)
+    one_rate = {c["name"]: c["auc"] for c in read_manifest(world["bundle"]).gate["adapt"]["candidates"]}
+    for s in inner[:4]:  # a rate alone and with an offset
+        plain_name = Recipe(s.recipe.inner_steps, s.recipe.inner_lr, s.recipe.offset_steps, s.recipe.offset_prior).name
+        assert s.auc != one_rate[plain_name], s.recipe.name  # the rows moved at their own rate
+        capsys.readouterr()
+        assert main(["evaluate", "--bundle", str(rows_rate), "--data", str(world["holdout"]), "--protocol",
+                     "first-k", "--k", str(K), "--no-progress", *s.recipe.evaluate_args()]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["meta"]["inner_lr_rows"] == s.recipe.inner_lr_rows
+        assert {h: m["auc"] for h, m in report["adapted"].items()} == s.auc, s.recipe.name
