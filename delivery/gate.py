@@ -14,11 +14,15 @@ Two checks, in order:
    else it is measured now on the same rows. A drop larger than
    ``max_auc_drop`` on any head refuses the bundle.
 3. **Adaptation choice** (when a holdout is configured and the bundle carries an
-   adaptation recipe): :func:`delivery.adapt_select.select_recipe` scores a few
-   adaptation recipes (none, offset only, inner steps at a few rates, inner +
-   offset) on the holdout's users (first-k, ``adapt_k`` support rows; a Meta-IO
-   meta holdout: its episodes) and picks the best mean AUC over heads, so the
-   served adaptation is never worse than none on those users. The figures and
+   adaptation recipe): :func:`delivery.adapt_select.select_recipe` scores 16
+   adaptation recipes (none; an offset alone at priors 1, 4, 16; inner steps at
+   three rates; each rate + an offset at each prior, so the prior is chosen too)
+   on the holdout's users (first-k, ``adapt_k`` support rows; a Meta-IO meta
+   holdout: its episodes) and picks the best mean AUC over heads, so the served
+   adaptation is never worse than none on those users; an inner loop that raised
+   the support loss on more than 10% of the episodes is named (``diverged``).
+   Every candidate is a recipe ``metaps evaluate`` can score (``choice_evaluate``:
+   the choice's flags). The figures and
    the choice go into the report's ``adapt`` record, which :meth:`GateReport.record`
    puts in the manifest's ``gate`` field; serving reads the choice from there
    (:mod:`delivery.adapt`). Without a holdout, or when the holdout cannot give
@@ -31,7 +35,7 @@ Example::
     report = run_gate(staging, published=root / "v000004", holdout="holdout.parquet", max_auc_drop=0.01)
     if not report.ok:
         print("refused:", "; ".join(report.reasons))
-    report.adapt_summary     # "adaptation chosen on 240 validation episodes (first-k, k=8): offset(4, prior 4), ..."
+    report.adapt_summary     # "adaptation chosen on 240 validation episodes (first-k, k=8): inner(1x0.03)+offset(4, prior 1), ..."
 """
 
 from __future__ import annotations
