@@ -4,7 +4,10 @@ Per task ``i`` (support S_i, query Q_i), with shared dense params ``p`` and the
 meta batch's gathered rows ``r``::
 
     (p_0, r_0) = (p, r)
-    (p_k, r_k) = (p_{k-1}, r_{k-1}) - inner_lr * grad L(S_i; p_{k-1}, r_{k-1})   # adapted subset only
+    (p_k, r_k) = (p_{k-1}, r_{k-1}) - (u_p, u_r)                                # adapted subset only
+                 u_p = inner_lr      * grad_p L(S_i; p_{k-1}, r_{k-1})           # dense parameters
+                 u_r = inner_lr_rows * grad_r L(S_i; p_{k-1}, r_{k-1})           # rows ([meta] inner_lr_rows; 0: inner_lr)
+                 [meta] inner_clip c > 0: each group's u scaled by min(1, c / ||u||)  (its L2 norm over the group)
                  # L(S_i) = mean over real support rows; [meta] inner_loss_reduction = sum_per_support:
                  # their sum / inner_support_size (the step grows with the task's support rows)
     task loss  = L(Q_i; p_K, r_K)                       # mean over the task's real query rows
@@ -35,6 +38,16 @@ is a learned positive rate per adapted tensor (or element) and the outer
 gradient reaches the rates too: pass a :class:`MetaLearner` where a
 :class:`MetaConfig` goes; its gradients come back in ``dense_grads`` under
 ``meta_learner.*`` names.
+
+Divergence: with ``diagnostics`` a meta step compares each task's support loss after the inner steps
+with the one before (``inner_diverged`` in its metrics: the share of tasks where it rose or went
+non-finite) and feeds the learner's :class:`~models.meta_learner.DivergenceWatch`, which logs one
+warning per window of diagnosed steps above its share.
+
+Adaptation without an outer gradient (evaluation, a bundle, the delivery gate) goes through one public
+function, :func:`adapt_tasks`: the adapted query probabilities (exactly :func:`adapt_and_predict`'s),
+optionally the adapted query and support logits (what ``delivery/adapt_select.py`` shifts by each
+recipe's offset), and per task the support loss before / after and whether the inner step diverged.
 
 ``vectorize=False`` runs the same task function in a Python loop over tasks: the
 reference for tests and the baseline of ``bench.meta_step``.
