@@ -426,3 +426,29 @@ def test_the_rows_rate_scales_with_the_inner_rate_and_evaluate_scores_it(world, 
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert report["meta"]["inner_lr_rows"] == s.recipe.inner_lr_rows
         assert {h: m["auc"] for h, m in report["adapted"].items()} == s.auc, s.recipe.name
+
+
+def test_an_offset_only_configuration_ships_and_evaluates_as_the_offset_alone(world, tmp_path, capsys) -> None:
+    """``[meta] inner_steps = 0, offset_steps = 4`` (the offset-only recipe): unselected, the bundle serves the
+    offset alone (not "none"), and ``metaps evaluate`` with the bundle's own recipe scores it as the gate's
+    ``offset(4, prior 16)`` candidate."""
+    only = tmp_path / "offset-only" / "v000001"
+    shutil.copytree(world["bundle"], only)
+    man = json.loads((only / "manifest.json").read_text())
+    man["adapt"]["meta"].update(inner_steps=0, offset_steps=4, offset_prior=16.0)
+    del man["gate"]["adapt"]
+    (only / "manifest.json").write_text(json.dumps(man))
+    served = load_bundle(only)
+    try:
+        adapting = AdaptingModel(served)
+        assert (adapting.recipe, adapting.recipe_from) == (Recipe(0, 0.1, 4, 16.0), "configured")
+        assert not_selected(served.manifest, "why").chosen == Recipe(0, 0.1, 4, 16.0)
+    finally:
+        served.close()
+    capsys.readouterr()
+    assert main(["evaluate", "--bundle", str(only), "--data", str(world["holdout"]), "--protocol", "first-k",
+                 "--k", str(K), "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    gate = {c["name"]: c["auc"] for c in read_manifest(world["bundle"]).gate["adapt"]["candidates"]}
+    assert {h: m["auc"] for h, m in report["adapted"].items()} == gate["offset(4, prior 16)"]
+    assert "inner_diverged" not in report  # no inner step to check
