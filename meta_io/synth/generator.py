@@ -131,9 +131,9 @@ ceiling's first-k (K = 8) click AUC gain is >= +0.03 on seeds 3, 4, 5 there (abo
 ``taste``: a taste per user and item group, 4 groups of 8 clusters, std 2.0, half of it on the cvr logit
 (module docstring, "Per-user tastes"). Chosen with ``python -m bench.quality_ceiling --quick --rows 64000
 --seeds 3,4,5 --first-k 8 --world taste --taste-std S``: the part of the Bayes gain beyond one offset per
-user (``non_offset_gain``, K = 8) was +0.030 / +0.029 / +0.021 click at std 1.5 and +0.051 / +0.047 / +0.050
-click, +0.077 / +0.049 / +0.038 conversion at std 2.0 (full gains +0.054 to +0.083 click; an offset takes
-+0.004 to +0.037 of them).
+user (``non_offset_gain``, K = 8) was +0.030 / +0.029 / +0.021 click at std 1.5 and +0.0512 / +0.0465 /
++0.0501 click, +0.0772 / +0.0489 / +0.0375 conversion at std 2.0 (full gains +0.054 to +0.083 click; an
+offset takes +0.004 to +0.037 of them).
 """
 
 
