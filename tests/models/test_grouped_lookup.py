@@ -145,6 +145,8 @@ META_CASES = {
     "sum per support": dict(inner_loss_reduction=InnerReduction.SUM_PER_SUPPORT, inner_support_size=4),
     "loop, no vmap": dict(vectorize=False),
     "no adaptation": dict(inner_steps=0),
+    "offset only": dict(inner_steps=0, offset_steps=2),
+    "rows rate + clip, second order": dict(first_order=False, inner_steps=2, inner_lr_rows=1.5, inner_clip=0.1),
 }
 
 
