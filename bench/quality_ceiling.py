@@ -51,8 +51,12 @@ N(0, tau^2)``, exact on a grid, ``tau`` chosen by the marginal likelihood of
 the support labels (:func:`offset_posterior`). So the full gain
 (``full_gain`` = ``ceiling_gain``) splits into ``offset_only_gain`` and
 ``non_offset_gain`` (posterior - offset_only: what only a per-group /
-per-item adaptation can reach), with ``offset_share``. In the hidden world an
-offset takes most of the gain; in the taste world most of it is beyond one.
+per-item adaptation can reach), with ``offset_share``. The offset is one per
+head, fitted on that head's own labels as ``[meta] offset_steps`` fits it
+(``models/meta_offset.py``: the conversion head's on the CTCVR logit, from
+the conversion labels), so on conversion the part beyond it also holds what
+the click labels tell. In the hidden world an offset takes most of the click
+gain; in the taste world most of it is beyond one.
 
 For a bench that trains on the same split: :func:`ceiling_gains` ``(cfg,
 holdout_dir, schema_path, k)`` returns those figures per head for exactly the
