@@ -221,24 +221,9 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
         model, rows, schema = adapting.model, _BundleRows(served), served.schema
         source = {"bundle": str(served.path), "version": served.version, "recipe": served.manifest.adapt}
     try:
-        meta = from_mapping(MetaConfig, source["recipe"]["meta"], where="adaptation recipe")
-        over: dict[str, Any] = {}
-        if inner_steps is not None:
-            over["inner_steps"] = inner_steps
-        if inner_lr is not None:
-            over["inner_lr"] = inner_lr
-        if inner_lr_rows is not None:
-            over["inner_lr_rows"] = inner_lr_rows
-        if offset_steps is not None:
-            over["offset_steps"] = offset_steps
-        elif inner_steps == 0:  # base only, unless --offset-steps asks for the offset alone
-            over["offset_steps"] = 0
-        if offset_prior is not None:
-            over["offset_prior"] = offset_prior
-        try:
-            meta = dataclasses.replace(meta, **over)
-        except ValueError as exc:
-            raise ConfigError(f"metaps evaluate: {exc}") from None
+        meta = overridden_meta(from_mapping(MetaConfig, source["recipe"]["meta"], where="adaptation recipe"),
+                               inner_steps=inner_steps, inner_lr=inner_lr, inner_lr_rows=inner_lr_rows,
+                               offset_steps=offset_steps, offset_prior=offset_prior)
         loop = _inner_loop(model, meta, inner_lr is not None or inner_lr_rows is not None, ckpt, served,
                            source["recipe"])
         batches, total = _batches(protocol, Path(data), schema, k, query_slots)
@@ -257,6 +242,38 @@ def evaluate_report(data: Path, protocol: str = "episodes", *, checkpoint: Path 
                                                         inner_lr=meta.inner_lr))
     return {"protocol": protocol, "data": str(data), "source": source, "meta": to_dict(meta),
             **({"k": k} if protocol == "first-k" else {}), **res}
+
+
+def overridden_meta(meta: Any, *, inner_steps: int | None = None, inner_lr: float | None = None,
+                    inner_lr_rows: float | None = None, offset_steps: int | None = None,
+                    offset_prior: float | None = None) -> Any:
+    """The model's ``[meta]`` with ``metaps evaluate``'s recipe flags applied (None: the model's value;
+    ``inner_steps=0`` without ``offset_steps`` turns the offset off too: base only).
+
+    Args:
+        meta: the model's :class:`~models.meta_config.MetaConfig`.
+        inner_steps / inner_lr / inner_lr_rows / offset_steps / offset_prior: the flags' values.
+
+    Raises:
+        ConfigError: the result is not a valid recipe (the MetaConfig's message).
+    """
+    over: dict[str, Any] = {}
+    if inner_steps is not None:
+        over["inner_steps"] = inner_steps
+    if inner_lr is not None:
+        over["inner_lr"] = inner_lr
+    if inner_lr_rows is not None:
+        over["inner_lr_rows"] = inner_lr_rows
+    if offset_steps is not None:
+        over["offset_steps"] = offset_steps
+    elif inner_steps == 0:  # base only, unless --offset-steps asks for the offset alone
+        over["offset_steps"] = 0
+    if offset_prior is not None:
+        over["offset_prior"] = offset_prior
+    try:
+        return dataclasses.replace(meta, **over)
+    except ValueError as exc:
+        raise ConfigError(f"metaps evaluate: {exc}") from None
 
 
 FIRST_K_TASKS_PER_BATCH = 64

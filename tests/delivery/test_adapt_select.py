@@ -380,16 +380,32 @@ def test_the_candidates_pair_every_inner_rate_with_every_offset_prior() -> None:
 
 
 def test_every_candidate_is_a_metaps_evaluate_recipe_with_the_same_auc(world, capsys) -> None:
-    """Every recipe the gate can serve (the offset alone included) is one ``metaps evaluate`` scores: its
-    ``Recipe.evaluate_args`` flags through the real CLI give the gate's AUC per head, exactly (the same
-    first-k episodes, the adapted scores of ``models.meta.adapt_and_predict``)."""
+    """Every recipe the gate can serve (the offset alone included) is one ``metaps evaluate`` scores: each
+    candidate's ``Recipe.evaluate_args`` parse to the recipe the gate ran (``Recipe.meta``), and through the
+    real CLI one candidate per inner loop (every kind, rate and prior among them) gives the gate's AUC per
+    head and divergence count exactly (the same first-k episodes, ``models.meta.adapt_tasks``)."""
+    from common.config import from_mapping
+    from metaps.cli import build_parser
+    from metaps.evaluate import overridden_meta
+    from models.meta_config import MetaConfig
+
     rec = read_manifest(world["bundle"]).gate["adapt"]
+    trained = from_mapping(MetaConfig, read_manifest(world["bundle"]).adapt["meta"], where="test")
     assert {c["recipe"]["kind"] for c in rec["candidates"]} == {"none", "offset", "inner", "inner+offset"}
+    common = ["evaluate", "--bundle", str(world["bundle"]), "--data", str(world["holdout"]), "--protocol",
+              "first-k", "--k", str(K), "--no-progress"]
     for c in rec["candidates"]:
         r = Recipe.from_dict(c["recipe"], "test")
+        ns = build_parser().parse_args([*common, *r.evaluate_args()])
+        got = overridden_meta(trained, inner_steps=ns.inner_steps, inner_lr=ns.inner_lr, inner_lr_rows=ns.inner_lr_rows,
+                              offset_steps=ns.offset_steps, offset_prior=ns.offset_prior)
+        assert got == r.meta(trained), r.name
+    picked = ["none", "offset(4, prior 1)", "inner(1x0.01)", "inner(1x0.03)+offset(4, prior 4)",
+              "inner(1x0.1)+offset(4, prior 16)"]
+    for c in [c for c in rec["candidates"] if c["name"] in picked]:
+        r = Recipe.from_dict(c["recipe"], "test")
         capsys.readouterr()
-        assert main(["evaluate", "--bundle", str(world["bundle"]), "--data", str(world["holdout"]), "--protocol",
-                     "first-k", "--k", str(K), "--no-progress", *r.evaluate_args()]) == 0, r.name
+        assert main([*common, *r.evaluate_args()]) == 0, r.name
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert ("adapted" in report) == (r.kind != "none"), r.name
         got = report["adapted"] if r.kind != "none" else report["base"]
