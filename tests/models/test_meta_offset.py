@@ -342,3 +342,17 @@ def test_trained_with_the_offset_evaluate_and_bundle_agree(worker_data, tmp_path
             np.testing.assert_allclose(got[h][real].numpy(), want[h][real].numpy(), atol=1e-5, rtol=0, err_msg=h)
     finally:
         served.serving.close()
+
+
+def test_evaluate_protocol_scores_the_offset_only_recipe() -> None:
+    """``inner_steps = 0, offset_steps > 0`` adapts (``MetaConfig.adapts``): evaluate_protocol reports adapted
+    scores, differing from the base; no inner step and no offset: base only."""
+    from workers.eval_protocols import FixedRows, evaluate_protocol
+
+    schema, model = _model()
+    mb, rows = _batch(schema, model, 7, tasks=6, support=8, query=8)
+    src = FixedRows({t: (mb.unique_ids[t].numpy(), rows[t].numpy()) for t in rows},
+                    {t: (lambda ids, d=model.dims[t]: np.zeros((len(ids), d), np.float32)) for t in rows})
+    only = evaluate_protocol(model, src, [mb], MetaConfig(inner_steps=0, offset_steps=2, offset_prior=1.0))
+    assert only.get("adapted") and only["adapted"]["click"]["logloss"] != only["base"]["click"]["logloss"]
+    assert not evaluate_protocol(model, src, [mb], MetaConfig(inner_steps=0)).get("adapted")
