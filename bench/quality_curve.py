@@ -294,10 +294,33 @@ def adapted_source(model: Any, rows_src: Any, loop: Any, support: bool = True) -
 
 
 def base_source(model: Any, rows_src: Any) -> Source:
-    """A metaps model's own forward logits (``bench.quality_baselines.model_logits``)."""
-    from bench.quality_baselines import model_logits
+    """A metaps model's unadapted logits of the support and query rows: ``model.predict`` (the scores
+    evaluation and serving use; for a kind whose conversion score is ``p(click) * p(cvr)`` that product,
+    not the loss's logit), as logits in float64 clamped at 1e-7.
 
-    return model_logits(model, rows_src)
+    Args:
+        model: the trained model, dense parameters current.
+        rows_src: ``pull(ids) -> rows``.
+    """
+    import torch
+
+    def logit(p: Any) -> np.ndarray:
+        return torch.logit(p.double().clamp(1e-7, 1 - 1e-7)).numpy()
+
+    @torch.no_grad()
+    def src(mb: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray]]:
+        ids = {t: u.numpy() for t, u in mb.unique_ids.items()}
+        rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_src.pull(ids).items()}
+        was = model.training
+        model.eval()
+        try:
+            s = {h: logit(p) for h, p in model.predict(mb.support, rows, mb.unique_ids).items()}
+            q = {h: logit(p) for h, p in model.predict(mb.query, rows, mb.unique_ids).items()}
+        finally:
+            model.train(was)
+        return s, q
+
+    return src
 
 
 def option_metrics(fk: FirstK, logits: Logits, priors: Sequence[float]) -> dict[str, dict[str, dict[str, float]]]:
