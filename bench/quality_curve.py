@@ -107,6 +107,10 @@ class CurveError(MetapsError):
 def parse_ints(text: str, flag: str) -> list[int]:
     """A comma-separated list of distinct positive integers (``--sizes``, ``--seeds``, ``--first-k``).
 
+    Args:
+        text: the flag's value.
+        flag: the flag's name (in the error).
+
     Raises:
         CurveError: not such a list (naming the flag).
     """
@@ -121,6 +125,9 @@ def parse_ints(text: str, flag: str) -> list[int]:
 
 def parse_priors(text: str) -> list[float]:
     """``--priors``: offset prior strengths (lambda > 0) the option choice tries.
+
+    Args:
+        text: the flag's value, e.g. ``"1,4,16"``.
 
     Raises:
         CurveError: not a list of positive numbers.
@@ -138,6 +145,9 @@ def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``--set SECTION.KEY=VALUE`` (VALUE in TOML: ``0.1``, ``true``, ``"rows"``, ``[64, 32]``; a bare word
     is a string; ``KEY`` may be dotted: ``ps.table_defaults.optimizer.lr=0.02``) -> section -> key -> value
     (nested tables as dicts).
+
+    Args:
+        items: the ``--set`` values in order (a later one wins).
 
     Raises:
         CurveError: no ``SECTION.KEY=`` or a section other than meta, model, ps, train.
@@ -164,6 +174,9 @@ def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 def shipped_meta(path: Path) -> dict[str, Any]:
     """The ``[meta]`` table of a job file (the G-Meta arm's inner loop and objective).
+
+    Args:
+        path: the job file (``--meta-from``).
 
     Raises:
         CurveError: the file cannot be read or has no ``[meta]`` table.
@@ -217,13 +230,20 @@ class FirstK:
 def load_first_k(data: Path, schema: Any, k: int, heads: Sequence[str]) -> FirstK:
     """The first-k episodes of the users in ``data`` (Parquet rows) and their targets.
 
+    Args:
+        data: the users' rows (a ``split_by_task`` folder).
+        schema: their schema.
+        k: support rows per user.
+        heads: head names (conversion = CTCVR).
+
     Raises:
         CurveError: no scored rows.
     """
+    from meta_io.batch import MetaBatch
     from workers.eval_protocols import protocol_batches
     from workers.evaluation import head_target
 
-    batches = list(protocol_batches("first-k", data, schema, k=k))
+    batches = [b for b in protocol_batches("first-k", data, schema, k=k) if isinstance(b, MetaBatch)]
     sm = [(b.support.mask & b.task_mask[:, None]).numpy().astype(bool) for b in batches]
     qm = [(b.query.mask & b.task_mask[:, None]).numpy().astype(bool) for b in batches]
     ys = {h: [head_target(h, b.support.labels).numpy().astype(np.float64) for b in batches] for h in heads}
@@ -242,7 +262,13 @@ Source = Callable[[Any], tuple[dict[str, np.ndarray] | None, dict[str, np.ndarra
 
 
 def collect(fk: FirstK, source: Source, heads: Sequence[str]) -> Logits:
-    """Run a logit source over every batch once."""
+    """Run a logit source over every batch once.
+
+    Args:
+        fk: the scored rows.
+        source: the arm's logits per batch.
+        heads: head names.
+    """
     zs: dict[str, list[np.ndarray]] = {h: [] for h in heads}
     zq: dict[str, list[np.ndarray]] = {h: [] for h in heads}
     has_support = True
@@ -327,6 +353,11 @@ def option_metrics(fk: FirstK, logits: Logits, priors: Sequence[float]) -> dict[
     """Per head, AUC and logloss of the scored rows: ``none`` (the logits as they are) and ``prior_P`` (+ each
     task's offset fitted on its support logits at prior P; only where the support logits are there).
 
+    Args:
+        fk: the scored rows.
+        logits: :func:`collect` of one arm on ``fk``.
+        priors: the offset priors (lambda > 0).
+
     Raises:
         CurveError: logits whose shapes differ from the batches' masks.
     """
@@ -354,12 +385,20 @@ def _sig(z: np.ndarray) -> np.ndarray:
 
 
 def choose(val: dict[str, dict[str, dict[str, float]]]) -> dict[str, str]:
-    """Per head, the option with the best validation AUC (ties: the first, ``none`` before the priors)."""
+    """Per head, the option with the best validation AUC (ties: the first, ``none`` before the priors).
+
+    Args:
+        val: :func:`option_metrics` on the validation users.
+    """
     return {h: max(opts, key=lambda o: opts[o]["auc"]) for h, opts in val.items()}
 
 
 def arm_entry(val: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
-    """One arm: its options on validation and held-out users, the chosen option and its held-out AUC."""
+    """One arm: its options on validation and held-out users, the chosen option and its held-out AUC.
+
+    Args:
+        val / held: :func:`option_metrics` on the validation / held-out users.
+    """
     chosen = choose(val)
     return {"chosen": chosen, "auc": {h: held[h][chosen[h]]["auc"] for h in held},
             "logloss": {h: held[h][chosen[h]]["logloss"] for h in held}, "held": held, "val": val}
@@ -369,7 +408,13 @@ def arm_entry(val: dict[str, Any], held: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_figures(arms: dict[str, dict[str, Any]], heads: Sequence[str]) -> dict[str, Any]:
-    """The run's comparison figures per head (module docstring) from its arms."""
+    """The run's comparison figures per head (module docstring) from its arms.
+
+    Args:
+        arms: arm name -> :func:`arm_entry` (``gmeta``, ``gmeta_adapted``, ``gmeta_rows_only`` and the
+            rivals present).
+        heads: head names.
+    """
     out: dict[str, Any] = {"adapted_minus_best_other": {}, "best_other": {}, "gap_split": {},
                            "rows_only_gain": {}, "rows_dense_gain": {}, "rows_only_gain_share": {}}
     for h in heads:
@@ -394,7 +439,14 @@ def run_figures(arms: dict[str, dict[str, Any]], heads: Sequence[str]) -> dict[s
 def ceiling_figures(cfg: Any, split: Any, k: int, samples: int) -> dict[str, Any]:
     """The Bayes ceiling of the same held-out first-k rows, per head (``bench.quality_ceiling.ceiling_gains``):
     ``full_gain`` (posterior - prior predictive AUC), ``offset_only_gain`` (the best one offset per user and
-    head), ``non_offset_gain`` and the AUCs they come from."""
+    head), ``non_offset_gain`` and the AUCs they come from.
+
+    Args:
+        cfg: the ``GeneratorConfig`` that generated the run's data.
+        split: the run's ``split_by_task`` result (its held-out users).
+        k: the first-k support size.
+        samples: importance draws per user.
+    """
     from bench.quality_ceiling import ceiling_gains
 
     res = ceiling_gains(cfg, split.holdout_dir, split.schema_path, k, samples, 0)
@@ -514,7 +566,12 @@ def one_run(rows: int, world: str, seed: int, k: int, priors: Sequence[float], m
 def loop_variant(worker: Any, **changes: Any) -> Any:
     """The trained worker's inner loop with ``changes`` to its ``[meta]`` (``adapt``, ``offset_steps``): a
     ``MetaConfig`` replaced, or a new ``MetaLearner`` holding the trained learner's rates (and MetaEmb
-    generator) for what it still adapts."""
+    generator) for what it still adapts.
+
+    Args:
+        worker: the trained G-Meta worker.
+        changes: ``MetaConfig`` fields to replace.
+    """
     from models.meta_config import MetaConfig
     from models.meta_learner import MetaLearner
 
@@ -538,7 +595,12 @@ def _spread(values: Sequence[float | None]) -> dict[str, float | None]:
 
 
 def summarize(per_seed: dict[int, dict[str, Any]], heads: Sequence[str] = HEADS) -> dict[str, Any]:
-    """One (size, world): each figure's spread over seeds, and the ``*_min`` keys the goals read."""
+    """One (size, world): each figure's spread over seeds, and the ``*_min`` keys the goals read.
+
+    Args:
+        per_seed: seed -> :func:`one_run`'s result.
+        heads: head names.
+    """
     runs = list(per_seed.values())
     out: dict[str, Any] = {"seeds": sorted(per_seed)}
     for key in ("adapted_minus_best_other", "rows_only_gain_share", "rows_only_gain", "rows_dense_gain",
@@ -560,7 +622,13 @@ def summarize(per_seed: dict[int, dict[str, Any]], heads: Sequence[str] = HEADS)
 
 def goals(summary: dict[str, dict[str, dict[str, Any]]], min_rows: int, heads: Sequence[str] = HEADS) -> dict[str, Any]:
     """The issue's goals per (size, world) for sizes >= ``min_rows``: met / missed with margins (module
-    docstring); a figure that could not be computed (no ceiling, no gain) counts as missed."""
+    docstring); a figure that could not be computed (no ceiling, no gain) counts as missed.
+
+    Args:
+        summary: size -> world -> :func:`summarize`.
+        min_rows: the smallest size judged.
+        heads: head names.
+    """
 
     def low(d: dict[str, Any], key: str, h: str) -> float | None:
         v = d.get(f"{key}_min", {}).get(h)
@@ -596,6 +664,11 @@ def goals(summary: dict[str, dict[str, dict[str, Any]]], min_rows: int, heads: S
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); the last line printed is the JSON.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+    """
     from meta_io.synth import WORLDS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,7 +15,7 @@ from bench.quality_curve import (FirstK, choose, goals, option_metrics, parse_in
 from common.evaluation import auc
 
 
-def _first_k(seed: int) -> tuple[FirstK, np.ndarray, np.ndarray]:
+def _first_k(seed: int) -> tuple[FirstK, list[np.ndarray], list[np.ndarray]]:
     """Two batches of 3 tasks; each task's click rate differs (a per-task logit effect) and the base logits
     know only a per-row feature: the offset fitted on the support must lift the AUC over tasks."""
     rng = np.random.default_rng(seed)
