@@ -287,7 +287,8 @@ def adapted_source(model: Any, rows_src: Any, loop: Any, support: bool = True) -
 
     ``models.meta.adapt_and_predict`` (what evaluation and delivery run) adapts on the support rows and
     predicts; the support logits are its prediction with the support rows as the query (the adapted
-    model's logits of the rows it adapted on). Probabilities -> logits in float64, clamped at 1e-7.
+    model's logits of the rows it adapted on). Probabilities -> logits in float64, clamped at 1e-12
+    (float32 probabilities within 1e-7 of 0 or 1 stay apart: a coarser clamp ties them, moving the AUC).
 
     Args:
         model: the trained model, dense parameters current.
@@ -300,7 +301,7 @@ def adapted_source(model: Any, rows_src: Any, loop: Any, support: bool = True) -
     from models.meta import adapt_and_predict
 
     def logit(p: Any) -> np.ndarray:
-        return torch.logit(p.double().clamp(1e-7, 1 - 1e-7)).numpy()
+        return torch.logit(p.double().clamp(1e-12, 1 - 1e-12)).numpy()
 
     def src(mb: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray]]:
         ids = {t: u.numpy() for t, u in mb.unique_ids.items()}
@@ -322,7 +323,7 @@ def adapted_source(model: Any, rows_src: Any, loop: Any, support: bool = True) -
 def base_source(model: Any, rows_src: Any) -> Source:
     """A metaps model's unadapted logits of the support and query rows: ``model.predict`` (the scores
     evaluation and serving use; for a kind whose conversion score is ``p(click) * p(cvr)`` that product,
-    not the loss's logit), as logits in float64 clamped at 1e-7.
+    not the loss's logit), as logits in float64 clamped at 1e-12.
 
     Args:
         model: the trained model, dense parameters current.
@@ -331,7 +332,7 @@ def base_source(model: Any, rows_src: Any) -> Source:
     import torch
 
     def logit(p: Any) -> np.ndarray:
-        return torch.logit(p.double().clamp(1e-7, 1 - 1e-7)).numpy()
+        return torch.logit(p.double().clamp(1e-12, 1 - 1e-12)).numpy()
 
     @torch.no_grad()
     def src(mb: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray]]:
