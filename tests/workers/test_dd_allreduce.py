@@ -43,7 +43,7 @@ from meta_io.slicer import concat_batches, slice_batch
 from tests.ports import pick_port
 from common.rpc import RpcConfig
 from ps.client import PsClient
-from ps.config import OptimizerKind
+from ps.config import TABLE_OPTIMIZERS
 from workers.local import local_store
 from workers.row_source import LocalRowSource, RemoteRowSource
 from workers.trainer import Trainer, _ids_of
@@ -57,9 +57,8 @@ PLANS = [{0: 64, 1: 32}, {0: 20, 1: 76}]
 SLOW = 3.0  # worker 1's slow fault factor
 PARTS = ("read_s", "pull_s", "compute_s", "push_s", "sleep_s", "head_wait_s", "combine_s", "grad_wait_s", "apply_s",
          "shard_report_s", "report_s")
-# one table per row optimizer of ps.config.OptimizerKind (the rest keep the SGD default); shared ids
+# one table per row optimizer of ps.config.TABLE_OPTIMIZERS (the rest keep the SGD default); shared ids
 # in one step (items, scenes, tokens, users whose rows both workers hold) need the combine to be exact
-# (every key given: the job goes to the workers as TOML, which has no null for an unset one)
 _TABLE = {"dim": 8, "capacity": 4096, "admission": {}, "eviction": {}, "init": "normal", "init_scale": 0.01,
           "grad_clip_norm": 0.0, "grad_clip_value": 0.0}
 ROW_OPTIMIZERS = [
@@ -181,7 +180,7 @@ def test_dd_batch_sizes_reach_allreduce_workers_and_match_reference(worker_data,
         uniq = {t: np.unique(np.concatenate(v)) for t, v in all_ids.items()}
         want, got = ref.rows.pull(uniq), remote.pull(uniq)
         kinds = {t.name: t.optimizer.kind.value for t in job.table_configs()}
-        assert {kinds[t] for t in uniq} == {k.value for k in OptimizerKind}, kinds  # every row optimizer checked
+        assert {kinds[t] for t in uniq} == {k.value for k in TABLE_OPTIMIZERS}, kinds  # every row optimizer checked
         start = LocalRowSource(local_store(job)).pull(uniq)  # every id's initial row
         for t in uniq:
             np.testing.assert_allclose(got[t], want[t], rtol=1e-4, atol=1e-5, err_msg=f"table {t} ({kinds[t]})")
