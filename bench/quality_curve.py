@@ -296,16 +296,12 @@ def adapted_source(model: Any, rows_src: Any, loop: Any, support: bool = True) -
         loop: a ``MetaConfig`` or ``MetaLearner`` without an offset (the offset is fitted here).
         support: also the support logits (the offset needs them).
     """
-    import torch
-
     from models.meta import adapt_and_predict
 
-    def logit(p: Any) -> np.ndarray:
-        return torch.logit(p.double().clamp(1e-12, 1 - 1e-12)).numpy()
+    logit = _logit
 
     def src(mb: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray]]:
-        ids = {t: u.numpy() for t, u in mb.unique_ids.items()}
-        rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_src.pull(ids).items()}
+        rows = _pulled_rows(rows_src, mb)
         was = model.training
         model.eval()
         try:
@@ -320,6 +316,21 @@ def adapted_source(model: Any, rows_src: Any, loop: Any, support: bool = True) -
     return src
 
 
+def _logit(p: Any) -> np.ndarray:
+    """Probabilities as float64 logits, clamped at 1e-12 (float32 scores near 0 or 1 stay apart)."""
+    import torch
+
+    return torch.logit(p.double().clamp(1e-12, 1 - 1e-12)).numpy()
+
+
+def _pulled_rows(rows_src: Any, mb: Any) -> dict[str, Any]:
+    """Table -> the rows of a meta batch's unique ids, pulled from ``rows_src`` as torch tensors."""
+    import torch
+
+    ids = {t: u.numpy() for t, u in mb.unique_ids.items()}
+    return {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_src.pull(ids).items()}
+
+
 def base_source(model: Any, rows_src: Any) -> Source:
     """A metaps model's unadapted logits of the support and query rows: ``model.predict`` (the scores
     evaluation and serving use; for a kind whose conversion score is ``p(click) * p(cvr)`` that product,
@@ -331,13 +342,11 @@ def base_source(model: Any, rows_src: Any) -> Source:
     """
     import torch
 
-    def logit(p: Any) -> np.ndarray:
-        return torch.logit(p.double().clamp(1e-12, 1 - 1e-12)).numpy()
+    logit = _logit
 
     @torch.no_grad()
     def src(mb: Any) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray]]:
-        ids = {t: u.numpy() for t, u in mb.unique_ids.items()}
-        rows = {t: torch.from_numpy(np.ascontiguousarray(r)) for t, r in rows_src.pull(ids).items()}
+        rows = _pulled_rows(rows_src, mb)
         was = model.training
         model.eval()
         try:
