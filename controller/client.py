@@ -67,6 +67,13 @@ class ControllerError(MetapsError):
         if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(exit_codes.STOP_RUN_FAILED + ":"):
             self.exit_code = exit_codes.RUN_FAILED
 
+    @property
+    def run_ended(self) -> bool:
+        """The refusal says the run is complete (FAILED_PRECONDITION ``run_ended: ...``): a pod that asked
+        to join it has nothing to do and exits 0."""
+        return (self.code == grpc.StatusCode.FAILED_PRECONDITION
+                and self.details.startswith(exit_codes.STOP_RUN_ENDED + ":"))
+
 
 @dataclass(frozen=True)
 class HeartbeatReply:

@@ -56,6 +56,12 @@ class RunFailedRefusal(MetapsError):
     code = "failed_precondition"
 
 
+class RunEndedRefusal(MetapsError):
+    """A pod claims a worker index in a run that is complete: nothing is left for it to train."""
+
+    code = "failed_precondition"
+
+
 class ServedController(Protocol):
     """What the servicer calls: the parts and entry points of ``controller.server.ControllerServer``."""
 
@@ -328,7 +334,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @_guard
     def ClaimWorker(self, request: pb.ClaimWorkerRequest, context: grpc.ServicerContext) -> pb.ClaimWorkerResponse:
+        from controller.run_outcome import RunState
+
         self._refuse_if_failed("ClaimWorker", f"pod {request.name!r}")
+        # A pod the worker Job starts as the run ends (it replaced a failed worker just then) is told the
+        # run is complete, so it exits 0 and the Job completes, instead of claiming an index and waiting
+        # for a controller and PS fleet that are stopping (FAILED_PRECONDITION ``run_ended: ...``).
+        if self.s.outcome.state()[0] is RunState.COMPLETE:
+            raise RunEndedRefusal(f"{exit_codes.STOP_RUN_ENDED}: this run is complete (ClaimWorker of pod "
+                                  f"{request.name!r} refused: nothing is left to train)")
         return pb.ClaimWorkerResponse(index=self.s.worker_claims.claim(request.name))
 
     @_guard

@@ -13,12 +13,16 @@ without one it warns; a non-loopback ``--metrics-host`` without one is refused u
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from common.log import kv
 from common.security import add_cli_args
 from metaps.roles.output import emit
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -75,7 +79,17 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     ctl = args.controller or os.environ.get("METAPS_CONTROLLER", "")
     in_pod = str(args.rank) == "auto" and bool(ctl)  # no agent reports this process's death: it does
-    args.rank, addrs = resolve_worker(job, args.config, args.rank, args.ps or os.environ.get("METAPS_PS", ""), ctl)
+    from controller.client import ControllerError
+
+    try:
+        args.rank, addrs = resolve_worker(job, args.config, args.rank, args.ps or os.environ.get("METAPS_PS", ""), ctl)
+    except ControllerError as exc:
+        if not exc.run_ended:
+            raise
+        # a pod started as the run ended (the Job replaced a worker just then): nothing to train
+        log.info("the run is complete; nothing to train", extra=kv(why=exc.details))
+        emit(args, {"rank": None, "steps": 0, "samples": 0, "run_ended": True}, "the run is complete: nothing to train")
+        return 0
     run_dir = Path(args.run_dir or job.run.dir)
     if args.metrics_port >= 0:
         from common.metrics import serve_metrics
