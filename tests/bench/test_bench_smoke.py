@@ -4,8 +4,7 @@
 JSON line (seconds; the figures mean nothing). Per bench this checks the exit code, that
 the last stdout line is one JSON object, and that the figures the bench documents as its
 result are there and finite. A failing run shows the tail of the process's stdout and
-stderr. The runs go two at a time (:data:`SMOKE_THREADS`), each test judging its own.
-:func:`test_every_bench_module_has_a_smoke_run` fails when a bench module (a
+stderr. :func:`test_every_bench_module_has_a_smoke_run` fails when a bench module (a
 ``main()`` and an ``if __name__ == "__main__":`` block) is added without an entry in
 :data:`SMOKES`; ``bench/gpu_check.sh`` (CUDA only) is checked for syntax alone.
 
@@ -23,8 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,31 +149,14 @@ def smoke_params(names: set[str] | frozenset[str]) -> list[Any]:
     return [pytest.param(n, marks=pytest.mark.timeout(SMOKES[n].timeout_s + 60)) for n in sorted(names)]
 
 
-SMOKE_THREADS = 2
-"""The smoke runs of this module run two at a time (:func:`smoke_futures`): much of a smoke's wall is
-process start-up and waiting (servers coming up, simulated stragglers), so the second fills the gaps."""
-
-
-@pytest.fixture(scope="module")
-def smoke_futures(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                  ) -> Iterator[dict[str, Future[tuple[int | None, str, str]]]]:
-    """name -> the future (exit code or None on timeout, stdout, stderr) of each selected smoke test's run,
-    submitted in the tests' order to :data:`SMOKE_THREADS` threads; each test waits for its own."""
-    names = [str(item.callspec.params["name"]) for item in request.session.items
-             if isinstance(item, pytest.Function) and item.module is request.module
-             and item.originalname == "test_bench_smoke_run_prints_its_figures"]
-    pool = ThreadPoolExecutor(SMOKE_THREADS, thread_name_prefix="smoke")
-    futures = {n: pool.submit(run_bench, n, SMOKES[n], tmp_path_factory.mktemp(f"smoke-{n}")) for n in names}
-    yield futures
-    for f in futures.values():
-        f.cancel()
-    pool.shutdown(wait=True)  # a running smoke ends within its own timeout (run_bench kills its session)
-
-
 @pytest.mark.parametrize("name", smoke_params(set(SMOKES) - FLEETS))
-def test_bench_smoke_run_prints_its_figures(
-        name: str, smoke_futures: dict[str, Future[tuple[int | None, str, str]]]) -> None:
-    judge_smoke(name, *smoke_futures[name].result())
+def test_bench_smoke_run_prints_its_figures(name: str, tmp_path: Path) -> None:
+    check_smoke(name, tmp_path)
+
+
+def check_smoke(name: str, tmp_path: Path) -> None:
+    """Run bench ``name``'s smoke invocation and judge its JSON line (see the module docstring)."""
+    judge_smoke(name, *run_bench(name, SMOKES[name], tmp_path))
 
 
 def judge_smoke(name: str, rc: int | None, out: str, err: str) -> None:
