@@ -1,4 +1,4 @@
-"""``bench.quality --curve``: cold-start figures over a learning curve, every arm on the same held-out rows.
+"""Cold-start figures over a learning curve (issue 40), every arm on the same held-out rows.
 
 Run::
 
